@@ -1,0 +1,78 @@
+"""Noise schedules of flow-matching samplers.
+
+Convention (used everywhere in this project):
+    sigma  the noise level of a latent, z_sigma = (1 - sigma) x0 + sigma x1, from 1 (noise) to 0 (data);
+    t      the timestep value handed to the transformer. For the diffusers Flux and Qwen-Image
+           transformers this *is* sigma (they multiply by 1000 inside), optionally quantized
+           (DanceGRPO feeds int(1000 sigma) / 1000).
+
+Two schedules:
+    * fixed shift (DanceGRPO, Flow-GRPO): u_k = linspace(1, 0, N+1), sigma = s u / (1 + (s - 1) u);
+    * resolution-dependent ("dynamic") shift, as diffusers' FlowMatchEulerDiscreteScheduler does for
+      Flux and Qwen-Image: u_k = linspace(1, 1/N, N), mu = linear in the image token count,
+      sigma = e^mu / (e^mu + (1/u - 1)), optionally stretched so the last sigma is
+      ``shift_terminal``, then a final 0 is appended.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def shifted_sigmas(num_steps: int, shift: float) -> Tensor:
+    """sigmas [num_steps + 1] of the fixed-shift schedule, float64, from 1 down to exactly 0."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    if shift <= 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    u = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+    return shift * u / (1.0 + (shift - 1.0) * u)
+
+
+def dynamic_shift_mu(
+    image_seq_len: int,
+    *,
+    base_seq_len: int = 256,
+    max_seq_len: int = 4096,
+    base_shift: float = 0.5,
+    max_shift: float = 1.15,
+) -> float:
+    """mu of the resolution-dependent shift: linear from base_shift (at base_seq_len tokens) to
+    max_shift (at max_seq_len tokens), as diffusers' ``calculate_shift``."""
+    slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return image_seq_len * slope + (base_shift - slope * base_seq_len)
+
+
+def dynamic_sigmas(num_steps: int, mu: float, *, shift_terminal: float | None = None) -> Tensor:
+    """sigmas [num_steps + 1] of the dynamic-shift schedule, float32 as diffusers stores them.
+
+    The arithmetic follows diffusers step by step (numpy float64 for the u grid, float32 numpy
+    for the shift, float32 torch for the terminal stretch) so rollouts reproduce its pipelines to
+    the last bit.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    u = np.linspace(1.0, 1.0 / num_steps, num_steps).astype(np.float32)
+    sigmas = math.exp(mu) / (math.exp(mu) + (1.0 / u - 1.0) ** 1.0)
+    sigmas = torch.from_numpy(np.asarray(sigmas)).to(torch.float32)
+    if shift_terminal:
+        one_minus = 1.0 - sigmas
+        scale = one_minus[-1] / (1.0 - shift_terminal)
+        sigmas = 1.0 - one_minus / scale
+    return torch.cat([sigmas, torch.zeros(1, dtype=sigmas.dtype)])
+
+
+def network_timesteps(sigmas: Tensor, *, quantize: bool = False) -> Tensor:
+    """The timestep fed to the transformer at each of the N steps (sigmas[:-1]).
+
+    With ``quantize`` the value is int(1000 sigma) / 1000 (DanceGRPO); the SDE itself always uses
+    the exact sigma, so rollout and training see the same inputs and the ratio is unaffected.
+    """
+    t = sigmas[:-1].clone()
+    if quantize:
+        t = torch.floor(t * 1000.0) / 1000.0
+    return t

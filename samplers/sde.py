@@ -1,0 +1,124 @@
+"""One denoising transition z(sigma) -> z(sigma') with its Gaussian log-probability.
+
+Notation: dt = sigma' - sigma < 0, v = model velocity, x1_hat = z + (1 - sigma) v (predicted noise).
+Both reference recipes are Euler-Maruyama steps of the same reverse SDE with diffusion g:
+
+    mean = z + [v + g^2 / (2 sigma) * x1_hat] dt,     std = g sqrt(-dt),     z' = mean + std * eps
+
+    * ``dance`` (DanceGRPO): g = eta, a constant (0.3 for images);
+    * ``flow``  (Flow-GRPO):  g = noise_level * sqrt(sigma / (1 - sigma)); at sigma = 1 the
+      denominator uses ``sigma_guard`` (the schedule's second sigma) instead of sigma;
+    * ``ode``: z' = z + v dt, std = 0 and no log-probability.
+
+The log-probability of z' under N(mean, std^2) is the elementwise Gaussian log density averaged
+over every non-batch dimension, computed in float32 (float64 inputs stay float64, for tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SDE_KINDS = ("dance", "flow", "ode")
+
+
+@dataclass(frozen=True)
+class SDE:
+    """Which transition to take. ``eta`` is read by ``dance``, ``noise_level`` by ``flow``."""
+
+    kind: str = "dance"
+    eta: float = 0.3
+    noise_level: float = 0.7
+
+    def __post_init__(self) -> None:
+        if self.kind not in SDE_KINDS:
+            raise ValueError(f"sampler.sde must be one of {SDE_KINDS}, got {self.kind!r}")
+        if self.eta < 0 or self.noise_level < 0:
+            raise ValueError("sampler.eta and sampler.noise_level must be >= 0")
+
+    @property
+    def stochastic(self) -> bool:
+        return self.kind != "ode"
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    next_z: Tensor  # [B, ...] sampled z', or the stored z' that was passed in
+    mean: Tensor  # [B, ...] mean of the transition
+    std: Tensor  # [B] per-row std of the transition (0 for ode)
+    log_prob: Tensor | None  # [B] mean log density of next_z over non-batch dims; None for ode
+
+
+def _rows(x: Tensor | float, like: Tensor) -> Tensor:
+    """A scalar or per-row [B] value as a [B, 1, ..., 1] tensor broadcastable against ``like``."""
+    x = torch.as_tensor(x, dtype=like.dtype, device=like.device)
+    if x.ndim == 0:
+        x = x.expand(like.shape[0])
+    return x.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half precision inputs, else the input dtype (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def diffusion_coeff(sde: SDE, sigma: Tensor, sigma_guard: Tensor | float | None) -> Tensor:
+    """g(sigma) of the chosen SDE, same shape as ``sigma``."""
+    if sde.kind == "dance":
+        return torch.full_like(sigma, sde.eta)
+    if sde.kind == "flow":
+        denom_sigma = sigma
+        if sigma_guard is not None:
+            denom_sigma = torch.where(sigma >= 1.0, torch.as_tensor(sigma_guard, dtype=sigma.dtype), sigma)
+        if bool((denom_sigma >= 1.0).any()):
+            raise ValueError("the flow SDE at sigma = 1 needs sigma_guard (the schedule's second sigma)")
+        return sde.noise_level * torch.sqrt(sigma / (1.0 - denom_sigma))
+    return torch.zeros_like(sigma)
+
+
+def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """Mean over non-batch dims of log N(x; mean, std^2); std broadcastable to x. Returns [B]."""
+    logp = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    return logp.flatten(1).mean(1)
+
+
+def step(
+    sde: SDE,
+    v: Tensor,
+    z: Tensor,
+    sigma: Tensor | float,
+    sigma_next: Tensor | float,
+    *,
+    next_z: Tensor | None = None,
+    noise: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    sigma_guard: Tensor | float | None = None,
+) -> StepOutput:
+    """Take one transition from ``z`` at ``sigma`` to ``sigma_next`` with velocity ``v``.
+
+    ``sigma``/``sigma_next`` are scalars or per-row [B]. Pass ``next_z`` to score a stored
+    transition (training), or neither ``next_z`` nor ``noise`` to sample one (``noise`` lets a
+    caller supply eps). All arithmetic is in ``compute_dtype(v.dtype)``.
+    """
+    dtype = compute_dtype(torch.promote_types(v.dtype, z.dtype))
+    v, z = v.to(dtype), z.to(dtype)
+    sig, sig_next = _rows(sigma, z), _rows(sigma_next, z)
+    dt = sig_next - sig
+    if sde.kind == "ode":
+        mean = z + v * dt
+        out = mean if next_z is None else next_z.to(dtype)
+        return StepOutput(out, mean, torch.zeros(z.shape[0], dtype=dtype, device=z.device), None)
+
+    g = diffusion_coeff(sde, sig, sigma_guard)
+    x1_hat = z + (1.0 - sig) * v
+    mean = z + (v + g**2 / (2.0 * sig) * x1_hat) * dt
+    std = g * torch.sqrt(-dt)
+    if next_z is None:
+        if noise is None:
+            noise = torch.randn(z.shape, generator=generator, device=z.device, dtype=torch.float32)
+        next_z = mean + std * noise.to(dtype)
+    next_z = next_z.to(dtype)
+    return StepOutput(next_z, mean, std.flatten(), gaussian_log_prob(next_z, mean, std))

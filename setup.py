@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="jagg-grpo",
+    version="0.1.0",
+    description="GRPO for flow-matching text-to-image transformers, with JAGG group gradients",
+    python_requires=">=3.10",
+    packages=find_packages(include=["train*", "models*", "rewards*", "samplers*", "configs*"]),
+    package_data={"configs": ["*.yaml", "**/*.yaml"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.6",
+        "torchvision>=0.21",
+        "diffusers>=0.35",
+        "transformers>=4.56",
+        "accelerate>=1.0",
+        "open_clip_torch>=2.24",
+        "peft>=0.17",
+        "wandb>=0.19",
+        "hydra-core>=1.3",
+        "safetensors>=0.4",
+        "matplotlib>=3.8",
+        "tqdm>=4.66",
+    ],
+    extras_require={"dev": ["pytest>=8", "ruff>=0.6"]},
+)

@@ -1,0 +1,242 @@
+"""The update paths of one group of W consecutive denoising steps, and the group planner.
+
+For step j of a group, L_j(v_j) is the per-step loss, v_j = model(z_j, t_j) the velocity, J_j its
+Jacobian with respect to the parameters and s_j = dL_j/dv_j, taken on a detached copy of v_j (no
+transformer backward). z_j carries no gradient (the per-step REINFORCE approximation).
+
+    exact            sum_j J_j^T s_j                            W forwards with grad, W backwards
+    jagg             J_0^T s_base + J_{W-1}^T s_corr            W-2 no-grad forwards (one batched
+                                                                call), both endpoints in one
+                                                                batched forward, one backward
+    jagg_sequential  same as jagg                               endpoint 0 forward+backward, then
+                                                                endpoint W-1: one graph alive
+    ablate           J_0^T s_0 + J_{W-1}^T s_{W-1}              endpoints only, one backward
+
+with alpha_j = (t_0 - t_j) / (t_0 - t_{W-1}) over the network-input timesteps,
+s_base = sum_j (1 - alpha_j) s_j and s_corr = sum_j alpha_j s_j. JAGG is exact when v is linear
+in (z, t) and the W points lie on the affine path between the endpoints (the paper's Theorem 1).
+PPO clipping needs no special case: a clipped step has s_j = 0.
+
+Departure from the paper's Algorithm 1: the two endpoints run as one batched forward, so under
+FSDP2 each sharded module is all-gathered once in the forward and once in the backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+UPDATE_MODES = ("exact", "jagg", "jagg_sequential", "ablate")
+
+Predict = Callable[[Tensor, Tensor], Tensor]  # (z [B, ...], t [B]) -> v [B, ...]
+StepLoss = Callable[[int, Tensor], Tensor]  # (j, v_j [B, ...]) -> scalar loss of step j
+
+
+@dataclass
+class GroupStats:
+    """What one ``backward_group`` call did. Forward counters are in steps (rows of B each)."""
+
+    losses: dict[int, Tensor] = field(default_factory=dict)  # step j -> detached scalar L_j
+    grad_forwards: int = 0
+    nograd_forwards: int = 0
+    backward_calls: int = 0
+
+
+def interpolation_weights(t: Tensor) -> Tensor:
+    """alpha_j = (t_0 - t_j) / (t_0 - t_{W-1}) for the W network-input timesteps t [W]."""
+    if t.ndim != 1 or t.shape[0] < 2:
+        raise ValueError(f"t must be [W] with W >= 2, got shape {tuple(t.shape)}")
+    span = t[0] - t[-1]
+    if span == 0:
+        raise ValueError("the group's first and last timesteps are equal; alpha is undefined")
+    return (t[0] - t) / span
+
+
+def aggregate(s: Sequence[Tensor], t: Tensor) -> tuple[Tensor, Tensor]:
+    """(s_base, s_corr) = (sum_j (1 - alpha_j) s_j, sum_j alpha_j s_j)."""
+    if len(s) != t.shape[0]:
+        raise ValueError(f"got {len(s)} upstream gradients for {t.shape[0]} timesteps")
+    alpha = interpolation_weights(t)
+    s_base = sum((1 - a) * s_j for a, s_j in zip(alpha, s))
+    s_corr = sum(a * s_j for a, s_j in zip(alpha, s))
+    return s_base, s_corr
+
+
+def _upstream(step_loss: StepLoss, j: int, v: Tensor) -> tuple[Tensor, Tensor]:
+    """(L_j detached, s_j = dL_j/dv_j in float32) on a detached proxy of v; no model backward."""
+    proxy = v.detach().float().requires_grad_(True)
+    with torch.enable_grad():
+        loss = step_loss(j, proxy)
+        if loss.requires_grad:
+            (s,) = torch.autograd.grad(loss, proxy, materialize_grads=True)
+        else:  # the loss does not depend on v (e.g. zero advantage folded to a constant)
+            s = torch.zeros_like(proxy)
+    return loss.detach(), s
+
+
+def _rows(t_j: Tensor, batch: int) -> Tensor:
+    return t_j.expand(batch)
+
+
+def _forward(predict: Predict, zs: Sequence[Tensor], ts: Sequence[Tensor]) -> list[Tensor]:
+    """One batched call of ``predict`` over several steps; returns one v per step."""
+    batch = zs[0].shape[0]
+    v = predict(torch.cat(list(zs)), torch.cat([_rows(t_j, batch) for t_j in ts]))
+    return list(v.split(batch))
+
+
+def _exact(predict: Predict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats) -> None:
+    for j, (z_j, t_j) in enumerate(zip(z, t)):
+        loss = step_loss(j, predict(z_j, _rows(t_j, z_j.shape[0])))
+        stats.grad_forwards += 1
+        if loss.requires_grad:
+            loss.backward()
+            stats.backward_calls += 1
+        stats.losses[j] = loss.detach()
+
+
+def _middle(predict: Predict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats) -> list[Tensor]:
+    """s_j of the W-2 middle steps from one batched no-grad forward."""
+    width = len(z)
+    if width == 2:
+        return []
+    with torch.no_grad():
+        v_mid = _forward(predict, z[1:-1], t[1:-1])
+    stats.nograd_forwards += width - 2
+    s = []
+    for j, v_j in enumerate(v_mid, start=1):
+        stats.losses[j], s_j = _upstream(step_loss, j, v_j)
+        s.append(s_j)
+    return s
+
+
+def _joint_endpoints(
+    predict: Predict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats, mode: str
+) -> None:
+    """jagg and ablate: both endpoints in one batched forward with grad, one backward."""
+    width = len(z)
+    s_mid = _middle(predict, step_loss, z, t, stats) if mode == "jagg" else []
+    v0, v_last = _forward(predict, [z[0], z[-1]], [t[0], t[-1]])
+    stats.grad_forwards += 2
+    stats.losses[0], s0 = _upstream(step_loss, 0, v0)
+    stats.losses[width - 1], s_last = _upstream(step_loss, width - 1, v_last)
+    if mode == "jagg":
+        g0, g_last = aggregate([s0, *s_mid, s_last], t.float())
+    else:
+        g0, g_last = s0, s_last
+    torch.autograd.backward([v0, v_last], [g0.to(v0.dtype), g_last.to(v_last.dtype)])
+    stats.backward_calls += 1
+
+
+def _sequential(predict: Predict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats) -> None:
+    """The paper's Algorithm 2: at most one endpoint graph alive at a time."""
+    width = len(z)
+    s_mid = _middle(predict, step_loss, z, t, stats)
+    alpha = interpolation_weights(t.float())[1:-1]
+    s_base = sum(((1 - a) * s_j for a, s_j in zip(alpha, s_mid)), torch.zeros(()))
+    s_corr = sum((a * s_j for a, s_j in zip(alpha, s_mid)), torch.zeros(()))
+    for j, partial in ((0, s_base), (width - 1, s_corr)):
+        v = predict(z[j], _rows(t[j], z[j].shape[0]))
+        stats.grad_forwards += 1
+        stats.losses[j], s_j = _upstream(step_loss, j, v)
+        v.backward((partial.to(s_j.device) + s_j).to(v.dtype))
+        stats.backward_calls += 1
+
+
+def backward_group(mode: str, predict: Predict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor) -> GroupStats:
+    """Accumulate into ``.grad`` the gradient of sum_j step_loss(j, predict(z[j], t_j)) by ``mode``.
+
+    z: W latents [B, ...] (no gradient); t: [W] network-input timesteps, one per step.
+    """
+    if mode not in UPDATE_MODES:
+        raise ValueError(f"update.mode must be one of {UPDATE_MODES}, got {mode!r}")
+    if len(z) != t.shape[0] or len(z) < 2:
+        raise ValueError(f"a group needs W >= 2 latents and W timesteps, got {len(z)} and {t.shape[0]}")
+    z = [z_j.detach() for z_j in z]
+    stats = GroupStats()
+    if mode == "exact":
+        _exact(predict, step_loss, z, t, stats)
+    elif mode == "jagg_sequential":
+        _sequential(predict, step_loss, z, t, stats)
+    else:
+        _joint_endpoints(predict, step_loss, z, t, stats, mode)
+    stats.losses = dict(sorted(stats.losses.items()))
+    return stats
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One group of W consecutive transitions [start, stop) and the path that trains it."""
+
+    start: int
+    stop: int
+    mode: str
+
+
+def split_groups(trainable: Sequence[int], window: int) -> list[tuple[int, int]]:
+    """Cut the trainable transitions (sorted indices) into consecutive groups of ``window``.
+
+    Every contiguous run of trainable transitions must split into whole groups.
+    """
+    if window < 2:
+        raise ValueError(f"update.window must be >= 2 (JAGG needs two endpoints), got {window}")
+    steps = sorted(int(k) for k in trainable)
+    if not steps:
+        raise ValueError("no trainable transitions: check sampler.num_steps and the SDE window")
+    runs, run_start = [], steps[0]
+    for prev, cur in zip(steps, steps[1:] + [None]):
+        if cur != prev + 1:
+            runs.append((run_start, prev + 1))
+            run_start = cur
+    groups = []
+    for a, b in runs:
+        if (b - a) % window:
+            raise ValueError(
+                f"update.window={window} does not split the trainable transitions {a}..{b - 1} "
+                f"({b - a} steps) into whole groups; pick a window that divides {b - a} or change "
+                "sampler.num_steps / the SDE window"
+            )
+        groups += [(k, k + window) for k in range(a, b, window)]
+    return groups
+
+
+def route(start: int, stop: int, *, mode: str, jagg_frac: float, num_transitions: int) -> str:
+    """The path of group [start, stop): ``mode`` when stop <= round(jagg_frac * M), else exact.
+
+    M = ``num_transitions``, the trainable transitions of the whole trajectory (sampling steps
+    minus the ignored last one), so jagg_frac picks the same high-noise region whatever window
+    of the trajectory is trained.
+    """
+    if mode not in UPDATE_MODES:
+        raise ValueError(f"update.mode must be one of {UPDATE_MODES}, got {mode!r}")
+    if not 0.0 <= jagg_frac <= 1.0:
+        raise ValueError(f"update.jagg_frac must be in [0, 1], got {jagg_frac}")
+    return mode if stop <= round(jagg_frac * num_transitions) else "exact"
+
+
+def plan_groups(
+    trainable: Sequence[int],
+    *,
+    window: int,
+    mode: str,
+    jagg_frac: float,
+    num_transitions: int,
+    timestep_fraction: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> list[GroupPlan]:
+    """Split, pick int(timestep_fraction * num_groups) groups at random (at least one; all when
+    the fraction is 1), and route each. Returned high noise first."""
+    if not 0.0 < timestep_fraction <= 1.0:
+        raise ValueError(f"update.timestep_fraction must be in (0, 1], got {timestep_fraction}")
+    groups = split_groups(trainable, window)
+    num_picked = max(1, int(len(groups) * timestep_fraction + 1e-9))
+    if num_picked < len(groups):
+        picked = torch.randperm(len(groups), generator=generator)[:num_picked].tolist()
+        groups = [groups[i] for i in sorted(picked)]
+    return [
+        GroupPlan(a, b, route(a, b, mode=mode, jagg_frac=jagg_frac, num_transitions=num_transitions))
+        for a, b in groups
+    ]
