@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from samplers.sde import compute_dtype
+
 UPDATE_MODES = ("exact", "jagg", "jagg_sequential", "ablate")
 
 Predict = Callable[[Tensor, Tensor], Tensor]  # (z [B, ...], t [B]) -> v [B, ...]
@@ -66,8 +68,11 @@ def aggregate(s: Sequence[Tensor], t: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _upstream(step_loss: StepLoss, j: int, v: Tensor) -> tuple[Tensor, Tensor]:
-    """(L_j detached, s_j = dL_j/dv_j in float32) on a detached proxy of v; no model backward."""
-    proxy = v.detach().float().requires_grad_(True)
+    """(L_j detached, s_j = dL_j/dv_j) on a detached proxy of v; no model backward.
+
+    The proxy is float32 for half-precision models (the SDE log-prob needs it) and keeps float64.
+    """
+    proxy = v.detach().to(compute_dtype(v.dtype)).requires_grad_(True)
     with torch.enable_grad():
         loss = step_loss(j, proxy)
         if loss.requires_grad:
@@ -124,7 +129,7 @@ def _joint_endpoints(
     stats.losses[0], s0 = _upstream(step_loss, 0, v0)
     stats.losses[width - 1], s_last = _upstream(step_loss, width - 1, v_last)
     if mode == "jagg":
-        g0, g_last = aggregate([s0, *s_mid, s_last], t.float())
+        g0, g_last = aggregate([s0, *s_mid, s_last], t.to(s0.dtype))
     else:
         g0, g_last = s0, s_last
     torch.autograd.backward([v0, v_last], [g0.to(v0.dtype), g_last.to(v_last.dtype)])
@@ -135,14 +140,14 @@ def _sequential(predict: Predict, step_loss: StepLoss, z: Sequence[Tensor], t: T
     """The paper's Algorithm 2: at most one endpoint graph alive at a time."""
     width = len(z)
     s_mid = _middle(predict, step_loss, z, t, stats)
-    alpha = interpolation_weights(t.float())[1:-1]
-    s_base = sum(((1 - a) * s_j for a, s_j in zip(alpha, s_mid)), torch.zeros(()))
-    s_corr = sum((a * s_j for a, s_j in zip(alpha, s_mid)), torch.zeros(()))
+    alpha = interpolation_weights(t)[1:-1]
+    s_base = sum((1 - a) * s_j for a, s_j in zip(alpha, s_mid))
+    s_corr = sum(a * s_j for a, s_j in zip(alpha, s_mid))
     for j, partial in ((0, s_base), (width - 1, s_corr)):
         v = predict(z[j], _rows(t[j], z[j].shape[0]))
         stats.grad_forwards += 1
         stats.losses[j], s_j = _upstream(step_loss, j, v)
-        v.backward((partial.to(s_j.device) + s_j).to(v.dtype))
+        v.backward((partial + s_j).to(v.dtype))
         stats.backward_calls += 1
 
 

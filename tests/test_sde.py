@@ -1,0 +1,142 @@
+"""SDE transitions and schedules against slow references and the formulas of the reference recipes."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from samplers.schedule import dynamic_shift_mu, dynamic_sigmas, network_timesteps, shifted_sigmas
+from samplers.sde import SDE, gaussian_log_prob, step
+
+pytestmark = pytest.mark.usefixtures("float64")
+DANCE, FLOW, ODE = SDE("dance", eta=0.3), SDE("flow", noise_level=0.7), SDE("ode")
+
+
+def _latents(seed: int = 0, shape=(3, 16, 4)):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+@pytest.mark.parametrize("sde", [DANCE, FLOW])
+def test_log_prob_equals_torch_normal(sde):
+    z, v = _latents()
+    out = step(sde, v, z, 0.7, 0.55, generator=torch.Generator().manual_seed(1))
+    std = out.std.reshape(-1, 1, 1).expand_as(out.mean)
+    ref = torch.distributions.Normal(out.mean, std).log_prob(out.next_z).flatten(1).mean(1)
+    torch.testing.assert_close(out.log_prob, ref, rtol=0, atol=1e-12)
+
+
+def test_dance_mean_matches_score_form():
+    # DanceGRPO writes mu = x + v dsigma - 0.5 eta^2 s dsigma with s = -(x - (1 - sigma) x0_hat) / sigma^2.
+    z, v = _latents()
+    sigma, sigma_next, eta = 0.8, 0.6, 0.3
+    x0_hat = z - sigma * v
+    score = -(z - (1 - sigma) * x0_hat) / sigma**2
+    d = sigma_next - sigma
+    expected = z + v * d - 0.5 * eta**2 * score * d
+    out = step(DANCE, v, z, sigma, sigma_next, noise=torch.zeros_like(z))
+    torch.testing.assert_close(out.mean, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.std, torch.full((3,), eta * math.sqrt(sigma - sigma_next)))
+
+
+def test_flow_mean_matches_expanded_form():
+    # Flow-GRPO: mu = x (1 + a^2 dt / (2 sigma)) + v (1 + a^2 (1 - sigma) / (2 sigma)) dt,
+    # a = noise_level sqrt(sigma / (1 - sigma)), per-element std a sqrt(-dt).
+    z, v = _latents()
+    sigma, sigma_next, level = 0.6, 0.45, 0.7
+    a = level * math.sqrt(sigma / (1 - sigma))
+    dt = sigma_next - sigma
+    expected = z * (1 + a**2 * dt / (2 * sigma)) + v * (1 + a**2 * (1 - sigma) / (2 * sigma)) * dt
+    out = step(FLOW, v, z, sigma, sigma_next, noise=torch.zeros_like(z))
+    torch.testing.assert_close(out.mean, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.std, torch.full((3,), a * math.sqrt(-dt)))
+
+
+def test_flow_first_step_needs_and_uses_guard():
+    z, v = _latents()
+    with pytest.raises(ValueError, match="sigma_guard"):
+        step(FLOW, v, z, 1.0, 0.9)
+    out = step(FLOW, v, z, 1.0, 0.9, sigma_guard=0.9, noise=torch.zeros_like(z))
+    a = 0.7 * math.sqrt(1.0 / (1 - 0.9))  # numerator keeps sigma = 1, denominator uses the guard
+    torch.testing.assert_close(out.std, torch.full((3,), a * math.sqrt(0.1)))
+
+
+@pytest.mark.parametrize("sde", [SDE("dance", eta=0.0), SDE("flow", noise_level=0.0)])
+def test_zero_noise_sde_is_euler(sde):
+    z, v = _latents()
+    out = step(sde, v, z, 0.5, 0.3, sigma_guard=0.9)
+    euler = step(ODE, v, z, 0.5, 0.3)
+    torch.testing.assert_close(out.next_z, z + v * (0.3 - 0.5), rtol=0, atol=1e-15)
+    torch.testing.assert_close(euler.next_z, out.next_z, rtol=0, atol=1e-15)
+    assert euler.log_prob is None and bool((euler.std == 0).all())
+
+
+@pytest.mark.parametrize("sde", [DANCE, FLOW])
+def test_sampled_std_matches_stated_std(sde):
+    z, v = _latents(shape=(2, 200, 100))
+    out = step(sde, v, z, 0.7, 0.6, generator=torch.Generator().manual_seed(3))
+    emp = (out.next_z - out.mean).flatten(1).std(1)
+    # 20,000 samples per row: the relative standard error of the sample std is ~0.5%.
+    torch.testing.assert_close(emp, out.std, rtol=0.02, atol=0)
+
+
+def test_recomputed_step_scores_stored_latent():
+    z, v = _latents()
+    sampled = step(DANCE, v, z, 0.7, 0.6, generator=torch.Generator().manual_seed(5))
+    again = step(DANCE, v, z, 0.7, 0.6, next_z=sampled.next_z)
+    assert torch.equal(again.log_prob, sampled.log_prob)
+
+
+def test_log_prob_is_float32_for_half_inputs():
+    z, v = _latents()
+    out = step(DANCE, v.bfloat16(), z.float(), 0.7, 0.6, generator=torch.Generator().manual_seed(0))
+    assert out.log_prob.dtype == torch.float32 and out.mean.dtype == torch.float32
+
+
+def test_gaussian_log_prob_per_row_std():
+    x = torch.tensor([[0.0, 1.0], [2.0, 2.0]])
+    mean = torch.zeros(2, 2)
+    std = torch.tensor([[1.0], [2.0]])
+    expected = torch.tensor([(-0.0 - 0.5) / 2, -0.5 - math.log(2)]) - 0.5 * math.log(2 * math.pi)
+    torch.testing.assert_close(gaussian_log_prob(x, mean, std), expected)
+
+
+def test_invalid_sde_kind():
+    with pytest.raises(ValueError, match="sampler.sde"):
+        SDE("cps")
+
+
+def test_shifted_sigmas():
+    sig = shifted_sigmas(4, 3.0)
+    u = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
+    torch.testing.assert_close(sig, 3 * u / (1 + 2 * u))
+    assert sig[0] == 1.0 and sig[-1] == 0.0
+    torch.testing.assert_close(shifted_sigmas(5, 1.0), torch.linspace(1, 0, 6))
+
+
+@pytest.mark.parametrize(
+    "kwargs, seq_len, steps",
+    [
+        (dict(shift=3.0, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096), 1024, 28),
+        (
+            dict(shift=1.0, base_shift=0.5, max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192,
+                 shift_terminal=0.02, time_shift_type="exponential"),
+            64, 7,
+        ),
+    ],
+)
+def test_dynamic_sigmas_equal_diffusers(kwargs, seq_len, steps):
+    sched = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, **kwargs)
+    mu = dynamic_shift_mu(seq_len, base_seq_len=kwargs["base_image_seq_len"], max_seq_len=kwargs["max_image_seq_len"],
+                          base_shift=kwargs["base_shift"], max_shift=kwargs["max_shift"])
+    sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    ours = dynamic_sigmas(steps, mu, shift_terminal=kwargs.get("shift_terminal"))
+    assert torch.equal(ours, sched.sigmas.to(ours.dtype))
+
+
+def test_network_timesteps_quantized():
+    sig = torch.tensor([1.0, 0.8765, 0.1234, 0.0])
+    torch.testing.assert_close(network_timesteps(sig), sig[:-1])
+    torch.testing.assert_close(network_timesteps(sig, quantize=True), torch.tensor([1.0, 0.876, 0.123]))
