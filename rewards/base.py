@@ -1,0 +1,151 @@
+"""The scorer interface shared by every reward, and the registry that builds scorers by name.
+
+A scorer maps a batch of images and their prompts to one float32 score per image:
+
+    scorer(images [B, 3, H, W] in [0, 1], prompts: B strings) -> Tensor [B] float32
+
+on the images' device. Images may be any size and live on any device; a scorer moves them to its
+own device and dtype, preprocesses them as tensors (no PIL round trip, no files) and returns the
+scores on the images' device. Model-based scorers are frozen (eval mode, ``requires_grad`` False
+on their weights) but never wrap scoring in ``torch.no_grad``: when the images require grad, the
+score is differentiable with respect to them. The trainer calls scorers under ``no_grad`` itself.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+# name -> "module:Class"; imported lazily so that e.g. the JPEG reward never imports open_clip.
+_REGISTRY: dict[str, str] = {
+    "hpsv2": "rewards.hpsv2:HPSv2Scorer",
+    "clipscore": "rewards.clipscore:CLIPScoreScorer",
+    "pickscore": "rewards.pickscore:PickScoreScorer",
+    "jpeg_compressibility": "rewards.compressibility:JPEGCompressibilityScorer",
+    "jpeg_incompressibility": "rewards.compressibility:JPEGIncompressibilityScorer",
+}
+SCORER_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+class Scorer(abc.ABC):
+    """A reward: ``scorer(images, prompts) -> Tensor[B] float32`` (see the module docstring)."""
+
+    name: ClassVar[str]
+
+    def __call__(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+        check_inputs(images, prompts, scorer=self.name)
+        scores = self.score(images, prompts)
+        assert scores.shape == (images.shape[0],), f"{self.name} returned shape {tuple(scores.shape)}"
+        return scores.to(device=images.device, dtype=torch.float32)
+
+    @abc.abstractmethod
+    def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+        """Validated images [B, 3, H, W] in [0, 1] and B prompts -> scores [B] (any device/dtype)."""
+
+    @abc.abstractmethod
+    def to(self, device: torch.device | str) -> Scorer:
+        """Move the scorer's weights to ``device``; returns self."""
+
+
+class FrozenModelScorer(Scorer):
+    """A scorer built around one frozen ``nn.Module`` held in ``self.model``."""
+
+    def __init__(self, model: nn.Module, *, device: torch.device | str, dtype: torch.dtype | str) -> None:
+        self.dtype = as_dtype(dtype, field=f"reward.{self.name}.dtype")
+        self.device = torch.device(device)
+        self.model = freeze(model).to(device=self.device, dtype=self.dtype)
+
+    def to(self, device: torch.device | str) -> FrozenModelScorer:
+        self.device = torch.device(device)
+        self.model.to(self.device)
+        return self
+
+
+def freeze(module: nn.Module) -> nn.Module:
+    """Eval mode and no parameter gradients; inputs can still carry gradients through it."""
+    module.eval()
+    module.requires_grad_(False)
+    return module
+
+
+def check_inputs(images: Tensor, prompts: Sequence[str], *, scorer: str) -> None:
+    """Raise ValueError unless images is a float [B, 3, H, W] batch in [0, 1] with B prompts."""
+    if not isinstance(images, Tensor) or images.ndim != 4 or images.shape[1] != 3:
+        shape = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
+        raise ValueError(f"reward {scorer!r}: images must be a [B, 3, H, W] tensor, got {shape}")
+    if not images.is_floating_point():
+        raise ValueError(f"reward {scorer!r}: images must be floating point in [0, 1], got {images.dtype}")
+    if isinstance(prompts, str) or len(prompts) != images.shape[0]:
+        got = "a single string" if isinstance(prompts, str) else f"{len(prompts)} prompts"
+        raise ValueError(f"reward {scorer!r}: need one prompt per image ({images.shape[0]}), got {got}")
+    low, high = torch.aminmax(images.detach())
+    if low.item() < 0.0 or high.item() > 1.0:
+        raise ValueError(
+            f"reward {scorer!r}: images must be in [0, 1], got values in [{low.item():.3g}, {high.item():.3g}]; "
+            "map VAE output in [-1, 1] with (x / 2 + 0.5).clamp(0, 1)"
+        )
+
+
+def as_dtype(dtype: torch.dtype | str, *, field: str) -> torch.dtype:
+    """A torch dtype from a dtype or its config spelling ("float32", "bf16", ...)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"{field} must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def require_path(path: str | Path, *, field: str, expected: str, is_dir: bool = False) -> Path:
+    """``path`` as a Path, or FileNotFoundError naming the file, the config field and what belongs there."""
+    resolved = Path(path).expanduser()
+    present = resolved.is_dir() if is_dir else resolved.is_file()
+    if not present:
+        kind = "directory" if is_dir else "file"
+        raise FileNotFoundError(
+            f"{field}: {kind} {str(resolved)!r} does not exist; expected {expected}. "
+            f"Set {field}=<path> (see docs/rewards.md)"
+        )
+    return resolved
+
+
+def require_any_file(directory: Path, names: Sequence[str], *, field: str, expected: str) -> Path:
+    """The first of ``names`` present in ``directory``, or FileNotFoundError naming them all."""
+    for name in names:
+        if (directory / name).is_file():
+            return directory / name
+    raise FileNotFoundError(
+        f"{field}: {str(directory)!r} holds none of {list(names)}; expected {expected}. "
+        f"Set {field}=<path> (see docs/rewards.md)"
+    )
+
+
+def unique_prompts(prompts: Sequence[str]) -> tuple[list[str], Tensor]:
+    """Distinct prompts in first-seen order and, per input, its index among them: a GRPO group
+    repeats one prompt G times, so the text tower runs once per group."""
+    index: dict[str, int] = {}
+    inverse = [index.setdefault(prompt, len(index)) for prompt in prompts]
+    return list(index), torch.tensor(inverse, dtype=torch.long)
+
+
+def build_scorer(name: str, **kwargs: object) -> Scorer:
+    """Build the scorer registered under ``name`` with its constructor's keyword arguments."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown reward {name!r}; accepted names: {', '.join(SCORER_NAMES)}")
+    module_name, class_name = _REGISTRY[name].split(":")
+    scorer_class = getattr(importlib.import_module(module_name), class_name)
+    return scorer_class(**kwargs)

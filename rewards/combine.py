@@ -1,0 +1,107 @@
+"""Several named rewards with weights, combined in one of two ways.
+
+With components k = 1..K, weights w_k, raw scores s_k [B] and a group advantage function A
+(the trainer's, e.g. ``train.grpo.group_advantages``; ``rewards/`` never imports ``train/``):
+
+    mode="sum"        r = sum_k w_k s_k              (the paper's HPSv2.1 : CLIPScore = 1 : 1;
+                                                      advantages are then A(r))
+    mode="advantage"  A = sum_k w_k A(s_k)           (per-reward group advantages, as DanceGRPO's
+                                                      video trainers and GDPO do; no component
+                                                      dominates through its raw scale)
+
+Every component is always returned separately, so each can be logged. A NaN or inf score is an
+error naming the component and its scorer, never a value that flows into the advantages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from rewards.base import Scorer
+
+COMBINE_MODES = ("sum", "advantage")
+AdvantageFn = Callable[[Tensor, Tensor], Tensor]  # (rewards [B], group_ids [B]) -> advantages [B]
+
+
+class RewardCombiner:
+    """``components`` maps a component name to (scorer, weight)."""
+
+    def __init__(self, components: Mapping[str, tuple[Scorer, float]], *, mode: str = "sum") -> None:
+        if mode not in COMBINE_MODES:
+            raise ValueError(f"reward.combine must be one of {COMBINE_MODES}, got {mode!r}")
+        if not components:
+            raise ValueError("reward.components is empty; name at least one reward with a weight")
+        for name, (_, weight) in components.items():
+            if not math.isfinite(weight):
+                raise ValueError(f"reward.components.{name}.weight must be a finite number, got {weight}")
+        self.components = dict(components)
+        self.mode = mode
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {name: float(weight) for name, (_, weight) in self.components.items()}
+
+    def score(self, images: Tensor, prompts: Sequence[str]) -> dict[str, Tensor]:
+        """Raw scores [B] of every component, in order; NaN or inf raises ValueError naming it."""
+        scores = {}
+        for name, (scorer, _) in self.components.items():
+            scores[name] = scorer(images, prompts)
+            check_finite(scores[name], component=name, scorer=scorer.name)
+        return scores
+
+    def combine(
+        self,
+        scores: Mapping[str, Tensor],
+        *,
+        group_ids: Tensor | None = None,
+        advantage_fn: AdvantageFn | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """-> (total [B], parts) with total = sum_k w_k parts[k].
+
+        mode="sum": parts are the raw scores and total is the reward (pass no group_ids or
+        advantage_fn: advantages of the total are the caller's business).
+        mode="advantage": parts are the per-component advantages ``advantage_fn(s_k, group_ids)``
+        and total is the advantage."""
+        parts = self._checked(scores)
+        if self.mode == "sum":
+            if group_ids is not None or advantage_fn is not None:
+                raise ValueError("reward.combine='sum' returns rewards; group_ids and advantage_fn are not used")
+        else:
+            if group_ids is None or advantage_fn is None:
+                raise ValueError("reward.combine='advantage' needs group_ids and advantage_fn")
+            parts = {name: advantage_fn(score, group_ids) for name, score in parts.items()}
+        total = sum(self.weights[name] * part for name, part in parts.items())
+        return total, parts
+
+    def advantages(
+        self, scores: Mapping[str, Tensor], group_ids: Tensor, advantage_fn: AdvantageFn
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Advantages [B] in either mode (A(sum_k w_k s_k) or sum_k w_k A(s_k)), and the parts of ``combine``."""
+        if self.mode == "advantage":
+            return self.combine(scores, group_ids=group_ids, advantage_fn=advantage_fn)
+        reward, parts = self.combine(scores)
+        return advantage_fn(reward, group_ids), parts
+
+    def to(self, device: torch.device | str) -> RewardCombiner:
+        for scorer, _ in self.components.values():
+            scorer.to(device)
+        return self
+
+    def _checked(self, scores: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        if set(scores) != set(self.components):
+            raise ValueError(f"scores have components {sorted(scores)}, expected {sorted(self.components)}")
+        for name, score in scores.items():
+            check_finite(score, component=name, scorer=self.components[name][0].name)
+        return {name: scores[name] for name in self.components}
+
+
+def check_finite(score: Tensor, *, component: str, scorer: str) -> None:
+    """ValueError naming the component, its scorer and the offending rows if ``score`` has NaN or inf."""
+    bad = ~torch.isfinite(score.detach())
+    if bad.any():
+        rows = bad.nonzero().flatten().tolist()
+        raise ValueError(f"reward component {component!r} (scorer {scorer!r}) returned NaN or inf for images {rows}")
