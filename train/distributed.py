@@ -1,0 +1,308 @@
+"""Process groups, cross-rank helpers, FSDP2 sharding, global gradient clipping and seeds.
+
+This is the only module (with the rest of ``train/``) that touches ``torch.distributed``.
+
+* Launch: ``torchrun`` sets RANK / WORLD_SIZE / LOCAL_RANK; without them (``python -m train``) the
+  run is one process and no process group is created. Every helper below is then the identity,
+  so the trainer calls them unconditionally.
+* Sharding (``parallelize``): activation checkpointing per block, then FSDP2 ``fully_shard`` on
+  every block, then on the root, in that fixed order (the torchtitan recipe). Parameters are
+  all-gathered in ``param_dtype`` for compute and gradients are reduce-scattered in
+  ``reduce_dtype`` (float32 by default, so bf16 training still averages gradients exactly enough).
+  The root gets the same ``reshard_after_forward`` as the blocks, so a forward plus a backward
+  all-gathers each of the ``num_blocks + 1`` FSDP modules exactly once in each direction.
+* Gradient clipping (``clip_grad_norm_``): the norm is the GLOBAL one,
+  ``sqrt(sum over ranks of sum over local shards of g^2)``. A per-shard norm (each rank clipping
+  by the norm of its own shard) differs on every rank and is a known bug of a reference trainer.
+* Seeds (DESIGN §5): the global RNGs of rank r are seeded with ``seed + r``; the shared initial
+  noise of a group comes from ``group_generator(seed, group_id)``, a generator whose seed is a hash
+  of ``(seed, group_id)``, so a group is reproducible from its id alone and distinct groups (on any
+  rank) draw distinct noise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: global rank, number of processes, rank on its node, its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    is_main: bool
+
+
+def is_distributed() -> bool:
+    """True when a process group with more than one rank is initialized."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise ValueError(f"WORLD_SIZE is set but {name} is not: launch with torchrun, which sets both")
+    return int(value)
+
+
+def init_distributed(backend: str | None = None) -> DistInfo:
+    """Read torchrun's environment and create the process group (none for a single process).
+
+    backend: None picks nccl when CUDA is available, else gloo. The device is cuda:LOCAL_RANK or cpu.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = _env_int("RANK") if world_size > 1 else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available()
+    if backend is None:
+        backend = "nccl" if use_cuda else "gloo"
+    if backend == "nccl" and not use_cuda:
+        raise ValueError("backend='nccl' needs CUDA, which is not available here: use backend='gloo' or None")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend, device_id=device if use_cuda else None)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, is_main=rank == 0)
+
+
+def shutdown() -> None:
+    """Destroy the process group if one exists (safe to call in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(tensor: Tensor) -> Tensor:
+    """Sum of ``tensor`` over ranks, as a new tensor (the input is left unchanged)."""
+    out = tensor.detach().clone()
+    if is_distributed():
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def all_reduce_mean(tensor: Tensor) -> Tensor:
+    """Mean of ``tensor`` over ranks, as a new tensor."""
+    return all_reduce_sum(tensor) / get_world_size()
+
+
+def all_gather_tensor(tensor: Tensor) -> Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0 in rank order (all ranks pass equal shapes)."""
+    if not is_distributed():
+        return tensor.detach().clone()
+    local = tensor.detach().contiguous()
+    out = local.new_empty((get_world_size() * local.shape[0], *local.shape[1:]))
+    dist.all_gather_into_tensor(out, local)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s picklable ``obj`` on every rank."""
+    if not is_distributed():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def _wrap_blocks(model: nn.Module, block_classes: tuple[type, ...], checkpointing: bool) -> list[nn.Module]:
+    """The sharding units: every block, wrapped in place for activation checkpointing if asked.
+
+    Non-reentrant checkpointing keeps kwargs (diffusers blocks take keyword arguments) and lets
+    FSDP2's pre-backward all-gather run before the recomputation.
+    """
+    units = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, block_classes):
+                unit = checkpoint_wrapper(child) if checkpointing else child
+                parent.register_module(name, unit)
+                units.append(unit)
+    return units
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    block_classes: Iterable[type],
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype = torch.float32,
+    activation_checkpointing: bool = False,
+    reshard_after_forward: bool = True,
+    mesh: DeviceMesh | None = None,
+) -> nn.Module:
+    """Apply activation checkpointing per block, then FSDP2 per block, then FSDP2 on the root.
+
+    In one process (no process group) only checkpointing is applied: FSDP needs a process group,
+    and a single CPU process trains in the model's own dtype, so ``param_dtype``/``reduce_dtype``
+    are not used there. Returns the same module object (modified in place).
+    """
+    classes = tuple(block_classes)
+    if not classes:
+        raise ValueError(
+            "parallelize: block_classes is empty; pass the transformer block classes "
+            "(diffusers lists them in model._no_split_modules)"
+        )
+    units = _wrap_blocks(model, classes, activation_checkpointing)
+    if not units:
+        names = ", ".join(c.__name__ for c in classes)
+        raise ValueError(f"parallelize: no submodule of {type(model).__name__} is an instance of {names}")
+    if not is_distributed():
+        return model
+    if mesh is None:
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # The root is set explicitly (not FSDP2's automatic "keep the root unsharded"), so the number
+    # of all-gathers per forward and per backward both equal the number of FSDP modules.
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def place_frozen(module: nn.Module, *, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Placement policy of frozen models (text encoders, VAE, reward models): replicated per rank.
+
+    They take no gradient, so sharding them would only add an all-gather per forward to save
+    memory; every rank holds a full copy in ``dtype`` (bf16 on GPU) in eval mode instead.
+    """
+    module.requires_grad_(False)
+    return module.to(device=device, dtype=dtype).eval()
+
+
+def _replication(grad: DTensor) -> int:
+    """How many ranks hold the same local shard of ``grad`` (product of its Replicate mesh dims)."""
+    count = 1
+    for dim, placement in enumerate(grad.placements):
+        if isinstance(placement, Replicate):
+            count *= grad.device_mesh.size(dim)
+    return count
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> Tensor:
+    """Scale gradients in place so their global L2 norm is at most ``max_norm``; return that norm.
+
+    DTensor gradients (FSDP2) contribute the squares of their local shards, summed over all ranks
+    (a shard replicated over some mesh dimensions is divided by its replication count); plain
+    gradients are the same on every rank and are counted once. Float32 accumulation.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
+    sharded_sq = torch.zeros((), device=device, dtype=torch.float32)
+    plain_sq = torch.zeros((), device=device, dtype=torch.float32)
+    for g in grads:
+        if isinstance(g, DTensor):
+            sharded_sq += g.to_local().float().pow(2).sum() / _replication(g)
+        else:
+            plain_sq += g.float().pow(2).sum()
+    total = (all_reduce_sum(sharded_sq) + plain_sq).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
+    return total
+
+
+@dataclass
+class CollectiveCounts:
+    """Collectives issued inside ``count_collectives()``; filled as they run."""
+
+    all_gather: int = 0
+    reduce_scatter: int = 0
+    all_reduce: int = 0
+    by_op: dict[str, int] = field(default_factory=dict)
+
+    def add(self, name: str) -> None:
+        self.by_op[name] = self.by_op.get(name, 0) + 1
+        if "allgather" in name or "all_gather" in name:
+            self.all_gather += 1
+        elif "reduce_scatter" in name:
+            self.reduce_scatter += 1
+        elif "allreduce" in name or "all_reduce" in name:
+            self.all_reduce += 1
+
+
+class _CollectiveCounter(TorchDispatchMode):
+    """Records every op of the c10d namespaces (what FSDP2 and the helpers above issue).
+
+    Not ``CommDebugMode``: its module tracker raises a KeyError when activation checkpointing
+    recomputes a block inside a backward that is counted apart from its forward.
+    """
+
+    def __init__(self, counts: CollectiveCounts) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor lower itself to plain ops (and collectives) first
+        if getattr(func, "namespace", None) in ("c10d", "_c10d_functional"):
+            self.counts.add(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def count_collectives() -> Iterator[CollectiveCounts]:
+    """Count c10d collectives (all-gathers, reduce-scatters, all-reduces) issued in a block.
+
+    A dispatch mode of the calling thread: on CPU the backward runs in that thread too, so
+    backward collectives are counted (the CUDA autograd threads are not).
+    """
+    counts = CollectiveCounts()
+    with _CollectiveCounter(counts):
+        yield counts
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    """Seed torch (CPU and CUDA), numpy and random with ``seed + rank`` (ranks draw differently)."""
+    value = seed + rank
+    torch.manual_seed(value)
+    np.random.seed(value % 2**32)
+    random.seed(value)
+
+
+def group_generator(seed: int, group_id: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for the shared initial noise of group ``group_id``.
+
+    Its seed is a 63-bit hash of ``(seed, group_id)``, independent of the rank and of the global
+    RNG stream: the same group gets the same noise in any run or world size, and distinct ids
+    (the trainer makes them unique across steps and ranks) get distinct noise. A hash rather than
+    ``seed + group_id`` so that (seed 0, group 1) and (seed 1, group 0) do not collide.
+    """
+    digest = hashlib.blake2b(f"{seed}:{group_id}".encode(), digest_size=8).digest()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+    return generator

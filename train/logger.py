@@ -1,0 +1,175 @@
+"""One run logger (metrics.jsonl, sample grids, wandb), a phase timer and the progress bar.
+
+* ``RunLogger`` is a no-op off rank 0: every rank calls it, only rank 0 writes. Each ``log`` call
+  appends one JSON line ``{"step", "wall_time", <metric>: float, ...}`` to
+  ``run_dir/metrics.jsonl`` and flushes it, so a crashed run keeps every logged step.
+* wandb is optional (``wandb_mode`` disabled, offline or online). Offline runs write into
+  ``run_dir/wandb/``. Any exception raised by wandb (import, init, log, finish) is caught, warned
+  once, and wandb is switched off for the rest of the run: observability never stops training.
+  The JSONL file is the record of truth either way.
+* ``PhaseTimer`` sums wall-clock seconds per phase (``time/<phase>``); on CUDA it synchronizes
+  before reading the clock, since kernels run asynchronously and would be billed to the next phase.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from torch import Tensor
+from torchvision.utils import make_grid
+from tqdm import tqdm
+
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+def _to_float(key: str, value: float | int | bool | Tensor) -> float:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"metric {key!r} is a tensor of shape {tuple(value.shape)}; log a scalar")
+        return float(value.detach().float().item())
+    return float(value)
+
+
+def image_grid(images: Tensor, *, num_columns: int | None = None) -> Image.Image:
+    """images [B, 3, H, W] in [0, 1] -> one PIL image, ``num_columns`` (default ~sqrt(B)) per row."""
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be [B, 3, H, W], got {tuple(images.shape)}")
+    columns = num_columns or math.ceil(math.sqrt(images.shape[0]))
+    grid = make_grid(images.detach().float().clamp(0, 1).cpu(), nrow=columns, padding=2)
+    return Image.fromarray((grid * 255).round().to(torch.uint8).permute(1, 2, 0).numpy())
+
+
+class RunLogger:
+    """Metrics and sample images of one run, written by rank 0 only."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        is_main: bool,
+        wandb_mode: str = "disabled",
+        project: str = "jagg-grpo",
+        group: str | None = None,
+        name: str | None = None,
+        tags: Sequence[str] = (),
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        if wandb_mode not in WANDB_MODES:
+            raise ValueError(f"logging.wandb_mode={wandb_mode!r}; accepted: {', '.join(WANDB_MODES)}")
+        self.run_dir = Path(run_dir)
+        self.is_main = is_main
+        self._start = time.time()
+        self._wandb: Any = None
+        self._file = None
+        if not is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Kept open for the whole run (appended to every step); closed by finish().
+        self._file = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if wandb_mode != "disabled":
+            self._guard(self._init_wandb, wandb_mode, project=project, group=group, name=name, tags=tags, config=config)
+
+    def _init_wandb(self, mode: str, **kwargs: Any) -> None:
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+
+        kwargs["tags"] = list(kwargs["tags"])
+        kwargs["config"] = dict(kwargs["config"] or {})
+        self._wandb = wandb.init(mode=mode, dir=str(self.run_dir), **kwargs)
+
+    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """Run a wandb call; on any error warn once and stop using wandb."""
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:  # wandb may raise anything; training must go on without it
+            warnings.warn(f"wandb failed ({exc!r}); continuing without wandb", RuntimeWarning, stacklevel=3)
+            self._wandb = None
+
+    @property
+    def wandb_active(self) -> bool:
+        return self._wandb is not None
+
+    def log(self, metrics: Mapping[str, float | int | bool | Tensor], step: int) -> None:
+        """Append one JSON line (and a wandb point) with ``metrics`` at ``step``."""
+        if not self.is_main:
+            return
+        values = {key: _to_float(key, value) for key, value in metrics.items()}
+        record = {"step": step, "wall_time": round(time.time() - self._start, 3), **values}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._guard(self._wandb.log, values, step=step)
+
+    def log_images(self, key: str, images: Tensor, captions: Sequence[str], step: int) -> Path | None:
+        """Save a PNG grid ``samples/<key>_<step>.png`` (+ captions .txt) and send images to wandb."""
+        if not self.is_main:
+            return None
+        if len(captions) != images.shape[0]:
+            raise ValueError(f"log_images: {images.shape[0]} images but {len(captions)} captions")
+        folder = self.run_dir / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        stem = f"{key.replace('/', '_')}_{step:08d}"
+        path = folder / f"{stem}.png"
+        image_grid(images).save(path)
+        (folder / f"{stem}.txt").write_text("\n".join(captions) + "\n", encoding="utf-8")
+        if self._wandb is not None:
+            self._guard(self._log_wandb_images, key, images, captions, step)
+        return path
+
+    def _log_wandb_images(self, key: str, images: Tensor, captions: Sequence[str], step: int) -> None:
+        import wandb
+
+        pixels = (images.detach().float().clamp(0, 1).cpu() * 255).round().to(torch.uint8)
+        entries = [wandb.Image(img.permute(1, 2, 0).numpy(), caption=cap) for img, cap in zip(pixels, captions)]
+        self._wandb.log({key: entries}, step=step)
+
+    def finish(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb is not None:
+            self._guard(self._wandb.finish)
+            self._wandb = None
+
+
+class PhaseTimer:
+    """``with timer.phase("rollout"): ...`` sums seconds per phase until ``pop()``."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._totals: dict[str, float] = defaultdict(float)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = self._now()
+        try:
+            yield
+        finally:
+            self._totals[name] += self._now() - start
+
+    def pop(self) -> dict[str, float]:
+        """{"time/<phase>": seconds} accumulated since the last pop; resets the totals."""
+        out = {f"time/{name}": seconds for name, seconds in self._totals.items()}
+        self._totals.clear()
+        return out
+
+
+def progress_bar(total: int, *, is_main: bool, initial: int = 0, desc: str = "train") -> tqdm:
+    """A tqdm bar over optimizer steps, shown on rank 0 only (disabled elsewhere)."""
+    return tqdm(total=total, initial=initial, desc=desc, disable=not is_main, dynamic_ncols=True)
