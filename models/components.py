@@ -1,0 +1,126 @@
+"""Loading the components of a diffusers pipeline folder, one by one, with errors that name them.
+
+A backbone is a set of named components (``transformer``, ``vae``, ``text_encoder``, ...). Each is
+read from ``<root>/<name>`` (the layout ``save_pretrained`` writes) unless an explicit folder is
+given for it. Before any weights are read, every component's config file must exist and name the
+expected class; a missing component raises FileNotFoundError and a mismatched one ValueError, both
+naming the component and the path.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from itself or from a config string (``"bfloat16"``, ``"bf16"``, ...)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class Component:
+    """How to find, check and load one component."""
+
+    name: str  # folder name inside a pipeline folder, and the keyword that overrides its path
+    loader: Any  # a class with from_pretrained(folder, ...)
+    config_file: str  # the file that marks a folder as this component
+    class_names: tuple[str, ...]  # accepted class names recorded in that file
+    is_module: bool = True  # nn.Module: loaded in the backbone's dtype, in eval mode, frozen
+
+
+def _recorded_classes(config: Mapping[str, Any]) -> list[str]:
+    """Class names a config file records: diffusers ``_class_name``, transformers ``architectures``,
+    tokenizers ``tokenizer_class``."""
+    names = [config.get("_class_name"), config.get("tokenizer_class"), *(config.get("architectures") or [])]
+    return [n for n in names if n]
+
+
+def component_folders(
+    backbone: str, components: Collection[Component], root: str | Path | None, overrides: Mapping[str, str | Path]
+) -> dict[str, Path]:
+    """The folder of each component: ``overrides[name]`` or ``<root>/<name>``."""
+    known = {c.name for c in components}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"{backbone}: unknown component(s) {unknown}; known components are {sorted(known)}")
+    folders = {}
+    for comp in components:
+        if comp.name in overrides and overrides[comp.name] is not None:
+            folders[comp.name] = Path(overrides[comp.name])
+        elif root is not None:
+            folders[comp.name] = Path(root) / comp.name
+        else:
+            raise ValueError(
+                f"{backbone}: no folder for component {comp.name!r}: pass model.path or {comp.name}=<folder>"
+            )
+    return folders
+
+
+def read_config(backbone: str, comp: Component, folder: Path) -> dict[str, Any]:
+    """The component's config, after checking that the folder holds the expected class."""
+    path = folder / comp.config_file
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{backbone}: component {comp.name!r} is missing: {path} does not exist. Point model.path at a "
+            f"complete diffusers folder or pass {comp.name}=<folder holding {comp.config_file}>"
+        )
+    config = json.loads(path.read_text())
+    found = _recorded_classes(config)
+    if found and not set(found) & set(comp.class_names):
+        raise ValueError(
+            f"{backbone}: component {comp.name!r} at {folder} is a {found[0]}, expected one of "
+            f"{list(comp.class_names)}; check model.path or the {comp.name}= override"
+        )
+    return config
+
+
+def load_component(backbone: str, comp: Component, folder: Path, *, dtype: torch.dtype) -> Any:
+    """Load one checked component; weights that do not fit the config raise ValueError naming it."""
+    try:
+        if comp.is_module:
+            module = comp.loader.from_pretrained(folder, dtype=dtype)
+            module.eval().requires_grad_(False)
+            return module
+        return comp.loader.from_pretrained(folder)
+    except (OSError, RuntimeError, ValueError) as err:
+        raise ValueError(f"{backbone}: could not load component {comp.name!r} from {folder}: {err}") from err
+
+
+Entry = tuple[str, Path, Any]  # (component, folder, value)
+
+
+def config_entry(
+    configs: Mapping[str, Mapping[str, Any]], folders: Mapping[str, Path], name: str, key: str, *, factor: int = 1
+) -> Entry | None:
+    """``factor * configs[name][key]`` with where it came from; None when ``name`` is not loaded."""
+    if name not in configs:
+        return None
+    return name, folders[name], factor * configs[name][key]
+
+
+def check_equal(backbone: str, what: str, a: Entry | None, b: Entry | None) -> None:
+    """Raise when two loaded components disagree on a size (skipped when either is not loaded)."""
+    if a is not None and b is not None and a[2] != b[2]:
+        raise ValueError(
+            f"{backbone}: components do not fit together ({what}): {a[0]!r} at {a[1]} has {a[2]}, "
+            f"{b[0]!r} at {b[1]} has {b[2]}"
+        )

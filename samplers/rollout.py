@@ -1,0 +1,201 @@
+"""Backbone-agnostic rollouts: sample a batch of trajectories and keep what training needs.
+
+A rollout starts from packed initial latents z_0 (sigma_0 = 1) and takes N transitions
+z_k -> z_{k+1} from sigmas[k] to sigmas[k+1]: at each step one batched call
+v = predict(z_k, t_k, cond) over the whole batch, then samplers.sde.step with the step's transition:
+
+    * full SDE (DanceGRPO ``dance`` or Flow-GRPO ``flow``): every step is stochastic;
+    * Flow-GRPO-Fast: SDE only in a window [start, start + size) of consecutive steps, ODE
+      elsewhere; ``draw_sde_window`` draws start per rollout uniformly from [lo, hi - size], so the
+      window lies inside [lo, hi);
+    * ``ode``: every step deterministic (evaluation, and the zero-noise check against diffusers).
+
+t_k is sigma_k, or DanceGRPO's floor(1000 sigma_k) / 1000 with ``quantize_timesteps``; the SDE
+always uses the exact sigmas. Trainable transitions are the stochastic ones except the last
+(k = N - 1, whose tiny sigma makes the Gaussian too peaked to train on; both references drop it).
+Latents and log-probs are stored in float32 so recomputing a transition sees exactly what the
+rollout saw. Everything stays on the latents' device; the loop runs under no_grad (not
+inference_mode, so stored latents can later be inputs of a graph with gradients).
+
+The shared initial noise of a group comes from a generator seeded by the group's own seed, so a
+group's G samples start from the same z_0 and differ only by the SDE noise (``group_noise``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from samplers.schedule import network_timesteps
+from samplers.sde import SDE, StepOutput, step
+
+Predict = Callable[[Tensor, Tensor, Any], Tensor]  # (z [B, ...], t [B], cond with B rows) -> v [B, ...]
+ODE = SDE(kind="ode")
+
+
+def draw_sde_window(
+    num_steps: int, *, size: int, window_range: tuple[int, int], generator: torch.Generator | None = None
+) -> tuple[int, int]:
+    """Flow-GRPO-Fast: (start, start + size) with start uniform in [lo, hi - size], drawn with the
+    CPU ``generator`` (share it across ranks: the window decides how many transitions train)."""
+    lo, hi = window_range
+    if size < 1 or lo < 0 or lo + size > hi or hi > num_steps:
+        raise ValueError(
+            f"sampler.sde_window_range={tuple(window_range)} with sde_window_size={size} needs "
+            f"0 <= lo, lo + size <= hi <= num_steps = {num_steps}"
+        )
+    start = lo + int(torch.randint(hi - size - lo + 1, (1,), generator=generator))
+    return start, start + size
+
+
+def stochastic_steps(num_steps: int, sde: SDE, sde_window: tuple[int, int] | None = None) -> Tensor:
+    """[N] bool (CPU): the SDE steps: all (or those in [start, stop)) unless ``sde`` is the ODE."""
+    if not sde.stochastic:
+        return torch.zeros(num_steps, dtype=torch.bool)
+    if sde_window is None:
+        return torch.ones(num_steps, dtype=torch.bool)
+    start, stop = sde_window
+    if not 0 <= start < stop <= num_steps:
+        raise ValueError(f"sde_window must satisfy 0 <= start < stop <= num_steps = {num_steps}, got {sde_window}")
+    steps = torch.arange(num_steps)
+    return (steps >= start) & (steps < stop)
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """A batch of sampled trajectories. B rows, N transitions; ``...`` is the packed latent shape."""
+
+    latents: Tensor  # [B, N+1, ...] float32; latents[:, k] is z at sigmas[k]
+    timesteps: Tensor  # [N] t fed to the transformer at step k
+    sigmas: Tensor  # [N+1] noise levels, 1 -> 0
+    log_probs: Tensor  # [B, N] float32 log p(z_{k+1} | z_k) at sampling time; 0 at ODE steps
+    stochastic: Tensor  # [N] bool (CPU): step k is an SDE step
+    trainable: Tensor  # [N] bool (CPU): stochastic and not the last transition
+    velocities: Tensor | None  # [B, N, ...] float32 v(z_k, t_k), when kept
+    cond: Any  # the Conditioning the rollout used, B rows
+    group_ids: Tensor  # [B] id of each row's group (rows of one group share z_0)
+    sde: SDE  # the transition taken at stochastic steps
+    sigma_guard: float  # sigmas[1]: Flow-GRPO's stand-in for sigma in 1 / (1 - sigma) at sigma = 1
+
+    @property
+    def num_steps(self) -> int:
+        return self.timesteps.shape[0]
+
+    @property
+    def num_transitions(self) -> int:
+        """M = N - 1: the transitions that can train (the last never does); JAGG routing uses it."""
+        return self.num_steps - 1
+
+    @property
+    def batch_size(self) -> int:
+        return self.latents.shape[0]
+
+    def trainable_steps(self) -> list[int]:
+        return [k for k, flag in enumerate(self.trainable.tolist()) if flag]
+
+    def index(self, rows: Tensor | Sequence[int]) -> Trajectory:
+        """The trajectories of ``rows`` only (e.g. a training micro-batch)."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.latents.device)
+        velocities = None if self.velocities is None else self.velocities[rows]
+        return replace(
+            self,
+            latents=self.latents[rows],
+            log_probs=self.log_probs[rows],
+            velocities=velocities,
+            cond=self.cond.index(rows),
+            group_ids=self.group_ids[rows.to(self.group_ids.device)],
+        )
+
+
+def group_noise(
+    initial_noise: Callable[..., Tensor],
+    seeds: Sequence[int],
+    *,
+    group_size: int,
+    height: int,
+    width: int,
+    device: torch.device | str = "cpu",
+) -> Tensor:
+    """Initial latents [len(seeds) * group_size, ...]: one draw per seed from
+    ``initial_noise(1, height=, width=, generator=)`` with a generator on ``device`` seeded by it,
+    repeated for the group's G rows (row i belongs to group i // G)."""
+    rows = [
+        initial_noise(1, height=height, width=width, generator=torch.Generator(device).manual_seed(int(seed)))
+        for seed in seeds
+    ]
+    return torch.cat(rows).repeat_interleave(group_size, dim=0)
+
+
+@torch.no_grad()
+def rollout(
+    predict: Predict,
+    cond: Any,
+    noise: Tensor,
+    *,
+    sigmas: Tensor,
+    sde: SDE,
+    sde_window: tuple[int, int] | None = None,
+    group_ids: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    quantize_timesteps: bool = False,
+    keep_velocities: bool = False,
+) -> Trajectory:
+    """Sample B trajectories from ``noise`` [B, ...] (z_0) with ``cond`` (B rows).
+
+    ``sigmas`` [N+1] fix the schedule; ``sde`` is taken at every step, or only in ``sde_window``
+    = (start, stop) with ODE steps elsewhere; ``group_ids`` [B] default to one group per row;
+    ``generator`` (on the latents' device) draws the SDE noise; ``keep_velocities`` stores every
+    v(z_k, t_k).
+    """
+    num_steps, batch, device = sigmas.shape[0] - 1, noise.shape[0], noise.device
+    stochastic = stochastic_steps(num_steps, sde, sde_window)
+    if group_ids is None:
+        group_ids = torch.arange(batch, device=device)
+    if group_ids.shape != (batch,):
+        raise ValueError(f"group_ids must be [B] = [{batch}], got {tuple(group_ids.shape)}")
+    sigma_guard = float(sigmas[1])  # read before moving: no device sync
+    timesteps = network_timesteps(sigmas, quantize=quantize_timesteps).to(device, torch.float32)
+    sigmas = sigmas.to(device)
+    latents = torch.empty((batch, num_steps + 1, *noise.shape[1:]), device=device, dtype=torch.float32)
+    latents[:, 0] = noise
+    log_probs = torch.zeros(batch, num_steps, device=device, dtype=torch.float32)
+    velocities = torch.empty_like(latents[:, 1:]) if keep_velocities else None
+    for k, is_sde in enumerate(stochastic.tolist()):
+        z = latents[:, k]
+        v = predict(z, timesteps[k].expand(batch), cond)
+        out = step(sde if is_sde else ODE, v, z, sigmas[k], sigmas[k + 1], generator=generator, sigma_guard=sigma_guard)
+        latents[:, k + 1] = out.next_z
+        if out.log_prob is not None:
+            log_probs[:, k] = out.log_prob
+        if velocities is not None:
+            velocities[:, k] = v
+    return Trajectory(
+        latents=latents,
+        timesteps=timesteps,
+        sigmas=sigmas,
+        log_probs=log_probs,
+        stochastic=stochastic,
+        trainable=stochastic & (torch.arange(num_steps) < num_steps - 1),
+        velocities=velocities,
+        cond=cond,
+        group_ids=group_ids,
+        sde=sde,
+        sigma_guard=sigma_guard,
+    )
+
+
+def transition(traj: Trajectory, k: int, v: Tensor, rows: Tensor | Sequence[int] | None = None) -> StepOutput:
+    """Transition k of the stored trajectories re-scored under velocity ``v`` [B', ...] (B' =
+    len(rows), or B): ``log_prob`` [B'] of the stored z_{k+1}, and ``mean``/``std`` for a KL term.
+    Differentiable in ``v``."""
+    if not bool(traj.stochastic[k]):
+        raise ValueError(f"transition {k} is an ODE step; it has no log-probability to train on")
+    z, next_z = traj.latents[:, k], traj.latents[:, k + 1]
+    if rows is not None:
+        rows = torch.as_tensor(rows, dtype=torch.long, device=z.device)
+        z, next_z = z[rows], next_z[rows]
+    return step(traj.sde, v, z, traj.sigmas[k], traj.sigmas[k + 1], next_z=next_z, sigma_guard=traj.sigma_guard)
