@@ -23,8 +23,15 @@ from train.grpo import ppo_step_loss
 from train.jagg import UPDATE_MODES, backward_group
 
 SMALL_FLUX = dict(
-    patch_size=1, in_channels=64, num_layers=4, num_single_layers=4, attention_head_dim=64,
-    num_attention_heads=4, joint_attention_dim=256, pooled_projection_dim=256, guidance_embeds=True,
+    patch_size=1,
+    in_channels=64,
+    num_layers=4,
+    num_single_layers=4,
+    attention_head_dim=64,
+    num_attention_heads=4,
+    joint_attention_dim=256,
+    pooled_projection_dim=256,
+    guidance_embeds=True,
     axes_dims_rope=[16, 24, 24],
 )
 IMAGE_TOKENS, TEXT_TOKENS = 256, 32
@@ -108,8 +115,10 @@ def main() -> None:
     f, b = time_forward_backward(model, predict, z, t, args.reps)
     w = args.window
     exact = statistics.median(times["exact"])
-    print(f"small Flux, {IMAGE_TOKENS} image + {TEXT_TOKENS} text tokens, W={w}, batch={args.batch}, "
-          f"float32, {torch.get_num_threads()} threads, median of {args.reps}")
+    print(
+        f"small Flux, {IMAGE_TOKENS} image + {TEXT_TOKENS} text tokens, W={w}, batch={args.batch}, "
+        f"float32, {torch.get_num_threads()} threads, median of {args.reps}"
+    )
     print(f"one step: forward F = {f * 1e3:.1f} ms, backward B = {b * 1e3:.1f} ms (B/F = {b / f:.2f})")
     print(f"per-step floor (W F + 2 B) / (W F + W B) = {(w * f + 2 * b) / (w * f + w * b):.3f}")
     print(f"{'mode':<16}{'median ms':>10}{'/ exact':>9}")

@@ -121,16 +121,29 @@ def test_shifted_sigmas():
     [
         (dict(shift=3.0, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096), 1024, 28),
         (
-            dict(shift=1.0, base_shift=0.5, max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192,
-                 shift_terminal=0.02, time_shift_type="exponential"),
-            64, 7,
+            dict(
+                shift=1.0,
+                base_shift=0.5,
+                max_shift=0.9,
+                base_image_seq_len=256,
+                max_image_seq_len=8192,
+                shift_terminal=0.02,
+                time_shift_type="exponential",
+            ),
+            64,
+            7,
         ),
     ],
 )
 def test_dynamic_sigmas_equal_diffusers(kwargs, seq_len, steps):
     sched = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, **kwargs)
-    mu = dynamic_shift_mu(seq_len, base_seq_len=kwargs["base_image_seq_len"], max_seq_len=kwargs["max_image_seq_len"],
-                          base_shift=kwargs["base_shift"], max_shift=kwargs["max_shift"])
+    mu = dynamic_shift_mu(
+        seq_len,
+        base_seq_len=kwargs["base_image_seq_len"],
+        max_seq_len=kwargs["max_image_seq_len"],
+        base_shift=kwargs["base_shift"],
+        max_shift=kwargs["max_shift"],
+    )
     sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
     ours = dynamic_sigmas(steps, mu, shift_terminal=kwargs.get("shift_terminal"))
     assert torch.equal(ours, sched.sigmas.to(ours.dtype))

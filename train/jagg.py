@@ -242,6 +242,5 @@ def plan_groups(
         picked = torch.randperm(len(groups), generator=generator)[:num_picked].tolist()
         groups = [groups[i] for i in sorted(picked)]
     return [
-        GroupPlan(a, b, route(a, b, mode=mode, jagg_frac=jagg_frac, num_transitions=num_transitions))
-        for a, b in groups
+        GroupPlan(a, b, route(a, b, mode=mode, jagg_frac=jagg_frac, num_transitions=num_transitions)) for a, b in groups
     ]

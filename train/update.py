@@ -1,0 +1,144 @@
+"""The update stage of one training step: stored transitions -> accumulated policy gradients.
+
+Samples are processed in micro-batches of ``grpo.micro_batch`` rows. For each micro-batch the
+trainable transitions are planned into groups of W (``train.jagg.plan_groups``) and each group
+goes through ``train.jagg.backward_group`` with the real per-step loss
+
+    L_k = PPO-clip(logp_theta(z_{k+1} | z_k), logp_old, A) + kl_beta * KL(mean_theta || mean_ref),
+
+scaled by (rows / gradient_accumulation_steps) / (trained transitions), so that one optimizer
+step sees the mean over its samples and their trained transitions.
+
+The plan (which groups train, Flow-GRPO-Fast's window) is drawn from a generator shared by all
+ranks, never a per-rank one: under FSDP every rank must run the same sequence of forward and
+backward calls, or the collectives would deadlock.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from samplers.rollout import Trajectory, transition
+from train.grpo import kl_to_reference, ppo_step_loss
+from train.jagg import GroupPlan, backward_group, plan_groups
+
+Predict = Callable[[Tensor, Tensor, object], Tensor]  # (z [B, ...], t [B], cond) -> v
+
+
+@dataclass
+class UpdateStats:
+    """Sums over one update stage; ``summary`` turns them into loggable means."""
+
+    metric_sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    num_step_losses: int = 0
+    grad_forwards: int = 0
+    nograd_forwards: int = 0
+    backward_calls: int = 0
+    groups: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add_step(self, loss: Tensor, metrics: dict[str, Tensor]) -> None:
+        self.metric_sums["loss"] += float(loss)
+        for name, value in metrics.items():
+            self.metric_sums[name] += float(value)
+        self.num_step_losses += 1
+
+    def summary(self) -> dict[str, float]:
+        n = max(self.num_step_losses, 1)
+        out = {f"train/{k}": v / n for k, v in self.metric_sums.items()}
+        out.update(
+            {
+                "count/grad_forwards": self.grad_forwards,
+                "count/nograd_forwards": self.nograd_forwards,
+                "count/backward_calls": self.backward_calls,
+            }
+        )
+        out.update({f"count/groups_{mode}": num for mode, num in self.groups.items()})
+        return out
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    mode: str
+    window: int
+    jagg_frac: float
+    timestep_fraction: float
+    clip_range: float
+    kl_beta: float
+    gradient_accumulation_steps: int
+
+
+def plan_for(traj: Trajectory, settings: UpdateSettings, generator: torch.Generator) -> list[GroupPlan]:
+    trainable = torch.nonzero(traj.trainable).flatten().tolist()
+    return plan_groups(
+        trainable,
+        window=settings.window,
+        mode=settings.mode,
+        jagg_frac=settings.jagg_frac,
+        num_transitions=traj.num_transitions,
+        timestep_fraction=settings.timestep_fraction,
+        generator=generator,
+    )
+
+
+def _tiled(cond, rows: int):
+    """Conditioning for a batched call over several steps: the micro-batch rows tiled."""
+    reps = rows // cond.batch_size
+    return cond if reps == 1 else type(cond).cat([cond] * reps)
+
+
+def update_micro_batch(
+    predict: Predict,
+    traj: Trajectory,
+    advantages: Tensor,
+    rows: Tensor,
+    plan: list[GroupPlan],
+    settings: UpdateSettings,
+    stats: UpdateStats,
+    *,
+    reference: Predict | None = None,
+) -> None:
+    """Accumulate the gradient of the micro-batch ``rows`` over the planned groups."""
+    cond = traj.cond.index(rows)
+    adv = advantages[rows]
+    trained = sum(p.stop - p.start for p in plan)
+    scale = (len(rows) / settings.gradient_accumulation_steps) / trained
+
+    def policy(z: Tensor, t: Tensor) -> Tensor:
+        return predict(z, t, _tiled(cond, z.shape[0]))
+
+    for group in plan:
+        ks = list(range(group.start, group.stop))
+        z = [traj.latents[rows, k] for k in ks]
+        t = traj.timesteps[ks]
+        ref_v = _reference_velocities(reference, z, t, cond) if settings.kl_beta > 0 else None
+
+        def step_loss(j: int, v: Tensor, ks=ks, ref_v=ref_v) -> Tensor:
+            out = transition(traj, ks[j], v, rows)
+            loss, metrics = ppo_step_loss(
+                out.log_prob, traj.log_probs[rows, ks[j]], adv, clip_range=settings.clip_range
+            )
+            if ref_v is not None:
+                ref_mean = transition(traj, ks[j], ref_v[j], rows).mean
+                kl = kl_to_reference(out.mean, ref_mean, out.std)
+                loss = loss + settings.kl_beta * kl
+                metrics = {**metrics, "kl": kl.detach()}
+            stats.add_step(loss.detach(), metrics)
+            return loss * scale
+
+        result = backward_group(group.mode, policy, step_loss, z, t)
+        stats.grad_forwards += result.grad_forwards
+        stats.nograd_forwards += result.nograd_forwards + (len(ks) if ref_v is not None else 0)
+        stats.backward_calls += result.backward_calls
+        stats.groups[group.mode] += 1
+
+
+@torch.no_grad()
+def _reference_velocities(reference: Predict | None, z: list[Tensor], t: Tensor, cond) -> list[Tensor]:
+    if reference is None:
+        raise ValueError("grpo.kl_beta > 0 needs a reference policy")
+    return [reference(z_j, t_j.expand(z_j.shape[0]), cond) for z_j, t_j in zip(z, t)]
