@@ -199,7 +199,8 @@ def _validate_grpo(g: GRPOConfig) -> None:
         )
     if g.gradient_accumulation_steps % g.micro_batch:
         raise ValueError(
-            f"grpo.micro_batch={g.micro_batch} must divide grpo.gradient_accumulation_steps={g.gradient_accumulation_steps}"
+            f"grpo.micro_batch={g.micro_batch} must divide "
+            f"grpo.gradient_accumulation_steps={g.gradient_accumulation_steps}"
         )
     for name in ("clip_range", "max_grad_norm"):
         _positive(getattr(g, name), f"grpo.{name}")
