@@ -22,7 +22,7 @@ system). A crash at any earlier point leaves only a ``.tmp`` folder, which ``lat
 the next save deletes, so the previous checkpoint stays the latest usable one.
 
 In a single process there is no process group: DCP is called with ``no_dist=True`` (it would
-otherwise guess the same and warn) and ``get_state_dict`` works on the unsharded model.
+otherwise guess the same; its warning is silenced) and ``get_state_dict`` works on the unsharded model.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import random
 import re
 import shutil
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +116,14 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+@contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """Silence DCP's "assuming ... a single process" warning: that is our explicit no_dist choice."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def _train_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
@@ -172,7 +182,8 @@ class CheckpointManager:
         state = _train_state(model, optimizer)
         if sharded_extra:
             state["extra"] = sharded_extra
-        dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
+        with _single_process_ok():
+            dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
         local = {
             "step": step,
             "world_size": get_world_size(),
@@ -221,7 +232,8 @@ class CheckpointManager:
         state = _train_state(model, optimizer)
         if local["sharded_extra_keys"]:
             state["extra"] = sharded_template
-        dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
+        with _single_process_ok():
+            dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
         if optimizer is None:
             set_model_state_dict(model, state["model"])
         else:
@@ -318,7 +330,10 @@ def _export_diffusers_lora(
     lora = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter_name)
     config = model.peft_config[adapter_name].to_dict()
     config = {key: sorted(value) if isinstance(value, set) else value for key, value in config.items()}
-    metadata = {"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(config, indent=2, sort_keys=True)}
+    # Like a pipeline's save_lora_weights: tensor keys and adapter-config keys carry the component prefix.
+    tag = f"{prefix}." if prefix else ""
+    tensors = {f"{tag}{key}": value.contiguous() for key, value in lora.items()}
+    packed = {f"{tag}{key}": value for key, value in config.items()}
+    metadata = {"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True)}
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {f"{prefix}.{key}" if prefix else key: value.contiguous() for key, value in lora.items()}
     save_file(tensors, str(out / LORA_WEIGHT_NAME_SAFE), metadata=metadata)

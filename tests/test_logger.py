@@ -1,0 +1,159 @@
+"""RunLogger (JSONL, sample grids, wandb offline and wandb failures), PhaseTimer, progress bar."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+
+import pytest
+import torch
+import wandb
+from PIL import Image
+
+from train.logger import PhaseTimer, RunLogger, image_grid, progress_bar
+
+
+def read_lines(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_jsonl_has_one_flushed_line_per_call(tmp_path) -> None:
+    logger = RunLogger(tmp_path, is_main=True)
+    logger.log({"loss": torch.tensor(0.25), "reward/hps": 0.5, "count/grad_forwards": 4}, step=1)
+    # flushed at once: readable before finish()
+    assert read_lines(tmp_path)[0]["loss"] == 0.25
+    logger.log({"loss": torch.tensor([1.5], dtype=torch.bfloat16)}, step=2)
+    logger.finish()
+    first, second = read_lines(tmp_path)
+    assert {k: first[k] for k in ("step", "loss", "reward/hps", "count/grad_forwards")} == {
+        "step": 1,
+        "loss": 0.25,
+        "reward/hps": 0.5,
+        "count/grad_forwards": 4.0,
+    }
+    assert isinstance(first["count/grad_forwards"], float) and first["wall_time"] >= 0
+    assert (second["step"], second["loss"]) == (2, 1.5)
+
+
+def test_rejects_non_scalar_metrics_and_unknown_mode(tmp_path) -> None:
+    logger = RunLogger(tmp_path, is_main=True)
+    with pytest.raises(ValueError, match="'rewards'"):
+        logger.log({"rewards": torch.zeros(3)}, step=0)
+    with pytest.raises(ValueError, match="wandb_mode"):
+        RunLogger(tmp_path, is_main=True, wandb_mode="cloud")
+
+
+def test_off_rank_zero_nothing_is_written(tmp_path, monkeypatch) -> None:
+    def must_not_run(**kwargs):
+        raise AssertionError("wandb.init called off rank 0")
+
+    monkeypatch.setattr(wandb, "init", must_not_run)
+    run_dir = tmp_path / "run"
+    logger = RunLogger(run_dir, is_main=False, wandb_mode="offline")
+    logger.log({"loss": 1.0}, step=0)
+    assert logger.log_images("samples", torch.rand(1, 3, 4, 4), ["a"], step=0) is None
+    logger.finish()
+    assert not run_dir.exists()
+
+
+def test_log_images_writes_grid_and_captions(tmp_path) -> None:
+    logger = RunLogger(tmp_path, is_main=True)
+    images = torch.zeros(4, 3, 8, 8)
+    images[1] = 1.0  # second image white
+    path = logger.log_images("train/samples", images, ["a cat", "a dog", "x", "y"], step=7)
+    assert path == tmp_path / "samples" / "train_samples_00000007.png"
+    grid = Image.open(path)
+    assert grid.size == (2 * 8 + 3 * 2, 2 * 8 + 3 * 2)  # 2 x 2 images, 2-pixel padding
+    assert grid.getpixel((2 + 8 + 2 + 3, 2 + 3)) == (255, 255, 255)  # inside the second image
+    assert grid.getpixel((2 + 3, 2 + 3)) == (0, 0, 0)
+    assert path.with_suffix(".txt").read_text().splitlines() == ["a cat", "a dog", "x", "y"]
+    with pytest.raises(ValueError, match="captions"):
+        logger.log_images("s", images, ["only one"], step=8)
+
+
+def test_image_grid_checks_layout() -> None:
+    assert image_grid(torch.rand(3, 3, 4, 4), num_columns=3).size == (3 * 4 + 4 * 2, 4 + 2 * 2)
+    with pytest.raises(ValueError, match=r"\[B, 3, H, W\]"):
+        image_grid(torch.rand(3, 4, 4))
+
+
+def test_wandb_init_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch) -> None:
+    def broken_init(**kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(wandb, "init", broken_init)
+    with pytest.warns(RuntimeWarning, match="no network"):
+        logger = RunLogger(tmp_path, is_main=True, wandb_mode="online", project="p", config={"a": 1})
+    assert not logger.wandb_active
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no further warning
+        logger.log({"loss": 1.0}, step=1)
+        logger.finish()
+    assert read_lines(tmp_path)[0]["loss"] == 1.0
+
+
+class BrokenRun:
+    def __init__(self) -> None:
+        self.log_calls = 0
+
+    def log(self, *args, **kwargs) -> None:
+        self.log_calls += 1
+        raise OSError("disk full")
+
+    def finish(self) -> None:
+        raise AssertionError("a failed run is not used again")
+
+
+def test_wandb_log_failure_disables_wandb_for_the_run(tmp_path, monkeypatch) -> None:
+    run = BrokenRun()
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: run)
+    logger = RunLogger(tmp_path, is_main=True, wandb_mode="offline")
+    assert logger.wandb_active
+    with pytest.warns(RuntimeWarning, match="disk full"):
+        logger.log({"loss": 1.0}, step=1)
+    logger.log({"loss": 2.0}, step=2)
+    logger.log_images("samples", torch.rand(1, 3, 4, 4), ["a"], step=2)
+    logger.finish()
+    assert run.log_calls == 1
+    assert [line["loss"] for line in read_lines(tmp_path)] == [1.0, 2.0]
+
+
+def test_wandb_offline_writes_into_run_dir(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("WANDB_SILENT", raising=False)  # restored after the test
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    logger = RunLogger(
+        tmp_path, is_main=True, wandb_mode="offline", project="p", group="exp", name="jagg-s0", tags=["jagg", "seed0"]
+    )
+    assert logger.wandb_active
+    logger.log({"loss": 0.5}, step=1)
+    logger.log_images("samples", torch.rand(2, 3, 4, 4), ["a", "b"], step=1)
+    logger.finish()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert os.environ["WANDB_SILENT"] == "true"
+
+
+def test_phase_timer_accumulates_and_resets() -> None:
+    timer = PhaseTimer()
+    for _ in range(2):
+        with timer.phase("rollout"):
+            time.sleep(0.01)
+    with timer.phase("reward"):
+        pass
+    times = timer.pop()
+    assert set(times) == {"time/rollout", "time/reward"}
+    assert 0.02 <= times["time/rollout"] < 1.0
+    assert times["time/reward"] < times["time/rollout"]
+    assert timer.pop() == {}
+    with pytest.raises(KeyError), timer.phase("update"):
+        raise KeyError("failed step")
+    assert "time/update" in timer.pop()  # time of a failed phase is still counted
+
+
+def test_progress_bar_only_on_rank_zero() -> None:
+    assert progress_bar(10, is_main=False).disable
+    bar = progress_bar(10, is_main=True, initial=3)
+    assert not bar.disable and bar.n == 3
+    bar.close()
