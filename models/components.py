@@ -10,12 +10,15 @@ naming the component and the path.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from diffusers.utils import logging as diffusers_logging
+from transformers.utils import logging as transformers_logging
 
 DTYPES = {
     "float32": torch.float32,
@@ -34,6 +37,20 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+@contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """No per-file progress bars from diffusers / transformers while loading or saving (one line
+    per component per rank otherwise)."""
+    libraries = [lib for lib in (diffusers_logging, transformers_logging) if lib.is_progress_bar_enabled()]
+    for lib in libraries:
+        lib.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for lib in libraries:
+            lib.enable_progress_bar()
 
 
 @dataclass(frozen=True)
@@ -96,11 +113,11 @@ def read_config(backbone: str, comp: Component, folder: Path) -> dict[str, Any]:
 def load_component(backbone: str, comp: Component, folder: Path, *, dtype: torch.dtype) -> Any:
     """Load one checked component; weights that do not fit the config raise ValueError naming it."""
     try:
-        if comp.is_module:
+        with quiet_progress_bars():
+            if not comp.is_module:
+                return comp.loader.from_pretrained(folder)
             module = comp.loader.from_pretrained(folder, dtype=dtype)
-            module.eval().requires_grad_(False)
-            return module
-        return comp.loader.from_pretrained(folder)
+        return module.eval().requires_grad_(False)
     except (OSError, RuntimeError, ValueError) as err:
         raise ValueError(f"{backbone}: could not load component {comp.name!r} from {folder}: {err}") from err
 

@@ -47,6 +47,8 @@ from transformers import (
     T5Tokenizer,
 )
 
+from models.components import quiet_progress_bars
+
 SIZES = ("tiny", "small")
 MARKER = "tiny_build.json"
 CLIP_MERGES = 1000
@@ -61,6 +63,19 @@ QWEN_SPECIAL_TOKENS = [
     "<|image_pad|>",
     "<|video_pad|>",
 ]
+# transformer blocks per size (the small ones are the CPU benchmark configuration of the stack probe)
+FLUX_BLOCKS = {
+    "tiny": dict(
+        num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2, axes_dims_rope=[4, 4, 8]
+    ),
+    "small": dict(
+        num_layers=4, num_single_layers=4, attention_head_dim=64, num_attention_heads=4, axes_dims_rope=[16, 24, 24]
+    ),
+}
+QWEN_BLOCKS = {
+    "tiny": dict(num_layers=2, attention_head_dim=16, num_attention_heads=3, axes_dims_rope=(8, 4, 4)),
+    "small": dict(num_layers=4, attention_head_dim=64, num_attention_heads=4, axes_dims_rope=(16, 24, 24)),
+}
 T5_WORDS = ["a", "an", "the", "photo", "of", "cat", "dog", "red", "blue", "on", "in", "with", "and", "painting"]
 
 
@@ -101,8 +116,7 @@ def qwen2_tokenizer() -> Qwen2Tokenizer:
 
 
 def _flux_pipeline(size: str) -> FluxPipeline:
-    small = size == "small"
-    width, latent_ch = (256, 16) if small else (32, 4)
+    width, latent_ch = (256, 16) if size == "small" else (32, 4)
     tok, tok2 = clip_tokenizer(), t5_tokenizer(32)
     text_encoder = CLIPTextModel(
         CLIPTextConfig(
@@ -143,22 +157,13 @@ def _flux_pipeline(size: str) -> FluxPipeline:
         shift_factor=0.0609,
         scaling_factor=1.5035,
     )
-    layers = (
-        dict(
-            num_layers=4, num_single_layers=4, attention_head_dim=64, num_attention_heads=4, axes_dims_rope=[16, 24, 24]
-        )
-        if small
-        else dict(
-            num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2, axes_dims_rope=[4, 4, 8]
-        )
-    )
     transformer = FluxTransformer2DModel(
         patch_size=1,
         in_channels=4 * latent_ch,
         joint_attention_dim=width,
         pooled_projection_dim=width,
         guidance_embeds=True,
-        **layers,
+        **FLUX_BLOCKS[size],
     )
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0,
@@ -220,8 +225,7 @@ def _qwen_text_encoder(tok: Qwen2Tokenizer, width: int) -> Qwen2_5_VLForConditio
 
 
 def _qwen_pipeline(size: str) -> QwenImagePipeline:
-    small = size == "small"
-    width, z_dim = (256, 16) if small else (16, 4)
+    width, z_dim = (256, 16) if size == "small" else (16, 4)
     tok = qwen2_tokenizer()
     generator = torch.Generator().manual_seed(1)
     # non-trivial per-channel statistics, so decoding tests see the VAE's own scaling
@@ -234,18 +238,13 @@ def _qwen_pipeline(size: str) -> QwenImagePipeline:
         latents_mean=(0.1 * torch.randn(z_dim, generator=generator)).tolist(),
         latents_std=(0.5 + torch.rand(z_dim, generator=generator)).tolist(),
     )
-    layers = (
-        dict(num_layers=4, attention_head_dim=64, num_attention_heads=4, axes_dims_rope=(16, 24, 24))
-        if small
-        else dict(num_layers=2, attention_head_dim=16, num_attention_heads=3, axes_dims_rope=(8, 4, 4))
-    )
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
         in_channels=4 * z_dim,
         out_channels=z_dim,
         joint_attention_dim=width,
         guidance_embeds=False,
-        **layers,
+        **QWEN_BLOCKS[size],
     )
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=1.0,
@@ -280,7 +279,7 @@ def _build(path: str | Path, kind: str, size: str, seed: int, make: Callable[[st
         raise ValueError(f"{path} exists and is not a complete tiny build; remove it or pick another folder")
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), quiet_progress_bars():
         torch.manual_seed(seed)
         make(size).save_pretrained(tmp)
     (tmp / MARKER).write_text(json.dumps(spec))
