@@ -144,9 +144,9 @@ def count_pass(rank: int, batch: dict[str, torch.Tensor], ref_grads: list[torch.
         loss.backward()
     out.update(
         num_fsdp_modules=sum(isinstance(m, FSDPModule) for m in model.modules()),
-        forward_all_gathers=fwd.all_gather,
-        backward_all_gathers=bwd.all_gather,
-        backward_reduce_scatters=bwd.reduce_scatter,
+        forward_all_gathers=fwd.num_all_gathers,
+        backward_all_gathers=bwd.num_all_gathers,
+        backward_reduce_scatters=bwd.num_reduce_scatters,
         checkpointed_grad_diff=max_diff([p.grad for p in model.parameters()], ref_grads),
     )
 

@@ -215,3 +215,20 @@ def test_export_peft_model_adapter(tmp_path) -> None:
 def test_export_rejects_plain_modules(tmp_path) -> None:
     with pytest.raises(ValueError, match="ModelMixin"):
         export_model(torch.nn.Linear(2, 2), tmp_path)
+
+
+def test_load_with_other_world_size_keeps_state_but_not_rng(tmp_path, trained) -> None:
+    model, optimizer, _ = trained
+    manager = CheckpointManager(tmp_path)
+    path = manager.save(2, model=model, optimizer=optimizer, extra={"step": 2})
+    marker = path / "COMPLETE"
+    marker.write_text(json.dumps({"step": 2, "world_size": 4}))  # as if saved by 4 ranks
+    weights = snapshot(model)
+    train_step(model, optimizer)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    with pytest.warns(RuntimeWarning, match="world size 4"):
+        assert manager.load(path, model=model, optimizer=optimizer) == {"step": 2}
+    assert_same(snapshot(model), weights)
+    torch.testing.assert_close(torch.rand(3), expected, rtol=0, atol=0)  # RNG left as it was

@@ -150,7 +150,7 @@ def test_clip_grad_norm_hand_computed() -> None:
 def test_count_collectives_sees_none_in_one_process() -> None:
     with count_collectives() as counts:
         flux_loss(tiny_flux()).backward()
-    assert (counts.all_gather, counts.reduce_scatter, counts.all_reduce, counts.by_op) == (0, 0, 0, {})
+    assert (counts.num_all_gathers, counts.num_reduce_scatters, counts.num_all_reduces, counts.by_op) == (0, 0, 0, {})
 
 
 def test_seed_everything_is_per_rank_and_reproducible() -> None:

@@ -10,12 +10,6 @@ Layout of ``run_dir/checkpoints/step_00000040/``:
   states differ per rank, so they are per-rank files, not DCP entries (DCP would keep rank 0's).
 * ``COMPLETE``: a JSON marker (step, world size).
 
-``export_model`` gathers the full (unsharded) state dict to rank 0's CPU and writes the
-transformer as diffusers ``save_pretrained`` output (loadable with ``from_pretrained``), a LoRA
-injected with diffusers' ``add_adapter`` as ``pytorch_lora_weights.safetensors`` (keys prefixed
-with the pipeline component, loadable with ``pipe.load_lora_weights`` or
-``transformer.load_lora_adapter``), or a ``peft.PeftModel`` as a PEFT adapter folder.
-
 Atomicity: every rank writes into ``step_XXXXXXXX.tmp/``; after a barrier, rank 0 writes
 ``COMPLETE`` there and renames the folder to ``step_XXXXXXXX/`` (an atomic rename on one file
 system). A crash at any earlier point leaves only a ``.tmp`` folder, which ``latest()`` ignores and
@@ -23,6 +17,12 @@ the next save deletes, so the previous checkpoint stays the latest usable one.
 
 In a single process there is no process group: DCP is called with ``no_dist=True`` (it would
 otherwise guess the same; its warning is silenced) and ``get_state_dict`` works on the unsharded model.
+
+``export_model`` gathers the full (unsharded) state dict to rank 0's CPU and writes the
+transformer as diffusers ``save_pretrained`` output (loadable with ``from_pretrained``), a LoRA
+injected with diffusers' ``add_adapter`` as ``pytorch_lora_weights.safetensors`` (keys prefixed
+with the pipeline component, loadable with ``pipe.load_lora_weights`` or
+``transformer.load_lora_adapter``), or a ``peft.PeftModel`` as a PEFT adapter folder.
 """
 
 from __future__ import annotations

@@ -240,19 +240,19 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> Tens
 class CollectiveCounts:
     """Collectives issued inside ``count_collectives()``; filled as they run."""
 
-    all_gather: int = 0
-    reduce_scatter: int = 0
-    all_reduce: int = 0
+    num_all_gathers: int = 0
+    num_reduce_scatters: int = 0
+    num_all_reduces: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
 
     def add(self, name: str) -> None:
         self.by_op[name] = self.by_op.get(name, 0) + 1
         if "allgather" in name or "all_gather" in name:
-            self.all_gather += 1
+            self.num_all_gathers += 1
         elif "reduce_scatter" in name:
-            self.reduce_scatter += 1
+            self.num_reduce_scatters += 1
         elif "allreduce" in name or "all_reduce" in name:
-            self.all_reduce += 1
+            self.num_all_reduces += 1
 
 
 class _CollectiveCounter(TorchDispatchMode):
