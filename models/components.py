@@ -75,10 +75,6 @@ def component_folders(
     backbone: str, components: Collection[Component], root: str | Path | None, overrides: Mapping[str, str | Path]
 ) -> dict[str, Path]:
     """The folder of each component: ``overrides[name]`` or ``<root>/<name>``."""
-    known = {c.name for c in components}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ValueError(f"{backbone}: unknown component(s) {unknown}; known components are {sorted(known)}")
     folders = {}
     for comp in components:
         if comp.name in overrides and overrides[comp.name] is not None:

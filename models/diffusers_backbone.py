@@ -102,8 +102,13 @@ class DiffusersBackbone(Backbone):
         dtype = parse_dtype(dtype)
         cache = EmbeddingCache(embedding_cache) if embedding_cache is not None else None
         skipped = set(skip) | (set(cls.text_components) if cache is not None else set())
+        if skipped & set(overrides):
+            raise ValueError(
+                f"{cls.name}: folders given for components that are not loaded {sorted(skipped & set(overrides))} "
+                "(skipped, or text encoders replaced by the embedding cache); drop those settings"
+            )
         wanted = [c for c in cls.components if c.name not in skipped]
-        folders = component_folders(cls.name, wanted, path, {k: v for k, v in overrides.items() if k not in skipped})
+        folders = component_folders(cls.name, wanted, path, overrides)
         configs = {c.name: read_config(cls.name, c, folders[c.name]) for c in wanted}
         cls.check_components(configs, folders)
         modules = {c.name: load_component(cls.name, c, folders[c.name], dtype=dtype) for c in wanted}

@@ -41,7 +41,8 @@ class QwenImageConditioning(Conditioning):
     mask: Tensor  # [B, T] int64, 1 for real tokens
 
     def trim(self) -> QwenImageConditioning:
-        keep = int(self.mask.any(0).nonzero().max()) + 1 if bool(self.mask.any()) else 1
+        used = self.mask.any(0).nonzero()  # token columns some row needs
+        keep = int(used.max()) + 1 if len(used) else 1
         return QwenImageConditioning(self.prompt_embeds[:, :keep], self.mask[:, :keep])
 
 

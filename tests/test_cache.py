@@ -58,6 +58,8 @@ def test_missing_prompt_and_mismatched_cache_are_refused(caches, tmp_path):
         load_backbone("flux", folder, dtype="float32", embedding_cache=cache, max_sequence_length=16)
     with pytest.raises(ValueError, match="backbone: cache has 'flux', model has 'qwenimage'"):
         load_backbone("qwenimage", caches["qwenimage"][0], dtype="float32", embedding_cache=cache)
+    with pytest.raises(ValueError, match=r"not loaded \['text_encoder'\]"):
+        load_backbone("flux", folder, dtype="float32", embedding_cache=cache, text_encoder=folder / "text_encoder")
     with pytest.raises(FileNotFoundError, match="index.json does not exist"):
         EmbeddingCache(tmp_path / "nowhere")
     index = json.loads((cache / "index.json").read_text())

@@ -174,3 +174,21 @@ def test_jagg_paths_on_real_backbones(name, backbones):
     joint, sequential = _jagg_grads(backbone, traj, "jagg", 0, 3), _jagg_grads(backbone, traj, "jagg_sequential", 0, 3)
     for a, b in zip(joint, sequential):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["dance", "ode"])
+@pytest.mark.parametrize("name", ["flux", "qwenimage"])
+def test_rollout_never_reads_device_values(name, kind, tiny_flux_dir, tiny_qwenimage_dir):
+    """On the meta device any host copy or sync (.item(), .tolist(), .cpu(), bool(tensor)) raises,
+    so a full rollout there proves the loop and the adapter's predict keep latents on the device.
+    (The flow SDE is left out: samplers.sde checks sigma >= 1 with a host sync per step.)"""
+    folder = {"flux": tiny_flux_dir, "qwenimage": tiny_qwenimage_dir}[name]
+    backbone = load_backbone(name, folder, dtype="float32")
+    cond = backbone.encode(["a cat", "a red dog"]).to("meta")
+    backbone.to("meta")
+    noise = torch.empty(2, 8, 8, 16, device="meta")
+    sigmas = backbone.sigmas(3, height=32, width=32)
+    group_ids = torch.arange(2, device="meta")
+    traj = rollout(backbone.predict, cond, noise, sigmas=sigmas, sde=SDES.get(kind, ODE), group_ids=group_ids,
+                   keep_velocities=True)  # fmt: skip
+    assert traj.latents.device.type == "meta" and traj.latents.shape == (2, 4, 8, 8, 16)
