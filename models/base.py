@@ -14,7 +14,7 @@ Conventions shared by every adapter:
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -35,7 +35,7 @@ class Conditioning:
     def tensors(self) -> dict[str, Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    def _map(self: C, fn: Any) -> C:
+    def _map(self: C, fn: Callable[[Tensor], Tensor]) -> C:
         return replace(self, **{name: fn(value) for name, value in self.tensors().items()})
 
     @property

@@ -283,10 +283,8 @@ def _build(path: str | Path, kind: str, size: str, seed: int, make: Callable[[st
         torch.manual_seed(seed)
         make(size).save_pretrained(tmp)
     (tmp / MARKER).write_text(json.dumps(spec))
-    if path.exists():
-        path.rmdir()
     try:
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # atomic; replaces an empty folder, fails on a full one
     except OSError:  # another process finished the same build first
         shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -2,7 +2,8 @@
 
 For each backbone and size: build the pipeline folder (cached), load it, encode the prompts once,
 then time ``samplers.rollout.rollout`` (DanceGRPO SDE at every step, no decode) with and without
-kept velocities; best of ``--reps`` runs after one warm-up. Not a test.
+kept velocities, next to the same number of batched ``predict`` calls alone (the rollout's floor);
+best of ``--reps`` runs after one warm-up. Not a test.
 
     python scripts/bench_rollout.py --steps 10 --prompts 2 --group-size 4
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,6 +26,16 @@ from samplers.sde import SDE
 PROMPTS = ["a photo of a cat", "a red dog on the grass", "a bowl of fruit", "a mountain lake at sunset"]
 
 
+def _best_seconds(run: Callable[[int], None], reps: int) -> float:
+    """Best of ``reps`` timed calls after one warm-up: the least-disturbed run on a shared machine."""
+    seconds = []
+    for rep in range(reps + 1):
+        start = time.perf_counter()
+        run(rep)
+        seconds.append(time.perf_counter() - start)
+    return min(seconds[1:])
+
+
 def bench(name: str, size: str, folder: Path, args: argparse.Namespace) -> list[str]:
     backbone = load_backbone(name, build_tiny(name, folder / f"{name}_{size}", size=size), dtype="float32")
     pixels = IMAGE_SIZE[size]
@@ -33,25 +45,34 @@ def bench(name: str, size: str, folder: Path, args: argparse.Namespace) -> list[
         backbone.initial_noise, range(len(prompts)), group_size=args.group_size, height=pixels, width=pixels
     )
     sigmas = backbone.sigmas(args.steps, height=pixels, width=pixels, shift=3.0)
+    t = torch.full((noise.shape[0],), 0.5)
+
+    def predict_only(seed: int) -> None:  # the transformer calls alone: the floor of a rollout
+        with torch.no_grad():
+            for _ in range(args.steps):
+                backbone.predict(noise, t, cond)
+
+    def sample(seed: int, keep: bool) -> None:
+        rollout(
+            backbone.predict,
+            cond,
+            noise,
+            sigmas=sigmas,
+            sde=SDE("dance", eta=0.3),
+            generator=torch.Generator().manual_seed(seed),
+            keep_velocities=keep,
+        )
+
     rows = []
-    for keep in (False, True):
-        seconds = []
-        for rep in range(args.reps + 1):
-            start = time.perf_counter()
-            rollout(
-                backbone.predict,
-                cond,
-                noise,
-                sigmas=sigmas,
-                sde=SDE("dance", eta=0.3),
-                generator=torch.Generator().manual_seed(rep),
-                keep_velocities=keep,
-            )
-            seconds.append(time.perf_counter() - start)
-        best = min(seconds[1:])  # the first run is a warm-up; the least-disturbed run on a shared machine
+    for label, run in (
+        ("predict only ", predict_only),
+        ("rollout      ", lambda seed: sample(seed, False)),
+        ("rollout, keep v", lambda seed: sample(seed, True)),
+    ):
+        best = _best_seconds(run, args.reps)
         rows.append(
-            f"{name:10s} {size:6s} {pixels:4d}px {noise.shape[0]:3d} imgs {args.steps:3d} steps "
-            f"keep_v={keep!s:5s} {best:7.3f} s  {noise.shape[0] / best:8.2f} img/s"
+            f"{name:10s} {size:6s} {pixels:3d}px {noise.shape[0]:3d} imgs {args.steps:3d} steps  {label:16s}"
+            f"{best:7.3f} s {noise.shape[0] / best:8.2f} img/s"
         )
     return rows
 
