@@ -130,6 +130,14 @@ def group_noise(
     return torch.cat(rows).repeat_interleave(group_size, dim=0)
 
 
+def _sde_noise(generator: torch.Generator | Sequence[torch.Generator] | None, z: Tensor) -> Tensor:
+    """eps ~ N(0, I) shaped like z, float32: from one generator, or one per block of rows."""
+    if not isinstance(generator, Sequence):
+        return torch.randn(z.shape, generator=generator, device=z.device, dtype=torch.float32)
+    shape = (z.shape[0] // len(generator), *z.shape[1:])
+    return torch.cat([torch.randn(shape, generator=g, device=z.device, dtype=torch.float32) for g in generator])
+
+
 @torch.no_grad()
 def rollout(
     predict: Predict,
@@ -140,7 +148,7 @@ def rollout(
     sde: SDE,
     sde_window: tuple[int, int] | None = None,
     group_ids: Tensor | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
     quantize_timesteps: bool = False,
     keep_velocities: bool = False,
 ) -> Trajectory:
@@ -148,10 +156,13 @@ def rollout(
 
     ``sigmas`` [N+1] fix the schedule; ``sde`` is taken at every step, or only in ``sde_window``
     = (start, stop) with ODE steps elsewhere; ``group_ids`` [B] default to one group per row;
-    ``generator`` (on the latents' device) draws the SDE noise; ``keep_velocities`` stores every
-    v(z_k, t_k).
+    ``generator`` (on the latents' device) draws the SDE noise: one for the batch, or one per
+    block of B / len(generator) consecutive rows (e.g. per group, so a group's samples do not
+    depend on which other groups share the batch); ``keep_velocities`` stores every v(z_k, t_k).
     """
     num_steps, batch, device = sigmas.shape[0] - 1, noise.shape[0], noise.device
+    if isinstance(generator, Sequence) and (not generator or batch % len(generator)):
+        raise ValueError(f"{len(generator)} SDE-noise generators do not split a batch of {batch} rows evenly")
     stochastic = stochastic_steps(num_steps, sde, sde_window)
     if group_ids is None:
         group_ids = torch.arange(batch, device=device)
@@ -167,7 +178,11 @@ def rollout(
     for k, is_sde in enumerate(stochastic.tolist()):
         z = latents[:, k]
         v = predict(z, timesteps[k].expand(batch), cond)
-        out = step(sde if is_sde else ODE, v, z, sigmas[k], sigmas[k + 1], generator=generator, sigma_guard=sigma_guard)
+        if is_sde:
+            eps = _sde_noise(generator, z)
+            out = step(sde, v, z, sigmas[k], sigmas[k + 1], noise=eps, sigma_guard=sigma_guard)
+        else:
+            out = step(ODE, v, z, sigmas[k], sigmas[k + 1])
         latents[:, k + 1] = out.next_z
         if out.log_prob is not None:
             log_probs[:, k] = out.log_prob

@@ -192,3 +192,21 @@ def test_rollout_never_reads_device_values(name, kind, tiny_flux_dir, tiny_qweni
     traj = rollout(backbone.predict, cond, noise, sigmas=sigmas, sde=SDES.get(kind, ODE), group_ids=group_ids,
                    keep_velocities=True)  # fmt: skip
     assert traj.latents.device.type == "meta" and traj.latents.shape == (2, 4, 8, 8, 16)
+
+
+def test_per_group_generators_make_a_group_independent_of_its_batch():
+    """With one SDE-noise generator per group, a group samples the same trajectories alone or
+    batched with other groups (so a step does not depend on how groups spread over ranks)."""
+    sigmas = torch.linspace(1.0, 0.0, 5, dtype=torch.float64)
+    noise = torch.randn(2, 2, 2, 4, generator=torch.Generator().manual_seed(0)).repeat_interleave(2, dim=0)
+
+    def sample(rows: list[int], seeds: list[int]):
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        return rollout(_linear_predict([]), None, noise[rows], sigmas=sigmas, sde=SDES["dance"], generator=gens)
+
+    both, alone = sample([0, 1, 2, 3], [7, 8]), sample([2, 3], [8])
+    torch.testing.assert_close(both.latents[2:], alone.latents)
+    torch.testing.assert_close(both.log_probs[2:], alone.log_probs)
+    assert not torch.equal(both.latents[0, -1], both.latents[1, -1])  # rows of a group still differ
+    with pytest.raises(ValueError, match="do not split a batch of 4 rows"):
+        sample([0, 1, 2, 3], [7, 8, 9])
