@@ -7,6 +7,7 @@ concept-art, paintings and photo), where a category's mean is over the images of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -33,10 +34,12 @@ def summarize(scores: Mapping[str, Tensor], categories: Sequence[str] | None = N
     return summary
 
 
-def image_grid(images: Tensor, nrow: int, *, padding: int = 2) -> Image.Image:
-    """Images [B, 3, H, W] in [0, 1] tiled ``nrow`` per row (white gaps of ``padding`` px) as an RGB PIL image."""
+def image_grid(images: Tensor, nrow: int | None = None, *, padding: int = 2) -> Image.Image:
+    """Images [B, 3, H, W] in [0, 1] tiled ``nrow`` per row (default ceil(sqrt(B))), with white gaps of
+    ``padding`` px, as an RGB PIL image."""
     if images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"image_grid needs images [B, 3, H, W], got {tuple(images.shape)}")
+    nrow = math.ceil(math.sqrt(images.shape[0])) if nrow is None else nrow
     if nrow < 1:
         raise ValueError(f"image_grid needs nrow >= 1, got {nrow}")
     grid = torchvision.utils.make_grid(

@@ -12,7 +12,8 @@ import torch
 import wandb
 from PIL import Image
 
-from train.logger import PhaseTimer, RunLogger, image_grid, progress_bar
+from rewards.summary import image_grid
+from train.logger import PhaseTimer, RunLogger, progress_bar
 
 
 def read_lines(run_dir) -> list[dict]:
@@ -74,7 +75,7 @@ def test_log_images_writes_grid_and_captions(tmp_path) -> None:
 
 
 def test_image_grid_checks_layout() -> None:
-    assert image_grid(torch.rand(3, 3, 4, 4), num_columns=3).size == (3 * 4 + 4 * 2, 4 + 2 * 2)
+    assert image_grid(torch.rand(3, 3, 4, 4), nrow=3).size == (3 * 4 + 4 * 2, 4 + 2 * 2)
     with pytest.raises(ValueError, match=r"\[B, 3, H, W\]"):
         image_grid(torch.rand(3, 4, 4))
 

@@ -294,15 +294,18 @@ def seed_everything(seed: int, rank: int) -> None:
     random.seed(value)
 
 
-def group_generator(seed: int, group_id: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator for the shared initial noise of group ``group_id``.
+def group_seed(seed: int, group_id: int) -> int:
+    """The seed of group ``group_id``'s random draws: a 63-bit hash of ``(seed, group_id)``.
 
-    Its seed is a 63-bit hash of ``(seed, group_id)``, independent of the rank and of the global
-    RNG stream: the same group gets the same noise in any run or world size, and distinct ids
-    (the trainer makes them unique across steps and ranks) get distinct noise. A hash rather than
-    ``seed + group_id`` so that (seed 0, group 1) and (seed 1, group 0) do not collide.
+    Independent of the rank and of the global RNG stream: the same group gets the same noise in any
+    run or world size, and distinct ids (the trainer makes them unique across steps and ranks) get
+    distinct noise. A hash rather than ``seed + group_id`` so that (seed 0, group 1) and (seed 1,
+    group 0) do not collide.
     """
     digest = hashlib.blake2b(f"{seed}:{group_id}".encode(), digest_size=8).digest()
-    generator = torch.Generator(device=device)
-    generator.manual_seed(int.from_bytes(digest, "little") >> 1)
-    return generator
+    return int.from_bytes(digest, "little") >> 1
+
+
+def group_generator(seed: int, group_id: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on ``device`` seeded by ``group_seed(seed, group_id)``."""
+    return torch.Generator(device=device).manual_seed(group_seed(seed, group_id))

@@ -25,11 +25,11 @@ from torch import Tensor
 from models.base import Backbone
 from rewards.base import Scorer, build_scorer
 from rewards.summary import image_grid, summarize
-from samplers.rollout import rollout
+from samplers.rollout import group_noise, rollout
 from samplers.sde import SDE
 from train.config import TrainConfig, register_schema
 from train.data import PromptRecord, read_prompts
-from train.distributed import DistInfo, all_gather_tensor, group_generator
+from train.distributed import DistInfo, all_gather_tensor, group_seed
 
 
 def build_eval_scorers(cfg: TrainConfig, device: torch.device) -> dict[str, Scorer]:
@@ -41,12 +41,8 @@ def _sample(backbone: Backbone, predict, prompts: list[str], indices: list[int],
     """Images of ``prompts`` by the ODE; prompt i's noise comes from (eval.seed, i)."""
     device = next(backbone.transformer.parameters()).device
     h, w = cfg.model.height, cfg.model.width
-    noise = torch.cat(
-        [
-            backbone.initial_noise(1, height=h, width=w, generator=group_generator(cfg.eval.seed, i, device))
-            for i in indices
-        ]
-    )
+    seeds = [group_seed(cfg.eval.seed, i) for i in indices]
+    noise = group_noise(backbone.initial_noise, seeds, group_size=1, height=h, width=w, device=device)
     sigmas = backbone.sigmas(cfg.eval.num_steps, height=h, width=w, shift=cfg.sampler.shift)
     traj = rollout(
         predict,
@@ -93,7 +89,7 @@ def evaluate(
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{tag}.json").write_text(json.dumps({"num_prompts": len(records), **summary}, indent=2))
         images = torch.cat(grid)[: cfg.eval.grid_size]
-        image_grid(images, nrow=max(1, int(math.sqrt(len(images))))).save(out / f"{tag}.png")
+        image_grid(images).save(out / f"{tag}.png")
     return summary
 
 

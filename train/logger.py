@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 import warnings
@@ -25,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 from torch import Tensor
-from torchvision.utils import make_grid
 from tqdm import tqdm
+
+from rewards.summary import image_grid
 
 WANDB_MODES = ("disabled", "offline", "online")
 
@@ -39,15 +38,6 @@ def _to_float(key: str, value: float | int | bool | Tensor) -> float:
             raise ValueError(f"metric {key!r} is a tensor of shape {tuple(value.shape)}; log a scalar")
         return float(value.detach().float().item())
     return float(value)
-
-
-def image_grid(images: Tensor, *, num_columns: int | None = None) -> Image.Image:
-    """images [B, 3, H, W] in [0, 1] -> one PIL image, ``num_columns`` (default ~sqrt(B)) per row."""
-    if images.ndim != 4 or images.shape[1] != 3:
-        raise ValueError(f"images must be [B, 3, H, W], got {tuple(images.shape)}")
-    columns = num_columns or math.ceil(math.sqrt(images.shape[0]))
-    grid = make_grid(images.detach().float().clamp(0, 1).cpu(), nrow=columns, padding=2)
-    return Image.fromarray((grid * 255).round().to(torch.uint8).permute(1, 2, 0).numpy())
 
 
 class RunLogger:

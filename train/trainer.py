@@ -8,10 +8,11 @@ One step on each rank:
   4. update: micro-batches through train/update.py (exact or JAGG per group), one optimizer step
      per ``gradient_accumulation_steps`` samples, after clipping the global gradient norm.
 
-Departures from the reference trainers, on purpose: the SDE noise of a step comes from a
-generator seeded by (seed, step, rank), and the training plan from one seeded by (seed, step), so a
-resumed run replays exactly; a NaN reward or a non-finite gradient skips the update (all ranks
-together) instead of corrupting the weights.
+Departures from the reference trainers, on purpose: the SDE noise of a group comes from a
+generator seeded by (seed, group id) and the training plan from one seeded by (seed, step), so a
+resumed run replays exactly and a step does not depend on how its groups are spread over ranks;
+a NaN reward or a non-finite gradient skips the update (all ranks together) instead of
+corrupting the weights.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from models.base import Backbone
 from models.registry import backbone_names, load_backbone
 from rewards.base import SCORER_NAMES, build_scorer
 from rewards.combine import RewardCombiner
-from samplers.rollout import Trajectory, rollout
+from samplers.rollout import Trajectory, draw_sde_window, rollout
 from samplers.sde import SDE
 from train.checkpoint import CheckpointManager, export_model
 from train.config import TrainConfig, validate
@@ -271,12 +272,16 @@ def rollout_phase(run: Run, step: int) -> tuple[Trajectory, list[str]]:
     )
     s = cfg.sampler
     window = None
-    if s.sde_window_size > 0:
-        lo, hi = s.sde_window_range
-        start = int(torch.randint(lo, hi - s.sde_window_size + 1, (1,), generator=_shared_generator(cfg.seed, step, 1)))
-        window = (start, start + s.sde_window_size)
+    if s.sde_window_size > 0:  # the window decides how many transitions train: same on every rank
+        window = draw_sde_window(
+            s.num_steps,
+            size=s.sde_window_size,
+            window_range=tuple(s.sde_window_range),
+            generator=_shared_generator(cfg.seed, step, 1),
+        )
     sigmas = backbone.sigmas(s.num_steps, height=cfg.model.height, width=cfg.model.width, shift=s.shift)
-    noise_gen = torch.Generator(device).manual_seed((cfg.seed * 1_000_003 + step) * 65_537 + run.dist.rank)
+    # SDE noise per group, from (seed, group id): the same samples however groups spread over ranks.
+    sde_noise = [group_generator(cfg.seed + 1, gid, device) for gid in batch.group_ids]
     with torch.no_grad():
         cond = backbone.encode(batch.prompts).repeat(size)
         traj = rollout(
@@ -287,7 +292,7 @@ def rollout_phase(run: Run, step: int) -> tuple[Trajectory, list[str]]:
             sde=SDE(s.sde, eta=s.eta, noise_level=s.noise_level),
             sde_window=window,
             quantize_timesteps=s.quantize_timesteps,
-            generator=noise_gen,
+            generator=sde_noise,
             group_ids=torch.tensor(batch.group_ids, device=device).repeat_interleave(size),
         )
     prompts = [p for p in batch.prompts for _ in range(size)]
@@ -408,7 +413,9 @@ def resume(run: Run) -> int:
     path = run.checkpoints.resolve(run.cfg.resume)
     if path is None:
         return 0
-    extra = run.checkpoints.load(path, model=run.backbone.transformer, optimizer=run.optimizer)
+    # The EMA copies may be sharded DTensors: they load in place into the live EMA's state.
+    template = {"ema": run.ema.state_dict()} if run.ema is not None else None
+    extra = run.checkpoints.load(path, model=run.backbone.transformer, optimizer=run.optimizer, extra_template=template)
     if run.ema is not None:
         run.ema.load_state_dict(extra["ema"])
     log.info("resumed from %s at step %d", path, extra["step"])

@@ -1,0 +1,217 @@
+"""The trainer end to end on a tiny Flux-architecture pipeline, in this process (CPU).
+
+Golden values: ``tests/golden/trainer.json`` holds the per-step loss, reward and gradient norm of a
+3-step run for every update mode and sampler preset. Regenerate it after an intended change with
+``UPDATE_GOLDEN=1 python -m pytest tests/test_trainer.py -k golden`` and say why in the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from safetensors.torch import load_file
+
+from models.tiny import build_tiny
+from train.config import register_schema
+from train.trainer import run
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden" / "trainer.json"
+GOLDEN_KEYS = ("train/loss", "reward/total", "train/grad_norm")
+register_schema()
+
+# 9 sampling steps -> 8 trainable transitions -> 2 groups of W = 4; 1 prompt x G = 4 samples per
+# step, two micro-batches of 2, one optimizer step per step.
+SMALL = [
+    "num_steps=3",
+    "sampler.num_steps=9",
+    "grpo.group_size=4",
+    "grpo.prompts_per_rank=1",
+    "grpo.micro_batch=2",
+    "grpo.gradient_accumulation_steps=4",
+    "logging.progress_bar=false",
+    "checkpoint.every=0",
+    "update.jagg_frac=0.6",
+]
+FAST = ["sampler.sde_window_size=4", "sampler.sde_window_range=[0,8]"]
+CASES = {
+    "dance-exact": ["update=exact"],
+    "dance-jagg": ["update=jagg"],
+    "dance-jagg_sequential": ["update=jagg_sequential"],
+    "dance-ablate": ["update=ablate"],
+    "flow-jagg": ["sampler=flow", "grpo.kl_beta=0.01"],
+    "flow_fast-jagg": ["sampler=flow_fast", *FAST, "update.jagg_frac=1.0"],
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_flux(tmp_path_factory) -> Path:
+    return build_tiny("flux", tmp_path_factory.mktemp("models") / "tiny_flux", size="tiny")
+
+
+@pytest.fixture(autouse=True)
+def _repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the demo's prompt file is relative to the repository root
+
+
+def train(run_dir: Path, model: Path, overrides: list[str]) -> list[dict]:
+    with initialize_config_module(config_module="configs", version_base=None):
+        cfg = compose(config_name="train", overrides=[f"run_dir={run_dir}", f"model.path={model}", *SMALL, *overrides])
+    run(cfg)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def exported(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "export" / "diffusion_pytorch_model.safetensors")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tiny_run_matches_golden(case, tiny_flux, tmp_path):
+    metrics = train(tmp_path / case, tiny_flux, CASES[case])
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    values = {key: [m[key] for m in metrics] for key in GOLDEN_KEYS}
+    mode = case.split("-")[1]
+    routed = metrics[0].get(f"count/groups_{mode}", 0)
+    assert routed > 0, f"no group took the {mode} path"
+    golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden[case] = values
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    assert case in golden, "no golden values: run with UPDATE_GOLDEN=1"
+    for key in GOLDEN_KEYS:
+        torch.testing.assert_close(
+            torch.tensor(values[key]), torch.tensor(golden[case][key]), rtol=1e-4, atol=1e-8, msg=f"{case} {key}"
+        )
+
+
+def test_counts_per_update_mode(tiny_flux, tmp_path):
+    """Two groups of W = 4 per micro-batch, two micro-batches: exact runs W backward passes per
+    group, the JAGG paths 2 transformer backward passes (1 call joint, 2 sequential)."""
+    counts = {}
+    for mode in ("exact", "jagg", "jagg_sequential", "ablate"):
+        m = train(tmp_path / mode, tiny_flux, [f"update={mode}", "update.jagg_frac=1.0", "num_steps=1"])[0]
+        counts[mode] = (m["count/grad_forwards"], m["count/nograd_forwards"], m["count/backward_calls"])
+    assert counts == {
+        "exact": (16, 0, 16),
+        "jagg": (8, 8, 4),
+        "jagg_sequential": (8, 8, 8),
+        "ablate": (8, 0, 4),
+    }
+
+
+def test_resume_replays_exactly(tiny_flux, tmp_path):
+    straight = train(tmp_path / "straight", tiny_flux, ["num_steps=4", "checkpoint.every=2"])
+    train(tmp_path / "resumed", tiny_flux, ["num_steps=2", "checkpoint.every=2"])
+    resumed = train(tmp_path / "resumed", tiny_flux, ["num_steps=4", "checkpoint.every=2", "resume=auto"])
+    assert [m["step"] for m in resumed] == [0, 1, 2, 3]
+    for a, b in zip(straight, resumed):
+        for key in GOLDEN_KEYS:
+            assert a[key] == b[key], (a["step"], key)
+    final_a, final_b = exported(tmp_path / "straight"), exported(tmp_path / "resumed")
+    assert final_a.keys() == final_b.keys()
+    for name in final_a:
+        assert torch.equal(final_a[name], final_b[name]), name
+
+
+def test_nan_reward_skips_update(tiny_flux, tmp_path, monkeypatch):
+    from rewards.compressibility import JPEGCompressibilityScorer
+
+    monkeypatch.setattr(
+        JPEGCompressibilityScorer, "score", lambda self, images, prompts: torch.full((images.shape[0],), float("nan"))
+    )
+    before = load_file(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors")
+    metrics = train(tmp_path / "nan", tiny_flux, ["num_steps=2"])
+    assert [m["train/skipped_nan_reward"] for m in metrics] == [1.0, 1.0]
+    after = exported(tmp_path / "nan")
+    for name, value in before.items():
+        assert torch.equal(after[name], value.to(after[name].dtype)), name
+
+
+def test_nan_loss_skips_optimizer_step(tiny_flux, tmp_path, monkeypatch):
+    import train.update as update
+
+    original = update.ppo_step_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, metrics = original(*args, **kwargs)
+        return loss * float("nan"), metrics
+
+    monkeypatch.setattr(update, "ppo_step_loss", nan_loss)
+    before = load_file(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors")
+    metrics = train(tmp_path / "nanloss", tiny_flux, ["num_steps=1"])
+    assert metrics[0]["train/skipped_optimizer_steps"] == 1
+    after = exported(tmp_path / "nanloss")
+    for name, value in before.items():
+        assert torch.equal(after[name], value.to(after[name].dtype)), name
+
+
+def test_lora_with_kl_trains_only_adapters(tiny_flux, tmp_path):
+    """LoRA fine-tuning: the reference of the KL term is the adapter-disabled policy; the export
+    is a LoRA file and the base weights are untouched."""
+    metrics = train(
+        tmp_path / "lora",
+        tiny_flux,
+        [
+            "num_steps=2",
+            "model.lora.enabled=true",
+            "model.lora.rank=4",
+            "model.lora.alpha=8",
+            "grpo.kl_beta=0.1",
+        ],
+    )
+    assert metrics[-1]["train/kl"] > 0  # the adapters moved the policy away from the reference
+    files = {p.name for p in (tmp_path / "lora" / "export").iterdir()}
+    assert "pytorch_lora_weights.safetensors" in files
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_torchrun_fsdp_step_equals_single_process(tiny_flux, tmp_path):
+    """2 ranks x 1 prompt under FSDP2 (gloo) take the same optimizer step as 1 process x 2 prompts:
+    same groups (ids and noise do not depend on the rank layout), gradients averaged over ranks."""
+    import subprocess
+    import sys
+
+    common = [f"model.path={tiny_flux}", *SMALL, "num_steps=1", "logging.progress_bar=false"]
+    sharded = tmp_path / "fsdp"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "train",
+        *common,
+        f"run_dir={sharded}",
+        f"hydra.run.dir={sharded}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    single = train(
+        tmp_path / "single", tiny_flux, ["num_steps=1", "grpo.prompts_per_rank=2", "grpo.gradient_accumulation_steps=8"]
+    )
+    two = [json.loads(line) for line in (sharded / "metrics.jsonl").read_text().splitlines()]
+    assert two[0]["reward/total"] == pytest.approx(single[0]["reward/total"], rel=1e-5)
+    assert two[0]["train/grad_norm"] == pytest.approx(single[0]["train/grad_norm"], rel=1e-4)
+    a, b = exported(sharded), exported(tmp_path / "single")
+    base = load_file(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors")
+    moved = max((b[k] - base[k]).abs().max().item() for k in b)
+    assert moved > 1e-5  # the step did something
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=moved * 1e-3, msg=name)
