@@ -41,7 +41,7 @@ class ModelConfig:
     # adapter options for models.registry.load_backbone: Flux guidance / max_sequence_length (text tokens
     # per prompt; longer prompts are truncated with a warning), per-component folders (e.g. vae: /path)
     options: dict = field(default_factory=dict)
-    embedding_cache: str | None = None  # safetensors file from scripts/precompute_embeddings.py
+    embedding_cache: str | None = None  # cache folder written by scripts/precompute_embeddings.py
     activation_checkpointing: bool = False  # recompute each transformer block in backward
     lora: LoraConfig = field(default_factory=LoraConfig)
 
