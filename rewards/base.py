@@ -66,7 +66,7 @@ class FrozenModelScorer(Scorer):
     """A scorer built around one frozen ``nn.Module`` held in ``self.model``."""
 
     def __init__(self, model: nn.Module, *, device: torch.device | str, dtype: torch.dtype | str) -> None:
-        self.dtype = as_dtype(dtype, field=f"reward.{self.name}.dtype")
+        self.dtype = as_dtype(dtype, field=f"reward.components.{self.name}.dtype")
         self.device = torch.device(device)
         self.model = freeze(model).to(device=self.device, dtype=self.dtype)
 

@@ -28,7 +28,7 @@ from torch import Tensor
 from rewards.base import FrozenModelScorer, require_path, unique_prompts
 from rewards.preprocess import normalize, resize_longest_and_pad
 
-CHECKPOINT_FIELD = "reward.hpsv2.checkpoint"
+CHECKPOINT_FIELD = "reward.components.hpsv2.checkpoint"
 
 
 class HPSv2Scorer(FrozenModelScorer):
@@ -64,11 +64,11 @@ class HPSv2Scorer(FrozenModelScorer):
 def register_arch(arch: str) -> str:
     """The open_clip model name for ``arch``; a ``*.json`` path is registered with open_clip first."""
     if arch.endswith(".json"):
-        config = require_path(arch, field="reward.hpsv2.arch", expected="an open_clip model config JSON")
+        config = require_path(arch, field="reward.components.hpsv2.arch", expected="an open_clip model config JSON")
         open_clip.add_model_config(config)
         return config.stem
     if arch not in open_clip.list_models():
-        raise ValueError(f"reward.hpsv2.arch={arch!r} is not an open_clip model name or a *.json model config")
+        raise ValueError(f"reward.components.hpsv2.arch={arch!r} is not an open_clip model name or a *.json model config")
     return arch
 
 
@@ -85,5 +85,5 @@ def load_open_clip(model_name: str, checkpoint: Path) -> torch.nn.Module:
 def _square_side(image_size: int | Sequence[int], model_name: str) -> int:
     sides = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
     if sides[0] != sides[1]:
-        raise ValueError(f"reward.hpsv2.arch={model_name!r} has a non-square image size {sides}")
+        raise ValueError(f"reward.components.hpsv2.arch={model_name!r} has a non-square image size {sides}")
     return int(sides[0])

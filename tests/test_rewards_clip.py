@@ -95,16 +95,16 @@ def test_tensor_preprocessing_close_to_processor(clip_dir: Path, scorers: dict, 
 def test_pickscore_without_processor_names_field(pickscore_dirs: tuple[Path, Path]) -> None:
     model_dir, _ = pickscore_dirs
     # The weights directory alone holds no processor: pointing both paths at it names the field.
-    with pytest.raises(FileNotFoundError, match=r"reward\.pickscore\.processor_path.*preprocessor_config\.json"):
+    with pytest.raises(FileNotFoundError, match=r"reward\.components\.pickscore\.processor_path.*preprocessor_config\.json"):
         PickScoreScorer(model_dir, model_dir)
 
 
 def test_missing_model_directory_names_field(tmp_path: Path, clip_dir: Path) -> None:
     missing = tmp_path / "clip-vit-large-patch14"
-    with pytest.raises(FileNotFoundError, match=r"reward\.clipscore\.model_path.*clip-vit-large-patch14"):
+    with pytest.raises(FileNotFoundError, match=r"reward\.components\.clipscore\.model_path.*clip-vit-large-patch14"):
         CLIPScoreScorer(missing)
     missing.mkdir()
-    with pytest.raises(FileNotFoundError, match=r"reward\.clipscore\.model_path.*config\.json"):
+    with pytest.raises(FileNotFoundError, match=r"reward\.components\.clipscore\.model_path.*config\.json"):
         CLIPScoreScorer(missing, processor_path=clip_dir)
 
 

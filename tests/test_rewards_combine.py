@@ -116,7 +116,7 @@ def test_registry_builds_by_name_and_lists_names_on_error() -> None:
 
 
 def test_registry_passes_paths_through_to_file_checks(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"reward\.hpsv2\.checkpoint"):
+    with pytest.raises(FileNotFoundError, match=r"reward\.components\.hpsv2\.checkpoint"):
         build_scorer("hpsv2", checkpoint=tmp_path / "HPS_v2.1_compressed.pt")
 
 

@@ -88,8 +88,8 @@ class GRPOConfig:
 class RewardConfig:
     combine: str = "sum"  # sum: weighted sum of raw scores; advantage: weighted sum of per-reward advantages
     # scorer registry key (hpsv2 | clipscore | pickscore | jpeg_compressibility | ...) ->
-    # {weight: float, kwargs: {scorer arguments, e.g. local checkpoint paths}}. Untyped so that
-    # `+reward.components.pickscore.weight=0.5` can add a component from the command line.
+    # {weight: float (default 1), <the scorer's arguments, e.g. checkpoint: /path>} (docs/rewards.md).
+    # Untyped so that `+reward.components.pickscore.weight=0.5` can add a component from the command line.
     components: dict = field(default_factory=dict)
 
 
@@ -216,13 +216,8 @@ def _validate_reward(r: RewardConfig, known_scorers: tuple[str, ...]) -> None:
         raise ValueError("reward.components is empty: name at least one scorer, e.g. reward=jpeg")
     for name, comp in r.components.items():
         _choice(name, known_scorers, "reward.components (scorer name)")
-        extra = set(comp) - {"weight", "kwargs"}
-        if (
-            extra
-            or not isinstance(comp.get("weight", 1.0), int | float)
-            or not isinstance(comp.get("kwargs", {}), dict)
-        ):
-            raise ValueError(f"reward.components.{name} must be {{weight: <number>, kwargs: {{...}}}}, got {comp}")
+        if not isinstance(comp, dict) or not isinstance(comp.get("weight", 1.0), int | float):
+            raise ValueError(f"reward.components.{name} must be {{weight: <number>, <scorer arguments>}}, got {comp}")
 
 
 def _validate_files(cfg: TrainConfig) -> None:

@@ -164,7 +164,10 @@ def setup_trainable(
 def build_rewards(cfg: TrainConfig, device: torch.device) -> RewardCombiner:
     """Every reward model is replicated on every rank: scoring is data-parallel and frozen."""
     components = {
-        name: (build_scorer(name, **comp.get("kwargs", {})).to(device), float(comp.get("weight", 1.0)))
+        name: (
+            build_scorer(name, **{k: v for k, v in comp.items() if k != "weight"}).to(device),
+            float(comp.get("weight", 1.0)),
+        )
         for name, comp in cfg.reward.components.items()
     }
     return RewardCombiner(components, mode=cfg.reward.combine)
@@ -176,6 +179,7 @@ def build(cfg: TrainConfig, dist: DistInfo) -> Run:
     cfg.run_dir = str(run_dir)
     device = _device(cfg, dist)
     records = read_prompts(cfg.data.train_prompts)
+    rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds
     backbone = build_backbone(cfg, dist, device)
     params, reference = setup_trainable(cfg, dist, backbone)
     g = cfg.grpo
@@ -197,7 +201,7 @@ def build(cfg: TrainConfig, dist: DistInfo) -> Run:
         params=params,
         optimizer=optimizer,
         ema=EMA(params, g.ema_decay) if g.ema_decay > 0 else None,
-        rewards=build_rewards(cfg, device),
+        rewards=rewards,
         prompts=PromptSampler(
             records, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, prompts_per_rank=g.prompts_per_rank
         ),
