@@ -68,7 +68,9 @@ def register_arch(arch: str) -> str:
         open_clip.add_model_config(config)
         return config.stem
     if arch not in open_clip.list_models():
-        raise ValueError(f"reward.components.hpsv2.arch={arch!r} is not an open_clip model name or a *.json model config")
+        raise ValueError(
+            f"reward.components.hpsv2.arch={arch!r} is not an open_clip model name or a *.json model config"
+        )
     return arch
 
 

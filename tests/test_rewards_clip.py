@@ -95,7 +95,8 @@ def test_tensor_preprocessing_close_to_processor(clip_dir: Path, scorers: dict, 
 def test_pickscore_without_processor_names_field(pickscore_dirs: tuple[Path, Path]) -> None:
     model_dir, _ = pickscore_dirs
     # The weights directory alone holds no processor: pointing both paths at it names the field.
-    with pytest.raises(FileNotFoundError, match=r"reward\.components\.pickscore\.processor_path.*preprocessor_config\.json"):
+    pattern = r"reward\.components\.pickscore\.processor_path.*preprocessor_config\.json"
+    with pytest.raises(FileNotFoundError, match=pattern):
         PickScoreScorer(model_dir, model_dir)
 
 
