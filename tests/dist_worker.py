@@ -10,7 +10,8 @@ blocks) sharded with FSDP2 on CPU/gloo:
    gradient equals the gradient of the mean over the global batch, the reference loss;
 3. the all-gathers of one batched forward + one backward with activation checkpointing, and the
    gradients of that pass against the reference;
-4. EMA, checkpoint save/load and export of the sharded model.
+4. the collectives of one group of W = 4 steps through each update path of train.jagg;
+5. EMA, checkpoint save/load and export of the sharded model.
 
 Every rank writes ``OUT/results_rank{r}.json``; the test asserts on them.
 """
@@ -42,6 +43,7 @@ from train.distributed import (
     shutdown,
 )
 from train.ema import EMA
+from train.jagg import UPDATE_MODES, backward_group
 
 BLOCKS = (FluxTransformerBlock, FluxSingleTransformerBlock)
 ROWS_PER_RANK = 2
@@ -151,6 +153,29 @@ def count_pass(rank: int, batch: dict[str, torch.Tensor], ref_grads: list[torch.
     )
 
 
+def count_update_paths(rank: int, batch: dict[str, torch.Tensor], out: dict) -> None:
+    """Collectives of one group of W = 4 steps through train.jagg.backward_group per mode."""
+    model = parallelize(build_model(), block_classes=BLOCKS, param_dtype=torch.float32)
+    local = rows_of(batch, rank)
+    cond = {k: v for k, v in local.items() if k not in ("hidden_states", "timestep")}
+
+    def predict(z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        reps = z.shape[0] // ROWS_PER_RANK
+        tiled = {k: v.repeat(reps, *([1] * (v.ndim - 1))) for k, v in cond.items()}
+        return forward(model, {"hidden_states": z, "timestep": t, **tiled})
+
+    z = [local["hidden_states"] + 0.1 * j for j in range(4)]
+    t = torch.tensor([0.9, 0.8, 0.6, 0.5])
+    forward(model, local).sum().backward()  # warm-up: FSDP2's lazy init runs in the first forward
+    counts = {}
+    for mode in UPDATE_MODES:
+        model.zero_grad(set_to_none=True)
+        with count_collectives() as c:
+            backward_group(mode, predict, lambda j, v: v.pow(2).mean(), z, t)
+        counts[mode] = [c.num_all_gathers, c.num_reduce_scatters]
+    out["update_path_collectives"] = counts
+
+
 def check_checkpoint(rank: int, model, opt, batch, run_dir: Path, out: dict) -> None:
     seed_everything(1234, rank)  # build_model() reset the global RNG; make the ranks draw differently again
     ema = EMA(model.parameters(), decay=0.5)
@@ -199,6 +224,7 @@ def main() -> None:
     batch = global_batch(1, ROWS_PER_RANK * info.world_size)
     model, opt, ref_grads = train_step(info.rank, batch, out)
     count_pass(info.rank, batch, ref_grads, out)
+    count_update_paths(info.rank, batch, out)
     check_checkpoint(info.rank, model, opt, batch, out_dir / "run", out)
     (out_dir / f"results_rank{info.rank}.json").write_text(json.dumps(out, indent=1))
     shutdown()

@@ -72,6 +72,21 @@ def test_batched_pass_gathers_each_module_once_per_direction(results: list[dict]
         assert res["checkpointed_grad_diff"] < 1e-6
 
 
+def test_update_paths_gather_as_designed(results: list[dict]) -> None:
+    """With n = 5 sharded modules and W = 4: JAGG gathers every module once for the batched no-grad
+    middle, once for the batched endpoints' forward and once in their backward (3n), and
+    reduce-scatters once (n); the exact path pays a forward and a backward gather and a
+    reduce-scatter per step (2Wn, Wn); the sequential variant two forwards and backwards."""
+    n = 5
+    for res in results:
+        assert res["update_path_collectives"] == {
+            "exact": [8 * n, 4 * n],
+            "jagg": [3 * n, n],
+            "jagg_sequential": [5 * n, 2 * n],
+            "ablate": [2 * n, n],
+        }
+
+
 def test_ema_swap_on_shards(results: list[dict]) -> None:
     for res in results:
         assert res["swapped_diff"] == 0.0
