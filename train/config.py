@@ -19,6 +19,7 @@ from samplers.sde import SDE_KINDS
 from train.jagg import UPDATE_MODES, split_groups
 
 DTYPES = ("float32", "bfloat16", "float16")
+AUTO = "auto"  # update.jagg_frac=auto: route each group by its measured cosine (train/routing.py)
 WANDB_MODES = ("disabled", "offline", "online")
 
 
@@ -62,8 +63,15 @@ class SamplerConfig:
 class UpdateConfig:
     mode: str = "jagg"  # exact | jagg | jagg_sequential | ablate
     window: int = 4  # W: consecutive transitions per group
-    jagg_frac: float = 0.6  # groups ending at or before round(jagg_frac * M) take the JAGG path
+    # A number in [0, 1]: groups ending at or before round(jagg_frac * M) take the `mode` path, the rest
+    # are exact. "auto": every auto_every steps a probe measures cos(g_mode, g_exact) per group on the
+    # current policy and a group takes the `mode` path when its mean cosine >= auto_threshold.
+    # (int is listed because OmegaConf's Union does not widen `update.jagg_frac=1` to float.)
+    jagg_frac: float | int | str = 0.6
     timestep_fraction: float = 1.0  # share of groups trained per sample (DanceGRPO draws them at random)
+    auto_every: int = 10  # jagg_frac=auto: training steps between probes (the first step always probes)
+    auto_threshold: float = 0.5  # jagg_frac=auto: minimum mean cosine for the `mode` path (the paper's 0.5)
+    auto_rollouts: int = 4  # jagg_frac=auto: trajectories per probe, all ranks together (<= G * prompts_per_rank)
 
 
 @dataclass
@@ -106,6 +114,7 @@ class LoggingConfig:
     project: str = "jagg-grpo"
     sample_every: int = 0  # log a grid of rollout images every N steps (0 = never)
     eval_every: int = 0  # run the evaluation every N steps (0 = never)
+    group: str | None = None  # wandb group; null = the experiment name (scripts/launch/compare_modes.sh sets one)
     progress_bar: bool = True
 
 
@@ -128,6 +137,16 @@ class EvalConfig:
 
 
 @dataclass
+class ProbeConfig:
+    """``python -m train.grad_quality``: gradient quality of a JAGG path per group (train/grad_quality.py)."""
+
+    num_rollouts: int = 20  # K: trajectories measured, all ranks together (the paper: >= 20)
+    mode: str = "jagg"  # the path compared with exact: jagg | jagg_sequential | ablate
+    threshold: float = 0.5  # a group qualifies for the path when its mean cos(g_mode, g_exact) >= threshold
+    output: str | None = None  # JSON report; null = <run_dir>/grad_quality.json
+
+
+@dataclass
 class TrainConfig:
     experiment: str = "demo"  # name used for the wandb group and the run folder
     run_dir: str = MISSING  # shared run folder (all ranks; set from hydra.run.dir by default)
@@ -144,6 +163,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
 
 
 def register_schema() -> None:
@@ -210,6 +230,31 @@ def _validate_grpo(g: GRPOConfig) -> None:
         raise ValueError(f"grpo.kl_beta must be >= 0, got {g.kl_beta}")
 
 
+def _validate_update(u: UpdateConfig, g: GRPOConfig) -> None:
+    if not 0.0 < u.timestep_fraction <= 1.0:
+        raise ValueError(f"update.timestep_fraction must be in (0, 1], got {u.timestep_fraction}")
+    if isinstance(u.jagg_frac, str):
+        if u.jagg_frac != AUTO:
+            raise ValueError(f"update.jagg_frac must be a number in [0, 1] or {AUTO!r}, got {u.jagg_frac!r}")
+        if u.mode == "exact":
+            raise ValueError("update.jagg_frac=auto routes between update.mode and exact: pick update.mode=jagg")
+        _positive(u.auto_every, "update.auto_every")
+        _positive(u.auto_rollouts, "update.auto_rollouts")
+        rows = g.group_size * g.prompts_per_rank
+        if u.auto_rollouts > rows:
+            raise ValueError(
+                f"update.auto_rollouts={u.auto_rollouts} exceeds the samples per rank per step "
+                f"(group_size * prompts_per_rank = {rows})"
+            )
+    elif not 0.0 <= u.jagg_frac <= 1.0:
+        raise ValueError(f"update.jagg_frac must be in [0, 1] or {AUTO!r}, got {u.jagg_frac}")
+
+
+def _validate_probe(p: ProbeConfig) -> None:
+    _positive(p.num_rollouts, "probe.num_rollouts")
+    _choice(p.mode, tuple(m for m in UPDATE_MODES if m != "exact"), "probe.mode")
+
+
 def _validate_reward(r: RewardConfig, known_scorers: tuple[str, ...]) -> None:
     _choice(r.combine, COMBINE_MODES, "reward.combine")
     if not r.components:
@@ -258,9 +303,7 @@ def validate(cfg: TrainConfig, *, known_scorers: tuple[str, ...], known_backbone
         _choice(name, known_scorers, "eval.scorers (scorer name)")
     if cfg.logging.eval_every and not cfg.eval.scorers:
         raise ValueError("logging.eval_every > 0 needs eval.scorers (e.g. eval.scorers={jpeg_compressibility: {}})")
-    if not 0.0 <= cfg.update.jagg_frac <= 1.0:
-        raise ValueError(f"update.jagg_frac must be in [0, 1], got {cfg.update.jagg_frac}")
-    if not 0.0 < cfg.update.timestep_fraction <= 1.0:
-        raise ValueError(f"update.timestep_fraction must be in (0, 1], got {cfg.update.timestep_fraction}")
+    _validate_update(cfg.update, cfg.grpo)
+    _validate_probe(cfg.probe)
     split_groups(trainable_transitions(cfg.sampler), cfg.update.window)
     _validate_files(cfg)

@@ -34,7 +34,7 @@ from rewards.combine import RewardCombiner
 from samplers.rollout import Trajectory, draw_sde_window, rollout
 from samplers.sde import SDE
 from train.checkpoint import CheckpointManager, export_model
-from train.config import TrainConfig, validate
+from train.config import AUTO, TrainConfig, validate
 from train.data import PromptSampler, read_prompts
 from train.distributed import (
     DistInfo,
@@ -51,6 +51,7 @@ from train.distributed import (
 from train.ema import EMA
 from train.grpo import group_advantages
 from train.logger import PhaseTimer, RunLogger, progress_bar
+from train.routing import AutoRouter
 from train.update import UpdateSettings, UpdateStats, plan_for, update_micro_batch
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class Run:
     compute_dtype: torch.dtype
     eval_records: list | None = None  # built on the first evaluation
     eval_scorers: dict | None = None
+    router: AutoRouter | None = None  # update.jagg_frac=auto: the per-group routing table (train/routing.py)
 
 
 def run(cfg: DictConfig) -> None:
@@ -189,7 +191,7 @@ def build(cfg: TrainConfig, dist: DistInfo) -> Run:
         is_main=dist.is_main,
         wandb_mode=cfg.logging.wandb_mode,
         project=cfg.logging.project,
-        group=cfg.experiment,
+        group=cfg.logging.group or cfg.experiment,
         name=f"{cfg.experiment}-{cfg.update.mode}-s{cfg.seed}",
         tags=[cfg.update.mode, f"seed{cfg.seed}", cfg.sampler.sde],
         config=OmegaConf.to_container(OmegaConf.structured(cfg)),
@@ -209,6 +211,7 @@ def build(cfg: TrainConfig, dist: DistInfo) -> Run:
         logger=logger,
         reference=reference,
         compute_dtype=DTYPES[cfg.model.dtype],
+        router=AutoRouter.from_config(cfg.update) if cfg.update.jagg_frac == AUTO else None,
     )
 
 
@@ -338,11 +341,11 @@ def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> tuple[Tensor
     return advantages, images, metrics
 
 
-def _settings(cfg: TrainConfig) -> UpdateSettings:
+def update_settings(cfg: TrainConfig) -> UpdateSettings:
     return UpdateSettings(
         mode=cfg.update.mode,
         window=cfg.update.window,
-        jagg_frac=cfg.update.jagg_frac,
+        jagg_frac=0.0 if cfg.update.jagg_frac == AUTO else cfg.update.jagg_frac,  # auto: Run.router routes
         timestep_fraction=cfg.update.timestep_fraction,
         clip_range=cfg.grpo.clip_range,
         kl_beta=cfg.grpo.kl_beta,
@@ -363,10 +366,15 @@ def optimizer_step(run: Run) -> tuple[float, bool]:
 
 
 def update_phase(run: Run, traj: Trajectory, advantages: Tensor, step: int, timer: PhaseTimer) -> dict[str, float]:
-    g, settings = run.cfg.grpo, _settings(run.cfg)
+    g, settings = run.cfg.grpo, update_settings(run.cfg)
     stats = UpdateStats()
     plan_gen = _shared_generator(run.cfg.seed, step, 2)
     predict, reference = policy_predictor(run), reference_predictor(run)
+    routing = {}
+    if run.router is not None:  # update.jagg_frac=auto: re-measure the groups, then route by cosine
+        with timer.phase("probe"):
+            routing = run.router.refresh(step, predict, traj, advantages, run.params, settings, reference=reference)
+        settings = run.router.apply(settings)
     device = advantages.device
     norms, skipped = [], 0
     for chunk in range(0, advantages.shape[0], g.gradient_accumulation_steps):
@@ -379,7 +387,7 @@ def update_phase(run: Run, traj: Trajectory, advantages: Tensor, step: int, time
             norm, stepped = optimizer_step(run)
             norms.append(norm)
             skipped += not stepped
-    out = stats.summary()
+    out = stats.summary() | routing
     out |= {
         "train/grad_norm": sum(norms) / len(norms),
         "train/skipped_optimizer_steps": skipped,

@@ -17,15 +17,16 @@ backward calls, or the collectives would deadlock.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from samplers.rollout import Trajectory, transition
 from train.grpo import kl_to_reference, ppo_step_loss
-from train.jagg import GroupPlan, backward_group, plan_groups
+from train.jagg import GroupPlan, StepLoss, backward_group, plan_groups
+from train.jagg import Predict as GroupPredict  # (z, t) -> v: the conditioning is bound
 
 Predict = Callable[[Tensor, Tensor, object], Tensor]  # (z [B, ...], t [B], cond) -> v
 
@@ -70,11 +71,14 @@ class UpdateSettings:
     clip_range: float
     kl_beta: float
     gradient_accumulation_steps: int
+    # update.jagg_frac=auto: the path of each group (start, stop) as measured by train/routing.py;
+    # it replaces the jagg_frac rule, and a group it does not name takes the exact path.
+    group_modes: Mapping[tuple[int, int], str] | None = None
 
 
 def plan_for(traj: Trajectory, settings: UpdateSettings, generator: torch.Generator) -> list[GroupPlan]:
     trainable = torch.nonzero(traj.trainable).flatten().tolist()
-    return plan_groups(
+    plan = plan_groups(
         trainable,
         window=settings.window,
         mode=settings.mode,
@@ -83,12 +87,67 @@ def plan_for(traj: Trajectory, settings: UpdateSettings, generator: torch.Genera
         timestep_fraction=settings.timestep_fraction,
         generator=generator,
     )
+    if settings.group_modes is None:
+        return plan
+    return [replace(p, mode=settings.group_modes.get((p.start, p.stop), "exact")) for p in plan]
 
 
 def _tiled(cond, rows: int):
     """Conditioning for a batched call over several steps: the micro-batch rows tiled."""
     reps = rows // cond.batch_size
     return cond if reps == 1 else type(cond).cat([cond] * reps)
+
+
+@dataclass(frozen=True)
+class GroupInputs:
+    """The arguments of ``backward_group`` for one group [start, stop) of one micro-batch."""
+
+    policy: GroupPredict  # (z [b, ...], t [b]) -> v, the micro-batch's conditioning tiled to b rows
+    step_loss: StepLoss  # (j, v_j) -> the scaled GRPO loss of transition start + j
+    z: list[Tensor]  # W latents [rows, ...]
+    t: Tensor  # [W] network-input timesteps
+    num_reference_forwards: int  # steps the KL reference ran (without grad) to build step_loss
+
+
+def group_inputs(
+    predict: Predict,
+    traj: Trajectory,
+    advantages: Tensor,
+    rows: Tensor,
+    group: tuple[int, int],
+    settings: UpdateSettings,
+    stats: UpdateStats,
+    *,
+    reference: Predict | None = None,
+    scale: float = 1.0,
+) -> GroupInputs:
+    """The per-step GRPO loss of transitions [start, stop) of ``rows``, times ``scale``:
+
+    L_k = PPO-clip(logp_theta(z_{k+1} | z_k), logp_old, A) + kl_beta * KL(mean_theta || mean_ref).
+    Each evaluated step is added to ``stats``.
+    """
+    cond = traj.cond.index(rows)
+    adv = advantages[rows]
+    ks = list(range(*group))
+    z = [traj.latents[rows, k] for k in ks]
+    t = traj.timesteps[ks]
+    ref_v = _reference_velocities(reference, z, t, cond) if settings.kl_beta > 0 else None
+
+    def policy(z: Tensor, t: Tensor) -> Tensor:
+        return predict(z, t, _tiled(cond, z.shape[0]))
+
+    def step_loss(j: int, v: Tensor) -> Tensor:
+        out = transition(traj, ks[j], v, rows)
+        loss, metrics = ppo_step_loss(out.log_prob, traj.log_probs[rows, ks[j]], adv, clip_range=settings.clip_range)
+        if ref_v is not None:
+            ref_mean = transition(traj, ks[j], ref_v[j], rows).mean
+            kl = kl_to_reference(out.mean, ref_mean, out.std)
+            loss = loss + settings.kl_beta * kl
+            metrics = {**metrics, "kl": kl.detach()}
+        stats.add_step(loss.detach(), metrics)
+        return loss * scale
+
+    return GroupInputs(policy, step_loss, z, t, len(ks) if ref_v is not None else 0)
 
 
 def update_micro_batch(
@@ -103,36 +162,14 @@ def update_micro_batch(
     reference: Predict | None = None,
 ) -> None:
     """Accumulate the gradient of the micro-batch ``rows`` over the planned groups."""
-    cond = traj.cond.index(rows)
-    adv = advantages[rows]
     trained = sum(p.stop - p.start for p in plan)
     scale = (len(rows) / settings.gradient_accumulation_steps) / trained
-
-    def policy(z: Tensor, t: Tensor) -> Tensor:
-        return predict(z, t, _tiled(cond, z.shape[0]))
-
     for group in plan:
-        ks = list(range(group.start, group.stop))
-        z = [traj.latents[rows, k] for k in ks]
-        t = traj.timesteps[ks]
-        ref_v = _reference_velocities(reference, z, t, cond) if settings.kl_beta > 0 else None
-
-        def step_loss(j: int, v: Tensor, ks=ks, ref_v=ref_v) -> Tensor:
-            out = transition(traj, ks[j], v, rows)
-            loss, metrics = ppo_step_loss(
-                out.log_prob, traj.log_probs[rows, ks[j]], adv, clip_range=settings.clip_range
-            )
-            if ref_v is not None:
-                ref_mean = transition(traj, ks[j], ref_v[j], rows).mean
-                kl = kl_to_reference(out.mean, ref_mean, out.std)
-                loss = loss + settings.kl_beta * kl
-                metrics = {**metrics, "kl": kl.detach()}
-            stats.add_step(loss.detach(), metrics)
-            return loss * scale
-
-        result = backward_group(group.mode, policy, step_loss, z, t)
+        span = (group.start, group.stop)
+        inputs = group_inputs(predict, traj, advantages, rows, span, settings, stats, reference=reference, scale=scale)
+        result = backward_group(group.mode, inputs.policy, inputs.step_loss, inputs.z, inputs.t)
         stats.grad_forwards += result.grad_forwards
-        stats.nograd_forwards += result.nograd_forwards + (len(ks) if ref_v is not None else 0)
+        stats.nograd_forwards += result.nograd_forwards + inputs.num_reference_forwards
         stats.backward_calls += result.backward_calls
         stats.groups[group.mode] += 1
 

@@ -1,0 +1,177 @@
+"""The gradient-quality probe (train/grad_quality.py): exactness where Theorem 1 holds, the jagg_frac
+rule on hand-made numbers, the Hydra entry point on the tiny Flux backbone, and torchrun + FSDP2."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from grad_quality_toys import ADVANTAGES, ToyVelocity, toy_settings, toy_trajectory
+from hydra import compose, initialize_config_module
+
+from train.config import register_schema
+from train.grad_quality import (
+    GroupQuality,
+    format_table,
+    global_dots,
+    measure_trajectories,
+    recommend_jagg_frac,
+    report,
+    summarize_groups,
+)
+from train.jagg import route
+
+ROOT = Path(__file__).resolve().parents[1]
+register_schema()
+
+
+def probe(model, traj, settings, *, advantages=ADVANTAGES, reference=None) -> list[GroupQuality]:
+    params = list(model.parameters())
+    samples = measure_trajectories(
+        model, traj, advantages, params, settings, num_rollouts=traj.batch_size, mode=settings.mode, reference=reference
+    )
+    assert all(p.grad is None for p in params), "the probe left gradients behind"
+    return summarize_groups(samples, traj.timesteps)
+
+
+@pytest.mark.parametrize("sde, kl_beta", [("dance", 0.0), ("flow", 0.0), ("dance", 0.1)])
+def test_affine_in_t_model_gives_cosine_and_ratio_one(sde, kl_beta):
+    """v = A z + b t + c: J_j = [t_j I, I] is the t-interpolation of the endpoint Jacobians, so the
+    JAGG gradient equals the exact one on every group, whatever the trajectory and the loss."""
+    model = ToyVelocity()
+    traj = toy_trajectory(model, sde=sde)
+    reference = ToyVelocity(seed=1) if kl_beta else None  # a different policy: the KL term has a gradient
+    groups = probe(model, traj, toy_settings(kl_beta=kl_beta), reference=reference)
+    assert [(g.start, g.stop) for g in groups] == [(0, 4), (4, 8), (8, 12)]
+    for g in groups:
+        assert g.num_samples == 4
+        assert g.cos_mean == pytest.approx(1.0, abs=1e-5) and g.cos_std < 1e-5
+        assert g.rho_mean == pytest.approx(1.0, abs=1e-5) and g.rho_std < 1e-5
+
+
+def test_ablate_is_not_exact_on_the_same_model():
+    """The probe can tell: ablate drops the middle steps' signal, so it misses the exact gradient."""
+    model = ToyVelocity()
+    groups = probe(model, toy_trajectory(model), toy_settings(mode="ablate"))
+    for g in groups:
+        assert g.cos_mean < 0.999 or abs(g.rho_mean - 1.0) > 1e-2, (g.start, g.cos_mean, g.rho_mean)
+
+
+def test_nonlinear_model_lowers_cosine_of_low_noise_group_only():
+    model = ToyVelocity(gamma=10.0)  # oscillates in t below t = 0.5: only the last group sees it
+    groups = probe(model, toy_trajectory(model), toy_settings())
+    assert groups[0].cos_mean == pytest.approx(1.0, abs=1e-5)
+    assert groups[1].cos_mean == pytest.approx(1.0, abs=1e-5)
+    assert groups[2].cos_mean < 0.95
+
+
+def test_zero_advantage_trajectory_has_no_cosine():
+    model = ToyVelocity()
+    advantages = ADVANTAGES.clone()
+    advantages[1] = 0.0  # its loss, hence both gradients, are zero at ratio 1
+    groups = probe(model, toy_trajectory(model), toy_settings(), advantages=advantages)
+    assert [g.num_samples for g in groups] == [3, 3, 3]
+
+
+def test_global_dots_in_one_process():
+    a = [torch.tensor([1.0, 2.0]), None, torch.tensor([[3.0]])]
+    b = [torch.tensor([0.5, -1.0]), torch.tensor([2.0]), None]
+    # <a, a> = 1 + 4 + 9; <b, b> = 0.25 + 1 + 4; <a, b> = 0.5 - 2 (the None pieces are zeros)
+    assert global_dots(a, b) == pytest.approx((14.0, 5.25, -1.5))
+
+
+def quality(cos: float, start: int, window: int = 4) -> GroupQuality:
+    return GroupQuality(start, start + window, 1.0, 0.9, cos=(cos,), rho=(1.0,))
+
+
+def test_recommendation_follows_the_threshold_rule():
+    # The paper's Table 5 (20 transitions, W = 4): Flux's groups 0-3 pass 0.5 -> 16 / 20; QwenImage's 0-2 -> 0.6.
+    flux = [quality(c, 4 * i) for i, c in enumerate([0.85, 0.77, 0.74, 0.63, 0.41])]
+    qwen = [quality(c, 4 * i) for i, c in enumerate([0.79, 0.64, 0.58, 0.45, 0.22])]
+    assert recommend_jagg_frac(flux, threshold=0.5, num_transitions=20) == 0.8
+    assert recommend_jagg_frac(qwen, threshold=0.5, num_transitions=20) == 0.6
+    assert recommend_jagg_frac(flux, threshold=0.75, num_transitions=20) == 0.4  # the threshold is a parameter
+    assert recommend_jagg_frac(flux, threshold=0.9, num_transitions=20) == 0.0
+    # Only the run from the highest noise counts: a passing group after a failing one stays exact.
+    gap = [quality(c, 4 * i) for i, c in enumerate([0.9, 0.3, 0.9])]
+    assert recommend_jagg_frac(gap, threshold=0.5, num_transitions=12) == pytest.approx(4 / 12, abs=1e-4)
+    # A group without samples (NaN mean) does not qualify.
+    assert recommend_jagg_frac([quality(math.nan, 0), quality(0.9, 4)], threshold=0.5, num_transitions=8) == 0.0
+
+
+def test_recommendation_routes_exactly_the_qualifying_groups():
+    # A Flow-GRPO-Fast window of transitions 4..11 (M = 20): the group 4..7 passes, 8..11 does not.
+    groups = [quality(0.7, 4), quality(0.4, 8)]
+    rep = report(groups, mode="jagg", threshold=0.5, num_transitions=20)
+    assert rep["recommended_jagg_frac"] == 0.4
+    assert [g["path"] for g in rep["groups"]] == ["jagg", "exact"]
+    for g in rep["groups"]:
+        assert g["path"] == route(g["start"], g["stop"], mode="jagg", jagg_frac=0.4, num_transitions=20)
+
+
+@pytest.fixture
+def _repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the demo's prompt file is relative to the repository root
+
+
+# 9 sampling steps -> 8 trainable transitions -> 2 groups of W = 4; G = 2 samples per prompt.
+PROBE = ["sampler.num_steps=9", "grpo.group_size=2", "grpo.gradient_accumulation_steps=2", "grpo.micro_batch=1"]
+
+
+def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, capsys, _repo_root):
+    from train.grad_quality import run_probe
+
+    out = tmp_path / "report.json"
+    overrides = [f"run_dir={tmp_path}", f"model.path={tiny_flux_dir}", *PROBE, "probe.num_rollouts=3"]
+    with initialize_config_module(config_module="configs", version_base=None):
+        cfg = compose(config_name="train", overrides=[*overrides, f"probe.output={out}"])
+    rep = run_probe(cfg)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(rep))
+    assert [(g["start"], g["stop"]) for g in rep["groups"]] == [(0, 4), (4, 8)]
+    for g in rep["groups"]:
+        assert g["num_samples"] == 3 and len(g["cos"]) == 3
+        assert -1.0 <= g["cos_mean"] <= 1.0 and g["rho_mean"] > 0
+    assert rep["recommended_jagg_frac"] in (0.0, 0.5, 1.0)  # a whole number of the 2 groups of M = 8
+    printed = capsys.readouterr().out
+    assert printed.count("\n") >= 4 and "recommended update.jagg_frac=" in printed
+    assert format_table(rep) in printed
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_probe_under_torchrun_fsdp_matches_one_process(tiny_flux_dir, tmp_path, _repo_root):
+    """2 ranks x 1 prompt under FSDP2 (gloo) measure the same 4 trajectories as 1 process x 2 prompts
+    (group noise does not depend on the rank layout): the cosines and ratios over the sharded,
+    global gradient equal the single-process ones."""
+    from train.grad_quality import run_probe
+
+    common = [f"model.path={tiny_flux_dir}", *PROBE, "probe.num_rollouts=4"]
+    sharded = tmp_path / "fsdp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    cmd += ["-m", "train.grad_quality", *common, f"run_dir={sharded}", f"hydra.run.dir={sharded}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    two = json.loads((sharded / "grad_quality.json").read_text())
+    with initialize_config_module(config_module="configs", version_base=None):
+        cfg = compose(
+            config_name="train", overrides=[*common, f"run_dir={tmp_path / 'one'}", "grpo.prompts_per_rank=2"]
+        )
+    one = run_probe(cfg)
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    for a, b in zip(two["groups"], one["groups"], strict=True):
+        assert (a["start"], a["num_samples"]) == (b["start"], b["num_samples"]) and a["num_samples"] == 4
+        assert sorted(a["cos"]) == pytest.approx(sorted(b["cos"]), abs=1e-4)
+        assert sorted(a["rho"]) == pytest.approx(sorted(b["rho"]), abs=1e-4)
