@@ -1,0 +1,140 @@
+"""scripts/compare_runs.py: the reward table, the efficiency summary and the plots, from metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from PIL import Image
+
+from scripts.compare_runs import main
+from train.config import register_schema
+
+ROOT = Path(__file__).resolve().parents[1]
+register_schema()
+TINY_RUN = [
+    "num_steps=2",
+    "sampler.num_steps=5",
+    "update.window=2",
+    "grpo.group_size=2",
+    "grpo.prompts_per_rank=1",
+    "grpo.micro_batch=2",
+    "grpo.gradient_accumulation_steps=2",
+    "logging.progress_bar=false",
+    "logging.sample_every=0",
+    "checkpoint.export=false",
+    "logging.eval_every=1",
+    "+eval.scorers.jpeg_compressibility={}",
+    "eval.num_steps=3",
+    "eval.batch_size=2",
+    "data.num_eval_prompts=2",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tiny_flux_dir, tmp_path_factory) -> list[Path]:
+    """Two 2-step runs of the tiny Flux, exact and jagg, each evaluated after every step."""
+    from train.trainer import run
+
+    root = tmp_path_factory.mktemp("runs")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(ROOT)  # the demo's prompt file is relative to the repository root
+        for mode in ("exact", "jagg"):
+            overrides = [f"run_dir={root / mode}", f"model.path={tiny_flux_dir}", f"update={mode}", *TINY_RUN]
+            with initialize_config_module(config_module="configs", version_base=None):
+                run(compose(config_name="train", overrides=overrides))
+    return [root / "exact", root / "jagg"]
+
+
+def records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_tiny_runs_give_table_summary_and_plots(tiny_runs, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main([*map(str, tiny_runs), "--out", str(out), "--warmup", "0"]) == 0
+    printed = capsys.readouterr().out
+    # Table 3: one row per evaluation step, the runs' eval values side by side.
+    key = "eval/jpeg_compressibility"
+    evals = {run.name: {r["step"]: r[key] for r in records(run) if key in r} for run in tiny_runs}
+    assert sorted(evals["exact"]) == [0, 1]
+    for step in (0, 1):
+        line = next(row for row in printed.splitlines() if row.split()[:1] == [str(step)])
+        for run in ("exact", "jagg"):
+            assert f"{evals[run][step]:.4f}" in line
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["baseline"] == "exact"
+    # --warmup 0: the mean over both steps
+    mean_step = {run.name: sum(r["time/step"] for r in records(run) if "time/step" in r) / 2 for run in tiny_runs}
+    expected = (mean_step["exact"] - mean_step["jagg"]) / mean_step["exact"] * 100
+    assert summary["efficiency"]["jagg"]["speedup_step_pct"] == pytest.approx(expected)
+    assert f"{expected:.1f}%" in printed
+    for name in ("eval_jpeg_compressibility", "reward_jpeg_compressibility", "reward_total", "time_per_phase"):
+        with Image.open(out / f"{name}.png") as image:
+            assert image.format == "PNG" and min(image.size) > 100
+    assert "| step |" in (out / "table.md").read_text()
+
+
+def write_run(folder: Path, lines: list[dict | str]) -> Path:
+    folder.mkdir(parents=True)
+    text = "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines)
+    (folder / "metrics.jsonl").write_text(text + "\n")
+    return folder
+
+
+def step(i: int, reward: float, t_step: float, t_update: float) -> dict:
+    return {"step": i, "reward/hpsv2": reward, "time/step": t_step, "time/update": t_update, "time/rollout": 1.0}
+
+
+def test_training_rewards_and_speedups_by_hand(tmp_path, capsys):
+    # No eval records: the table falls back to the training rewards. After one warm-up step the mean
+    # step times are (4 + 6) / 2 = 5 s and (4 + 3) / 2 = 3.5 s: a 30% speed-up; update 2 -> 1.5 s: 25%.
+    base = write_run(tmp_path / "base", [step(0, 0.20, 10, 9), step(1, 0.25, 4, 2), step(2, 0.30, 6, 2)])
+    fast = write_run(tmp_path / "fast", [step(0, 0.20, 10, 9), step(1, 0.26, 4, 1), step(2, 0.27, 3, 2)])
+    out = tmp_path / "cmp"
+    assert main([str(base), str(fast), "--labels", "exact,jagg", "--out", str(out), "--every", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "training rewards" in printed
+    rows = [line.split() for line in printed.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"])]
+    assert [r[0] for r in rows] == ["0", "2"]  # every 2nd step
+    assert rows[1][1:] == ["0.3000*", "0.2700"]
+    eff = json.loads((out / "summary.json").read_text())["efficiency"]
+    assert eff["jagg"]["speedup_step_pct"] == pytest.approx(30.0)
+    assert eff["jagg"]["speedup_update_pct"] == pytest.approx(25.0)
+    assert eff["exact"]["step"] == pytest.approx(5.0)
+
+
+def test_replayed_steps_keep_the_later_values(tmp_path, capsys):
+    run = write_run(tmp_path / "run", [step(0, 0.1, 1, 1), step(1, 0.2, 1, 1), step(1, 0.9, 1, 1)])
+    assert main([str(run), "--out", str(tmp_path / "cmp")]) == 0
+    assert "0.9000" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda p: p / "nowhere", "does not exist"),
+        (lambda p: (p / "empty_dir").mkdir() or p / "empty_dir", "has no metrics.jsonl"),
+        (lambda p: write_run(p / "bad", [step(0, 0.1, 1, 1), "{not json"]), "metrics.jsonl:2 is not valid JSON"),
+        (lambda p: write_run(p / "nostep", [{"reward/hpsv2": 0.1}]), 'integer "step"'),
+        (lambda p: write_run(p / "blank", [""]), "no logged step"),
+    ],
+)
+def test_bad_run_folder_is_named_with_the_reason(make, reason, tmp_path, capsys):
+    good = write_run(tmp_path / "good", [step(0, 0.1, 1, 1)])
+    bad = make(tmp_path)
+    assert main([str(good), str(bad), "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err
+    assert str(bad.name) in err and reason in err
+
+
+def test_labels_must_be_distinct_and_complete(tmp_path, capsys):
+    a = write_run(tmp_path / "a" / "run", [step(0, 0.1, 1, 1)])
+    b = write_run(tmp_path / "b" / "run", [step(0, 0.1, 1, 1)])
+    assert main([str(a), str(b), "--out", str(tmp_path / "cmp")]) == 2
+    assert "--labels" in capsys.readouterr().err
+    assert main([str(a), str(b), "--labels", "x", "--out", str(tmp_path / "cmp")]) == 2
+    assert main([str(a), str(b), "--labels", "x,y", "--baseline", "z", "--out", str(tmp_path / "cmp")]) == 2
+    assert "--baseline 'z'" in capsys.readouterr().err
