@@ -123,7 +123,8 @@ def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Ba
         embedding_cache=cfg.model.embedding_cache,
         **cfg.model.options,
     )
-    backbone.transformer.to(torch.float32)
+    if next(backbone.transformer.parameters()).dtype != torch.float32:  # float32 master weights
+        backbone.transformer.to(torch.float32)
     return backbone
 
 
