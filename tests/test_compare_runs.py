@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 from PIL import Image
 
+from models.registry import backbone_names
+from rewards.base import SCORER_NAMES
 from scripts.compare_runs import main
-from train.config import register_schema
+from train.config import register_schema, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 register_schema()
@@ -138,3 +144,43 @@ def test_labels_must_be_distinct_and_complete(tmp_path, capsys):
     assert main([str(a), str(b), "--labels", "x", "--out", str(tmp_path / "cmp")]) == 2
     assert main([str(a), str(b), "--labels", "x,y", "--baseline", "z", "--out", str(tmp_path / "cmp")]) == 2
     assert "--baseline 'z'" in capsys.readouterr().err
+
+
+def dry_run(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """A launcher of scripts/launch with DRY_RUN=1: it prints its commands instead of running them."""
+    full_env = {"PATH": os.environ["PATH"], "DRY_RUN": "1", **env}
+    return subprocess.run([ROOT / "scripts" / "launch" / script, *args], env=full_env, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("experiment", ["flux_dance", "qwenimage_dance", "flux_flow_fast", "qwenimage_flow_fast"])
+def test_experiment_launchers_compose_and_validate(experiment, tmp_path, monkeypatch):
+    assert dry_run(f"{experiment}.sh").returncode == 2  # no paths exported: refused, naming the variable
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n")
+    model = str(tmp_path)
+    paths = dict(FLUX_PATH=model, QWENIMAGE_PATH=model, TRAIN_PROMPTS=str(prompts), HPS_CKPT="/ckpt/hps.pt")
+    paths |= dict(CLIP_PATH=model, PICKSCORE_PATH=model, PICKSCORE_PROCESSOR=model)
+    result = dry_run(f"{experiment}.sh", "update=ablate", **paths)
+    assert result.returncode == 0, result.stderr
+    cmd = shlex.split(result.stdout)
+    assert cmd[:4] == ["torchrun", "--standalone", "--nproc_per_node", "8"] and cmd[4:6] == ["-m", "train"]
+    overrides = [arg for arg in cmd[6:] if not arg.startswith("hydra.")]
+    assert f"experiment={experiment}" in overrides and f"model.path={model}" in overrides
+    monkeypatch.chdir(ROOT)
+    with initialize_config_module(config_module="configs", version_base=None):
+        cfg = OmegaConf.to_object(compose(config_name="train", overrides=[f"run_dir={tmp_path}", *overrides]))
+    validate(cfg, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()))
+    assert cfg.update.mode == "ablate" and cfg.reward.components["hpsv2"]["checkpoint"] == "/ckpt/hps.pt"
+
+
+def test_compare_modes_runs_three_modes_in_one_group_then_compares():
+    result = dry_run("compare_modes.sh", "demo", "num_steps=2", NPROC_PER_NODE="1", GROUP="g", OUT_DIR="out")
+    assert result.returncode == 0, result.stderr
+    *launches, compare = [shlex.split(line) for line in result.stdout.splitlines()]
+    for mode, cmd in zip(("exact", "jagg", "ablate"), launches, strict=True):
+        assert cmd[0] == "torchrun" and "--nproc_per_node" in cmd and cmd[cmd.index("--nproc_per_node") + 1] == "1"
+        assert {f"update={mode}", "logging.group=g", f"hydra.run.dir=out/{mode}", "num_steps=2"} <= set(cmd)
+    assert compare[1:] == [
+        "scripts/compare_runs.py", "out/exact", "out/jagg", "out/ablate", "--labels", "exact,jagg,ablate",
+        "--out", "out/compare",
+    ]  # fmt: skip
