@@ -42,7 +42,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 import torch
@@ -55,6 +55,9 @@ from train.config import register_schema
 from train.distributed import _replication, all_reduce_sum, get_rank, get_world_size
 from train.jagg import backward_group, route, split_groups
 from train.update import GroupInputs, Predict, UpdateSettings, UpdateStats, group_inputs
+
+if TYPE_CHECKING:
+    from train.trainer import Run
 
 log = logging.getLogger(__name__)
 Group = tuple[int, int]  # transitions [start, stop)
@@ -220,6 +223,14 @@ def recommend_jagg_frac(groups: Sequence[GroupQuality], *, threshold: float, num
     return round(stop / num_transitions, 4)
 
 
+def _finite(value: float) -> float | None:
+    return None if math.isnan(value) else value  # JSON null: a group without samples
+
+
+def _pm(mean: float | None, std: float | None, width: int) -> str:
+    return f"{'-':>{width}}{'':8}" if mean is None else f"{mean:>{width}.3f} ± {std:.3f}"
+
+
 def report(
     groups: Sequence[GroupQuality], *, mode: str, threshold: float, num_transitions: int, **extra: Any
 ) -> dict[str, Any]:
@@ -234,10 +245,10 @@ def report(
                 "stop": g.stop,
                 "t_first": g.t_first,
                 "t_last": g.t_last,
-                "cos_mean": g.cos_mean,
-                "cos_std": g.cos_std,
-                "rho_mean": g.rho_mean,
-                "rho_std": g.rho_std,
+                "cos_mean": _finite(g.cos_mean),
+                "cos_std": _finite(g.cos_std),
+                "rho_mean": _finite(g.rho_mean),
+                "rho_std": _finite(g.rho_std),
                 "num_samples": g.num_samples,
                 "qualifies": bool(g.cos_mean >= threshold),
                 "path": route(g.start, g.stop, mode=mode, jagg_frac=frac, num_transitions=num_transitions),
@@ -264,7 +275,7 @@ def format_table(rep: Mapping[str, Any]) -> str:
         mark = "*" if g["qualifies"] else " "
         lines.append(
             f"{g['group']:>5}  {g['start']:>3}-{g['stop'] - 1:<3}  {g['t_first']:.3f}-{g['t_last']:.3f}  "
-            f"{g['cos_mean']:>14.3f} ± {g['cos_std']:.3f}{mark}  {g['rho_mean']:>7.3f} ± {g['rho_std']:.3f}  "
+            f"{_pm(g['cos_mean'], g['cos_std'], 14)}{mark}  {_pm(g['rho_mean'], g['rho_std'], 7)}  "
             f"{g['num_samples']:>3}  {g['path']}"
         )
     lines.append(
@@ -274,8 +285,8 @@ def format_table(rep: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def probe_run(run: Any) -> dict[str, Any]:
-    """Roll out batches with ``run`` (a ``train.trainer.Run``) until probe.num_rollouts are measured."""
+def probe_run(run: Run) -> dict[str, Any]:
+    """Roll out batches with the trainer's pieces until ``probe.num_rollouts`` trajectories are measured."""
     from train.trainer import policy_predictor, reference_predictor, reward_phase, rollout_phase, update_settings
 
     cfg, p = run.cfg, run.cfg.probe
@@ -328,7 +339,9 @@ def run_probe(cfg: DictConfig) -> dict[str, Any]:
     dist = init_distributed()
     try:
         needed = math.ceil(config.probe.num_rollouts / (config.grpo.group_size * dist.world_size))
-        config.grpo.prompts_per_rank = min(config.grpo.prompts_per_rank, needed)
+        if needed < config.grpo.prompts_per_rank:  # samples no trajectory would use are not rolled out
+            log.info("probe: %d prompt(s) per rank per rollout batch cover K = %d", needed, config.probe.num_rollouts)
+            config.grpo.prompts_per_rank = needed
         run = build(config, dist)
         if config.resume is not None:
             resume(run)
