@@ -28,6 +28,18 @@ from models.cache import EmbeddingCache
 from models.components import Component, component_folders, load_component, parse_dtype, read_config
 from samplers.schedule import dynamic_shift_mu, dynamic_sigmas, shifted_sigmas
 
+# Attention projections of the dual-stream (image + text) blocks that Flux and Qwen-Image share;
+# each adapter adds its own MLP names for LoRA.
+JOINT_ATTENTION_LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+]
 _INIT_ARGS = ("self", "modules", "configs", "folders", "dtype", "cache")
 
 

@@ -23,7 +23,7 @@ from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokeniz
 from models.base import Conditioning
 from models.cache import EmbeddingCache
 from models.components import Component, Entry, check_equal, config_entry
-from models.diffusers_backbone import DiffusersBackbone, tokenize, unpack_latents
+from models.diffusers_backbone import JOINT_ATTENTION_LORA_TARGETS, DiffusersBackbone, tokenize, unpack_latents
 from models.registry import register_backbone
 
 FLUX_MAX_T5_LENGTH = 512  # FluxPipeline's upper bound for max_sequence_length
@@ -40,14 +40,7 @@ class FluxBackbone(DiffusersBackbone):
     conditioning_class = FluxConditioning
     block_classes = (FluxTransformerBlock, FluxSingleTransformerBlock)
     lora_target_modules = [
-        "attn.to_q",
-        "attn.to_k",
-        "attn.to_v",
-        "attn.to_out.0",
-        "attn.add_q_proj",
-        "attn.add_k_proj",
-        "attn.add_v_proj",
-        "attn.to_add_out",
+        *JOINT_ATTENTION_LORA_TARGETS,
         "ff.net.0.proj",
         "ff.net.2",
         "ff_context.net.0.proj",

@@ -24,7 +24,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 from models.base import Conditioning
 from models.cache import EmbeddingCache
 from models.components import Component, Entry, check_equal, config_entry
-from models.diffusers_backbone import DiffusersBackbone, tokenize, unpack_latents
+from models.diffusers_backbone import JOINT_ATTENTION_LORA_TARGETS, DiffusersBackbone, tokenize, unpack_latents
 from models.registry import register_backbone
 
 PROMPT_TEMPLATE = (
@@ -55,14 +55,7 @@ class QwenImageBackbone(DiffusersBackbone):
     conditioning_class = QwenImageConditioning
     block_classes = (QwenImageTransformerBlock,)
     lora_target_modules = [
-        "attn.to_q",
-        "attn.to_k",
-        "attn.to_v",
-        "attn.to_out.0",
-        "attn.add_q_proj",
-        "attn.add_k_proj",
-        "attn.add_v_proj",
-        "attn.to_add_out",
+        *JOINT_ATTENTION_LORA_TARGETS,
         "img_mlp.net.0.proj",
         "img_mlp.net.2",
         "txt_mlp.net.0.proj",
