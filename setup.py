@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="GRPO for flow-matching text-to-image transformers, with JAGG group gradients",
     python_requires=">=3.10",
-    packages=find_packages(include=["train*", "models*", "rewards*", "samplers*", "configs*"]),
+    packages=find_packages(include=["train*", "models*", "rewards*", "samplers*", "configs*", "testbed*"]),
     package_data={"configs": ["*.yaml", "**/*.yaml"]},
     include_package_data=True,
     install_requires=[

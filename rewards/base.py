@@ -29,6 +29,7 @@ _REGISTRY: dict[str, str] = {
     "pickscore": "rewards.pickscore:PickScoreScorer",
     "jpeg_compressibility": "rewards.compressibility:JPEGCompressibilityScorer",
     "jpeg_incompressibility": "rewards.compressibility:JPEGIncompressibilityScorer",
+    "shape_alignment": "rewards.shapes:ShapeAlignmentScorer",
 }
 SCORER_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
