@@ -16,7 +16,6 @@ import torch
 from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 
-from models.tiny import build_tiny
 from train.config import register_schema
 from train.trainer import run
 
@@ -50,8 +49,8 @@ CASES = {
 
 
 @pytest.fixture(scope="session")
-def tiny_flux(tmp_path_factory) -> Path:
-    return build_tiny("flux", tmp_path_factory.mktemp("models") / "tiny_flux", size="tiny")
+def tiny_flux(tiny_flux_dir) -> Path:
+    return tiny_flux_dir
 
 
 @pytest.fixture(autouse=True)
