@@ -105,7 +105,7 @@ def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Ba
     Placement policy for the frozen parts: text encoders and VAE are replicated on every rank in
     the model dtype (they run once per step, without gradients, and sharding them would add
     collectives for no memory that matters next to the transformer's optimizer state); with
-    ``model.embedding_cache`` the text encoders are freed after loading. The transformer keeps
+    ``model.embedding_cache`` the text encoders are not loaded at all. The transformer keeps
     float32 master weights and computes in ``model.dtype`` (FSDP2 mixed precision or autocast).
     """
     if cfg.model.build_tiny is not None:
@@ -128,9 +128,7 @@ def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Ba
     return backbone
 
 
-def setup_trainable(
-    cfg: TrainConfig, dist: DistInfo, backbone: Backbone
-) -> tuple[list[nn.Parameter], nn.Module | None]:
+def setup_trainable(cfg: TrainConfig, backbone: Backbone) -> tuple[list[nn.Parameter], nn.Module | None]:
     """LoRA or full fine-tuning, the KL reference, then sharding (in that order)."""
     transformer = backbone.transformer
     transformer.requires_grad_(False)
@@ -184,7 +182,7 @@ def build(cfg: TrainConfig, dist: DistInfo) -> Run:
     records = read_prompts(cfg.data.train_prompts)
     rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds
     backbone = build_backbone(cfg, dist, device)
-    params, reference = setup_trainable(cfg, dist, backbone)
+    params, reference = setup_trainable(cfg, backbone)
     g = cfg.grpo
     optimizer = torch.optim.AdamW(params, lr=g.lr, weight_decay=g.weight_decay, betas=tuple(g.betas))
     logger = RunLogger(
