@@ -108,7 +108,8 @@ def test_combiner_rejects_bad_settings() -> None:
 
 
 def test_registry_builds_by_name_and_lists_names_on_error() -> None:
-    assert set(SCORER_NAMES) == {"hpsv2", "clipscore", "pickscore", "jpeg_compressibility", "jpeg_incompressibility"}
+    expected = {"hpsv2", "clipscore", "pickscore", "jpeg_compressibility", "jpeg_incompressibility", "shape_alignment"}
+    assert set(SCORER_NAMES) == expected
     assert isinstance(build_scorer("jpeg_compressibility"), JPEGCompressibilityScorer)
     assert rewards.build_scorer is build_scorer
     with pytest.raises(ValueError, match="hpsv2, clipscore, pickscore, jpeg_compressibility"):
