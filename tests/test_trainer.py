@@ -21,7 +21,10 @@ from train.trainer import run
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "trainer.json"
-GOLDEN_KEYS = ("train/loss", "reward/total", "train/grad_norm")
+# (rtol, atol) per key. The GRPO loss is a mean of advantage-weighted ratios whose advantages sum
+# to zero, so it is ~1e-5 and its float32 rounding is absolute (~1e-8 of terms of order 1, and it
+# differs between CPUs' kernels); the reward and the gradient norm are compared relatively.
+GOLDEN_KEYS = {"train/loss": (0.0, 1e-6), "reward/total": (1e-4, 1e-8), "train/grad_norm": (1e-4, 1e-8)}
 register_schema()
 
 # 9 sampling steps -> 8 trainable transitions -> 2 groups of W = 4; 1 prompt x G = 4 samples per
@@ -83,9 +86,9 @@ def test_tiny_run_matches_golden(case, tiny_flux, tmp_path):
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
     assert case in golden, "no golden values: run with UPDATE_GOLDEN=1"
-    for key in GOLDEN_KEYS:
+    for key, (rtol, atol) in GOLDEN_KEYS.items():
         torch.testing.assert_close(
-            torch.tensor(values[key]), torch.tensor(golden[case][key]), rtol=1e-4, atol=1e-8, msg=f"{case} {key}"
+            torch.tensor(values[key]), torch.tensor(golden[case][key]), rtol=rtol, atol=atol, msg=f"{case} {key}"
         )
 
 
