@@ -12,9 +12,11 @@ Measurement on an image [3, H, W] in [0, 1]:
       ``MIN_AREA`` pixels are noise;
     * a named object is the largest component of its colour. Its parts:
         colour   = min(1, area / MIN_AREA)         (is the colour there at all)
-        shape    = 1 if the component is classified as the named shape, else 0: square when its
-                   bounding-box corners are set and it fills >= SQUARE_FILL of the box, else circle
-                   or triangle by the nearer fill (pi/4 or 1/2)
+        shape    = clip(1/2 + margin / (2 SHAPE_MARGIN), 0, 1), margin = IoU(named) - max IoU(other):
+                   IoU of the component with each shape drawn (as testbed/data.py draws it) in the
+                   square around the component's bounding box. Clean shapes have |margin| >=
+                   SHAPE_MARGIN, so the part is 1 for the named shape and 0 for another; a blurred,
+                   in-between shape gets a graded part, which gives GRPO a signal to follow
         size     = 1 if the bounding box's longer side is on the named side of ``SIZE_SPLIT``
         position = 1 if the centroid is nearest the named anchor among ``POSITIONS``
     * count = 1 if the number of components (all colours) equals the number of named objects.
@@ -47,8 +49,8 @@ COLOURS: dict[str, tuple[float, float, float]] = {
     "yellow": (0.95, 0.85, 0.1),
 }
 BACKGROUND = (0.0, 0.0, 0.0)
-SHAPES: dict[str, float] = {"circle": math.pi / 4, "square": 1.0, "triangle": 0.5}  # fill of the bounding box
-SQUARE_FILL = 0.85  # least fill of a square (with its four corners set)
+SHAPES = ("circle", "square", "triangle")
+SHAPE_MARGIN = 0.09  # IoU margin of a clean shape (>= 0.099 on the testbed's rasterized shapes)
 SIZES: dict[str, int] = {"small": 8, "large": 14}  # bounding-box side in pixels at 32x32
 SIZE_SPLIT = 11 / 32  # fraction of the image side between small and large
 POSITIONS: dict[str, tuple[float, float]] = {  # (x, y) anchor as fractions of width and height
@@ -134,15 +136,25 @@ def connected_components(mask: Tensor) -> Tensor:
     return labels
 
 
+def inside_shape(shape: str, dx: Tensor, dy: Tensor, half: float) -> Tensor:
+    """Pixel-centre inside-test of ``shape`` of half-side ``half`` centred at the origin (dx, dy:
+    offsets of the pixel centres). The triangle is isosceles, apex up."""
+    if shape == "circle":
+        return dx**2 + dy**2 <= half**2
+    if shape == "square":
+        return (dx.abs() <= half) & (dy.abs() <= half)
+    frac = (dy + half) / (2 * half)  # its half-width grows linearly from 0 at the top to half at the base
+    return (dy.abs() <= half) & (dx.abs() <= half * frac)
+
+
 @dataclass
 class Blob:
     """The largest component of one colour in one image (coordinates as fractions of the side)."""
 
     area: float  # fraction of the image area
-    fill: float  # area / bounding-box area
     extent: float  # longer bounding-box side / image side
     centre: tuple[float, float]  # (x, y)
-    corners: bool  # all four bounding-box corner pixels belong to the blob
+    iou: dict[str, float]  # shape -> IoU with that shape drawn in the square around the bounding box
 
 
 def measure(labels: Tensor) -> tuple[list[dict[str, Blob]], list[int]]:
@@ -179,24 +191,20 @@ def _blob(mask: Tensor) -> Blob:
     box_w = int(xs.max() - xs.min()) + 1
     area = float(ys.numel())
     centre = ((xs.float().mean().item() + 0.5) / w, (ys.float().mean().item() + 0.5) / h)
-    y0, y1, x0, x1 = int(ys.min()), int(ys.max()), int(xs.min()), int(xs.max())
-    corners = bool(mask[y0, x0] & mask[y0, x1] & mask[y1, x0] & mask[y1, x1])
-    return Blob(
-        area=area / (h * w),
-        fill=area / (box_h * box_w),
-        extent=max(box_h / h, box_w / w),
-        centre=centre,
-        corners=corners,
-    )
+    # the shapes drawn in the square of side max(box) centred on the bounding box, in pixel units
+    box_x, box_y = (int(xs.min()) + int(xs.max()) + 1) / 2, (int(ys.min()) + int(ys.max()) + 1) / 2
+    gy, gx = torch.meshgrid(torch.arange(h) + 0.5, torch.arange(w) + 0.5, indexing="ij")
+    iou = {}
+    for shape in SHAPES:
+        drawn = inside_shape(shape, gx - box_x, gy - box_y, max(box_h, box_w) / 2)
+        iou[shape] = float((drawn & mask).sum() / (drawn | mask).sum())
+    return Blob(area=area / (h * w), extent=max(box_h / h, box_w / w), centre=centre, iou=iou)
 
 
-def classify_shape(blob: Blob) -> str:
-    """square when its bounding-box corners are set and it fills the box; else circle or triangle by
-    fill (a rasterized 8 px circle fills up to 0.89 of its box, so fill alone cannot tell it from a
-    square)."""
-    if blob.corners and blob.fill >= SQUARE_FILL:
-        return "square"
-    return "circle" if blob.fill >= (SHAPES["circle"] + SHAPES["triangle"]) / 2 else "triangle"
+def shape_part(blob: Blob, named: str) -> float:
+    """1 when the blob is clearly the named shape, 0 when clearly another, graded in between."""
+    margin = blob.iou[named] - max(v for shape, v in blob.iou.items() if shape != named)
+    return min(1.0, max(0.0, 0.5 + margin / (2 * SHAPE_MARGIN)))
 
 
 def object_parts(obj: ObjectSpec, blob: Blob | None) -> dict[str, float]:
@@ -204,8 +212,7 @@ def object_parts(obj: ObjectSpec, blob: Blob | None) -> dict[str, float]:
     nan = float("nan")
     if blob is None:
         return {"colour": 0.0, "shape": 0.0, "size": 0.0 if obj.size else nan, "position": 0.0 if obj.position else nan}
-    shape = classify_shape(blob)
-    parts = {"colour": min(1.0, blob.area / MIN_AREA_FRACTION), "shape": float(shape == obj.shape)}
+    parts = {"colour": min(1.0, blob.area / MIN_AREA_FRACTION), "shape": shape_part(blob, obj.shape)}
     parts["size"] = nan
     if obj.size:
         parts["size"] = float((blob.extent > SIZE_SPLIT) == (obj.size == "large"))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rewards.shapes import BACKGROUND, COLOURS, POSITIONS, SHAPES, SIZES, ObjectSpec, caption
+from rewards.shapes import BACKGROUND, COLOURS, POSITIONS, SHAPES, SIZES, ObjectSpec, caption, inside_shape
 
 IMAGE_SIZE = 32
 JITTER = 2 / 32  # max offset of a single object from its anchor, as a fraction of the side
@@ -70,24 +70,13 @@ def sample_scene(generator: torch.Generator, *, size: int = IMAGE_SIZE) -> list[
     return objects
 
 
-def _inside(shape: str, dx: Tensor, dy: Tensor, half: float) -> Tensor:
-    """Pixel-centre inside-test of a shape of half-side ``half`` centred at the origin."""
-    if shape == "circle":
-        return dx**2 + dy**2 <= half**2
-    if shape == "square":
-        return (dx.abs() <= half) & (dy.abs() <= half)
-    # isosceles triangle, apex up: its half-width grows linearly from 0 at the top to half at the base
-    frac = (dy + half) / (2 * half)
-    return (dy.abs() <= half) & (dx.abs() <= half * frac)
-
-
 def render(scene: Sequence[Placed], *, size: int = IMAGE_SIZE) -> Tensor:
     """The image of a scene: float32 [3, size, size] in [0, 1]."""
     image = torch.tensor(BACKGROUND, dtype=torch.float32)[:, None, None].repeat(1, size, size)
     coords = (torch.arange(size, dtype=torch.float32) + 0.5) / size
     ys, xs = torch.meshgrid(coords, coords, indexing="ij")
     for obj in scene:
-        mask = _inside(obj.spec.shape, xs - obj.centre[0], ys - obj.centre[1], obj.side / 2)
+        mask = inside_shape(obj.spec.shape, xs - obj.centre[0], ys - obj.centre[1], obj.side / 2)
         image[:, mask] = torch.tensor(COLOURS[obj.spec.colour])[:, None]
     return image
 

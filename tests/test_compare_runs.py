@@ -1,4 +1,4 @@
-"""scripts/compare_runs.py: the reward table, the efficiency summary and the plots, from metrics.jsonl."""
+"""python -m train.compare: the reward table, the efficiency summary and the plots, from metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ from PIL import Image
 
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
-from scripts.compare_runs import main
+from train.compare import main
 from train.config import register_schema, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 register_schema()
 TINY_RUN = [
+    "experiment=tiny",
     "num_steps=2",
     "sampler.num_steps=5",
     "update.window=2",
@@ -65,8 +66,8 @@ def test_two_tiny_runs_give_table_summary_and_plots(tiny_runs, tmp_path, capsys)
     # Table 3: one row per evaluation step, the runs' eval values side by side.
     key = "eval/jpeg_compressibility"
     evals = {run.name: {r["step"]: r[key] for r in records(run) if key in r} for run in tiny_runs}
-    assert sorted(evals["exact"]) == [0, 1]
-    for step in (0, 1):
+    assert sorted(evals["exact"]) == [0, 1, 2]  # before training, after step 1 and after step 2
+    for step in (0, 1, 2):
         line = next(row for row in printed.splitlines() if row.split()[:1] == [str(step)])
         for run in ("exact", "jagg"):
             assert f"{evals[run][step]:.4f}" in line
@@ -181,6 +182,6 @@ def test_compare_modes_runs_three_modes_in_one_group_then_compares():
         assert cmd[0] == "torchrun" and "--nproc_per_node" in cmd and cmd[cmd.index("--nproc_per_node") + 1] == "1"
         assert {f"update={mode}", "logging.group=g", f"hydra.run.dir=out/{mode}", "num_steps=2"} <= set(cmd)
     assert compare[1:] == [
-        "scripts/compare_runs.py", "out/exact", "out/jagg", "out/ablate", "--labels", "exact,jagg,ablate",
+        "-m", "train.compare", "out/exact", "out/jagg", "out/ablate", "--labels", "exact,jagg,ablate",
         "--out", "out/compare",
     ]  # fmt: skip

@@ -13,6 +13,8 @@ from train.config import TrainConfig, register_schema, trainable_transitions, va
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
+CPU_EXPERIMENTS = ("demo", "testbed_compare", "tiny")  # need no path; the rest are the paper's four runs
+PAPER_EXPERIMENTS = [e for e in EXPERIMENTS if e not in CPU_EXPERIMENTS]
 register_schema()
 
 
@@ -52,14 +54,25 @@ def required_paths(paths) -> list[str]:
     ]
 
 
-def test_default_job_composes_and_validates(tmp_path):
+def test_default_job_is_the_testbed(tmp_path):
     cfg = load([], tmp_path)
     check(cfg)
-    assert (cfg.experiment, cfg.update.mode, cfg.model.build_tiny) == ("demo", "jagg", "tiny")
-    assert list(cfg.reward.components) == ["jpeg_compressibility"]
+    assert (cfg.experiment, cfg.update.mode, cfg.model.path, cfg.model.build_tiny) == (
+        "demo",
+        "jagg",
+        "testbed/pipeline",
+        None,
+    )
+    assert list(cfg.reward.components) == ["shape_alignment"] and list(cfg.eval.scorers) == ["shape_alignment"]
+    assert cfg.logging.eval_every > 0
 
 
-@pytest.mark.parametrize("experiment", [e for e in EXPERIMENTS if e != "demo"])
+@pytest.mark.parametrize("experiment", ["tiny", "testbed_compare"])
+def test_cpu_experiments_compose_and_validate(experiment, tmp_path):
+    check(load([f"experiment={experiment}"], tmp_path))
+
+
+@pytest.mark.parametrize("experiment", PAPER_EXPERIMENTS)
 def test_paper_experiments_compose_and_validate(experiment, paths, tmp_path):
     cfg = load([f"experiment={experiment}", *required_paths(paths)], tmp_path)
     check(cfg)
@@ -68,7 +81,7 @@ def test_paper_experiments_compose_and_validate(experiment, paths, tmp_path):
     assert cfg.grpo.group_size == 12 and cfg.sampler.num_steps == 21 and cfg.update.window == 4
 
 
-@pytest.mark.parametrize("experiment", [e for e in EXPERIMENTS if e != "demo"])
+@pytest.mark.parametrize("experiment", PAPER_EXPERIMENTS)
 def test_paper_experiments_require_paths(experiment, tmp_path):
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(config_name="train", overrides=[f"run_dir={tmp_path}", f"experiment={experiment}"])

@@ -23,7 +23,7 @@ def test_python_m_train_eval_writes_means_per_category_and_a_grid(tiny_flux_dir,
         ("a tree", "anime"),
     ]
     prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in rows))
-    args = [f"model.path={tiny_flux_dir}", "model.build_tiny=null", f"data.eval_prompts={prompts}",
+    args = ["experiment=tiny", f"model.path={tiny_flux_dir}", "model.build_tiny=null", f"data.eval_prompts={prompts}",
             "+eval.scorers.jpeg_compressibility={}", "eval.num_steps=4", "eval.batch_size=2"]  # fmt: skip
     outputs = []
     for name in ("a", "b"):

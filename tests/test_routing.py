@@ -87,6 +87,7 @@ def test_trainer_routes_by_the_probe(threshold, path, tiny_flux_dir, tmp_path, m
     monkeypatch.chdir(ROOT)  # the demo's prompt file is relative to the repository root
     overrides = [
         f"run_dir={tmp_path}",
+        "experiment=tiny",
         f"model.path={tiny_flux_dir}",
         "num_steps=1",
         "sampler.num_steps=9",

@@ -9,7 +9,7 @@ import torch
 
 from models.diffusers_backbone import pack_latents
 from rewards import build_scorer
-from rewards.shapes import COLOURS, ShapeAlignmentScorer, parse_caption
+from rewards.shapes import COLOURS, ShapeAlignmentScorer, inside_shape, parse_caption
 from testbed.data import all_captions, make_dataset
 from testbed.pretrain import (
     PretrainConfig,
@@ -77,6 +77,23 @@ def test_mismatched_captions_score_near_zero(shapes):
     single = [i for i, c in enumerate(captions) if " and " not in c][0]
     doubled = f"{captions[single].split(' at the ')[0]} and a {sorted(set(COLOURS))[0]} circle"
     assert scorer(images[single : single + 1], [doubled]).item() <= 0.5
+
+
+def test_shape_part_is_graded_between_clean_shapes():
+    """A square with rounded corners is partly a square, partly a circle: GRPO sees a difference
+    between samples that a yes/no classification would score alike."""
+    centre = torch.arange(32) + 0.5 - 16
+    ys, xs = torch.meshgrid(centre, centre, indexing="ij")
+    parts = {}
+    for rounding in (1.0, 1.1, 1.5):  # circle, rounded square, square
+        mask = inside_shape("square", xs, ys, 7.0) & inside_shape("circle", xs, ys, 7.0 * rounding)
+        image = torch.zeros(1, 3, 32, 32)
+        image[0, :, mask] = torch.tensor(COLOURS["red"])[:, None]
+        score = ShapeAlignmentScorer().score_parts
+        parts[rounding] = [score(image, [f"a red {shape}"])["shape"].item() for shape in ("square", "circle")]
+    assert parts[1.0] == [0.0, 1.0] and parts[1.5] == [1.0, 0.0]
+    square, circle = parts[1.1]
+    assert 0.1 < square < 0.9 and square + circle == pytest.approx(1.0)
 
 
 def test_unparseable_caption_is_a_clear_error(shapes):

@@ -30,6 +30,7 @@ register_schema()
 # 9 sampling steps -> 8 trainable transitions -> 2 groups of W = 4; 1 prompt x G = 4 samples per
 # step, two micro-batches of 2, one optimizer step per step.
 SMALL = [
+    "experiment=tiny",
     "num_steps=3",
     "sampler.num_steps=9",
     "grpo.group_size=4",

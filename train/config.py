@@ -113,7 +113,7 @@ class LoggingConfig:
     wandb_mode: str = "disabled"  # disabled | offline | online
     project: str = "jagg-grpo"
     sample_every: int = 0  # log a grid of rollout images every N steps (0 = never)
-    eval_every: int = 0  # run the evaluation every N steps (0 = never)
+    eval_every: int = 0  # evaluate before training and every N steps (0 = never); eval/* at step k = after k steps
     group: str | None = None  # wandb group; null = the experiment name (scripts/launch/compare_modes.sh sets one)
     progress_bar: bool = True
 

@@ -285,8 +285,16 @@ def format_table(rep: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+MAX_BATCHES_PER_K = 10
+
+
 def probe_run(run: Run) -> dict[str, Any]:
-    """Roll out batches with the trainer's pieces until ``probe.num_rollouts`` trajectories are measured."""
+    """Roll out batches with the trainer's pieces until ``probe.num_rollouts`` trajectories are measured.
+
+    A trajectory whose advantage is 0 (its group's rewards all equal) has no gradient and is not
+    measured; batches are drawn until K trajectories were, at most ``MAX_BATCHES_PER_K`` times as
+    many batches as K needs.
+    """
     from train.trainer import policy_predictor, reference_predictor, reward_phase, rollout_phase, update_settings
 
     cfg, p = run.cfg, run.cfg.probe
@@ -294,18 +302,24 @@ def probe_run(run: Run) -> dict[str, Any]:
     predict, reference = policy_predictor(run), reference_predictor(run)
     per_batch = cfg.grpo.group_size * cfg.grpo.prompts_per_rank * run.dist.world_size
     samples: Samples = defaultdict(list)
-    traj = None
-    for batch in range(math.ceil(p.num_rollouts / per_batch)):
+    traj, done = None, 0
+    max_batches = MAX_BATCHES_PER_K * math.ceil(p.num_rollouts / per_batch)
+    for batch in range(max_batches):
         traj, prompts = rollout_phase(run, batch)
         advantages, _, _ = reward_phase(run, traj, prompts)
         if advantages is None:  # a NaN reward (reward_phase warned); this batch is not measured
             continue
-        count = min(per_batch, p.num_rollouts - batch * per_batch)
+        count = min(per_batch, p.num_rollouts - done)
         measured = measure_trajectories(
             predict, traj, advantages, run.params, settings, num_rollouts=count, mode=p.mode, reference=reference
         )
         for group, values in measured.items():
             samples[group] += values
+        done = min((len(v) for v in samples.values()), default=0)
+        if done >= p.num_rollouts:
+            break
+    else:
+        log.warning("probe: %d of K = %d trajectories had a gradient after %d batches", done, p.num_rollouts, batch + 1)
     groups = summarize_groups(samples, traj.timesteps)
     return report(
         groups,

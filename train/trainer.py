@@ -470,6 +470,9 @@ def build_for_eval(cfg: TrainConfig) -> tuple[Backbone, object, DistInfo]:
 def fit(run: Run) -> None:
     cfg = run.cfg
     start = resume(run)
+    # eval/<metric> at step k is the policy after k optimizer steps: k = 0 is the model as loaded.
+    if cfg.logging.eval_every and start == 0:
+        run.logger.log(run_eval(run, 0), 0)
     bar = progress_bar(cfg.num_steps, is_main=run.dist.is_main and cfg.logging.progress_bar, initial=start)
     for step in range(start, cfg.num_steps):
         metrics = train_step(run, step)
@@ -477,7 +480,7 @@ def fit(run: Run) -> None:
         bar.update(1)
         bar.set_postfix(reward=f"{metrics.get('reward/total', float('nan')):.4f}")
         if cfg.logging.eval_every and (step + 1) % cfg.logging.eval_every == 0:
-            run.logger.log(run_eval(run, step + 1), step)
+            run.logger.log(run_eval(run, step + 1), step + 1)
         if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
             _save(run, step + 1)
     bar.close()

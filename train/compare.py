@@ -1,8 +1,8 @@
 """Compare training runs (baseline / JAGG / ablate): the paper's Table 3, the efficiency summary, plots.
 
-    python scripts/compare_runs.py runs/flux_dance/cmp/exact runs/flux_dance/cmp/jagg runs/flux_dance/cmp/ablate \\
+    python -m train.compare runs/flux_dance/cmp/exact runs/flux_dance/cmp/jagg runs/flux_dance/cmp/ablate \\
         --out runs/flux_dance/cmp/compare
-    python scripts/compare_runs.py wandb:<entity>/<project>/<run id> ... --labels exact,jagg
+    python -m train.compare wandb:<entity>/<project>/<run id> ... --labels exact,jagg
 
 A run is a run folder holding the trainer's ``metrics.jsonl`` (offline, the record of truth) or, with
 the ``wandb:`` prefix, a wandb run path (needs the network and a wandb login). Records of one step
@@ -32,6 +32,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
 
 PHASES = ("rollout", "reward", "update", "optimizer", "probe")
 WANDB_PREFIX = "wandb:"
@@ -298,12 +301,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+class CompareSweep(Callback):
+    """Hydra callback: after a ``-m`` sweep, compare its jobs' run folders into ``<sweep dir>/compare``.
+
+    ``experiment=testbed_compare`` installs it; every job folder of the sweep that holds a
+    metrics.jsonl is a run, labelled by its folder name (the update mode there).
+    """
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep = Path(config.hydra.sweep.dir)
+        runs = sorted(str(p.parent) for p in sweep.glob("*/metrics.jsonl"))
+        if not runs:
+            print(f"train.compare: no job of the sweep in {sweep} wrote a metrics.jsonl; nothing to compare")
+            return
+        main([*runs, "--out", str(sweep / "compare")])  # prints the tables, or the error on stderr
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         print(compare(args), end="")
     except (FileNotFoundError, ValueError) as err:
-        print(f"compare_runs: error: {err}", file=sys.stderr)
+        print(f"train.compare: error: {err}", file=sys.stderr)
         return 2
     return 0
 
