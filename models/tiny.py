@@ -115,14 +115,16 @@ def qwen2_tokenizer() -> Qwen2Tokenizer:
 # ---- pipelines -----------------------------------------------------------------------------------
 
 
-def _flux_pipeline(size: str) -> FluxPipeline:
-    width, latent_ch = (256, 16) if size == "small" else (32, 4)
-    tok, tok2 = clip_tokenizer(), t5_tokenizer(32)
-    text_encoder = CLIPTextModel(
+def flux_text_encoders(
+    tok: CLIPTokenizer, tok2: T5Tokenizer, *, width: int, ff: int, t5_head_dim: int
+) -> tuple[CLIPTextModel, T5EncoderModel]:
+    """Random 2-layer CLIP and T5 text encoders of hidden size ``width`` (CLIP first: the order in
+    which they draw from torch's global RNG is part of every seeded tiny pipeline)."""
+    clip = CLIPTextModel(
         CLIPTextConfig(
             vocab_size=len(tok),
             hidden_size=width,
-            intermediate_size=37,
+            intermediate_size=ff,
             num_attention_heads=4,
             num_hidden_layers=2,
             projection_dim=width,
@@ -132,18 +134,25 @@ def _flux_pipeline(size: str) -> FluxPipeline:
             pad_token_id=tok.pad_token_id,
         )
     )
-    text_encoder_2 = T5EncoderModel(
+    t5 = T5EncoderModel(
         T5Config(
             vocab_size=len(tok2),
             d_model=width,
-            d_kv=8,
-            d_ff=37,
+            d_kv=t5_head_dim,
+            d_ff=ff,
             num_layers=2,
             num_heads=4,
             relative_attention_num_buckets=8,
             dropout_rate=0.0,
         )
     )
+    return clip, t5
+
+
+def _flux_pipeline(size: str) -> FluxPipeline:
+    width, latent_ch = (256, 16) if size == "small" else (32, 4)
+    tok, tok2 = clip_tokenizer(), t5_tokenizer(32)
+    text_encoder, text_encoder_2 = flux_text_encoders(tok, tok2, width=width, ff=37, t5_head_dim=8)
     vae = AutoencoderKL(
         sample_size=IMAGE_SIZE[size],
         block_out_channels=(8, 16),

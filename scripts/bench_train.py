@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [
-    "model=tiny_flux", "model.path=.cache/small_flux", "model.build_tiny=small", "model.height=64", "model.width=64",
+    "experiment=tiny", "model.path=.cache/small_flux", "model.build_tiny=small", "model.height=64", "model.width=64",
     "sampler.num_steps=9", "update.window=4", "update.jagg_frac=1.0", "grpo.group_size=4", "grpo.prompts_per_rank=1",
     "grpo.micro_batch=1", "grpo.gradient_accumulation_steps=4", "checkpoint.every=0", "checkpoint.export=false",
     "logging.progress_bar=false", "logging.sample_every=0",
@@ -66,6 +66,7 @@ def main() -> None:
         ratios = f"{m['step'] / base['step']:>12.3f}{m['update'] / base['update']:>14.3f}"
         print(f"{mode:<8}{m['step']:>8.2f}{m['update']:>10.2f}{m['update'] / m['step']:>14.2f}{ratios}"
               f"{max(results[mode]['rss']):>14.0f}")  # fmt: skip
+
 
 if __name__ == "__main__":
     main()

@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from torch import Tensor
-from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, T5Tokenizer
+from transformers import T5Tokenizer
 
 from models.base import Backbone
 from models.components import quiet_progress_bars
 from models.diffusers_backbone import pack_latents
 from models.registry import load_backbone
-from models.tiny import clip_tokenizer
+from models.tiny import clip_tokenizer, flux_text_encoders
 from rewards.shapes import COLOURS, POSITIONS, SHAPES, SIZES
 from samplers.rollout import rollout
 from samplers.sde import SDE
@@ -84,32 +84,7 @@ def t5_tokenizer(max_length: int = MAX_SEQUENCE_LENGTH) -> T5Tokenizer:
 def untrained_pipeline() -> FluxPipeline:
     """The random pipeline (torch's global RNG initializes the weights)."""
     tok, tok2 = clip_tokenizer(), t5_tokenizer()
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(tok),
-            hidden_size=TEXT_WIDTH,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_hidden_layers=2,
-            projection_dim=TEXT_WIDTH,
-            max_position_embeddings=77,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    )
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tok2),
-            d_model=TEXT_WIDTH,
-            d_kv=16,
-            d_ff=128,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            dropout_rate=0.0,
-        )
-    )
+    text_encoder, text_encoder_2 = flux_text_encoders(tok, tok2, width=TEXT_WIDTH, ff=128, t5_head_dim=16)
     vae = AutoencoderKL(
         sample_size=32,
         block_out_channels=(16, 32),

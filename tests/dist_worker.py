@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from diffusers import FluxTransformer2DModel
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+from flux_toys import tiny_flux_transformer
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -51,18 +52,7 @@ MAX_NORM = 0.05
 
 
 def build_model() -> FluxTransformer2DModel:
-    torch.manual_seed(0)
-    return FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        num_layers=2,
-        num_single_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=[4, 4, 8],
-    )
+    return tiny_flux_transformer(in_channels=16, num_layers=2)
 
 
 def global_batch(seed: int, rows: int) -> dict[str, torch.Tensor]:

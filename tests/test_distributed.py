@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers import FluxTransformer2DModel
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+from flux_toys import tiny_flux_transformer
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -33,18 +34,7 @@ BLOCKS = (FluxTransformerBlock, FluxSingleTransformerBlock)
 
 
 def tiny_flux() -> FluxTransformer2DModel:
-    torch.manual_seed(0)
-    return FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=[4, 4, 8],
-    )
+    return tiny_flux_transformer()
 
 
 def flux_loss(model: torch.nn.Module) -> torch.Tensor:

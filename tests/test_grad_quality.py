@@ -121,7 +121,13 @@ def _repo_root(monkeypatch):
 
 
 # 9 sampling steps -> 8 trainable transitions -> 2 groups of W = 4; G = 2 samples per prompt.
-PROBE = ["experiment=tiny", "sampler.num_steps=9", "grpo.group_size=2", "grpo.gradient_accumulation_steps=2", "grpo.micro_batch=1"]
+PROBE = [
+    "experiment=tiny",
+    "sampler.num_steps=9",
+    "grpo.group_size=2",
+    "grpo.gradient_accumulation_steps=2",
+    "grpo.micro_batch=1",
+]
 
 
 def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, capsys, _repo_root):

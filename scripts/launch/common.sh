@@ -49,7 +49,7 @@ experiment_paths() {
     case "$experiment" in
         flux_*) model_var=FLUX_PATH ;;
         qwenimage_*) model_var=QWENIMAGE_PATH ;;
-        demo) return 0 ;;
+        demo | tiny) return 0 ;;
         *) die "unknown experiment '$experiment': pick one of configs/experiment/*.yaml" ;;
     esac
     require "$model_var" TRAIN_PROMPTS HPS_CKPT CLIP_PATH PICKSCORE_PATH PICKSCORE_PROCESSOR
