@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,21 @@ def test_compare_modes_runs_three_modes_in_one_group_then_compares():
         "-m", "train.compare", "out/exact", "out/jagg", "out/ablate", "--labels", "exact,jagg,ablate",
         "--out", "out/compare",
     ]  # fmt: skip
+
+
+def test_testbed_compare_sweeps_the_three_modes_then_compares(tmp_path):
+    """python -m train -m experiment=testbed_compare: one job per update mode with the same seed,
+    then the Hydra callback writes the comparison of the three folders."""
+    sweep = tmp_path / "sweep"
+    short = ["num_steps=1", "grpo.prompts_per_rank=1", "grpo.group_size=2", "grpo.micro_batch=2"]
+    short += ["grpo.gradient_accumulation_steps=2", "data.num_eval_prompts=2", "eval.batch_size=2"]
+    short += ["logging.eval_every=1", "logging.sample_every=0", "checkpoint.export=false"]
+    cmd = [sys.executable, "-m", "train", "-m", "experiment=testbed_compare", *short, f"hydra.sweep.dir={sweep}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["ablate", "compare", "exact", "jagg"]
+    summary = json.loads((sweep / "compare" / "summary.json").read_text())
+    assert summary["baseline"] == "exact" and set(summary["runs"]) == {"exact", "jagg", "ablate"}
+    firsts = {run: values["shape_alignment"]["0"] for run, values in summary["eval"].items()}
+    assert len(set(firsts.values())) == 1  # the same seeds: the same model evaluated before training
+    assert "speed-up over exact" in done.stdout
