@@ -30,12 +30,13 @@ DTYPES = {
 }
 
 
-def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """A torch dtype from itself or from a config string (``"bfloat16"``, ``"bf16"``, ...)."""
+def parse_dtype(dtype: torch.dtype | str, *, field: str = "model.dtype") -> torch.dtype:
+    """A torch dtype from itself or from a config string (``"bfloat16"``, ``"bf16"``, ...); an
+    unknown string is an error naming ``field``."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"{field} must be one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
 
 

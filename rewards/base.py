@@ -22,6 +22,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from models.components import parse_dtype
+
 # name -> "module:Class"; imported lazily so that e.g. the JPEG reward never imports open_clip.
 _REGISTRY: dict[str, str] = {
     "hpsv2": "rewards.hpsv2:HPSv2Scorer",
@@ -32,15 +34,6 @@ _REGISTRY: dict[str, str] = {
     "shape_alignment": "rewards.shapes:ShapeAlignmentScorer",
 }
 SCORER_NAMES: tuple[str, ...] = tuple(_REGISTRY)
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 
 class Scorer(abc.ABC):
@@ -67,7 +60,7 @@ class FrozenModelScorer(Scorer):
     """A scorer built around one frozen ``nn.Module`` held in ``self.model``."""
 
     def __init__(self, model: nn.Module, *, device: torch.device | str, dtype: torch.dtype | str) -> None:
-        self.dtype = as_dtype(dtype, field=f"reward.components.{self.name}.dtype")
+        self.dtype = parse_dtype(dtype, field=f"reward.components.{self.name}.dtype")
         self.device = torch.device(device)
         self.model = freeze(model).to(device=self.device, dtype=self.dtype)
 
@@ -100,15 +93,6 @@ def check_inputs(images: Tensor, prompts: Sequence[str], *, scorer: str) -> None
             f"reward {scorer!r}: images must be in [0, 1], got values in [{low.item():.3g}, {high.item():.3g}]; "
             "map VAE output in [-1, 1] with (x / 2 + 0.5).clamp(0, 1)"
         )
-
-
-def as_dtype(dtype: torch.dtype | str, *, field: str) -> torch.dtype:
-    """A torch dtype from a dtype or its config spelling ("float32", "bf16", ...)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"{field} must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 def require_path(path: str | Path, *, field: str, expected: str, is_dir: bool = False) -> Path:

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from models.base import Backbone
+from models.components import parse_dtype
 from models.registry import backbone_names, load_backbone
 from rewards.base import SCORER_NAMES, build_scorer
 from rewards.combine import RewardCombiner
@@ -55,7 +56,6 @@ from train.routing import AutoRouter
 from train.update import UpdateSettings, UpdateStats, plan_for, update_micro_batch
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -114,7 +114,7 @@ def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Ba
 
             build_tiny(cfg.model.name, cfg.model.path, size=cfg.model.build_tiny)
         broadcast_object(None)  # the other ranks wait for the folder
-    dtype = DTYPES[cfg.model.dtype]
+    dtype = parse_dtype(cfg.model.dtype)
     backbone = load_backbone(
         cfg.model.name,
         cfg.model.path,
@@ -150,7 +150,7 @@ def setup_trainable(cfg: TrainConfig, backbone: Backbone) -> tuple[list[nn.Param
         if cfg.grpo.kl_beta > 0:  # full fine-tuning: the reference is a frozen copy of the start
             reference = copy.deepcopy(transformer).requires_grad_(False).eval()
     transformer.train()
-    compute = DTYPES[cfg.model.dtype]
+    compute = parse_dtype(cfg.model.dtype)
     for module in (transformer, reference):
         if module is not None:
             parallelize(
@@ -209,7 +209,7 @@ def build(cfg: TrainConfig, dist: DistInfo) -> Run:
         checkpoints=CheckpointManager(run_dir, keep_last=cfg.checkpoint.keep_last),
         logger=logger,
         reference=reference,
-        compute_dtype=DTYPES[cfg.model.dtype],
+        compute_dtype=parse_dtype(cfg.model.dtype),
         router=AutoRouter.from_config(cfg.update) if cfg.update.jagg_frac == AUTO else None,
     )
 
@@ -464,7 +464,7 @@ def build_for_eval(cfg: TrainConfig) -> tuple[Backbone, object, DistInfo]:
         trained = type(backbone.transformer).from_pretrained(cfg.eval.transformer, torch_dtype=torch.float32)
         backbone.transformer = trained.to(next(backbone.transformer.parameters()).device)
     backbone.transformer.eval()
-    return backbone, predictor(backbone, DTYPES[cfg.model.dtype], dist.world_size), dist
+    return backbone, predictor(backbone, parse_dtype(cfg.model.dtype), dist.world_size), dist
 
 
 def fit(run: Run) -> None:
