@@ -20,25 +20,6 @@ import torch
 from diffusers.utils import logging as diffusers_logging
 from transformers.utils import logging as transformers_logging
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def parse_dtype(dtype: torch.dtype | str, *, field: str = "model.dtype") -> torch.dtype:
-    """A torch dtype from itself or from a config string (``"bfloat16"``, ``"bf16"``, ...); an
-    unknown string is an error naming ``field``."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"{field} must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
-
 
 @contextmanager
 def quiet_progress_bars() -> Iterator[None]:

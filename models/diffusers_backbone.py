@@ -23,9 +23,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from models.base import Backbone, Conditioning
+from models.base import Backbone, Conditioning, parse_dtype
 from models.cache import EmbeddingCache
-from models.components import Component, component_folders, load_component, parse_dtype, read_config
+from models.components import Component, component_folders, load_component, read_config
 from samplers.schedule import dynamic_shift_mu, dynamic_sigmas, shifted_sigmas
 
 # Attention projections of the dual-stream (image + text) blocks that Flux and Qwen-Image share;

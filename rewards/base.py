@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from models.components import parse_dtype
+from models.base import parse_dtype
 
 # name -> "module:Class"; imported lazily so that e.g. the JPEG reward never imports open_clip.
 _REGISTRY: dict[str, str] = {

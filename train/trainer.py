@@ -27,8 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from models.base import Backbone
-from models.components import parse_dtype
+from models.base import Backbone, parse_dtype
 from models.registry import backbone_names, load_backbone
 from rewards.base import SCORER_NAMES, build_scorer
 from rewards.combine import RewardCombiner
@@ -470,7 +469,7 @@ def build_for_eval(cfg: TrainConfig) -> tuple[Backbone, object, DistInfo]:
 def fit(run: Run) -> None:
     cfg = run.cfg
     start = resume(run)
-    # eval/<metric> at step k is the policy after k optimizer steps: k = 0 is the model as loaded.
+    # eval/<metric> at step k is the policy after k training steps: k = 0 is the model as loaded.
     if cfg.logging.eval_every and start == 0:
         run.logger.log(run_eval(run, 0), 0)
     bar = progress_bar(cfg.num_steps, is_main=run.dist.is_main and cfg.logging.progress_bar, initial=start)
