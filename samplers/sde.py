@@ -48,7 +48,8 @@ class SDE:
 class StepOutput:
     next_z: Tensor  # [B, ...] sampled z', or the stored z' that was passed in
     mean: Tensor  # [B, ...] mean of the transition
-    std: Tensor  # [B] per-row std of the transition (0 for ode)
+    std: Tensor  # [B] per-row std of the transition, g sqrt(-dt) (0 for ode)
+    diffusion: Tensor  # [B] per-row diffusion coefficient g (0 for ode); Flow-GRPO's KL divides by 2 g^2
     log_prob: Tensor | None  # [B] mean log density of next_z over non-batch dims; None for ode
 
 
@@ -111,7 +112,8 @@ def step(
     if sde.kind == "ode":
         mean = z + v * dt
         out = mean if next_z is None else next_z.to(dtype)
-        return StepOutput(out, mean, torch.zeros(z.shape[0], dtype=dtype, device=z.device), None)
+        zero = torch.zeros(z.shape[0], dtype=dtype, device=z.device)
+        return StepOutput(out, mean, zero, zero, None)
 
     g = diffusion_coeff(sde, sig, sigma_guard)
     x1_hat = z + (1.0 - sig) * v
@@ -122,4 +124,4 @@ def step(
             noise = torch.randn(z.shape, generator=generator, device=z.device, dtype=torch.float32)
         next_z = mean + std * noise.to(dtype)
     next_z = next_z.to(dtype)
-    return StepOutput(next_z, mean, std.flatten(), gaussian_log_prob(next_z, mean, std))
+    return StepOutput(next_z, mean, std.flatten(), g.flatten(), gaussian_log_prob(next_z, mean, std))

@@ -40,11 +40,11 @@ from train.distributed import (
     count_collectives,
     init_distributed,
     parallelize,
-    seed_everything,
     shutdown,
 )
 from train.ema import EMA
 from train.jagg import UPDATE_MODES, backward_group
+from train.seeds import seed_everything
 
 BLOCKS = (FluxTransformerBlock, FluxSingleTransformerBlock)
 ROWS_PER_RANK = 2

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
-import numpy as np
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
@@ -23,11 +20,9 @@ from train.distributed import (
     count_collectives,
     get_rank,
     get_world_size,
-    group_generator,
     init_distributed,
     parallelize,
     place_frozen,
-    seed_everything,
 )
 
 BLOCKS = (FluxTransformerBlock, FluxSingleTransformerBlock)
@@ -141,31 +136,6 @@ def test_count_collectives_sees_none_in_one_process() -> None:
     with count_collectives() as counts:
         flux_loss(tiny_flux()).backward()
     assert (counts.num_all_gathers, counts.num_reduce_scatters, counts.num_all_reduces, counts.by_op) == (0, 0, 0, {})
-
-
-def test_seed_everything_is_per_rank_and_reproducible() -> None:
-    def draw() -> tuple[float, float, float]:
-        return float(torch.rand(())), float(np.random.rand()), random.random()
-
-    seed_everything(7, rank=0)
-    first = draw()
-    seed_everything(7, rank=0)
-    assert draw() == first
-    seed_everything(7, rank=1)
-    assert all(x != y for x, y in zip(draw(), first))
-
-
-def test_group_generator_depends_on_seed_and_group_only() -> None:
-    def noise(seed: int, group: int) -> torch.Tensor:
-        return torch.randn(4, generator=group_generator(seed, group))
-
-    torch.manual_seed(0)
-    a = noise(5, 3)
-    torch.manual_seed(1)  # the global RNG state does not matter
-    torch.testing.assert_close(noise(5, 3), a, rtol=0, atol=0)
-    assert not torch.equal(noise(5, 4), a)
-    assert not torch.equal(noise(6, 3), a)
-    assert not torch.equal(noise(0, 1), noise(1, 0))  # not a function of seed + group_id
 
 
 def test_place_frozen() -> None:

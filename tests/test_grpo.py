@@ -18,6 +18,29 @@ def test_group_advantages_hand_made():
     torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0, 0.0, 0.0, 0.0]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("value", [1 / 3, 2 / 3, 0.1, 0.7])
+def test_tied_group_gets_exactly_zero_advantage(dtype, value):
+    # Eight copies of 1/3 in float32: the float32 group mean is off by one rounding step, so the
+    # population std equals that residue and residue / (residue + 1e-8) ~ 0.75 would be handed to
+    # every sample. A tie carries no preference: the advantage must be exactly zero, in any dtype.
+    rewards = torch.full((8,), value, dtype=dtype)
+    adv = group_advantages(torch.cat([rewards, torch.tensor([0.0, 1.0], dtype=dtype)]), torch.tensor([3] * 8 + [5, 5]))
+    assert adv.dtype == dtype
+    assert torch.equal(adv[:8], torch.zeros(8, dtype=dtype))
+    torch.testing.assert_close(adv[8:].double(), torch.tensor([-1.0, 1.0]), rtol=1e-2, atol=0)  # the other group
+
+
+def test_float32_rewards_give_the_float64_advantages():
+    # The statistics are float64 whatever the rewards' dtype: a float32 group of thirds and halves
+    # gets the advantages of the same values in float64, to float32 rounding.
+    values = [1 / 3, 1 / 3, 2 / 3, 0.5, 1 / 3, 2 / 3, 0.5, 0.5]
+    groups = torch.zeros(8, dtype=torch.long)
+    a32 = group_advantages(torch.tensor(values, dtype=torch.float32), groups)
+    a64 = group_advantages(torch.tensor(values, dtype=torch.float32).double(), groups)
+    torch.testing.assert_close(a32, a64.float(), rtol=0, atol=0)
+
+
 def test_group_advantages_clamp_and_global_std():
     rewards = torch.tensor([0.0, 10.0, 2.0, 4.0])
     groups = torch.tensor([1, 1, 2, 2])
@@ -64,11 +87,23 @@ def test_zero_advantage_zero_gradient():
     assert torch.equal(logp.grad, torch.zeros(2))
 
 
-def test_kl_matches_gaussian_kl():
-    g = torch.Generator().manual_seed(1)
-    mean, ref = torch.randn(2, 5, generator=g), torch.randn(2, 5, generator=g)
-    std = torch.tensor([0.3, 0.7])
-    s = std[:, None].expand(2, 5)
-    exact = torch.distributions.kl_divergence(torch.distributions.Normal(mean, s), torch.distributions.Normal(ref, s))
-    torch.testing.assert_close(kl_to_reference(mean, ref, std), exact.mean())
-    assert kl_to_reference(mean, mean, std) == 0.0
+def test_kl_is_flow_grpo_convention():
+    # Flow-GRPO: beta * mean((mean_theta - mean_ref)^2) / (2 g^2), g the diffusion coefficient,
+    # no |dt|. Row 0: (1^2 + 0 + 2^2) / 3 / (2 * 0.5^2) = 10/3; row 1: (0 + 3^2 + 0) / 3 / (2 * 1^2) = 1.5.
+    mean = torch.tensor([[1.0, 0.0, 2.0], [0.0, 3.0, 0.0]])
+    g = torch.tensor([0.5, 1.0])
+    torch.testing.assert_close(kl_to_reference(mean, torch.zeros(2, 3), g), torch.tensor((10 / 3 + 1.5) / 2))
+    assert kl_to_reference(mean, mean, g) == 0.0
+
+
+def test_kl_is_the_gaussian_kl_times_dt():
+    # Both transitions are Gaussians with std g sqrt(|dt|): the exact KL divides by 2 g^2 |dt|,
+    # so the Flow-GRPO form used here is the exact KL times |dt|, whatever the SDE.
+    gen = torch.Generator().manual_seed(1)
+    z, v, v_ref = (torch.randn(2, 6, 4, generator=gen) for _ in range(3))
+    for sde in (SDE("dance", eta=0.3), SDE("flow", noise_level=0.7)):
+        out, ref = step(sde, v, z, 0.6, 0.45, generator=gen), step(sde, v_ref, z, 0.6, 0.45, generator=gen)
+        s = out.std[:, None, None].expand_as(out.mean)
+        normal = torch.distributions.Normal
+        exact = torch.distributions.kl_divergence(normal(out.mean, s), normal(ref.mean, s)).mean()
+        torch.testing.assert_close(kl_to_reference(out.mean, ref.mean, out.diffusion), exact * 0.15)

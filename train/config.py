@@ -129,7 +129,7 @@ class CheckpointConfig:
 class EvalConfig:
     num_steps: int = 28  # ODE steps of evaluation sampling
     batch_size: int = 4  # prompts per rank per sampling call
-    seed: int = 0  # prompt i starts from the noise of a generator seeded by (seed, i)
+    seed: int = 0  # prompt i starts from the noise of the stream (seed, "eval_noise", i) (train/seeds.py)
     grid_size: int = 16  # images in the PNG grid
     transformer: str | None = None  # python -m train.eval: an exported transformer folder to evaluate
     # metric name (hpsv2 | pickscore | clipscore | jpeg_compressibility | ...) -> scorer arguments (local paths)
@@ -150,7 +150,7 @@ class ProbeConfig:
 class TrainConfig:
     experiment: str = "demo"  # name used for the wandb group and the run folder
     run_dir: str = MISSING  # shared run folder (all ranks; set from hydra.run.dir by default)
-    seed: int = 42  # global seed; rank r uses seed + r, group g's noise a generator seeded by (seed, g)
+    seed: int = 42  # every random stream derives from (seed, purpose, index) (train/seeds.py)
     num_steps: int = 10  # training steps (rollout + update)
     resume: str | None = None  # null | auto (latest checkpoint in run_dir) | path to a checkpoint folder
     device: str = "auto"  # auto | cpu | cuda

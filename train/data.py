@@ -1,8 +1,8 @@
 """Prompt files and the deterministic, resumable order in which ranks draw prompts.
 
 Step ``k`` of a run deals the prompts ``k * P * R .. (k + 1) * P * R - 1`` of an endless sequence of
-epochs (each epoch a permutation of the file seeded by (seed, epoch)); rank r takes P of them. Group
-ids are the positions in that sequence, so they are unique across ranks and steps, and the data
+epochs (each epoch a permutation of the file from the stream (seed, "prompt_order", epoch)); rank r
+takes P of them. Group ids are the positions in that sequence, so they are unique across ranks and steps, and the data
 position of a run is just the step counter: resuming at step k needs no other state.
 """
 
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from train.seeds import stream_generator
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class PromptSampler:
     def _prompt_at(self, position: int) -> str:
         epoch, offset = divmod(position, len(self.records))
         if epoch != self._epoch:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            generator = stream_generator(self.seed, "prompt_order", epoch)
             self._epoch, self._order = epoch, torch.randperm(len(self.records), generator=generator)
         return self.records[int(self._order[offset])].prompt
 

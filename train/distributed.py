@@ -14,23 +14,16 @@ This is the only module (with the rest of ``train/``) that touches ``torch.distr
 * Gradient clipping (``clip_grad_norm_``): the norm is the GLOBAL one,
   ``sqrt(sum over ranks of sum over local shards of g^2)``. A per-shard norm (each rank clipping
   by the norm of its own shard) differs on every rank and is a known bug of a reference trainer.
-* Seeds (DESIGN §5): the global RNGs of rank r are seeded with ``seed + r``; the shared initial
-  noise of a group comes from ``group_generator(seed, group_id)``, a generator whose seed is a hash
-  of ``(seed, group_id)``, so a group is reproducible from its id alone and distinct groups (on any
-  rank) draw distinct noise.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import random
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -284,28 +277,3 @@ def count_collectives() -> Iterator[CollectiveCounts]:
     counts = CollectiveCounts()
     with _CollectiveCounter(counts):
         yield counts
-
-
-def seed_everything(seed: int, rank: int) -> None:
-    """Seed torch (CPU and CUDA), numpy and random with ``seed + rank`` (ranks draw differently)."""
-    value = seed + rank
-    torch.manual_seed(value)
-    np.random.seed(value % 2**32)
-    random.seed(value)
-
-
-def group_seed(seed: int, group_id: int) -> int:
-    """The seed of group ``group_id``'s random draws: a 63-bit hash of ``(seed, group_id)``.
-
-    Independent of the rank and of the global RNG stream: the same group gets the same noise in any
-    run or world size, and distinct ids (the trainer makes them unique across steps and ranks) get
-    distinct noise. A hash rather than ``seed + group_id`` so that (seed 0, group 1) and (seed 1,
-    group 0) do not collide.
-    """
-    digest = hashlib.blake2b(f"{seed}:{group_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def group_generator(seed: int, group_id: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator on ``device`` seeded by ``group_seed(seed, group_id)``."""
-    return torch.Generator(device=device).manual_seed(group_seed(seed, group_id))

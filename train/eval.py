@@ -4,7 +4,7 @@
         eval.scorers.hpsv2.checkpoint=... eval.scorers.pickscore.model=... eval.scorers.clipscore.model=...
     python -m train.eval eval.transformer=runs/demo/<run>/export   # a trained transformer
 
-Prompt i always starts from the noise of a generator seeded by (eval.seed, i), so scores do not
+Prompt i always starts from the noise of the stream (eval.seed, "eval_noise", i), so scores do not
 depend on the number of ranks or the batch size. Prompts are dealt round-robin to ranks and the
 scores gathered; the trainer calls ``evaluate`` every ``logging.eval_every`` steps on all ranks.
 Output: ``<run_dir>/eval/<tag>.json`` with means overall and per category (when the prompt file is
@@ -29,7 +29,8 @@ from samplers.rollout import group_noise, rollout
 from samplers.sde import SDE
 from train.config import TrainConfig, register_schema
 from train.data import PromptRecord, read_prompts
-from train.distributed import DistInfo, all_gather_tensor, group_seed
+from train.distributed import DistInfo, all_gather_tensor
+from train.seeds import stream_seed
 
 
 def build_eval_scorers(cfg: TrainConfig, device: torch.device) -> dict[str, Scorer]:
@@ -41,7 +42,7 @@ def _sample(backbone: Backbone, predict, prompts: list[str], indices: list[int],
     """Images of ``prompts`` by the ODE; prompt i's noise comes from (eval.seed, i)."""
     device = next(backbone.transformer.parameters()).device
     h, w = cfg.model.height, cfg.model.width
-    seeds = [group_seed(cfg.eval.seed, i) for i in indices]
+    seeds = [stream_seed(cfg.eval.seed, "eval_noise", i) for i in indices]
     noise = group_noise(backbone.initial_noise, seeds, group_size=1, height=h, width=w, device=device)
     sigmas = backbone.sigmas(cfg.eval.num_steps, height=h, width=w, shift=cfg.sampler.shift)
     traj = rollout(

@@ -4,17 +4,24 @@ term to a reference policy.
 * Advantage of sample i in its group: A_i = (r_i - mean_group) / (std_group + eps), clamped to
   [-adv_clip_max, adv_clip_max]. std is the population std (unbiased=False) of the group, or, with
   ``global_std``, one std over every reward of the batch (a caller under torch.distributed passes
-  the all-reduced value). A group of identical rewards gets A = 0.
+  the all-reduced value). The statistics are computed in float64 and a group whose rewards are all
+  equal gets exactly A = 0 in every dtype: in float32 the mean of eight copies of 1/3 is off by one
+  rounding step, the std equals that residue, and residue / (residue + eps) would give every sample
+  an advantage of about 0.75 for nothing.
 * Per-step loss: r = exp(logp_new - logp_old),
   L = mean_b max(-A r, -A clip(r, 1 - eps_c, 1 + eps_c)); a row whose ratio left the trust
   region on the side the advantage pushes gets zero gradient.
-* KL to a reference: both transitions are Gaussians with the same std, so the exact KL is
-  ||mean_theta - mean_ref||^2 / (2 std^2) per element; we average it over non-batch dims and the
-  batch. The denominator is the transition variance std^2 = g^2 |dt| (Flow-GRPO's code drops the
-  |dt|; with our choice beta keeps its meaning of nats per element).
+* KL to a reference, in Flow-GRPO's convention so the paper's beta values are copied as they are:
+  KL = mean over non-batch dims and batch of (mean_theta - mean_ref)^2 / (2 g^2), with g the SDE's
+  diffusion coefficient (eta for DanceGRPO's SDE, noise_level sqrt(sigma / (1 - sigma)) for
+  Flow-GRPO's). The exact Gaussian KL of the two transitions divides by the transition variance
+  g^2 |dt| instead; Flow-GRPO's form is that times |dt|, which weighs the large steps of the
+  high-noise end more.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -35,17 +42,20 @@ def group_advantages(
         raise ValueError("rewards contain NaN or inf; refusing to compute advantages")
     _, inverse = torch.unique(group_ids, return_inverse=True)
     num_groups = int(inverse.max()) + 1
-    count = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
-        0, inverse, torch.ones_like(rewards)
-    )
-    mean = torch.zeros_like(count).index_add_(0, inverse, rewards) / count
-    centered = rewards - mean[inverse]
+    r = rewards.to(torch.float64)
+    count = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add_(0, inverse, torch.ones_like(r))
+    mean = torch.zeros_like(count).index_add_(0, inverse, r) / count
+    centered = r - mean[inverse]
     if global_std is None:
         var = torch.zeros_like(count).index_add_(0, inverse, centered**2) / count
         std = var.sqrt()[inverse]
     else:
-        std = torch.as_tensor(global_std, dtype=rewards.dtype, device=rewards.device)
-    return (centered / (std + eps)).clamp(-adv_clip_max, adv_clip_max)
+        std = torch.as_tensor(global_std, dtype=torch.float64, device=r.device)
+    low = torch.full_like(count, math.inf).scatter_reduce(0, inverse, r, "amin")
+    high = torch.full_like(count, -math.inf).scatter_reduce(0, inverse, r, "amax")
+    tied = (low == high)[inverse]  # a float64 mean can still be off by a rounding step: test equality
+    adv = torch.where(tied, torch.zeros_like(r), centered / (std + eps))
+    return adv.clamp(-adv_clip_max, adv_clip_max).to(rewards.dtype)
 
 
 def ppo_step_loss(
@@ -76,7 +86,7 @@ def ppo_step_loss(
     return loss, metrics
 
 
-def kl_to_reference(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
-    """Scalar mean over batch and elements of (mean - ref_mean)^2 / (2 std^2); std is [B]."""
-    std = std.reshape(-1, *([1] * (mean.ndim - 1)))
-    return ((mean - ref_mean) ** 2 / (2.0 * std**2)).mean()
+def kl_to_reference(mean: Tensor, ref_mean: Tensor, diffusion: Tensor) -> Tensor:
+    """Scalar mean over batch and elements of (mean - ref_mean)^2 / (2 g^2); g = ``diffusion`` [B]."""
+    g = diffusion.reshape(-1, *([1] * (mean.ndim - 1)))
+    return ((mean - ref_mean) ** 2 / (2.0 * g**2)).mean()

@@ -2,15 +2,16 @@
 
 One step on each rank:
   1. draw ``prompts_per_rank`` prompts (train/data.py); each is a group of G samples on this rank
-     that starts from one initial noise drawn from a generator seeded by (seed, group id);
+     that starts from one initial noise drawn from the stream (seed, "initial_noise", group id);
   2. roll out the N-step trajectory without gradients (SDE or Flow-GRPO-Fast window);
   3. decode, score every reward component, combine, and take group advantages;
   4. update: micro-batches through train/update.py (exact or JAGG per group), one optimizer step
      per ``gradient_accumulation_steps`` samples, after clipping the global gradient norm.
 
-Departures from the reference trainers, on purpose: the SDE noise of a group comes from a
-generator seeded by (seed, group id) and the training plan from one seeded by (seed, step), so a
-resumed run replays exactly and a step does not depend on how its groups are spread over ranks;
+Departures from the reference trainers, on purpose: every random draw comes from its own stream
+of (seed, purpose, index) (train/seeds.py): a group's SDE noise from its group id, the training
+plan from the step, LoRA's initialisation from the seed alone, so a resumed run replays exactly
+and a step does not depend on how its groups are spread over ranks;
 a NaN reward or a non-finite gradient skips the update (all ranks together) instead of
 corrupting the weights.
 """
@@ -42,16 +43,15 @@ from train.distributed import (
     all_reduce_sum,
     broadcast_object,
     clip_grad_norm_,
-    group_generator,
     init_distributed,
     parallelize,
-    seed_everything,
     shutdown,
 )
 from train.ema import EMA
 from train.grpo import group_advantages
 from train.logger import PhaseTimer, RunLogger, progress_bar
 from train.routing import AutoRouter
+from train.seeds import seed_everything, stream_generator, stream_seed
 from train.update import UpdateSettings, UpdateStats, plan_for, update_micro_batch
 
 log = logging.getLogger(__name__)
@@ -136,14 +136,18 @@ def setup_trainable(cfg: TrainConfig, backbone: Backbone) -> tuple[list[nn.Param
         from peft import LoraConfig
 
         lora = cfg.model.lora
-        transformer.add_adapter(
-            LoraConfig(
-                r=lora.rank,
-                lora_alpha=lora.alpha,
-                init_lora_weights=lora.init,
-                target_modules=backbone.lora_target_modules,
+        # peft draws the adapters from the global RNG, which differs per rank; FSDP2 keeps each rank's
+        # shard of its own draw. One stream for every rank gives the same weights on any world size.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(stream_seed(cfg.seed, "model_init"))
+            transformer.add_adapter(
+                LoraConfig(
+                    r=lora.rank,
+                    lora_alpha=lora.alpha,
+                    init_lora_weights=lora.init,
+                    target_modules=backbone.lora_target_modules,
+                )
             )
-        )
     else:
         transformer.requires_grad_(True)
         if cfg.grpo.kl_beta > 0:  # full fine-tuning: the reference is a frozen copy of the start
@@ -257,11 +261,6 @@ def reference_predictor(run: Run):
     return predict
 
 
-def _shared_generator(seed: int, step: int, salt: int) -> torch.Generator:
-    """Identical on every rank: decisions that change the sequence of collectives."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 7 + salt)
-
-
 def rollout_phase(run: Run, step: int) -> tuple[Trajectory, list[str]]:
     cfg, backbone = run.cfg, run.backbone
     batch = run.prompts.batch(step)
@@ -270,7 +269,10 @@ def rollout_phase(run: Run, step: int) -> tuple[Trajectory, list[str]]:
     noise = torch.cat(
         [
             backbone.initial_noise(
-                1, height=cfg.model.height, width=cfg.model.width, generator=group_generator(cfg.seed, gid, device)
+                1,
+                height=cfg.model.height,
+                width=cfg.model.width,
+                generator=stream_generator(cfg.seed, "initial_noise", gid, device),
             ).expand(size, *([-1] * 3))
             for gid in batch.group_ids
         ]
@@ -282,11 +284,11 @@ def rollout_phase(run: Run, step: int) -> tuple[Trajectory, list[str]]:
             s.num_steps,
             size=s.sde_window_size,
             window_range=tuple(s.sde_window_range),
-            generator=_shared_generator(cfg.seed, step, 1),
+            generator=stream_generator(cfg.seed, "sde_window", step),  # same on every rank
         )
     sigmas = backbone.sigmas(s.num_steps, height=cfg.model.height, width=cfg.model.width, shift=s.shift)
     # SDE noise per group, from (seed, group id): the same samples however groups spread over ranks.
-    sde_noise = [group_generator(cfg.seed + 1, gid, device) for gid in batch.group_ids]
+    sde_noise = [stream_generator(cfg.seed, "sde_noise", gid, device) for gid in batch.group_ids]
     with torch.no_grad():
         cond = backbone.encode(batch.prompts).repeat(size)
         traj = rollout(
@@ -366,7 +368,7 @@ def optimizer_step(run: Run) -> tuple[float, bool]:
 def update_phase(run: Run, traj: Trajectory, advantages: Tensor, step: int, timer: PhaseTimer) -> dict[str, float]:
     g, settings = run.cfg.grpo, update_settings(run.cfg)
     stats = UpdateStats()
-    plan_gen = _shared_generator(run.cfg.seed, step, 2)
+    plan_gen = stream_generator(run.cfg.seed, "update_plan", step)  # same on every rank
     predict, reference = policy_predictor(run), reference_predictor(run)
     routing = {}
     if run.router is not None:  # update.jagg_frac=auto: re-measure the groups, then route by cosine

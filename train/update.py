@@ -141,7 +141,7 @@ def group_inputs(
         loss, metrics = ppo_step_loss(out.log_prob, traj.log_probs[rows, ks[j]], adv, clip_range=settings.clip_range)
         if ref_v is not None:
             ref_mean = transition(traj, ks[j], ref_v[j], rows).mean
-            kl = kl_to_reference(out.mean, ref_mean, out.std)
+            kl = kl_to_reference(out.mean, ref_mean, out.diffusion)
             loss = loss + settings.kl_beta * kl
             metrics = {**metrics, "kl": kl.detach()}
         stats.add_step(loss.detach(), metrics)
