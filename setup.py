@@ -22,5 +22,5 @@ setup(
         "matplotlib>=3.8",
         "tqdm>=4.66",
     ],
-    extras_require={"dev": ["pytest>=8", "ruff>=0.6"]},
+    extras_require={"dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.10"]},
 )

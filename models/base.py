@@ -116,6 +116,13 @@ class Backbone(abc.ABC):
     ) -> Backbone:
         """Load every component from a diffusers folder (or per-component folders in ``kwargs``)."""
 
+    @classmethod
+    @abc.abstractmethod
+    def tiny_pipeline(cls, size: str) -> Any:
+        """A random diffusers pipeline of this architecture, drawn from torch's global RNG in a fixed
+        order, for ``size`` in models/tiny.py's SIZES (tests, CPU demos, benchmarks); ``load`` reads
+        the folder its ``save_pretrained`` writes."""
+
     @abc.abstractmethod
     def encode(self, prompts: list[str]) -> Conditioning:
         """Conditioning with one row per prompt, on the backbone's device, in its dtype."""
@@ -127,8 +134,9 @@ class Backbone(abc.ABC):
         """Packed float32 N(0, I) latents [B, h/2, w/2, 4C] for images of height x width pixels."""
 
     @abc.abstractmethod
-    def predict(self, z: Tensor, t: Tensor, cond: Conditioning) -> Tensor:
-        """Velocity v(z, t) [B, ...] float32 for packed latents z [B, ...] and timesteps t [B]."""
+    def predict(self, z: Tensor, t: Tensor, cond: Conditioning, *, transformer: nn.Module | None = None) -> Tensor:
+        """Velocity v(z, t) [B, ...] float32 for packed latents z [B, ...] and timesteps t [B], by the
+        backbone's transformer or by ``transformer`` (e.g. a frozen reference copy of it)."""
 
     @abc.abstractmethod
     def decode(self, z: Tensor, *, height: int | None = None, width: int | None = None) -> Tensor:

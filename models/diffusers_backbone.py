@@ -171,7 +171,7 @@ class DiffusersBackbone(Backbone):
         return next(p.dtype for p in self.transformer.parameters() if p.is_floating_point())
 
     @property
-    def vae(self) -> nn.Module:
+    def vae(self) -> Any:  # a diffusers autoencoder: encode/decode and its config, beyond nn.Module
         return self.part("vae")
 
     def to(self, device: torch.device | str) -> DiffusersBackbone:

@@ -16,10 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
-from torch import Tensor
-from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+from torch import Tensor, nn
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from models.base import Conditioning
 from models.cache import EmbeddingCache
@@ -33,6 +38,41 @@ PROMPT_TEMPLATE = (
     "<|im_start|>assistant\n"
 )
 QWEN_MAX_TEXT_LENGTH = 1024  # QwenImagePipeline's upper bound for max_sequence_length
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+# Qwen-Image's scheduler (exponential dynamic shift with a terminal stretch), which the tiny pipelines copy
+SCHEDULER: dict[str, Any] = dict(
+    shift=1.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=0.9,
+    base_image_seq_len=256,
+    max_image_seq_len=8192,
+    shift_terminal=0.02,
+    time_shift_type="exponential",
+)
+# per tiny size of models/tiny.py: text width, VAE latent channels and transformer blocks
+TINY: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        text_width=16, z_dim=4, num_layers=2, attention_head_dim=16, num_attention_heads=3, axes_dims_rope=(8, 4, 4)
+    ),
+    "small": dict(
+        text_width=256,
+        z_dim=16,
+        num_layers=4,
+        attention_head_dim=64,
+        num_attention_heads=4,
+        axes_dims_rope=(16, 24, 24),
+    ),
+}
 
 
 @dataclass
@@ -80,6 +120,40 @@ class QwenImageBackbone(DiffusersBackbone):
     )
     text_components = ("text_encoder", "tokenizer")
 
+    @classmethod
+    def tiny_pipeline(cls, size: str) -> QwenImagePipeline:
+        """A random pipeline: VAE, transformer, then the text encoder, drawn in that order from torch's
+        global RNG; the VAE's per-channel statistics come from their own generator."""
+        options = dict(TINY[size])
+        width, z_dim = options.pop("text_width"), options.pop("z_dim")
+        tok = qwen2_tokenizer()
+        generator = torch.Generator().manual_seed(1)
+        # non-trivial per-channel statistics, so decoding tests see the VAE's own scaling
+        vae = AutoencoderKLQwenImage(
+            base_dim=8,
+            z_dim=z_dim,
+            dim_mult=[1, 2],
+            num_res_blocks=1,
+            temperal_downsample=[True],
+            latents_mean=(0.1 * torch.randn(z_dim, generator=generator)).tolist(),
+            latents_std=(0.5 + torch.rand(z_dim, generator=generator)).tolist(),
+        )
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=4 * z_dim,
+            out_channels=z_dim,
+            joint_attention_dim=width,
+            guidance_embeds=False,
+            **options,
+        )
+        return QwenImagePipeline(
+            transformer=transformer,
+            vae=vae,
+            scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
+            text_encoder=random_text_encoder(tok, width),
+            tokenizer=tok,
+        )
+
     def __init__(
         self,
         modules: dict[str, Any],
@@ -103,7 +177,7 @@ class QwenImageBackbone(DiffusersBackbone):
         if self.guidance_embeds and guidance is None:
             raise ValueError("qwenimage: this transformer is guidance-distilled; set the model option guidance")
         self.guidance = guidance
-        self.template_drop = None
+        self.template_drop: int | None = None  # measured with the tokenizer; None when it is not loaded
         if "tokenizer" in modules:
             prefix = PROMPT_TEMPLATE.split("{}")[0]
             self.template_drop = len(modules["tokenizer"](prefix).input_ids)
@@ -134,6 +208,7 @@ class QwenImageBackbone(DiffusersBackbone):
         return {"prompt_embeds": self.configs["transformer"]["joint_attention_dim"]}
 
     def encode_text(self, prompts: list[str]) -> QwenImageConditioning:
+        assert self.template_drop is not None  # encode_text runs with the tokenizer loaded
         texts = [PROMPT_TEMPLATE.format(p) for p in prompts]
         batch = tokenize(
             self.part("tokenizer"),
@@ -155,13 +230,17 @@ class QwenImageBackbone(DiffusersBackbone):
         mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)
         return QwenImageConditioning(prompt_embeds=embeds.to(self.dtype), mask=mask)
 
-    def predict(self, z: Tensor, t: Tensor, cond: QwenImageConditioning) -> Tensor:
+    def predict(  # type: ignore[override]  # the adapter's own Conditioning subclass
+        self, z: Tensor, t: Tensor, cond: QwenImageConditioning, *, transformer: nn.Module | None = None
+    ) -> Tensor:
         batch, h2, w2, _ = z.shape
         dtype = self.compute_dtype
         guidance = None
         if self.guidance_embeds:
+            assert self.guidance is not None  # __init__ requires it for a guidance-distilled transformer
             guidance = torch.full((batch,), self.guidance, device=z.device, dtype=torch.float32)
-        v = self.transformer(
+        model = self.transformer if transformer is None else transformer
+        v = model(
             hidden_states=z.flatten(1, 2).to(dtype),
             timestep=t.to(dtype),
             guidance=guidance,
@@ -181,3 +260,67 @@ class QwenImageBackbone(DiffusersBackbone):
         x = x / (1.0 / std) + mean  # the pipeline's exact arithmetic
         image = self.vae.decode(x.to(self.dtype), return_dict=False)[0][:, :, 0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
+
+
+# ---- random pipelines (tests, CPU demos, benchmarks) ----------------------------------------------
+
+
+def qwen2_tokenizer() -> Qwen2Tokenizer:
+    """Byte-level BPE without merges (one token per byte) plus the Qwen chat special tokens."""
+    from open_clip.tokenizer import bytes_to_unicode
+
+    vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    # byte-level: every byte is a token, so no unknown token (transformers' annotation wants a string)
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token=None,  # type: ignore[arg-type]
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    tok.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL_TOKENS})
+    return tok
+
+
+def random_text_encoder(tok: Qwen2Tokenizer, width: int) -> Qwen2_5_VLForConditionalGeneration:
+    """A random 2-layer Qwen2.5-VL text model of hidden size ``width`` (with a 2-block vision tower)."""
+    vocab = tok.get_vocab()
+    ids = {t: vocab[t] for t in QWEN_SPECIAL_TOKENS}
+    half_head = width // 2 // 2  # head dim / 2, split over the three M-RoPE sections
+    text_config = {
+        "hidden_size": width,
+        "intermediate_size": width,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "vocab_size": len(tok),
+        "bos_token_id": None,
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "rope_theta": 1e6,
+        "rope_scaling": {
+            "mrope_section": [half_head // 4, half_head // 4, half_head // 2],
+            "rope_type": "default",
+            "type": "default",
+        },
+    }
+    # the top-level sizes and token ids are the composite config's legacy keywords, passed on to its
+    # sub-configs; transformers' annotations list only the new ones
+    options: dict[str, Any] = dict(
+        text_config=text_config,
+        vision_config={
+            "depth": 2,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": width,
+        },
+        hidden_size=width,
+        vocab_size=len(tok),
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_token_id=ids["<|vision_pad|>"],
+    )
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**options)).eval()

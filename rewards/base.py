@@ -17,7 +17,7 @@ import abc
 import importlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -62,7 +62,8 @@ class FrozenModelScorer(Scorer):
     def __init__(self, model: nn.Module, *, device: torch.device | str, dtype: torch.dtype | str) -> None:
         self.dtype = parse_dtype(dtype, field=f"reward.components.{self.name}.dtype")
         self.device = torch.device(device)
-        self.model = freeze(model).to(device=self.device, dtype=self.dtype)
+        # a third-party model (open_clip, transformers): its own attributes, which nn.Module's typing hides
+        self.model: Any = freeze(model).to(device=self.device, dtype=self.dtype)
 
     def to(self, device: torch.device | str) -> FrozenModelScorer:
         self.device = torch.device(device)

@@ -59,14 +59,17 @@ def load_image_transform(directory: Path, *, field: str) -> ImageTransform:
     if processor.do_resize:
         shortest = _size_entry(processor.size, "shortest_edge")
         height, width = _size_entry(processor.size, "height"), _size_entry(processor.size, "width")
-        size = (height, width) if shortest is None and height is not None else None
+        size = (height, width) if shortest is None and height is not None and width is not None else None
         if shortest is None and size is None:
             raise ValueError(
                 f"{field}: image processor size {processor.size} has neither shortest_edge nor height/width"
             )
     crop = None
     if processor.do_center_crop:
-        crop = (_size_entry(processor.crop_size, "height"), _size_entry(processor.crop_size, "width"))
+        crop_height, crop_width = _size_entry(processor.crop_size, "height"), _size_entry(processor.crop_size, "width")
+        if crop_height is None or crop_width is None:
+            raise ValueError(f"{field}: image processor crop_size {processor.crop_size} has no height/width")
+        crop = (crop_height, crop_width)
     mean = tuple(processor.image_mean) if processor.do_normalize else (0.0, 0.0, 0.0)
     std = tuple(processor.image_std) if processor.do_normalize else (1.0, 1.0, 1.0)
     return ImageTransform(shortest, size, crop, interpolation_mode(processor.resample), mean, std)

@@ -9,8 +9,9 @@ With components k = 1..K, weights w_k, raw scores s_k [B] and a group advantage 
                                                       video trainers and GDPO do; no component
                                                       dominates through its raw scale)
 
-Every component is always returned separately, so each can be logged. A NaN or inf score is an
-error naming the component and its scorer, never a value that flows into the advantages.
+Every component is always returned separately, so each can be logged. A NaN or inf score is a
+``NonFiniteRewardError`` naming the component and its scorer, never a value that flows into the
+advantages; the trainer skips such a step, while any other error of a scorer stops the run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from rewards.base import Scorer
 
 COMBINE_MODES = ("sum", "advantage")
 AdvantageFn = Callable[[Tensor, Tensor], Tensor]  # (rewards [B], group_ids [B]) -> advantages [B]
+
+
+class NonFiniteRewardError(ValueError):
+    """A reward component scored NaN or inf: the step's advantages cannot be computed."""
 
 
 class RewardCombiner:
@@ -46,7 +51,7 @@ class RewardCombiner:
         return {name: float(weight) for name, (_, weight) in self.components.items()}
 
     def score(self, images: Tensor, prompts: Sequence[str]) -> dict[str, Tensor]:
-        """Raw scores [B] of every component, in order; NaN or inf raises ValueError naming it."""
+        """Raw scores [B] of every component, in order; NaN or inf raises NonFiniteRewardError naming it."""
         scores = {}
         for name, (scorer, _) in self.components.items():
             scores[name] = scorer(images, prompts)
@@ -74,8 +79,18 @@ class RewardCombiner:
             if group_ids is None or advantage_fn is None:
                 raise ValueError("reward.combine='advantage' needs group_ids and advantage_fn")
             parts = {name: advantage_fn(score, group_ids) for name, score in parts.items()}
-        total = sum(self.weights[name] * part for name, part in parts.items())
-        return total, parts
+        return self._weighted_sum(parts), parts
+
+    def total(self, scores: Mapping[str, Tensor]) -> Tensor:
+        """The reward [B] = sum_k w_k s_k of raw scores, in either mode (what ``reward/total`` logs)."""
+        return self._weighted_sum(self._checked(scores))
+
+    def _weighted_sum(self, parts: Mapping[str, Tensor]) -> Tensor:
+        terms = [self.weights[name] * part for name, part in parts.items()]
+        total = terms[0]
+        for term in terms[1:]:
+            total = total + term
+        return total
 
     def advantages(
         self, scores: Mapping[str, Tensor], group_ids: Tensor, advantage_fn: AdvantageFn
@@ -100,8 +115,10 @@ class RewardCombiner:
 
 
 def check_finite(score: Tensor, *, component: str, scorer: str) -> None:
-    """ValueError naming the component, its scorer and the offending rows if ``score`` has NaN or inf."""
+    """NonFiniteRewardError naming the component, its scorer and the offending rows if ``score`` has NaN or inf."""
     bad = ~torch.isfinite(score.detach())
     if bad.any():
         rows = bad.nonzero().flatten().tolist()
-        raise ValueError(f"reward component {component!r} (scorer {scorer!r}) returned NaN or inf for images {rows}")
+        raise NonFiniteRewardError(
+            f"reward component {component!r} (scorer {scorer!r}) returned NaN or inf for images {rows}"
+        )

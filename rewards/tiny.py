@@ -52,7 +52,9 @@ def tiny_clip_tokenizer(num_merges: int = 1000) -> CLIPTokenizer:
     base = list(open_clip.tokenizer.bytes_to_unicode().values())
     tokens = base + [token + "</w>" for token in base] + ["".join(merge) for merge in merges]
     tokens += ["<|startoftext|>", "<|endoftext|>"]
-    return CLIPTokenizer(vocab={token: i for i, token in enumerate(tokens)}, merges=merges, model_max_length=77)
+    # the tokenizers backend takes merges as pairs, which transformers' annotation does not list
+    vocab = {token: i for i, token in enumerate(tokens)}
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)  # type: ignore[arg-type]
 
 
 def tiny_clip_processor(image_size: int = 32) -> CLIPProcessor:

@@ -57,8 +57,8 @@ def dynamic_sigmas(num_steps: int, mu: float, *, shift_terminal: float | None = 
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     u = np.linspace(1.0, 1.0 / num_steps, num_steps).astype(np.float32)
-    sigmas = math.exp(mu) / (math.exp(mu) + (1.0 / u - 1.0) ** 1.0)
-    sigmas = torch.from_numpy(np.asarray(sigmas)).to(torch.float32)
+    shifted = math.exp(mu) / (math.exp(mu) + (1.0 / u - 1.0) ** 1.0)
+    sigmas = torch.from_numpy(np.asarray(shifted)).to(torch.float32)
     if shift_terminal:
         one_minus = 1.0 - sigmas
         scale = one_minus[-1] / (1.0 - shift_terminal)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from models import load_backbone
+from models import backbone_names, load_backbone
 from models.tiny import IMAGE_SIZE, SIZES, build_tiny
 from samplers.rollout import group_noise, rollout
 from samplers.sde import SDE
@@ -90,7 +90,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.folder or tmp)
         for size in args.sizes:
-            for name in ("flux", "qwenimage"):
+            for name in backbone_names():
                 for row in bench(name, size, folder, args):
                     print(row)
 

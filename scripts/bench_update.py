@@ -1,4 +1,4 @@
-"""Time one group's update for every mode on a small Flux transformer built from config (CPU).
+"""Time one group's update for every mode on the small Flux transformer of models/flux.py (CPU).
 
     python scripts/bench_update.py [--reps 7] [--window 4] [--batch 1]
 
@@ -15,37 +15,26 @@ import statistics
 import time
 
 import torch
-from diffusers import FluxTransformer2DModel
 
+from models.flux import TINY, tiny_transformer
 from samplers.schedule import shifted_sigmas
 from samplers.sde import SDE, step
 from train.grpo import ppo_step_loss
 from train.jagg import UPDATE_MODES, backward_group
 
-SMALL_FLUX = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=4,
-    num_single_layers=4,
-    attention_head_dim=64,
-    num_attention_heads=4,
-    joint_attention_dim=256,
-    pooled_projection_dim=256,
-    guidance_embeds=True,
-    axes_dims_rope=[16, 24, 24],
-)
 IMAGE_TOKENS, TEXT_TOKENS = 256, 32
+TEXT_WIDTH, LATENT_WIDTH = int(TINY["small"]["text_width"]), 4 * int(TINY["small"]["latent_channels"])  # packed 2x2
 
 
 def build(batch: int):
     torch.manual_seed(0)
-    model = FluxTransformer2DModel(**SMALL_FLUX).train()
+    model = tiny_transformer("small").train()
     side = int(IMAGE_TOKENS**0.5)
     rows_cols = torch.cartesian_prod(torch.arange(side), torch.arange(side)).float()
     img_ids = torch.cat([torch.zeros(IMAGE_TOKENS, 1), rows_cols], 1)
     cond = dict(
-        encoder_hidden_states=torch.randn(batch, TEXT_TOKENS, 256),
-        pooled_projections=torch.randn(batch, 256),
+        encoder_hidden_states=torch.randn(batch, TEXT_TOKENS, TEXT_WIDTH),
+        pooled_projections=torch.randn(batch, TEXT_WIDTH),
         img_ids=img_ids,
         txt_ids=torch.zeros(TEXT_TOKENS, 3),
     )
@@ -70,14 +59,14 @@ def make_group(predict, batch: int, width: int):
     sde = SDE("dance", eta=0.3)
     sigmas = shifted_sigmas(20, 3.0)[: width + 1].float()
     t = sigmas[:-1].clone()
-    z = [torch.randn(batch, IMAGE_TOKENS, 64) for _ in range(width)]
+    z = [torch.randn(batch, IMAGE_TOKENS, LATENT_WIDTH) for _ in range(width)]
     adv = torch.randn(batch)
     with torch.no_grad():
         outs = [step(sde, predict(z[j], t[j].expand(batch)), z[j], sigmas[j], sigmas[j + 1]) for j in range(width)]
 
-    def step_loss(j: int, v: torch.Tensor) -> torch.Tensor:
+    def step_loss(j: int, v: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logp = step(sde, v, z[j], sigmas[j], sigmas[j + 1], next_z=outs[j].next_z).log_prob
-        return ppo_step_loss(logp, outs[j].log_prob, adv, clip_range=0.1)[0]
+        return ppo_step_loss(logp, outs[j].log_prob, adv, clip_range=0.1)
 
     return z, t, step_loss
 

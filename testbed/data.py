@@ -47,15 +47,12 @@ def sample_scene(generator: torch.Generator, *, size: int = IMAGE_SIZE) -> list[
     """One scene (one or two objects) drawn from ``generator``."""
     colours, shapes = list(COLOURS), list(SHAPES)
     if float(torch.rand((), generator=generator)) < 0.5:
-        spec = ObjectSpec(
-            colour=_choice(colours, generator),
-            shape=_choice(shapes, generator),
-            size=_choice(list(SIZES), generator),
-            position=_choice(list(POSITIONS), generator),
-        )
-        ax, ay = POSITIONS[spec.position]
+        colour, shape = _choice(colours, generator), _choice(shapes, generator)
+        size_name, position = _choice(list(SIZES), generator), _choice(list(POSITIONS), generator)
+        spec = ObjectSpec(colour=colour, shape=shape, size=size_name, position=position)
+        ax, ay = POSITIONS[position]
         centre = (ax + _uniform(-JITTER, JITTER, generator), ay + _uniform(-JITTER, JITTER, generator))
-        return [Placed(spec, centre, SIZES[spec.size] / IMAGE_SIZE)]
+        return [Placed(spec, centre, SIZES[size_name] / IMAGE_SIZE)]
     first = _choice(colours, generator)
     second = _choice([c for c in colours if c != first], generator)
     side = SIZES["small"] / IMAGE_SIZE

@@ -20,21 +20,19 @@ machine and thread count.
 from __future__ import annotations
 
 import json
-import string
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers import FluxPipeline
 from torch import Tensor
-from transformers import T5Tokenizer
 
-from models.base import Backbone
 from models.components import quiet_progress_bars
 from models.diffusers_backbone import pack_latents
+from models.flux import FluxBackbone, FluxConditioning, random_pipeline, t5_tokenizer
 from models.registry import load_backbone
-from models.tiny import clip_tokenizer, flux_text_encoders
 from rewards.shapes import COLOURS, POSITIONS, SHAPES, SIZES
 from samplers.rollout import rollout
 from samplers.sde import SDE
@@ -72,50 +70,17 @@ def testbed_words() -> list[str]:
     return sorted(words)
 
 
-def t5_tokenizer(max_length: int = MAX_SEQUENCE_LENGTH) -> T5Tokenizer:
-    """A Unigram vocabulary: pad=0, eos=1, unk=2, characters, and every testbed word whole."""
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    pieces += [(c, -5.0) for c in string.ascii_lowercase + string.digits + string.punctuation]
-    pieces += [("\u2581" + c, -4.0) for c in string.ascii_lowercase]
-    pieces += [("\u2581" + w, -1.0) for w in testbed_words() if len(w) > 1]
-    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
-
-
 def untrained_pipeline() -> FluxPipeline:
-    """The random pipeline (torch's global RNG initializes the weights)."""
-    tok, tok2 = clip_tokenizer(), t5_tokenizer()
-    text_encoder, text_encoder_2 = flux_text_encoders(tok, tok2, width=TEXT_WIDTH, ff=128, t5_head_dim=16)
-    vae = AutoencoderKL(
-        sample_size=32,
-        block_out_channels=(16, 32),
-        layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=4,
-        norm_num_groups=4,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        mid_block_add_attention=False,
-    )
-    transformer = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        joint_attention_dim=TEXT_WIDTH,
-        pooled_projection_dim=TEXT_WIDTH,
-        guidance_embeds=True,
-        **TRANSFORMER,
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256
-    )
-    return FluxPipeline(
-        scheduler=scheduler,
-        text_encoder=text_encoder,
-        tokenizer=tok,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tok2,
-        transformer=transformer,
-        vae=vae,
+    """The random pipeline (torch's global RNG initializes the weights): the Flux adapter's random
+    pipeline with wider text encoders, a T5 vocabulary holding every testbed word whole (single
+    letters are already pieces), a wider VAE without mid-block attention and 2+2 blocks."""
+    return random_pipeline(
+        tokenizer_2=t5_tokenizer([w for w in testbed_words() if len(w) > 1], max_length=MAX_SEQUENCE_LENGTH),
+        text_width=TEXT_WIDTH,
+        ff=128,
+        t5_head_dim=16,
+        vae=dict(sample_size=32, block_out_channels=(16, 32), latent_channels=4, mid_block_add_attention=False),
+        transformer=dict(latent_channels=4, **TRANSFORMER),
     )
 
 
@@ -123,13 +88,16 @@ def save_untrained(path: str | Path, *, seed: int) -> Path:
     """Write the random pipeline to ``path`` (weights from ``seed``)."""
     with torch.random.fork_rng(devices=[]), quiet_progress_bars():
         torch.manual_seed(seed)
-        untrained_pipeline().save_pretrained(path)
+        pipeline: Any = untrained_pipeline()  # DiffusionPipeline's methods are not visible to mypy
+        pipeline.save_pretrained(path)
     return Path(path)
 
 
-def load_testbed(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Backbone:
+def load_testbed(path: str | Path, *, dtype: torch.dtype = torch.float32) -> FluxBackbone:
     """The pipeline folder through the Flux backbone adapter (guidance and T5 length as trained)."""
-    return load_backbone("flux", path, dtype=dtype, guidance=3.5, max_sequence_length=MAX_SEQUENCE_LENGTH)
+    backbone = load_backbone("flux", path, dtype=dtype, guidance=3.5, max_sequence_length=MAX_SEQUENCE_LENGTH)
+    assert isinstance(backbone, FluxBackbone)
+    return backbone
 
 
 def _batches(num_items: int, batch_size: int, generator: torch.Generator) -> Tensor:
@@ -137,7 +105,7 @@ def _batches(num_items: int, batch_size: int, generator: torch.Generator) -> Ten
 
 
 def train_vae(
-    vae: AutoencoderKL, images: Tensor, config: PretrainConfig, *, generator: torch.Generator, log: Log | None = None
+    vae: Any, images: Tensor, config: PretrainConfig, *, generator: torch.Generator, log: Log | None = None
 ) -> list[float]:
     """Train ``vae`` in place on images [N, 3, H, W] in [0, 1]; returns the loss of every step."""
     vae.train().requires_grad_(True)
@@ -160,12 +128,12 @@ def train_vae(
 
 
 @torch.no_grad()
-def latent_means(vae: AutoencoderKL, images: Tensor, *, batch_size: int = 512) -> Tensor:
+def latent_means(vae: Any, images: Tensor, *, batch_size: int = 512) -> Tensor:
     """Posterior means [N, C, h, w] of images [N, 3, H, W] in [0, 1]."""
     return torch.cat([vae.encode(x * 2 - 1).latent_dist.mean for x in images.split(batch_size)])
 
 
-def set_latent_scaling(backbone: Backbone, means: Tensor) -> tuple[float, float]:
+def set_latent_scaling(backbone: FluxBackbone, means: Tensor) -> tuple[float, float]:
     """Write shift_factor = mean and scaling_factor = 1 / std of ``means`` into the VAE config (the
     module's and the adapter's copy); returns (shift, scale)."""
     shift, scale = means.mean().item(), 1.0 / means.std().item()
@@ -174,7 +142,9 @@ def set_latent_scaling(backbone: Backbone, means: Tensor) -> tuple[float, float]
     return shift, scale
 
 
-def flow_matching_loss(backbone: Backbone, x0: Tensor, cond: object, *, generator: torch.Generator) -> Tensor:
+def flow_matching_loss(
+    backbone: FluxBackbone, x0: Tensor, cond: FluxConditioning, *, generator: torch.Generator
+) -> Tensor:
     """Rectified-flow loss of packed latents x0 [B, h/2, w/2, 4C] under conditioning ``cond`` (B rows)."""
     t = torch.rand(x0.shape[0], generator=generator)
     eps = torch.randn(x0.shape, generator=generator)
@@ -184,9 +154,9 @@ def flow_matching_loss(backbone: Backbone, x0: Tensor, cond: object, *, generato
 
 
 def train_flow(
-    backbone: Backbone,
+    backbone: FluxBackbone,
     latents: Tensor,
-    cond: object,
+    cond: FluxConditioning,
     config: PretrainConfig,
     *,
     generator: torch.Generator,
@@ -230,11 +200,14 @@ def pretrain(
     latents = pack_latents((means - shift) * scale)
     unique = sorted(set(captions))
     index = {c: i for i, c in enumerate(unique)}
-    cond = backbone.encode(unique).index([index[c] for c in captions])
+    encoded = backbone.encode(unique)
+    assert isinstance(encoded, FluxConditioning)
+    cond = encoded.index([index[c] for c in captions])
     flow_losses = train_flow(backbone, latents, cond, config, generator=generator, log=log)
     with quiet_progress_bars():
         backbone.vae.save_pretrained(path / "vae")
-        backbone.transformer.save_pretrained(path / "transformer")
+        transformer: Any = backbone.transformer  # a diffusers model
+        transformer.save_pretrained(path / "transformer")
     summary = {
         "config": asdict(config),
         "latent_shift": shift,
@@ -248,7 +221,9 @@ def pretrain(
 
 
 @torch.no_grad()
-def sample(backbone: Backbone, prompts: list[str], *, num_steps: int = 9, shift: float = 3.0, seed: int = 0) -> Tensor:
+def sample(
+    backbone: FluxBackbone, prompts: list[str], *, num_steps: int = 9, shift: float = 3.0, seed: int = 0
+) -> Tensor:
     """ODE samples [B, 3, 32, 32] in [0, 1] of ``prompts`` from noise seeded by ``seed``."""
     generator = torch.Generator().manual_seed(seed)
     noise = backbone.initial_noise(len(prompts), height=32, width=32, generator=generator)

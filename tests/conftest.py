@@ -1,3 +1,6 @@
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,16 +15,16 @@ def float64():
 
 
 @pytest.fixture(scope="session")
-def tiny_flux_dir(tmp_path_factory):
-    """A tiny random FLUX pipeline folder, built once per test session (models/tiny.py)."""
-    from models.tiny import build_tiny_flux
+def tiny_dir(tmp_path_factory) -> Callable[[str], Path]:
+    """``tiny_dir(name)``: the tiny random pipeline folder of registered backbone ``name`` (the
+    adapter's own ``tiny_pipeline``, models/tiny.py), built once per test session on first use."""
+    from models.tiny import build_tiny
 
-    return build_tiny_flux(tmp_path_factory.mktemp("backbones") / "flux")
+    root = tmp_path_factory.mktemp("backbones")
+    return lambda name: build_tiny(name, root / name)
 
 
 @pytest.fixture(scope="session")
-def tiny_qwenimage_dir(tmp_path_factory):
-    """A tiny random Qwen-Image pipeline folder, built once per test session (models/tiny.py)."""
-    from models.tiny import build_tiny_qwenimage
-
-    return build_tiny_qwenimage(tmp_path_factory.mktemp("backbones") / "qwenimage")
+def tiny_flux_dir(tiny_dir) -> Path:
+    """The tiny Flux pipeline: the backbone of experiment=tiny, which the trainer tests run."""
+    return tiny_dir("flux")

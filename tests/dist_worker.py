@@ -32,7 +32,6 @@ from torch.distributed.tensor import DTensor
 from train.checkpoint import CheckpointManager, export_model
 from train.distributed import (
     all_gather_tensor,
-    all_reduce_mean,
     all_reduce_sum,
     barrier,
     broadcast_object,
@@ -90,7 +89,6 @@ def check_helpers(rank: int) -> dict:
     gathered = all_gather_tensor(torch.full((2, 3), float(rank)))
     return {
         "sum": float(all_reduce_sum(x)),
-        "mean": float(all_reduce_mean(x)),
         "input_unchanged": float(x),
         "gathered_rows": gathered[:, 0].tolist(),
         "broadcast": broadcast_object({"from": rank}, src=1)["from"],
@@ -161,7 +159,7 @@ def count_update_paths(rank: int, batch: dict[str, torch.Tensor], out: dict) -> 
     for mode in UPDATE_MODES:
         model.zero_grad(set_to_none=True)
         with count_collectives() as c:
-            backward_group(mode, predict, lambda j, v: v.pow(2).mean(), z, t)
+            backward_group(mode, predict, lambda j, v: (v.pow(2).mean(), {}), z, t)
         counts[mode] = [c.num_all_gathers, c.num_reduce_scatters]
     out["update_path_collectives"] = counts
 

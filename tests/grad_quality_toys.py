@@ -11,7 +11,7 @@ from models.base import Conditioning
 from samplers.rollout import Trajectory, rollout
 from samplers.schedule import shifted_sigmas
 from samplers.sde import SDE
-from train.update import UpdateSettings
+from train.update import UpdateBatch, UpdateSettings
 
 DIM = 8
 
@@ -62,7 +62,6 @@ def toy_settings(*, mode: str = "jagg", window: int = 4, kl_beta: float = 0.0) -
     return UpdateSettings(
         mode=mode,
         window=window,
-        jagg_frac=1.0,
         timestep_fraction=1.0,
         clip_range=0.1,
         kl_beta=kl_beta,
@@ -71,3 +70,14 @@ def toy_settings(*, mode: str = "jagg", window: int = 4, kl_beta: float = 0.0) -
 
 
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.7, -1.2])
+
+
+def toy_batch(
+    model: nn.Module,
+    traj: Trajectory,
+    settings: UpdateSettings,
+    *,
+    advantages: Tensor = ADVANTAGES,
+    reference: nn.Module | None = None,
+) -> UpdateBatch:
+    return UpdateBatch(traj, advantages, predict=model, reference=reference, settings=settings)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from models import load_backbone
+from models import backbone_names, load_backbone
 from models.cache import EmbeddingCache
 from models.flux import FluxConditioning
 from scripts.precompute_embeddings import main as precompute
@@ -17,13 +17,14 @@ PROMPTS = ["a photo of a cat", "a red dog with a blue hat on the grass", "a bowl
 
 
 @pytest.fixture(scope="module")
-def caches(tiny_flux_dir, tiny_qwenimage_dir, tmp_path_factory):
+def caches(tiny_dir, tmp_path_factory):
     """name -> (pipeline folder, cache folder) with the cache written by the script."""
     root = tmp_path_factory.mktemp("caches")
     prompt_file = root / "prompts.txt"
     prompt_file.write_text("\n".join(PROMPTS) + "\n")
     out = {}
-    for name, folder in (("flux", tiny_flux_dir), ("qwenimage", tiny_qwenimage_dir)):
+    for name in backbone_names():
+        folder = tiny_dir(name)
         cache = root / name
         args = ["--model", name, "--path", str(folder), "--prompts", str(prompt_file), "--out", str(cache)]
         assert (
@@ -34,7 +35,7 @@ def caches(tiny_flux_dir, tiny_qwenimage_dir, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["flux", "qwenimage"])
+@pytest.mark.parametrize("name", backbone_names())
 def test_cache_reproduces_on_the_fly_encoding(name, caches):
     folder, cache = caches[name]
     assert len(list(cache.glob("shard-*.safetensors"))) == 2  # 3 distinct prompts, 2 per shard

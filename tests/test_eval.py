@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from train.eval import _first_occurrences
+from train.evaluation import _first_occurrences
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,5 +1,5 @@
-"""The gradient-quality probe (train/grad_quality.py): exactness where Theorem 1 holds, the jagg_frac
-rule on hand-made numbers, the Hydra entry point on the tiny Flux backbone, and torchrun + FSDP2."""
+"""The gradient-quality probe (train/quality.py, train/probe.py): exactness where Theorem 1 holds, the
+jagg_frac rule on hand-made numbers, the Hydra entry point on the tiny Flux backbone, and torchrun + FSDP2."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from grad_quality_toys import ADVANTAGES, ToyVelocity, toy_settings, toy_trajectory
+from grad_quality_toys import ADVANTAGES, ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from hydra import compose, initialize_config_module
 
 from train.config import register_schema
-from train.grad_quality import (
+from train.jagg import route
+from train.quality import (
     GroupQuality,
     format_table,
     global_dots,
@@ -25,7 +26,6 @@ from train.grad_quality import (
     report,
     summarize_groups,
 )
-from train.jagg import route
 
 ROOT = Path(__file__).resolve().parents[1]
 register_schema()
@@ -33,9 +33,8 @@ register_schema()
 
 def probe(model, traj, settings, *, advantages=ADVANTAGES, reference=None) -> list[GroupQuality]:
     params = list(model.parameters())
-    samples = measure_trajectories(
-        model, traj, advantages, params, settings, num_rollouts=traj.batch_size, mode=settings.mode, reference=reference
-    )
+    batch = toy_batch(model, traj, settings, advantages=advantages, reference=reference)
+    samples = measure_trajectories(batch, params, num_rollouts=traj.batch_size, mode=settings.mode)
     assert all(p.grad is None for p in params), "the probe left gradients behind"
     return summarize_groups(samples, traj.timesteps)
 
@@ -131,7 +130,7 @@ PROBE = [
 
 
 def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, capsys, _repo_root):
-    from train.grad_quality import run_probe
+    from train.probe import run_probe
 
     out = tmp_path / "report.json"
     overrides = [f"run_dir={tmp_path}", f"model.path={tiny_flux_dir}", *PROBE, "probe.num_rollouts=3"]
@@ -161,7 +160,7 @@ def test_probe_under_torchrun_fsdp_matches_one_process(tiny_flux_dir, tmp_path, 
     """2 ranks x 1 prompt under FSDP2 (gloo) measure the same 4 trajectories as 1 process x 2 prompts
     (group noise does not depend on the rank layout): the cosines and ratios over the sharded,
     global gradient equal the single-process ones."""
-    from train.grad_quality import run_probe
+    from train.probe import run_probe
 
     common = [f"model.path={tiny_flux_dir}", *PROBE, "probe.num_rollouts=4"]
     sharded = tmp_path / "fsdp"

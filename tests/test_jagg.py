@@ -53,7 +53,7 @@ class MLP(nn.Module):
 
 
 def make_group(model, width, *, start=4, affine_path=False, seed=0, clip_range=10.0, advantages=None):
-    """z [W] latents, t [W] timesteps and the GRPO step_loss(j, v) of a group of transitions."""
+    """z [W] latents, t [W] timesteps and the GRPO step_loss(j, v) -> (loss, metrics) of a group of transitions."""
     g = torch.Generator().manual_seed(seed)
     sigmas = shifted_sigmas(20, 3.0)[start : start + width + 1]  # non-uniform (shift 3)
     t = sigmas[:-1].clone()
@@ -71,7 +71,7 @@ def make_group(model, width, *, start=4, affine_path=False, seed=0, clip_range=1
 
     def step_loss(j, v):
         logp = step(SDE_, v, z[j], sigmas[j], sigmas[j + 1], next_z=next_z[j]).log_prob
-        return ppo_step_loss(logp, old[j], adv, clip_range=clip_range)[0]
+        return ppo_step_loss(logp, old[j], adv, clip_range=clip_range)
 
     return z, t, step_loss
 
@@ -89,7 +89,7 @@ def jacobian_terms(model, z, t, step_loss):
     for j, (z_j, t_j) in enumerate(zip(z, t)):
         t_rows = t_j.expand(B)
         v = model(z_j, t_rows).detach().requires_grad_(True)
-        (s_j,) = torch.autograd.grad(step_loss(j, v), v)
+        (s_j,) = torch.autograd.grad(step_loss(j, v)[0], v)
         jac = jacrev(lambda p, z_j=z_j, t_rows=t_rows: functional_call(model, p, (z_j, t_rows)))(params)
         terms.append(torch.cat([torch.einsum("bd,bd...->...", s_j, jac[k]).flatten() for k in params]))
     return terms
@@ -122,7 +122,7 @@ def test_each_mode_equals_its_formula_on_nonlinear_network():
     s = []
     for j in range(width):
         v = model(z[j], t[j].expand(B)).detach().requires_grad_(True)
-        s.append(torch.autograd.grad(step_loss(j, v), v)[0])
+        s.append(torch.autograd.grad(step_loss(j, v)[0], v)[0])
     s_base = sum((1 - a) * s_j for a, s_j in zip(alpha, s))
     s_corr = sum(a * s_j for a, s_j in zip(alpha, s))
 
@@ -180,15 +180,19 @@ def test_counters_and_backward_hook(mode, grad_fwd, nograd_fwd, calls, backward_
     assert list(stats.losses) == expected_steps
 
 
-def test_losses_are_the_step_losses():
+def test_losses_and_metrics_are_the_step_losses():
     torch.manual_seed(5)
     model = MLP()
     z, t, step_loss = make_group(model, 4)
     _, exact = grads_of(model, "exact", z, t, step_loss)
     _, jagg = grads_of(model, "jagg", z, t, step_loss)
     for j in range(4):
+        loss, metrics = step_loss(j, model(z[j], t[j].expand(B)))
         torch.testing.assert_close(jagg.losses[j], exact.losses[j])
-        torch.testing.assert_close(exact.losses[j], step_loss(j, model(z[j], t[j].expand(B))).detach())
+        torch.testing.assert_close(exact.losses[j], loss.detach())
+        assert exact.metrics[j].keys() == jagg.metrics[j].keys() == metrics.keys()  # handed back as values
+        for name, value in metrics.items():
+            torch.testing.assert_close(jagg.metrics[j][name], value)
 
 
 def test_clipped_step_contributes_exactly_zero():
@@ -198,13 +202,12 @@ def test_clipped_step_contributes_exactly_zero():
     z, t, base_loss = make_group(model, width, clip_range=0.2, advantages=torch.ones(B))
 
     def clipped_loss(j, v):  # step 1 with a ratio far above 1 + eps and A > 0: clipped in every row
-        loss = base_loss(j, v)
         if j != 1:
-            return loss
-        return ppo_step_loss(v.sum(1) * 0 + 5.0, torch.zeros(B), torch.ones(B), clip_range=0.2)[0]
+            return base_loss(j, v)
+        return ppo_step_loss(v.sum(1) * 0 + 5.0, torch.zeros(B), torch.ones(B), clip_range=0.2)
 
     def dropped_loss(j, v):
-        return base_loss(j, v) if j != 1 else (v * 0).sum()
+        return base_loss(j, v) if j != 1 else ((v * 0).sum(), {})
 
     for mode in UPDATE_MODES:
         with_clip, _ = grads_of(model, mode, z, t, clipped_loss)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from models import load_backbone
+from models import backbone_names, load_backbone
 from models.flux import FluxConditioning
 from samplers.rollout import ODE, draw_sde_window, group_noise, rollout, stochastic_steps, transition
 from samplers.sde import SDE, step
@@ -18,11 +18,8 @@ SDES = {"dance": SDE("dance", eta=0.3), "flow": SDE("flow", noise_level=0.7)}
 
 
 @pytest.fixture(scope="module")
-def backbones(tiny_flux_dir, tiny_qwenimage_dir):
-    return {
-        "flux": load_backbone("flux", tiny_flux_dir, dtype="float32"),
-        "qwenimage": load_backbone("qwenimage", tiny_qwenimage_dir, dtype="float32"),
-    }
+def backbones(tiny_dir):
+    return {name: load_backbone(name, tiny_dir(name), dtype="float32") for name in backbone_names()}
 
 
 def _sample(backbone, sde: SDE, *, num_steps: int = 6, group_size: int = 2, seed: int = 0, **kwargs):
@@ -39,7 +36,7 @@ def _sample(backbone, sde: SDE, *, num_steps: int = 6, group_size: int = 2, seed
 
 
 @pytest.mark.parametrize("kind", ["dance", "flow"])
-@pytest.mark.parametrize("name", ["flux", "qwenimage"])
+@pytest.mark.parametrize("name", backbone_names())
 def test_recomputed_log_probs_give_ratio_one(name, kind, backbones):
     """Same weights, stored float32 latents: every transition re-scores to its sampling log-prob,
     also when recomputed on a different split of rows (as a training micro-batch would)."""
@@ -151,9 +148,9 @@ def _jagg_grads(backbone, traj, mode: str, start: int, width: int) -> list[Tenso
         cond = type(traj.cond).cat([traj.cond] * (z.shape[0] // traj.batch_size))
         return backbone.predict(z, t, cond)
 
-    def step_loss(j: int, v: Tensor) -> Tensor:
+    def step_loss(j: int, v: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         log_prob = transition(traj, ks[j], v).log_prob
-        return ppo_step_loss(log_prob, traj.log_probs[:, ks[j]], advantages, clip_range=0.2)[0]
+        return ppo_step_loss(log_prob, traj.log_probs[:, ks[j]], advantages, clip_range=0.2)
 
     backward_group(mode, predict, step_loss, [traj.latents[:, k] for k in ks], traj.timesteps[ks])
     grads = _grads(transformer)
@@ -162,7 +159,7 @@ def _jagg_grads(backbone, traj, mode: str, start: int, width: int) -> list[Tenso
     return grads
 
 
-@pytest.mark.parametrize("name", ["flux", "qwenimage"])
+@pytest.mark.parametrize("name", backbone_names())
 def test_jagg_paths_on_real_backbones(name, backbones):
     """W = 2: JAGG is the exact gradient; any W: the sequential variant equals the joint one."""
     backbone = backbones[name]
@@ -177,13 +174,12 @@ def test_jagg_paths_on_real_backbones(name, backbones):
 
 
 @pytest.mark.parametrize("kind", ["dance", "ode"])
-@pytest.mark.parametrize("name", ["flux", "qwenimage"])
-def test_rollout_never_reads_device_values(name, kind, tiny_flux_dir, tiny_qwenimage_dir):
+@pytest.mark.parametrize("name", backbone_names())
+def test_rollout_never_reads_device_values(name, kind, tiny_dir):
     """On the meta device any host copy or sync (.item(), .tolist(), .cpu(), bool(tensor)) raises,
     so a full rollout there proves the loop and the adapter's predict keep latents on the device.
     (The flow SDE is left out: samplers.sde checks sigma >= 1 with a host sync per step.)"""
-    folder = {"flux": tiny_flux_dir, "qwenimage": tiny_qwenimage_dir}[name]
-    backbone = load_backbone(name, folder, dtype="float32")
+    backbone = load_backbone(name, tiny_dir(name), dtype="float32")
     cond = backbone.encode(["a cat", "a red dog"]).to("meta")
     backbone.to("meta")
     noise = torch.empty(2, 8, 8, 16, device="meta")

@@ -1,40 +1,45 @@
-"""update.jagg_frac=auto (train/routing.py): the routing follows the measured cosines."""
+"""Routing (train/routing.py): the prefix rule, and update.routing=auto following the measured cosines."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from grad_quality_toys import ADVANTAGES, ToyVelocity, toy_settings, toy_trajectory
+from grad_quality_toys import ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.config import TrainConfig, register_schema, validate
-from train.routing import AutoRouter
-from train.update import plan_for
+from train.routing import AutoRouter, PrefixRouter, build_router
 
 ROOT = Path(__file__).resolve().parents[1]
 register_schema()
 
 
+def auto_router(*, every: int = 2, threshold: float = 0.95) -> AutoRouter:
+    return AutoRouter(mode="jagg", window=4, timestep_fraction=1.0, every=every, threshold=threshold, num_rollouts=4)
+
+
 def refresh(router: AutoRouter, step: int, model: ToyVelocity) -> dict[str, float]:
     traj = toy_trajectory(model)  # rolled out by the current policy: the ratio is 1
-    return router.refresh(step, model, traj, ADVANTAGES, list(model.parameters()), toy_settings())
+    return router.refresh(step, toy_batch(model, traj, toy_settings()), list(model.parameters()))
 
 
 def test_routing_changes_when_the_cosine_crosses_the_threshold():
     model = ToyVelocity(gamma=0.0)  # linear in t: every group measures cos = 1
-    router = AutoRouter(mode="jagg", every=2, threshold=0.95, num_rollouts=4)
+    router = auto_router()
+    assert router.due(0)
     metrics = refresh(router, 0, model)
     assert router.modes == {(0, 4): "jagg", (4, 8): "jagg", (8, 12): "jagg"}
     assert metrics["routing/cos_08_12"] == pytest.approx(1.0, abs=1e-5) and metrics["routing/jagg_08_12"] == 1.0
     assert metrics["routing/rule_jagg_frac"] == 1.0
 
     model.gamma = 10.0  # the low-noise group (t < 0.5) turns strongly nonlinear
+    assert not router.due(1)
     assert refresh(router, 1, model) == {}  # not due: the table holds
     assert set(router.modes.values()) == {"jagg"}
     metrics = refresh(router, 2, model)
@@ -42,14 +47,23 @@ def test_routing_changes_when_the_cosine_crosses_the_threshold():
     assert metrics["routing/cos_08_12"] < 0.95 and metrics["routing/jagg_08_12"] == 0.0
     assert metrics["routing/rule_jagg_frac"] == pytest.approx(8 / 12, abs=1e-4)  # M = 12 trainable transitions
 
-    plan = plan_for(toy_trajectory(model), router.apply(toy_settings()), generator=None)
+    plan = router.plan(toy_trajectory(model), generator=None)
     assert [(p.start, p.mode) for p in plan] == [(0, "jagg"), (4, "jagg"), (8, "exact")]
 
 
 def test_groups_the_probe_did_not_see_take_the_exact_path():
-    settings = replace(toy_settings(), group_modes={(0, 4): "jagg"})
-    plan = plan_for(toy_trajectory(ToyVelocity()), settings, generator=None)
+    router = auto_router()
+    router.modes = {(0, 4): "jagg"}
+    plan = router.plan(toy_trajectory(ToyVelocity()), generator=None)
     assert [p.mode for p in plan] == ["jagg", "exact", "exact"]
+
+
+def test_prefix_router_is_the_jagg_frac_rule():
+    """M = 12 trainable transitions, W = 4, jagg_frac 0.7 -> round(8.4) = 8: groups 0 and 4 take jagg."""
+    router = PrefixRouter(mode="jagg", window=4, timestep_fraction=1.0, jagg_frac=0.7)
+    assert not router.due(0) and router.refresh(0, None, []) == {}  # type: ignore[arg-type]  # measures nothing
+    plan = router.plan(toy_trajectory(ToyVelocity()), generator=None)
+    assert [(p.start, p.stop, p.mode) for p in plan] == [(0, 4, "jagg"), (4, 8, "jagg"), (8, 12, "exact")]
 
 
 def compose_cfg(overrides: list[str]) -> TrainConfig:
@@ -61,10 +75,11 @@ def compose_cfg(overrides: list[str]) -> TrainConfig:
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (["update.jagg_frac=fast"], "update.jagg_frac"),
-        (["update.jagg_frac=auto", "update=exact"], "update.mode"),
-        (["update.jagg_frac=auto", "update.auto_rollouts=100"], "update.auto_rollouts"),
-        (["update.jagg_frac=auto", "update.auto_every=0"], "update.auto_every"),
+        (["update.routing=fast"], "update.routing='fast'.*prefix, auto"),
+        (["update.jagg_frac=1.5"], "update.jagg_frac"),
+        (["update.routing=auto", "update=exact"], "update.mode"),
+        (["update.routing=auto", "update.auto_rollouts=100"], "update.auto_rollouts"),
+        (["update.routing=auto", "update.auto_every=0"], "update.auto_every"),
     ],
 )
 def test_bad_auto_settings_fail_validation(overrides, match, tmp_path, monkeypatch):
@@ -74,9 +89,14 @@ def test_bad_auto_settings_fail_validation(overrides, match, tmp_path, monkeypat
         validate(cfg, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()))
 
 
-def test_jagg_frac_takes_numbers_and_auto(tmp_path):
-    for value, expected in (("1", 1), ("0.4", 0.4), ("auto", "auto")):
-        assert compose_cfg([f"run_dir={tmp_path}", f"update.jagg_frac={value}"]).update.jagg_frac == expected
+def test_jagg_frac_is_a_number_and_routing_its_own_field(tmp_path):
+    for value, expected in (("1", 1.0), ("0.4", 0.4)):
+        cfg = compose_cfg([f"run_dir={tmp_path}", f"update.jagg_frac={value}"])
+        assert cfg.update.jagg_frac == expected and isinstance(cfg.update.jagg_frac, float)
+        assert isinstance(build_router(cfg.update), PrefixRouter)
+    assert isinstance(build_router(compose_cfg([f"run_dir={tmp_path}", "update.routing=auto"]).update), AutoRouter)
+    with pytest.raises(ConfigCompositionException, match="update.jagg_frac"):
+        compose_cfg([f"run_dir={tmp_path}", "update.jagg_frac=auto"])
 
 
 @pytest.mark.parametrize("threshold, path", [(-2.0, "jagg"), (1.5, "exact")])
@@ -97,7 +117,7 @@ def test_trainer_routes_by_the_probe(threshold, path, tiny_flux_dir, tmp_path, m
         "grpo.gradient_accumulation_steps=2",
         "logging.progress_bar=false",
         "checkpoint.export=false",
-        "update.jagg_frac=auto",
+        "update.routing=auto",
         "update.auto_rollouts=2",
         f"update.auto_threshold={threshold}",
     ]

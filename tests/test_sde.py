@@ -7,6 +7,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from models import flux, qwenimage
 from samplers.schedule import dynamic_shift_mu, dynamic_sigmas, network_timesteps, shifted_sigmas
 from samplers.sde import SDE, gaussian_log_prob, step
 
@@ -116,27 +117,10 @@ def test_shifted_sigmas():
     torch.testing.assert_close(shifted_sigmas(5, 1.0), torch.linspace(1, 0, 6))
 
 
-@pytest.mark.parametrize(
-    "kwargs, seq_len, steps",
-    [
-        (dict(shift=3.0, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096), 1024, 28),
-        (
-            dict(
-                shift=1.0,
-                base_shift=0.5,
-                max_shift=0.9,
-                base_image_seq_len=256,
-                max_image_seq_len=8192,
-                shift_terminal=0.02,
-                time_shift_type="exponential",
-            ),
-            64,
-            7,
-        ),
-    ],
-)
+@pytest.mark.parametrize("kwargs, seq_len, steps", [(flux.SCHEDULER, 1024, 28), (qwenimage.SCHEDULER, 64, 7)])
 def test_dynamic_sigmas_equal_diffusers(kwargs, seq_len, steps):
-    sched = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, **kwargs)
+    """The adapters' scheduler configurations (FLUX.1-dev's, Qwen-Image's with a terminal stretch)."""
+    sched = FlowMatchEulerDiscreteScheduler(**kwargs)
     mu = dynamic_shift_mu(
         seq_len,
         base_seq_len=kwargs["base_image_seq_len"],

@@ -147,8 +147,12 @@ class CheckpointManager:
         """Complete checkpoints, oldest first (folders ending in .tmp are ignored)."""
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.iterdir() if _STEP_DIR.match(p.name) and (p / _MARKER).is_file()]
-        return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+        steps: dict[Path, int] = {}
+        for path in self.root.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and (path / _MARKER).is_file():
+                steps[path] = int(match.group(1))
+        return sorted(steps, key=steps.__getitem__)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""
@@ -288,7 +292,7 @@ def export_model(
             "PeftModel; only those have a loadable on-disk format"
         )
     # Full tensors are gathered on every rank but kept only on rank 0 (cpu_offload), in CPU memory.
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full: dict[str, Any] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out = Path(out_dir)
     if get_rank() == 0:
         if dtype is not None:
@@ -309,15 +313,15 @@ def _export_full(model: ModelMixin, state: dict[str, Tensor], out: Path) -> None
     FSDP2 swaps the model's class for a generated subclass; the copy uses the original class, so
     config.json names the real class.
     """
-    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    cls: Any = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
     with torch.device("meta"):
-        copy = cls.from_config(model.config)
+        copy = cls.from_config(model.config)  # type: ignore[attr-defined]  # ModelMixin's ConfigMixin
     copy.load_state_dict(state, strict=True, assign=True)
     copy.save_pretrained(out)
 
 
 def _export_diffusers_lora(
-    model: nn.Module, state: dict[str, Tensor], out: Path, adapter_name: str | None, prefix: str
+    model: Any, state: dict[str, Tensor], out: Path, adapter_name: str | None, prefix: str
 ) -> None:
     """The file diffusers' ``save_lora_adapter`` writes, from the gathered state and with a prefix."""
     names = list(model.peft_config)

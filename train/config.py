@@ -19,7 +19,7 @@ from samplers.sde import SDE_KINDS
 from train.jagg import UPDATE_MODES, split_groups
 
 DTYPES = ("float32", "bfloat16", "float16")
-AUTO = "auto"  # update.jagg_frac=auto: route each group by its measured cosine (train/routing.py)
+ROUTINGS = ("prefix", "auto")  # update.routing (train/routing.py)
 WANDB_MODES = ("disabled", "offline", "online")
 
 
@@ -63,15 +63,16 @@ class SamplerConfig:
 class UpdateConfig:
     mode: str = "jagg"  # exact | jagg | jagg_sequential | ablate
     window: int = 4  # W: consecutive transitions per group
-    # A number in [0, 1]: groups ending at or before round(jagg_frac * M) take the `mode` path, the rest
-    # are exact. "auto": every auto_every steps a probe measures cos(g_mode, g_exact) per group on the
-    # current policy and a group takes the `mode` path when its mean cosine >= auto_threshold.
-    # (int is listed because OmegaConf's Union does not widen `update.jagg_frac=1` to float.)
-    jagg_frac: float | int | str = 0.6
+    # Which groups take the `mode` path (train/routing.py). prefix: those ending at or before
+    # round(jagg_frac * M), M the trainable transitions; the rest are exact. auto: every auto_every steps
+    # a probe measures cos(g_mode, g_exact) per group on the current policy and a group takes the
+    # `mode` path when its mean cosine >= auto_threshold.
+    routing: str = "prefix"  # prefix | auto
+    jagg_frac: float = 0.6  # routing=prefix: share of the trajectory, in [0, 1], routed to the `mode` path
     timestep_fraction: float = 1.0  # share of groups trained per sample (DanceGRPO draws them at random)
-    auto_every: int = 10  # jagg_frac=auto: training steps between probes (the first step always probes)
-    auto_threshold: float = 0.5  # jagg_frac=auto: minimum mean cosine for the `mode` path (the paper's 0.5)
-    auto_rollouts: int = 4  # jagg_frac=auto: trajectories per probe, all ranks together (<= G * prompts_per_rank)
+    auto_every: int = 10  # routing=auto: training steps between probes (the first step always probes)
+    auto_threshold: float = 0.5  # routing=auto: minimum mean cosine for the `mode` path (the paper's 0.5)
+    auto_rollouts: int = 4  # routing=auto: trajectories per probe, all ranks together (<= G * prompts_per_rank)
 
 
 @dataclass
@@ -233,11 +234,12 @@ def _validate_grpo(g: GRPOConfig) -> None:
 def _validate_update(u: UpdateConfig, g: GRPOConfig) -> None:
     if not 0.0 < u.timestep_fraction <= 1.0:
         raise ValueError(f"update.timestep_fraction must be in (0, 1], got {u.timestep_fraction}")
-    if isinstance(u.jagg_frac, str):
-        if u.jagg_frac != AUTO:
-            raise ValueError(f"update.jagg_frac must be a number in [0, 1] or {AUTO!r}, got {u.jagg_frac!r}")
+    _choice(u.routing, ROUTINGS, "update.routing")
+    if not 0.0 <= u.jagg_frac <= 1.0:
+        raise ValueError(f"update.jagg_frac must be in [0, 1], got {u.jagg_frac}")
+    if u.routing == "auto":
         if u.mode == "exact":
-            raise ValueError("update.jagg_frac=auto routes between update.mode and exact: pick update.mode=jagg")
+            raise ValueError("update.routing=auto routes between update.mode and exact: pick update.mode=jagg")
         _positive(u.auto_every, "update.auto_every")
         _positive(u.auto_rollouts, "update.auto_rollouts")
         rows = g.group_size * g.prompts_per_rank
@@ -246,8 +248,6 @@ def _validate_update(u: UpdateConfig, g: GRPOConfig) -> None:
                 f"update.auto_rollouts={u.auto_rollouts} exceeds the samples per rank per step "
                 f"(group_size * prompts_per_rank = {rows})"
             )
-    elif not 0.0 <= u.jagg_frac <= 1.0:
-        raise ValueError(f"update.jagg_frac must be in [0, 1] or {AUTO!r}, got {u.jagg_frac}")
 
 
 def _validate_probe(p: ProbeConfig) -> None:

@@ -100,11 +100,6 @@ def all_reduce_sum(tensor: Tensor) -> Tensor:
     return out
 
 
-def all_reduce_mean(tensor: Tensor) -> Tensor:
-    """Mean of ``tensor`` over ranks, as a new tensor."""
-    return all_reduce_sum(tensor) / get_world_size()
-
-
 def all_gather_tensor(tensor: Tensor) -> Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 in rank order (all ranks pass equal shapes)."""
     if not is_distributed():
@@ -184,48 +179,52 @@ def parallelize(
     return model
 
 
-def place_frozen(module: nn.Module, *, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """Placement policy of frozen models (text encoders, VAE, reward models): replicated per rank.
-
-    They take no gradient, so sharding them would only add an all-gather per forward to save
-    memory; every rank holds a full copy in ``dtype`` (bf16 on GPU) in eval mode instead.
-    """
-    module.requires_grad_(False)
-    return module.to(device=device, dtype=dtype).eval()
+def local_tensor(tensor: Tensor) -> Tensor:
+    """This rank's shard of a DTensor, or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _replication(grad: DTensor) -> int:
-    """How many ranks hold the same local shard of ``grad`` (product of its Replicate mesh dims)."""
+def _replication(tensor: DTensor) -> int:
+    """How many ranks hold the same local shard of ``tensor`` (product of its Replicate mesh dims)."""
     count = 1
-    for dim, placement in enumerate(grad.placements):
+    for dim, placement in enumerate(tensor.placements):
         if isinstance(placement, Replicate):
-            count *= grad.device_mesh.size(dim)
+            count *= tensor.device_mesh.size(dim)
     return count
+
+
+def sum_over_shards(terms: Iterable[tuple[Tensor, Tensor]], *, zero: Tensor) -> Tensor:
+    """The sum over all ranks of per-tensor ``terms``: pairs (tensor, value computed on its local part).
+
+    A DTensor's value counts once per distinct shard: every rank adds its local shard's value divided
+    by the number of ranks holding that same shard; a plain tensor is the same on every rank and its
+    value counts once. ``zero`` fixes the shape, dtype and device of the accumulators. Every rank
+    must call it (one all-reduce).
+    """
+    sharded, plain = zero.clone(), zero.clone()
+    for tensor, value in terms:
+        if isinstance(tensor, DTensor):
+            sharded += value / _replication(tensor)
+        else:
+            plain += value
+    return all_reduce_sum(sharded) + plain
 
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> Tensor:
     """Scale gradients in place so their global L2 norm is at most ``max_norm``; return that norm.
 
-    DTensor gradients (FSDP2) contribute the squares of their local shards, summed over all ranks
-    (a shard replicated over some mesh dimensions is divided by its replication count); plain
-    gradients are the same on every rank and are counted once. Float32 accumulation.
+    The squares of every gradient's local shard, summed over all ranks by ``sum_over_shards``
+    (float32 accumulation).
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
-    sharded_sq = torch.zeros((), device=device, dtype=torch.float32)
-    plain_sq = torch.zeros((), device=device, dtype=torch.float32)
-    for g in grads:
-        if isinstance(g, DTensor):
-            sharded_sq += g.to_local().float().pow(2).sum() / _replication(g)
-        else:
-            plain_sq += g.float().pow(2).sum()
-    total = (all_reduce_sum(sharded_sq) + plain_sq).sqrt()
+    zero = torch.zeros((), device=local_tensor(grads[0]).device, dtype=torch.float32)
+    total = sum_over_shards(((g, local_tensor(g).float().pow(2).sum()) for g in grads), zero=zero).sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in grads:
-        (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
+        local_tensor(g).mul_(coef.to(g.dtype))
     return total
 
 

@@ -33,8 +33,9 @@ from samplers.sde import compute_dtype
 
 UPDATE_MODES = ("exact", "jagg", "jagg_sequential", "ablate")
 
-Predict = Callable[[Tensor, Tensor], Tensor]  # (z [B, ...], t [B]) -> v [B, ...]
-StepLoss = Callable[[int, Tensor], Tensor]  # (j, v_j [B, ...]) -> scalar loss of step j
+BoundPredict = Callable[[Tensor, Tensor], Tensor]  # (z [B, ...], t [B]) -> v [B, ...]: the conditioning is bound
+Metrics = dict[str, Tensor]  # name -> detached scalar
+StepLoss = Callable[[int, Tensor], tuple[Tensor, Metrics]]  # (j, v_j [B, ...]) -> (scalar loss of step j, metrics)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class GroupStats:
     """What one ``backward_group`` call did. Forward counters are in steps (rows of B each)."""
 
     losses: dict[int, Tensor] = field(default_factory=dict)  # step j -> detached scalar L_j
+    metrics: dict[int, Metrics] = field(default_factory=dict)  # step j -> what step_loss reported for it
     grad_forwards: int = 0
     nograd_forwards: int = 0
     backward_calls: int = 0
@@ -67,43 +69,51 @@ def aggregate(s: Sequence[Tensor], t: Tensor) -> tuple[Tensor, Tensor]:
     return s_base, s_corr
 
 
-def _upstream(step_loss: StepLoss, j: int, v: Tensor) -> tuple[Tensor, Tensor]:
-    """(L_j detached, s_j = dL_j/dv_j) on a detached proxy of v; no model backward.
+def _record(stats: GroupStats, j: int, loss: Tensor, metrics: Metrics) -> None:
+    stats.losses[j] = loss.detach()
+    stats.metrics[j] = metrics
+
+
+def _upstream(step_loss: StepLoss, j: int, v: Tensor, stats: GroupStats) -> Tensor:
+    """s_j = dL_j/dv_j on a detached proxy of v (no model backward); records L_j and its metrics.
 
     The proxy is float32 for half-precision models (the SDE log-prob needs it) and keeps float64.
     """
     proxy = v.detach().to(compute_dtype(v.dtype)).requires_grad_(True)
     with torch.enable_grad():
-        loss = step_loss(j, proxy)
+        loss, metrics = step_loss(j, proxy)
         if loss.requires_grad:
             (s,) = torch.autograd.grad(loss, proxy, materialize_grads=True)
         else:  # the loss does not depend on v (e.g. zero advantage folded to a constant)
             s = torch.zeros_like(proxy)
-    return loss.detach(), s
+    _record(stats, j, loss, metrics)
+    return s
 
 
 def _rows(t_j: Tensor, batch: int) -> Tensor:
     return t_j.expand(batch)
 
 
-def _forward(predict: Predict, zs: Sequence[Tensor], ts: Sequence[Tensor]) -> list[Tensor]:
+def _forward(predict: BoundPredict, zs: Sequence[Tensor], ts: Sequence[Tensor] | Tensor) -> list[Tensor]:
     """One batched call of ``predict`` over several steps; returns one v per step."""
     batch = zs[0].shape[0]
     v = predict(torch.cat(list(zs)), torch.cat([_rows(t_j, batch) for t_j in ts]))
     return list(v.split(batch))
 
 
-def _exact(predict: Predict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats) -> None:
+def _exact(predict: BoundPredict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats) -> None:
     for j, (z_j, t_j) in enumerate(zip(z, t)):
-        loss = step_loss(j, predict(z_j, _rows(t_j, z_j.shape[0])))
+        loss, metrics = step_loss(j, predict(z_j, _rows(t_j, z_j.shape[0])))
         stats.grad_forwards += 1
         if loss.requires_grad:
             loss.backward()
             stats.backward_calls += 1
-        stats.losses[j] = loss.detach()
+        _record(stats, j, loss, metrics)
 
 
-def _middle(predict: Predict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats) -> list[Tensor]:
+def _middle(
+    predict: BoundPredict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats
+) -> list[Tensor]:
     """s_j of the W-2 middle steps from one batched no-grad forward."""
     width = len(z)
     if width == 2:
@@ -111,23 +121,19 @@ def _middle(predict: Predict, step_loss: StepLoss, z: Sequence[Tensor], t: Tenso
     with torch.no_grad():
         v_mid = _forward(predict, z[1:-1], t[1:-1])
     stats.nograd_forwards += width - 2
-    s = []
-    for j, v_j in enumerate(v_mid, start=1):
-        stats.losses[j], s_j = _upstream(step_loss, j, v_j)
-        s.append(s_j)
-    return s
+    return [_upstream(step_loss, j, v_j, stats) for j, v_j in enumerate(v_mid, start=1)]
 
 
 def _joint_endpoints(
-    predict: Predict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats, mode: str
+    predict: BoundPredict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats, mode: str
 ) -> None:
     """jagg and ablate: both endpoints in one batched forward with grad, one backward."""
     width = len(z)
     s_mid = _middle(predict, step_loss, z, t, stats) if mode == "jagg" else []
     v0, v_last = _forward(predict, [z[0], z[-1]], [t[0], t[-1]])
     stats.grad_forwards += 2
-    stats.losses[0], s0 = _upstream(step_loss, 0, v0)
-    stats.losses[width - 1], s_last = _upstream(step_loss, width - 1, v_last)
+    s0 = _upstream(step_loss, 0, v0, stats)
+    s_last = _upstream(step_loss, width - 1, v_last, stats)
     if mode == "jagg":
         g0, g_last = aggregate([s0, *s_mid, s_last], t.to(s0.dtype))
     else:
@@ -136,7 +142,7 @@ def _joint_endpoints(
     stats.backward_calls += 1
 
 
-def _sequential(predict: Predict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats) -> None:
+def _sequential(predict: BoundPredict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats) -> None:
     """The paper's Algorithm 2: at most one endpoint graph alive at a time."""
     width = len(z)
     s_mid = _middle(predict, step_loss, z, t, stats)
@@ -146,13 +152,14 @@ def _sequential(predict: Predict, step_loss: StepLoss, z: Sequence[Tensor], t: T
     for j, partial in ((0, s_base), (width - 1, s_corr)):
         v = predict(z[j], _rows(t[j], z[j].shape[0]))
         stats.grad_forwards += 1
-        stats.losses[j], s_j = _upstream(step_loss, j, v)
+        s_j = _upstream(step_loss, j, v, stats)
         v.backward((partial + s_j).to(v.dtype))
         stats.backward_calls += 1
 
 
-def backward_group(mode: str, predict: Predict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor) -> GroupStats:
-    """Accumulate into ``.grad`` the gradient of sum_j step_loss(j, predict(z[j], t_j)) by ``mode``.
+def backward_group(mode: str, predict: BoundPredict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor) -> GroupStats:
+    """Accumulate into ``.grad`` the gradient of sum_j L_j, (L_j, metrics_j) = step_loss(j, predict(z[j], t_j)),
+    by ``mode``; returns each step's loss and metrics with the counters.
 
     z: W latents [B, ...] (no gradient); t: [W] network-input timesteps, one per step.
     """
@@ -169,6 +176,7 @@ def backward_group(mode: str, predict: Predict, step_loss: StepLoss, z: Sequence
     else:
         _joint_endpoints(predict, step_loss, z, t, stats, mode)
     stats.losses = dict(sorted(stats.losses.items()))
+    stats.metrics = dict(sorted(stats.metrics.items()))
     return stats
 
 
@@ -192,7 +200,7 @@ def split_groups(trainable: Sequence[int], window: int) -> list[tuple[int, int]]
     if not steps:
         raise ValueError("no trainable transitions: check sampler.num_steps and the SDE window")
     runs, run_start = [], steps[0]
-    for prev, cur in zip(steps, steps[1:] + [None]):
+    for prev, cur in zip(steps, [*steps[1:], -1]):  # -1 closes the last run
         if cur != prev + 1:
             runs.append((run_start, prev + 1))
             run_start = cur
@@ -222,6 +230,25 @@ def route(start: int, stop: int, *, mode: str, jagg_frac: float, num_transitions
     return mode if stop <= round(jagg_frac * num_transitions) else "exact"
 
 
+def pick_groups(
+    trainable: Sequence[int],
+    *,
+    window: int,
+    timestep_fraction: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> list[tuple[int, int]]:
+    """Split, then pick int(timestep_fraction * num_groups) groups at random (at least one; all when
+    the fraction is 1). Returned high noise first."""
+    if not 0.0 < timestep_fraction <= 1.0:
+        raise ValueError(f"update.timestep_fraction must be in (0, 1], got {timestep_fraction}")
+    groups = split_groups(trainable, window)
+    num_picked = max(1, int(len(groups) * timestep_fraction + 1e-9))
+    if num_picked < len(groups):
+        picked = torch.randperm(len(groups), generator=generator)[:num_picked].tolist()
+        groups = [groups[i] for i in sorted(picked)]
+    return groups
+
+
 def plan_groups(
     trainable: Sequence[int],
     *,
@@ -232,15 +259,8 @@ def plan_groups(
     timestep_fraction: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> list[GroupPlan]:
-    """Split, pick int(timestep_fraction * num_groups) groups at random (at least one; all when
-    the fraction is 1), and route each. Returned high noise first."""
-    if not 0.0 < timestep_fraction <= 1.0:
-        raise ValueError(f"update.timestep_fraction must be in (0, 1], got {timestep_fraction}")
-    groups = split_groups(trainable, window)
-    num_picked = max(1, int(len(groups) * timestep_fraction + 1e-9))
-    if num_picked < len(groups):
-        picked = torch.randperm(len(groups), generator=generator)[:num_picked].tolist()
-        groups = [groups[i] for i in sorted(picked)]
+    """``pick_groups``, then route each picked group by the jagg_frac rule (``route``)."""
+    groups = pick_groups(trainable, window=window, timestep_fraction=timestep_fraction, generator=generator)
     return [
         GroupPlan(a, b, route(a, b, mode=mode, jagg_frac=jagg_frac, num_transitions=num_transitions)) for a, b in groups
     ]

@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from torch import Tensor
@@ -61,7 +61,7 @@ class RunLogger:
         self.is_main = is_main
         self._start = time.time()
         self._wandb: Any = None
-        self._file = None
+        self._file: TextIO | None = None
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +76,8 @@ class RunLogger:
 
         kwargs["tags"] = list(kwargs["tags"])
         kwargs["config"] = dict(kwargs["config"] or {})
-        self._wandb = wandb.init(mode=mode, dir=str(self.run_dir), **kwargs)
+        # mode is one of WANDB_MODES (checked in __init__); wandb annotates it as a Literal
+        self._wandb = wandb.init(mode=mode, dir=str(self.run_dir), **kwargs)  # type: ignore[arg-type]
 
     def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Run a wandb call; on any error warn once and stop using wandb."""
@@ -94,6 +95,8 @@ class RunLogger:
         """Append one JSON line (and a wandb point) with ``metrics`` at ``step``."""
         if not self.is_main:
             return
+        if self._file is None:
+            raise RuntimeError("RunLogger.log after finish()")
         values = {key: _to_float(key, value) for key, value in metrics.items()}
         record = {"step": step, "wall_time": round(time.time() - self._start, 3), **values}
         self._file.write(json.dumps(record) + "\n")

@@ -1,40 +1,87 @@
-"""``update.jagg_frac=auto``: route each group by the gradient quality measured on the current policy.
+"""Routing: which groups of W transitions a step trains, and which path each takes (``update.routing``).
 
-Every ``update.auto_every`` training steps (and on the first step of a run or of a resume), before
-the update's first micro-batch, ``train.grad_quality.measure_trajectories`` measures
-cos(g_mode, g_exact) per group on ``update.auto_rollouts`` trajectories of the step's own rollout,
-with their advantages, under the current weights. Group [start, stop) then takes ``update.mode``
-while its mean cosine is >= ``update.auto_threshold``, and the exact path otherwise; the table holds
-until the next probe. A group the last probe did not see (a Flow-GRPO-Fast window drawn elsewhere)
-takes the exact path.
+A router plans the groups of one micro-batch: it picks ``int(timestep_fraction * num_groups)`` of
+them with the step's shared generator (``train.jagg.pick_groups``) and gives each a path.
 
-Departure from the paper, where jagg_frac is fixed per model from an offline measurement
-(Appendix E): the routing follows the policy as it trains, and is per group instead of a prefix of
-groups (``routing/rule_jagg_frac`` logs what the prefix rule would give).
+* ``prefix`` (``PrefixRouter``, the paper's rule): group [k, k + W) takes ``update.mode`` when
+  k + W <= round(update.jagg_frac * M), M the trajectory's trainable transitions, and the exact path
+  otherwise (``train.jagg.route``).
+* ``auto`` (``AutoRouter``): every ``update.auto_every`` training steps (and on the first step of a
+  run or of a resume), before the update's first micro-batch, ``train.quality.measure_trajectories``
+  measures cos(g_mode, g_exact) per group on ``update.auto_rollouts`` trajectories of the step's own
+  rollout, with their advantages, under the current weights. Group [start, stop) then takes
+  ``update.mode`` while its mean cosine is >= ``update.auto_threshold``, and the exact path
+  otherwise; the table holds until the next probe. A group the last probe did not see (a
+  Flow-GRPO-Fast window drawn elsewhere) takes the exact path.
+
+Departure from the paper for ``auto``, where jagg_frac is fixed per model from an offline
+measurement (Appendix E): the routing follows the policy as it trains, and is per group instead of a
+prefix of groups (``routing/rule_jagg_frac`` logs what the prefix rule would give).
 
 Under FSDP every rank must plan the same groups or the collectives deadlock. The cosines are global
 quantities (equal on all ranks up to reduction order); rank 0's table is broadcast so the decision
 is identical on every rank.
 
-Metrics, on probe steps: ``routing/cos_<start>_<stop>``, ``routing/rho_<start>_<stop>`` (means over
-the probe's trajectories), ``routing/<mode>_<start>_<stop>`` (1 = the group takes update.mode,
-0 = exact) and ``routing/rule_jagg_frac``. The probe's time is ``time/probe``.
+Metrics of ``auto``, on probe steps: ``routing/cos_<start>_<stop>``, ``routing/rho_<start>_<stop>``
+(means over the probe's trajectories), ``routing/<mode>_<start>_<stop>`` (1 = the group takes
+update.mode, 0 = exact) and ``routing/rule_jagg_frac``. The probe's time is ``time/probe``.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
-from dataclasses import replace
 
-from torch import Tensor, nn
+import torch
+from torch import nn
 
 from samplers.rollout import Trajectory
-from train.config import UpdateConfig
+from train.config import ROUTINGS, UpdateConfig
 from train.distributed import broadcast_object, get_world_size
-from train.grad_quality import GroupQuality, measure_trajectories, recommend_jagg_frac, summarize_groups
-from train.update import Predict, UpdateSettings
+from train.jagg import GroupPlan, pick_groups, plan_groups
+from train.quality import GroupQuality, measure_trajectories, recommend_jagg_frac, summarize_groups
+from train.update import UpdateBatch
 
 Group = tuple[int, int]
+
+
+class Router(abc.ABC):
+    """Plans the groups of a trajectory; ``refresh`` lets a router measure before a step's update."""
+
+    def __init__(self, *, mode: str, window: int, timestep_fraction: float) -> None:
+        self.mode, self.window, self.timestep_fraction = mode, window, timestep_fraction
+
+    def due(self, step: int) -> bool:
+        """Whether ``refresh`` measures something at ``step``."""
+        return False
+
+    def refresh(self, step: int, batch: UpdateBatch, params: Sequence[nn.Parameter]) -> dict[str, float]:
+        """Measure and re-route when ``due(step)``; returns the routing metrics. Needs empty gradients
+        and leaves them empty."""
+        return {}
+
+    @abc.abstractmethod
+    def plan(self, traj: Trajectory, generator: torch.Generator | None) -> list[GroupPlan]:
+        """The groups one micro-batch trains, high noise first, each with its path."""
+
+
+class PrefixRouter(Router):
+    """``update.routing=prefix``: the groups ending at or before round(jagg_frac * M) take the mode's path."""
+
+    def __init__(self, *, mode: str, window: int, timestep_fraction: float, jagg_frac: float) -> None:
+        super().__init__(mode=mode, window=window, timestep_fraction=timestep_fraction)
+        self.jagg_frac = jagg_frac
+
+    def plan(self, traj: Trajectory, generator: torch.Generator | None) -> list[GroupPlan]:
+        return plan_groups(
+            traj.trainable_steps(),
+            window=self.window,
+            mode=self.mode,
+            jagg_frac=self.jagg_frac,
+            num_transitions=traj.num_transitions,
+            timestep_fraction=self.timestep_fraction,
+            generator=generator,
+        )
 
 
 def route_by_cosine(groups: Sequence[GroupQuality], *, threshold: float, mode: str) -> dict[Group, str]:
@@ -55,54 +102,56 @@ def routing_metrics(
     return out
 
 
-class AutoRouter:
-    """The routing table of ``update.jagg_frac=auto`` and when to re-measure it."""
+class AutoRouter(Router):
+    """``update.routing=auto``: the routing table measured every ``every`` steps."""
 
-    def __init__(self, *, mode: str, every: int, threshold: float, num_rollouts: int) -> None:
+    def __init__(
+        self, *, mode: str, window: int, timestep_fraction: float, every: int, threshold: float, num_rollouts: int
+    ) -> None:
         if mode == "exact":
-            raise ValueError("update.jagg_frac=auto routes between update.mode and exact: pick update.mode=jagg")
+            raise ValueError("update.routing=auto routes between update.mode and exact: pick update.mode=jagg")
         if every < 1 or num_rollouts < 1:
             raise ValueError(f"update.auto_every ({every}) and update.auto_rollouts ({num_rollouts}) must be >= 1")
-        self.mode, self.every, self.threshold, self.num_rollouts = mode, every, threshold, num_rollouts
+        super().__init__(mode=mode, window=window, timestep_fraction=timestep_fraction)
+        self.every, self.threshold, self.num_rollouts = every, threshold, num_rollouts
         self.modes: dict[Group, str] | None = None  # the last probe's table; None before the first
-
-    @classmethod
-    def from_config(cls, update: UpdateConfig) -> AutoRouter:
-        u = update
-        return cls(mode=u.mode, every=u.auto_every, threshold=u.auto_threshold, num_rollouts=u.auto_rollouts)
 
     def due(self, step: int) -> bool:
         return self.modes is None or step % self.every == 0
 
-    def refresh(
-        self,
-        step: int,
-        predict: Predict,
-        traj: Trajectory,
-        advantages: Tensor,
-        params: Sequence[nn.Parameter],
-        settings: UpdateSettings,
-        *,
-        reference: Predict | None = None,
-    ) -> dict[str, float]:
-        """Probe and re-route when ``due(step)``; returns the routing metrics ({} when not due).
-
-        Call with empty gradients, before the update's first micro-batch; they are left empty.
-        """
+    def refresh(self, step: int, batch: UpdateBatch, params: Sequence[nn.Parameter]) -> dict[str, float]:
         if not self.due(step):
             return {}
+        traj = batch.traj
         count = min(self.num_rollouts, traj.batch_size * get_world_size())
-        samples = measure_trajectories(
-            predict, traj, advantages, params, settings, num_rollouts=count, mode=self.mode, reference=reference
-        )
+        samples = measure_trajectories(batch, params, num_rollouts=count, mode=self.mode)
         groups = summarize_groups(samples, traj.timesteps)
         self.modes = broadcast_object(route_by_cosine(groups, threshold=self.threshold, mode=self.mode))
         return routing_metrics(
             groups, self.modes, mode=self.mode, threshold=self.threshold, num_transitions=traj.num_transitions
         )
 
-    def apply(self, settings: UpdateSettings) -> UpdateSettings:
-        """``settings`` with the table in place of the jagg_frac rule (call after a first ``refresh``)."""
+    def plan(self, traj: Trajectory, generator: torch.Generator | None) -> list[GroupPlan]:
         if self.modes is None:
-            raise RuntimeError("AutoRouter.apply before the first refresh: the routing table is empty")
-        return replace(settings, group_modes=dict(self.modes))
+            raise RuntimeError("AutoRouter.plan before the first refresh: the routing table is empty")
+        groups = pick_groups(
+            traj.trainable_steps(), window=self.window, timestep_fraction=self.timestep_fraction, generator=generator
+        )
+        return [GroupPlan(a, b, self.modes.get((a, b), "exact")) for a, b in groups]
+
+
+def build_router(update: UpdateConfig) -> Router:
+    """The router ``update.routing`` names."""
+    u = update
+    if u.routing == "auto":
+        return AutoRouter(
+            mode=u.mode,
+            window=u.window,
+            timestep_fraction=u.timestep_fraction,
+            every=u.auto_every,
+            threshold=u.auto_threshold,
+            num_rollouts=u.auto_rollouts,
+        )
+    if u.routing == "prefix":
+        return PrefixRouter(mode=u.mode, window=u.window, timestep_fraction=u.timestep_fraction, jagg_frac=u.jagg_frac)
+    raise ValueError(f"update.routing={u.routing!r} is not valid; accepted values: {', '.join(ROUTINGS)}")

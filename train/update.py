@@ -1,13 +1,16 @@
 """The update stage of one training step: stored transitions -> accumulated policy gradients.
 
 Samples are processed in micro-batches of ``grpo.micro_batch`` rows. For each micro-batch the
-trainable transitions are planned into groups of W (``train.jagg.plan_groups``) and each group
-goes through ``train.jagg.backward_group`` with the real per-step loss
+trainable transitions are planned into groups of W (train/routing.py: which groups train and which
+path each takes) and each group goes through ``train.jagg.backward_group`` with the real per-step
+loss
 
     L_k = PPO-clip(logp_theta(z_{k+1} | z_k), logp_old, A) + kl_beta * KL(mean_theta || mean_ref),
 
 scaled by (rows / gradient_accumulation_steps) / (trained transitions), so that one optimizer
-step sees the mean over its samples and their trained transitions.
+step sees the mean over its samples and their trained transitions. The step loss is a value:
+it returns (scaled loss, metrics) and ``backward_group`` hands the metrics back per step, where
+``UpdateStats`` sums them.
 
 The plan (which groups train, Flow-GRPO-Fast's window) is drawn from a generator shared by all
 ranks, never a per-rank one: under FSDP every rank must run the same sequence of forward and
@@ -17,18 +20,47 @@ backward calls, or the collectives would deadlock.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from samplers.rollout import Trajectory, transition
+from samplers.rollout import Predict, Trajectory, transition
+from train.config import TrainConfig
 from train.grpo import kl_to_reference, ppo_step_loss
-from train.jagg import GroupPlan, StepLoss, backward_group, plan_groups
-from train.jagg import Predict as GroupPredict  # (z, t) -> v: the conditioning is bound
+from train.jagg import BoundPredict, GroupPlan, GroupStats, Metrics, StepLoss, backward_group
 
-Predict = Callable[[Tensor, Tensor, object], Tensor]  # (z [B, ...], t [B], cond) -> v
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    mode: str  # the JAGG path of a routed group: exact | jagg | jagg_sequential | ablate
+    window: int  # W
+    timestep_fraction: float
+    clip_range: float
+    kl_beta: float
+    gradient_accumulation_steps: int
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> UpdateSettings:
+        return cls(
+            mode=cfg.update.mode,
+            window=cfg.update.window,
+            timestep_fraction=cfg.update.timestep_fraction,
+            clip_range=cfg.grpo.clip_range,
+            kl_beta=cfg.grpo.kl_beta,
+            gradient_accumulation_steps=cfg.grpo.gradient_accumulation_steps,
+        )
+
+
+@dataclass(frozen=True)
+class UpdateBatch:
+    """A step's rollout with its advantages, and the policies that train on it."""
+
+    traj: Trajectory
+    advantages: Tensor  # [B], one per row of traj
+    predict: Predict  # the policy being trained: (z, t, cond) -> v
+    reference: Predict | None  # the KL reference; needed when settings.kl_beta > 0
+    settings: UpdateSettings
 
 
 @dataclass
@@ -42,11 +74,26 @@ class UpdateStats:
     backward_calls: int = 0
     groups: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def add_step(self, loss: Tensor, metrics: dict[str, Tensor]) -> None:
-        self.metric_sums["loss"] += float(loss)
-        for name, value in metrics.items():
-            self.metric_sums[name] += float(value)
-        self.num_step_losses += 1
+    def add_group(self, mode: str, result: GroupStats, *, reference_forwards: int = 0) -> None:
+        """Count one ``backward_group`` call and add the metrics of every step it evaluated."""
+        for metrics in result.metrics.values():
+            for name, value in metrics.items():
+                self.metric_sums[name] += float(value)
+            self.num_step_losses += 1
+        self.grad_forwards += result.grad_forwards
+        self.nograd_forwards += result.nograd_forwards + reference_forwards
+        self.backward_calls += result.backward_calls
+        self.groups[mode] += 1
+
+    def merge(self, other: UpdateStats) -> None:
+        for name, value in other.metric_sums.items():
+            self.metric_sums[name] += value
+        for mode, num in other.groups.items():
+            self.groups[mode] += num
+        self.num_step_losses += other.num_step_losses
+        self.grad_forwards += other.grad_forwards
+        self.nograd_forwards += other.nograd_forwards
+        self.backward_calls += other.backward_calls
 
     def summary(self) -> dict[str, float]:
         n = max(self.num_step_losses, 1)
@@ -62,36 +109,6 @@ class UpdateStats:
         return out
 
 
-@dataclass(frozen=True)
-class UpdateSettings:
-    mode: str
-    window: int
-    jagg_frac: float
-    timestep_fraction: float
-    clip_range: float
-    kl_beta: float
-    gradient_accumulation_steps: int
-    # update.jagg_frac=auto: the path of each group (start, stop) as measured by train/routing.py;
-    # it replaces the jagg_frac rule, and a group it does not name takes the exact path.
-    group_modes: Mapping[tuple[int, int], str] | None = None
-
-
-def plan_for(traj: Trajectory, settings: UpdateSettings, generator: torch.Generator) -> list[GroupPlan]:
-    trainable = torch.nonzero(traj.trainable).flatten().tolist()
-    plan = plan_groups(
-        trainable,
-        window=settings.window,
-        mode=settings.mode,
-        jagg_frac=settings.jagg_frac,
-        num_transitions=traj.num_transitions,
-        timestep_fraction=settings.timestep_fraction,
-        generator=generator,
-    )
-    if settings.group_modes is None:
-        return plan
-    return [replace(p, mode=settings.group_modes.get((p.start, p.stop), "exact")) for p in plan]
-
-
 def _tiled(cond, rows: int):
     """Conditioning for a batched call over several steps: the micro-batch rows tiled."""
     reps = rows // cond.batch_size
@@ -102,76 +119,54 @@ def _tiled(cond, rows: int):
 class GroupInputs:
     """The arguments of ``backward_group`` for one group [start, stop) of one micro-batch."""
 
-    policy: GroupPredict  # (z [b, ...], t [b]) -> v, the micro-batch's conditioning tiled to b rows
-    step_loss: StepLoss  # (j, v_j) -> the scaled GRPO loss of transition start + j
+    policy: BoundPredict  # (z [b, ...], t [b]) -> v, the micro-batch's conditioning tiled to b rows
+    step_loss: StepLoss  # (j, v_j) -> (scaled GRPO loss of transition start + j, its metrics)
     z: list[Tensor]  # W latents [rows, ...]
     t: Tensor  # [W] network-input timesteps
     num_reference_forwards: int  # steps the KL reference ran (without grad) to build step_loss
 
 
-def group_inputs(
-    predict: Predict,
-    traj: Trajectory,
-    advantages: Tensor,
-    rows: Tensor,
-    group: tuple[int, int],
-    settings: UpdateSettings,
-    stats: UpdateStats,
-    *,
-    reference: Predict | None = None,
-    scale: float = 1.0,
-) -> GroupInputs:
+def group_inputs(batch: UpdateBatch, rows: Tensor, group: tuple[int, int], *, scale: float = 1.0) -> GroupInputs:
     """The per-step GRPO loss of transitions [start, stop) of ``rows``, times ``scale``:
 
     L_k = PPO-clip(logp_theta(z_{k+1} | z_k), logp_old, A) + kl_beta * KL(mean_theta || mean_ref).
-    Each evaluated step is added to ``stats``.
+    Its metrics: ``loss`` (L_k before scaling), ``kl`` with a KL term, and ``ppo_step_loss``'s.
     """
+    traj, settings = batch.traj, batch.settings
     cond = traj.cond.index(rows)
-    adv = advantages[rows]
+    adv = batch.advantages[rows]
     ks = list(range(*group))
     z = [traj.latents[rows, k] for k in ks]
     t = traj.timesteps[ks]
-    ref_v = _reference_velocities(reference, z, t, cond) if settings.kl_beta > 0 else None
+    ref_v = _reference_velocities(batch.reference, z, t, cond) if settings.kl_beta > 0 else None
 
     def policy(z: Tensor, t: Tensor) -> Tensor:
-        return predict(z, t, _tiled(cond, z.shape[0]))
+        return batch.predict(z, t, _tiled(cond, z.shape[0]))
 
-    def step_loss(j: int, v: Tensor) -> Tensor:
+    def step_loss(j: int, v: Tensor) -> tuple[Tensor, Metrics]:
         out = transition(traj, ks[j], v, rows)
+        assert out.log_prob is not None  # transition() refuses ODE steps
         loss, metrics = ppo_step_loss(out.log_prob, traj.log_probs[rows, ks[j]], adv, clip_range=settings.clip_range)
         if ref_v is not None:
             ref_mean = transition(traj, ks[j], ref_v[j], rows).mean
             kl = kl_to_reference(out.mean, ref_mean, out.diffusion)
             loss = loss + settings.kl_beta * kl
             metrics = {**metrics, "kl": kl.detach()}
-        stats.add_step(loss.detach(), metrics)
-        return loss * scale
+        return loss * scale, {"loss": loss.detach(), **metrics}
 
     return GroupInputs(policy, step_loss, z, t, len(ks) if ref_v is not None else 0)
 
 
-def update_micro_batch(
-    predict: Predict,
-    traj: Trajectory,
-    advantages: Tensor,
-    rows: Tensor,
-    plan: list[GroupPlan],
-    settings: UpdateSettings,
-    stats: UpdateStats,
-    *,
-    reference: Predict | None = None,
-) -> None:
-    """Accumulate the gradient of the micro-batch ``rows`` over the planned groups."""
+def update_micro_batch(batch: UpdateBatch, rows: Tensor, plan: list[GroupPlan]) -> UpdateStats:
+    """Accumulate into ``.grad`` the gradient of the micro-batch ``rows`` over the planned groups."""
     trained = sum(p.stop - p.start for p in plan)
-    scale = (len(rows) / settings.gradient_accumulation_steps) / trained
+    scale = (len(rows) / batch.settings.gradient_accumulation_steps) / trained
+    stats = UpdateStats()
     for group in plan:
-        span = (group.start, group.stop)
-        inputs = group_inputs(predict, traj, advantages, rows, span, settings, stats, reference=reference, scale=scale)
+        inputs = group_inputs(batch, rows, (group.start, group.stop), scale=scale)
         result = backward_group(group.mode, inputs.policy, inputs.step_loss, inputs.z, inputs.t)
-        stats.grad_forwards += result.grad_forwards
-        stats.nograd_forwards += result.nograd_forwards + inputs.num_reference_forwards
-        stats.backward_calls += result.backward_calls
-        stats.groups[group.mode] += 1
+        stats.add_group(group.mode, result, reference_forwards=inputs.num_reference_forwards)
+    return stats
 
 
 @torch.no_grad()

@@ -1,0 +1,284 @@
+"""The builders of a run, shared by the trainer and every command-line tool.
+
+``build_run`` assembles the run state (``Run``) in a fixed order: seeds, the shared run folder, the
+rewards (a wrong reward path fails in seconds, before the transformer loads), the backbone, the
+trainable parameters and the KL reference (then sharding), the optimizer, the logger and the router.
+``predictor`` turns a backbone (or a reference transformer) into the ``predict(z, t, cond)`` that the
+rollout, the update and the evaluation call.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+
+from models.base import Backbone, Conditioning, parse_dtype
+from models.registry import backbone_names, load_backbone
+from models.tiny import build_tiny
+from rewards.base import SCORER_NAMES, Scorer, build_scorer
+from rewards.combine import RewardCombiner
+from samplers.rollout import Predict
+from train.checkpoint import CheckpointManager
+from train.config import TrainConfig, validate
+from train.data import PromptRecord, PromptSampler, read_prompts
+from train.distributed import DistInfo, broadcast_object, init_distributed, parallelize, shutdown
+from train.ema import EMA
+from train.logger import RunLogger
+from train.routing import Router, build_router
+from train.seeds import seed_everything, stream_seed
+
+
+@dataclass
+class Run:
+    """Everything a training step needs, built once by ``build_run``."""
+
+    cfg: TrainConfig
+    dist: DistInfo
+    device: torch.device  # where the transformer, the latents and the rewards live
+    backbone: Backbone
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    ema: EMA | None
+    rewards: RewardCombiner
+    prompts: PromptSampler
+    checkpoints: CheckpointManager
+    logger: RunLogger
+    reference: nn.Module | None  # frozen copy for the KL term of full fine-tuning; None with LoRA or no KL
+    compute_dtype: torch.dtype
+    router: Router  # update.routing: which groups train and by which path (train/routing.py)
+    eval_records: list[PromptRecord] | None = None  # built on the first evaluation
+    eval_scorers: dict[str, Scorer] | None = None
+
+
+def load_config(cfg: DictConfig) -> TrainConfig:
+    """The typed config of a composed Hydra tree, validated (no model is loaded)."""
+    config = cast(TrainConfig, OmegaConf.to_object(cfg))
+    validate(config, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()))
+    return config
+
+
+@contextmanager
+def process_group() -> Iterator[DistInfo]:
+    """torchrun's process group (none for one process) for the duration of a command."""
+    dist = init_distributed()
+    try:
+        yield dist
+    finally:
+        shutdown()
+
+
+def resolve_device(cfg: TrainConfig, dist: DistInfo) -> torch.device:
+    if cfg.device == "cpu" or (cfg.device == "auto" and dist.device.type == "cpu"):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device=cuda but CUDA is not available; use device=cpu or device=auto")
+    return dist.device
+
+
+def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Backbone:
+    """Load every component from the local folder (building the tiny one first if asked).
+
+    Placement policy for the frozen parts: text encoders and VAE are replicated on every rank in
+    the model dtype (they run once per step, without gradients, and sharding them would add
+    collectives for no memory that matters next to the transformer's optimizer state); with
+    ``model.embedding_cache`` the text encoders are not loaded at all. The transformer keeps
+    float32 master weights and computes in ``model.dtype`` (FSDP2 mixed precision or autocast).
+    """
+    if cfg.model.build_tiny is not None:
+        if dist.is_main:
+            build_tiny(cfg.model.name, cfg.model.path, size=cfg.model.build_tiny)
+        broadcast_object(None)  # the other ranks wait for the folder
+    backbone = load_backbone(
+        cfg.model.name,
+        cfg.model.path,
+        dtype=parse_dtype(cfg.model.dtype),
+        device=device,
+        embedding_cache=cfg.model.embedding_cache,
+        **cfg.model.options,
+    )
+    if next(backbone.transformer.parameters()).dtype != torch.float32:  # float32 master weights
+        backbone.transformer.to(torch.float32)
+    return backbone
+
+
+def setup_trainable(cfg: TrainConfig, backbone: Backbone) -> tuple[list[nn.Parameter], nn.Module | None]:
+    """LoRA or full fine-tuning, the KL reference, then sharding (in that order)."""
+    transformer: Any = backbone.transformer  # a diffusers model: its PEFT mixin adds the adapters
+    transformer.requires_grad_(False)
+    reference = None
+    if cfg.model.lora.enabled:
+        from peft import LoraConfig  # only LoRA runs pay for importing peft
+
+        lora = cfg.model.lora
+        # peft draws the adapters from the global RNG, which differs per rank; FSDP2 keeps each rank's
+        # shard of its own draw. One stream for every rank gives the same weights on any world size.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(stream_seed(cfg.seed, "model_init"))
+            transformer.add_adapter(
+                LoraConfig(
+                    r=lora.rank,
+                    lora_alpha=lora.alpha,
+                    init_lora_weights=lora.init,  # type: ignore[arg-type]  # a config string; peft checks it
+                    target_modules=backbone.lora_target_modules,
+                )
+            )
+    else:
+        transformer.requires_grad_(True)
+        if cfg.grpo.kl_beta > 0:  # full fine-tuning: the reference is a frozen copy of the start
+            reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+    transformer.train()
+    compute = parse_dtype(cfg.model.dtype)
+    for module in (transformer, reference):
+        if module is not None:
+            parallelize(
+                module,
+                block_classes=backbone.block_classes,
+                param_dtype=compute,
+                activation_checkpointing=cfg.model.activation_checkpointing and module is transformer,
+            )
+    return [p for p in transformer.parameters() if p.requires_grad], reference
+
+
+def build_rewards(cfg: TrainConfig, device: torch.device) -> RewardCombiner:
+    """Every reward model is replicated on every rank: scoring is data-parallel and frozen."""
+    components = {
+        name: (
+            build_scorer(name, **{k: v for k, v in comp.items() if k != "weight"}).to(device),
+            float(comp.get("weight", 1.0)),
+        )
+        for name, comp in cfg.reward.components.items()
+    }
+    return RewardCombiner(components, mode=cfg.reward.combine)
+
+
+def build_eval_scorers(cfg: TrainConfig, device: torch.device) -> dict[str, Scorer]:
+    """The evaluation metrics of ``eval.scorers`` (name -> constructor arguments)."""
+    return {name: build_scorer(name, **kwargs).to(device) for name, kwargs in cfg.eval.scorers.items()}
+
+
+def read_eval_prompts(cfg: TrainConfig) -> list[PromptRecord]:
+    """``data.eval_prompts`` (or the training prompts), cut to ``data.num_eval_prompts`` when set."""
+    records = read_prompts(cfg.data.eval_prompts or cfg.data.train_prompts, field_name="data.eval_prompts")
+    return records[: cfg.data.num_eval_prompts or None]
+
+
+def predictor(
+    backbone: Backbone,
+    *,
+    compute_dtype: torch.dtype,
+    world_size: int,
+    device: torch.device,
+    transformer: nn.Module | None = None,
+) -> Predict:
+    """predict(z, t, cond) with the backbone's transformer, or with ``transformer`` (the reference).
+
+    Single-process runs compute in ``compute_dtype`` by autocast over float32 master weights;
+    under FSDP2 the mixed-precision policy does it.
+    """
+    wanted = compute_dtype != torch.float32 and world_size == 1
+
+    def predict(z: Tensor, t: Tensor, cond: Conditioning) -> Tensor:
+        with torch.autocast(device.type, dtype=compute_dtype) if wanted else nullcontext():
+            return backbone.predict(z, t, cond, transformer=transformer)
+
+    return predict
+
+
+def policy_predictor(run: Run, transformer: nn.Module | None = None) -> Predict:
+    return predictor(
+        run.backbone,
+        compute_dtype=run.compute_dtype,
+        world_size=run.dist.world_size,
+        device=run.device,
+        transformer=transformer,
+    )
+
+
+def reference_predictor(run: Run) -> Predict | None:
+    """The KL reference: the LoRA-disabled policy, or the frozen copy of full fine-tuning."""
+    if run.cfg.grpo.kl_beta == 0:
+        return None
+    if run.reference is not None:
+        return policy_predictor(run, run.reference)
+    policy = policy_predictor(run)
+    transformer: Any = run.backbone.transformer  # diffusers' PEFT mixin: enable/disable_adapters
+
+    def predict(z: Tensor, t: Tensor, cond: Conditioning) -> Tensor:
+        transformer.disable_adapters()
+        try:
+            return policy(z, t, cond)
+        finally:
+            transformer.enable_adapters()
+
+    return predict
+
+
+def build_run(cfg: TrainConfig, dist: DistInfo) -> Run:
+    seed_everything(cfg.seed, dist.rank)
+    run_dir = Path(broadcast_object(cfg.run_dir))  # every rank writes where rank 0 does
+    cfg.run_dir = str(run_dir)
+    device = resolve_device(cfg, dist)
+    records = read_prompts(cfg.data.train_prompts)
+    rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds
+    backbone = build_backbone(cfg, dist, device)
+    params, reference = setup_trainable(cfg, backbone)
+    g = cfg.grpo
+    optimizer = torch.optim.AdamW(params, lr=g.lr, weight_decay=g.weight_decay, betas=(g.betas[0], g.betas[1]))
+    logger = RunLogger(
+        run_dir,
+        is_main=dist.is_main,
+        wandb_mode=cfg.logging.wandb_mode,
+        project=cfg.logging.project,
+        group=cfg.logging.group or cfg.experiment,
+        name=f"{cfg.experiment}-{cfg.update.mode}-s{cfg.seed}",
+        tags=[cfg.update.mode, f"seed{cfg.seed}", cfg.sampler.sde],
+        config=cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg))),
+    )
+    return Run(
+        cfg=cfg,
+        dist=dist,
+        device=device,
+        backbone=backbone,
+        params=params,
+        optimizer=optimizer,
+        ema=EMA(params, g.ema_decay) if g.ema_decay > 0 else None,
+        rewards=rewards,
+        prompts=PromptSampler(
+            records, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, prompts_per_rank=g.prompts_per_rank
+        ),
+        checkpoints=CheckpointManager(run_dir, keep_last=cfg.checkpoint.keep_last),
+        logger=logger,
+        reference=reference,
+        compute_dtype=parse_dtype(cfg.model.dtype),
+        router=build_router(cfg.update),
+    )
+
+
+@contextmanager
+def open_run(cfg: TrainConfig, dist: DistInfo) -> Iterator[Run]:
+    """``build_run``, and the logger finished however the block ends."""
+    run = build_run(cfg, dist)
+    try:
+        yield run
+    finally:
+        run.logger.finish()
+
+
+def build_for_eval(cfg: TrainConfig, dist: DistInfo) -> tuple[Backbone, Predict, torch.device]:
+    """Backbone (with ``eval.transformer`` loaded, when given), its predictor and its device."""
+    device = resolve_device(cfg, dist)
+    backbone = build_backbone(cfg, dist, device)
+    if cfg.eval.transformer is not None:
+        trained: Any = type(backbone.transformer)
+        backbone.transformer = trained.from_pretrained(cfg.eval.transformer, torch_dtype=torch.float32).to(device)
+    backbone.transformer.eval()
+    predict = predictor(backbone, compute_dtype=parse_dtype(cfg.model.dtype), world_size=dist.world_size, device=device)
+    return backbone, predict, device

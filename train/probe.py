@@ -1,0 +1,92 @@
+"""The gradient-quality probe of a configured run (the paper's Appendix E): roll out batches with the
+trainer's phases and measure (train/quality.py) until K trajectories had a gradient; the report.
+
+``python -m train.grad_quality`` (train/grad_quality.py) runs ``run_probe``: it builds as the trainer
+does, with wandb off and only as many prompts per rank as K trajectories need; with
+``resume=<checkpoint folder>`` it measures those weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from train.build import Run, load_config, open_run, policy_predictor, process_group, reference_predictor
+from train.quality import Samples, format_table, measure_trajectories, report, summarize_groups
+from train.step import reward_phase, rollout_phase
+from train.trainer import resume
+from train.update import UpdateBatch, UpdateSettings
+
+log = logging.getLogger(__name__)
+MAX_BATCHES_PER_K = 10
+
+
+def probe(run: Run) -> dict[str, Any]:
+    """Roll out batches until ``probe.num_rollouts`` trajectories are measured; the JSON report.
+
+    A trajectory whose advantage is 0 (its group's rewards all equal) has no gradient and is not
+    measured; batches are drawn until K trajectories were, at most ``MAX_BATCHES_PER_K`` times as
+    many batches as K needs.
+    """
+    cfg, p = run.cfg, run.cfg.probe
+    settings = UpdateSettings.from_config(cfg)
+    predict, reference = policy_predictor(run), reference_predictor(run)
+    per_batch = cfg.grpo.group_size * cfg.grpo.prompts_per_rank * run.dist.world_size
+    samples: Samples = defaultdict(list)
+    traj, done = None, 0
+    max_batches = MAX_BATCHES_PER_K * math.ceil(p.num_rollouts / per_batch)
+    for batch in range(max_batches):
+        traj, prompts = rollout_phase(run, batch)
+        advantages, _, _ = reward_phase(run, traj, prompts)
+        if advantages is None:  # a NaN reward (reward_phase warned); this batch is not measured
+            continue
+        count = min(per_batch, p.num_rollouts - done)
+        update = UpdateBatch(traj, advantages, predict=predict, reference=reference, settings=settings)
+        for group, values in measure_trajectories(update, run.params, num_rollouts=count, mode=p.mode).items():
+            samples[group] += values
+        done = min((len(v) for v in samples.values()), default=0)
+        if done >= p.num_rollouts:
+            break
+    else:
+        log.warning("probe: %d of K = %d trajectories had a gradient after %d batches", done, p.num_rollouts, batch + 1)
+    if traj is None:
+        raise ValueError("probe.num_rollouts must be >= 1")
+    return report(
+        summarize_groups(samples, traj.timesteps),
+        mode=p.mode,
+        threshold=p.threshold,
+        num_transitions=traj.num_transitions,
+        experiment=cfg.experiment,
+        model=cfg.model.name,
+        window=cfg.update.window,
+        sampler=cfg.sampler.sde,
+        num_rollouts=p.num_rollouts,
+        world_size=run.dist.world_size,
+    )
+
+
+def run_probe(cfg: DictConfig) -> dict[str, Any]:
+    """Build as the trainer does, probe, and write the report (rank 0 prints the table)."""
+    config = load_config(cfg)
+    config.logging.wandb_mode = "disabled"
+    with process_group() as dist:
+        needed = math.ceil(config.probe.num_rollouts / (config.grpo.group_size * dist.world_size))
+        if needed < config.grpo.prompts_per_rank:  # samples no trajectory would use are not rolled out
+            log.info("probe: %d prompt(s) per rank per rollout batch cover K = %d", needed, config.probe.num_rollouts)
+            config.grpo.prompts_per_rank = needed
+        with open_run(config, dist) as run:
+            if config.resume is not None:
+                resume(run)
+            rep = probe(run)
+        if dist.is_main:
+            out = Path(config.probe.output or Path(config.run_dir) / "grad_quality.json")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(rep, indent=2) + "\n")
+            print(f"{format_table(rep)}\nreport: {out}")
+    return rep

@@ -1,0 +1,174 @@
+"""One training step, phase by phase: rollout -> decode and score -> advantages -> update -> optimizer.
+
+On each rank:
+  1. draw ``prompts_per_rank`` prompts (train/data.py); each is a group of G samples on this rank
+     that starts from one initial noise drawn from the stream (seed, "initial_noise", group id);
+  2. roll out the N-step trajectory without gradients (SDE or Flow-GRPO-Fast window);
+  3. decode, score every reward component, combine, and take group advantages;
+  4. update: the router (train/routing.py) may measure first; then micro-batches through
+     train/update.py (exact or JAGG per group), one optimizer step per
+     ``gradient_accumulation_steps`` samples, after clipping the global gradient norm.
+
+A NaN or inf reward (``rewards.combine.NonFiniteRewardError``) or a non-finite gradient skips the
+update (all ranks together) instead of corrupting the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from rewards.combine import AdvantageFn, NonFiniteRewardError
+from samplers.rollout import Trajectory, draw_sde_window, rollout
+from samplers.sde import SDE
+from train.build import Run, policy_predictor, reference_predictor
+from train.distributed import all_gather_tensor, all_reduce_sum, clip_grad_norm_
+from train.grpo import group_advantages
+from train.logger import PhaseTimer
+from train.seeds import stream_generator
+from train.update import UpdateBatch, UpdateSettings, UpdateStats, update_micro_batch
+
+log = logging.getLogger(__name__)
+
+
+def rollout_phase(run: Run, step: int) -> tuple[Trajectory, list[str]]:
+    cfg, backbone, device = run.cfg, run.backbone, run.device
+    batch = run.prompts.batch(step)
+    size = cfg.grpo.group_size
+    noise = torch.cat(
+        [
+            backbone.initial_noise(
+                1,
+                height=cfg.model.height,
+                width=cfg.model.width,
+                generator=stream_generator(cfg.seed, "initial_noise", gid, device),
+            ).expand(size, *([-1] * 3))
+            for gid in batch.group_ids
+        ]
+    )
+    s = cfg.sampler
+    window = None
+    if s.sde_window_size > 0:  # the window decides how many transitions train: same on every rank
+        lo, hi = s.sde_window_range
+        window = draw_sde_window(
+            s.num_steps,
+            size=s.sde_window_size,
+            window_range=(lo, hi),
+            generator=stream_generator(cfg.seed, "sde_window", step),  # same on every rank
+        )
+    sigmas = backbone.sigmas(s.num_steps, height=cfg.model.height, width=cfg.model.width, shift=s.shift)
+    # SDE noise per group, from (seed, group id): the same samples however groups spread over ranks.
+    sde_noise = [stream_generator(cfg.seed, "sde_noise", gid, device) for gid in batch.group_ids]
+    with torch.no_grad():
+        cond = backbone.encode(batch.prompts).repeat(size)
+        traj = rollout(
+            policy_predictor(run),
+            cond,
+            noise,
+            sigmas=sigmas,
+            sde=SDE(s.sde, eta=s.eta, noise_level=s.noise_level),
+            sde_window=window,
+            quantize_timesteps=s.quantize_timesteps,
+            generator=sde_noise,
+            group_ids=torch.tensor(batch.group_ids, device=device).repeat_interleave(size),
+        )
+    prompts = [p for p in batch.prompts for _ in range(size)]
+    return traj, prompts
+
+
+def advantage_fn(run: Run) -> AdvantageFn:
+    g = run.cfg.grpo
+
+    def fn(rewards: Tensor, group_ids: Tensor) -> Tensor:
+        global_std = all_gather_tensor(rewards).std(unbiased=False) if g.global_std else None
+        return group_advantages(rewards, group_ids, eps=g.adv_eps, adv_clip_max=g.adv_clip_max, global_std=global_std)
+
+    return fn
+
+
+def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> tuple[Tensor | None, Tensor, dict[str, float]]:
+    """(advantages or None when the step must be skipped, images, metrics)."""
+    with torch.no_grad():
+        images = run.backbone.decode(traj.latents[:, -1], height=run.cfg.model.height, width=run.cfg.model.width)
+        try:
+            scores = run.rewards.score(images, prompts)
+            error = 0.0
+        except NonFiniteRewardError as err:  # it names its scorer; skip the update on every rank
+            log.warning("skipping the update of this step: %s", err)
+            scores, error = {}, 1.0
+    if float(all_reduce_sum(torch.tensor(error, device=images.device))) > 0:
+        return None, images, {"train/skipped_nan_reward": 1.0}
+    advantages, _ = run.rewards.advantages(scores, traj.group_ids, advantage_fn(run))
+    metrics = {f"reward/{name}": float(all_gather_tensor(s).mean()) for name, s in scores.items()}
+    metrics |= {
+        "reward/total": float(all_gather_tensor(run.rewards.total(scores)).mean()),
+        "adv/mean": float(advantages.mean()),
+        "adv/std": float(advantages.std(unbiased=False)),
+        "adv/abs_max": float(advantages.abs().max()),
+        "train/skipped_nan_reward": 0.0,
+    }
+    return advantages, images, metrics
+
+
+def optimizer_step(run: Run) -> tuple[float, bool]:
+    """Clip the global norm and step; a non-finite norm skips the step. Returns (norm, stepped)."""
+    norm = clip_grad_norm_(run.params, run.cfg.grpo.max_grad_norm)
+    finite = bool(torch.isfinite(norm))
+    if finite:
+        run.optimizer.step()
+        if run.ema is not None:
+            run.ema.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    return float(norm), finite
+
+
+def update_phase(run: Run, traj: Trajectory, advantages: Tensor, step: int, timer: PhaseTimer) -> dict[str, float]:
+    g = run.cfg.grpo
+    batch = UpdateBatch(
+        traj=traj,
+        advantages=advantages,
+        predict=policy_predictor(run),
+        reference=reference_predictor(run),
+        settings=UpdateSettings.from_config(run.cfg),
+    )
+    routing: dict[str, float] = {}
+    if run.router.due(step):  # it measures on the step's own rollout, before any gradient exists
+        with timer.phase("probe"):
+            routing = run.router.refresh(step, batch, run.params)
+    plan_gen = stream_generator(run.cfg.seed, "update_plan", step)  # same on every rank
+    stats = UpdateStats()
+    norms, skipped = [], 0
+    for chunk in range(0, advantages.shape[0], g.gradient_accumulation_steps):
+        with timer.phase("update"):
+            for first in range(chunk, chunk + g.gradient_accumulation_steps, g.micro_batch):
+                rows = torch.arange(first, first + g.micro_batch, device=run.device)
+                stats.merge(update_micro_batch(batch, rows, run.router.plan(traj, plan_gen)))
+        with timer.phase("optimizer"):
+            norm, stepped = optimizer_step(run)
+            norms.append(norm)
+            skipped += not stepped
+    optimizer = {
+        "train/grad_norm": sum(norms) / len(norms),
+        "train/skipped_optimizer_steps": skipped,
+        "train/lr": run.optimizer.param_groups[0]["lr"],
+    }
+    return stats.summary() | routing | optimizer
+
+
+def train_step(run: Run, step: int) -> dict[str, float]:
+    timer = PhaseTimer(run.device)
+    with timer.phase("step"):
+        with timer.phase("rollout"):
+            traj, prompts = rollout_phase(run, step)
+        with timer.phase("reward"):
+            advantages, images, metrics = reward_phase(run, traj, prompts)
+        if advantages is not None:
+            metrics |= update_phase(run, traj, advantages, step, timer)
+    metrics |= timer.pop()
+    metrics["count/rollout_forwards"] = run.cfg.sampler.num_steps
+    every = run.cfg.logging.sample_every
+    if every and (step + 1) % every == 0:
+        run.logger.log_images("samples", images, prompts, step)
+    return metrics
