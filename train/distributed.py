@@ -100,6 +100,14 @@ def all_reduce_sum(tensor: Tensor) -> Tensor:
     return out
 
 
+def all_reduce_max(tensor: Tensor) -> Tensor:
+    """Elementwise maximum of ``tensor`` over ranks, as a new tensor (for a minimum, negate)."""
+    out = tensor.detach().clone()
+    if is_distributed():
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
 def all_gather_tensor(tensor: Tensor) -> Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 in rank order (all ranks pass equal shapes)."""
     if not is_distributed():

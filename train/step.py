@@ -101,12 +101,14 @@ def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> tuple[Tensor
     if float(all_reduce_sum(torch.tensor(error, device=images.device))) > 0:
         return None, images, {"train/skipped_nan_reward": 1.0}
     advantages, _ = run.rewards.advantages(scores, traj.group_ids, advantage_fn(run))
+    # every rank holds as many samples: the gathered tensors are the whole step's
     metrics = {f"reward/{name}": float(all_gather_tensor(s).mean()) for name, s in scores.items()}
+    everyone = all_gather_tensor(advantages)
     metrics |= {
         "reward/total": float(all_gather_tensor(run.rewards.total(scores)).mean()),
-        "adv/mean": float(advantages.mean()),
-        "adv/std": float(advantages.std(unbiased=False)),
-        "adv/abs_max": float(advantages.abs().max()),
+        "adv/mean": float(everyone.mean()),
+        "adv/std": float(everyone.std(unbiased=False)),
+        "adv/abs_max": float(everyone.abs().max()),
         "train/skipped_nan_reward": 0.0,
     }
     return advantages, images, metrics
@@ -154,7 +156,7 @@ def update_phase(run: Run, traj: Trajectory, advantages: Tensor, step: int, time
         "train/skipped_optimizer_steps": skipped,
         "train/lr": run.optimizer.param_groups[0]["lr"],
     }
-    return stats.summary() | routing | optimizer
+    return stats.summary(run.device) | routing | optimizer
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:

@@ -10,7 +10,8 @@ loss
 scaled by (rows / gradient_accumulation_steps) / (trained transitions), so that one optimizer
 step sees the mean over its samples and their trained transitions. The step loss is a value:
 it returns (scaled loss, metrics) and ``backward_group`` hands the metrics back per step, where
-``UpdateStats`` sums them.
+``UpdateStats`` sums them; its summary is over all ranks (means over every sample, maxima and
+minima where the name says so), so the logged curves do not depend on the number of ranks.
 
 The plan (which groups train, Flow-GRPO-Fast's window) is drawn from a generator shared by all
 ranks, never a per-rank one: under FSDP every rank must run the same sequence of forward and
@@ -19,6 +20,7 @@ backward calls, or the collectives would deadlock.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -27,6 +29,7 @@ from torch import Tensor
 
 from samplers.rollout import Predict, Trajectory, transition
 from train.config import TrainConfig
+from train.distributed import all_reduce_max, all_reduce_sum
 from train.grpo import kl_to_reference, ppo_step_loss
 from train.jagg import BoundPredict, GroupPlan, GroupStats, Metrics, StepLoss, backward_group
 
@@ -65,47 +68,74 @@ class UpdateBatch:
 
 @dataclass
 class UpdateStats:
-    """Sums over one update stage; ``summary`` turns them into loggable means."""
+    """What one rank's update stage computed; ``summary`` reduces it over all ranks.
 
-    metric_sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    num_step_losses: int = 0
+    A step metric m of a micro-batch of b rows enters its sum as b * m and b enters the row count, so
+    a logged mean is over every sample of every rank; a metric named ``*_max`` (``*_min``) logs the
+    largest (smallest) value of any step on any rank. The ``count/*`` counters are totals over ranks.
+    """
+
+    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # sum of rows * value
+    maxima: dict[str, float] = field(default_factory=dict)  # the *_max metrics
+    minima: dict[str, float] = field(default_factory=dict)  # the *_min metrics
+    num_rows: int = 0  # rows of every evaluated step: the denominator of the means
     grad_forwards: int = 0
     nograd_forwards: int = 0
     backward_calls: int = 0
     groups: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def add_group(self, mode: str, result: GroupStats, *, reference_forwards: int = 0) -> None:
-        """Count one ``backward_group`` call and add the metrics of every step it evaluated."""
+    def add_group(self, mode: str, result: GroupStats, *, rows: int, reference_forwards: int = 0) -> None:
+        """Count one ``backward_group`` call over ``rows`` rows and add the metrics of every step it evaluated."""
         for metrics in result.metrics.values():
             for name, value in metrics.items():
-                self.metric_sums[name] += float(value)
-            self.num_step_losses += 1
+                self._add(name, float(value), rows)
+            self.num_rows += rows
         self.grad_forwards += result.grad_forwards
         self.nograd_forwards += result.nograd_forwards + reference_forwards
         self.backward_calls += result.backward_calls
         self.groups[mode] += 1
 
+    def _add(self, name: str, value: float, rows: int) -> None:
+        if name.endswith("_max"):
+            self.maxima[name] = max(self.maxima.get(name, -math.inf), value)
+        elif name.endswith("_min"):
+            self.minima[name] = min(self.minima.get(name, math.inf), value)
+        else:
+            self.sums[name] += rows * value
+
     def merge(self, other: UpdateStats) -> None:
-        for name, value in other.metric_sums.items():
-            self.metric_sums[name] += value
+        for name, value in other.sums.items():
+            self.sums[name] += value
+        for name, value in other.maxima.items():
+            self.maxima[name] = max(self.maxima.get(name, -math.inf), value)
+        for name, value in other.minima.items():
+            self.minima[name] = min(self.minima.get(name, math.inf), value)
         for mode, num in other.groups.items():
             self.groups[mode] += num
-        self.num_step_losses += other.num_step_losses
+        self.num_rows += other.num_rows
         self.grad_forwards += other.grad_forwards
         self.nograd_forwards += other.nograd_forwards
         self.backward_calls += other.backward_calls
 
-    def summary(self) -> dict[str, float]:
-        n = max(self.num_step_losses, 1)
-        out = {f"train/{k}": v / n for k, v in self.metric_sums.items()}
-        out.update(
-            {
-                "count/grad_forwards": self.grad_forwards,
-                "count/nograd_forwards": self.nograd_forwards,
-                "count/backward_calls": self.backward_calls,
-            }
-        )
-        out.update({f"count/groups_{mode}": num for mode, num in self.groups.items()})
+    def summary(self, device: torch.device) -> dict[str, float]:
+        """The logged metrics, over all ranks (two collectives; every rank must call it with the same
+        metric names, as every rank runs the same plan). ``device`` holds the reduced tensors."""
+        counters = {
+            "count/grad_forwards": self.grad_forwards,
+            "count/nograd_forwards": self.nograd_forwards,
+            "count/backward_calls": self.backward_calls,
+        }
+        counters |= {f"count/groups_{mode}": num for mode, num in sorted(self.groups.items())}
+        mean_names, max_names, min_names = sorted(self.sums), sorted(self.maxima), sorted(self.minima)
+        totals = [*(self.sums[n] for n in mean_names), *counters.values(), self.num_rows]
+        summed = all_reduce_sum(torch.tensor(totals, dtype=torch.float64, device=device)).tolist()
+        extremes = [*(self.maxima[n] for n in max_names), *(-self.minima[n] for n in min_names)]
+        largest = all_reduce_max(torch.tensor(extremes, dtype=torch.float64, device=device)).tolist()
+        num_rows = max(summed[-1], 1.0)
+        out = {f"train/{name}": total / num_rows for name, total in zip(mean_names, summed)}
+        out |= {f"train/{name}": value for name, value in zip(max_names, largest)}
+        out |= {f"train/{name}": -value for name, value in zip(min_names, largest[len(max_names) :])}
+        out |= {name: int(total) for name, total in zip(counters, summed[len(mean_names) :])}
         return out
 
 
@@ -165,7 +195,7 @@ def update_micro_batch(batch: UpdateBatch, rows: Tensor, plan: list[GroupPlan]) 
     for group in plan:
         inputs = group_inputs(batch, rows, (group.start, group.stop), scale=scale)
         result = backward_group(group.mode, inputs.policy, inputs.step_loss, inputs.z, inputs.t)
-        stats.add_group(group.mode, result, reference_forwards=inputs.num_reference_forwards)
+        stats.add_group(group.mode, result, rows=len(rows), reference_forwards=inputs.num_reference_forwards)
     return stats
 
 
