@@ -61,7 +61,7 @@ def test_groups_the_probe_did_not_see_take_the_exact_path():
 def test_prefix_router_is_the_jagg_frac_rule():
     """M = 12 trainable transitions, W = 4, jagg_frac 0.7 -> round(8.4) = 8: groups 0 and 4 take jagg."""
     router = PrefixRouter(mode="jagg", window=4, timestep_fraction=1.0, jagg_frac=0.7)
-    assert not router.due(0) and router.refresh(0, None, []) == {}  # type: ignore[arg-type]  # measures nothing
+    assert not router.due(0) and router.refresh(0, None, []) == {}  # measures nothing, needs no batch
     plan = router.plan(toy_trajectory(ToyVelocity()), generator=None)
     assert [(p.start, p.stop, p.mode) for p in plan] == [(0, 4, "jagg"), (4, 8, "jagg"), (8, 12, "exact")]
 

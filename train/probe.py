@@ -55,8 +55,7 @@ def probe(run: Run) -> dict[str, Any]:
             break
     else:
         log.warning("probe: %d of K = %d trajectories had a gradient after %d batches", done, p.num_rollouts, batch + 1)
-    if traj is None:
-        raise ValueError("probe.num_rollouts must be >= 1")
+    assert traj is not None  # validate() keeps probe.num_rollouts >= 1, so a batch was drawn
     return report(
         summarize_groups(samples, traj.timesteps),
         mode=p.mode,
