@@ -60,35 +60,40 @@ def records(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_tiny_runs_give_table_summary_and_plots(tiny_runs, tmp_path, capsys):
+def test_two_tiny_runs_give_tables_and_plots(tiny_runs, tmp_path, capsys):
     out = tmp_path / "cmp"
     assert main([*map(str, tiny_runs), "--out", str(out), "--warmup", "0"]) == 0
     printed = capsys.readouterr().out
-    # Table 3: one row per evaluation step, the runs' eval values side by side.
+    # arms are labelled from the runs' own configurations: update.mode is the setting that differs
+    assert "- exact: seeds [42]" in printed and "- jagg: seeds [42]" in printed
+    assert "baseline: exact; its update.mode is exact" in printed
     key = "eval/jpeg_compressibility"
     evals = {run.name: {r["step"]: r[key] for r in records(run) if key in r} for run in tiny_runs}
     assert sorted(evals["exact"]) == [0, 1, 2]  # before training, after step 1 and after step 2
     for step in (0, 1, 2):
         line = next(row for row in printed.splitlines() if row.split()[:1] == [str(step)])
         for run in ("exact", "jagg"):
-            assert f"{evals[run][step]:.4f}" in line
+            assert f"{evals[run][step]:.4f} (n=1)" in line  # one seed: no interval
     summary = json.loads((out / "summary.json").read_text())
     assert summary["baseline"] == "exact"
-    # --warmup 0: the mean over both steps
-    mean_step = {run.name: sum(r["time/step"] for r in records(run) if "time/step" in r) / 2 for run in tiny_runs}
-    expected = (mean_step["exact"] - mean_step["jagg"]) / mean_step["exact"] * 100
-    assert summary["efficiency"]["jagg"]["speedup_step_pct"] == pytest.approx(expected)
+    # --warmup 0: the median of the two steps' times (two values: their mean)
+    med = {run.name: sum(r["time/step"] for r in records(run) if "time/step" in r) / 2 for run in tiny_runs}
+    assert summary["arms"]["jagg"]["time_median_s"]["step"] == pytest.approx(med["jagg"])
+    expected = (med["exact"] - med["jagg"]) / med["exact"] * 100
     assert f"{expected:.1f}%" in printed
-    for name in ("eval_jpeg_compressibility", "reward_jpeg_compressibility", "reward_total", "time_per_phase"):
+    for name in ("eval_jpeg_compressibility_vs_step", "eval_jpeg_compressibility_vs_wall", "time_per_phase"):
         with Image.open(out / f"{name}.png") as image:
             assert image.format == "PNG" and min(image.size) > 100
     assert "| step |" in (out / "table.md").read_text()
 
 
-def write_run(folder: Path, lines: list[dict | str]) -> Path:
+def write_run(folder: Path, lines: list[dict | str], config: str | None = None) -> Path:
     folder.mkdir(parents=True)
     text = "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines)
     (folder / "metrics.jsonl").write_text(text + "\n")
+    if config is not None:
+        (folder / ".hydra").mkdir()
+        (folder / ".hydra" / "config.yaml").write_text(config)
     return folder
 
 
@@ -96,26 +101,61 @@ def step(i: int, reward: float, t_step: float, t_update: float) -> dict:
     return {"step": i, "reward/hpsv2": reward, "time/step": t_step, "time/update": t_update, "time/rollout": 1.0}
 
 
-def test_training_rewards_and_speedups_by_hand(tmp_path, capsys):
-    # No eval records: the table falls back to the training rewards. After one warm-up step the mean
-    # step times are (4 + 6) / 2 = 5 s and (4 + 3) / 2 = 3.5 s: a 30% speed-up; update 2 -> 1.5 s: 25%.
-    base = write_run(tmp_path / "base", [step(0, 0.20, 10, 9), step(1, 0.25, 4, 2), step(2, 0.30, 6, 2)])
-    fast = write_run(tmp_path / "fast", [step(0, 0.20, 10, 9), step(1, 0.26, 4, 1), step(2, 0.27, 3, 2)])
-    out = tmp_path / "cmp"
-    assert main([str(base), str(fast), "--labels", "exact,jagg", "--out", str(out), "--every", "2"]) == 0
+def config(mode: str, seed: int, lr: float = 1e-4) -> str:
+    return f"seed: {seed}\nrun_dir: /r/{mode}{seed}\nupdate:\n  mode: {mode}\ngrpo:\n  lr: {lr}\n"
+
+
+def evals(values: dict[int, float]) -> list[dict]:
+    return [{"step": s, "wall_time": 10.0 * s, "eval/hps": v} for s, v in values.items()]
+
+
+def test_sweep_over_seeds_by_hand(tmp_path, capsys):
+    # Three seeds per arm. exact: final (step 20) 0.50, 0.52, 0.54; jagg: 0.53, 0.56, 0.56 (same seeds).
+    # jagg - exact per seed: +0.03, +0.04, +0.02 -> mean +0.03, std 0.01, t(2) = 4.303 -> +-0.0248:
+    # distinguishable. Means over training (trapezoids over steps 0, 10, 20) likewise by hand.
+    sweep = tmp_path / "sweep"
+    exact = {0: [0.40, 0.45, 0.50], 1: [0.40, 0.47, 0.52], 2: [0.40, 0.46, 0.54]}
+    jagg = {0: [0.40, 0.47, 0.53], 1: [0.40, 0.49, 0.56], 2: [0.40, 0.46, 0.56]}
+    for mode, table in (("exact", exact), ("jagg", jagg)):
+        for seed, (a, b, c) in table.items():
+            timing = [step(i, 0.1, 2.0 if mode == "exact" else 1.2, 1.0) for i in range(3)]
+            write_run(sweep / mode / f"s{seed}", timing + evals({0: a, 10: b, 20: c}), config(mode, seed))
+    write_run(sweep / "probe", [])  # an empty metrics file: skipped, named
+    (sweep / "compare").mkdir()  # no metrics file: not a run
+    assert main([str(sweep)]) == 0
     printed = capsys.readouterr().out
-    assert "training rewards" in printed
-    rows = [line.split() for line in printed.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"])]
-    assert [r[0] for r in rows] == ["0", "2"]  # every 2nd step
-    assert rows[1][1:] == ["0.3000*", "0.2700"]
-    eff = json.loads((out / "summary.json").read_text())["efficiency"]
-    assert eff["jagg"]["speedup_step_pct"] == pytest.approx(30.0)
-    assert eff["jagg"]["speedup_update_pct"] == pytest.approx(25.0)
-    assert eff["exact"]["step"] == pytest.approx(5.0)
+    assert f"skipped {sweep / 'probe'}" in printed
+    assert (sweep / "compare" / "table.md").is_file()  # the default output of one sweep folder
+    paired_line = next(line for line in printed.splitlines() if "final: " in line and line.strip().startswith("jagg"))
+    assert "+0.0300 ± 0.0248" in paired_line and "final: yes, higher" in paired_line
+    summary = json.loads((sweep / "compare" / "summary.json").read_text())
+    assert summary["arms"]["jagg"]["eval/hps"]["final"] == {"0": 0.53, "1": 0.56, "2": 0.56}
+    auc = (10 * (0.40 + 0.45) / 2 + 10 * (0.45 + 0.50) / 2) / 20  # exact, seed 0
+    assert summary["arms"]["exact"]["eval/hps"]["auc"]["0"] == pytest.approx(auc)
+    assert "40.0%" in printed  # median step time 1.2 s against 2.0 s
+    assert "*" not in printed  # no "best" marks
+
+
+def test_arms_are_labelled_by_the_settings_that_differ(tmp_path, capsys):
+    a = write_run(tmp_path / "1", evals({0: 0.4, 5: 0.5}), config("jagg", 0, lr=1e-4))
+    b = write_run(tmp_path / "2", evals({0: 0.4, 5: 0.6}), config("jagg", 0, lr=3e-4))
+    assert main([str(a), str(b), "--out", str(tmp_path / "cmp")]) == 0
+    printed = capsys.readouterr().out
+    assert "- grpo.lr=0.0001: seeds [0]" in printed and "- grpo.lr=0.0003: seeds [0]" in printed
+    assert "the first arm given" in printed  # no exact arm: the first is the baseline, and it says why
+
+
+def test_median_time_ignores_a_stalled_step(tmp_path, capsys):
+    # Step times 1, 1, 30 (a stall), 1, 1 after the warm-up: the median is 1 s, a mean would be 6.8 s.
+    times = [10, 1, 1, 30, 1, 1]
+    run = write_run(tmp_path / "run", [step(i, 0.1, t, 0.5) for i, t in enumerate(times)])
+    assert main([str(run), "--out", str(tmp_path / "cmp")]) == 0
+    summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
+    assert summary["arms"]["run"]["time_median_s"]["step"] == 1.0
 
 
 def test_replayed_steps_keep_the_later_values(tmp_path, capsys):
-    run = write_run(tmp_path / "run", [step(0, 0.1, 1, 1), step(1, 0.2, 1, 1), step(1, 0.9, 1, 1)])
+    run = write_run(tmp_path / "run", [*evals({0: 0.1, 1: 0.2}), *evals({1: 0.9})])
     assert main([str(run), "--out", str(tmp_path / "cmp")]) == 0
     assert "0.9000" in capsys.readouterr().out
 
@@ -124,10 +164,11 @@ def test_replayed_steps_keep_the_later_values(tmp_path, capsys):
     "make, reason",
     [
         (lambda p: p / "nowhere", "does not exist"),
-        (lambda p: (p / "empty_dir").mkdir() or p / "empty_dir", "has no metrics.jsonl"),
+        (lambda p: (p / "empty_dir").mkdir() or p / "empty_dir", "holds no metrics.jsonl"),
         (lambda p: write_run(p / "bad", [step(0, 0.1, 1, 1), "{not json"]), "metrics.jsonl:2 is not valid JSON"),
         (lambda p: write_run(p / "nostep", [{"reward/hpsv2": 0.1}]), 'integer "step"'),
         (lambda p: write_run(p / "blank", [""]), "no logged step"),
+        (lambda p: (p / "file.txt").write_text("x") and p / "file.txt", "is a file"),
     ],
 )
 def test_bad_run_folder_is_named_with_the_reason(make, reason, tmp_path, capsys):
@@ -138,12 +179,13 @@ def test_bad_run_folder_is_named_with_the_reason(make, reason, tmp_path, capsys)
     assert str(bad.name) in err and reason in err
 
 
-def test_labels_must_be_distinct_and_complete(tmp_path, capsys):
-    a = write_run(tmp_path / "a" / "run", [step(0, 0.1, 1, 1)])
-    b = write_run(tmp_path / "b" / "run", [step(0, 0.1, 1, 1)])
+def test_labels_and_baseline_errors(tmp_path, capsys):
+    a = write_run(tmp_path / "a", [step(0, 0.1, 1, 1)], config("jagg", 0))
+    b = write_run(tmp_path / "b", [step(0, 0.1, 1, 1)], config("jagg", 0))
     assert main([str(a), str(b), "--out", str(tmp_path / "cmp")]) == 2
-    assert "--labels" in capsys.readouterr().err
+    assert "two runs of one seed" in capsys.readouterr().err  # same arm, same seed: ambiguous
     assert main([str(a), str(b), "--labels", "x", "--out", str(tmp_path / "cmp")]) == 2
+    assert "--labels names 1 runs but 2" in capsys.readouterr().err
     assert main([str(a), str(b), "--labels", "x,y", "--baseline", "z", "--out", str(tmp_path / "cmp")]) == 2
     assert "--baseline 'z'" in capsys.readouterr().err
 
@@ -188,19 +230,22 @@ def test_compare_modes_runs_three_modes_in_one_group_then_compares():
     ]  # fmt: skip
 
 
-def test_testbed_compare_sweeps_the_three_modes_then_compares(tmp_path):
-    """python -m train -m experiment=testbed_compare: one job per update mode with the same seed,
-    then the Hydra callback writes the comparison of the three folders."""
+def test_testbed_compare_sweeps_modes_and_seeds_then_compares(tmp_path):
+    """python -m train -m experiment=testbed_compare: one job per update mode and seed, then the
+    Hydra callback writes the comparison over seeds."""
     sweep = tmp_path / "sweep"
-    short = ["num_steps=1", "grpo.prompts_per_rank=1", "grpo.group_size=2", "grpo.micro_batch=2"]
+    short = ["update=exact,jagg", "seed=0,1", "num_steps=1", "grpo.prompts_per_rank=1", "grpo.group_size=2"]
+    short += ["grpo.micro_batch=2"]
     short += ["grpo.gradient_accumulation_steps=2", "data.num_eval_prompts=2", "eval.batch_size=2"]
     short += ["logging.eval_every=1", "logging.sample_every=0", "checkpoint.export=false"]
     cmd = [sys.executable, "-m", "train", "-m", "experiment=testbed_compare", *short, f"hydra.sweep.dir={sweep}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["ablate", "compare", "exact", "jagg"]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["compare", "exact", "jagg"]
+    assert sorted(p.name for p in (sweep / "jagg").iterdir()) == ["seed0", "seed1"]
     summary = json.loads((sweep / "compare" / "summary.json").read_text())
-    assert summary["baseline"] == "exact" and set(summary["runs"]) == {"exact", "jagg", "ablate"}
-    firsts = {run: values["shape_alignment"]["0"] for run, values in summary["eval"].items()}
-    assert len(set(firsts.values())) == 1  # the same seeds: the same model evaluated before training
-    assert "speed-up over exact" in done.stdout
+    assert summary["baseline"] == "exact" and set(summary["arms"]) == {"exact", "jagg"}
+    firsts = {arm: entry["eval/shape_alignment"]["curve"]["0"] for arm, entry in summary["arms"].items()}
+    assert len({(f["mean"], f["std"]) for f in firsts.values()}) == 1  # the same model before training
+    assert firsts["jagg"]["std"] == 0.0  # and the same evaluation noise on every seed
+    assert "paired difference to exact" in done.stdout and "- jagg: seeds [0, 1]" in done.stdout

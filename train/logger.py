@@ -1,6 +1,7 @@
 """One run logger (metrics.jsonl, sample grids, wandb), a phase timer and the progress bar.
 
-* ``RunLogger`` is a no-op off rank 0: every rank calls it, only rank 0 writes. Each ``log`` call
+* ``RunLogger`` is a no-op off rank 0: every rank calls it, only rank 0 writes. It writes the run's
+  resolved configuration to ``run_dir/config.yaml`` when it starts. Each ``log`` call
   appends one JSON line ``{"step", "wall_time", <metric>: float, ...}`` to
   ``run_dir/metrics.jsonl`` and flushes it, so a crashed run keeps every logged step.
 * wandb is optional (``wandb_mode`` disabled, offline or online). Offline runs write into
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor
 from tqdm import tqdm
 
@@ -65,6 +67,8 @@ class RunLogger:
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if config is not None:  # what ran, next to what it logged (train.compare labels runs from it)
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dict(config)), encoding="utf-8")
         # Kept open for the whole run (appended to every step); closed by finish().
         self._file = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
         if wandb_mode != "disabled":
