@@ -50,3 +50,20 @@ def test_padding_rows_are_dropped_after_gather():
     owners = torch.tensor([0, 2, 4, 1, 3, 3])
     keep = _first_occurrences(owners)
     assert owners[keep].tolist() == [0, 2, 4, 1, 3]
+
+
+def test_samples_per_prompt_repeats_the_prompt_set_with_new_noise(tmp_path):
+    # Item j * n + i is sample j of prompt i: sample 0 of every prompt keeps the index (and so the
+    # noise, drawn from (eval.seed, "eval_noise", index)) it has with one sample per prompt.
+    from train.build import read_eval_prompts
+    from train.config import TrainConfig
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a\nb\nc\n")
+    cfg = TrainConfig()
+    cfg.data.train_prompts = str(prompts)
+    cfg.eval.samples_per_prompt = 3
+    records = [r.prompt for r in read_eval_prompts(cfg)]
+    assert records == ["a", "b", "c"] * 3
+    cfg.data.num_eval_prompts = 2
+    assert [r.prompt for r in read_eval_prompts(cfg)] == ["a", "b"] * 3

@@ -165,9 +165,10 @@ def build_eval_scorers(cfg: TrainConfig, device: torch.device) -> dict[str, Scor
 
 
 def read_eval_prompts(cfg: TrainConfig) -> list[PromptRecord]:
-    """``data.eval_prompts`` (or the training prompts), cut to ``data.num_eval_prompts`` when set."""
+    """``data.eval_prompts`` (or the training prompts), cut to ``data.num_eval_prompts`` when set, each
+    ``eval.samples_per_prompt`` times (item j * n + i is sample j of prompt i: its own noise)."""
     records = read_prompts(cfg.data.eval_prompts or cfg.data.train_prompts, field_name="data.eval_prompts")
-    return records[: cfg.data.num_eval_prompts or None]
+    return records[: cfg.data.num_eval_prompts or None] * cfg.eval.samples_per_prompt
 
 
 def predictor(

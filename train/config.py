@@ -131,6 +131,9 @@ class EvalConfig:
     num_steps: int = 28  # ODE steps of evaluation sampling
     batch_size: int = 4  # prompts per rank per sampling call
     seed: int = 0  # prompt i starts from the noise of the stream (seed, "eval_noise", i) (train/seeds.py)
+    # images per prompt, each from its own noise: sample j of prompt i (of n) is evaluation item j * n + i,
+    # so sample 0 keeps the noise of samples_per_prompt=1; more samples shrink the spread of a small prompt set
+    samples_per_prompt: int = 1
     grid_size: int = 16  # images in the PNG grid
     transformer: str | None = None  # python -m train.eval: an exported transformer folder to evaluate
     # metric name (hpsv2 | pickscore | clipscore | jpeg_compressibility | ...) -> scorer arguments (local paths)
@@ -301,6 +304,7 @@ def validate(cfg: TrainConfig, *, known_scorers: tuple[str, ...], known_backbone
     _validate_reward(cfg.reward, known_scorers)
     for name in cfg.eval.scorers:
         _choice(name, known_scorers, "eval.scorers (scorer name)")
+    _positive(cfg.eval.samples_per_prompt, "eval.samples_per_prompt")
     if cfg.logging.eval_every and not cfg.eval.scorers:
         raise ValueError("logging.eval_every > 0 needs eval.scorers (e.g. eval.scorers={jpeg_compressibility: {}})")
     _validate_update(cfg.update, cfg.grpo)
