@@ -75,7 +75,7 @@ class Trajectory:
     log_probs: Tensor  # [B, N] float32 log p(z_{k+1} | z_k) at sampling time; 0 at ODE steps
     stochastic: Tensor  # [N] bool (CPU): step k is an SDE step
     trainable: Tensor  # [N] bool (CPU): stochastic and not the last transition
-    velocities: Tensor | None  # [B, N, ...] v(z_k, t_k) when kept, in the rollout's ``velocity_dtype``, maybe on the host
+    velocities: Tensor | None  # [B, N, ...] v(z_k, t_k) when kept, in ``velocity_dtype``, maybe on the host
     cond: Any  # the Conditioning the rollout used, B rows
     group_ids: Tensor  # [B] id of each row's group (rows of one group share z_0)
     sde: SDE  # the transition taken at stochastic steps

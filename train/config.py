@@ -246,8 +246,10 @@ def _validate_update(u: UpdateConfig, g: GRPOConfig) -> None:
     _choice(u.routing, ROUTINGS, "update.routing")
     _choice(u.reuse_velocities, REUSE_VELOCITIES, "update.reuse_velocities")
     if u.offload_velocities and u.reuse_velocities == "off":
-        raise ValueError("update.offload_velocities=true keeps no velocities with update.reuse_velocities=off: "
-                         "pick update.reuse_velocities=fresh or stale, or update.offload_velocities=false")
+        raise ValueError(
+            "update.offload_velocities=true keeps no velocities with update.reuse_velocities=off: "
+            "pick update.reuse_velocities=fresh or stale, or update.offload_velocities=false"
+        )
     if not 0.0 <= u.jagg_frac <= 1.0:
         raise ValueError(f"update.jagg_frac must be in [0, 1], got {u.jagg_frac}")
     if u.routing == "auto":
