@@ -38,7 +38,9 @@ from train.update import UpdateBatch, UpdateSettings, UpdateStats, update_micro_
 log = logging.getLogger(__name__)
 
 
-def rollout_phase(run: Run, step: int) -> tuple[Trajectory, list[str]]:
+def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -> tuple[Trajectory, list[str]]:
+    """The step's rollout and its prompts; it keeps its velocities when ``keep_velocities`` says so,
+    by default when the update can reuse them."""
     cfg, backbone, device = run.cfg, run.backbone, run.device
     batch = run.prompts.batch(step)
     size = cfg.grpo.group_size
@@ -66,7 +68,7 @@ def rollout_phase(run: Run, step: int) -> tuple[Trajectory, list[str]]:
     sigmas = backbone.sigmas(s.num_steps, height=cfg.model.height, width=cfg.model.width, shift=s.shift)
     # SDE noise per group, from (seed, group id): the same samples however groups spread over ranks.
     sde_noise = [stream_generator(cfg.seed, "sde_noise", gid, device) for gid in batch.group_ids]
-    keep = UpdateSettings.from_config(cfg).keeps_velocities
+    keep = UpdateSettings.from_config(cfg).keeps_velocities if keep_velocities is None else keep_velocities
     with torch.no_grad():
         cond = backbone.encode(batch.prompts).repeat(size)
         traj = rollout(
