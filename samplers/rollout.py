@@ -75,7 +75,7 @@ class Trajectory:
     log_probs: Tensor  # [B, N] float32 log p(z_{k+1} | z_k) at sampling time; 0 at ODE steps
     stochastic: Tensor  # [N] bool (CPU): step k is an SDE step
     trainable: Tensor  # [N] bool (CPU): stochastic and not the last transition
-    velocities: Tensor | None  # [B, N, ...] float32 v(z_k, t_k), when kept
+    velocities: Tensor | None  # [B, N, ...] v(z_k, t_k) when kept, in ``velocity_dtype``, maybe on the host
     cond: Any  # the Conditioning the rollout used, B rows
     group_ids: Tensor  # [B] id of each row's group (rows of one group share z_0)
     sde: SDE  # the transition taken at stochastic steps
@@ -100,7 +100,7 @@ class Trajectory:
     def index(self, rows: Tensor | Sequence[int]) -> Trajectory:
         """The trajectories of ``rows`` only (e.g. a training micro-batch)."""
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.latents.device)
-        velocities = None if self.velocities is None else self.velocities[rows]
+        velocities = None if self.velocities is None else self.velocities[rows.to(self.velocities.device)]
         return replace(
             self,
             latents=self.latents[rows],
@@ -138,6 +138,13 @@ def _sde_noise(generator: torch.Generator | Sequence[torch.Generator] | None, z:
     return torch.cat([torch.randn(shape, generator=g, device=z.device, dtype=torch.float32) for g in generator])
 
 
+def _velocity_buffer(latents: Tensor, dtype: torch.dtype, device: torch.device | str | None) -> Tensor:
+    """[B, N, ...] for the kept velocities; pinned when it is host memory for a GPU rollout."""
+    device = latents.device if device is None else torch.device(device)
+    pin = device.type == "cpu" and latents.device.type == "cuda"
+    return torch.empty(latents[:, 1:].shape, dtype=dtype, device=device, pin_memory=pin)
+
+
 @torch.no_grad()
 def rollout(
     predict: Predict,
@@ -151,6 +158,8 @@ def rollout(
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     quantize_timesteps: bool = False,
     keep_velocities: bool = False,
+    velocity_dtype: torch.dtype = torch.float32,
+    velocity_device: torch.device | str | None = None,
 ) -> Trajectory:
     """Sample B trajectories from ``noise`` [B, ...] (z_0) with ``cond`` (B rows).
 
@@ -158,7 +167,9 @@ def rollout(
     = (start, stop) with ODE steps elsewhere; ``group_ids`` [B] default to one group per row;
     ``generator`` (on the latents' device) draws the SDE noise: one for the batch, or one per
     block of B / len(generator) consecutive rows (e.g. per group, so a group's samples do not
-    depend on which other groups share the batch); ``keep_velocities`` stores every v(z_k, t_k).
+    depend on which other groups share the batch); ``keep_velocities`` stores every v(z_k, t_k) in
+    ``velocity_dtype`` (the transformer's compute dtype loses nothing: ``predict`` only upcast it) on
+    ``velocity_device`` (default: the latents'; host memory is pinned when the latents are on a GPU).
     """
     num_steps, batch, device = sigmas.shape[0] - 1, noise.shape[0], noise.device
     if isinstance(generator, Sequence) and (not generator or batch % len(generator)):
@@ -174,7 +185,7 @@ def rollout(
     latents = torch.empty((batch, num_steps + 1, *noise.shape[1:]), device=device, dtype=torch.float32)
     latents[:, 0] = noise
     log_probs = torch.zeros(batch, num_steps, device=device, dtype=torch.float32)
-    velocities = torch.empty_like(latents[:, 1:]) if keep_velocities else None
+    velocities = _velocity_buffer(latents, velocity_dtype, velocity_device) if keep_velocities else None
     for k, is_sde in enumerate(stochastic.tolist()):
         z = latents[:, k]
         v = predict(z, timesteps[k].expand(batch), cond)
@@ -186,8 +197,8 @@ def rollout(
         latents[:, k + 1] = out.next_z
         if out.log_prob is not None:
             log_probs[:, k] = out.log_prob
-        if velocities is not None:
-            velocities[:, k] = v
+        if velocities is not None:  # asynchronous into pinned host memory; later copies are stream-ordered
+            velocities[:, k].copy_(v, non_blocking=velocities.is_pinned())
     return Trajectory(
         latents=latents,
         timesteps=timesteps,

@@ -1,13 +1,24 @@
-"""Whole training steps per update mode on the small Flux config (CPU): step and update-stage time
-as ratios to exact, and each run's peak memory.
+"""Whole training steps per update path (CPU): update-stage and step time as ratios to exact, and each
+run's peak memory.
 
-    python scripts/bench_train.py [--rounds 2] [--steps 3] [--modes exact jagg ablate]
+    OMP_NUM_THREADS=1 python scripts/bench_train.py [--job small|demo] [--rounds 3] [--steps 4]
+        [--kl-beta 0.05] [--runs exact jagg jagg-recompute ablate]
 
-Each (round, mode) is one ``python -m train`` process on the same model, prompts, seeds and
-settings (W = 4, jagg_frac = 1.0, so every group takes the mode's path); modes alternate within a
-round so drift in the machine hits all of them alike. The first step of every run is a warm-up and
-is dropped; the others are averaged. Peak memory is the process's maximum resident set size
-(``os.wait4``), which includes the model, the rollout and the reward, not just the update.
+``--job small``: the small Flux config (64 px, 8 trainable transitions = 2 groups of W = 4, G = 4,
+micro-batch 1, one optimizer step per training step, jagg_frac 1.0 so every group takes the run's
+path). ``--job demo``: the default job (``python -m train``, the CPU testbed: 64 samples per step in
+micro-batches of 8, two optimizer steps per training step) without its evaluations and checkpoints.
+Both with the KL penalty of ``--kl-beta`` (full fine-tuning: a frozen copy is the reference; 0 = off).
+
+Runs: ``jagg`` reuses the rollout's velocities (``update.reuse_velocities=fresh``, the default),
+``jagg-recompute`` recomputes them (``off``), ``jagg-stale`` reuses them after optimizer steps too.
+Each (round, run) is one process that builds the run as ``python -m train`` does and trains
+``--steps`` steps, the first a warm-up that is dropped; runs alternate within a round so drift in the
+machine hits all of them alike, and a run reports the median over its other steps of all rounds.
+Phases are timed twice: by the wall clock (what the trainer logs) and by the process's CPU time,
+which other processes on a busy machine do not stretch (with OMP_NUM_THREADS=1 it is the work done).
+Peak memory is the process's maximum resident set size (``os.wait4``), which includes the model, the
+rollout and the reward, not just the update; "kept v" is the rollout's velocities per sample.
 """
 
 from __future__ import annotations
@@ -19,53 +30,130 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = [
-    "experiment=tiny", "model.path=.cache/small_flux", "model.build_tiny=small", "model.height=64", "model.width=64",
-    "sampler.num_steps=9", "update.window=4", "update.jagg_frac=1.0", "grpo.group_size=4", "grpo.prompts_per_rank=1",
-    "grpo.micro_batch=1", "grpo.gradient_accumulation_steps=4", "checkpoint.every=0", "checkpoint.export=false",
-    "logging.progress_bar=false", "logging.sample_every=0",
-]  # fmt: skip
+JOBS = {
+    "small": [
+        "experiment=tiny", "model.path=.cache/small_flux", "model.build_tiny=small", "model.height=64",
+        "model.width=64", "sampler.num_steps=9", "update.window=4", "update.jagg_frac=1.0", "grpo.group_size=4",
+        "grpo.prompts_per_rank=1", "grpo.micro_batch=1", "grpo.gradient_accumulation_steps=4",
+        "checkpoint.every=0", "checkpoint.export=false", "logging.progress_bar=false", "logging.sample_every=0",
+    ],
+    "demo": [
+        "logging.eval_every=0", "logging.sample_every=0", "checkpoint.every=0", "checkpoint.export=false",
+        "logging.progress_bar=false",
+    ],
+}  # fmt: skip
+RUNS = {
+    "exact": ["update=exact"],
+    "jagg": ["update=jagg"],
+    "jagg-recompute": ["update=jagg", "update.reuse_velocities=off"],
+    "jagg-stale": ["update=jagg", "update.reuse_velocities=stale"],
+    "jagg_sequential": ["update=jagg_sequential"],
+    "ablate": ["update=ablate"],
+}
+PHASES = ("step", "rollout", "update")
 
 
-def run_once(mode: str, steps: int, run_dir: Path) -> tuple[list[dict], float]:
+def child(out: Path, steps: int, overrides: list[str]) -> None:
+    """Train ``steps`` steps of the composed config in this process; write every step's metrics, with its
+    phases timed by the wall clock (``time/*``, as the trainer logs them) and by this process's CPU
+    time (``cpu/*``)."""
+    from hydra import compose, initialize_config_module
+
+    import train.step
+    from train.build import load_config, open_run, process_group
+    from train.config import register_schema
+    from train.logger import PhaseTimer
+
+    class TwoClockTimer(PhaseTimer):
+        """The trainer's phase timer that also sums the process's CPU time per phase."""
+
+        def __init__(self, device: Any = "cpu") -> None:
+            super().__init__(device)
+            self._cpu: dict[str, float] = defaultdict(float)
+
+        @contextmanager
+        def phase(self, name: str) -> Iterator[None]:
+            start = time.process_time()
+            try:
+                with super().phase(name):
+                    yield
+            finally:
+                self._cpu[name] += time.process_time() - start
+
+        def pop(self) -> dict[str, float]:
+            out = super().pop() | {f"cpu/{name}": seconds for name, seconds in self._cpu.items()}
+            self._cpu.clear()
+            return out
+
+    train.step.PhaseTimer = TwoClockTimer  # type: ignore[misc]  # train_step builds its timer from this name
+    register_schema()
+    with initialize_config_module(config_module="configs", version_base=None):
+        config = load_config(compose(config_name="train", overrides=[*overrides, f"run_dir={out.parent}"]))
+    with process_group() as dist, open_run(config, dist) as run:
+        records = [train.step.train_step(run, step) for step in range(steps)]
+    out.write_text(json.dumps(records))
+
+
+def run_once(overrides: list[str], steps: int, folder: Path) -> tuple[list[dict], float]:
     """Metrics of steps 1.. of one training process, and its peak RSS in MiB."""
-    cmd = [sys.executable, "-m", "train", *SETTINGS, f"update={mode}", f"num_steps={steps}",
-           f"run_dir={run_dir}", f"hydra.run.dir={run_dir}"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    folder.mkdir(parents=True)
+    out = folder / "steps.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, __file__, "--child", str(out), "--steps", str(steps), *overrides]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{mode} run failed:\n{proc.stderr.read()[-3000:]}")
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return metrics[1:], usage.ru_maxrss / 1024
+        assert proc.stderr is not None
+        raise RuntimeError(f"{' '.join(overrides)} failed:\n{proc.stderr.read()[-3000:]}")
+    return json.loads(out.read_text())[1:], usage.ru_maxrss / 1024
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3, help="steps per run, the first one dropped")
-    parser.add_argument("--modes", nargs="+", default=["exact", "jagg", "ablate"])
-    args = parser.parse_args()
-    results = {mode: {"step": [], "update": [], "rss": []} for mode in args.modes}
+    parser.add_argument("--job", choices=list(JOBS), default="small")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4, help="steps per process, the first one dropped")
+    parser.add_argument("--kl-beta", type=float, default=0.05, help="grpo.kl_beta (0 = no KL reference)")
+    parser.add_argument("--runs", nargs="+", default=["exact", "jagg", "jagg-recompute", "ablate"], choices=list(RUNS))
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    args, overrides = parser.parse_known_args()
+    if args.child is not None:
+        child(args.child, args.steps, overrides)
+        return
+    keys = [f"{clock}/{p}" for clock in ("time", "cpu") for p in PHASES]
+    results: dict[str, dict[str, list[float]]] = {name: {k: [] for k in [*keys, "rss"]} for name in args.runs}
+    kept: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for mode in args.modes:
-                metrics, rss = run_once(mode, args.steps, Path(tmp) / f"{mode}_{r}")
-                results[mode]["step"] += [m["time/step"] for m in metrics]
-                results[mode]["update"] += [m["time/update"] for m in metrics]
-                results[mode]["rss"].append(rss)
-    mean = {mode: {k: statistics.mean(v) for k, v in res.items()} for mode, res in results.items()}
-    base = mean[args.modes[0]]
-    print(f"small Flux (4+4 blocks, head_dim 64, 256 image tokens), 8 trainable transitions = 2 groups of W=4, "
-          f"G=4, micro_batch 1; {args.rounds} rounds x {args.steps - 1} timed steps per mode")  # fmt: skip
-    print(f"{'mode':<8}{'step s':>8}{'update s':>10}{'update share':>14}{'step/exact':>12}{'update/exact':>14}"
-          f"{'peak RSS MiB':>14}")  # fmt: skip
-    for mode, m in mean.items():
-        ratios = f"{m['step'] / base['step']:>12.3f}{m['update'] / base['update']:>14.3f}"
-        print(f"{mode:<8}{m['step']:>8.2f}{m['update']:>10.2f}{m['update'] / m['step']:>14.2f}{ratios}"
-              f"{max(results[mode]['rss']):>14.0f}")  # fmt: skip
+            for name in args.runs:
+                run_overrides = [*JOBS[args.job], *RUNS[name], f"grpo.kl_beta={args.kl_beta}"]
+                metrics, rss = run_once(run_overrides, args.steps, Path(tmp) / f"{name}_{r}")
+                for key in keys:
+                    results[name][key] += [m[key] for m in metrics]
+                results[name]["rss"].append(rss)
+                kept[name] = metrics[0].get("memory/velocity_bytes_per_sample", 0) / 1024
+    med = {name: {k: statistics.median(v) for k, v in res.items()} for name, res in results.items()}
+    base = med[args.runs[0]]
+    timed = args.rounds * (args.steps - 1)
+    print(f"job {args.job}, grpo.kl_beta={args.kl_beta}; median of {timed} steps per run ({args.rounds} processes)")
+    print(f"{'':<16}{'CPU time':>44}{'wall clock':>32}")
+    header = f"{'update s':>10}{'step s':>8}{'update/exact':>14}{'step/exact':>12}"
+    print(f"{'run':<16}{header}{header}{'peak RSS MiB':>14}{'kept v KiB/sample':>19}")
+    for name, m in med.items():
+        row = ""
+        for clock in ("cpu", "time"):
+            update, step = m[f"{clock}/update"], m[f"{clock}/step"]
+            ratios = f"{update / base[f'{clock}/update']:>14.3f}{step / base[f'{clock}/step']:>12.3f}"
+            row += f"{update:>10.2f}{step:>8.2f}{ratios}"
+        print(f"{name:<16}{row}{max(results[name]['rss']):>14.0f}{kept[name]:>19.1f}")
 
 
 if __name__ == "__main__":

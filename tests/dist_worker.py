@@ -10,7 +10,8 @@ blocks) sharded with FSDP2 on CPU/gloo:
    gradient equals the gradient of the mean over the global batch, the reference loss;
 3. the all-gathers of one batched forward + one backward with activation checkpointing, and the
    gradients of that pass against the reference;
-4. the collectives of one group of W = 4 steps through each update path of train.jagg;
+4. the collectives of one group of W = 4 steps through each update path of train.jagg, and through
+   the JAGG paths given the steps' velocities;
 5. EMA, checkpoint save/load and export of the sharded model.
 
 Every rank writes ``OUT/results_rank{r}.json``; the test asserts on them.
@@ -42,7 +43,7 @@ from train.distributed import (
     shutdown,
 )
 from train.ema import EMA
-from train.jagg import UPDATE_MODES, backward_group
+from train.jagg import MIDDLE_MODES, UPDATE_MODES, backward_group
 from train.seeds import seed_everything
 
 BLOCKS = (FluxTransformerBlock, FluxSingleTransformerBlock)
@@ -155,12 +156,14 @@ def count_update_paths(rank: int, batch: dict[str, torch.Tensor], out: dict) -> 
     z = [local["hidden_states"] + 0.1 * j for j in range(4)]
     t = torch.tensor([0.9, 0.8, 0.6, 0.5])
     forward(model, local).sum().backward()  # warm-up: FSDP2's lazy init runs in the first forward
+    with torch.no_grad():  # what the rollout keeps: v of every step at the current weights
+        velocities = [predict(z_j, t_j.expand(ROWS_PER_RANK)) for z_j, t_j in zip(z, t)]
     counts = {}
-    for mode in UPDATE_MODES:
+    for mode, given in [*((m, None) for m in UPDATE_MODES), *((m, velocities) for m in MIDDLE_MODES)]:
         model.zero_grad(set_to_none=True)
         with count_collectives() as c:
-            backward_group(mode, predict, lambda j, v: (v.pow(2).mean(), {}), z, t)
-        counts[mode] = [c.num_all_gathers, c.num_reduce_scatters]
+            backward_group(mode, predict, lambda j, v: (v.pow(2).mean(), {}), z, t, velocities=given)
+        counts[mode if given is None else f"{mode}+velocities"] = [c.num_all_gathers, c.num_reduce_scatters]
     out["update_path_collectives"] = counts
 
 

@@ -44,7 +44,9 @@ class ToyVelocity(nn.Module):
         return z @ self.a.T + self.b * t + self.c + self.gamma * self.w * bend
 
 
-def toy_trajectory(model: nn.Module, *, batch: int = 4, num_steps: int = 13, sde: str = "dance") -> Trajectory:
+def toy_trajectory(
+    model: nn.Module, *, batch: int = 4, num_steps: int = 13, sde: str = "dance", keep_velocities: bool = False
+) -> Trajectory:
     """``num_steps`` SDE steps (num_steps - 1 trainable transitions) from seeded noise."""
     noise = torch.randn(batch, DIM, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -55,10 +57,13 @@ def toy_trajectory(model: nn.Module, *, batch: int = 4, num_steps: int = 13, sde
             sigmas=shifted_sigmas(num_steps, 3.0),
             sde=SDE(sde, eta=0.3, noise_level=0.7),
             generator=torch.Generator().manual_seed(2),
+            keep_velocities=keep_velocities,
         )
 
 
-def toy_settings(*, mode: str = "jagg", window: int = 4, kl_beta: float = 0.0) -> UpdateSettings:
+def toy_settings(
+    *, mode: str = "jagg", window: int = 4, kl_beta: float = 0.0, reuse_velocities: str = "fresh"
+) -> UpdateSettings:
     return UpdateSettings(
         mode=mode,
         window=window,
@@ -66,6 +71,7 @@ def toy_settings(*, mode: str = "jagg", window: int = 4, kl_beta: float = 0.0) -
         clip_range=0.1,
         kl_beta=kl_beta,
         gradient_accumulation_steps=1,
+        reuse_velocities=reuse_velocities,
     )
 
 

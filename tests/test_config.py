@@ -130,6 +130,8 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
         (["update.window=1"], ValueError, "update.window"),
         (["update.jagg_frac=1.5"], ValueError, "update.jagg_frac"),
         (["update.mode=fast"], ValueError, "update.mode='fast'.*exact, jagg, jagg_sequential, ablate"),
+        (["update.reuse_velocities=always"], ValueError, "update.reuse_velocities='always'.*fresh, stale, off"),
+        (["update.reuse_velocities=off", "update.offload_velocities=true"], ValueError, "update.offload_velocities"),
         (["sampler.sde=cps"], ValueError, "sampler.sde"),
         (["+reward.components.aesthetic.weight=1"], ValueError, "reward.components.*aesthetic.*hpsv2"),
         (["grpo.gradient_accumulation_steps=3"], ValueError, "grpo.gradient_accumulation_steps"),

@@ -21,6 +21,7 @@ from train.quality import (
     GroupQuality,
     format_table,
     global_dots,
+    measure_staleness,
     measure_trajectories,
     recommend_jagg_frac,
     report,
@@ -76,6 +77,43 @@ def test_zero_advantage_trajectory_has_no_cosine():
     advantages[1] = 0.0  # its loss, hence both gradients, are zero at ratio 1
     groups = probe(model, toy_trajectory(model), toy_settings(), advantages=advantages)
     assert [g.num_samples for g in groups] == [3, 3, 3]
+
+
+def staleness(model, traj) -> tuple[list[GroupQuality], list[GroupQuality]]:
+    params = list(model.parameters())
+    batch = toy_batch(model, traj, toy_settings())
+    fresh, stale = measure_staleness(batch, params, num_rollouts=traj.batch_size)
+    assert all(p.grad is None for p in params), "the probe left gradients behind"
+    return summarize_groups(fresh, traj.timesteps), summarize_groups(stale, traj.timesteps)
+
+
+def test_stale_velocities_cost_cosine_only_once_the_weights_moved():
+    """On the affine-in-t model fresh JAGG is exact. At the rollout's weights the kept velocities are
+    the policy's own: stale = fresh. Once the weights move, the kept velocities lag behind and the
+    gradient on them leaves the exact one."""
+    model = ToyVelocity()
+    traj = toy_trajectory(model, keep_velocities=True)
+    fresh, stale = staleness(model, traj)
+    for f, s in zip(fresh, stale):
+        assert f.cos_mean == pytest.approx(1.0, abs=1e-5) and s.cos == pytest.approx(f.cos, abs=1e-6)
+    with torch.no_grad():
+        model.c.add_(0.5 * torch.randn(model.c.shape, generator=torch.Generator().manual_seed(3)))
+    fresh, stale = staleness(model, traj)
+    for f, s in zip(fresh, stale):
+        assert f.cos_mean == pytest.approx(1.0, abs=1e-5)
+        assert s.cos_mean < 0.999
+
+
+def test_staleness_columns_in_the_report():
+    groups = [quality(0.9, 0), quality(0.8, 4)]
+    rep = report(
+        groups, mode="jagg", threshold=0.5, num_transitions=8, staleness=(groups, [quality(0.7, 0), quality(0.6, 4)])
+    )
+    assert rep["groups"][1]["after_step"]["stale"]["cos_mean"] == 0.6
+    assert rep["groups"][1]["after_step"]["fresh"]["cos_mean"] == 0.8
+    table = format_table(rep)
+    assert "stale, 1 step" in table and "0.600 ± 0.000" in table.splitlines()[2]
+    assert "stale" not in format_table(report(groups, mode="jagg", threshold=0.5, num_transitions=8))
 
 
 def test_global_dots_in_one_process():
@@ -146,6 +184,28 @@ def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, capsys, _repo_root):
     printed = capsys.readouterr().out
     assert printed.count("\n") >= 4 and "recommended update.jagg_frac=" in printed
     assert format_table(rep) in printed
+
+
+def test_probe_measures_stale_velocities_and_restores_the_weights(tiny_flux_dir, tmp_path, _repo_root):
+    """update.reuse_velocities=stale: the report carries fresh and stale cosines after one optimizer
+    step; the probe's step is undone (the run's weights and optimizer are as built)."""
+    from train.build import load_config, open_run, process_group
+    from train.probe import probe as run_probe_on
+
+    overrides = [f"run_dir={tmp_path}", f"model.path={tiny_flux_dir}", *PROBE, "probe.num_rollouts=2"]
+    with initialize_config_module(config_module="configs", version_base=None):
+        cfg = compose(config_name="train", overrides=[*overrides, "update.reuse_velocities=stale"])
+    config = load_config(cfg)
+    with process_group() as dist, open_run(config, dist) as run:
+        before = [p.detach().clone() for p in run.params]
+        rep = run_probe_on(run)
+        assert all(torch.equal(p, b) for p, b in zip(run.params, before))
+        assert all(p.grad is None for p in run.params) and not run.optimizer.state
+    for g in rep["groups"]:
+        after = g["after_step"]
+        assert after["fresh"]["num_samples"] == after["stale"]["num_samples"] == 2
+        # the tiny model at lr 3e-3: fresh JAGG stays close to exact, the lagging velocities cost more
+        assert after["stale"]["cos_mean"] < after["fresh"]["cos_mean"] <= 1.0
 
 
 def free_port() -> int:

@@ -236,6 +236,93 @@ def test_interpolation_weights_and_aggregate():
         interpolation_weights(torch.tensor([0.5, 0.5]))
 
 
+def _velocities(model, z, t):
+    with torch.no_grad():
+        return [model(z_j, t_j.expand(B)) for z_j, t_j in zip(z, t)]
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+@pytest.mark.parametrize("mode", ["jagg", "jagg_sequential"])
+def test_given_velocities_replace_the_middle_forwards(mode):
+    """The W steps' v at the current weights, as a list or one [W, B, D] tensor: the same gradient as
+    recomputing them, and the transformer runs only the endpoints (forward and backward)."""
+    torch.manual_seed(8)
+    model, width = MLP(), 5
+    z, t, step_loss = make_group(model, width)
+    recomputed, _ = grads_of(model, mode, z, t, step_loss)
+    velocities = _velocities(model, z, t)
+    rows = []
+    model.register_forward_hook(lambda m, args, out: rows.append(out.shape[0]))
+    for given in (velocities, torch.stack(velocities)):
+        rows.clear()
+        model.zero_grad(set_to_none=True)
+        stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=given)
+        got = torch.cat([p.grad.flatten() for p in model.parameters()])
+        torch.testing.assert_close(got, recomputed, rtol=1e-12, atol=1e-14)
+        assert (stats.grad_forwards, stats.nograd_forwards, stats.reused_velocities) == (2, 0, width - 2)
+        assert sum(rows) == 2 * B  # the two endpoints' rows, nothing else
+        assert list(stats.losses) == list(range(width))
+
+
+def test_given_velocities_enter_through_s_j():
+    """jagg on given v_j: J_0^T s_base + J_{W-1}^T s_corr with the middle s_j taken at those v_j (the
+    endpoints' s_j at the model's own v, which carry the Jacobians), from torch.func Jacobians."""
+    torch.manual_seed(9)
+    model, width = MLP(), 4
+    z, t, step_loss = make_group(model, width)
+    own = _velocities(model, z, t)
+    given = [v + 0.3 * torch.randn_like(v) for v in own]  # e.g. from weights before an optimizer step
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    s = []
+    for j in range(width):
+        v = (given[j] if 0 < j < width - 1 else own[j]).clone().requires_grad_(True)
+        s.append(torch.autograd.grad(step_loss(j, v)[0], v)[0])
+    alpha = interpolation_weights(t)
+    s_base = sum((1 - a) * s_j for a, s_j in zip(alpha, s))
+    s_corr = sum(a * s_j for a, s_j in zip(alpha, s))
+
+    def vjp_at(j, cot):
+        jac = jacrev(lambda p: functional_call(model, p, (z[j], t[j].expand(B))))(params)
+        return torch.cat([torch.einsum("bd,bd...->...", cot, jac[k]).flatten() for k in params])
+
+    expected = vjp_at(0, s_base) + vjp_at(width - 1, s_corr)
+    for mode in ("jagg", "jagg_sequential"):
+        model.zero_grad(set_to_none=True)
+        backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=given)
+        got = torch.cat([p.grad.flatten() for p in model.parameters()])
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12, msg=mode)
+    recomputed, _ = grads_of(model, "jagg", z, t, step_loss)
+    assert (recomputed - expected).abs().max() > 1e-6  # the given velocities were used
+
+
+def test_exact_and_ablate_ignore_velocities():
+    torch.manual_seed(10)
+    model = MLP()
+    z, t, step_loss = make_group(model, 4)
+    junk = [torch.full_like(z_j, 1e3) for z_j in z]
+    for mode in ("exact", "ablate"):
+        plain, _ = grads_of(model, mode, z, t, step_loss)
+        model.zero_grad(set_to_none=True)
+        stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=junk)
+        assert torch.equal(torch.cat([p.grad.flatten() for p in model.parameters()]), plain), mode
+        assert stats.reused_velocities == 0
+
+
+@pytest.mark.parametrize(
+    "velocities, message",
+    [
+        (lambda z: z[:3], "one v per step"),
+        (lambda z: [z_j[:, :2] for z_j in z], r"velocities\[0\] has shape"),
+        (lambda z: torch.stack(z)[:, :1], r"velocities\[0\] has shape"),
+    ],
+)
+def test_velocities_of_the_wrong_shape(velocities, message):
+    model = MLP()
+    z, t, step_loss = make_group(model, 4)
+    with pytest.raises(ValueError, match=message):
+        backward_group("jagg", lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=velocities(z))
+
+
 def test_unknown_mode():
     with pytest.raises(ValueError, match="update.mode"):
         backward_group("fast", lambda z, t: z, lambda j, v: v.sum(), [torch.zeros(1, 1)] * 2, torch.tensor([1.0, 0.5]))

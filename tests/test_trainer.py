@@ -98,28 +98,64 @@ def test_tiny_run_matches_golden(case, tiny_flux, tmp_path):
         )
 
 
+COUNTED = ("count/grad_forwards", "count/nograd_forwards", "count/backward_calls", "count/reused_velocities")
+TWO_OPTIMIZER_STEPS = ["grpo.gradient_accumulation_steps=2"]  # one micro-batch of 2 rows per optimizer step
+
+
 def test_counts_per_update_mode(tiny_flux, tmp_path):
     """Two groups of W = 4 per micro-batch, two micro-batches: exact runs W backward passes per
-    group, the JAGG paths 2 transformer backward passes (1 call joint, 2 sequential)."""
-    counts = {}
-    for mode in ("exact", "jagg", "jagg_sequential", "ablate"):
-        m = train(tmp_path / mode, tiny_flux, [f"update={mode}", "update.jagg_frac=1.0", "num_steps=1"])[0]
-        counts[mode] = (m["count/grad_forwards"], m["count/nograd_forwards"], m["count/backward_calls"])
-    assert counts == {
-        "exact": (16, 0, 16),
-        "jagg": (8, 8, 4),
-        "jagg_sequential": (8, 8, 8),
-        "ablate": (8, 0, 4),
+    group, the JAGG paths 2 transformer backward passes (1 call joint, 2 sequential). The JAGG paths
+    take their 2 middle steps per group from the rollout while the weights are the rollout's: with
+    one optimizer step per training step, always; with two, fresh recomputes after the first."""
+    cases = {
+        "exact": ["update=exact"],
+        "jagg": ["update=jagg"],
+        "jagg_sequential": ["update=jagg_sequential"],
+        "ablate": ["update=ablate"],
+        "jagg-off": ["update=jagg", "update.reuse_velocities=off"],
+        "jagg-fresh-2": ["update=jagg", *TWO_OPTIMIZER_STEPS],
+        "jagg-stale-2": ["update=jagg", "update.reuse_velocities=stale", *TWO_OPTIMIZER_STEPS],
     }
+    counts, kept = {}, {}
+    for name, extra in cases.items():
+        m = train(tmp_path / name, tiny_flux, [*extra, "update.jagg_frac=1.0", "num_steps=1"])[0]
+        counts[name] = tuple(m[key] for key in COUNTED)
+        kept[name] = m.get("memory/velocity_bytes_per_sample")
+    assert counts == {
+        "exact": (16, 0, 16, 0),
+        "jagg": (8, 0, 4, 8),
+        "jagg_sequential": (8, 0, 8, 8),
+        "ablate": (8, 0, 4, 0),
+        "jagg-off": (8, 8, 4, 0),
+        "jagg-fresh-2": (8, 4, 4, 4),
+        "jagg-stale-2": (8, 0, 4, 8),
+    }
+    # 9 sampling steps' v of a 16 x 16 x 4 latent packed into 8 x 8 x 16, float32; none where nothing reuses them
+    velocity_bytes = 9 * 8 * 8 * 16 * 4
+    assert kept == {name: None if name in ("exact", "ablate", "jagg-off") else velocity_bytes for name in cases}
 
 
-def test_resume_replays_exactly(tiny_flux, tmp_path):
-    straight = train(tmp_path / "straight", tiny_flux, ["num_steps=4", "checkpoint.every=2"])
-    train(tmp_path / "resumed", tiny_flux, ["num_steps=2", "checkpoint.every=2"])
-    resumed = train(tmp_path / "resumed", tiny_flux, ["num_steps=4", "checkpoint.every=2", "resume=auto"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],  # jagg on the first group, reusing the rollout's velocities (one optimizer step per step)
+        ["update.reuse_velocities=fresh", *TWO_OPTIMIZER_STEPS],  # reused, then recomputed after a step
+        ["update.reuse_velocities=stale", *TWO_OPTIMIZER_STEPS],
+    ],
+    ids=["default", "fresh", "stale"],
+)
+def test_resume_replays_exactly(extra, tiny_flux, tmp_path):
+    """Kept velocities are not checkpointed: a resumed step rolls out again and keeps them anew, so it
+    logs what the uninterrupted run logged, to every digit."""
+    straight = train(tmp_path / "straight", tiny_flux, ["num_steps=4", "checkpoint.every=2", *extra])
+    train(tmp_path / "resumed", tiny_flux, ["num_steps=2", "checkpoint.every=2", *extra])
+    resumed = train(tmp_path / "resumed", tiny_flux, ["num_steps=4", "checkpoint.every=2", "resume=auto", *extra])
     assert [m["step"] for m in resumed] == [0, 1, 2, 3]
+    assert all(m["count/reused_velocities"] > 0 for m in resumed)
     for a, b in zip(straight, resumed):
-        for key in GOLDEN_KEYS:
+        keys = {k for k in a if not k.startswith("time/") and k != "wall_time"}
+        assert keys == {k for k in b if not k.startswith("time/") and k != "wall_time"}
+        for key in sorted(keys):
             assert a[key] == b[key], (a["step"], key)
     final_a, final_b = exported(tmp_path / "straight"), exported(tmp_path / "resumed")
     assert final_a.keys() == final_b.keys()

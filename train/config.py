@@ -20,6 +20,7 @@ from train.jagg import UPDATE_MODES, split_groups
 
 DTYPES = ("float32", "bfloat16", "float16")
 ROUTINGS = ("prefix", "auto")  # update.routing (train/routing.py)
+REUSE_VELOCITIES = ("fresh", "stale", "off")  # update.reuse_velocities
 WANDB_MODES = ("disabled", "offline", "online")
 
 
@@ -73,6 +74,14 @@ class UpdateConfig:
     auto_every: int = 10  # routing=auto: training steps between probes (the first step always probes)
     auto_threshold: float = 0.5  # routing=auto: minimum mean cosine for the `mode` path (the paper's 0.5)
     auto_rollouts: int = 4  # routing=auto: trajectories per probe, all ranks together (<= G * prompts_per_rank)
+    # The middle steps of a jagg / jagg_sequential group need v_j only for s_j = dL_j/dv_j, and the rollout computed
+    # them. fresh: the rollout keeps its velocities and the update uses them while the weights are those that
+    # sampled (until the first optimizer step of the training step), then recomputes them; stale: uses them after
+    # optimizer steps too (an approximation: python -m train.grad_quality reports its cosine); off: keeps none
+    # and always recomputes. Kept velocities cost N * (latent elements) * (model.dtype bytes) per sample (per rank;
+    # logged as memory/velocity_bytes_per_sample); exact and ablate, or W = 2, keep none.
+    reuse_velocities: str = "fresh"  # fresh | stale | off
+    offload_velocities: bool = False  # keep the rollout's velocities in host memory (pinned) instead of on the GPU
 
 
 @dataclass
@@ -238,6 +247,12 @@ def _validate_update(u: UpdateConfig, g: GRPOConfig) -> None:
     if not 0.0 < u.timestep_fraction <= 1.0:
         raise ValueError(f"update.timestep_fraction must be in (0, 1], got {u.timestep_fraction}")
     _choice(u.routing, ROUTINGS, "update.routing")
+    _choice(u.reuse_velocities, REUSE_VELOCITIES, "update.reuse_velocities")
+    if u.offload_velocities and u.reuse_velocities == "off":
+        raise ValueError(
+            "update.offload_velocities=true keeps no velocities with update.reuse_velocities=off: "
+            "pick update.reuse_velocities=fresh or stale, or update.offload_velocities=false"
+        )
     if not 0.0 <= u.jagg_frac <= 1.0:
         raise ValueError(f"update.jagg_frac must be in [0, 1], got {u.jagg_frac}")
     if u.routing == "auto":

@@ -6,8 +6,9 @@ transformer backward). z_j carries no gradient (the per-step REINFORCE approxima
 
     exact            sum_j J_j^T s_j                            W forwards with grad, W backwards
     jagg             J_0^T s_base + J_{W-1}^T s_corr            W-2 no-grad forwards (one batched
-                                                                call), both endpoints in one
-                                                                batched forward, one backward
+                                                                call, or none with ``velocities``),
+                                                                both endpoints in one batched
+                                                                forward, one backward
     jagg_sequential  same as jagg                               endpoint 0 forward+backward, then
                                                                 endpoint W-1: one graph alive
     ablate           J_0^T s_0 + J_{W-1}^T s_{W-1}              endpoints only, one backward
@@ -16,6 +17,10 @@ with alpha_j = (t_0 - t_j) / (t_0 - t_{W-1}) over the network-input timesteps,
 s_base = sum_j (1 - alpha_j) s_j and s_corr = sum_j alpha_j s_j. JAGG is exact when v is linear
 in (z, t) and the W points lie on the affine path between the endpoints (the paper's Theorem 1).
 PPO clipping needs no special case: a clipped step has s_j = 0.
+
+The middle steps' v_j only feed s_j. ``velocities`` hands them in (the rollout's, while the weights are
+still those that sampled it): jagg and jagg_sequential then run no middle forward at all, and their
+gradient is the recomputing one up to float rounding (the rollout ran other batch shapes).
 
 Departure from the paper's Algorithm 1: the two endpoints run as one batched forward, so under
 FSDP2 each sharded module is all-gathered once in the forward and once in the backward.
@@ -32,9 +37,11 @@ from torch import Tensor
 from samplers.sde import compute_dtype
 
 UPDATE_MODES = ("exact", "jagg", "jagg_sequential", "ablate")
+MIDDLE_MODES = ("jagg", "jagg_sequential")  # the paths that need the middle steps' v, and so can take ``velocities``
 
 BoundPredict = Callable[[Tensor, Tensor], Tensor]  # (z [B, ...], t [B]) -> v [B, ...]: the conditioning is bound
 Metrics = dict[str, Tensor]  # name -> detached scalar
+Velocities = Sequence[Tensor] | Tensor  # W tensors [B, ...], or one [W, B, ...]: v_j at the current weights
 StepLoss = Callable[[int, Tensor], tuple[Tensor, Metrics]]  # (j, v_j [B, ...]) -> (scalar loss of step j, metrics)
 
 
@@ -47,6 +54,7 @@ class GroupStats:
     grad_forwards: int = 0
     nograd_forwards: int = 0
     backward_calls: int = 0
+    reused_velocities: int = 0  # middle steps whose v came from ``velocities`` instead of a forward
 
 
 def interpolation_weights(t: Tensor) -> Tensor:
@@ -112,24 +120,39 @@ def _exact(predict: BoundPredict, step_loss: StepLoss, z: Sequence[Tensor], t: T
 
 
 def _middle(
-    predict: BoundPredict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats
+    predict: BoundPredict,
+    step_loss: StepLoss,
+    z: Sequence[Tensor],
+    t: Tensor,
+    stats: GroupStats,
+    velocities: Sequence[Tensor] | None,
 ) -> list[Tensor]:
-    """s_j of the W-2 middle steps from one batched no-grad forward."""
+    """s_j of the W-2 middle steps: on the given velocities, or from one batched no-grad forward."""
     width = len(z)
     if width == 2:
         return []
-    with torch.no_grad():
-        v_mid = _forward(predict, z[1:-1], t[1:-1])
-    stats.nograd_forwards += width - 2
+    if velocities is not None:  # possibly offloaded to host memory: each comes to its latent's device
+        v_mid = [v_j.to(z_j.device, non_blocking=True) for v_j, z_j in zip(velocities[1:-1], z[1:-1])]
+        stats.reused_velocities += width - 2
+    else:
+        with torch.no_grad():
+            v_mid = _forward(predict, z[1:-1], t[1:-1])
+        stats.nograd_forwards += width - 2
     return [_upstream(step_loss, j, v_j, stats) for j, v_j in enumerate(v_mid, start=1)]
 
 
 def _joint_endpoints(
-    predict: BoundPredict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats, mode: str
+    predict: BoundPredict,
+    step_loss: StepLoss,
+    z: Sequence[Tensor],
+    t: Tensor,
+    stats: GroupStats,
+    mode: str,
+    velocities: Sequence[Tensor] | None,
 ) -> None:
     """jagg and ablate: both endpoints in one batched forward with grad, one backward."""
     width = len(z)
-    s_mid = _middle(predict, step_loss, z, t, stats) if mode == "jagg" else []
+    s_mid = _middle(predict, step_loss, z, t, stats, velocities) if mode == "jagg" else []
     v0, v_last = _forward(predict, [z[0], z[-1]], [t[0], t[-1]])
     stats.grad_forwards += 2
     s0 = _upstream(step_loss, 0, v0, stats)
@@ -142,10 +165,17 @@ def _joint_endpoints(
     stats.backward_calls += 1
 
 
-def _sequential(predict: BoundPredict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats) -> None:
+def _sequential(
+    predict: BoundPredict,
+    step_loss: StepLoss,
+    z: Sequence[Tensor],
+    t: Tensor,
+    stats: GroupStats,
+    velocities: Sequence[Tensor] | None,
+) -> None:
     """The paper's Algorithm 2: at most one endpoint graph alive at a time."""
     width = len(z)
-    s_mid = _middle(predict, step_loss, z, t, stats)
+    s_mid = _middle(predict, step_loss, z, t, stats, velocities)
     alpha = interpolation_weights(t)[1:-1]
     s_base = sum((1 - a) * s_j for a, s_j in zip(alpha, s_mid))
     s_corr = sum(a * s_j for a, s_j in zip(alpha, s_mid))
@@ -157,24 +187,47 @@ def _sequential(predict: BoundPredict, step_loss: StepLoss, z: Sequence[Tensor],
         stats.backward_calls += 1
 
 
-def backward_group(mode: str, predict: BoundPredict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor) -> GroupStats:
+def _checked_velocities(velocities: Velocities, z: Sequence[Tensor]) -> list[Tensor]:
+    """The W given velocities, detached, each checked to be shaped like its z_j (on any device)."""
+    if len(velocities) != len(z):
+        raise ValueError(f"velocities must hold one v per step of the group ({len(z)}), got {len(velocities)}")
+    out = [v_j.detach() for v_j in velocities]
+    for j, (v_j, z_j) in enumerate(zip(out, z)):
+        if v_j.shape != z_j.shape:
+            raise ValueError(f"velocities[{j}] has shape {tuple(v_j.shape)}, its latent {tuple(z_j.shape)}")
+    return out
+
+
+def backward_group(
+    mode: str,
+    predict: BoundPredict,
+    step_loss: StepLoss,
+    z: Sequence[Tensor],
+    t: Tensor,
+    *,
+    velocities: Velocities | None = None,
+) -> GroupStats:
     """Accumulate into ``.grad`` the gradient of sum_j L_j, (L_j, metrics_j) = step_loss(j, predict(z[j], t_j)),
     by ``mode``; returns each step's loss and metrics with the counters.
 
     z: W latents [B, ...] (no gradient); t: [W] network-input timesteps, one per step.
+    velocities: v_j = predict(z[j], t_j) at the current weights, W tensors [B, ...] or one [W, B, ...]
+    (e.g. the rollout's); jagg and jagg_sequential take the middle steps' from them instead of
+    running a forward, exact and ablate need none and ignore them.
     """
     if mode not in UPDATE_MODES:
         raise ValueError(f"update.mode must be one of {UPDATE_MODES}, got {mode!r}")
     if len(z) != t.shape[0] or len(z) < 2:
         raise ValueError(f"a group needs W >= 2 latents and W timesteps, got {len(z)} and {t.shape[0]}")
     z = [z_j.detach() for z_j in z]
+    given = _checked_velocities(velocities, z) if velocities is not None and mode in MIDDLE_MODES else None
     stats = GroupStats()
     if mode == "exact":
         _exact(predict, step_loss, z, t, stats)
     elif mode == "jagg_sequential":
-        _sequential(predict, step_loss, z, t, stats)
+        _sequential(predict, step_loss, z, t, stats, given)
     else:
-        _joint_endpoints(predict, step_loss, z, t, stats, mode)
+        _joint_endpoints(predict, step_loss, z, t, stats, mode, given)
     stats.losses = dict(sorted(stats.losses.items()))
     stats.metrics = dict(sorted(stats.metrics.items()))
     return stats

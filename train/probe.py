@@ -4,6 +4,13 @@ trainer's phases and measure (train/quality.py) until K trajectories had a gradi
 ``python -m train.grad_quality`` (train/grad_quality.py) runs ``run_probe``: it builds as the trainer
 does, with wandb off and only as many prompts per rank as K trajectories need; with
 ``resume=<checkpoint folder>`` it measures those weights.
+
+With ``update.reuse_velocities=stale`` (and a ``probe.mode`` with middle steps) it also measures what
+staleness costs: on every batch it moves the weights by one optimizer step on the batch (the
+trainer's first step of a training step: the configured paths, one fresh AdamW step at grpo.lr, which
+moves every weight by about lr, the largest first step), measures there the path with its middle
+velocities recomputed (fresh) and taken from the rollout (stale), and restores the weights. The
+trainer's later chunks lag further behind (c steps for chunk c); this is the first of them.
 """
 
 from __future__ import annotations
@@ -12,19 +19,58 @@ import json
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from train.build import Run, load_config, open_run, policy_predictor, process_group, reference_predictor
-from train.quality import Samples, format_table, measure_trajectories, report, summarize_groups
+from train.distributed import clip_grad_norm_
+from train.jagg import MIDDLE_MODES, plan_groups
+from train.quality import Samples, format_table, measure_staleness, measure_trajectories, report, summarize_groups
 from train.step import reward_phase, rollout_phase
 from train.trainer import resume
-from train.update import UpdateBatch, UpdateSettings
+from train.update import UpdateBatch, UpdateSettings, update_micro_batch
 
 log = logging.getLogger(__name__)
 MAX_BATCHES_PER_K = 10
+
+
+@contextmanager
+def one_step_later(run: Run, batch: UpdateBatch) -> Iterator[None]:
+    """The weights after one optimizer step on ``batch`` for the duration of the block, then restored.
+
+    The step: the first ``gradient_accumulation_steps`` samples (or all there are) through the
+    configured paths (every group, the prefix rule), the global-norm clip, and a fresh AdamW's first
+    step (the run's optimizer state is not touched).
+    """
+    cfg, g = run.cfg, run.cfg.grpo
+    saved = [p.detach().clone() for p in run.params]
+    optimizer = torch.optim.AdamW(run.params, lr=g.lr, weight_decay=g.weight_decay, betas=(g.betas[0], g.betas[1]))
+    traj = batch.traj
+    plan = plan_groups(
+        traj.trainable_steps(),
+        window=cfg.update.window,
+        mode=cfg.update.mode,
+        jagg_frac=cfg.update.jagg_frac,
+        num_transitions=traj.num_transitions,
+    )
+    rows = min(g.gradient_accumulation_steps, traj.batch_size)
+    for first in range(0, rows, g.micro_batch):
+        micro = torch.arange(first, min(first + g.micro_batch, rows), device=run.device)
+        update_micro_batch(batch, micro, plan, reuse_velocities=False)
+    clip_grad_norm_(run.params, g.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value in zip(run.params, saved):
+                p.copy_(value)
 
 
 def probe(run: Run) -> dict[str, Any]:
@@ -38,11 +84,14 @@ def probe(run: Run) -> dict[str, Any]:
     settings = UpdateSettings.from_config(cfg)
     predict, reference = policy_predictor(run), reference_predictor(run)
     per_batch = cfg.grpo.group_size * cfg.grpo.prompts_per_rank * run.dist.world_size
+    stale = cfg.update.reuse_velocities == "stale" and p.mode in MIDDLE_MODES and cfg.update.window > 2
     samples: Samples = defaultdict(list)
+    fresh_after: Samples = defaultdict(list)
+    stale_after: Samples = defaultdict(list)
     traj, done = None, 0
     max_batches = MAX_BATCHES_PER_K * math.ceil(p.num_rollouts / per_batch)
     for batch in range(max_batches):
-        traj, prompts = rollout_phase(run, batch)
+        traj, prompts = rollout_phase(run, batch, keep_velocities=stale)
         advantages, _, _ = reward_phase(run, traj, prompts)
         if advantages is None:  # a NaN reward (reward_phase warned); this batch is not measured
             continue
@@ -50,17 +99,27 @@ def probe(run: Run) -> dict[str, Any]:
         update = UpdateBatch(traj, advantages, predict=predict, reference=reference, settings=settings)
         for group, values in measure_trajectories(update, run.params, num_rollouts=count, mode=p.mode).items():
             samples[group] += values
+        if stale:
+            with one_step_later(run, update):
+                fresh, old = measure_staleness(update, run.params, num_rollouts=count, mode=p.mode)
+            for group in fresh:
+                fresh_after[group] += fresh[group]
+                stale_after[group] += old[group]
         done = min((len(v) for v in samples.values()), default=0)
         if done >= p.num_rollouts:
             break
     else:
         log.warning("probe: %d of K = %d trajectories had a gradient after %d batches", done, p.num_rollouts, batch + 1)
     assert traj is not None  # validate() keeps probe.num_rollouts >= 1, so a batch was drawn
+    staleness = None
+    if stale:
+        staleness = (summarize_groups(fresh_after, traj.timesteps), summarize_groups(stale_after, traj.timesteps))
     return report(
         summarize_groups(samples, traj.timesteps),
         mode=p.mode,
         threshold=p.threshold,
         num_transitions=traj.num_transitions,
+        staleness=staleness,
         experiment=cfg.experiment,
         model=cfg.model.name,
         window=cfg.update.window,

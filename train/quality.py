@@ -26,6 +26,11 @@ reduce-scattered gradient is the owner's gradient / R, and cos and rho do not se
 products are over the full gradient: the local shards' products summed over ranks by
 ``train.distributed.sum_over_shards`` (as ``clip_grad_norm_`` does), accumulated in float64.
 
+Staleness (``update.reuse_velocities=stale``): after an optimizer step the rollout's velocities are
+no longer the policy's. ``measure_staleness`` compares with g_exact both the fresh g_mode (middle
+velocities recomputed) and g_mode on the trajectory's kept velocities, at the current weights; the
+probe (train/probe.py) moves the weights by one optimizer step first.
+
 The probe writes ``.grad``: it needs empty gradients (None) and leaves them None, so nothing it
 computes reaches an optimizer step.
 """
@@ -76,25 +81,36 @@ def _clear(params: Sequence[nn.Parameter]) -> None:
         p.grad = None
 
 
-def measure_group(inputs: GroupInputs, params: Sequence[nn.Parameter], mode: str) -> tuple[float, float] | None:
-    """(cos, rho) of ``mode``'s gradient against the exact one, for one group; None when g_exact = 0."""
+def compare_to_exact(
+    inputs: GroupInputs, params: Sequence[nn.Parameter], paths: Sequence[tuple[str, bool]]
+) -> list[tuple[float, float]] | None:
+    """(cos, rho) against the exact gradient of one group, per (mode, on the kept velocities) path;
+    None when g_exact = 0."""
     backward_group("exact", inputs.policy, inputs.step_loss, inputs.z, inputs.t)
     exact = [None if p.grad is None else p.grad.detach().clone() for p in params]
     _clear(params)
-    backward_group(mode, inputs.policy, inputs.step_loss, inputs.z, inputs.t)
-    ee, mm, em = global_dots(exact, [p.grad for p in params])
-    _clear(params)
-    if ee == 0:
-        return None
-    if mm == 0:
-        return 0.0, 0.0
-    return em / math.sqrt(ee * mm), math.sqrt(mm / ee)
+    out = []
+    for mode, reuse in paths:
+        velocities = inputs.velocities if reuse else None
+        backward_group(mode, inputs.policy, inputs.step_loss, inputs.z, inputs.t, velocities=velocities)
+        ee, mm, em = global_dots(exact, [p.grad for p in params])
+        _clear(params)
+        if ee == 0:
+            return None
+        out.append((0.0, 0.0) if mm == 0 else (em / math.sqrt(ee * mm), math.sqrt(mm / ee)))
+    return out
 
 
-def measure_trajectories(
-    batch: UpdateBatch, params: Sequence[nn.Parameter], *, num_rollouts: int, mode: str = "jagg"
-) -> Samples:
-    """(cos, rho) per group of ``batch.settings.window`` for trajectories 0 .. num_rollouts - 1.
+def measure_group(inputs: GroupInputs, params: Sequence[nn.Parameter], mode: str) -> tuple[float, float] | None:
+    """(cos, rho) of ``mode``'s gradient against the exact one, for one group; None when g_exact = 0."""
+    result = compare_to_exact(inputs, params, [(mode, False)])
+    return None if result is None else result[0]
+
+
+def _measure(
+    batch: UpdateBatch, params: Sequence[nn.Parameter], *, num_rollouts: int, paths: Sequence[tuple[str, bool]]
+) -> list[Samples]:
+    """One ``Samples`` per path of ``compare_to_exact``, for trajectories 0 .. num_rollouts - 1.
 
     Trajectory m is row m // R of rank m % R (R ranks; every rank passes its own ``batch``).
     """
@@ -103,16 +119,34 @@ def measure_trajectories(
     if num_rollouts > world * traj.batch_size:
         raise ValueError(f"asked for {num_rollouts} trajectories; the batch holds {traj.batch_size} per rank x {world}")
     assert all(p.grad is None for p in params), "the probe needs empty gradients (zero_grad(set_to_none=True))"
+    reuse = any(on_kept for _, on_kept in paths)
     groups = split_groups(traj.trainable_steps(), batch.settings.window)
-    samples: Samples = {group: [] for group in groups}
+    samples: list[Samples] = [{group: [] for group in groups} for _ in paths]
     for m in range(num_rollouts):
         rows = torch.tensor([m // world], device=batch.advantages.device)
         weight = 1.0 if rank == m % world else 0.0
         for group in groups:
-            result = measure_group(group_inputs(batch, rows, group, scale=weight), params, mode)
-            if result is not None:
-                samples[group].append(result)
+            inputs = group_inputs(batch, rows, group, scale=weight, velocities=reuse)
+            result = compare_to_exact(inputs, params, paths)
+            for per_path, value in zip(samples, result or []):
+                per_path[group].append(value)
     return samples
+
+
+def measure_trajectories(
+    batch: UpdateBatch, params: Sequence[nn.Parameter], *, num_rollouts: int, mode: str = "jagg"
+) -> Samples:
+    """(cos, rho) of ``mode`` per group of ``batch.settings.window`` for trajectories 0 .. num_rollouts - 1."""
+    return _measure(batch, params, num_rollouts=num_rollouts, paths=[(mode, False)])[0]
+
+
+def measure_staleness(
+    batch: UpdateBatch, params: Sequence[nn.Parameter], *, num_rollouts: int, mode: str = "jagg"
+) -> tuple[Samples, Samples]:
+    """(fresh, stale): (cos, rho) per group of ``mode`` recomputing its middle velocities, and of ``mode``
+    on the trajectory's kept velocities, both against the exact gradient at the current weights."""
+    fresh, stale = _measure(batch, params, num_rollouts=num_rollouts, paths=[(mode, False), (mode, True)])
+    return fresh, stale
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -195,12 +229,32 @@ def _pm(mean: float | None, std: float | None, width: int) -> str:
     return f"{'-':>{width}}{'':8}" if mean is None else f"{mean:>{width}.3f} ± {std:.3f}"
 
 
+def _statistics(g: GroupQuality) -> dict[str, Any]:
+    return {
+        "cos_mean": _finite(g.cos_mean),
+        "cos_std": _finite(g.cos_std),
+        "rho_mean": _finite(g.rho_mean),
+        "rho_std": _finite(g.rho_std),
+        "num_samples": g.num_samples,
+    }
+
+
 def report(
-    groups: Sequence[GroupQuality], *, mode: str, threshold: float, num_transitions: int, **extra: Any
+    groups: Sequence[GroupQuality],
+    *,
+    mode: str,
+    threshold: float,
+    num_transitions: int,
+    staleness: tuple[Sequence[GroupQuality], Sequence[GroupQuality]] | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
-    """The JSON report: the recommendation, and per group its statistics, samples and path under it."""
+    """The JSON report: the recommendation, and per group its statistics, samples and path under it.
+
+    ``staleness``: (fresh, stale) per group after an optimizer step (``measure_staleness``); each group
+    then reports both under ``after_step``.
+    """
     frac = recommend_jagg_frac(groups, threshold=threshold, num_transitions=num_transitions)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for index, g in enumerate(groups):
         rows.append(
             {
@@ -220,6 +274,9 @@ def report(
                 "rho": list(g.rho),
             }
         )
+    if staleness is not None:
+        for row, fresh, stale in zip(rows, *staleness, strict=True):
+            row["after_step"] = {"fresh": _statistics(fresh), "stale": _statistics(stale)}
     return {
         "mode": mode,
         "threshold": threshold,
@@ -231,19 +288,31 @@ def report(
 
 
 def format_table(rep: Mapping[str, Any]) -> str:
-    """Table 5 of the paper as text, and the recommendation."""
+    """Table 5 of the paper as text, and the recommendation (and the staleness columns when measured)."""
     mode = rep["mode"]
+    stale = all("after_step" in g for g in rep["groups"]) and bool(rep["groups"])
     header = f"{'group':>5}  {'steps':>7}  {'t':>11}  {f'cos(g_{mode}, g_exact)':>24}  {'rho':>15}  {'n':>3}  path"
+    if stale:
+        header += f"  {'fresh, 1 step':>22}  {'stale, 1 step':>22}"
     lines = [header]
     for g in rep["groups"]:
         mark = "*" if g["qualifies"] else " "
-        lines.append(
+        line = (
             f"{g['group']:>5}  {g['start']:>3}-{g['stop'] - 1:<3}  {g['t_first']:.3f}-{g['t_last']:.3f}  "
             f"{_pm(g['cos_mean'], g['cos_std'], 14)}{mark}  {_pm(g['rho_mean'], g['rho_std'], 7)}  "
-            f"{g['num_samples']:>3}  {g['path']}"
+            f"{g['num_samples']:>3}  {g['path']:<5}"
         )
+        if stale:
+            after = g["after_step"]
+            line += "".join(f"  {_pm(after[k]['cos_mean'], after[k]['cos_std'], 14)}" for k in ("fresh", "stale"))
+        lines.append(line.rstrip())
     lines.append(
         f"* mean cos >= {rep['threshold']}: recommended update.jagg_frac={rep['recommended_jagg_frac']} "
         f"(M = {rep['num_transitions']} trainable transitions)"
     )
+    if stale:
+        lines.append(
+            f"after one optimizer step on the rollout: cos(g_{mode}, g_exact) with the middle velocities "
+            "recomputed (fresh) and taken from the rollout (stale, update.reuse_velocities=stale)"
+        )
     return "\n".join(lines)

@@ -9,6 +9,11 @@ On each rank:
      train/update.py (exact or JAGG per group), one optimizer step per
      ``gradient_accumulation_steps`` samples, after clipping the global gradient norm.
 
+The rollout keeps its velocities when the JAGG path can reuse them (``update.reuse_velocities``):
+``fresh`` hands them to the update until an optimizer step has changed the weights, ``stale`` for the
+whole step. A skipped optimizer step leaves the weights, hence the velocities, valid. Nothing of them is
+checkpointed: a resumed step rolls out again and keeps them anew.
+
 A NaN or inf reward (``rewards.combine.NonFiniteRewardError``) or a non-finite gradient skips the
 update (all ranks together) instead of corrupting the weights.
 """
@@ -33,7 +38,9 @@ from train.update import UpdateBatch, UpdateSettings, UpdateStats, update_micro_
 log = logging.getLogger(__name__)
 
 
-def rollout_phase(run: Run, step: int) -> tuple[Trajectory, list[str]]:
+def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -> tuple[Trajectory, list[str]]:
+    """The step's rollout and its prompts; it keeps its velocities when ``keep_velocities`` says so,
+    by default when the update can reuse them."""
     cfg, backbone, device = run.cfg, run.backbone, run.device
     batch = run.prompts.batch(step)
     size = cfg.grpo.group_size
@@ -61,6 +68,7 @@ def rollout_phase(run: Run, step: int) -> tuple[Trajectory, list[str]]:
     sigmas = backbone.sigmas(s.num_steps, height=cfg.model.height, width=cfg.model.width, shift=s.shift)
     # SDE noise per group, from (seed, group id): the same samples however groups spread over ranks.
     sde_noise = [stream_generator(cfg.seed, "sde_noise", gid, device) for gid in batch.group_ids]
+    keep = UpdateSettings.from_config(cfg).keeps_velocities if keep_velocities is None else keep_velocities
     with torch.no_grad():
         cond = backbone.encode(batch.prompts).repeat(size)
         traj = rollout(
@@ -73,6 +81,9 @@ def rollout_phase(run: Run, step: int) -> tuple[Trajectory, list[str]]:
             quantize_timesteps=s.quantize_timesteps,
             generator=sde_noise,
             group_ids=torch.tensor(batch.group_ids, device=device).repeat_interleave(size),
+            keep_velocities=keep,
+            velocity_dtype=run.compute_dtype,  # the transformer's output precision: nothing is lost
+            velocity_device="cpu" if cfg.update.offload_velocities else None,
         )
     prompts = [p for p in batch.prompts for _ in range(size)]
     return traj, prompts
@@ -141,16 +152,19 @@ def update_phase(run: Run, traj: Trajectory, advantages: Tensor, step: int, time
             routing = run.router.refresh(step, batch, run.params)
     plan_gen = stream_generator(run.cfg.seed, "update_plan", step)  # same on every rank
     stats = UpdateStats()
-    norms, skipped = [], 0
+    norms, skipped, moved = [], 0, False
     for chunk in range(0, advantages.shape[0], g.gradient_accumulation_steps):
+        reuse = traj.velocities is not None and (batch.settings.reuse_velocities == "stale" or not moved)
         with timer.phase("update"):
             for first in range(chunk, chunk + g.gradient_accumulation_steps, g.micro_batch):
                 rows = torch.arange(first, first + g.micro_batch, device=run.device)
-                stats.merge(update_micro_batch(batch, rows, run.router.plan(traj, plan_gen)))
+                plan = run.router.plan(traj, plan_gen)
+                stats.merge(update_micro_batch(batch, rows, plan, reuse_velocities=reuse))
         with timer.phase("optimizer"):
             norm, stepped = optimizer_step(run)
             norms.append(norm)
             skipped += not stepped
+            moved |= stepped  # the kept velocities are no longer those of the current weights
     optimizer = {
         "train/grad_norm": sum(norms) / len(norms),
         "train/skipped_optimizer_steps": skipped,
@@ -170,6 +184,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             metrics |= update_phase(run, traj, advantages, step, timer)
     metrics |= timer.pop()
     metrics["count/rollout_forwards"] = run.cfg.sampler.num_steps
+    if traj.velocities is not None:  # what keeping them costs, per sample of the rollout, on every rank
+        metrics["memory/velocity_bytes_per_sample"] = traj.velocities[0].nbytes
     every = run.cfg.logging.sample_every
     if every and (step + 1) % every == 0:
         run.logger.log_images("samples", images, prompts, step)

@@ -8,7 +8,10 @@ loss
     L_k = PPO-clip(logp_theta(z_{k+1} | z_k), logp_old, A) + kl_beta * KL(mean_theta || mean_ref),
 
 scaled by (rows / gradient_accumulation_steps) / (trained transitions), so that one optimizer
-step sees the mean over its samples and their trained transitions. The step loss is a value:
+step sees the mean over its samples and their trained transitions. The KL reference runs one
+batched no-grad call per group, over its W steps. A jagg or jagg_sequential group takes its middle
+steps' velocities from the rollout when the caller says they are still valid
+(``update.reuse_velocities``, train/step.py) instead of recomputing them. The step loss is a value:
 it returns (scaled loss, metrics) and ``backward_group`` hands the metrics back per step, where
 ``UpdateStats`` sums them; its summary is over all ranks (means over every sample, maxima and
 minima where the name says so), so the logged curves do not depend on the number of ranks.
@@ -31,7 +34,7 @@ from samplers.rollout import Predict, Trajectory, transition
 from train.config import TrainConfig
 from train.distributed import all_reduce_max, all_reduce_sum
 from train.grpo import kl_to_reference, ppo_step_loss
-from train.jagg import BoundPredict, GroupPlan, GroupStats, Metrics, StepLoss, backward_group
+from train.jagg import MIDDLE_MODES, BoundPredict, GroupPlan, GroupStats, Metrics, StepLoss, backward_group
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class UpdateSettings:
     clip_range: float
     kl_beta: float
     gradient_accumulation_steps: int
+    reuse_velocities: str = "fresh"  # fresh | stale | off (train/config.py, update.reuse_velocities)
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> UpdateSettings:
@@ -52,7 +56,13 @@ class UpdateSettings:
             clip_range=cfg.grpo.clip_range,
             kl_beta=cfg.grpo.kl_beta,
             gradient_accumulation_steps=cfg.grpo.gradient_accumulation_steps,
+            reuse_velocities=cfg.update.reuse_velocities,
         )
+
+    @property
+    def keeps_velocities(self) -> bool:
+        """Whether the rollout keeps its velocities: only a path with middle steps (W > 2) reuses them."""
+        return self.reuse_velocities != "off" and self.mode in MIDDLE_MODES and self.window > 2
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,7 @@ class UpdateStats:
     grad_forwards: int = 0
     nograd_forwards: int = 0
     backward_calls: int = 0
+    reused_velocities: int = 0
     groups: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def add_group(self, mode: str, result: GroupStats, *, rows: int, reference_forwards: int = 0) -> None:
@@ -93,6 +104,7 @@ class UpdateStats:
         self.grad_forwards += result.grad_forwards
         self.nograd_forwards += result.nograd_forwards + reference_forwards
         self.backward_calls += result.backward_calls
+        self.reused_velocities += result.reused_velocities
         self.groups[mode] += 1
 
     def _add(self, name: str, value: float, rows: int) -> None:
@@ -116,6 +128,7 @@ class UpdateStats:
         self.grad_forwards += other.grad_forwards
         self.nograd_forwards += other.nograd_forwards
         self.backward_calls += other.backward_calls
+        self.reused_velocities += other.reused_velocities
 
     def summary(self, device: torch.device) -> dict[str, float]:
         """The logged metrics, over all ranks (two collectives; every rank must call it with the same
@@ -124,6 +137,7 @@ class UpdateStats:
             "count/grad_forwards": self.grad_forwards,
             "count/nograd_forwards": self.nograd_forwards,
             "count/backward_calls": self.backward_calls,
+            "count/reused_velocities": self.reused_velocities,
         }
         counters |= {f"count/groups_{mode}": num for mode, num in sorted(self.groups.items())}
         mean_names, max_names, min_names = sorted(self.sums), sorted(self.maxima), sorted(self.minima)
@@ -154,13 +168,17 @@ class GroupInputs:
     z: list[Tensor]  # W latents [rows, ...]
     t: Tensor  # [W] network-input timesteps
     num_reference_forwards: int  # steps the KL reference ran (without grad) to build step_loss
+    velocities: Tensor | None  # [W, rows, ...] the rollout's v of these steps, when asked for (maybe on the host)
 
 
-def group_inputs(batch: UpdateBatch, rows: Tensor, group: tuple[int, int], *, scale: float = 1.0) -> GroupInputs:
+def group_inputs(
+    batch: UpdateBatch, rows: Tensor, group: tuple[int, int], *, scale: float = 1.0, velocities: bool = False
+) -> GroupInputs:
     """The per-step GRPO loss of transitions [start, stop) of ``rows``, times ``scale``:
 
     L_k = PPO-clip(logp_theta(z_{k+1} | z_k), logp_old, A) + kl_beta * KL(mean_theta || mean_ref).
     Its metrics: ``loss`` (L_k before scaling), ``kl`` with a KL term, and ``ppo_step_loss``'s.
+    ``velocities``: hand back the trajectory's kept velocities of these steps too (it must hold them).
     """
     traj, settings = batch.traj, batch.settings
     cond = traj.cond.index(rows)
@@ -169,6 +187,11 @@ def group_inputs(batch: UpdateBatch, rows: Tensor, group: tuple[int, int], *, sc
     z = [traj.latents[rows, k] for k in ks]
     t = traj.timesteps[ks]
     ref_v = _reference_velocities(batch.reference, z, t, cond) if settings.kl_beta > 0 else None
+    kept = None
+    if velocities:
+        if traj.velocities is None:
+            raise ValueError("the rollout kept no velocities to reuse (rollout(..., keep_velocities=True))")
+        kept = traj.velocities[rows.to(traj.velocities.device), group[0] : group[1]].transpose(0, 1)
 
     def policy(z: Tensor, t: Tensor) -> Tensor:
         return batch.predict(z, t, _tiled(cond, z.shape[0]))
@@ -184,23 +207,36 @@ def group_inputs(batch: UpdateBatch, rows: Tensor, group: tuple[int, int], *, sc
             metrics = {**metrics, "kl": kl.detach()}
         return loss * scale, {"loss": loss.detach(), **metrics}
 
-    return GroupInputs(policy, step_loss, z, t, len(ks) if ref_v is not None else 0)
+    return GroupInputs(policy, step_loss, z, t, len(ks) if ref_v is not None else 0, kept)
 
 
-def update_micro_batch(batch: UpdateBatch, rows: Tensor, plan: list[GroupPlan]) -> UpdateStats:
-    """Accumulate into ``.grad`` the gradient of the micro-batch ``rows`` over the planned groups."""
+def update_micro_batch(
+    batch: UpdateBatch, rows: Tensor, plan: list[GroupPlan], *, reuse_velocities: bool = False
+) -> UpdateStats:
+    """Accumulate into ``.grad`` the gradient of the micro-batch ``rows`` over the planned groups.
+
+    ``reuse_velocities``: the weights are those that produced the trajectory's kept velocities (or the
+    caller accepts stale ones); the jagg and jagg_sequential groups then take their middle steps' v
+    from them instead of recomputing.
+    """
     trained = sum(p.stop - p.start for p in plan)
     scale = (len(rows) / batch.settings.gradient_accumulation_steps) / trained
     stats = UpdateStats()
     for group in plan:
-        inputs = group_inputs(batch, rows, (group.start, group.stop), scale=scale)
-        result = backward_group(group.mode, inputs.policy, inputs.step_loss, inputs.z, inputs.t)
+        reuse = reuse_velocities and group.mode in MIDDLE_MODES
+        inputs = group_inputs(batch, rows, (group.start, group.stop), scale=scale, velocities=reuse)
+        result = backward_group(
+            group.mode, inputs.policy, inputs.step_loss, inputs.z, inputs.t, velocities=inputs.velocities
+        )
         stats.add_group(group.mode, result, rows=len(rows), reference_forwards=inputs.num_reference_forwards)
     return stats
 
 
 @torch.no_grad()
 def _reference_velocities(reference: Predict | None, z: list[Tensor], t: Tensor, cond) -> list[Tensor]:
+    """The reference's v of the W steps, from one batched call over them (one FSDP gather per module)."""
     if reference is None:
         raise ValueError("grpo.kl_beta > 0 needs a reference policy")
-    return [reference(z_j, t_j.expand(z_j.shape[0]), cond) for z_j, t_j in zip(z, t)]
+    rows = z[0].shape[0]
+    v = reference(torch.cat(z), torch.cat([t_j.expand(rows) for t_j in t]), _tiled(cond, len(z) * rows))
+    return list(v.split(rows))
