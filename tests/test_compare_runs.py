@@ -237,6 +237,7 @@ def test_testbed_compare_sweeps_modes_and_seeds_then_compares(tmp_path):
     short = ["update=exact,jagg", "seed=0,1", "num_steps=1", "grpo.prompts_per_rank=1", "grpo.group_size=2"]
     short += ["grpo.micro_batch=2"]
     short += ["grpo.gradient_accumulation_steps=2", "data.num_eval_prompts=2", "eval.batch_size=2"]
+    short += ["eval.samples_per_prompt=1", "data.heldout_prompts=null"]
     short += ["logging.eval_every=1", "logging.sample_every=0", "checkpoint.export=false"]
     cmd = [sys.executable, "-m", "train", "-m", "experiment=testbed_compare", *short, f"hydra.sweep.dir={sweep}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -67,3 +67,23 @@ def test_samples_per_prompt_repeats_the_prompt_set_with_new_noise(tmp_path):
     assert records == ["a", "b", "c"] * 3
     cfg.data.num_eval_prompts = 2
     assert [r.prompt for r in read_eval_prompts(cfg)] == ["a", "b"] * 3
+
+
+def test_heldout_prompts_are_read_like_eval_prompts_and_logged_under_held_out(tmp_path):
+    from train.build import read_heldout_prompts
+    from train.config import TrainConfig
+    from train.trainer import _eval_keys
+
+    cfg = TrainConfig()
+    cfg.eval.samples_per_prompt = 2
+    assert read_heldout_prompts(cfg) == []
+    held = tmp_path / "held.txt"
+    held.write_text("x\ny\n")
+    cfg.data.heldout_prompts = str(held)
+    assert [r.prompt for r in read_heldout_prompts(cfg)] == ["x", "y", "x", "y"]
+    summary = {"shape_alignment": 0.5, "shape_alignment/pairs": 0.25}
+    assert _eval_keys(summary, "") == {"eval/shape_alignment": 0.5, "eval/shape_alignment/pairs": 0.25}
+    assert _eval_keys(summary, "/held-out") == {
+        "eval/shape_alignment/held-out": 0.5,
+        "eval/shape_alignment/held-out/pairs": 0.25,
+    }

@@ -55,6 +55,7 @@ class Run:
     compute_dtype: torch.dtype
     router: Router  # update.routing: which groups train and by which path (train/routing.py)
     eval_records: list[PromptRecord] | None = None  # built on the first evaluation
+    heldout_records: list[PromptRecord] | None = None
     eval_scorers: dict[str, Scorer] | None = None
 
 
@@ -169,6 +170,13 @@ def read_eval_prompts(cfg: TrainConfig) -> list[PromptRecord]:
     ``eval.samples_per_prompt`` times (item j * n + i is sample j of prompt i: its own noise)."""
     records = read_prompts(cfg.data.eval_prompts or cfg.data.train_prompts, field_name="data.eval_prompts")
     return records[: cfg.data.num_eval_prompts or None] * cfg.eval.samples_per_prompt
+
+
+def read_heldout_prompts(cfg: TrainConfig) -> list[PromptRecord]:
+    """``data.heldout_prompts`` (none when unset), each ``eval.samples_per_prompt`` times."""
+    if cfg.data.heldout_prompts is None:
+        return []
+    return read_prompts(cfg.data.heldout_prompts, field_name="data.heldout_prompts") * cfg.eval.samples_per_prompt
 
 
 def predictor(

@@ -116,6 +116,9 @@ class DataConfig:
     train_prompts: str = MISSING  # text file, one prompt per line
     eval_prompts: str | None = None  # text or jsonl ({"prompt", "category"}) file for evaluation
     num_eval_prompts: int = 0  # 0 = all of eval_prompts
+    # prompts kept out of training, evaluated with the eval prompts (as many samples each) and logged as
+    # eval/<metric>/held-out: whether training on a prompt subset generalises (null = none)
+    heldout_prompts: str | None = None
 
 
 @dataclass
@@ -292,6 +295,7 @@ def _validate_files(cfg: TrainConfig) -> None:
     for field_name, value in (
         ("data.train_prompts", cfg.data.train_prompts),
         ("data.eval_prompts", cfg.data.eval_prompts),
+        ("data.heldout_prompts", cfg.data.heldout_prompts),
     ):
         if value is None:
             continue

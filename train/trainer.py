@@ -26,6 +26,7 @@ from train.build import (
     policy_predictor,
     process_group,
     read_eval_prompts,
+    read_heldout_prompts,
 )
 from train.checkpoint import export_model
 from train.evaluation import evaluate
@@ -64,23 +65,40 @@ def resume(run: Run) -> int:
 
 
 def run_eval(run: Run, step: int) -> dict[str, float]:
-    """The evaluation protocol of train/evaluation.py on all ranks, with the EMA weights when kept."""
-    if run.eval_records is None or run.eval_scorers is None:
+    """The evaluation protocol of train/evaluation.py on all ranks, with the EMA weights when kept:
+    eval/<metric> on the evaluation prompts, eval/<metric>/held-out on data.heldout_prompts."""
+    if run.eval_records is None or run.heldout_records is None or run.eval_scorers is None:
         run.eval_records = read_eval_prompts(run.cfg)
+        run.heldout_records = read_heldout_prompts(run.cfg)
         run.eval_scorers = build_eval_scorers(run.cfg, run.device)
+    sets = {"": run.eval_records, "/held-out": run.heldout_records}
+    metrics = {}
     swap = run.ema.swapped() if run.ema is not None else nullcontext()
     with swap:
-        summary = evaluate(
-            run.backbone,
-            policy_predictor(run),
-            run.eval_scorers,
-            run.eval_records,
-            run.cfg,
-            run.dist,
-            device=run.device,
-            tag=f"step_{step:08d}",
-        )
-    return {f"eval/{name}": value for name, value in summary.items()}
+        for suffix, records in sets.items():
+            if not records:
+                continue
+            summary = evaluate(
+                run.backbone,
+                policy_predictor(run),
+                run.eval_scorers,
+                records,
+                run.cfg,
+                run.dist,
+                device=run.device,
+                tag=f"step_{step:08d}{suffix.replace('/', '_')}",
+            )
+            metrics.update(_eval_keys(summary, suffix))
+    return metrics
+
+
+def _eval_keys(summary: dict[str, float], suffix: str) -> dict[str, float]:
+    """eval/<metric><suffix>[/<category>] for a summary's <metric>[/<category>] keys."""
+    keyed = {}
+    for key, value in summary.items():
+        metric, _, category = key.partition("/")
+        keyed[f"eval/{metric}{suffix}" + (f"/{category}" if category else "")] = value
+    return keyed
 
 
 def fit(run: Run) -> None:
