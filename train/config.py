@@ -94,7 +94,9 @@ class GRPOConfig:
     adv_clip_max: float = 5.0  # advantages are clamped to +-adv_clip_max
     adv_eps: float = 1e-8  # added to the group std
     global_std: bool = False  # normalize by the std of all rewards of the step (all ranks) instead of per group
-    kl_beta: float = 0.0  # weight of the KL to the reference policy (0 = off, no reference forwards)
+    # Flow-GRPO's beta (the paper's Table 4 values as they are): beta * mean (mu - mu_ref)^2 / (2 g^2) over the
+    # trained steps' transition means, g the step's diffusion coefficient (0 = off, no reference forwards)
+    kl_beta: float = 0.0
     lr: float = 1e-5  # AdamW learning rate
     weight_decay: float = 1e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
