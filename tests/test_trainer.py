@@ -267,7 +267,14 @@ def test_two_ranks_log_and_train_as_one_process(tiny_flux, tmp_path):
     import subprocess
     import sys
 
-    common = [f"model.path={tiny_flux}", *SMALL, "num_steps=2", "grpo.kl_beta=0.1"]
+    from rewards.tiny import save_tiny_clip
+
+    clip = save_tiny_clip(tmp_path / "clip", seed=0)
+    # A JPEG's size moves by whole bytes when one pixel crosses a rounding step: two rank layouts, whose
+    # weights differ by float rounding after step 0, can then draw a byte apart and every later metric
+    # follows. A tiny CLIPScore is a smooth reward, so both layouts must agree to rounding on every step.
+    reward = ["~reward.components.jpeg_compressibility", f"+reward.components.clipscore.model_path={clip}"]
+    common = [f"model.path={tiny_flux}", *SMALL, "num_steps=2", "grpo.kl_beta=0.1", *reward]
     cases = {name: [*common, *extra, f"run_dir={tmp_path / 'two' / name}"] for name, extra in MULTI_RANK.items()}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     worker = ROOT / "tests" / "trainer_worker.py"
@@ -290,6 +297,7 @@ def test_two_ranks_log_and_train_as_one_process(tiny_flux, tmp_path):
             [
                 "num_steps=2",
                 "grpo.kl_beta=0.1",
+                *reward,
                 *extra,
                 "grpo.prompts_per_rank=2",
                 "grpo.gradient_accumulation_steps=8",
@@ -309,4 +317,6 @@ def test_two_ranks_log_and_train_as_one_process(tiny_flux, tmp_path):
         moved = max((a[k] - base[k] if k in base else a[k] * ("lora_B" in k)).abs().max().item() for k in a)
         assert moved > 1e-5, name
         for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=0, atol=moved * 1e-3, msg=f"{name} {key}")
+            # AdamW divides every element's gradient by that element's own RMS, so an element whose gradient
+            # is at rounding level moves by a rounding-decided amount: measured 1% of `moved` at worst
+            torch.testing.assert_close(b[key], a[key], rtol=0, atol=moved * 5e-2, msg=f"{name} {key}")
