@@ -36,6 +36,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from train.cli import report
+from train.errors import UserError
+
 PHASES = ("rollout", "reward", "update", "optimizer", "probe")
 WANDB_PREFIX = "wandb:"
 
@@ -321,9 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         print(compare(args), end="")
-    except (FileNotFoundError, ValueError) as err:
-        print(f"train.compare: error: {err}", file=sys.stderr)
-        return 2
+    except (FileNotFoundError, ValueError) as err:  # raised by this module's checks, naming the run and the fix
+        return report(UserError(str(err)), "train.compare")
     return 0
 
 

@@ -11,6 +11,7 @@ commands print as one line.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -248,6 +249,20 @@ def _check_finite(node: object, prefix: str) -> None:
         _check_finite(value, name)
 
 
+def _check_known_keys(node: object, prefix: str) -> None:
+    """A key added with ``+group.key=value`` that no dataclass declares would be silently ignored: reject it."""
+    if not is_dataclass(node):
+        return
+    declared = {f.name for f in fields(node)}
+    for key in vars(node):
+        if key not in declared:
+            close = difflib.get_close_matches(key, sorted(declared), n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            raise ConfigError(f"{prefix}{key} is not a setting of {type(node).__name__}{hint} (train/config.py)")
+    for name in declared:
+        _check_known_keys(getattr(node, name), f"{prefix}{name}.")
+
+
 def trainable_transitions(sampler: SamplerConfig, window_start: int | None = None) -> list[int]:
     """Trainable transitions of a rollout: the SDE steps, without the last (ignored) transition."""
     last = sampler.num_steps - 1
@@ -410,6 +425,7 @@ def validate(cfg: TrainConfig, *, known_scorers: tuple[str, ...], known_backbone
 
     Raises ConfigError (a ValueError) for a setting, PathError (a FileNotFoundError) for a missing file.
     """
+    _check_known_keys(cfg, "")
     _check_finite(cfg, "")
     _validate_model(cfg.model, known_backbones)
     _validate_sampler(cfg.sampler)
