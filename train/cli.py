@@ -136,7 +136,7 @@ def hydra_message(err: Exception) -> str:
     full_key = getattr(cause, "full_key", None)
     first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
     schema = getattr(cause, "object_type", None)
-    if "not in" in first and full_key and is_dataclass(schema):
+    if "not in" in first and full_key and isinstance(schema, type) and is_dataclass(schema):
         parent, _, key = full_key.rpartition(".")
         close = difflib.get_close_matches(key, [f.name for f in fields(schema)], n=1)
         hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
