@@ -63,14 +63,26 @@ class Run:
     eval_scorers: dict[str, Scorer] | None = None
 
 
+def _missing(tree: Any, name: str = "") -> list[str]:
+    """Keys whose value is ``???`` (read without resolving interpolations, which would stop at the first)."""
+    if isinstance(tree, dict):
+        children = [(f"{name}.{key}" if name else str(key), value) for key, value in tree.items()]
+    elif isinstance(tree, list):
+        children = [(f"{name}[{i}]", value) for i, value in enumerate(tree)]
+    else:
+        return [name] if tree == "???" else []
+    return [key for child, value in children for key in _missing(value, child)]
+
+
 def load_config(cfg: DictConfig) -> TrainConfig:
     """The typed config of a composed Hydra tree, validated (no model is loaded)."""
+    missing = _missing(OmegaConf.to_container(cfg, resolve=False))
+    if missing:  # the experiment leaves them ??? (local paths the user must give)
+        raise ConfigError(f"required settings have no value: {', '.join(missing)}; pass each as <key>=<value>")
     try:
         config = cast(TrainConfig, OmegaConf.to_object(cfg))
-    except OmegaConfBaseException as err:  # a required path left as ??? by the experiment, an interpolation
+    except OmegaConfBaseException as err:  # e.g. an interpolation that does not resolve
         key = getattr(err, "full_key", None)
-        if "Missing mandatory value" in str(err) or "missing mandatory value" in str(err):
-            raise ConfigError(f"{key} is required: pass {key}=<value> (the experiment leaves it ???)") from None
         raise ConfigError(f"{key}: {str(err).splitlines()[0]}" if key else str(err).splitlines()[0]) from None
     validate(config, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()))
     return config

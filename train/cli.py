@@ -82,11 +82,13 @@ def collective_failure(err: BaseException) -> str | None:
     The collective is read from the traceback: the innermost frame of torch.distributed or
     train/distributed.py named after one, and the innermost frame of this project that called it.
     """
+    frames = traceback.extract_tb(err.__traceback__)
+    if not any("torch/distributed" in frame.filename for frame in frames):
+        return None  # raised outside a collective: not for this message
     text = str(err)
     what = next((w for pattern, w in _COLLECTIVE_FAILURES if pattern.search(text)), None)
     if what is None:
         return None
-    frames = traceback.extract_tb(err.__traceback__)
     collective, caller = "a collective", None
     for frame in reversed(frames):
         in_dist = "torch/distributed" in frame.filename or frame.filename.endswith("train/distributed.py")

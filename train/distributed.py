@@ -80,12 +80,13 @@ _context = _Context()
 
 @contextmanager
 def activity(label: str) -> Iterator[None]:
-    """Name what the block does ("training step 3"), so a collective that times out in it says so."""
+    """Name what the block does ("training step 3"), so a collective that times out in it says so.
+
+    An exception leaves the label in place: the command reports it after the blocks have unwound.
+    """
     outer, _context.activity = _context.activity, label
-    try:
-        yield
-    finally:
-        _context.activity = outer
+    yield
+    _context.activity = outer
 
 
 def collective_context() -> tuple[str, float | None]:
@@ -111,6 +112,7 @@ def init_distributed(backend: str | None = None, *, timeout_s: float | None = No
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    _context.activity = "start-up"
     if world_size > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
         dist.init_process_group(backend=backend, device_id=device if use_cuda else None, timeout=timeout)

@@ -148,10 +148,10 @@ def fit(run: Run) -> None:
             for step in range(start, cfg.num_steps):
                 with activity(f"training step {step}"):
                     metrics = train_step(run, step)
-                run.logger.log(metrics, step)
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics.get('reward/total', float('nan')):.4f}")
-                _after_step(run, step + 1, preemption)
+                    run.logger.log(metrics, step)
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics.get('reward/total', float('nan')):.4f}")
+                    _after_step(run, step + 1, preemption)
         finally:
             bar.close()
     if cfg.checkpoint.export:
