@@ -67,7 +67,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from train.distributed import barrier, gather_objects, get_rank, get_world_size, is_distributed
+from train.distributed import barrier, broadcast_object, gather_objects, get_rank, get_world_size, is_distributed
 from train.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,9 @@ class CheckpointManager:
                 )
             return [Path(resume)]
         found, damaged = [], []
-        for path in reversed(self.complete()):
+        # Rank 0's listing for every rank: each candidate is checked by a collective, so all ranks must
+        # walk the same list even when a shared file system shows them the folder at different moments.
+        for path in broadcast_object(list(reversed(self.complete()))):
             problem = self.problem(path)
             if problem:
                 log.warning("resume=auto: skipping the damaged %s", problem)
@@ -252,8 +254,8 @@ class CheckpointManager:
             if problem:
                 return problem
         name = "rank0.pt" if world != get_world_size() else f"rank{get_rank()}.pt"
-        try:
-            local = torch.load(path / name, weights_only=False)
+        try:  # memory-mapped: the check reads the pickled structure, not every tensor of the file
+            local = torch.load(path / name, weights_only=False, mmap=True)
         except FileNotFoundError:
             return f"{name} is missing"
         # Whatever torch.load raises on a cut or overwritten file (zip, pickle, OS errors), the file is damaged.
