@@ -128,10 +128,14 @@ def unique_prompts(prompts: Sequence[str]) -> tuple[list[str], Tensor]:
     return list(index), torch.tensor(inverse, dtype=torch.long)
 
 
-def build_scorer(name: str, **kwargs: object) -> Scorer:
-    """Build the scorer registered under ``name`` with its constructor's keyword arguments."""
+def scorer_class(name: str) -> type[Scorer]:
+    """The class registered under ``name`` (its module is imported on first use)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown reward {name!r}; accepted names: {', '.join(SCORER_NAMES)}")
     module_name, class_name = _REGISTRY[name].split(":")
-    scorer_class = getattr(importlib.import_module(module_name), class_name)
-    return scorer_class(**kwargs)
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def build_scorer(name: str, **kwargs: object) -> Scorer:
+    """Build the scorer registered under ``name`` with its constructor's keyword arguments."""
+    return scorer_class(name)(**kwargs)

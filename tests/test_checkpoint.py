@@ -20,6 +20,7 @@ import train.checkpoint as checkpoint
 from train.checkpoint import CheckpointManager, export_model
 from train.distributed import parallelize
 from train.ema import EMA
+from train.errors import CheckpointError
 
 
 def tiny_flux() -> FluxTransformer2DModel:
@@ -137,9 +138,9 @@ def test_resolve_resume(tmp_path, trained) -> None:
     path = manager.save(3, model=model, optimizer=optimizer, extra={})
     assert manager.resolve("auto") == path
     assert manager.resolve(str(path)) == path
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+    with pytest.raises(CheckpointError, match="nowhere: it is not a folder"):
         manager.resolve(str(tmp_path / "nowhere"))
-    with pytest.raises(FileNotFoundError, match="COMPLETE"):
+    with pytest.raises(CheckpointError, match="COMPLETE"):
         manager.load(tmp_path / "nowhere", model=model, optimizer=optimizer)
 
 

@@ -158,3 +158,27 @@ def test_progress_bar_only_on_rank_zero() -> None:
     bar = progress_bar(10, is_main=True, initial=3)
     assert not bar.disable and bar.n == 3
     bar.close()
+
+
+def test_rewind_drops_the_rows_a_resumed_run_replays(tmp_path) -> None:
+    """Resumed at step 2: training rows of steps >= 2 go, the evaluation after 2 steps stays (it was logged
+    before the checkpoint of step 2), and a line cut short by a crash goes; resumed at 0 everything goes."""
+    logger = RunLogger(tmp_path, is_main=True)
+    for step, metrics in [(0, {"eval/r": 1}), (0, {"loss": 1}), (1, {"loss": 2}), (2, {"eval/r": 3}), (2, {"loss": 4})]:
+        logger.log(metrics, step)
+    logger._file.write('{"step": 3, "lo')  # the crash
+    logger._file.flush()
+    assert logger.rewind(2) == 2
+    logger.log({"loss": 5}, 2)
+    logger.finish()
+    assert [(row["step"], row.get("loss")) for row in read_lines(tmp_path)] == [
+        (0, None),
+        (0, 1),
+        (1, 2),
+        (2, None),
+        (2, 5),
+    ]
+    again = RunLogger(tmp_path, is_main=True)
+    assert again.rewind(0) == 5 and read_lines(tmp_path) == []
+    again.finish()
+    assert RunLogger(tmp_path, is_main=False).rewind(0) == 0

@@ -10,6 +10,8 @@ rollout, the update and the evaluation call.
 from __future__ import annotations
 
 import copy
+import inspect
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -18,12 +20,13 @@ from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch import Tensor, nn
 
 from models.base import Backbone, Conditioning, parse_dtype
 from models.registry import backbone_names, load_backbone
 from models.tiny import build_tiny
-from rewards.base import SCORER_NAMES, Scorer, build_scorer
+from rewards.base import SCORER_NAMES, Scorer, build_scorer, scorer_class
 from rewards.combine import RewardCombiner
 from samplers.rollout import Predict
 from train.checkpoint import CheckpointManager
@@ -31,6 +34,7 @@ from train.config import TrainConfig, validate
 from train.data import PromptRecord, PromptSampler, read_prompts
 from train.distributed import DistInfo, broadcast_object, init_distributed, parallelize, shutdown
 from train.ema import EMA
+from train.errors import ConfigError, PathError
 from train.logger import RunLogger
 from train.routing import Router, build_router
 from train.seeds import seed_everything, stream_seed
@@ -54,26 +58,95 @@ class Run:
     reference: nn.Module | None  # frozen copy for the KL term of full fine-tuning; None with LoRA or no KL
     compute_dtype: torch.dtype
     router: Router  # update.routing: which groups train and by which path (train/routing.py)
+    resume_from: list[Path]  # the checkpoints ``resume`` names that passed the file checks, newest first
     eval_records: list[PromptRecord] | None = None  # built on the first evaluation
     heldout_records: list[PromptRecord] | None = None
     eval_scorers: dict[str, Scorer] | None = None
 
 
+def _missing(tree: Any, name: str = "") -> list[str]:
+    """Keys whose value is ``???`` (read without resolving interpolations, which would stop at the first)."""
+    if isinstance(tree, dict):
+        children = [(f"{name}.{key}" if name else str(key), value) for key, value in tree.items()]
+    elif isinstance(tree, list):
+        children = [(f"{name}[{i}]", value) for i, value in enumerate(tree)]
+    else:
+        return [name] if tree == "???" else []
+    return [key for child, value in children for key in _missing(value, child)]
+
+
 def load_config(cfg: DictConfig) -> TrainConfig:
     """The typed config of a composed Hydra tree, validated (no model is loaded)."""
-    config = cast(TrainConfig, OmegaConf.to_object(cfg))
+    missing = _missing(OmegaConf.to_container(cfg, resolve=False))
+    if missing:  # the experiment leaves them ??? (local paths the user must give)
+        raise ConfigError(f"required settings have no value: {', '.join(missing)}; pass each as <key>=<value>")
+    try:
+        config = cast(TrainConfig, OmegaConf.to_object(cfg))
+    except OmegaConfBaseException as err:  # e.g. an interpolation that does not resolve
+        key = getattr(err, "full_key", None)
+        raise ConfigError(f"{key}: {str(err).splitlines()[0]}" if key else str(err).splitlines()[0]) from None
     validate(config, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()))
     return config
 
 
 @contextmanager
-def process_group() -> Iterator[DistInfo]:
-    """torchrun's process group (none for one process) for the duration of a command."""
-    dist = init_distributed()
+def process_group(timeout_s: float | None = None) -> Iterator[DistInfo]:
+    """torchrun's process group (none for one process) for the duration of a command.
+
+    timeout_s: ``dist.timeout_s``, how long a collective waits for the other ranks.
+    """
+    dist = init_distributed(timeout_s=timeout_s)
     try:
         yield dist
     finally:
         shutdown()
+
+
+@contextmanager
+def _settings(field_name: str) -> Iterator[None]:
+    """A ValueError or FileNotFoundError raised while building from ``field_name``'s values is about them.
+
+    The adapters and scorers check their arguments and name the file or option that is wrong;
+    here that becomes the user error it is (its traceback stays on the exception's cause).
+    """
+    try:
+        yield
+    except FileNotFoundError as err:
+        raise PathError(f"{field_name}: {err}") from err
+    except ValueError as err:
+        raise ConfigError(f"{field_name}: {err}") from err
+
+
+def _unwritable(run_dir: Path) -> str | None:
+    """Why the run folder or its checkpoints/ cannot be written, or None (tried by creating a file)."""
+    for folder in (run_dir, run_dir / "checkpoints"):
+        probe = folder / f".write_test_{os.getpid()}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            return f"cannot write in {folder} ({err.strerror})"
+    return None
+
+
+def preflight(cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, *, max_step: int | None) -> list[Path]:
+    """The checks that need the run folder, before any model loads; returns the checkpoints to resume from.
+
+    Rank 0 writes the run folder and its checkpoints: it tries, and every rank gets the verdict. The
+    checkpoints ``resume`` names are checked file by file (``CheckpointManager.usable``); a training
+    run must not start from a checkpoint past its last step (``max_step``, num_steps).
+    """
+    problem = broadcast_object(_unwritable(Path(cfg.run_dir)) if dist.is_main else None)
+    if problem:
+        raise ConfigError(f"run_dir={cfg.run_dir!r}: {problem}; pass a writable hydra.run.dir=<folder>")
+    found = checkpoints.usable(cfg.resume)
+    if found and max_step is not None and checkpoints.step_of(found[0]) > max_step:
+        raise ConfigError(
+            f"resume={cfg.resume}: checkpoint {found[0]} holds step {checkpoints.step_of(found[0])}, past "
+            f"num_steps={max_step}: set num_steps to at least that to train on, or use a new run folder"
+        )
+    return found
 
 
 def resolve_device(cfg: TrainConfig, dist: DistInfo) -> torch.device:
@@ -95,16 +168,18 @@ def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Ba
     """
     if cfg.model.build_tiny is not None:
         if dist.is_main:
-            build_tiny(cfg.model.name, cfg.model.path, size=cfg.model.build_tiny)
+            with _settings("model.build_tiny"):
+                build_tiny(cfg.model.name, cfg.model.path, size=cfg.model.build_tiny)
         broadcast_object(None)  # the other ranks wait for the folder
-    backbone = load_backbone(
-        cfg.model.name,
-        cfg.model.path,
-        dtype=parse_dtype(cfg.model.dtype),
-        device=device,
-        embedding_cache=cfg.model.embedding_cache,
-        **cfg.model.options,
-    )
+    with _settings("model"):
+        backbone = load_backbone(
+            cfg.model.name,
+            cfg.model.path,
+            dtype=parse_dtype(cfg.model.dtype),
+            device=device,
+            embedding_cache=cfg.model.embedding_cache,
+            **cfg.model.options,
+        )
     if next(backbone.transformer.parameters()).dtype != torch.float32:  # float32 master weights
         backbone.transformer.to(torch.float32)
     return backbone
@@ -148,11 +223,21 @@ def setup_trainable(cfg: TrainConfig, backbone: Backbone) -> tuple[list[nn.Param
     return [p for p in transformer.parameters() if p.requires_grad], reference
 
 
+def _scorer(field_name: str, name: str, kwargs: dict[str, Any], device: torch.device) -> Scorer:
+    """Scorer ``name`` built from the settings under ``field_name``, its arguments checked first."""
+    try:
+        inspect.signature(scorer_class(name)).bind(**kwargs)
+    except TypeError as err:
+        raise ConfigError(f"{field_name}: {err} (the scorer's arguments are in docs/rewards.md)") from None
+    with _settings(field_name):
+        return build_scorer(name, **kwargs).to(device)
+
+
 def build_rewards(cfg: TrainConfig, device: torch.device) -> RewardCombiner:
     """Every reward model is replicated on every rank: scoring is data-parallel and frozen."""
     components = {
         name: (
-            build_scorer(name, **{k: v for k, v in comp.items() if k != "weight"}).to(device),
+            _scorer(f"reward.components.{name}", name, {k: v for k, v in comp.items() if k != "weight"}, device),
             float(comp.get("weight", 1.0)),
         )
         for name, comp in cfg.reward.components.items()
@@ -162,7 +247,9 @@ def build_rewards(cfg: TrainConfig, device: torch.device) -> RewardCombiner:
 
 def build_eval_scorers(cfg: TrainConfig, device: torch.device) -> dict[str, Scorer]:
     """The evaluation metrics of ``eval.scorers`` (name -> constructor arguments)."""
-    return {name: build_scorer(name, **kwargs).to(device) for name, kwargs in cfg.eval.scorers.items()}
+    return {
+        name: _scorer(f"eval.scorers.{name}", name, dict(kwargs), device) for name, kwargs in cfg.eval.scorers.items()
+    }
 
 
 def read_eval_prompts(cfg: TrainConfig) -> list[PromptRecord]:
@@ -230,10 +317,13 @@ def reference_predictor(run: Run) -> Predict | None:
     return predict
 
 
-def build_run(cfg: TrainConfig, dist: DistInfo) -> Run:
+def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run:
+    """The run state; ``training``: refuse a checkpoint past num_steps (the probe only measures one)."""
     seed_everything(cfg.seed, dist.rank)
     run_dir = Path(broadcast_object(cfg.run_dir))  # every rank writes where rank 0 does
     cfg.run_dir = str(run_dir)
+    checkpoints = CheckpointManager(run_dir, keep_last=cfg.checkpoint.keep_last)
+    resume_from = preflight(cfg, dist, checkpoints, max_step=cfg.num_steps if training else None)
     device = resolve_device(cfg, dist)
     records = read_prompts(cfg.data.train_prompts)
     rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds
@@ -263,18 +353,19 @@ def build_run(cfg: TrainConfig, dist: DistInfo) -> Run:
         prompts=PromptSampler(
             records, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, prompts_per_rank=g.prompts_per_rank
         ),
-        checkpoints=CheckpointManager(run_dir, keep_last=cfg.checkpoint.keep_last),
+        checkpoints=checkpoints,
         logger=logger,
         reference=reference,
         compute_dtype=parse_dtype(cfg.model.dtype),
         router=build_router(cfg.update),
+        resume_from=resume_from,
     )
 
 
 @contextmanager
-def open_run(cfg: TrainConfig, dist: DistInfo) -> Iterator[Run]:
+def open_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Iterator[Run]:
     """``build_run``, and the logger finished however the block ends."""
-    run = build_run(cfg, dist)
+    run = build_run(cfg, dist, training=training)
     try:
         yield run
     finally:

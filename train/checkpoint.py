@@ -15,6 +15,14 @@ Atomicity: every rank writes into ``step_XXXXXXXX.tmp/``; after a barrier, rank 
 system). A crash at any earlier point leaves only a ``.tmp`` folder, which ``latest()`` ignores and
 the next save deletes, so the previous checkpoint stays the latest usable one.
 
+Damage after the fact (a disk error, a copy cut short, a file overwritten) is caught before any model
+loads by ``usable``: the marker must be the JSON written here, ``.metadata`` must read, every
+``.distcp`` shard must be as long as the metadata says and each rank's ``rank<r>.pt`` must load.
+What only reading the tensors shows (a shard of the right length holding zeros) and a checkpoint
+that does not fit the model (another size, LoRA against full weights) raise ``CheckpointError`` from
+``load``, saying which. The ranks agree on every verdict, so they resume from the same checkpoint;
+with ``resume=auto`` a damaged one is reported and the previous complete one is used.
+
 In a single process there is no process group: DCP is called with ``no_dist=True`` (it would
 otherwise guess the same; its warning is silenced) and ``get_state_dict`` works on the unsharded model.
 
@@ -28,6 +36,7 @@ with the pipeline component, loadable with ``pipe.load_lora_weights`` or
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 import shutil
@@ -46,6 +55,7 @@ from peft import PeftModel
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 from torch import Tensor, nn
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -57,10 +67,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from train.distributed import barrier, broadcast_object, get_rank, get_world_size, is_distributed
+from train.distributed import barrier, broadcast_object, gather_objects, get_rank, get_world_size, is_distributed
+from train.errors import CheckpointError
 
+log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _MARKER = "COMPLETE"
+_RANK_FILE_KEYS = {"step", "world_size", "extra", "rng", "sharded_extra_keys"}
 
 
 def _split_extra(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -160,19 +173,117 @@ class CheckpointManager:
         return found[-1] if found else None
 
     def resolve(self, resume: str | None) -> Path | None:
-        """The checkpoint to resume from: None/"" -> none, "auto" -> latest (or none), else a path.
+        """The checkpoint to resume from: None/"" -> none, "auto" -> the latest usable one (or none), else a path.
 
-        A collective: rank 0 decides and every rank gets the same answer.
+        A collective: every rank gets the same answer (see ``usable``).
+        """
+        found = self.usable(resume)
+        return found[0] if found else None
+
+    def usable(self, resume: str | None) -> list[Path]:
+        """The checkpoints ``resume`` names whose files are whole, newest first; a collective.
+
+        None or "" -> none. A path -> [path], or CheckpointError naming what is wrong with it. "auto"
+        -> every complete checkpoint of this run that passes the check (a damaged one is logged and
+        skipped); CheckpointError when there are some and every one is damaged.
         """
         if resume in (None, ""):
-            return None
-        choice = self.latest() if resume == "auto" else Path(resume)
-        if choice is not None and not (choice / _MARKER).is_file():
-            raise FileNotFoundError(
-                f"resume={resume}: {choice} is not a complete checkpoint (no {_MARKER} file); "
-                "use resume=auto or a step_XXXXXXXX folder under <run_dir>/checkpoints"
+            return []
+        if resume != "auto":
+            problem = self.problem(Path(resume))
+            if problem:
+                raise CheckpointError(
+                    f"resume={resume}: {problem}; resume from another checkpoint, or use resume=auto",
+                    damaged=True,
+                )
+            return [Path(resume)]
+        found, damaged = [], []
+        # Rank 0's listing for every rank: each candidate is checked by a collective, so all ranks must
+        # walk the same list even when a shared file system shows them the folder at different moments.
+        for path in broadcast_object(list(reversed(self.complete()))):
+            problem = self.problem(path)
+            if problem:
+                log.warning("resume=auto: skipping the damaged %s", problem)
+                damaged.append(problem)
+            else:
+                found.append(path)
+        if damaged and not found:
+            raise CheckpointError(
+                f"resume=auto: no checkpoint under {self.root} can be resumed from ({'; '.join(damaged)}); "
+                "delete the damaged ones to start from step 0",
+                damaged=True,
             )
-        return broadcast_object(choice)
+        return found
+
+    def problem(self, path: Path) -> str | None:
+        """What is wrong with the files of checkpoint ``path`` on any rank ("checkpoint <path>: ..."), or None.
+
+        A collective. Rank 0 checks the shared files (marker, metadata, shard lengths), every rank its
+        own ``rank<r>.pt``; nothing is loaded into a model.
+        """
+        local = self._local_problem(path)
+        problems = [(rank, p) for rank, p in enumerate(gather_objects(local)) if p]
+        if not problems:
+            return None
+        rank, problem = problems[0]
+        return f"checkpoint {path}: {problem}{f' (seen by rank {rank})' if rank else ''}"
+
+    def step_of(self, path: Path) -> int:
+        """The step a checkpoint holds, from its marker (``problem`` found nothing wrong with it)."""
+        return int(json.loads((path / _MARKER).read_text())["step"])
+
+    def _local_problem(self, path: Path) -> str | None:
+        if not path.is_dir():
+            return "it is not a folder"
+        marker = path / _MARKER
+        if not marker.is_file():
+            return f"it has no {_MARKER} marker (an interrupted save, or not a checkpoint folder)"
+        text = marker.read_bytes()[:200]
+        try:
+            info = json.loads(text)
+            step, world = info["step"], info["world_size"]
+        except (ValueError, KeyError, TypeError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            return f"its {_MARKER} marker is not the JSON the trainer writes ({text[:40]!r})"
+        if not isinstance(step, int) or not isinstance(world, int) or world < 1:
+            return f"its {_MARKER} marker holds step={step!r}, world_size={world!r}; expected integers"
+        match = _STEP_DIR.match(path.name)
+        if match and int(match.group(1)) != step:
+            return f"its {_MARKER} marker says step {step}, its folder name step {int(match.group(1))}"
+        if get_rank() == 0:
+            problem = self._shard_problem(path)
+            if problem:
+                return problem
+        name = "rank0.pt" if world != get_world_size() else f"rank{get_rank()}.pt"
+        try:  # memory-mapped: the check reads the pickled structure, not every tensor of the file
+            local = torch.load(path / name, weights_only=False, mmap=True)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        # Whatever torch.load raises on a cut or overwritten file (zip, pickle, OS errors), the file is damaged.
+        except Exception as err:
+            return f"{name} cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:80]})"
+        if not isinstance(local, dict) or not _RANK_FILE_KEYS <= set(local) or local["step"] != step:
+            return f"{name} is not the rank file of step {step}"
+        return None
+
+    @staticmethod
+    def _shard_problem(path: Path) -> str | None:
+        """The metadata must read and every shard must be as long as the byte ranges it lists."""
+        if not (path / ".metadata").is_file():
+            return "it has no .metadata file (the index of its .distcp shards)"
+        try:
+            metadata = FileSystemReader(str(path)).read_metadata()
+        except Exception as err:  # any failure to unpickle the index means the file is damaged
+            return f".metadata cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:80]})"
+        needed: dict[str, int] = {}
+        for info in (metadata.storage_data or {}).values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for name, size in sorted(needed.items()):
+            shard = path / name
+            if not shard.is_file():
+                return f"{name} is missing"
+            if shard.stat().st_size < size:
+                return f"{name} is truncated ({shard.stat().st_size} of {size} bytes)"
+        return None
 
     def save(self, step: int, *, model: nn.Module, optimizer: Optimizer | None, extra: dict[str, Any]) -> Path:
         """Write a checkpoint of step ``step`` on every rank (a collective); return its folder."""
@@ -224,7 +335,7 @@ class CheckpointManager:
         """
         path = Path(path)
         if not (path / _MARKER).is_file():
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {_MARKER} file)")
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {_MARKER} file)", damaged=True)
         local = self._read_rank_file(path)
         sharded_template, _ = _split_extra(extra_template or {})
         missing = set(local["sharded_extra_keys"]) - _flat_keys(sharded_template)
@@ -236,8 +347,11 @@ class CheckpointManager:
         state = _train_state(model, optimizer)
         if local["sharded_extra_keys"]:
             state["extra"] = sharded_template
-        with _single_process_ok():
-            dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
+        try:
+            with _single_process_ok():
+                dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
+        except CheckpointException as err:  # raised on every rank, with every rank's failure
+            raise _load_error(path, err) from None
         if optimizer is None:
             set_model_state_dict(model, state["model"])
         else:
@@ -270,6 +384,33 @@ class CheckpointManager:
     def _prune(self) -> None:
         for old in self.complete()[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_error(path: Path, err: CheckpointException) -> CheckpointError:
+    """A CheckpointError for a failed DCP load: the checkpoint does not fit the model, or a shard is damaged."""
+    failures = [failure[0] for failure in err.failures.values()]
+    for failure in failures:
+        text = str(failure)
+        if "Size mismatch" in text:
+            return CheckpointError(
+                f"checkpoint {path} was saved from a model of another size ({text}); resume with the model "
+                "settings it was saved with (model.*), or start a new run folder",
+                damaged=False,
+            )
+        if "Missing key" in text:
+            return CheckpointError(
+                f"checkpoint {path} does not hold this model's weights ({text.rstrip('.')}): it was saved with "
+                "other model settings (model.name, model.path, model.lora.*); resume with those, or start a new "
+                "run folder",
+                damaged=False,
+            )
+    # torch.load's own message for a zeroed shard advises weights_only=False, which would not help.
+    kinds = sorted({type(failure).__name__ for failure in failures})
+    return CheckpointError(
+        f"checkpoint {path} is damaged: its .distcp shards do not read back as saved tensors ({', '.join(kinds)}; "
+        "a zeroed, overwritten or cut file)",
+        damaged=True,
+    )
 
 
 def export_model(

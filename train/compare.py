@@ -22,7 +22,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from train.cli import report as report_error
 from train.comparison import build_comparison, plot, report, summary
+from train.errors import UserError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,9 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         print(compare(args), end="")
-    except (FileNotFoundError, ValueError) as err:
-        print(f"train.compare: error: {err}", file=sys.stderr)
-        return 2
+    except (FileNotFoundError, ValueError) as err:  # raised by this module's checks, naming the run and the fix
+        return report_error(UserError(str(err)), "train.compare")
     return 0
 
 

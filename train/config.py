@@ -3,12 +3,18 @@
 Every field says its unit and whether it is per rank or global. The YAML tree under ``configs/``
 fills these dataclasses (Hydra's ConfigStore registers them as ``train_schema``, the first entry
 of ``configs/train.yaml``'s defaults list), so a misspelled key or a wrong type fails at compose
-time. ``validate`` then rejects impossible combinations before any model is loaded.
+time. ``validate`` then rejects impossible combinations before any model is loaded: every float
+must be finite and in its range, every count >= 0 (>= 1 where 0 would mean nothing), every file
+must exist and read as UTF-8. It raises ConfigError or PathError (train/errors.py), which the
+commands print as one line.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+import math
+import re
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
@@ -16,9 +22,12 @@ from omegaconf import MISSING
 
 from rewards.combine import COMBINE_MODES
 from samplers.sde import SDE_KINDS
+from train.data import read_prompts
+from train.errors import ConfigError, PathError
 from train.jagg import UPDATE_MODES, split_groups
 
 DTYPES = ("float32", "bfloat16", "float16")
+LORA_INITS = ("gaussian", "olora", "pissa", "orthogonal")  # peft's init_lora_weights that need no extra config
 ROUTINGS = ("prefix", "auto")  # update.routing (train/routing.py)
 REUSE_VELOCITIES = ("fresh", "stale", "off")  # update.reuse_velocities
 WANDB_MODES = ("disabled", "offline", "online")
@@ -27,9 +36,9 @@ WANDB_MODES = ("disabled", "offline", "online")
 @dataclass
 class LoraConfig:
     enabled: bool = False  # train LoRA adapters instead of every transformer weight
-    rank: int = 64
-    alpha: int = 128
-    init: str = "gaussian"  # peft init_lora_weights
+    rank: int = 64  # r, >= 1
+    alpha: int = 128  # scaling alpha / r, >= 1
+    init: str = "gaussian"  # peft init_lora_weights: gaussian | olora | pissa | pissa_niter_<n> | orthogonal
 
 
 @dataclass
@@ -52,9 +61,9 @@ class ModelConfig:
 class SamplerConfig:
     sde: str = "dance"  # transition kind: dance (constant eta) | flow (noise_level) | ode
     num_steps: int = 21  # denoising steps N per rollout; the last transition is never trained
-    shift: float | None = 3.0  # fixed timestep shift; null = the backbone's own (dynamic) schedule
-    eta: float = 0.3  # dance: diffusion coefficient g (constant)
-    noise_level: float = 0.7  # flow: g = noise_level * sqrt(sigma / (1 - sigma))
+    shift: float | None = 3.0  # fixed timestep shift, > 0; null = the backbone's own (dynamic) schedule
+    eta: float = 0.3  # dance: diffusion coefficient g (constant), > 0
+    noise_level: float = 0.7  # flow: g = noise_level * sqrt(sigma / (1 - sigma)), > 0
     quantize_timesteps: bool = False  # feed int(1000 sigma) / 1000 to the transformer (DanceGRPO)
     sde_window_size: int = 0  # Flow-GRPO-Fast: >0 = SDE only on this many consecutive steps, ODE elsewhere
     sde_window_range: list[int] = field(default_factory=lambda: [0, 12])  # [lo, hi): window start in [lo, hi - size]
@@ -90,18 +99,18 @@ class GRPOConfig:
     prompts_per_rank: int = 1  # prompts per rank per training step (per rank)
     micro_batch: int = 1  # samples per forward/backward in the update (per rank)
     gradient_accumulation_steps: int = 12  # samples per rank per optimizer step
-    clip_range: float = 1e-4  # PPO clip epsilon of the ratio
-    adv_clip_max: float = 5.0  # advantages are clamped to +-adv_clip_max
-    adv_eps: float = 1e-8  # added to the group std
+    clip_range: float = 1e-4  # PPO clip epsilon of the ratio, > 0
+    adv_clip_max: float = 5.0  # advantages are clamped to +-adv_clip_max, > 0
+    adv_eps: float = 1e-8  # added to the group std, >= 0
     global_std: bool = False  # normalize by the std of all rewards of the step (all ranks) instead of per group
     # Flow-GRPO's beta (the paper's Table 4 values as they are): beta * mean (mu - mu_ref)^2 / (2 g^2) over the
-    # trained steps' transition means, g the step's diffusion coefficient (0 = off, no reference forwards)
+    # trained steps' transition means, g the step's diffusion coefficient, >= 0 (0 = off, no reference forwards)
     kl_beta: float = 0.0
-    lr: float = 1e-5  # AdamW learning rate
-    weight_decay: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    max_grad_norm: float = 1.0  # global gradient-norm clip, across all shards
-    ema_decay: float = 0.0  # EMA of trainable weights for evaluation (0 = off)
+    lr: float = 1e-5  # AdamW learning rate, > 0 (on resume the configured value replaces the checkpoint's)
+    weight_decay: float = 1e-4  # AdamW decoupled weight decay, >= 0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW [beta1, beta2], each in [0, 1)
+    max_grad_norm: float = 1.0  # global gradient-norm clip, across all shards, > 0
+    ema_decay: float = 0.0  # EMA of trainable weights for evaluation, in [0, 1) (0 = off)
 
 
 @dataclass
@@ -135,8 +144,8 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # save every N steps (0 = only at the end)
-    keep_last: int = 3
+    every: int = 0  # save every N steps (0 = only at the end); the last step is always saved
+    keep_last: int = 3  # complete checkpoints kept, >= 1 (older ones are deleted)
     export: bool = True  # write the trained transformer (or LoRA) in diffusers format at the end
 
 
@@ -165,6 +174,13 @@ class ProbeConfig:
 
 
 @dataclass
+class DistConfig:
+    # Seconds a collective may wait for the other ranks before this rank fails with a message naming it
+    # (a hung, stopped or dead rank). Longer than any legitimate wait: a slow checkpoint save or evaluation.
+    timeout_s: float = 1800.0
+
+
+@dataclass
 class TrainConfig:
     experiment: str = "demo"  # name used for the wandb group and the run folder
     run_dir: str = MISSING  # shared run folder (all ranks; set from hydra.run.dir by default)
@@ -182,6 +198,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
 
 def register_schema() -> None:
@@ -190,12 +207,77 @@ def register_schema() -> None:
 
 def _choice(value, accepted, name: str) -> None:
     if value not in accepted:
-        raise ValueError(f"{name}={value!r} is not valid; accepted values: {', '.join(map(str, accepted))}")
+        raise ConfigError(f"{name}={value!r} is not valid; accepted values: {', '.join(map(str, accepted))}")
 
 
-def _positive(value, name: str) -> None:
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
+def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    if high is None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    if low is None:
+        return f"{'<' if high_open else '<='} {high:g}"
+    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+def _in_range(
+    value: float,
+    name: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    why: str = "",
+) -> None:
+    """``value`` finite and within its bounds (an open end excludes the bound itself); ``why`` ends the message."""
+    ok = math.isfinite(value)
+    ok = ok and (low is None or (value > low if low_open else value >= low))
+    ok = ok and (high is None or (value < high if high_open else value <= high))
+    if not ok:
+        finite = "" if math.isfinite(value) else "a finite number "
+        raise ConfigError(f"{name} must be {finite}{_bounds(low, high, low_open, high_open)}, got {value}{why}")
+
+
+def _positive(value, name: str, why: str = "") -> None:
+    _in_range(value, name, low=0, low_open=True, why=why)
+
+
+def _non_negative(value, name: str, why: str = "") -> None:
+    _in_range(value, name, low=0, why=why)
+
+
+def _check_finite(node: object, prefix: str) -> None:
+    """Every float anywhere in the settings (dataclass fields, lists, dicts such as model.options) is finite.
+
+    The field-specific checks below add the ranges; this walk keeps a new float field from slipping
+    through with a NaN, which no comparison rejects.
+    """
+    if is_dataclass(node):
+        items = [(f.name, getattr(node, f.name)) for f in fields(node)]
+    elif isinstance(node, dict):
+        items = [(str(key), value) for key, value in node.items()]
+    elif isinstance(node, list | tuple):
+        items = [(f"[{i}]", value) for i, value in enumerate(node)]
+    else:
+        return
+    for key, value in items:
+        name = f"{prefix}{key}" if key.startswith("[") or not prefix else f"{prefix}.{key}"
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name} must be a finite number, got {value}")
+        _check_finite(value, name)
+
+
+def _check_known_keys(node: object, prefix: str) -> None:
+    """A key added with ``+group.key=value`` that no dataclass declares would be silently ignored: reject it."""
+    if not is_dataclass(node):
+        return
+    declared = {f.name for f in fields(node)}
+    for key in vars(node):
+        if key not in declared:
+            close = difflib.get_close_matches(key, sorted(declared), n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            raise ConfigError(f"{prefix}{key} is not a setting of {type(node).__name__}{hint} (train/config.py)")
+    for name in declared:
+        _check_known_keys(getattr(node, name), f"{prefix}{name}.")
 
 
 def trainable_transitions(sampler: SamplerConfig, window_start: int | None = None) -> list[int]:
@@ -209,126 +291,175 @@ def trainable_transitions(sampler: SamplerConfig, window_start: int | None = Non
     return [k for k in range(start, start + sampler.sde_window_size) if k < last]
 
 
+def _validate_model(m: ModelConfig, known_backbones: tuple[str, ...]) -> None:
+    _choice(m.name, known_backbones, "model.name")
+    _choice(m.dtype, DTYPES, "model.dtype")
+    if m.build_tiny is not None:
+        _choice(m.build_tiny, ("tiny", "small"), "model.build_tiny")
+    _positive(m.height, "model.height")
+    _positive(m.width, "model.width")
+    _positive(m.lora.rank, "model.lora.rank")
+    _positive(m.lora.alpha, "model.lora.alpha")
+    if m.lora.init not in LORA_INITS and not re.fullmatch(r"pissa_niter_\d+", m.lora.init):
+        raise ConfigError(
+            f"model.lora.init={m.lora.init!r} is not valid; accepted values: {', '.join(LORA_INITS)}, pissa_niter_<n>"
+        )
+
+
 def _validate_sampler(s: SamplerConfig) -> None:
     _choice(s.sde, SDE_KINDS[:2], "sampler.sde")
     if s.num_steps < 2:
-        raise ValueError(f"sampler.num_steps must be >= 2 (the last transition is never trained), got {s.num_steps}")
+        raise ConfigError(f"sampler.num_steps must be >= 2 (the last transition is never trained), got {s.num_steps}")
     if s.shift is not None:
         _positive(s.shift, "sampler.shift")
+    # A diffusion coefficient of 0 makes every SDE step deterministic: no log-probability to train on.
+    (_positive if s.sde == "dance" else _non_negative)(s.eta, "sampler.eta")
+    (_positive if s.sde == "flow" else _non_negative)(s.noise_level, "sampler.noise_level")
+    _non_negative(s.sde_window_size, "sampler.sde_window_size", " (0 = SDE on every step)")
+    if len(s.sde_window_range) != 2:
+        raise ConfigError(f"sampler.sde_window_range must be [lo, hi], got {list(s.sde_window_range)}")
     if s.sde_window_size > 0:
         lo, hi = s.sde_window_range
         if not (0 <= lo and lo + s.sde_window_size <= hi <= s.num_steps - 1):
-            raise ValueError(
+            raise ConfigError(
                 f"sampler.sde_window_range={list(s.sde_window_range)} must satisfy 0 <= lo and "
                 f"lo + sde_window_size ({s.sde_window_size}) <= hi <= num_steps - 1 ({s.num_steps - 1})"
             )
 
 
 def _validate_grpo(g: GRPOConfig) -> None:
-    for name in ("group_size", "prompts_per_rank", "micro_batch", "gradient_accumulation_steps", "lr"):
+    for name in ("group_size", "prompts_per_rank", "micro_batch", "gradient_accumulation_steps"):
         _positive(getattr(g, name), f"grpo.{name}")
     if g.group_size < 2:
-        raise ValueError(f"grpo.group_size must be >= 2 (advantages are relative within a group), got {g.group_size}")
+        raise ConfigError(f"grpo.group_size must be >= 2 (advantages are relative within a group), got {g.group_size}")
     samples = g.group_size * g.prompts_per_rank
     if samples % g.gradient_accumulation_steps:
-        raise ValueError(
+        raise ConfigError(
             f"grpo.gradient_accumulation_steps={g.gradient_accumulation_steps} must divide the samples per rank "
             f"per step (group_size * prompts_per_rank = {samples})"
         )
     if g.gradient_accumulation_steps % g.micro_batch:
-        raise ValueError(
+        raise ConfigError(
             f"grpo.micro_batch={g.micro_batch} must divide "
             f"grpo.gradient_accumulation_steps={g.gradient_accumulation_steps}"
         )
-    for name in ("clip_range", "max_grad_norm"):
-        _positive(getattr(g, name), f"grpo.{name}")
-    if not 0.0 <= g.ema_decay < 1.0:
-        raise ValueError(f"grpo.ema_decay must be in [0, 1), got {g.ema_decay}")
-    if g.kl_beta < 0:
-        raise ValueError(f"grpo.kl_beta must be >= 0, got {g.kl_beta}")
+    _positive(g.clip_range, "grpo.clip_range")
+    _positive(g.adv_clip_max, "grpo.adv_clip_max")
+    _non_negative(g.adv_eps, "grpo.adv_eps")
+    _non_negative(g.kl_beta, "grpo.kl_beta", " (0 = no KL term)")
+    _positive(g.max_grad_norm, "grpo.max_grad_norm")
+    _in_range(g.ema_decay, "grpo.ema_decay", low=0, high=1, high_open=True, why=" (0 = no EMA)")
+    # AdamW's own checks run only once the model is loaded: the same ranges, up front.
+    _positive(g.lr, "grpo.lr")
+    _non_negative(g.weight_decay, "grpo.weight_decay")
+    if len(g.betas) != 2:
+        raise ConfigError(f"grpo.betas must be two numbers [beta1, beta2], got {list(g.betas)}")
+    for i, beta in enumerate(g.betas):
+        _in_range(beta, f"grpo.betas[{i}]", low=0, high=1, high_open=True)
 
 
 def _validate_update(u: UpdateConfig, g: GRPOConfig) -> None:
-    if not 0.0 < u.timestep_fraction <= 1.0:
-        raise ValueError(f"update.timestep_fraction must be in (0, 1], got {u.timestep_fraction}")
+    _choice(u.mode, UPDATE_MODES, "update.mode")
     _choice(u.routing, ROUTINGS, "update.routing")
     _choice(u.reuse_velocities, REUSE_VELOCITIES, "update.reuse_velocities")
     if u.offload_velocities and u.reuse_velocities == "off":
-        raise ValueError(
+        raise ConfigError(
             "update.offload_velocities=true keeps no velocities with update.reuse_velocities=off: "
             "pick update.reuse_velocities=fresh or stale, or update.offload_velocities=false"
         )
-    if not 0.0 <= u.jagg_frac <= 1.0:
-        raise ValueError(f"update.jagg_frac must be in [0, 1], got {u.jagg_frac}")
+    _in_range(u.timestep_fraction, "update.timestep_fraction", low=0, high=1, low_open=True)
+    _in_range(u.jagg_frac, "update.jagg_frac", low=0, high=1)
+    _in_range(u.auto_threshold, "update.auto_threshold", low=-1, high=1, why=" (a cosine)")
+    _positive(u.auto_every, "update.auto_every")
+    _positive(u.auto_rollouts, "update.auto_rollouts")
     if u.routing == "auto":
         if u.mode == "exact":
-            raise ValueError("update.routing=auto routes between update.mode and exact: pick update.mode=jagg")
-        _positive(u.auto_every, "update.auto_every")
-        _positive(u.auto_rollouts, "update.auto_rollouts")
+            raise ConfigError("update.routing=auto routes between update.mode and exact: pick update.mode=jagg")
         rows = g.group_size * g.prompts_per_rank
         if u.auto_rollouts > rows:
-            raise ValueError(
+            raise ConfigError(
                 f"update.auto_rollouts={u.auto_rollouts} exceeds the samples per rank per step "
                 f"(group_size * prompts_per_rank = {rows})"
             )
 
 
-def _validate_probe(p: ProbeConfig) -> None:
-    _positive(p.num_rollouts, "probe.num_rollouts")
-    _choice(p.mode, tuple(m for m in UPDATE_MODES if m != "exact"), "probe.mode")
-
-
 def _validate_reward(r: RewardConfig, known_scorers: tuple[str, ...]) -> None:
     _choice(r.combine, COMBINE_MODES, "reward.combine")
     if not r.components:
-        raise ValueError("reward.components is empty: name at least one scorer, e.g. reward=jpeg")
+        raise ConfigError("reward.components is empty: name at least one scorer, e.g. reward=jpeg")
+    weights = []
     for name, comp in r.components.items():
         _choice(name, known_scorers, "reward.components (scorer name)")
-        if not isinstance(comp, dict) or not isinstance(comp.get("weight", 1.0), int | float):
-            raise ValueError(f"reward.components.{name} must be {{weight: <number>, <scorer arguments>}}, got {comp}")
+        weight = comp.get("weight", 1.0) if isinstance(comp, dict) else None
+        if not isinstance(weight, int | float) or isinstance(weight, bool):
+            raise ConfigError(f"reward.components.{name} must be {{weight: <number>, <scorer arguments>}}, got {comp}")
+        _in_range(weight, f"reward.components.{name}.weight")
+        weights.append(weight)
+    if not any(weights):
+        raise ConfigError("reward.components: every weight is 0, so every advantage would be 0; give one a weight")
+
+
+def _validate_run(cfg: TrainConfig, known_scorers: tuple[str, ...]) -> None:
+    if not cfg.experiment.strip():
+        raise ConfigError("experiment must name the run (it is the wandb group and part of the run folder)")
+    _choice(cfg.device, ("auto", "cpu", "cuda"), "device")
+    _positive(cfg.num_steps, "num_steps")
+    _positive(cfg.dist.timeout_s, "dist.timeout_s")
+    _choice(cfg.logging.wandb_mode, WANDB_MODES, "logging.wandb_mode")
+    if cfg.logging.wandb_mode != "disabled" and not cfg.logging.project.strip():
+        raise ConfigError("logging.project is empty: name the wandb project")
+    _non_negative(cfg.logging.sample_every, "logging.sample_every", " (0 = never)")
+    _non_negative(cfg.logging.eval_every, "logging.eval_every", " (0 = never)")
+    _non_negative(cfg.checkpoint.every, "checkpoint.every", " (0 = only at the end)")
+    _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
+    _non_negative(cfg.data.num_eval_prompts, "data.num_eval_prompts", " (0 = all of them)")
+    e = cfg.eval
+    for name in ("num_steps", "batch_size", "samples_per_prompt", "grid_size"):
+        _positive(getattr(e, name), f"eval.{name}")
+    for name in e.scorers:
+        _choice(name, known_scorers, "eval.scorers (scorer name)")
+    if cfg.logging.eval_every and not e.scorers:
+        raise ConfigError("logging.eval_every > 0 needs eval.scorers (e.g. eval.scorers={jpeg_compressibility: {}})")
+    p = cfg.probe
+    _positive(p.num_rollouts, "probe.num_rollouts")
+    _choice(p.mode, tuple(m for m in UPDATE_MODES if m != "exact"), "probe.mode")
+    _in_range(p.threshold, "probe.threshold", low=-1, high=1, why=" (a cosine)")
 
 
 def _validate_files(cfg: TrainConfig) -> None:
     model_path = Path(cfg.model.path)
     if cfg.model.build_tiny is None and not model_path.is_dir():
-        raise FileNotFoundError(
-            f"model.path={cfg.model.path!r} is not a folder; point it at a local diffusers pipeline folder"
-        )
-    for field_name, value in (
-        ("data.train_prompts", cfg.data.train_prompts),
-        ("data.eval_prompts", cfg.data.eval_prompts),
-        ("data.heldout_prompts", cfg.data.heldout_prompts),
+        raise PathError(f"model.path={cfg.model.path!r} is not a folder; point it at a local diffusers pipeline folder")
+    for name, folder in (
+        ("model.embedding_cache", cfg.model.embedding_cache),
+        ("eval.transformer", cfg.eval.transformer),
     ):
-        if value is None:
-            continue
-        path = Path(value)
-        if not path.is_file():
-            raise FileNotFoundError(f"{field_name}={value!r} does not exist")
-        if not any(line.strip() for line in path.read_text().splitlines()):
-            raise ValueError(f"{field_name}={value!r} has no prompts (the file is empty)")
+        if folder is not None and not Path(folder).is_dir():
+            raise PathError(f"{name}={folder!r} is not a folder")
+    if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_dir():
+        raise PathError(f"resume={cfg.resume!r}: no such checkpoint folder (use resume=auto or a path)")
+    read_prompts(cfg.data.train_prompts, field_name="data.train_prompts")
+    for field_name in ("eval_prompts", "heldout_prompts"):
+        path = getattr(cfg.data, field_name)
+        if path is not None:
+            read_prompts(path, field_name=f"data.{field_name}")
 
 
 def validate(cfg: TrainConfig, *, known_scorers: tuple[str, ...], known_backbones: tuple[str, ...]) -> None:
-    """Reject impossible settings, naming the field and the accepted values. Loads no model."""
-    _choice(cfg.model.name, known_backbones, "model.name")
-    _choice(cfg.model.dtype, DTYPES, "model.dtype")
-    if cfg.model.build_tiny is not None:
-        _choice(cfg.model.build_tiny, ("tiny", "small"), "model.build_tiny")
-    _choice(cfg.update.mode, UPDATE_MODES, "update.mode")
-    _choice(cfg.logging.wandb_mode, WANDB_MODES, "logging.wandb_mode")
-    _choice(cfg.device, ("auto", "cpu", "cuda"), "device")
-    if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_dir():
-        raise FileNotFoundError(f"resume={cfg.resume!r}: no such checkpoint folder (use resume=auto or a path)")
-    _positive(cfg.num_steps, "num_steps")
+    """Reject impossible settings, naming the field and the accepted values. Loads no model.
+
+    Raises ConfigError (a ValueError) for a setting, PathError (a FileNotFoundError) for a missing file.
+    """
+    _check_known_keys(cfg, "")
+    _check_finite(cfg, "")
+    _validate_model(cfg.model, known_backbones)
     _validate_sampler(cfg.sampler)
     _validate_grpo(cfg.grpo)
-    _validate_reward(cfg.reward, known_scorers)
-    for name in cfg.eval.scorers:
-        _choice(name, known_scorers, "eval.scorers (scorer name)")
-    _positive(cfg.eval.samples_per_prompt, "eval.samples_per_prompt")
-    if cfg.logging.eval_every and not cfg.eval.scorers:
-        raise ValueError("logging.eval_every > 0 needs eval.scorers (e.g. eval.scorers={jpeg_compressibility: {}})")
     _validate_update(cfg.update, cfg.grpo)
-    _validate_probe(cfg.probe)
-    split_groups(trainable_transitions(cfg.sampler), cfg.update.window)
+    _validate_reward(cfg.reward, known_scorers)
+    _validate_run(cfg, known_scorers)
+    try:
+        split_groups(trainable_transitions(cfg.sampler), cfg.update.window)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     _validate_files(cfg)

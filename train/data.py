@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from train.errors import ConfigError, PathError
 from train.seeds import stream_generator
 
 
@@ -24,12 +25,14 @@ class PromptRecord:
 
 
 def read_prompts(path: str | Path, *, field_name: str = "data.train_prompts") -> list[PromptRecord]:
-    """One prompt per line (text), or JSON lines with "prompt" and optional "category"."""
+    """One prompt per line (text), or JSON lines with "prompt" and optional "category"; UTF-8 (a BOM is dropped)."""
     path = Path(path)
+    if path.is_dir():
+        raise PathError(f"{field_name}={str(path)!r} is a folder; name the prompt file in it")
     if not path.is_file():
-        raise FileNotFoundError(f"{field_name}={str(path)!r} does not exist")
+        raise PathError(f"{field_name}={str(path)!r} does not exist")
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(_decode(path.read_bytes(), path, field_name).splitlines(), start=1):
         line = line.strip()
         if not line:
             continue
@@ -37,13 +40,31 @@ def read_prompts(path: str | Path, *, field_name: str = "data.train_prompts") ->
             try:
                 item = json.loads(line)
                 records.append(PromptRecord(str(item["prompt"]), item.get("category")))
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise ValueError(f"{field_name}: {path}:{number} is not a JSON object with a 'prompt' key") from err
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConfigError(f"{field_name}: {path}:{number} is not a JSON object with a 'prompt' key") from None
         else:
             records.append(PromptRecord(line))
     if not records:
-        raise ValueError(f"{field_name}={str(path)!r} has no prompts (the file is empty)")
+        raise ConfigError(f"{field_name}={str(path)!r} has no prompts (the file is empty)")
     return records
+
+
+def _decode(raw: bytes, path: Path, field_name: str) -> str:
+    """The text of a prompt file; an error names the first line that is not UTF-8."""
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise ConfigError(
+            f"{field_name}={str(path)!r} is UTF-16 (it starts with a UTF-16 byte-order mark); prompt files are "
+            f"UTF-8: convert it, e.g. iconv -f utf-16 -t utf-8"
+        )
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        column = err.start - raw.rfind(b"\n", 0, err.start)
+        raise ConfigError(
+            f"{field_name}={str(path)!r}: line {line} is not UTF-8 (byte 0x{raw[err.start]:02x} at column {column}); "
+            "prompt files are UTF-8: convert it, e.g. iconv -f latin1 -t utf-8"
+        ) from None
 
 
 @dataclass(frozen=True)

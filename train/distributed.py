@@ -14,10 +14,14 @@ This is the only module (with the rest of ``train/``) that touches ``torch.distr
 * Gradient clipping (``clip_grad_norm_``): the norm is the GLOBAL one,
   ``sqrt(sum over ranks of sum over local shards of g^2)``. A per-shard norm (each rank clipping
   by the norm of its own shard) differs on every rank and is a known bug of a reference trainer.
+* A hung rank: every collective of the process group times out after ``dist.timeout_s``; gloo
+  then raises in the waiting rank, which train/cli.py reports naming the collective and what the
+  rank was doing (``activity``); NCCL's watchdog aborts the process with a message naming the op.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -65,10 +69,37 @@ def _env_int(name: str) -> int:
     return int(value)
 
 
-def init_distributed(backend: str | None = None) -> DistInfo:
+@dataclass
+class _Context:
+    activity: str = "start-up"  # what this rank is doing, for the message of a collective that timed out
+    timeout_s: float | None = None  # the process group's collective timeout
+
+
+_context = _Context()
+
+
+@contextmanager
+def activity(label: str) -> Iterator[None]:
+    """Name what the block does ("training step 3"), so a collective that times out in it says so.
+
+    An exception leaves the label in place: the command reports it after the blocks have unwound.
+    """
+    outer, _context.activity = _context.activity, label
+    yield
+    _context.activity = outer
+
+
+def collective_context() -> tuple[str, float | None]:
+    """(what this rank is doing, the collective timeout in seconds or None)."""
+    return _context.activity, _context.timeout_s
+
+
+def init_distributed(backend: str | None = None, *, timeout_s: float | None = None) -> DistInfo:
     """Read torchrun's environment and create the process group (none for a single process).
 
     backend: None picks nccl when CUDA is available, else gloo. The device is cuda:LOCAL_RANK or cpu.
+    timeout_s: how long any collective waits for the other ranks (None: torch's default, 10 min for
+    NCCL and 30 min for gloo).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = _env_int("RANK") if world_size > 1 else 0
@@ -81,8 +112,11 @@ def init_distributed(backend: str | None = None) -> DistInfo:
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    _context.activity = "start-up"
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, device_id=device if use_cuda else None)
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+        dist.init_process_group(backend=backend, device_id=device if use_cuda else None, timeout=timeout)
+        _context.timeout_s = timeout_s
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, is_main=rank == 0)
 
 
@@ -125,6 +159,15 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     holder = [obj]
     dist.broadcast_object_list(holder, src=src)
     return holder[0]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order, on every rank."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier() -> None:

@@ -11,15 +11,19 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
+from train.cli import reported, run_hydra
 from train.config import register_schema
 from train.probe import run_probe
+
+PROG = "python -m train.grad_quality"
 
 
 @hydra.main(config_path="pkg://configs", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run_probe(cfg)
+    with reported(PROG):
+        run_probe(cfg)
 
 
 if __name__ == "__main__":
     register_schema()
-    main()
+    run_hydra(main, prog=PROG)

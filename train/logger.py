@@ -3,7 +3,9 @@
 * ``RunLogger`` is a no-op off rank 0: every rank calls it, only rank 0 writes. It writes the run's
   resolved configuration to ``run_dir/config.yaml`` when it starts. Each ``log`` call
   appends one JSON line ``{"step", "wall_time", <metric>: float, ...}`` to
-  ``run_dir/metrics.jsonl`` and flushes it, so a crashed run keeps every logged step.
+  ``run_dir/metrics.jsonl`` and flushes it, so a crashed run keeps every logged step. A row at step
+  k is training step k, or (``eval/*`` only) the policy after k steps. A resumed run calls
+  ``rewind(k)`` first: the rows of the steps it will replay go, so every step has one row.
 * wandb is optional (``wandb_mode`` disabled, offline or online). Offline runs write into
   ``run_dir/wandb/``. Any exception raised by wandb (import, init, log, finish) is caught, warned
   once, and wandb is switched off for the rest of the run: observability never stops training.
@@ -108,6 +110,29 @@ class RunLogger:
         if self._wandb is not None:
             self._guard(self._wandb.log, values, step=step)
 
+    def rewind(self, step: int) -> int:
+        """Drop the rows that a run resumed at ``step`` logs again; returns how many were dropped.
+
+        Kept: training rows of steps < ``step`` and the evaluation after ``step`` steps (logged before
+        the checkpoint of ``step`` was written; a run resumed at 0 evaluates again). A line cut short
+        by a crash is dropped too. Rank 0 rewrites the file through a temporary file and a rename, so
+        a crash here leaves the old file or the new one.
+        """
+        if not self.is_main:
+            return 0
+        if self._file is None:
+            raise RuntimeError("RunLogger.rewind after finish()")
+        path = self._file.name
+        self._file.close()
+        lines = Path(path).read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if _logged_before(line, step)]
+        if len(kept) != len(lines):
+            tmp = Path(f"{path}.tmp")
+            tmp.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept), encoding="utf-8")
+            os.replace(tmp, path)
+        self._file = open(path, "a", encoding="utf-8")
+        return len(lines) - len(kept)
+
     def log_images(self, key: str, images: Tensor, captions: Sequence[str], step: int) -> Path | None:
         """Save a PNG grid ``samples/<key>_<step>.png`` (+ captions .txt) and send images to wandb."""
         if not self.is_main:
@@ -138,6 +163,17 @@ class RunLogger:
         if self._wandb is not None:
             self._guard(self._wandb.finish)
             self._wandb = None
+
+
+def _logged_before(line: str, step: int) -> bool:
+    """Whether a metrics.jsonl row was logged before the checkpoint of ``step`` (see ``RunLogger.rewind``)."""
+    try:
+        row = json.loads(line)
+        logged = int(row["step"])
+    except (ValueError, KeyError, TypeError):
+        return False
+    metrics = [key for key in row if key not in ("step", "wall_time")]
+    return logged < step or (logged == step > 0 and all(key.startswith("eval/") for key in metrics))
 
 
 class PhaseTimer:

@@ -133,12 +133,12 @@ def run_probe(cfg: DictConfig) -> dict[str, Any]:
     """Build as the trainer does, probe, and write the report (rank 0 prints the table)."""
     config = load_config(cfg)
     config.logging.wandb_mode = "disabled"
-    with process_group() as dist:
+    with process_group(config.dist.timeout_s) as dist:
         needed = math.ceil(config.probe.num_rollouts / (config.grpo.group_size * dist.world_size))
         if needed < config.grpo.prompts_per_rank:  # samples no trajectory would use are not rolled out
             log.info("probe: %d prompt(s) per rank per rollout batch cover K = %d", needed, config.probe.num_rollouts)
             config.grpo.prompts_per_rank = needed
-        with open_run(config, dist) as run:
+        with open_run(config, dist, training=False) as run:
             if config.resume is not None:
                 resume(run)
             rep = probe(run)

@@ -1,0 +1,40 @@
+# The quick start of the README: two commands on a fresh machine with Python 3.10+ (and make).
+#   make demo   the default job (GRPO on the CPU testbed, about 4 minutes)
+#   make test   the tests (CPU only, tiny models, no network once installed)
+# Each creates .venv with the pinned versions on first use (constraints.txt; a few minutes, about
+# 6 GB) and reinstalls when setup.py or constraints.txt change. .ci/run calls `make test`.
+# On a GPU cluster install into your own environment instead (README, Install).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test lint install
+
+demo: $(VENV)/.installed
+	$(BIN)/python -m train
+
+test: $(VENV)/.installed $(VENV)/.test-extras
+	$(BIN)/python -m pytest -q tests
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py constraints.txt
+	@$(PYTHON) -c "import sys; sys.exit(sys.version_info < (3, 10))" 2>/dev/null || { \
+		echo "make: $(PYTHON) is missing or older than 3.10; name another one: make $(MAKECMDGOALS) PYTHON=python3.11"; exit 1; }
+	@$(PYTHON) -m venv $(VENV) || { \
+		echo "make: $(PYTHON) -m venv failed; on Debian or Ubuntu install python3-venv first"; exit 1; }
+	$(BIN)/python -m pip install -c constraints.txt -e ".[dev]"
+	touch $@
+
+# The HPSv2.1 parity test compares against the reference package; it is not a dependency (it pins
+# protobuf<4 and pytest 7), so it is installed without its requirements.
+$(VENV)/.test-extras: $(VENV)/.installed
+	$(BIN)/python -m pip install --no-deps hpsv2x==1.2.0 clint==0.5.1 args==0.1.0
+	touch $@

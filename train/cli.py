@@ -1,0 +1,179 @@
+"""How every command ends: a user's mistake in one line, a bug with its traceback.
+
+The commands (``python -m train``, ``train.eval``, ``train.grad_quality``, ``train.compare``) share this:
+
+* ``run_hydra(main, prog=...)`` runs a ``@hydra.main`` function. Hydra's own errors while it composes
+  the settings (an unknown key, a value of the wrong type, an unknown option of a group, an override
+  it cannot parse) and a run folder it cannot create become one line and exit status 2.
+* ``reported(prog)`` wraps the body of the task: a ``Stop`` (train/errors.py: a setting, a path, a
+  file, a checkpoint, SIGTERM) prints ``<prog>: error: <message>`` and exits with its status (2 for a
+  user error); a collective that timed out or lost a peer prints which one, from where, and exits 1.
+* ``report(err, prog)`` prints the line and returns the status, for commands that return it.
+
+Everything else propagates, so a bug shows its traceback. ``HYDRA_FULL_ERROR=1`` prints the
+traceback of a reported error too. Under torchrun a message that every rank raises alike (a
+setting, a decision the ranks took together) is printed by rank 0 only; any other by its own rank.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
+
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf.errors import OmegaConfBaseException
+
+from train.errors import ConfigError, Stop
+
+DEBUG_ENV = "HYDRA_FULL_ERROR"  # Hydra's own switch for full tracebacks; it shows ours too
+# What gloo raises when a peer does not answer within the timeout or has gone away.
+_COLLECTIVE_FAILURES = (
+    (re.compile(r"Timed out|timed out|Timeout"), "timed out after {timeout}"),
+    (re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe"), "lost its peer"),
+)
+# Frames of torch.distributed and of train/distributed.py whose function names say which collective ran.
+_COLLECTIVE_NAMES = re.compile(r"all_gather|all_reduce|reduce_scatter|broadcast|barrier|gather|scatter|all_to_all")
+
+
+@dataclass
+class _Progress:
+    task_started: bool = False  # Hydra has composed the settings, created the run folder and called the task
+    debug: bool | None = None  # the user's HYDRA_FULL_ERROR while run_hydra sets its own; None = read it
+
+
+_progress = _Progress()
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV) == "1" if _progress.debug is None else _progress.debug
+
+
+def _print(prog: str, label: str, message: str, *, rank: int) -> None:
+    prefix = f"[rank {rank}] " if rank > 0 else ""
+    one_line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    print(f"{prefix}{prog}: {label}: {one_line}", file=sys.stderr, flush=True)
+
+
+def report(err: Stop, prog: str) -> int:
+    """Print ``err`` as one line (rank 0 alone when every rank raised it) and return its exit status."""
+    rank = _rank()
+    if _debug():
+        traceback.print_exception(err)
+    if rank == 0 or not err.same_on_every_rank:
+        _print(prog, err.label, str(err), rank=rank)
+    return err.exit_code
+
+
+def collective_failure(err: BaseException) -> str | None:
+    """One line for a collective that timed out or lost its peer (gloo raises a bare RuntimeError), else None.
+
+    The collective is read from the traceback: the innermost frame of torch.distributed or
+    train/distributed.py named after one, and the innermost frame of this project that called it.
+    """
+    frames = traceback.extract_tb(err.__traceback__)
+    if not any("torch/distributed" in frame.filename for frame in frames):
+        return None  # raised outside a collective: not for this message
+    text = str(err)
+    what = next((w for pattern, w in _COLLECTIVE_FAILURES if pattern.search(text)), None)
+    if what is None:
+        return None
+    collective, caller = "a collective", None
+    for frame in reversed(frames):
+        in_dist = "torch/distributed" in frame.filename or frame.filename.endswith("train/distributed.py")
+        if collective == "a collective" and in_dist and _COLLECTIVE_NAMES.search(frame.name):
+            collective = f"the collective {frame.name}"
+        project = any(f"/{p}/" in frame.filename for p in ("train", "models", "samplers", "rewards"))
+        if caller is None and project and not frame.filename.endswith("train/distributed.py"):
+            caller = f"{'/'.join(frame.filename.split('/')[-2:])}:{frame.lineno} in {frame.name}"
+    from train.distributed import collective_context  # torch: not for commands that never start a process group
+
+    activity, timeout_s = collective_context()
+    timeout = f"{timeout_s:g} s (dist.timeout_s)" if timeout_s else "its timeout"
+    where = f" called from {caller}" if caller else ""
+    return (
+        f"{collective}{where}, during {activity}, {what.format(timeout=timeout)}: another rank is hung, "
+        "stopped or dead (see its own output); raise dist.timeout_s only if a step really waits that long"
+    )
+
+
+@contextmanager
+def reported(prog: str) -> Iterator[None]:
+    """Around a command's body: a ``Stop`` or a failed collective ends the process with one line."""
+    _progress.task_started = True
+    try:
+        yield
+    except Stop as err:
+        raise SystemExit(report(err, prog)) from None
+    except RuntimeError as err:
+        line = collective_failure(err)
+        if line is None:
+            raise
+        if _debug():
+            traceback.print_exception(err)
+        _print(prog, "error", line, rank=_rank())
+        raise SystemExit(1) from None
+
+
+def hydra_message(err: Exception) -> str:
+    """Hydra's and OmegaConf's multi-line composition errors as one sentence naming the setting."""
+    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file:
+        group, _, option = err.missing_cfg_file.rpartition("/")
+        accepted = f"; accepted values: {', '.join(err.options)}" if err.options else ""
+        return f"{group}={option} is not an option of {group}{accepted}"
+    if isinstance(err, OverrideParseException):
+        return f"cannot parse the override {err.override!r}: {str(err).splitlines()[0]} (Hydra's override grammar)"
+    full_key = getattr(cause, "full_key", None)
+    first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+    schema = getattr(cause, "object_type", None)
+    if "not in" in first and full_key and isinstance(schema, type) and is_dataclass(schema):
+        parent, _, key = full_key.rpartition(".")
+        close = difflib.get_close_matches(key, [f.name for f in fields(schema)], n=1)
+        hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+        return f"{full_key} is not a setting of {schema.__name__}{hint} (train/config.py)"
+    return f"{full_key}: {first}" if full_key else first
+
+
+def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None = None) -> None:
+    """Run ``main`` (a ``@hydra.main`` function whose body is inside ``reported``); a reported error exits.
+
+    ``argv`` replaces the command-line arguments (tests call commands in-process with it).
+    """
+    saved_argv, saved_debug = sys.argv, os.environ.get(DEBUG_ENV)
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    _progress.task_started, _progress.debug = False, saved_debug == "1"
+    os.environ[DEBUG_ENV] = "1"  # Hydra re-raises instead of printing its own multi-line report
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as err:
+        if _progress.task_started:
+            raise
+        raise SystemExit(report(ConfigError(hydra_message(err)), prog)) from None
+    except OSError as err:
+        if _progress.task_started:
+            raise
+        # Before the task runs, Hydra creates the run folder and writes .hydra/ and its log into it.
+        message = (
+            f"cannot write the run folder ({err.strerror}: {err.filename}); pass a writable hydra.run.dir=<folder>"
+        )
+        raise SystemExit(report(ConfigError(message), prog)) from None
+    finally:
+        sys.argv, _progress.debug = saved_argv, None
+        if saved_debug is None:
+            os.environ.pop(DEBUG_ENV, None)
+        else:
+            os.environ[DEBUG_ENV] = saved_debug
+        GlobalHydra.instance().clear()
