@@ -63,6 +63,11 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _MARKER = "COMPLETE"
 
 
+def is_complete(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint whose save finished (it holds the COMPLETE marker)."""
+    return (Path(path) / _MARKER).is_file()
+
+
 def _split_extra(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a nested dict into (DTensor leaves, everything else), both keeping the nesting."""
     sharded: dict[str, Any] = {}

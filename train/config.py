@@ -26,8 +26,8 @@ WANDB_MODES = ("disabled", "offline", "online")
 @dataclass
 class LoraConfig:
     enabled: bool = False  # train LoRA adapters instead of every transformer weight
-    rank: int = 64
-    alpha: int = 128
+    rank: int = 64  # r: rank of each adapter's B A
+    alpha: int = 128  # scaling: the adapter adds alpha / r * B A
     init: str = "gaussian"  # peft init_lora_weights
 
 
@@ -112,11 +112,17 @@ class DataConfig:
 @dataclass
 class LoggingConfig:
     wandb_mode: str = "disabled"  # disabled | offline | online
-    project: str = "jagg-grpo"
-    sample_every: int = 0  # log a grid of rollout images every N steps (0 = never)
-    eval_every: int = 0  # evaluate before training and every N steps (0 = never); eval/* at step k = after k steps
+    project: str = "jagg-grpo"  # wandb project
+    entity: str | None = None  # wandb entity (user or team); null = wandb's default entity
     group: str | None = None  # wandb group; null = the experiment name (scripts/launch/compare_modes.sh sets one)
-    progress_bar: bool = True
+    name: str | None = None  # wandb run name; null = <experiment>-<update.mode>-s<seed>
+    tags: list[str] = field(default_factory=list)  # wandb tags, added to the automatic ones (mode, seed<N>, sde)
+    notes: str | None = None  # wandb notes: a sentence on what this run tests
+    sample_every: int = 0  # save (and send to wandb) a captioned grid of rollout images every N steps (0 = never)
+    # evaluate before training, every N steps and after the last step (0 = never); eval/* at step k = after k steps
+    eval_every: int = 0
+    progress_bar: bool = True  # a tqdm bar on rank 0; when false, a heartbeat line instead
+    heartbeat_s: float = 60.0  # progress_bar=false: seconds between progress lines (0 = one line per step)
 
 
 @dataclass
@@ -131,8 +137,12 @@ class EvalConfig:
     num_steps: int = 28  # ODE steps of evaluation sampling
     batch_size: int = 4  # prompts per rank per sampling call
     seed: int = 0  # prompt i starts from the noise of the stream (seed, "eval_noise", i) (train/seeds.py)
-    grid_size: int = 16  # images in the PNG grid
-    transformer: str | None = None  # python -m train.eval: an exported transformer folder to evaluate
+    grid_size: int = 16  # images in the PNG grid (the first prompts), and pairs in the before/after sheet
+    # python -m train.eval: the weights to evaluate: an export (<run>/export), a training checkpoint
+    # (<run>/checkpoints/step_XXXXXXXX) or a run folder (its export, else its latest checkpoint); null = pretrained
+    transformer: str | None = None
+    # python -m train.eval: also evaluate the pretrained model (same prompts and noise) and report the paired difference
+    compare_pretrained: bool = False
     # metric name (hpsv2 | pickscore | clipscore | jpeg_compressibility | ...) -> scorer arguments (local paths)
     scorers: dict[str, dict] = field(default_factory=dict)
 
@@ -150,7 +160,7 @@ class ProbeConfig:
 @dataclass
 class TrainConfig:
     experiment: str = "demo"  # name used for the wandb group and the run folder
-    run_dir: str = MISSING  # shared run folder (all ranks; set from hydra.run.dir by default)
+    run_dir: str = ""  # shared run folder of all ranks; "" = Hydra's output folder (hydra.run.dir)
     seed: int = 42  # every random stream derives from (seed, purpose, index) (train/seeds.py)
     num_steps: int = 10  # training steps (rollout + update)
     resume: str | None = None  # null | auto (latest checkpoint in run_dir) | path to a checkpoint folder
@@ -292,6 +302,8 @@ def validate(cfg: TrainConfig, *, known_scorers: tuple[str, ...], known_backbone
         _choice(cfg.model.build_tiny, ("tiny", "small"), "model.build_tiny")
     _choice(cfg.update.mode, UPDATE_MODES, "update.mode")
     _choice(cfg.logging.wandb_mode, WANDB_MODES, "logging.wandb_mode")
+    if cfg.logging.heartbeat_s < 0:
+        raise ValueError(f"logging.heartbeat_s must be >= 0 (0 = a line per step), got {cfg.logging.heartbeat_s}")
     _choice(cfg.device, ("auto", "cpu", "cuda"), "device")
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_dir():
         raise FileNotFoundError(f"resume={cfg.resume!r}: no such checkpoint folder (use resume=auto or a path)")

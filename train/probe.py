@@ -43,7 +43,7 @@ def probe(run: Run) -> dict[str, Any]:
     max_batches = MAX_BATCHES_PER_K * math.ceil(p.num_rollouts / per_batch)
     for batch in range(max_batches):
         traj, prompts = rollout_phase(run, batch)
-        advantages, _, _ = reward_phase(run, traj, prompts)
+        advantages = reward_phase(run, traj, prompts).advantages
         if advantages is None:  # a NaN reward (reward_phase warned); this batch is not measured
             continue
         count = min(per_batch, p.num_rollouts - done)
