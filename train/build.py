@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
@@ -310,7 +311,7 @@ def load_weights(cfg: TrainConfig, backbone: Backbone, weights: Weights, device:
     if weights.kind == "export":
         backbone.transformer = type(transformer).from_pretrained(weights.path, torch_dtype=torch.float32).to(device)
     elif weights.kind == "lora_export":
-        transformer.load_lora_adapter(str(weights.path), prefix="transformer")
+        transformer.load_lora_adapter(str(weights.path), prefix="transformer", weight_name=LORA_WEIGHT_NAME_SAFE)
     else:
         if cfg.model.lora.enabled:
             add_lora(cfg, backbone)

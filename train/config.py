@@ -87,8 +87,8 @@ class GRPOConfig:
     global_std: bool = False  # normalize by the std of all rewards of the step (all ranks) instead of per group
     kl_beta: float = 0.0  # weight of the KL to the reference policy (0 = off, no reference forwards)
     lr: float = 1e-5  # AdamW learning rate
-    weight_decay: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 1e-4  # AdamW decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW (beta1, beta2)
     max_grad_norm: float = 1.0  # global gradient-norm clip, across all shards
     ema_decay: float = 0.0  # EMA of trainable weights for evaluation (0 = off)
 
@@ -128,7 +128,7 @@ class LoggingConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 0  # save every N steps (0 = only at the end)
-    keep_last: int = 3
+    keep_last: int = 3  # complete checkpoints kept; older ones are deleted after each save
     export: bool = True  # write the trained transformer (or LoRA) in diffusers format at the end
 
 

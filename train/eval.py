@@ -75,7 +75,8 @@ def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
         was, now = OmegaConf.select(trained, key), OmegaConf.select(here, key)
         if was is not None and was != now:
             raise ValueError(
-                f"{weights.path} was trained with {key}={was} ({saved}), this command has {key}={now}: pass {key}={was}"
+                f"{weights.path} was trained with {key}={show_value(was)} ({saved}), this command has "
+                f"{key}={show_value(now)}: pass {key}={show_value(was)}"
             )
     if OmegaConf.select(trained, "grpo.ema_decay", default=0.0):
         log.info("the run kept an EMA of its weights: this evaluates the trained weights, not the EMA")

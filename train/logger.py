@@ -262,7 +262,8 @@ class Heartbeat:
 
     def __init__(self, total: int, *, start: int, every_s: float, enabled: bool) -> None:
         self.total, self.start, self.every_s, self.enabled = total, start, every_s, enabled
-        self._began = self._last = time.perf_counter()
+        self._began = time.perf_counter()
+        self._last = -math.inf  # the first step always shows
 
     def tick(self, done: int, reward: float | None) -> None:
         """``done`` steps are finished (this session started at ``start``)."""

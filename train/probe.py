@@ -3,7 +3,8 @@ trainer's phases and measure (train/quality.py) until K trajectories had a gradi
 
 ``python -m train.grad_quality`` (train/grad_quality.py) runs ``run_probe``: it builds as the trainer
 does, with wandb off and only as many prompts per rank as K trajectories need; with
-``resume=<checkpoint folder>`` it measures those weights.
+``resume=<checkpoint folder>`` it measures those weights. It logs no metric (its folder gets no
+metrics.jsonl), only ``grad_quality.json`` and the table on the console.
 """
 
 from __future__ import annotations
@@ -87,5 +88,5 @@ def run_probe(cfg: DictConfig) -> dict[str, Any]:
             out = Path(config.probe.output or Path(config.run_dir) / "grad_quality.json")
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(rep, indent=2) + "\n")
-            print(f"{format_table(rep)}\nreport: {out}")
+            log.info("%s\nreport: %s", format_table(rep), out)
     return rep

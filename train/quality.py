@@ -44,6 +44,8 @@ from train.distributed import get_rank, get_world_size, local_tensor, sum_over_s
 from train.jagg import backward_group, route, split_groups
 from train.update import GroupInputs, UpdateBatch, group_inputs
 
+MIN_ROLLOUTS = 10  # fewer trajectories per group: the report says its spread and recommendation are rough
+
 Group = tuple[int, int]  # transitions [start, stop)
 Samples = dict[Group, list[tuple[float, float]]]  # group -> (cos, rho) per measured trajectory
 
@@ -246,4 +248,17 @@ def format_table(rep: Mapping[str, Any]) -> str:
         f"* mean cos >= {rep['threshold']}: recommended update.jagg_frac={rep['recommended_jagg_frac']} "
         f"(M = {rep['num_transitions']} trainable transitions)"
     )
+    lines += [
+        "steps: the group's transitions; t: its first and last network-input timestep (1 = pure noise)",
+        f"cos: cosine between the group's gradient by the {mode} path and the exact one (1 = same direction);",
+        f"rho: |g_{mode}| / |g_exact| (1 = same length); both mean ± standard deviation over n trajectories",
+        "path: where the recommended jagg_frac routes the group",
+    ]
+    fewest = min((g["num_samples"] for g in rep["groups"]), default=0)
+    if fewest < MIN_ROLLOUTS:
+        lines.append(
+            f"note: n = {fewest} trajectories is too few for the ± and the recommendation to mean much "
+            f"(a standard deviation from n values is itself uncertain by about 1 / sqrt(2 (n - 1))); "
+            f"use probe.num_rollouts >= {MIN_ROLLOUTS} (the paper: >= 20)"
+        )
     return "\n".join(lines)
