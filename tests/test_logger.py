@@ -144,11 +144,19 @@ def test_wandb_offline_writes_into_run_dir(tmp_path, monkeypatch) -> None:
         tmp_path, is_main=True, wandb_mode="offline", project="p", group="exp", name="jagg-s0", tags=["jagg", "seed0"]
     )
     assert logger.wandb_active
-    logger.log({"loss": 0.5}, step=1)
-    logger.log_images("samples", torch.rand(2, 3, 4, 4), ["a", "b"], step=1)
+    sheet = tmp_path / "sheet.png"
+    image_grid(torch.rand(2, 3, 4, 4)).save(sheet)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a wandb failure warns: none may happen
+        logger.log({"loss": 0.5}, step=1)
+        logger.log_images("samples", torch.rand(2, 3, 4, 4), ["a", "b"], step=1, scores=[0.1, 0.2])
+        logger.log_wandb_images("eval/images", torch.rand(2, 3, 4, 4), ["#0 0.1: a", "#1 0.2: b"], step=1)
+        logger.log_wandb_images("eval/before_after", sheet, ["step 0 | step 1"], step=1)
+    assert logger.wandb_active
     logger.finish()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert len(list(runs[0].glob("files/media/images/**/*.png"))) == 5  # 2 samples, 2 eval images, 1 sheet
     assert os.environ["WANDB_SILENT"] == "true"
 
 
