@@ -24,7 +24,6 @@ import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -123,7 +122,7 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
         check_training_config(config, weights)
     out = Path(config.run_dir)
     records = read_eval_prompts(config)
-    results: dict[str, Any] = {}
+    results: dict[str, EvalResult] = {}
     with process_group() as dist:
         backbone, predict, device = build_for_eval(config, dist)
         scorers = build_eval_scorers(config, device)
