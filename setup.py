@@ -23,4 +23,14 @@ setup(
         "tqdm>=4.66",
     ],
     extras_require={"dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.10"]},
+    # The commands as programs on PATH: Hydra's tab completion (eval "$(jagg-train -sc install=bash)")
+    # completes a program's name, which "python -m train" is not.
+    entry_points={
+        "console_scripts": [
+            "jagg-train=train.__main__:command",
+            "jagg-eval=train.eval:command",
+            "jagg-compare=train.compare:main",
+            "jagg-probe=train.grad_quality:command",
+        ]
+    },
 )

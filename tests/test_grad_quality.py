@@ -4,6 +4,7 @@ jagg_frac rule on hand-made numbers, the Hydra entry point on the tiny Flux back
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -167,9 +168,10 @@ PROBE = [
 ]
 
 
-def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, capsys, _repo_root):
+def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, caplog, _repo_root):
     from train.probe import run_probe
 
+    caplog.set_level(logging.INFO)
     out = tmp_path / "report.json"
     overrides = [f"run_dir={tmp_path}", f"model.path={tiny_flux_dir}", *PROBE, "probe.num_rollouts=3"]
     with initialize_config_module(config_module="configs", version_base=None):
@@ -181,9 +183,12 @@ def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, capsys, _repo_root):
         assert g["num_samples"] == 3 and len(g["cos"]) == 3
         assert -1.0 <= g["cos_mean"] <= 1.0 and g["rho_mean"] > 0
     assert rep["recommended_jagg_frac"] in (0.0, 0.5, 1.0)  # a whole number of the 2 groups of M = 8
-    printed = capsys.readouterr().out
+    printed = caplog.text
     assert printed.count("\n") >= 4 and "recommended update.jagg_frac=" in printed
     assert format_table(rep) in printed
+    assert "cos: cosine between" in printed  # the columns are explained
+    assert "n = 3 trajectories is too few" in printed  # K = 3 < MIN_ROLLOUTS
+    assert not (tmp_path / "metrics.jsonl").exists()  # the probe logs no training metric
 
 
 def test_probe_measures_stale_velocities_and_restores_the_weights(tiny_flux_dir, tmp_path, _repo_root):

@@ -375,6 +375,17 @@ def test_the_other_commands_report_the_same_way(module, overrides, tiny_flux_dir
     assert status == 2 and field in the_error(stderr, module.PROG)
 
 
+def test_eval_names_a_damaged_checkpoint(trained, tiny_flux_dir, tmp_path, capsys):
+    """python -m train.eval checks a checkpoint's files as resuming does, before the model loads."""
+    run_dir = copy_run(trained, tmp_path)
+    latest = run_dir / "checkpoints" / "step_00000002"
+    truncate("__0_0.distcp")(latest)
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", f"eval.transformer={latest}"]
+    status, stderr = command(capsys, tmp_path / "eval", overrides, eval_command)
+    line = the_error(stderr, eval_command.PROG)
+    assert status == 2 and str(latest) in line and re.search(DAMAGED["truncated-distcp"][1], line), line
+
+
 def sigterm_at(step: int, monkeypatch) -> None:
     """SIGTERM to this process during training step ``step``, as a scheduler would send it."""
     real = trainer.train_step

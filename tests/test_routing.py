@@ -99,9 +99,10 @@ def test_jagg_frac_is_a_number_and_routing_its_own_field(tmp_path):
         compose_cfg([f"run_dir={tmp_path}", "update.jagg_frac=auto"])
 
 
-@pytest.mark.parametrize("threshold, path", [(-2.0, "jagg"), (1.5, "exact")])
+@pytest.mark.parametrize("threshold, path", [(-1.0, "jagg"), (1.0, "exact")])
 def test_trainer_routes_by_the_probe(threshold, path, tiny_flux_dir, tmp_path, monkeypatch):
-    """Any cosine passes a threshold of -2 and none passes 1.5: the update follows the table."""
+    """Any cosine passes a threshold of -1 (the ends of update.auto_threshold's range) and none short of
+    parallel gradients passes 1: the update follows the table."""
     from train.trainer import run
 
     monkeypatch.chdir(ROOT)  # the demo's prompt file is relative to the repository root

@@ -8,7 +8,9 @@ Golden values: ``tests/golden/trainer.json`` holds the per-step loss, reward and
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -152,6 +154,8 @@ def test_resume_replays_exactly(extra, tiny_flux, tmp_path):
     resumed = train(tmp_path / "resumed", tiny_flux, ["num_steps=4", "checkpoint.every=2", "resume=auto", *extra])
     assert [m["step"] for m in resumed] == [0, 1, 2, 3]
     assert all(m["count/reused_velocities"] > 0 for m in resumed)
+    clock = [m["wall_time"] for m in resumed]
+    assert clock == sorted(clock) and clock[2] >= clock[1]  # wall_time goes on across the resume
     for a, b in zip(straight, resumed):
         keys = {k for k in a if not k.startswith("time/") and k != "wall_time"}
         assert keys == {k for k in b if not k.startswith("time/") and k != "wall_time"}
@@ -161,6 +165,33 @@ def test_resume_replays_exactly(extra, tiny_flux, tmp_path):
     assert final_a.keys() == final_b.keys()
     for name in final_a:
         assert torch.equal(final_a[name], final_b[name]), name
+
+
+def test_console_lines_last_step_evaluation_and_run_folder(tiny_flux, tmp_path, caplog):
+    """What a researcher sees: a heartbeat without the bar, a line per evaluation against step 0, an
+    evaluation after the last step although 3 is no multiple of eval_every, per-prompt scores, the
+    before/after sheet and the summary with the paired difference and every folder written."""
+    caplog.set_level(logging.INFO)
+    evaluation = ["logging.eval_every=2", "+eval.scorers.jpeg_compressibility={}", "eval.num_steps=4"]
+    overrides = ["data.num_eval_prompts=3", "logging.heartbeat_s=0", "logging.sample_every=3", "checkpoint.every=2"]
+    metrics = train(tmp_path, tiny_flux, [*evaluation, *overrides])
+    assert [m["step"] for m in metrics if "eval/jpeg_compressibility" in m] == [0, 2, 3]
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("train")]
+    evals = [line for line in lines if line.startswith("eval step")]
+    assert len(evals) == 3 and evals[0].startswith("eval step 0: jpeg_compressibility ")
+    first = evals[0].split()[-1]
+    assert re.fullmatch(rf"eval step 3: jpeg_compressibility -?\d+\.\d{{4}} \(step 0: {re.escape(first)}\)", evals[2])
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == ["1/3", "2/3", "3/3"]
+    rows = [json.loads(line) for line in (tmp_path / "eval" / "step_00000003.scores.jsonl").read_text().splitlines()]
+    assert [sorted(r) for r in rows] == [["category", "index", "jpeg_compressibility", "prompt", "seed"]] * 3
+    assert (tmp_path / "eval" / "before_after_step_00000003.png").is_file()
+    assert (tmp_path / "samples" / "samples_00000002.png").is_file()
+    summary = lines[-1]
+    assert summary.startswith("finished tiny (jagg, seed 42): steps 0-2 in ")
+    assert "jpeg_compressibility: step 0 " in summary and "-> step 3 " in summary and "paired difference" in summary
+    assert "time per step (median of 3): " in summary and "rollout " in summary and "update " in summary
+    for entry in ("metrics.jsonl", "samples/", "eval/", "checkpoints/    step_00000002", "export/"):
+        assert entry in summary, entry
 
 
 def test_nan_reward_skips_update(tiny_flux, tmp_path, monkeypatch):

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import Tensor, nn
@@ -30,11 +32,13 @@ from rewards.base import SCORER_NAMES, Scorer, build_scorer, scorer_class
 from rewards.combine import RewardCombiner
 from samplers.rollout import Predict
 from train.checkpoint import CheckpointManager
+from train.cli import Weights
 from train.config import TrainConfig, validate
 from train.data import PromptRecord, PromptSampler, read_prompts
 from train.distributed import DistInfo, broadcast_object, init_distributed, parallelize, shutdown
 from train.ema import EMA
 from train.errors import ConfigError, PathError
+from train.evaluation import EvalResult
 from train.logger import RunLogger
 from train.routing import Router, build_router
 from train.seeds import seed_everything, stream_seed
@@ -62,6 +66,7 @@ class Run:
     eval_records: list[PromptRecord] | None = None  # built on the first evaluation
     heldout_records: list[PromptRecord] | None = None
     eval_scorers: dict[str, Scorer] | None = None
+    eval_before: EvalResult | None = None  # rank 0: the step-0 evaluation, for the before/after sheets
 
 
 def _missing(tree: Any, name: str = "") -> list[str]:
@@ -75,16 +80,27 @@ def _missing(tree: Any, name: str = "") -> list[str]:
     return [key for child, value in children for key in _missing(value, child)]
 
 
-def load_config(cfg: DictConfig) -> TrainConfig:
-    """The typed config of a composed Hydra tree, validated (no model is loaded)."""
+def _typed(cfg: DictConfig) -> TrainConfig:
     missing = _missing(OmegaConf.to_container(cfg, resolve=False))
     if missing:  # the experiment leaves them ??? (local paths the user must give)
         raise ConfigError(f"required settings have no value: {', '.join(missing)}; pass each as <key>=<value>")
     try:
-        config = cast(TrainConfig, OmegaConf.to_object(cfg))
+        return cast(TrainConfig, OmegaConf.to_object(cfg))
     except OmegaConfBaseException as err:  # e.g. an interpolation that does not resolve
         key = getattr(err, "full_key", None)
         raise ConfigError(f"{key}: {str(err).splitlines()[0]}" if key else str(err).splitlines()[0]) from None
+
+
+def load_config(cfg: DictConfig) -> TrainConfig:
+    """The typed config of a composed Hydra tree, validated (no model is loaded).
+
+    An empty ``run_dir`` becomes Hydra's output folder of the job (``hydra.run.dir``, or the sweep job's folder).
+    """
+    config = _typed(cfg)
+    if not config.run_dir:
+        if not HydraConfig.initialized():
+            raise ConfigError("run_dir is not set and no Hydra command is running: pass run_dir=<folder>")
+        config.run_dir = HydraConfig.get().runtime.output_dir
     validate(config, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()))
     return config
 
@@ -185,27 +201,33 @@ def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Ba
     return backbone
 
 
+def add_lora(cfg: TrainConfig, backbone: Backbone) -> None:
+    """LoRA adapters of ``model.lora`` on the transformer (the only trainable parameters afterwards)."""
+    from peft import LoraConfig  # only LoRA runs pay for importing peft
+
+    transformer: Any = backbone.transformer  # a diffusers model: its PEFT mixin adds the adapters
+    lora = cfg.model.lora
+    # peft draws the adapters from the global RNG, which differs per rank; FSDP2 keeps each rank's
+    # shard of its own draw. One stream for every rank gives the same weights on any world size.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(stream_seed(cfg.seed, "model_init"))
+        transformer.add_adapter(
+            LoraConfig(
+                r=lora.rank,
+                lora_alpha=lora.alpha,
+                init_lora_weights=lora.init,  # type: ignore[arg-type]  # a config string; peft checks it
+                target_modules=backbone.lora_target_modules,
+            )
+        )
+
+
 def setup_trainable(cfg: TrainConfig, backbone: Backbone) -> tuple[list[nn.Parameter], nn.Module | None]:
     """LoRA or full fine-tuning, the KL reference, then sharding (in that order)."""
-    transformer: Any = backbone.transformer  # a diffusers model: its PEFT mixin adds the adapters
+    transformer = backbone.transformer
     transformer.requires_grad_(False)
     reference = None
     if cfg.model.lora.enabled:
-        from peft import LoraConfig  # only LoRA runs pay for importing peft
-
-        lora = cfg.model.lora
-        # peft draws the adapters from the global RNG, which differs per rank; FSDP2 keeps each rank's
-        # shard of its own draw. One stream for every rank gives the same weights on any world size.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(stream_seed(cfg.seed, "model_init"))
-            transformer.add_adapter(
-                LoraConfig(
-                    r=lora.rank,
-                    lora_alpha=lora.alpha,
-                    init_lora_weights=lora.init,  # type: ignore[arg-type]  # a config string; peft checks it
-                    target_modules=backbone.lora_target_modules,
-                )
-            )
+        add_lora(cfg, backbone)
     else:
         transformer.requires_grad_(True)
         if cfg.grpo.kl_beta > 0:  # full fine-tuning: the reference is a frozen copy of the start
@@ -331,14 +353,17 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
     params, reference = setup_trainable(cfg, backbone)
     g = cfg.grpo
     optimizer = torch.optim.AdamW(params, lr=g.lr, weight_decay=g.weight_decay, betas=(g.betas[0], g.betas[1]))
+    lg = cfg.logging
     logger = RunLogger(
         run_dir,
         is_main=dist.is_main,
-        wandb_mode=cfg.logging.wandb_mode,
-        project=cfg.logging.project,
-        group=cfg.logging.group or cfg.experiment,
-        name=f"{cfg.experiment}-{cfg.update.mode}-s{cfg.seed}",
-        tags=[cfg.update.mode, f"seed{cfg.seed}", cfg.sampler.sde],
+        wandb_mode=lg.wandb_mode,
+        project=lg.project,
+        entity=lg.entity,
+        group=lg.group or cfg.experiment,
+        name=lg.name or f"{cfg.experiment}-{cfg.update.mode}-s{cfg.seed}",
+        tags=list(dict.fromkeys([cfg.update.mode, f"seed{cfg.seed}", cfg.sampler.sde, *lg.tags])),
+        notes=lg.notes,
         config=cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg))),
     )
     return Run(
@@ -373,12 +398,26 @@ def open_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Iter
 
 
 def build_for_eval(cfg: TrainConfig, dist: DistInfo) -> tuple[Backbone, Predict, torch.device]:
-    """Backbone (with ``eval.transformer`` loaded, when given), its predictor and its device."""
+    """The pretrained backbone in evaluation mode, its predictor and its device (``load_weights`` then
+    puts trained weights in; the predictor follows ``backbone.transformer``)."""
     device = resolve_device(cfg, dist)
     backbone = build_backbone(cfg, dist, device)
-    if cfg.eval.transformer is not None:
-        trained: Any = type(backbone.transformer)
-        backbone.transformer = trained.from_pretrained(cfg.eval.transformer, torch_dtype=torch.float32).to(device)
     backbone.transformer.eval()
     predict = predictor(backbone, compute_dtype=parse_dtype(cfg.model.dtype), world_size=dist.world_size, device=device)
     return backbone, predict, device
+
+
+def load_weights(cfg: TrainConfig, backbone: Backbone, weights: Weights, device: torch.device) -> None:
+    """Trained weights into ``backbone.transformer``: a full export replaces it, a LoRA export adds its
+    adapter, a training checkpoint loads its model state (into LoRA adapters of ``model.lora`` first
+    when the run trained LoRA)."""
+    transformer: Any = backbone.transformer  # a diffusers model (from_pretrained, PEFT mixin)
+    if weights.kind == "export":
+        backbone.transformer = type(transformer).from_pretrained(weights.path, torch_dtype=torch.float32).to(device)
+    elif weights.kind == "lora_export":
+        transformer.load_lora_adapter(str(weights.path), prefix="transformer", weight_name=LORA_WEIGHT_NAME_SAFE)
+    else:
+        if cfg.model.lora.enabled:
+            add_lora(cfg, backbone)
+        CheckpointManager(weights.path.parent.parent).load(weights.path, model=backbone.transformer, optimizer=None)
+    backbone.transformer.eval()

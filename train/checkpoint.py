@@ -76,6 +76,11 @@ _MARKER = "COMPLETE"
 _RANK_FILE_KEYS = {"step", "world_size", "extra", "rng", "sharded_extra_keys"}
 
 
+def is_complete(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint whose save finished (it holds the COMPLETE marker)."""
+    return (Path(path) / _MARKER).is_file()
+
+
 def _split_extra(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a nested dict into (DTensor leaves, everything else), both keeping the nesting."""
     sharded: dict[str, Any] = {}

@@ -36,8 +36,8 @@ WANDB_MODES = ("disabled", "offline", "online")
 @dataclass
 class LoraConfig:
     enabled: bool = False  # train LoRA adapters instead of every transformer weight
-    rank: int = 64  # r, >= 1
-    alpha: int = 128  # scaling alpha / r, >= 1
+    rank: int = 64  # r: rank of each adapter's B A, >= 1
+    alpha: int = 128  # scaling: the adapter adds alpha / r * B A, >= 1
     init: str = "gaussian"  # peft init_lora_weights: gaussian | olora | pissa | pissa_niter_<n> | orthogonal
 
 
@@ -108,7 +108,7 @@ class GRPOConfig:
     kl_beta: float = 0.0
     lr: float = 1e-5  # AdamW learning rate, > 0 (on resume the configured value replaces the checkpoint's)
     weight_decay: float = 1e-4  # AdamW decoupled weight decay, >= 0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW [beta1, beta2], each in [0, 1)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW (beta1, beta2), each in [0, 1)
     max_grad_norm: float = 1.0  # global gradient-norm clip, across all shards, > 0
     ema_decay: float = 0.0  # EMA of trainable weights for evaluation, in [0, 1) (0 = off)
 
@@ -135,17 +135,23 @@ class DataConfig:
 @dataclass
 class LoggingConfig:
     wandb_mode: str = "disabled"  # disabled | offline | online
-    project: str = "jagg-grpo"
-    sample_every: int = 0  # log a grid of rollout images every N steps (0 = never)
-    eval_every: int = 0  # evaluate before training and every N steps (0 = never); eval/* at step k = after k steps
+    project: str = "jagg-grpo"  # wandb project
+    entity: str | None = None  # wandb entity (user or team); null = wandb's default entity
     group: str | None = None  # wandb group; null = the experiment name (scripts/launch/compare_modes.sh sets one)
-    progress_bar: bool = True
+    name: str | None = None  # wandb run name; null = <experiment>-<update.mode>-s<seed>
+    tags: list[str] = field(default_factory=list)  # wandb tags, added to the automatic ones (mode, seed<N>, sde)
+    notes: str | None = None  # wandb notes: a sentence on what this run tests
+    sample_every: int = 0  # save (and send to wandb) a captioned grid of rollout images every N steps (0 = never)
+    # evaluate before training, every N steps and after the last step (0 = never); eval/* at step k = after k steps
+    eval_every: int = 0
+    progress_bar: bool = True  # a tqdm bar on rank 0; when false, a heartbeat line instead
+    heartbeat_s: float = 60.0  # progress_bar=false: seconds between progress lines (0 = one line per step)
 
 
 @dataclass
 class CheckpointConfig:
     every: int = 0  # save every N steps (0 = only at the end); the last step is always saved
-    keep_last: int = 3  # complete checkpoints kept, >= 1 (older ones are deleted)
+    keep_last: int = 3  # complete checkpoints kept, >= 1; older ones are deleted after each save
     export: bool = True  # write the trained transformer (or LoRA) in diffusers format at the end
 
 
@@ -157,8 +163,12 @@ class EvalConfig:
     # images per prompt, each from its own noise: sample j of prompt i (of n) is evaluation item j * n + i,
     # so sample 0 keeps the noise of samples_per_prompt=1; more samples shrink the spread of a small prompt set
     samples_per_prompt: int = 1
-    grid_size: int = 16  # images in the PNG grid
-    transformer: str | None = None  # python -m train.eval: an exported transformer folder to evaluate
+    grid_size: int = 16  # images in the PNG grid (the first prompts), and pairs in the before/after sheet
+    # python -m train.eval: the weights to evaluate: an export (<run>/export), a training checkpoint
+    # (<run>/checkpoints/step_XXXXXXXX) or a run folder (its export, else its latest checkpoint); null = pretrained
+    transformer: str | None = None
+    # python -m train.eval: also evaluate the pretrained model (same prompts and noise) and report the paired difference
+    compare_pretrained: bool = False
     # metric name (hpsv2 | pickscore | clipscore | jpeg_compressibility | ...) -> scorer arguments (local paths)
     scorers: dict[str, dict] = field(default_factory=dict)
 
@@ -183,7 +193,7 @@ class DistConfig:
 @dataclass
 class TrainConfig:
     experiment: str = "demo"  # name used for the wandb group and the run folder
-    run_dir: str = MISSING  # shared run folder (all ranks; set from hydra.run.dir by default)
+    run_dir: str = ""  # shared run folder of all ranks; "" = Hydra's output folder (hydra.run.dir)
     seed: int = 42  # every random stream derives from (seed, purpose, index) (train/seeds.py)
     num_steps: int = 10  # training steps (rollout + update)
     resume: str | None = None  # null | auto (latest checkpoint in run_dir) | path to a checkpoint folder
@@ -410,6 +420,7 @@ def _validate_run(cfg: TrainConfig, known_scorers: tuple[str, ...]) -> None:
         raise ConfigError("logging.project is empty: name the wandb project")
     _non_negative(cfg.logging.sample_every, "logging.sample_every", " (0 = never)")
     _non_negative(cfg.logging.eval_every, "logging.eval_every", " (0 = never)")
+    _non_negative(cfg.logging.heartbeat_s, "logging.heartbeat_s", " (0 = a line per step)")
     _non_negative(cfg.checkpoint.every, "checkpoint.every", " (0 = only at the end)")
     _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
     _non_negative(cfg.data.num_eval_prompts, "data.num_eval_prompts", " (0 = all of them)")
@@ -430,12 +441,9 @@ def _validate_files(cfg: TrainConfig) -> None:
     model_path = Path(cfg.model.path)
     if cfg.model.build_tiny is None and not model_path.is_dir():
         raise PathError(f"model.path={cfg.model.path!r} is not a folder; point it at a local diffusers pipeline folder")
-    for name, folder in (
-        ("model.embedding_cache", cfg.model.embedding_cache),
-        ("eval.transformer", cfg.eval.transformer),
-    ):
-        if folder is not None and not Path(folder).is_dir():
-            raise PathError(f"{name}={folder!r} is not a folder")
+    # eval.transformer: python -m train.eval checks it (train.cli.find_weights), naming what it accepts
+    if cfg.model.embedding_cache is not None and not Path(cfg.model.embedding_cache).is_dir():
+        raise PathError(f"model.embedding_cache={cfg.model.embedding_cache!r} is not a folder")
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_dir():
         raise PathError(f"resume={cfg.resume!r}: no such checkpoint folder (use resume=auto or a path)")
     read_prompts(cfg.data.train_prompts, field_name="data.train_prompts")

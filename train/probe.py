@@ -3,7 +3,8 @@ trainer's phases and measure (train/quality.py) until K trajectories had a gradi
 
 ``python -m train.grad_quality`` (train/grad_quality.py) runs ``run_probe``: it builds as the trainer
 does, with wandb off and only as many prompts per rank as K trajectories need; with
-``resume=<checkpoint folder>`` it measures those weights.
+``resume=<checkpoint folder>`` it measures those weights. It logs no metric (its folder gets no
+metrics.jsonl), only ``grad_quality.json`` and the table on the console.
 
 With ``update.reuse_velocities=stale`` (and a ``probe.mode`` with middle steps) it also measures what
 staleness costs: on every batch it moves the weights by one optimizer step on the batch (the
@@ -92,7 +93,7 @@ def probe(run: Run) -> dict[str, Any]:
     max_batches = MAX_BATCHES_PER_K * math.ceil(p.num_rollouts / per_batch)
     for batch in range(max_batches):
         traj, prompts = rollout_phase(run, batch, keep_velocities=stale)
-        advantages, _, _ = reward_phase(run, traj, prompts)
+        advantages = reward_phase(run, traj, prompts).advantages
         if advantages is None:  # a NaN reward (reward_phase warned); this batch is not measured
             continue
         count = min(per_batch, p.num_rollouts - done)
@@ -146,5 +147,5 @@ def run_probe(cfg: DictConfig) -> dict[str, Any]:
             out = Path(config.probe.output or Path(config.run_dir) / "grad_quality.json")
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(rep, indent=2) + "\n")
-            print(f"{format_table(rep)}\nreport: {out}")
+            log.info("%s\nreport: %s", format_table(rep), out)
     return rep

@@ -49,6 +49,8 @@ from train.distributed import get_rank, get_world_size, local_tensor, sum_over_s
 from train.jagg import backward_group, route, split_groups
 from train.update import GroupInputs, UpdateBatch, group_inputs
 
+MIN_ROLLOUTS = 10  # fewer trajectories per group: the report says its spread and recommendation are rough
+
 Group = tuple[int, int]  # transitions [start, stop)
 Samples = dict[Group, list[tuple[float, float]]]  # group -> (cos, rho) per measured trajectory
 
@@ -288,31 +290,53 @@ def report(
 
 
 def format_table(rep: Mapping[str, Any]) -> str:
-    """Table 5 of the paper as text, and the recommendation (and the staleness columns when measured)."""
+    """Table 5 of the paper as text, the recommendation (and the staleness columns when measured), and
+    what the columns mean."""
     mode = rep["mode"]
     stale = all("after_step" in g for g in rep["groups"]) and bool(rep["groups"])
     header = f"{'group':>5}  {'steps':>7}  {'t':>11}  {f'cos(g_{mode}, g_exact)':>24}  {'rho':>15}  {'n':>3}  path"
     if stale:
         header += f"  {'fresh, 1 step':>22}  {'stale, 1 step':>22}"
-    lines = [header]
-    for g in rep["groups"]:
-        mark = "*" if g["qualifies"] else " "
-        line = (
-            f"{g['group']:>5}  {g['start']:>3}-{g['stop'] - 1:<3}  {g['t_first']:.3f}-{g['t_last']:.3f}  "
-            f"{_pm(g['cos_mean'], g['cos_std'], 14)}{mark}  {_pm(g['rho_mean'], g['rho_std'], 7)}  "
-            f"{g['num_samples']:>3}  {g['path']:<5}"
-        )
-        if stale:
-            after = g["after_step"]
-            line += "".join(f"  {_pm(after[k]['cos_mean'], after[k]['cos_std'], 14)}" for k in ("fresh", "stale"))
-        lines.append(line.rstrip())
+    lines = [header, *(_table_row(g, stale) for g in rep["groups"])]
     lines.append(
         f"* mean cos >= {rep['threshold']}: recommended update.jagg_frac={rep['recommended_jagg_frac']} "
         f"(M = {rep['num_transitions']} trainable transitions)"
     )
+    return "\n".join(lines + _legend(rep, stale))
+
+
+def _table_row(g: Mapping[str, Any], stale: bool) -> str:
+    mark = "*" if g["qualifies"] else " "
+    line = (
+        f"{g['group']:>5}  {g['start']:>3}-{g['stop'] - 1:<3}  {g['t_first']:.3f}-{g['t_last']:.3f}  "
+        f"{_pm(g['cos_mean'], g['cos_std'], 14)}{mark}  {_pm(g['rho_mean'], g['rho_std'], 7)}  "
+        f"{g['num_samples']:>3}  {g['path']:<5}"
+    )
+    if stale:
+        after = g["after_step"]
+        line += "".join(f"  {_pm(after[k]['cos_mean'], after[k]['cos_std'], 14)}" for k in ("fresh", "stale"))
+    return line.rstrip()
+
+
+def _legend(rep: Mapping[str, Any], stale: bool) -> list[str]:
+    """What the columns mean, and a note when too few trajectories were measured."""
+    mode = rep["mode"]
+    lines = [
+        "steps: the group's transitions; t: its first and last network-input timestep (1 = pure noise)",
+        f"cos: cosine between the group's gradient by the {mode} path and the exact one (1 = same direction);",
+        f"rho: |g_{mode}| / |g_exact| (1 = same length); both mean ± standard deviation over n trajectories",
+        "path: where the recommended jagg_frac routes the group",
+    ]
     if stale:
         lines.append(
             f"after one optimizer step on the rollout: cos(g_{mode}, g_exact) with the middle velocities "
             "recomputed (fresh) and taken from the rollout (stale, update.reuse_velocities=stale)"
         )
-    return "\n".join(lines)
+    fewest = min((g["num_samples"] for g in rep["groups"]), default=0)
+    if fewest < MIN_ROLLOUTS:
+        lines.append(
+            f"note: n = {fewest} trajectories is too few for the ± and the recommendation to mean much "
+            f"(a standard deviation from n values is itself uncertain by about 1 / sqrt(2 (n - 1))); "
+            f"use probe.num_rollouts >= {MIN_ROLLOUTS} (the paper: >= 20)"
+        )
+    return lines

@@ -21,6 +21,7 @@ update (all ranks together) instead of corrupting the weights.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -99,8 +100,17 @@ def advantage_fn(run: Run) -> AdvantageFn:
     return fn
 
 
-def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> tuple[Tensor | None, Tensor, dict[str, float]]:
-    """(advantages or None when the step must be skipped, images, metrics)."""
+@dataclass
+class Scored:
+    """The reward phase's result on this rank."""
+
+    advantages: Tensor | None  # [B]; None when the step must be skipped (a non-finite reward on some rank)
+    images: Tensor  # [B, 3, H, W] in [0, 1]
+    rewards: Tensor | None  # [B] combined reward per sample (None when skipped)
+    metrics: dict[str, float]
+
+
+def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> Scored:
     with torch.no_grad():
         images = run.backbone.decode(traj.latents[:, -1], height=run.cfg.model.height, width=run.cfg.model.width)
         try:
@@ -110,19 +120,20 @@ def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> tuple[Tensor
             log.warning("skipping the update of this step: %s", err)
             scores, error = {}, 1.0
     if float(all_reduce_sum(torch.tensor(error, device=images.device))) > 0:
-        return None, images, {"train/skipped_nan_reward": 1.0}
+        return Scored(None, images, None, {"train/skipped_nan_reward": 1.0})
     advantages, _ = run.rewards.advantages(scores, traj.group_ids, advantage_fn(run))
+    total = run.rewards.total(scores)
     # every rank holds as many samples: the gathered tensors are the whole step's
     metrics = {f"reward/{name}": float(all_gather_tensor(s).mean()) for name, s in scores.items()}
     everyone = all_gather_tensor(advantages)
     metrics |= {
-        "reward/total": float(all_gather_tensor(run.rewards.total(scores)).mean()),
+        "reward/total": float(all_gather_tensor(total).mean()),
         "adv/mean": float(everyone.mean()),
         "adv/std": float(everyone.std(unbiased=False)),
         "adv/abs_max": float(everyone.abs().max()),
         "train/skipped_nan_reward": 0.0,
     }
-    return advantages, images, metrics
+    return Scored(advantages, images, total, metrics)
 
 
 def optimizer_step(run: Run) -> tuple[float, bool]:
@@ -179,14 +190,25 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         with timer.phase("rollout"):
             traj, prompts = rollout_phase(run, step)
         with timer.phase("reward"):
-            advantages, images, metrics = reward_phase(run, traj, prompts)
-        if advantages is not None:
-            metrics |= update_phase(run, traj, advantages, step, timer)
+            scored = reward_phase(run, traj, prompts)
+        metrics = scored.metrics
+        if scored.advantages is not None:
+            metrics |= update_phase(run, traj, scored.advantages, step, timer)
     metrics |= timer.pop()
     metrics["count/rollout_forwards"] = run.cfg.sampler.num_steps
     if traj.velocities is not None:  # what keeping them costs, per sample of the rollout, on every rank
         metrics["memory/velocity_bytes_per_sample"] = traj.velocities[0].nbytes
     every = run.cfg.logging.sample_every
     if every and (step + 1) % every == 0:
-        run.logger.log_images("samples", images, prompts, step)
+        rewards = None if scored.rewards is None else scored.rewards.float().cpu().tolist()
+        # one row per group: its G samples share the prompt and the initial noise
+        run.logger.log_images(
+            "samples",
+            scored.images,
+            prompts,
+            step,
+            scores=rewards,
+            score_name="reward/total",
+            nrow=run.cfg.grpo.group_size,
+        )
     return metrics

@@ -8,9 +8,12 @@
 #   CLIP_PATH                        clip-vit-large-patch14 folder (CLIPScore)
 #   PICKSCORE_PATH, PICKSCORE_PROCESSOR   PickScore_v1 and its CLIP-H processor (evaluation)
 #
-# Launch layout (torchrun): NPROC_PER_NODE processes per node (default 8, one per GPU); NNODES > 1
-# adds a static rendezvous that needs NODE_RANK, MASTER_ADDR (MASTER_PORT, default 29500) and an
-# explicit RUN_DIR on a filesystem every node shares. DRY_RUN=1 prints the commands instead.
+# Launch layout (torchrun): NPROC_PER_NODE processes per node (default 8, one per GPU; 1 for the CPU
+# experiments demo, tiny and testbed_compare); NNODES > 1 adds torchrun's c10d rendezvous
+# (--nnodes --node_rank --rdzv_backend c10d --rdzv_endpoint MASTER_ADDR:MASTER_PORT, port default
+# 29500), which needs NODE_RANK, MASTER_ADDR and an explicit RUN_DIR on a filesystem every node shares.
+# DRY_RUN=1 prints the commands instead of running them; a variable that is not set prints as
+# <NAME>, so the commands can be read before any path exists.
 # Commands run from the repository root: relative paths (RUN_DIR, OUT_DIR, prompts) start there.
 
 set -euo pipefail
@@ -18,7 +21,6 @@ set -euo pipefail
 LAUNCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO_ROOT="$(cd "$LAUNCH_DIR/../.." && pwd)"
 cd "$REPO_ROOT"
-NPROC_PER_NODE="${NPROC_PER_NODE:-8}"
 NNODES="${NNODES:-1}"
 TORCHRUN="${TORCHRUN:-torchrun}"
 
@@ -27,31 +29,51 @@ die() {
     exit 2
 }
 
-require() {  # require VAR...: every named variable must be set and non-empty
+require() {  # require VAR...: every named variable must be set and non-empty (DRY_RUN: shown as <VAR>)
     local name
     for name in "$@"; do
-        [[ -n "${!name:-}" ]] || die "set $name (scripts/launch/common.sh lists the variables)"
+        if [[ -z "${!name:-}" ]]; then
+            [[ -n "${DRY_RUN:-}" ]] || die "set $name (scripts/launch/common.sh lists the variables)"
+            printf -v "$name" '<%s>' "$name"
+        fi
     done
+}
+
+quote() {  # one argument as a shell reads it back: as it is when that is safe, else in single quotes
+    if [[ "$1" =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then
+        printf '%s' "$1"
+    else
+        printf "'%s'" "${1//\'/\'\\\'\'}"
+    fi
 }
 
 run_cmd() {
     if [[ -n "${DRY_RUN:-}" ]]; then
-        printf '%q ' "$@"
-        echo
+        local arg line=()
+        for arg in "$@"; do
+            line+=("$(quote "$arg")")
+        done
+        echo "${line[*]}"
     else
         "$@"
     fi
 }
 
-# The Hydra overrides naming the local files of an experiment (none for the CPU demo).
+# The Hydra overrides naming the local files of an experiment (none for the CPU experiments), and
+# its default number of processes per node.
 experiment_paths() {
     local experiment="$1" model_var
+    [[ -f "configs/experiment/$experiment.yaml" ]] ||
+        die "unknown experiment '$experiment': pick one of configs/experiment/*.yaml"
     case "$experiment" in
         flux_*) model_var=FLUX_PATH ;;
         qwenimage_*) model_var=QWENIMAGE_PATH ;;
-        demo | tiny) return 0 ;;
-        *) die "unknown experiment '$experiment': pick one of configs/experiment/*.yaml" ;;
+        *)  # the CPU experiments (demo, tiny, testbed_compare): local files shipped, one process
+            DEFAULT_NPROC=1
+            return 0
+            ;;
     esac
+    DEFAULT_NPROC=8
     require "$model_var" TRAIN_PROMPTS HPS_CKPT CLIP_PATH PICKSCORE_PATH PICKSCORE_PROCESSOR
     PATH_OVERRIDES=(
         "model.path=${!model_var}"
@@ -75,11 +97,11 @@ launch() {
     local rendezvous=(--standalone)
     if (( NNODES > 1 )); then
         require NODE_RANK MASTER_ADDR RUN_DIR
-        rendezvous=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR"
-            --master_port "${MASTER_PORT:-29500}")
+        rendezvous=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --rdzv_backend c10d
+            --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}")
     fi
     # hydra.run.dir is passed explicitly: Hydra's default folder is a timestamp taken per process.
-    run_cmd "$TORCHRUN" "${rendezvous[@]}" --nproc_per_node "$NPROC_PER_NODE" -m "$module" \
+    run_cmd "$TORCHRUN" "${rendezvous[@]}" --nproc_per_node "${NPROC_PER_NODE:-$DEFAULT_NPROC}" -m "$module" \
         "experiment=$experiment" "hydra.run.dir=$run_dir" ${PATH_OVERRIDES[@]+"${PATH_OVERRIDES[@]}"} "$@"
 }
 

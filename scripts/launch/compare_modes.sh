@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Run exact, jagg and ablate of one experiment, one after the other, in one wandb group, then compare:
-#   scripts/launch/compare_modes.sh flux_dance [hydra overrides for all three runs...]
-#   NPROC_PER_NODE=1 scripts/launch/compare_modes.sh demo num_steps=4   # the CPU demo
-# Runs land in OUT_DIR/{exact,jagg,ablate} (default runs/<experiment>/<group>) and the comparison
-# (python -m train.compare) in OUT_DIR/compare. GROUP names the wandb group (default
-# <experiment>-cmp-<date>). MODES overrides the list (e.g. MODES="exact jagg"). Paths: see common.sh.
+#   scripts/launch/compare_modes.sh flux_dance [hydra overrides for every run...]
+#   SEEDS="0 1 2" scripts/launch/compare_modes.sh flux_dance     # each mode once per seed
+#   scripts/launch/compare_modes.sh testbed_compare num_steps=4   # the CPU testbed (one process)
+# Runs land in OUT_DIR/<mode> (default runs/<experiment>/<group>), or OUT_DIR/<mode>_s<seed> with SEEDS,
+# and the comparison (python -m train.compare, which labels each run from its own config) in
+# OUT_DIR/compare. GROUP names the wandb group (default <experiment>-cmp-<date>). MODES overrides the
+# list (e.g. MODES="exact jagg"). Paths: see common.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 [[ $# -ge 1 ]] || die "usage: $0 EXPERIMENT [hydra overrides...]"
 experiment="$1"
@@ -12,10 +14,19 @@ shift
 group="${GROUP:-$experiment-cmp-$(date +%Y%m%d-%H%M%S)}"
 out_dir="${OUT_DIR:-runs/$experiment/$group}"
 read -r -a modes <<< "${MODES:-exact jagg ablate}"
+read -r -a seeds <<< "${SEEDS:-}"
 run_dirs=()
-for mode in "${modes[@]}"; do
-    launch train "$experiment" "$out_dir/$mode" "update=$mode" "logging.group=$group" "$@"
-    run_dirs+=("$out_dir/$mode")
-done
-run_cmd "${PYTHON:-python}" -m train.compare "${run_dirs[@]}" --labels "$(IFS=,; echo "${modes[*]}")" \
-    --out "$out_dir/compare"
+if (( ${#seeds[@]} == 0 )); then
+    for mode in "${modes[@]}"; do
+        launch train "$experiment" "$out_dir/$mode" "update=$mode" "logging.group=$group" "$@"
+        run_dirs+=("$out_dir/$mode")
+    done
+else
+    for seed in "${seeds[@]}"; do
+        for mode in "${modes[@]}"; do
+            launch train "$experiment" "$out_dir/${mode}_s$seed" "update=$mode" "seed=$seed" "logging.group=$group" "$@"
+            run_dirs+=("$out_dir/${mode}_s$seed")
+        done
+    done
+fi
+run_cmd "${PYTHON:-python}" -m train.compare "${run_dirs[@]}" --out "$out_dir/compare"

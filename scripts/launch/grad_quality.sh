@@ -2,9 +2,10 @@
 # Measure JAGG's gradient quality per group (the paper's Table 5) and the jagg_frac it gives:
 #   scripts/launch/grad_quality.sh flux_dance probe.num_rollouts=24
 #   scripts/launch/grad_quality.sh flux_dance resume=runs/flux_dance/<run>/checkpoints/<step>   # trained weights
-# Writes <run dir>/grad_quality.json and prints the table. Paths and layout: see common.sh.
+# Writes runs/<experiment>/grad_quality/<date>/grad_quality.json (or RUN_DIR) and prints the table.
+# Paths and layout: see common.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 [[ $# -ge 1 ]] || die "usage: $0 EXPERIMENT [hydra overrides...]"
 experiment="$1"
 shift
-launch train.grad_quality "$experiment" "$(run_dir_for "$experiment" grad_quality)" "$@"
+launch train.grad_quality "$experiment" "${RUN_DIR:-runs/$experiment/grad_quality/$(date +%Y-%m-%d_%H-%M-%S)}" "$@"
