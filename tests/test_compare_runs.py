@@ -1,4 +1,5 @@
-"""python -m train.compare: the reward table, the efficiency summary and the plots, from metrics.jsonl."""
+"""python -m train.compare: the reward table, the efficiency summary and the plots, from metrics.jsonl
+and from wandb runs (offline run folders, online runs through a stand-in for wandb's API)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ TINY_RUN = [
     "eval.num_steps=3",
     "eval.batch_size=2",
     "data.num_eval_prompts=2",
+    "logging.wandb_mode=offline",
 ]
 
 
@@ -85,6 +87,101 @@ def test_two_tiny_runs_give_tables_and_plots(tiny_runs, tmp_path, capsys):
         with Image.open(out / f"{name}.png") as image:
             assert image.format == "PNG" and min(image.size) > 100
     assert "| step |" in (out / "table.md").read_text()
+
+
+def test_offline_wandb_runs_of_a_tiny_job_compare_as_their_metrics_files(tiny_runs, tmp_path, capsys):
+    """The same two runs read from their wandb/offline-run-* folders give the same comparison."""
+    by_file, by_wandb = tmp_path / "file", tmp_path / "wandb"
+    assert main([*map(str, tiny_runs), "--out", str(by_file), "--warmup", "0"]) == 0
+    offline = [next((run / "wandb").glob("offline-run-*")) for run in tiny_runs]
+    assert main([*map(str, offline), "--out", str(by_wandb), "--warmup", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "- exact: seeds [42]" in printed and "baseline: exact; its update.mode is exact" in printed
+    a, b = (json.loads((out / "summary.json").read_text()) for out in (by_file, by_wandb))
+    for arm in ("exact", "jagg"):
+        assert a["arms"][arm].pop("runs") != b["arms"][arm].pop("runs")  # read from different places
+    assert a == b  # every reward, every step time, the baseline: equal
+    # a folder holding the wandb folders (a sweep copied from a cluster) is read as a sweep
+    assert main([str(tiny_runs[0] / "wandb"), "--out", str(tmp_path / "dir"), "--warmup", "0"]) == 0
+
+
+def offline_session(root: Path, run_id: str, values: dict[int, float], config: dict) -> None:
+    import wandb
+
+    os.environ["WANDB_SILENT"] = "true"
+    run = wandb.init(mode="offline", dir=str(root), id=run_id, resume="allow", project="p", config=config)
+    for s, v in values.items():
+        run.log({"eval/hps": v, "wall_time": float(s)}, step=s)
+    run.finish()
+
+
+def test_offline_sessions_of_a_resumed_run_merge_and_damage_is_named(tmp_path, capsys):
+    """A resumed run writes a second offline folder with the same id: merged, the replayed step keeps
+    its later value (as metrics.jsonl does). A damaged .wandb file is named, exit status 2."""
+    from train.wandb_runs import read_offline
+
+    cfg = {"seed": 0, "update": {"mode": "jagg"}}
+    offline_session(tmp_path, "abcd1234", {0: 0.1, 1: 0.2, 2: 0.3}, cfg)
+    offline_session(tmp_path, "abcd1234", {2: 0.7, 3: 0.8}, cfg)  # resumed at step 2
+    folders = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2
+    (run,) = read_offline(folders)
+    assert run.run_id == "abcd1234" and run.config == cfg
+    assert {s: v["eval/hps"] for s, v in run.steps.items()} == {0: 0.1, 1: 0.2, 2: 0.7, 3: 0.8}
+    assert main([str(tmp_path / "wandb"), "--out", str(tmp_path / "cmp")]) == 0
+    assert "0.8000" in capsys.readouterr().out
+    (file,) = folders[0].glob("*.wandb")
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+    assert main([str(folders[0]), "--out", str(tmp_path / "cmp")]) == 2
+    assert f"{file} is damaged" in capsys.readouterr().err
+
+
+class FakeApiRun:
+    def __init__(self, run_id: str, group: str, mode: str, seed: int, values: dict[int, float]) -> None:
+        self.id, self.name, self.group = run_id, f"{mode}-s{seed}", group
+        self.config = {"seed": seed, "update": {"mode": mode}, "_wandb": {}}
+        self.rows = [{"_step": s, "_runtime": 1.0, "eval/hps": v, "wall_time": 10.0 * s} for s, v in values.items()]
+
+    def scan_history(self):
+        return iter(self.rows)
+
+
+class FakeApi:
+    """wandb.Api's two calls train.compare makes, over four runs of two groups."""
+
+    RUNS = [
+        FakeApiRun("r1", "sweep", "exact", 0, {0: 0.4, 10: 0.5}),
+        FakeApiRun("r2", "sweep", "jagg", 0, {0: 0.4, 10: 0.6}),
+        FakeApiRun("r3", "sweep", "jagg", 1, {0: 0.4, 10: 0.7}),
+        FakeApiRun("r4", "other", "exact", 1, {0: 0.4, 10: 0.9}),
+    ]
+
+    def runs(self, path: str, filters: dict):
+        assert path == "team/proj"
+        return [r for r in self.RUNS if r.group == filters["group"]]
+
+    def run(self, path: str):
+        return next(r for r in self.RUNS if f"team/proj/{r.id}" == path)
+
+
+def test_online_runs_by_group_and_by_id(tmp_path, capsys, monkeypatch):
+    import wandb
+
+    monkeypatch.setattr(wandb, "Api", FakeApi)
+    assert main(["wandb:team/proj/group:sweep", "--out", str(tmp_path / "cmp")]) == 0
+    printed = capsys.readouterr().out
+    assert "- exact: seeds [0]" in printed and "- jagg: seeds [0, 1]" in printed
+    summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
+    assert summary["arms"]["jagg"]["runs"] == {"0": "wandb:team/proj/r2", "1": "wandb:team/proj/r3"}
+    assert summary["arms"]["jagg"]["eval/hps"]["final"] == {"0": 0.6, "1": 0.7}
+    assert main(["wandb:team/proj/r1", "wandb:team/proj/r4", "--out", str(tmp_path / "cmp2")]) == 0
+    assert "seeds [0, 1]" in capsys.readouterr().out  # one arm: both exact
+    assert main(["wandb:team/proj/group:none", "--out", str(tmp_path / "cmp3")]) == 2
+    assert "no run in group 'none'" in capsys.readouterr().err
+    assert main(["wandb:team/proj", "--out", str(tmp_path / "cmp3")]) == 2
+    assert "group:<name>" in capsys.readouterr().err
 
 
 def write_run(folder: Path, lines: list[dict | str], config: str | None = None) -> Path:

@@ -2,7 +2,9 @@
 
     python -m train.compare runs/testbed_compare/sweep_<date>            # a whole sweep folder
     python -m train.compare runs/a runs/b runs/c --out cmp               # run folders
-    python -m train.compare wandb:<entity>/<project>/<run id> ...        # wandb runs (network, login)
+    python -m train.compare runs/a/wandb runs/b/wandb                    # offline wandb runs
+    python -m train.compare wandb:<entity>/<project>/group:<name>        # a wandb group (network, login)
+    python -m train.compare wandb:<entity>/<project>/<run id> ...        # wandb runs by id
 
 Runs are grouped into arms by the settings that differ between them (seeds pooled); train/comparison.py
 documents the statistics. Printed and written to ``--out`` (default ``<sweep>/compare`` for one
@@ -29,7 +31,11 @@ from train.errors import UserError
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="run folders, sweep folders, or wandb:<entity>/<project>/<run id>")
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        help="run folders, sweep folders, offline wandb run folders, wandb:<entity>/<project>/<run id or group:name>",
+    )
     parser.add_argument("--labels", help="comma-separated arm label of each run (default: from their configs)")
     parser.add_argument("--baseline", help="arm label of the baseline (default: the arm with update.mode=exact)")
     parser.add_argument("--metrics", nargs="+", help="eval metric names to compare (default: every logged one)")

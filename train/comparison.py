@@ -2,10 +2,13 @@
 
 A **run** is a run folder of ``python -m train`` (its ``metrics.jsonl``, the record of truth, and
 the ``config.yaml`` the trainer writes beside it, or Hydra's ``.hydra/config.yaml``) or a wandb
-run. Runs are grouped into **arms**: runs whose configurations differ only in ``seed`` form one
-arm (exact, jagg, ablate of a sweep), labelled by the settings that differ between arms
-(``update.mode`` is written as the mode alone), never by folder names. A sweep folder stands for
-every run folder below it; folders without a metrics file (``compare/``) or with an empty one (a
+run: an offline run folder (``wandb/offline-run-*``, read from its ``.wandb`` file), or an online
+run, one by id or every run of a group (train/wandb_runs.py). Inside a run folder, metrics.jsonl
+is read and its own ``wandb/`` folder is not. Runs are grouped into **arms**: runs whose
+configurations differ only in ``seed`` form one arm (exact, jagg, ablate of a sweep), labelled by
+the settings that differ between arms (``update.mode`` is written as the mode alone), never by
+folder names. A sweep folder stands for every run folder (and offline wandb run outside one) below
+it; folders without a metrics file (``compare/``) or with an empty one (a
 probe's) are skipped and named.
 
 Per arm, over its seeds (train/stats.py):
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from train.stats import Estimate, estimate, median, paired, quantile, trapezoid_mean
+from train.wandb_runs import WandbRun, read_offline, read_offline_file, read_online, run_file
 
 PHASES = ("step", "rollout", "reward", "update", "optimizer", "probe")
 WANDB_PREFIX = "wandb:"
@@ -97,21 +101,20 @@ def _read_config(folder: Path) -> dict[str, Any]:
     return {}
 
 
-def _read_wandb(path: str) -> RunMetrics:
-    try:
-        import wandb
+def _from_wandb(run: WandbRun) -> RunMetrics:
+    if not run.steps:
+        raise ValueError(f"wandb run {run.source} has no logged step")
+    return RunMetrics(run.source, run.steps, flatten(run.config), run.name or run.run_id)
 
-        run = wandb.Api().run(path)
-        steps: dict[int, dict[str, float]] = {}
-        for row in run.scan_history():
-            if isinstance(row.get("_step"), int):
-                steps.setdefault(row["_step"], {}).update(_numbers({k: v for k, v in row.items() if k[0] != "_"}))
-        config = flatten(dict(run.config))
+
+def _read_wandb(path: str) -> list[RunMetrics]:
+    try:
+        found = read_online(path)
+    except ValueError:
+        raise
     except Exception as err:  # wandb raises its own error types (network, auth, missing run)
         raise ValueError(f"wandb run {path!r} could not be read: {err}") from None
-    if not steps:
-        raise ValueError(f"wandb run {path!r} has no logged step")
-    return RunMetrics(f"{WANDB_PREFIX}{path}", steps, config, path.rsplit("/", 1)[-1])
+    return [_from_wandb(run) for run in found]
 
 
 def load_run(folder: Path) -> RunMetrics:
@@ -123,30 +126,49 @@ def load_run(folder: Path) -> RunMetrics:
 
 
 def discover(specs: list[str]) -> tuple[list[RunMetrics], list[str]]:
-    """(runs, notes): each spec is a run folder, a folder of run folders (a sweep), or wandb:<path>."""
+    """(runs, notes): each spec is a run folder, a sweep folder (run folders or offline wandb runs below
+    it), an offline wandb run folder or its ``.wandb`` file, or wandb:<entity>/<project>/<run id or group:name>.
+    """
     runs, notes = [], []
     for spec in specs:
         if spec.startswith(WANDB_PREFIX):
-            runs.append(_read_wandb(spec[len(WANDB_PREFIX) :]))
+            runs += _read_wandb(spec[len(WANDB_PREFIX) :])
             continue
-        folder = Path(spec)
-        if not folder.exists():
+        path = Path(spec)
+        if not path.exists():
             raise FileNotFoundError(f"run folder {spec!r} does not exist (for a wandb run write wandb:<entity>/...)")
-        if not folder.is_dir():
+        if path.is_file() and path.suffix == ".wandb":
+            runs.append(_from_wandb(read_offline_file(path)))
+        elif path.is_file():
             raise ValueError(f"run {spec!r} is a file; pass a run folder (with metrics.jsonl) or a sweep folder")
-        if (folder / "metrics.jsonl").is_file():
-            runs.append(load_run(folder))
-            continue
-        found = sorted(p.parent for p in folder.rglob("metrics.jsonl"))
-        for run_dir in found:
-            if read_metrics_file(run_dir / "metrics.jsonl"):
-                runs.append(load_run(run_dir))
-            else:
-                notes.append(f"skipped {run_dir}: its metrics.jsonl is empty (not a training run)")
-        if not found:
-            raise FileNotFoundError(f"{spec!r} holds no metrics.jsonl: it is neither a run folder nor a sweep of runs")
+        elif (path / "metrics.jsonl").is_file():
+            runs.append(load_run(path))
+        elif run_file(path) is not None:
+            runs += [_from_wandb(run) for run in read_offline([path])]
+        else:
+            found, skipped = _below(path)
+            runs += found
+            notes += skipped
     if not runs:
         raise ValueError("no run to compare")
+    return runs, notes
+
+
+def _below(folder: Path) -> tuple[list[RunMetrics], list[str]]:
+    """The runs of a sweep folder: run folders (metrics.jsonl), and offline wandb runs outside them."""
+    runs, notes = [], []
+    run_dirs = sorted(p.parent for p in folder.rglob("metrics.jsonl"))
+    for run_dir in run_dirs:
+        if read_metrics_file(run_dir / "metrics.jsonl"):
+            runs.append(load_run(run_dir))
+        else:
+            notes.append(f"skipped {run_dir}: its metrics.jsonl is empty (not a training run)")
+    offline = [p.parent for p in folder.rglob("run-*.wandb") if not any(d in p.parents for d in run_dirs)]
+    runs += [_from_wandb(run) for run in read_offline(offline)]
+    if not run_dirs and not offline:
+        raise FileNotFoundError(
+            f"{str(folder)!r} holds no metrics.jsonl and no wandb run: it is neither a run folder nor a sweep of runs"
+        )
     return runs, notes
 
 

@@ -10,7 +10,11 @@
   ``wall_time`` is seconds of this run: a resumed run continues from the last record it keeps.
 * wandb is optional (``wandb_mode`` disabled, offline or online). Offline runs write into
   ``run_dir/wandb/``. The wandb run id is kept in ``run_dir/wandb_run_id``, so a resumed run (or
-  any later session in the same folder) continues the same wandb run. Any exception raised by
+  any later session in the same folder) continues the same wandb run. wandb gets ``wall_time`` too
+  (train.compare plots against it). The steps a resumed run replays: offline, each session writes a
+  folder of its own and train.compare keeps the later values (as ``rewind`` does here); online,
+  wandb keeps the first values of a step and drops the replay, which differs only in timings,
+  since a resumed run replays bit for bit. Any exception raised by
   wandb (import, init, log, finish) is caught, warned once, and wandb is switched off for the rest
   of the run: observability never stops training. The JSONL file is the record of truth either way.
 * ``PhaseTimer`` sums wall-clock seconds per phase (``time/<phase>``); on CUDA it synchronizes
@@ -161,7 +165,7 @@ class RunLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._wandb is not None:
-            self._guard(self._wandb.log, values, step=step)
+            self._guard(self._wandb.log, {"wall_time": record["wall_time"], **values}, step=step)
 
     def rewind(self, step: int) -> int:
         """Drop the rows that a run resumed at ``step`` logs again; returns how many were dropped.
