@@ -7,7 +7,8 @@ run's peak memory.
 ``--job small``: the small Flux config (64 px, 8 trainable transitions = 2 groups of W = 4, G = 4,
 micro-batch 1, one optimizer step per training step, jagg_frac 1.0 so every group takes the run's
 path). ``--job demo``: the default job (``python -m train``, the CPU testbed: 64 samples per step in
-micro-batches of 8, two optimizer steps per training step) without its evaluations and checkpoints.
+one micro-batch, one optimizer step per training step, one group of W = 4) without its evaluations
+and checkpoints.
 Both with the KL penalty of ``--kl-beta`` (full fine-tuning: a frozen copy is the reference; 0 = off).
 
 Runs: ``jagg`` reuses the rollout's velocities (``update.reuse_velocities=fresh``, the default),
