@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from models.base import decode_in_chunks
 from rewards.combine import AdvantageFn, NonFiniteRewardError
 from samplers.rollout import Trajectory, draw_sde_window, rollout
 from samplers.sde import SDE
@@ -112,7 +113,10 @@ class Scored:
 
 def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> Scored:
     with torch.no_grad():
-        images = run.backbone.decode(traj.latents[:, -1], height=run.cfg.model.height, width=run.cfg.model.width)
+        model = run.cfg.model
+        images = decode_in_chunks(
+            run.backbone, traj.latents[:, -1], rows=model.decode_batch, height=model.height, width=model.width
+        )
         try:
             scores = run.rewards.score(images, prompts)
             error = 0.0

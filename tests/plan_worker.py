@@ -1,0 +1,43 @@
+"""Worker of tests/test_plan.py: ``torchrun --nproc_per_node 2 plan_worker.py OUT OVERRIDES...``.
+
+Runs the planner's phases of one training step with real tensors on a real 2-rank gloo group,
+built and traced by the same functions ``python -m train.plan`` uses on fake tensors, and writes
+rank 0's traced peaks (bytes, frozen models excluded) to ``OUT/real_peaks.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_module
+
+from train.config import register_schema
+from train.distributed import init_distributed, shutdown
+from train.plan import arch_folder, build_state, expected_groups, load_config, trace_step, traced_modes
+
+
+def main(out: Path, overrides: list[str]) -> None:
+    register_schema()
+    with initialize_config_module(config_module="configs", version_base=None):
+        cfg, model_path_given = load_config(compose(config_name="train", overrides=overrides))
+    dist = init_distributed(backend="gloo")
+    try:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            state = build_state(cfg, arch_folder(cfg, model_path_given))
+            traced = trace_step(cfg, state, traced_modes(expected_groups(cfg)), reference_calls=0)
+        peaks = {p.name: p.peak_bytes for p in traced.phases}
+        peaks |= {f"update {u.mode}": u.peak_bytes for u in traced.updates}
+        if dist.is_main:
+            (out / "real_peaks.json").write_text(json.dumps(peaks))
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
