@@ -50,7 +50,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -591,24 +591,36 @@ def optimizer_call(cfg: TrainConfig, state: TrainingState) -> Callable[[], None]
 
 @dataclass
 class Phase:
-    name: str
-    peak_bytes: int  # traced peak plus the frozen models
-    flops_per_call: int
-    calls_per_step: float
-    working_bytes: int  # the phase's own activations, all-gathered blocks and temporaries
+    """One traced call on rank 0. Its peak includes the frozen models once ``plan`` adds them."""
+
+    name: str  # rollout | decode | reference | optimizer | update <mode>
+    peak_bytes: int
+    working_bytes: int  # the call's own memory: its peak minus what was live when it started
+    activation_bytes: int  # of which activations and backward temporaries, at the peak
+    gathered_bytes: int  # of which all-gathered (unsharded) parameters, at the peak
+    flops: int  # of one call; an update's call is one group of one micro-batch (exact scaled to W)
+    calls_per_step: float  # calls per rank per training step
+    checkpointing: bool | None = None  # updates: traced with activation checkpointing
 
 
-@dataclass
-class UpdateTrace:
-    mode: str
-    checkpointing: bool
-    peak_bytes: int  # traced peak plus the frozen models
-    working_bytes: int
-    flops_per_group: int  # one group of one micro-batch, exact scaled to W
+def _phase(name: str, m: Measured, calls_per_step: float, **kwargs: Any) -> Phase:
+    at_peak = m.at_peak
+    return Phase(
+        name=name,
+        peak_bytes=m.peak_bytes,
+        working_bytes=m.peak_bytes - m.at_start[_TOTAL_KEY],
+        activation_bytes=at_peak.get("Activation", 0) + at_peak.get("Temp", 0),
+        gathered_bytes=at_peak.get("All Gather", 0) + at_peak.get("Unsharded Param", 0),
+        flops=m.flops,
+        calls_per_step=calls_per_step,
+        **kwargs,
+    )
 
 
 @dataclass
 class PlanReport:
+    """Everything ``python -m train.plan`` prints (and writes as JSON to plan.output)."""
+
     experiment: str
     backbone: str
     arch: str
@@ -624,23 +636,16 @@ class PlanReport:
     samples_per_rank: int
     decode_batch: int
     micro_batch: int
-    micro_batches: int
     groups: dict[str, float]  # expected groups per micro-batch, per update path
-    exact_groups: float  # the same run without JAGG
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
     reference_bytes: int
     step_tensor_bytes: int
     frozen: list[FrozenModel]
-    phases: list[Phase]
-    updates: list[UpdateTrace]
-    flops_step: float
-    flops_step_exact: float
-    flops_update: float
-    flops_update_exact: float
+    phases: list[Phase]  # rollout, decode, reference, optimizer
+    updates: list[Phase]  # per traced mode, with and without activation checkpointing
     seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
 
     @property
     def frozen_bytes(self) -> int:
@@ -650,14 +655,12 @@ class PlanReport:
     def budget_bytes(self) -> float:
         return (self.gpu_memory_gib - self.reserved_gib) * GIB
 
+    def configured_updates(self) -> list[Phase]:
+        return [u for u in self.updates if u.checkpointing == self.checkpointing]
+
     def step_phases(self) -> list[Phase]:
-        """Every phase of the run as configured (the updates with its checkpointing setting)."""
-        updates = [
-            Phase(f"update {u.mode}", u.peak_bytes, u.flops_per_group, 0.0, u.working_bytes)
-            for u in self.updates
-            if u.checkpointing == self.checkpointing and self.groups.get(u.mode, 0) > 0
-        ]
-        return self.phases + updates
+        """The phases of a step as configured: the updates the run routes to, its checkpointing."""
+        return self.phases + [u for u in self.configured_updates() if u.calls_per_step > 0]
 
     @property
     def peak(self) -> Phase:
@@ -667,9 +670,15 @@ class PlanReport:
     def fits(self) -> bool:
         return self.peak.peak_bytes <= self.budget_bytes
 
-
-def _phase(name: str, m: Measured, calls_per_step: float) -> Phase:
-    return Phase(name, m.peak_bytes, m.flops, calls_per_step, m.peak_bytes - m.at_start[_TOTAL_KEY])
+    def flops_per_step(self, *, exact: bool = False) -> tuple[float, float]:
+        """(update, whole step) FLOPs per rank: as routed, or with every group on the exact path."""
+        updates = self.configured_updates()
+        if exact:
+            calls = sum(u.calls_per_step for u in updates)
+            update = calls * next(u.flops for u in updates if u.name == "update exact")
+        else:
+            update = sum(u.calls_per_step * u.flops for u in updates)
+        return update, update + sum(p.calls_per_step * p.flops for p in self.phases)
 
 
 def reference_shards(state: TrainingState) -> list[Tensor]:
@@ -681,34 +690,6 @@ def reference_shards(state: TrainingState) -> list[Tensor]:
 
 def _storage_bytes(tensors: Sequence[Tensor]) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
-
-
-def trace_updates(
-    cfg: TrainConfig, state: TrainingState, tensors: StepTensors, modes: Sequence[str]
-) -> list[UpdateTrace]:
-    """One group of one micro-batch per mode, with ``cfg``'s activation checkpointing."""
-    resident = tensors.tensors() + reference_shards(state)
-    out = []
-    for mode in modes:
-        m = measure(state.backbone.transformer, state.optimizer, resident, update_call(cfg, state, tensors, mode))
-        scale = cfg.update.window / 2 if mode == "exact" else 1  # traced on two of its W identical steps
-        working = m.peak_bytes - m.at_start[_TOTAL_KEY]
-        out.append(UpdateTrace(mode, cfg.model.activation_checkpointing, m.peak_bytes, working, int(m.flops * scale)))
-    return out
-
-
-@dataclass
-class Traced:
-    """Everything measured on rank 0 of the run as configured."""
-
-    phases: list[Phase]
-    updates: list[UpdateTrace]
-    at_step: dict[str, int]  # tracker categories during the update: shards, gradients, optimizer state, inputs
-    num_params: int
-    num_trainable: int
-    step_tensor_bytes: int
-    reference_bytes: int
-    image_tokens: int
 
 
 def hold_gradients(state: TrainingState) -> None:
@@ -723,11 +704,40 @@ def traced_modes(groups: dict[str, float]) -> list[str]:
     return [m for m in UPDATE_MODES if groups.get(m, 0) > 0 or m == "exact"]
 
 
-def trace_step(cfg: TrainConfig, state: TrainingState, modes: Sequence[str], reference_calls: float) -> Traced:
-    """The phases in the order a step runs them, with the gradients present where the trainer has them."""
+def trace_updates(
+    cfg: TrainConfig, state: TrainingState, tensors: StepTensors, groups: dict[str, float]
+) -> list[Phase]:
+    """One group of one micro-batch per traced mode, with ``cfg``'s activation checkpointing."""
+    resident = tensors.tensors() + reference_shards(state)
+    micro_batches = cfg.grpo.group_size * cfg.grpo.prompts_per_rank // cfg.grpo.micro_batch
+    out = []
+    for mode in traced_modes(groups):
+        m = measure(state.backbone.transformer, state.optimizer, resident, update_call(cfg, state, tensors, mode))
+        if mode == "exact":  # traced on two of its W identical steps
+            m.flops = int(m.flops * cfg.update.window / 2)
+        calls = micro_batches * groups.get(mode, 0)
+        out.append(_phase(f"update {mode}", m, calls, checkpointing=cfg.model.activation_checkpointing))
+    return out
+
+
+@dataclass
+class Traced:
+    """Everything measured on rank 0 of the run as configured."""
+
+    phases: list[Phase]
+    updates: list[Phase]
+    at_step: dict[str, int]  # tracker categories when the optimizer step starts: shards, gradients, state, inputs
+    num_params: int
+    num_trainable: int
+    step_tensor_bytes: int
+    reference_bytes: int
+    image_tokens: int
+
+
+def trace_step(cfg: TrainConfig, state: TrainingState, groups: dict[str, float]) -> Traced:
+    """The phases in the order a step runs them, with gradients held where the trainer holds them."""
     tensors = step_tensors(cfg, state.backbone)
-    root, opt = state.backbone.transformer, state.optimizer
-    g = cfg.grpo
+    root, opt, g = state.backbone.transformer, state.optimizer, cfg.grpo
     # the rollout and the decode run after the last optimizer step's zero_grad(set_to_none)
     phases = [
         _phase("rollout", measure(root, opt, tensors.tensors(), rollout_call(state, tensors)), cfg.sampler.num_steps),
@@ -735,10 +745,10 @@ def trace_step(cfg: TrainConfig, state: TrainingState, modes: Sequence[str], ref
     ]
     hold_gradients(state)
     resident = tensors.tensors() + reference_shards(state)
-    if g.kl_beta > 0:
-        reference = measure(root, opt, resident, reference_call(cfg, state, tensors))
-        phases.append(_phase("reference", reference, reference_calls))
-    updates = trace_updates(cfg, state, tensors, modes)
+    if g.kl_beta > 0:  # W forwards per group of each micro-batch
+        calls = g.group_size * g.prompts_per_rank // g.micro_batch * sum(groups.values()) * cfg.update.window
+        phases.append(_phase("reference", measure(root, opt, resident, reference_call(cfg, state, tensors)), calls))
+    updates = trace_updates(cfg, state, tensors, groups)
     optimizer = measure(root, opt, resident, optimizer_call(cfg, state))
     phases.append(_phase("optimizer", optimizer, g.group_size * g.prompts_per_rank / g.gradient_accumulation_steps))
     return Traced(
@@ -753,36 +763,32 @@ def trace_step(cfg: TrainConfig, state: TrainingState, modes: Sequence[str], ref
     )
 
 
+def trace_other_checkpointing(cfg: TrainConfig, arch: Path, groups: dict[str, float]) -> list[Phase]:
+    """The update traces with activation checkpointing flipped (a second model: checkpointing wraps
+    the blocks before FSDP2 shards them)."""
+    other = replace(cfg, model=replace(cfg.model, activation_checkpointing=not cfg.model.activation_checkpointing))
+    state = build_state(other, arch)
+    tensors = step_tensors(other, state.backbone)
+    tensors.images = torch.empty(tensors.latents.shape[0], 3, cfg.model.height, cfg.model.width)
+    hold_gradients(state)
+    return trace_updates(other, state, tensors, groups)
+
+
 def plan(cfg: TrainConfig, *, model_path_given: bool = False) -> PlanReport:
     """Trace one training step of ``cfg`` on rank 0 of plan.world_size fake ranks (module docstring)."""
     started = time.perf_counter()
     arch = arch_folder(cfg, model_path_given)
     frozen = frozen_models(cfg, arch)
     groups = expected_groups(cfg)
-    exact_groups = expected_groups(cfg, "exact")["exact"]
-    modes = traced_modes(groups)
-    g = cfg.grpo
-    samples = g.group_size * g.prompts_per_rank
-    micro_batches = samples // g.micro_batch
-    reference_calls = micro_batches * exact_groups * cfg.update.window
-    other = replace(cfg, model=replace(cfg.model, activation_checkpointing=not cfg.model.activation_checkpointing))
     with fake_process_group(cfg.plan.world_size), FakeTensorMode(), warnings.catch_warnings():
         # FSDP2 warns on every forward that FluxSingleTransformerBlock returns views; no path of ours
         # writes into them in place (tests/test_plan.py checks it), so the warning is noise here.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-        traced = trace_step(cfg, build_state(cfg, arch), modes, reference_calls)
-        alternative = build_state(other, arch)
-        alt_tensors = step_tensors(other, alternative.backbone)
-        alt_tensors.images = torch.empty(samples, 3, cfg.model.height, cfg.model.width)
-        hold_gradients(alternative)
-        updates = traced.updates + trace_updates(other, alternative, alt_tensors, modes)
+        traced = trace_step(cfg, build_state(cfg, arch), groups)
+        updates = traced.updates + trace_other_checkpointing(cfg, arch, groups)
     frozen_bytes = sum(m.num_bytes for m in frozen)
-    for item in [*traced.phases, *updates]:
-        item.peak_bytes += frozen_bytes
-    flops = {u.mode: u.flops_per_group for u in traced.updates}
-    fixed = sum(p.flops_per_call * p.calls_per_step for p in traced.phases)
-    update = micro_batches * sum(n * flops[mode] for mode, n in groups.items())
-    update_exact = micro_batches * exact_groups * flops["exact"]
+    for phase in [*traced.phases, *updates]:
+        phase.peak_bytes += frozen_bytes
     at = traced.at_step
     return PlanReport(
         experiment=cfg.experiment,
@@ -797,12 +803,10 @@ def plan(cfg: TrainConfig, *, model_path_given: bool = False) -> PlanReport:
         checkpointing=cfg.model.activation_checkpointing,
         image_tokens=traced.image_tokens,
         text_tokens=text_tokens(cfg),
-        samples_per_rank=samples,
+        samples_per_rank=cfg.grpo.group_size * cfg.grpo.prompts_per_rank,
         decode_batch=cfg.model.decode_batch,
-        micro_batch=g.micro_batch,
-        micro_batches=micro_batches,
+        micro_batch=cfg.grpo.micro_batch,
         groups=groups,
-        exact_groups=exact_groups,
         param_bytes=at.get("Sharded Param", 0),
         grad_bytes=at.get("Sharded Grad", 0),
         optimizer_bytes=at.get("OptState", 0),
@@ -811,10 +815,6 @@ def plan(cfg: TrainConfig, *, model_path_given: bool = False) -> PlanReport:
         frozen=frozen,
         phases=traced.phases,
         updates=updates,
-        flops_step=fixed + update,
-        flops_step_exact=fixed + update_exact,
-        flops_update=update,
-        flops_update_exact=update_exact,
         seconds=time.perf_counter() - started,
     )
 
@@ -826,142 +826,62 @@ def _gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.1f}"
 
 
-def savings(report: PlanReport) -> list[tuple[str, dict[str, float], str]]:
-    """Changes that lower the peak: (the change, bytes saved per phase name, how it is known)."""
+Saving = tuple[str, dict[str, float], str]  # (the change, bytes it frees per phase name, how that is known)
+
+
+def _static_savings(report: PlanReport, names: list[str]) -> list[Saving]:
     out = []
-    phase_names = [p.name for p in report.step_phases()]
     text = sum(m.num_bytes for m in report.frozen if m.role == "text encoder")
     if text:
-        out.append(
-            (
-                "model.embedding_cache=<folder> (scripts/precompute_embeddings.py): no text encoders",
-                dict.fromkeys(phase_names, text),
-                "exact",
-            )
-        )
-    if not report.lora:
-        held = {
-            name: report.optimizer_bytes
-            + report.reference_bytes
-            + (report.grad_bytes if name not in ("rollout", "decode") else 0)
-            for name in phase_names
-        }
-        out.append(
-            (
-                "model.lora.enabled=true: no full-size gradients, optimizer state or reference copy",
-                held,
-                "estimate: trace it with model.lora.enabled=true",
-            )
-        )
-    current = {u.mode: u for u in report.updates if u.checkpointing == report.checkpointing}
-    other = {u.mode: u for u in report.updates if u.checkpointing != report.checkpointing}
-    if not report.checkpointing:
-        saved = {f"update {m}": current[m].peak_bytes - other[m].peak_bytes for m in current}
-        out.append(("model.activation_checkpointing=true", saved, "traced"))
-    if report.groups.get("jagg", 0) > 0:
-        out.append(
-            (
-                "update.mode=jagg_sequential: one endpoint graph alive instead of two",
-                {"update jagg": current["jagg"].working_bytes / 2},
-                "estimate: trace it with update.mode=jagg_sequential",
-            )
-        )
-    if report.micro_batch > 1:
-        share = 1 - 1 / report.micro_batch
-        saved = {
-            p.name: p.working_bytes * share for p in report.step_phases() if p.name.startswith(("update", "reference"))
-        }
-        out.append(("grpo.micro_batch=1", saved, "estimate: trace it with grpo.micro_batch=1"))
-    decode = next(p for p in report.phases if p.name == "decode")
-    per_call = report.decode_batch if 0 < report.decode_batch < report.samples_per_rank else report.samples_per_rank
-    for rows in (16, 8, 4, 2, 1):  # the largest chunk that fits, if any (working memory ~ images per call)
-        saved = {"decode": decode.working_bytes * (1 - rows / per_call)}
-        if rows < per_call and (decode.peak_bytes - saved["decode"] <= report.budget_bytes or rows == 1):
-            out.append((f"model.decode_batch={rows}", saved, f"estimate: trace it with model.decode_batch={rows}"))
-            break
+        change = "model.embedding_cache=<folder> (scripts/precompute_embeddings.py): no text encoders"
+        out.append((change, dict.fromkeys(names, text), "exact"))
+    if not report.lora:  # the rollout and the decode hold no gradients in any case
+        held = report.optimizer_bytes + report.reference_bytes
+        saved = {n: held + (report.grad_bytes if n not in ("rollout", "decode") else 0) for n in names}
+        change = "model.lora.enabled=true: no full-size gradients, optimizer state or KL reference copy"
+        out.append((change, saved, "estimate; trace it with model.lora.enabled=true"))
     evaluation = sum(m.num_bytes for m in report.frozen if m.role == "eval scorer")
     if evaluation:
-        out.append(
-            (
-                "logging.eval_every=0 (evaluate offline with python -m train.eval): no evaluation scorers",
-                dict.fromkeys(phase_names, evaluation),
-                "exact",
-            )
-        )
+        change = "logging.eval_every=0 (evaluate with python -m train.eval): no evaluation scorers kept"
+        out.append((change, dict.fromkeys(names, evaluation), "exact"))
+    return out
+
+
+def _working_savings(report: PlanReport) -> list[Saving]:
+    out = []
+    current = {u.name: u for u in report.configured_updates()}
+    if not report.checkpointing:
+        other = {u.name: u for u in report.updates if u.checkpointing}
+        saved = {name: u.peak_bytes - other[name].peak_bytes for name, u in current.items()}
+        out.append(("model.activation_checkpointing=true", saved, "traced"))
+    if report.groups.get("jagg", 0) > 0:
+        saved = {"update jagg": current["update jagg"].activation_bytes / 2}
+        change = "update.mode=jagg_sequential: one endpoint graph alive instead of two"
+        out.append((change, saved, "estimate; trace it with update.mode=jagg_sequential"))
+    if report.micro_batch > 1:
+        share = 1 - 1 / report.micro_batch
+        saved = {p.name: p.working_bytes * share for p in report.step_phases() if p.name != "decode"}
+        out.append(("grpo.micro_batch=1", saved, "estimate; trace it with grpo.micro_batch=1"))
+    decode = next(p for p in report.phases if p.name == "decode")
+    per_call = report.decode_batch if 0 < report.decode_batch < report.samples_per_rank else report.samples_per_rank
+    for rows in (16, 8, 4, 2, 1):  # the largest chunk that fits, if one does: working memory ~ images per call
+        saved = {"decode": decode.working_bytes * (1 - rows / per_call)}
+        if rows < per_call and (decode.peak_bytes - saved["decode"] <= report.budget_bytes or rows == 1):
+            out.append((f"model.decode_batch={rows}", saved, f"estimate; trace it with model.decode_batch={rows}"))
+            break
     return out
 
 
 def advice(report: PlanReport) -> list[str]:
-    """One line per change: the peak it would leave, and whether that fits."""
+    """One line per change that lowers the peak: the step's peak it would leave, and whether that fits."""
+    names = [p.name for p in report.step_phases()]
     lines = []
-    for change, saved, how in savings(report):
+    for change, saved, how in _static_savings(report, names) + _working_savings(report):
         peak = max(p.peak_bytes - saved.get(p.name, 0) for p in report.step_phases())
-        verdict = "fits" if peak <= report.budget_bytes else "does not fit"
-        lines.append(f"  {change}: peak {_gib(peak)} GiB, {verdict} ({how})")
+        if peak < report.peak.peak_bytes:
+            verdict = "fits" if peak <= report.budget_bytes else "does not fit"
+            lines.append(f"  {change}: peak {_gib(peak)} GiB, {verdict} ({how})")
     return lines
-
-
-def format_report(report: PlanReport) -> str:
-    r = report
-    groups = ", ".join(f"{mode} {n:g}" for mode, n in sorted(r.groups.items()))
-    what = "LoRA" if r.lora else "full fine-tuning"
-    lines = [
-        f"plan of experiment={r.experiment}: {r.backbone} from {r.arch}",
-        f"  {r.world_size} ranks x {r.gpu_memory_gib:g} GiB",
-        f"  transformer {r.num_params / 1e9:.2f} B parameters, {what} ({r.num_trainable / 1e9:.3f} B trained), "
-        f"activation checkpointing {'on' if r.checkpointing else 'off'}",
-        f"  {r.samples_per_rank} samples per rank per step of {r.image_tokens} image + {r.text_tokens} text tokens; "
-        f"{r.micro_batches} micro-batches of {r.micro_batch}, groups per micro-batch: {groups}",
-        "",
-        "memory per rank, GiB",
-        f"  transformer shards (float32)      {_gib(r.param_bytes):>7}",
-        f"  gradients (float32 shards)        {_gib(r.grad_bytes):>7}",
-        f"  optimizer state (AdamW)           {_gib(r.optimizer_bytes):>7}",
-        f"  KL reference (shards)             {_gib(r.reference_bytes):>7}",
-        f"  step tensors (trajectory, images) {_gib(r.step_tensor_bytes):>7}",
-    ]
-    for m in r.frozen:
-        lines.append(
-            f"  {m.role + ' ' + m.name:<33} {_gib(m.num_bytes):>7}   ({m.num_params / 1e9:.2f} B params, replicated)"
-        )
-    lines += ["", "phase peaks per rank, GiB (working = the phase's activations, all-gathered blocks, temporaries)"]
-    for p in r.phases:
-        lines.append(f"  {p.name:<26} peak {_gib(p.peak_bytes):>7}   working {_gib(p.working_bytes):>7}")
-    for u in r.updates:
-        label = f"update {u.mode} ({'AC' if u.checkpointing else 'no AC'})"
-        mark = "" if u.checkpointing == r.checkpointing else "   (the other checkpointing setting)"
-        lines.append(f"  {label:<26} peak {_gib(u.peak_bytes):>7}   working {_gib(u.working_bytes):>7}{mark}")
-    lines += ["", "FLOPs per rank per training step (TFLOP)"]
-    for p in r.phases:
-        lines.append(
-            f"  {p.name:<26} {p.flops_per_call * p.calls_per_step / 1e12:>10.1f}   ({p.calls_per_step:g} calls)"
-        )
-    for u in r.updates:
-        if u.checkpointing == r.checkpointing:
-            lines.append(f"  one group of {u.mode:<13} {u.flops_per_group / 1e12:>10.1f}   (per micro-batch)")
-    lines += [
-        f"  update as routed           {r.flops_update / 1e12:>10.1f}   all exact: {r.flops_update_exact / 1e12:.1f}"
-        f" -> {r.flops_update_exact / r.flops_update:.2f}x at equal throughput",
-        f"  training step as routed    {r.flops_step / 1e12:>10.1f}   all exact: {r.flops_step_exact / 1e12:.1f}"
-        f" -> {r.flops_step_exact / r.flops_step:.2f}x at equal throughput",
-        "",
-    ]
-    peak = r.peak
-    budget = f"{r.gpu_memory_gib:g} GiB - {r.reserved_gib:g} GiB reserved (CUDA context, NCCL, fragmentation)"
-    if r.fits:
-        lines.append(f"fits: the largest phase is {peak.name} at {_gib(peak.peak_bytes)} GiB, within {budget}")
-    else:
-        lines.append(
-            f"does not fit: {peak.name} needs {_gib(peak.peak_bytes)} GiB, over {budget} by "
-            f"{_gib(peak.peak_bytes - r.budget_bytes)} GiB; the largest term there: {largest_term(r, peak)}"
-        )
-        lines.append("what to change (each alone):")
-        lines += advice(r)
-    lines.append(f"traced in {r.seconds:.0f} s")
-    lines.append(
-        f"peak per rank {_gib(peak.peak_bytes)} GiB of {r.gpu_memory_gib:g} GiB: {'fits' if r.fits else 'does not fit'}"
-    )
-    return "\n".join(lines)
 
 
 def largest_term(report: PlanReport, phase: Phase) -> str:
@@ -969,7 +889,7 @@ def largest_term(report: PlanReport, phase: Phase) -> str:
         f"{phase.name} working memory": phase.working_bytes,
         "transformer shards": report.param_bytes,
         "optimizer state": report.optimizer_bytes,
-        "KL reference": report.reference_bytes,
+        "KL reference shards": report.reference_bytes,
         "step tensors": report.step_tensor_bytes,
         **{f"{m.role} {m.name}": m.num_bytes for m in report.frozen},
     }
@@ -979,8 +899,80 @@ def largest_term(report: PlanReport, phase: Phase) -> str:
     return f"{name} ({_gib(terms[name])} GiB)"
 
 
+def _memory_lines(r: PlanReport) -> list[str]:
+    lines = [
+        "memory per rank, GiB",
+        f"  transformer shards (float32)               {_gib(r.param_bytes):>7}",
+        f"  gradients (float32 shards)                 {_gib(r.grad_bytes):>7}",
+        f"  optimizer state (AdamW)                    {_gib(r.optimizer_bytes):>7}",
+        f"  KL reference (shards)                      {_gib(r.reference_bytes):>7}",
+        f"  step tensors (trajectory, images)          {_gib(r.step_tensor_bytes):>7}",
+    ]
+    for m in r.frozen:
+        label = f"{m.role} {m.name} (replicated)"
+        lines.append(f"  {label:<42} {_gib(m.num_bytes):>7}   {m.num_params / 1e9:.2f} B parameters")
+    lines += ["", "phase peaks per rank, GiB (working: the phase's own activations, all-gathered blocks, temporaries)"]
+    for p in [*r.phases, *r.updates]:
+        label = p.name if p.checkpointing is None else f"{p.name}, {'AC' if p.checkpointing else 'no AC'}"
+        note = "" if p.checkpointing in (None, r.checkpointing) else "  (other checkpointing setting)"
+        lines.append(
+            f"  {label:<22} peak {_gib(p.peak_bytes):>6}   working {_gib(p.working_bytes):>6}"
+            f" (activations {_gib(p.activation_bytes)}, all-gathered {_gib(p.gathered_bytes)}){note}"
+        )
+    return lines
+
+
+def _flop_lines(r: PlanReport) -> list[str]:
+    lines = ["FLOPs per rank per training step, TFLOP (calls per step x TFLOP per call)"]
+    for p in r.phases + r.configured_updates():
+        lines.append(
+            f"  {p.name:<22} {p.flops * p.calls_per_step / 1e12:>10.1f}   ({p.calls_per_step:g} x {p.flops / 1e12:.2f})"
+        )
+    update, step = r.flops_per_step()
+    update_exact, step_exact = r.flops_per_step(exact=True)
+    lines += [
+        f"  update as routed       {update / 1e12:>10.1f}   every group exact: {update_exact / 1e12:.1f}"
+        f" -> {update_exact / update:.2f}x faster at equal throughput",
+        f"  training step          {step / 1e12:>10.1f}   every group exact: {step_exact / 1e12:.1f}"
+        f" -> {step_exact / step:.2f}x faster at equal throughput",
+    ]
+    return lines
+
+
+def format_report(report: PlanReport) -> str:
+    r = report
+    groups = ", ".join(f"{mode} {n:g}" for mode, n in sorted(r.groups.items()))
+    what = "LoRA" if r.lora else "full fine-tuning"
+    checkpointing = "on" if r.checkpointing else "off"
+    lines = [
+        f"plan of experiment={r.experiment} ({r.backbone}, architecture from {r.arch})",
+        f"  {r.world_size} ranks x {r.gpu_memory_gib:g} GiB; transformer {r.num_params / 1e9:.2f} B parameters, "
+        f"{what} ({r.num_trainable / 1e9:.3f} B trained), activation checkpointing {checkpointing}",
+        f"  {r.samples_per_rank} samples per rank per step, {r.image_tokens} image + {r.text_tokens} text tokens each; "
+        f"micro-batch {r.micro_batch}, groups per micro-batch: {groups}",
+        "",
+        *_memory_lines(r),
+        "",
+        *_flop_lines(r),
+        "",
+    ]
+    peak = r.peak
+    budget = f"{r.gpu_memory_gib:g} GiB less {r.reserved_gib:g} GiB reserved (CUDA context, NCCL, fragmentation)"
+    if r.fits:
+        lines.append(f"fits: the largest phase is {peak.name} at {_gib(peak.peak_bytes)} GiB, within {budget}")
+    else:
+        over = _gib(peak.peak_bytes - r.budget_bytes)
+        lines.append(f"does not fit: {peak.name} needs {_gib(peak.peak_bytes)} GiB, {over} GiB over {budget};")
+        lines.append(f"  its largest term is {largest_term(r, peak)}. Each change alone:")
+        lines += advice(r)
+    lines.append(f"traced in {r.seconds:.0f} s")
+    verdict = "fits" if r.fits else "does not fit"
+    lines.append(f"peak per rank {_gib(peak.peak_bytes)} GiB of {r.gpu_memory_gib:g} GiB: {verdict}")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> PlanReport:
-    """``python -m train.plan [overrides]``: print the plan (and write plan.output as JSON)."""
+    """``python -m train.plan [overrides]``: print the plan (and write it to plan.output as JSON)."""
     from hydra import compose, initialize_config_module
 
     register_schema()
