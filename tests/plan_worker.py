@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_module
 
 from train.config import register_schema
 from train.distributed import init_distributed, shutdown
-from train.plan import arch_folder, build_state, expected_groups, load_config, trace_step
+from train.plan import VIEW_WARNING, arch_folder, build_run, expected_groups, load_config, trace_step
 
 
 def main(out: Path, overrides: list[str]) -> None:
@@ -28,9 +28,9 @@ def main(out: Path, overrides: list[str]) -> None:
     try:
         torch.manual_seed(0)
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-            state = build_state(cfg, arch_folder(cfg, model_path_given))
-            traced = trace_step(cfg, state, expected_groups(cfg))
+            warnings.filterwarnings("ignore", message=VIEW_WARNING)
+            run = build_run(cfg, arch_folder(cfg, model_path_given))
+            traced = trace_step(run, expected_groups(cfg))
         peaks = {p.name: p.peak_bytes for p in traced.phases + traced.updates}
         if dist.is_main:
             (out / "real_peaks.json").write_text(json.dumps(peaks))

@@ -2,28 +2,33 @@
 
 Nothing is allocated and no weight is read. The transformer is built from its architecture config
 (``configs/arch/<model>/transformer/config.json``, or ``model.path``'s) under torch's
-``FakeTensorMode``, which gives every tensor its shape, dtype and device but no storage. It is then
-set up by the trainer's own code (``train.trainer.setup_trainable``: LoRA or full fine-tuning, the
-KL reference, activation checkpointing, FSDP2 through ``train.distributed.parallelize``) on a fake
-process group of ``plan.world_size`` ranks, and rank 0 runs the phases of one training step under
-``FSDPMemTracker`` (what lives in memory, and when) and ``FlopCounterMode``:
+``FakeTensorMode``, which gives every tensor its shape, dtype and device but no storage, on a fake
+process group of ``plan.world_size`` ranks. The trainer's own code then sets the run up and runs one
+step on rank 0: ``train.build.setup_trainable`` (LoRA or full fine-tuning, the KL reference,
+activation checkpointing, FSDP2 through ``train.distributed.parallelize``), AdamW with the run's
+settings, the EMA; then, each call traced under ``FSDPMemTracker`` (what lives in memory, and when)
+and ``FlopCounterMode``:
 
-    rollout     one of the N denoising forwards, no grad, on every sample of the rank at once
-    decode      the VAE decode of those samples (the reward models score the images next)
-    reference   one forward of the KL reference on a micro-batch (when grpo.kl_beta > 0)
-    update      one group of W steps of one micro-batch through ``train.jagg.backward_group``, once
-                per update mode the run routes to (and exact), with and without activation
-                checkpointing, while earlier micro-batches' gradients are held
-    optimizer   the global-norm clip and one AdamW step (foreach, as on CUDA)
+    rollout     ``train.step.sample_trajectories``: the sampler's N denoising steps on every sample of
+                the rank, keeping the velocities when the update reuses them; the transformer is
+                traced on the first step (the others run its shapes), its FLOPs counted N times
+    decode      ``train.step.decode_images`` of those samples (the reward models score the images next)
+    update      ``train.update.update_group``: one group of W steps of one micro-batch (the GRPO loss,
+                the KL reference's batched call, ``train.jagg.backward_group``), once per update path
+                the run routes to (and exact), on the rollout's velocities or recomputing them as the
+                run does, with and without activation checkpointing, while earlier micro-batches'
+                gradients are held; the exact path on 2 of its W steps (each step's graph is freed
+                before the next), its FLOPs scaled to W
+    optimizer   the global-norm clip, the AdamW step and the EMA (``train.step.step_weights``)
 
-A phase's peak is what the tracker saw (transformer shards, gradients, optimizer state, the step's
-trajectory, conditioning and images, and the phase's own activations, all-gathered blocks and
-temporaries) plus the frozen models that every rank replicates, counted from their configs: text
-encoders (none with ``model.embedding_cache``), VAE, reward models and, when the run evaluates,
-the evaluation scorers it keeps after the first evaluation. The step's peak is the largest phase.
-FLOPs per step scale the traced calls: N rollout forwards, the expected number of groups per mode
-per micro-batch (over the random group pick and the Flow-GRPO-Fast window), W reference forwards
-per group.
+A phase's peak is what the tracker saw (transformer shards, gradients, optimizer state, the KL
+reference and EMA shards, the step's trajectories, conditioning and images, and the phase's own
+activations, all-gathered blocks and temporaries) plus the frozen models that every rank
+replicates, counted from their configs: text encoders (none with ``model.embedding_cache``), VAE,
+reward models and, when the run evaluates, the evaluation scorers it keeps after the first
+evaluation. The step's peak is the largest phase. FLOPs per step scale the traced calls: one
+rollout, one decode, the expected number of groups per path per micro-batch (over the random group
+pick and the Flow-GRPO-Fast window), one optimizer step per ``gradient_accumulation_steps`` samples.
 
 Limits, by construction:
 * Fake tensors trace the CPU kernels' shapes: attention is the CPU flash kernel (output and
@@ -31,13 +36,16 @@ Limits, by construction:
   whose CUDA version keeps other buffers is off by those.
 * The tracker counts tensor storage, not the CUDA caching allocator: no fragmentation, no CUDA
   context, no NCCL buffers (``plan.reserved_gib`` keeps room for them), no cuBLAS workspaces.
-* Not traced: the text encoders' and reward models' forward activations (their weights are
-  counted), the rollout's SDE arithmetic, logging and checkpoints.
-* The update's per-step loss is a stand-in with the real loss's shapes (an SDE mean and a squared
-  error per sample, float32): the real one reads values (the SDE's sigma guard) that fake tensors
-  do not have. Its memory is a few [micro_batch, tokens, channels] float32 tensors.
-* The exact path runs its W steps one after another, each graph freed before the next: it is traced
-  on two of them (``backward_group`` needs W >= 2) and its FLOPs are scaled to W.
+* Every fake tensor lives on one device: the velocities kept in host memory
+  (``update.offload_velocities``) are taken out of the GPU peak by their size.
+* Not traced: prompt encoding and reward scoring (their models' weights are counted), logging,
+  evaluation and checkpoints. The rollout runs without a prompt batch (conditioning shaped as
+  ``backbone.encode`` returns it), from the first Flow-GRPO-Fast window, on a fixed-shift schedule;
+  the values of the schedule and of the step's flags are real, every other tensor a shape.
+* What reads a value is left out: the finiteness test of the gradient norm, the update's logged
+  metrics (``train.update.UpdateStats``).
+* The exact path's trace runs the KL reference's batched call on its 2 traced steps, not W: the
+  jagg paths' traces hold the full call (a few [W x micro_batch] rows without gradients).
 """
 
 from __future__ import annotations
@@ -49,31 +57,38 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from diffusers import ModelMixin
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode, flop_registry
 
 import configs
-from models.base import Backbone, Conditioning, decode_in_chunks, parse_dtype
+from models.base import Conditioning, parse_dtype
 from models.diffusers_backbone import DiffusersBackbone
 from models.registry import backbone_names, get_backbone_class
 from rewards.base import SCORER_NAMES
-from train.config import AUTO, TrainConfig, register_schema, trainable_transitions, validate
-from train.distributed import clip_grad_norm_, world_mesh
-from train.jagg import UPDATE_MODES, backward_group, plan_groups
-from train.trainer import predictor, setup_trainable
+from samplers.rollout import Predict, Trajectory, stochastic_flags, trainable_flags
+from samplers.schedule import shifted_sigmas
+from train.build import Run, adamw_settings, policy_predictor, reference_predictor, setup_trainable
+from train.config import TrainConfig, register_schema, trainable_transitions, validate
+from train.distributed import DistInfo, clip_grad_norm_, local_tensor, world_mesh
+from train.ema import EMA
+from train.jagg import MIDDLE_MODES, UPDATE_MODES, GroupPlan, plan_groups
+from train.routing import build_router
+from train.step import decode_images, sample_trajectories, step_weights
+from train.update import UpdateBatch, UpdateSettings, update_group
 
 GIB = 2**30
 ARCH_ROOT = Path(configs.__file__).resolve().parent / "arch"
@@ -84,6 +99,9 @@ NOT_READ = "<not read by the planner>"  # stands in for the required paths the p
 SCORER_ARCH = {"clipscore": "clip-vit-large-patch14", "pickscore": "pickscore", "hpsv2": None}
 WEIGHTLESS_SCORERS = ("jpeg_compressibility", "jpeg_incompressibility", "shape_alignment")
 SCORER_DTYPE = "float32"  # the default dtype of every model-based scorer (rewards.base.FrozenModelScorer)
+CPU = torch.device("cpu")  # the one device of every fake tensor
+VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
+EXACT_TRACED_STEPS = 2  # the exact path's steps are alike and run one after another: two show its peak
 
 
 # ---- configuration -------------------------------------------------------------------------------
@@ -98,10 +116,10 @@ def load_config(cfg: DictConfig) -> tuple[TrainConfig, bool]:
     _fill_missing(cfg)
     config: TrainConfig = OmegaConf.to_object(cfg)
     validate(config, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()), check_files=False)
-    if config.update.jagg_frac == AUTO:
+    if config.update.routing != "prefix":
         raise ValueError(
-            "update.jagg_frac=auto routes each group by a cosine measured during the run, which a plan cannot "
-            "know: plan with a number, e.g. update.jagg_frac=0.6 (the paper's choice)"
+            f"update.routing={config.update.routing} routes each group by a cosine measured during the run, which "
+            "a plan cannot know: plan with update.routing=prefix and a share, e.g. update.jagg_frac=0.6 (the paper's)"
         )
     return config, model_path_given
 
@@ -263,7 +281,7 @@ class StepMemTracker(FSDPMemTracker):
     Per-module peaks are not kept (nothing here reads them, and updating them walks every FSDP
     module at every op: 60% of a trace's time, measured), and module statistics are reset before
     each forward of the root, which FSDPMemTracker otherwise refuses as "multiple iterative calls":
-    an update runs the transformer several times.
+    a rollout or an update runs the transformer several times.
     """
 
     def __enter__(self) -> StepMemTracker:
@@ -326,8 +344,8 @@ def _categories(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
 
 
 def measure(root: nn.Module, optimizer: torch.optim.Optimizer, resident: Sequence[Tensor], fn: Callable) -> Measured:
-    """Trace ``fn()`` with ``resident`` tensors (the step's trajectory, images, the KL reference's
-    shards) counted as live from the start."""
+    """Trace ``fn()`` with ``resident`` tensors (the step's trajectory and images, the KL reference's
+    shards, the EMA) counted as live from the start."""
     tracker = StepMemTracker(root, optimizer)
     tracker.track_inputs(tuple(resident))
     counter = StepFlopCounter()
@@ -378,38 +396,70 @@ def fake_deepcopy() -> Iterator[None]:
             memo[id(tensor)] = copied
         return memo[id(tensor)]
 
-    FakeTensor.__deepcopy__ = clone
+    FakeTensor.__deepcopy__ = clone  # type: ignore[method-assign]
     try:
         yield
     finally:
         del FakeTensor.__deepcopy__
 
 
-@dataclass
-class TrainingState:
-    """The rank-0 training state of the run, every tensor fake."""
+def known(make: Callable[[], Tensor]) -> Tensor:
+    """A small tensor built for real by ``make`` and handed to the active fake mode as a constant: its
+    values stay readable (``float(sigmas[1])``, ``bool(traj.stochastic[k])``) where every other fake
+    tensor has a shape only."""
+    mode = detect_fake_mode()
+    if mode is None:
+        return make()
+    with unset_fake_temporarily():
+        real = make()
+    return mode.fake_tensor_converter.from_real_tensor(mode, real, make_constant=True)
 
-    backbone: Backbone
-    params: list[nn.Parameter]  # the trainable DTensor parameters
-    shards: list[Tensor]  # their local shards, which the optimizer steps
-    optimizer: torch.optim.Optimizer
-    reference: nn.Module | None
-    predict: Callable[[Tensor, Tensor, Conditioning], Tensor] | None
 
-    def optimizer_step(self) -> None:
-        """AdamW on the local shards with the parameters' gradients, then zero_grad(set_to_none)."""
+# ---- the run on fake tensors ---------------------------------------------------------------------
+
+
+class LocalShardAdamW(torch.optim.AdamW):
+    """The trainer's AdamW (``train.build.adamw_settings``) stepping each rank's local shards.
+
+    DTensor runs an optimizer's foreach kernels on the local shards; the planner runs them there
+    directly, because DTensor's sharding propagation of foreach ops over a thousand parameters costs
+    minutes of CPU. Foreach, as PyTorch picks on CUDA: its temporaries span every parameter at once.
+    ``step`` takes each parameter's gradient shard; ``zero_grad`` drops both.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], **kwargs: Any) -> None:
+        self.sharded = list(params)
         with torch.no_grad():
-            for p, shard in zip(self.params, self.shards):
-                shard.grad = p.grad.to_local()
-        self.optimizer.step()
-        for p, shard in zip(self.params, self.shards):
-            p.grad = shard.grad = None
+            shards = [local_tensor(p) for p in self.sharded]
+        super().__init__(shards, foreach=True, **kwargs)
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        shards = [p for group in self.param_groups for p in group["params"]]
+        with torch.no_grad():
+            for p, shard in zip(self.sharded, shards, strict=True):
+                shard.grad = None if p.grad is None else local_tensor(p.grad)
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for p in self.sharded:
+            p.grad = None
+
+
+class NotBuilt:
+    """Stands in for a part of the run the planner does not build (it has no weights or files)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        raise RuntimeError(f"python -m train.plan builds no {self.name}: nothing it traces may use it")
 
 
 def build_backbone(cfg: TrainConfig, arch: Path) -> DiffusersBackbone:
     """The adapter around a float32 transformer (the trainer's master weights) and the VAE in model.dtype.
 
-    The transformer is built on the meta device and materialized by ``build_state`` after sharding,
+    The transformer is built on the meta device and materialized by ``build_run`` after sharding,
     as FSDP2 expects for large models: under a fake mode a module cannot be moved or cast once built
     (peft casts its LoRA layers to the base layer's device and dtype, and skips meta ones).
     """
@@ -424,30 +474,49 @@ def build_backbone(cfg: TrainConfig, arch: Path) -> DiffusersBackbone:
     return backbone_cls(modules, configs_, {}, dtype=parse_dtype(cfg.model.dtype), **cfg.model.options)
 
 
-def build_state(cfg: TrainConfig, arch: Path) -> TrainingState:
-    """The trainer's setup on fake tensors: LoRA or full fine-tuning, the KL reference, checkpointing,
-    FSDP2; AdamW with its state and a gradient on every trainable parameter, as after a first step."""
+def hold_gradients(run: Run) -> None:
+    """A gradient on every trainable parameter, as the update of a later micro-batch finds them
+    (FSDP2 adds its reduce-scattered gradient to them)."""
+    for p in run.params:
+        p.grad = torch.zeros_like(p)
+
+
+def build_run(cfg: TrainConfig, arch: Path) -> Run:
+    """The trainer's ``Run`` on fake tensors, built by its own code where it loads no weights:
+    ``train.build.setup_trainable`` (LoRA or full fine-tuning, the KL reference, activation
+    checkpointing, FSDP2 through ``parallelize``), AdamW with the run's settings and its state as after
+    a first step, the EMA, the router. Rewards, prompts, checkpoints and the logger are not built."""
     backbone = build_backbone(cfg, arch)
     with fake_deepcopy(), torch.device("meta"):  # LoRA layers too: peft skips moving meta adapters
-        params, reference = setup_trainable(cfg, backbone)
+        _, reference = setup_trainable(cfg, backbone)
     for module in (backbone.transformer, reference):
         if module is not None:
-            module.to_empty(device="cpu")
+            module.to_empty(device=CPU)
     params = [p for p in backbone.transformer.parameters() if p.requires_grad]  # to_empty replaced them
     g = cfg.grpo
-    # The trainer's AdamW over the sharded parameters takes the foreach path on CUDA (the CPU default
-    # is a per-parameter loop): its temporaries span every parameter at once. DTensor runs those
-    # foreach kernels on each rank's local shards; the plan runs them there directly, because DTensor's
-    # sharding propagation of a foreach op over thousands of parameters costs minutes of CPU.
-    with torch.no_grad():
-        shards = [p.to_local() for p in params]
-    optimizer = torch.optim.AdamW(shards, lr=g.lr, weight_decay=g.weight_decay, betas=tuple(g.betas), foreach=True)
-    state = TrainingState(backbone, params, shards, optimizer, reference, None)
-    hold_gradients(state)
-    state.optimizer_step()  # the moments exist from the first step on
-    state.predict = predictor(backbone, parse_dtype(cfg.model.dtype), cfg.plan.world_size)
-    return state
+    run = Run(
+        cfg=cfg,
+        dist=DistInfo(rank=0, world_size=cfg.plan.world_size, local_rank=0, device=CPU, is_main=True),
+        device=CPU,
+        backbone=backbone,
+        params=params,
+        optimizer=LocalShardAdamW(params, **adamw_settings(cfg)),
+        ema=EMA(params, g.ema_decay) if g.ema_decay > 0 else None,
+        rewards=cast(Any, NotBuilt("reward models")),
+        prompts=cast(Any, NotBuilt("prompt sampler")),
+        checkpoints=cast(Any, NotBuilt("checkpoint manager")),
+        logger=cast(Any, NotBuilt("logger")),
+        reference=reference,
+        compute_dtype=parse_dtype(cfg.model.dtype),
+        router=build_router(cfg.update),
+    )
+    hold_gradients(run)
+    step_weights(run)  # the moments exist from the first step on
+    run.optimizer.zero_grad(set_to_none=True)
+    return run
 
+
+# ---- one training step ---------------------------------------------------------------------------
 
 # Shapes of the conditioning fields of one prompt, from (text tokens, the transformer's config).
 _FIELD_SHAPES: dict[str, Callable[[int, dict[str, Any]], tuple[int, ...]]] = {
@@ -464,6 +533,7 @@ def text_tokens(cfg: TrainConfig) -> int:
 
 
 def conditioning(backbone: DiffusersBackbone, rows: int, tokens: int) -> Conditioning:
+    """What ``backbone.encode`` returns for ``rows`` prompts of ``tokens`` text tokens (its shapes)."""
     config = backbone.configs["transformer"]
     values = {}
     for f in fields(backbone.conditioning_class):
@@ -475,113 +545,129 @@ def conditioning(backbone: DiffusersBackbone, rows: int, tokens: int) -> Conditi
     return backbone.conditioning_class(**values)
 
 
+def first_window(cfg: TrainConfig) -> tuple[int, int] | None:
+    """The Flow-GRPO-Fast SDE window the trace samples with: the first one the run can draw (every
+    window trains as many transitions: validation keeps the last one out of its range)."""
+    s = cfg.sampler
+    if s.sde_window_size <= 0:
+        return None
+    lo = s.sde_window_range[0]
+    return lo, lo + s.sde_window_size
+
+
 @dataclass
 class StepTensors:
-    """What the step keeps on the GPU from the rollout to the optimizer step (trainer.train_step)."""
+    """What a step keeps from its rollout to its optimizer step (train.step.train_step)."""
 
-    latents: Tensor  # [B, N+1, h/2, w/2, 4C] float32
-    log_probs: Tensor  # [B, N] float32
-    timesteps: Tensor  # [N]
-    cond: Conditioning  # B rows (the prompts' rows repeated G times)
-    advantages: Tensor  # [B]
-    images: Tensor | None = None  # [B, 3, H, W] float32, from the decode phase on
+    traj: Trajectory | None = None
+    images: Tensor | None = None  # [B, 3, H, W] float32, from the decode on (logged after the update)
+    advantages: Tensor | None = None  # [B]
 
-    def tensors(self) -> list[Tensor]:
-        out = [self.latents, self.log_probs, self.timesteps, self.advantages, *self.cond.tensors().values()]
-        return out + ([self.images] if self.images is not None else [])
+    def resident(self, *, offloaded_velocities: bool) -> list[Tensor]:
+        """The tensors on the GPU: the velocities stay out when they are kept in host memory."""
+        out: list[Tensor] = []
+        if self.traj is not None:
+            t = self.traj
+            out += [t.latents, t.timesteps, t.sigmas, t.log_probs, t.group_ids, *t.cond.tensors().values()]
+            if t.velocities is not None and not offloaded_velocities:
+                out.append(t.velocities)
+        return out + [x for x in (self.images, self.advantages) if x is not None]
 
 
-def step_tensors(cfg: TrainConfig, backbone: DiffusersBackbone) -> StepTensors:
-    rows = cfg.grpo.group_size * cfg.grpo.prompts_per_rank
-    noise = backbone.initial_noise(rows, height=cfg.model.height, width=cfg.model.width)
-    num_steps = cfg.sampler.num_steps
-    prompts = conditioning(backbone, cfg.grpo.prompts_per_rank, text_tokens(cfg))
-    return StepTensors(
-        latents=noise.new_zeros((rows, num_steps + 1, *noise.shape[1:])),
-        log_probs=torch.zeros(rows, num_steps),
-        timesteps=torch.linspace(1, 0, num_steps + 1)[:-1],
-        cond=prompts.repeat(cfg.grpo.group_size),
-        advantages=torch.zeros(rows),
+class TracedOnce:
+    """A predictor that runs its first call and answers each later one with an uninitialized tensor
+    of that call's output shape and dtype (each later call must have the first one's input shape).
+
+    The rollout's N steps call the transformer with the same shapes: its first forward traced gives
+    a step's memory and 1/N of the rollout's FLOPs, and the sampler's own loop (trajectory buffers,
+    SDE steps, log-probabilities, kept velocities) still runs every step, at a fraction of the CPU.
+    """
+
+    def __init__(self, predict: Predict) -> None:
+        self.predict = predict
+        self.first: tuple[torch.Size, torch.Size, torch.dtype] | None = None  # (input shape, output shape, dtype)
+
+    def __call__(self, z: Tensor, t: Tensor, cond: Any) -> Tensor:
+        if self.first is None:
+            v = self.predict(z, t, cond)
+            self.first = (z.shape, v.shape, v.dtype)
+            return v
+        if z.shape != self.first[0]:
+            raise ValueError(f"TracedOnce: a call on {tuple(z.shape)} after one on {tuple(self.first[0])}")
+        return torch.empty(self.first[1], dtype=self.first[2], device=z.device)
+
+
+def rollout_call(run: Run, tensors: StepTensors) -> Callable[[], None]:
+    """The rollout of every sample of the rank (``train.step.sample_trajectories``: the sampler's N
+    steps, the transformer traced on the first, ``TracedOnce``) from conditioning and noise shaped as
+    ``rollout_phase`` makes them."""
+    cfg, backbone = run.cfg, cast(DiffusersBackbone, run.backbone)
+    g, s, window = cfg.grpo, cfg.sampler, first_window(cfg)
+
+    def call() -> None:
+        cond = conditioning(backbone, g.prompts_per_rank, text_tokens(cfg)).repeat(g.group_size)
+        noise = backbone.initial_noise(g.prompts_per_rank, height=cfg.model.height, width=cfg.model.width)
+        # The schedule's values change no shape: a fixed shift stands in for a dynamic one.
+        sigmas = known(lambda: shifted_sigmas(s.num_steps, s.shift if s.shift is not None else 1.0))
+        traj = sample_trajectories(
+            run,
+            cond,
+            noise.repeat_interleave(g.group_size, dim=0),
+            sigmas=sigmas,
+            group_ids=torch.arange(g.prompts_per_rank).repeat_interleave(g.group_size),
+            sde_window=window,
+            sde_noise=[torch.Generator().manual_seed(i) for i in range(g.prompts_per_rank)],
+            keep_velocities=UpdateSettings.from_config(cfg).keeps_velocities,
+            predict=TracedOnce(policy_predictor(run)),
+        )
+        flags = stochastic_flags(s.num_steps, traj.sde, window)  # readable, for transition() and the plan
+        stochastic = known(lambda: torch.tensor(flags, dtype=torch.bool))
+        trainable = known(lambda: torch.tensor(trainable_flags(flags), dtype=torch.bool))
+        tensors.traj = replace(traj, stochastic=stochastic, trainable=trainable)
+
+    return call
+
+
+def decode_call(run: Run, tensors: StepTensors) -> Callable[[], None]:
+    """The decode of the rollout's final latents before scoring (``train.step.decode_images``)."""
+
+    def call() -> None:
+        assert tensors.traj is not None
+        tensors.images = decode_images(run, tensors.traj)
+
+    return call
+
+
+def update_call(run: Run, tensors: StepTensors, mode: str, *, reuse: bool) -> Callable[[], None]:
+    """One group of W steps of one micro-batch through ``train.update.update_group`` (the GRPO loss,
+    the KL reference's batched call, ``backward_group``), on the rollout's velocities when ``reuse``."""
+    cfg, traj = run.cfg, tensors.traj
+    assert traj is not None and tensors.advantages is not None
+    batch = UpdateBatch(
+        traj=traj,
+        advantages=tensors.advantages,
+        predict=policy_predictor(run),
+        reference=reference_predictor(run),
+        settings=UpdateSettings.from_config(cfg),
     )
-
-
-def rollout_call(state: TrainingState, tensors: StepTensors) -> Callable[[], None]:
-    """One of the rollout's N steps: every sample of the rank in one forward, without grad."""
-
-    def call() -> None:
-        with torch.no_grad():
-            rows = tensors.latents.shape[0]
-            v = state.predict(tensors.latents[:, 0], tensors.timesteps[0].expand(rows), tensors.cond)
-            tensors.latents[:, 1] = tensors.latents[:, 0] + v * -0.05
-
-    return call
-
-
-def decode_call(cfg: TrainConfig, state: TrainingState, tensors: StepTensors) -> Callable[[], None]:
-    def call() -> None:
-        with torch.no_grad():
-            z, model = tensors.latents[:, -1], cfg.model
-            tensors.images = decode_in_chunks(
-                state.backbone, z, rows=model.decode_batch, height=model.height, width=model.width
-            )
-
-    return call
-
-
-def reference_call(cfg: TrainConfig, state: TrainingState, tensors: StepTensors) -> Callable[[], None]:
-    """One of the W no-grad forwards of the KL reference per group: the frozen copy of full
-    fine-tuning, or the policy with its LoRA adapters disabled."""
-    rows = torch.arange(cfg.grpo.micro_batch)
-    if state.reference is not None:
-        reference = predictor(state.backbone, parse_dtype(cfg.model.dtype), cfg.plan.world_size, state.reference)
-        adapters = nullcontext()
-    else:
-        reference, adapters = state.predict, lora_disabled(state.backbone.transformer)
-
-    def call() -> None:
-        with torch.no_grad(), adapters:
-            reference(tensors.latents[rows, 0], tensors.timesteps[0].expand(len(rows)), tensors.cond.index(rows))
-
-    return call
-
-
-@contextmanager
-def lora_disabled(transformer: nn.Module) -> Iterator[None]:
-    transformer.disable_adapters()
-    try:
-        yield
-    finally:
-        transformer.enable_adapters()
-
-
-def update_call(cfg: TrainConfig, state: TrainingState, tensors: StepTensors, mode: str) -> Callable[[], None]:
-    """One group of one micro-batch through ``backward_group`` (the exact path on two of its steps)."""
-    width = 2 if mode == "exact" else cfg.update.window
+    start = traj.trainable_steps()[0]
+    group = GroupPlan(start, start + (EXACT_TRACED_STEPS if mode == "exact" else cfg.update.window), mode)
     rows = torch.arange(cfg.grpo.micro_batch)
 
     def call() -> None:
-        cond = tensors.cond.index(rows)
-        adv = tensors.advantages[rows]
-        z = [tensors.latents[rows, k] for k in range(width)]
-        z_next = [tensors.latents[rows, k + 1] for k in range(width)]
-
-        def policy(z_b: Tensor, t_b: Tensor) -> Tensor:
-            reps = z_b.shape[0] // len(rows)
-            return state.predict(z_b, t_b, cond if reps == 1 else type(cond).cat([cond] * reps))
-
-        def step_loss(j: int, v: Tensor) -> Tensor:
-            mean = z[j] + v * -0.05
-            return ((z_next[j] - mean).pow(2).mean(dim=(1, 2, 3)) * adv).mean()
-
-        backward_group(mode, policy, step_loss, z, tensors.timesteps[:width])
+        update_group(batch, rows, group, scale=1.0, reuse_velocities=reuse)  # the scale changes nothing traced
 
     return call
 
 
-def optimizer_call(cfg: TrainConfig, state: TrainingState) -> Callable[[], None]:
+def optimizer_call(run: Run) -> Callable[[], None]:
+    """``train.step.optimizer_step`` but for its finiteness test (a value): the global-norm clip, the
+    AdamW step and the EMA, then zero_grad."""
+
     def call() -> None:
-        clip_grad_norm_(state.params, cfg.grpo.max_grad_norm)
-        state.optimizer_step()
+        clip_grad_norm_(run.params, run.cfg.grpo.max_grad_norm)
+        step_weights(run)
+        run.optimizer.zero_grad(set_to_none=True)
 
     return call
 
@@ -593,14 +679,15 @@ def optimizer_call(cfg: TrainConfig, state: TrainingState) -> Callable[[], None]
 class Phase:
     """One traced call on rank 0. Its peak includes the frozen models once ``plan`` adds them."""
 
-    name: str  # rollout | decode | reference | optimizer | update <mode>
+    name: str  # rollout | decode | update <mode>[, rollout velocities] | optimizer
     peak_bytes: int
     working_bytes: int  # the call's own memory: its peak minus what was live when it started
     activation_bytes: int  # of which activations and backward temporaries, at the peak
     gathered_bytes: int  # of which all-gathered (unsharded) parameters, at the peak
-    flops: int  # of one call; an update's call is one group of one micro-batch (exact scaled to W)
+    flops: int  # of one call; an update's call is one group of W steps of one micro-batch
     calls_per_step: float  # calls per rank per training step
     checkpointing: bool | None = None  # updates: traced with activation checkpointing
+    mode: str | None = None  # updates: the path
 
 
 def _phase(name: str, m: Measured, calls_per_step: float, **kwargs: Any) -> Phase:
@@ -641,10 +728,12 @@ class PlanReport:
     grad_bytes: int
     optimizer_bytes: int
     reference_bytes: int
-    step_tensor_bytes: int
+    ema_bytes: int
+    step_tensor_bytes: int  # trajectories (with the velocities kept on the GPU), conditioning, images
+    velocity_bytes: int  # of which the rollout's velocities kept on the GPU for the update
     frozen: list[FrozenModel]
-    phases: list[Phase]  # rollout, decode, reference, optimizer
-    updates: list[Phase]  # per traced mode, with and without activation checkpointing
+    phases: list[Phase]  # rollout, decode, optimizer
+    updates: list[Phase]  # per traced path, with and without activation checkpointing
     seconds: float = 0.0
 
     @property
@@ -675,48 +764,64 @@ class PlanReport:
         updates = self.configured_updates()
         if exact:
             calls = sum(u.calls_per_step for u in updates)
-            update = calls * next(u.flops for u in updates if u.name == "update exact")
+            update = calls * next(u.flops for u in updates if u.mode == "exact")
         else:
             update = sum(u.calls_per_step * u.flops for u in updates)
         return update, update + sum(p.calls_per_step * p.flops for p in self.phases)
-
-
-def reference_shards(state: TrainingState) -> list[Tensor]:
-    """The KL reference's local shards: a second FSDP root, which the policy's tracker counts as inputs."""
-    if state.reference is None:
-        return []
-    return [p.to_local() for p in state.reference.parameters()]
 
 
 def _storage_bytes(tensors: Sequence[Tensor]) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
-def hold_gradients(state: TrainingState) -> None:
-    """Gradients on every trainable shard, as the update of a later micro-batch finds them (FSDP2
-    adds its reduce-scattered gradient to them)."""
-    for p in state.params:
-        p.grad = torch.zeros_like(p)
+def reference_shards(run: Run) -> list[Tensor]:
+    """The KL reference's local shards: a second FSDP root, which the policy's tracker counts as inputs."""
+    return [] if run.reference is None else [local_tensor(p) for p in run.reference.parameters()]
 
 
-def traced_modes(groups: dict[str, float]) -> list[str]:
-    """The update paths the run routes to, and exact (the baseline of the speed-up) in any case."""
-    return [m for m in UPDATE_MODES if groups.get(m, 0) > 0 or m == "exact"]
+def ema_shards(run: Run) -> list[Tensor]:
+    """The EMA's float32 local shards (held by no module or optimizer: counted as inputs)."""
+    return [] if run.ema is None else [local_tensor(s) for s in run.ema.shadow]
 
 
-def trace_updates(
-    cfg: TrainConfig, state: TrainingState, tensors: StepTensors, groups: dict[str, float]
-) -> list[Phase]:
-    """One group of one micro-batch per traced mode, with ``cfg``'s activation checkpointing."""
-    resident = tensors.tensors() + reference_shards(state)
-    micro_batches = cfg.grpo.group_size * cfg.grpo.prompts_per_rank // cfg.grpo.micro_batch
+def update_variants(
+    cfg: TrainConfig, groups: dict[str, float], *, kept_velocities: bool
+) -> list[tuple[str, bool, float]]:
+    """(path, on the rollout's velocities, calls per rank per step) for each update call the run makes,
+    and exact (the baseline of the speed-up) in any case. ``update.reuse_velocities=fresh`` reuses them
+    until the first optimizer step of the step moves the weights: the first of B / accumulation chunks."""
+    g = cfg.grpo
+    samples = g.group_size * g.prompts_per_rank
+    micro_batches = samples // g.micro_batch
+    reused = 1.0 if cfg.update.reuse_velocities == "stale" else g.gradient_accumulation_steps / samples
     out = []
-    for mode in traced_modes(groups):
-        m = measure(state.backbone.transformer, state.optimizer, resident, update_call(cfg, state, tensors, mode))
-        if mode == "exact":  # traced on two of its W identical steps
-            m.flops = int(m.flops * cfg.update.window / 2)
-        calls = micro_batches * groups.get(mode, 0)
-        out.append(_phase(f"update {mode}", m, calls, checkpointing=cfg.model.activation_checkpointing))
+    for mode in UPDATE_MODES:
+        calls = micro_batches * groups.get(mode, 0.0)
+        if calls == 0 and mode != "exact":
+            continue
+        if kept_velocities and mode in MIDDLE_MODES:
+            out.append((mode, True, calls * reused))
+            if reused < 1:
+                out.append((mode, False, calls * (1 - reused)))
+        else:
+            out.append((mode, False, calls))
+    return out
+
+
+def trace_updates(run: Run, tensors: StepTensors, groups: dict[str, float]) -> list[Phase]:
+    """Every update call of the run (``update_variants``) on one group of one micro-batch, with the
+    run's activation checkpointing and gradients held."""
+    cfg = run.cfg
+    assert tensors.traj is not None
+    offloaded = cfg.update.offload_velocities
+    resident = tensors.resident(offloaded_velocities=offloaded) + reference_shards(run) + ema_shards(run)
+    out = []
+    for mode, reuse, calls in update_variants(cfg, groups, kept_velocities=tensors.traj.velocities is not None):
+        m = measure(run.backbone.transformer, run.optimizer, resident, update_call(run, tensors, mode, reuse=reuse))
+        if mode == "exact":  # its W steps, each freed before the next, traced on EXACT_TRACED_STEPS
+            m.flops = round(m.flops * cfg.update.window / EXACT_TRACED_STEPS)
+        name = f"update {mode}" + (", rollout velocities" if reuse else "")
+        out.append(_phase(name, m, calls, checkpointing=cfg.model.activation_checkpointing, mode=mode))
     return out
 
 
@@ -726,52 +831,64 @@ class Traced:
 
     phases: list[Phase]
     updates: list[Phase]
+    tensors: StepTensors
     at_step: dict[str, int]  # tracker categories when the optimizer step starts: shards, gradients, state, inputs
     num_params: int
     num_trainable: int
     step_tensor_bytes: int
     reference_bytes: int
+    ema_bytes: int
+    velocity_bytes: int
     image_tokens: int
 
 
-def trace_step(cfg: TrainConfig, state: TrainingState, groups: dict[str, float]) -> Traced:
+def trace_step(run: Run, groups: dict[str, float]) -> Traced:
     """The phases in the order a step runs them, with gradients held where the trainer holds them."""
-    tensors = step_tensors(cfg, state.backbone)
-    root, opt, g = state.backbone.transformer, state.optimizer, cfg.grpo
+    cfg, g = run.cfg, run.cfg.grpo
+    root, opt = run.backbone.transformer, run.optimizer
+    offloaded = cfg.update.offload_velocities
+    always = reference_shards(run) + ema_shards(run)
+    tensors = StepTensors()
     # the rollout and the decode run after the last optimizer step's zero_grad(set_to_none)
-    phases = [
-        _phase("rollout", measure(root, opt, tensors.tensors(), rollout_call(state, tensors)), cfg.sampler.num_steps),
-        _phase("decode", measure(root, opt, tensors.tensors(), decode_call(cfg, state, tensors)), 1),
-    ]
-    hold_gradients(state)
-    resident = tensors.tensors() + reference_shards(state)
-    if g.kl_beta > 0:  # W forwards per group of each micro-batch
-        calls = g.group_size * g.prompts_per_rank // g.micro_batch * sum(groups.values()) * cfg.update.window
-        phases.append(_phase("reference", measure(root, opt, resident, reference_call(cfg, state, tensors)), calls))
-    updates = trace_updates(cfg, state, tensors, groups)
-    optimizer = measure(root, opt, resident, optimizer_call(cfg, state))
+    rollout = measure(root, opt, always, rollout_call(run, tensors))
+    assert tensors.traj is not None
+    if offloaded and tensors.traj.velocities is not None:  # allocated during the rollout, in host memory
+        rollout.peak_bytes -= _storage_bytes([tensors.traj.velocities])
+    rollout.flops *= cfg.sampler.num_steps  # counted: the transformer's first forward (TracedOnce)
+    phases = [_phase("rollout", rollout, 1)]
+    decode = measure(root, opt, always + tensors.resident(offloaded_velocities=offloaded), decode_call(run, tensors))
+    phases.append(_phase("decode", decode, 1))
+    tensors.advantages = torch.zeros(tensors.traj.batch_size)
+    hold_gradients(run)
+    updates = trace_updates(run, tensors, groups)
+    resident = always + tensors.resident(offloaded_velocities=offloaded)
+    optimizer = measure(root, opt, resident, optimizer_call(run))
     phases.append(_phase("optimizer", optimizer, g.group_size * g.prompts_per_rank / g.gradient_accumulation_steps))
+    velocities = tensors.traj.velocities
     return Traced(
         phases=phases,
         updates=updates,
+        tensors=tensors,
         at_step=optimizer.at_start,
         num_params=sum(p.numel() for p in root.parameters()),
-        num_trainable=sum(p.numel() for p in state.params),
-        step_tensor_bytes=_storage_bytes(tensors.tensors()),
-        reference_bytes=_storage_bytes(reference_shards(state)),
-        image_tokens=math.prod(state.backbone.latent_grid(cfg.model.height, cfg.model.width)),
+        num_trainable=sum(p.numel() for p in run.params),
+        step_tensor_bytes=_storage_bytes(tensors.resident(offloaded_velocities=offloaded)),
+        reference_bytes=_storage_bytes(reference_shards(run)),
+        ema_bytes=_storage_bytes(ema_shards(run)),
+        velocity_bytes=0 if offloaded or velocities is None else _storage_bytes([velocities]),
+        image_tokens=math.prod(cast(DiffusersBackbone, run.backbone).latent_grid(cfg.model.height, cfg.model.width)),
     )
 
 
-def trace_other_checkpointing(cfg: TrainConfig, arch: Path, groups: dict[str, float]) -> list[Phase]:
-    """The update traces with activation checkpointing flipped (a second model: checkpointing wraps
-    the blocks before FSDP2 shards them)."""
+def trace_other_checkpointing(
+    cfg: TrainConfig, arch: Path, tensors: StepTensors, groups: dict[str, float]
+) -> list[Phase]:
+    """The update traces with activation checkpointing flipped, on the same step's tensors (a second
+    model: checkpointing wraps the blocks before FSDP2 shards them)."""
     other = replace(cfg, model=replace(cfg.model, activation_checkpointing=not cfg.model.activation_checkpointing))
-    state = build_state(other, arch)
-    tensors = step_tensors(other, state.backbone)
-    tensors.images = torch.empty(tensors.latents.shape[0], 3, cfg.model.height, cfg.model.width)
-    hold_gradients(state)
-    return trace_updates(other, state, tensors, groups)
+    run = build_run(other, arch)
+    hold_gradients(run)
+    return trace_updates(run, tensors, groups)
 
 
 def plan(cfg: TrainConfig, *, model_path_given: bool = False) -> PlanReport:
@@ -783,9 +900,9 @@ def plan(cfg: TrainConfig, *, model_path_given: bool = False) -> PlanReport:
     with fake_process_group(cfg.plan.world_size), FakeTensorMode(), warnings.catch_warnings():
         # FSDP2 warns on every forward that FluxSingleTransformerBlock returns views; no path of ours
         # writes into them in place (tests/test_plan.py checks it), so the warning is noise here.
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-        traced = trace_step(cfg, build_state(cfg, arch), groups)
-        updates = traced.updates + trace_other_checkpointing(cfg, arch, groups)
+        warnings.filterwarnings("ignore", message=VIEW_WARNING)
+        traced = trace_step(build_run(cfg, arch), groups)
+        updates = traced.updates + trace_other_checkpointing(cfg, arch, traced.tensors, groups)
     frozen_bytes = sum(m.num_bytes for m in frozen)
     for phase in [*traced.phases, *updates]:
         phase.peak_bytes += frozen_bytes
@@ -811,7 +928,9 @@ def plan(cfg: TrainConfig, *, model_path_given: bool = False) -> PlanReport:
         grad_bytes=at.get("Sharded Grad", 0),
         optimizer_bytes=at.get("OptState", 0),
         reference_bytes=traced.reference_bytes,
+        ema_bytes=traced.ema_bytes,
         step_tensor_bytes=traced.step_tensor_bytes,
+        velocity_bytes=traced.velocity_bytes,
         frozen=frozen,
         phases=traced.phases,
         updates=updates,
@@ -836,14 +955,17 @@ def _static_savings(report: PlanReport, names: list[str]) -> list[Saving]:
         change = "model.embedding_cache=<folder> (scripts/precompute_embeddings.py): no text encoders"
         out.append((change, dict.fromkeys(names, text), "exact"))
     if not report.lora:  # the rollout and the decode hold no gradients in any case
-        held = report.optimizer_bytes + report.reference_bytes
+        held = report.optimizer_bytes + report.reference_bytes + report.ema_bytes
         saved = {n: held + (report.grad_bytes if n not in ("rollout", "decode") else 0) for n in names}
-        change = "model.lora.enabled=true: no full-size gradients, optimizer state or KL reference copy"
+        change = "model.lora.enabled=true: no full-size gradients, optimizer state, KL reference copy or EMA"
         out.append((change, saved, "estimate; trace it with model.lora.enabled=true"))
     evaluation = sum(m.num_bytes for m in report.frozen if m.role == "eval scorer")
     if evaluation:
         change = "logging.eval_every=0 (evaluate with python -m train.eval): no evaluation scorers kept"
         out.append((change, dict.fromkeys(names, evaluation), "exact"))
+    if report.velocity_bytes:
+        change = "update.offload_velocities=true: the rollout's velocities in host memory"
+        out.append((change, dict.fromkeys(names, report.velocity_bytes), "exact"))
     return out
 
 
@@ -855,7 +977,7 @@ def _working_savings(report: PlanReport) -> list[Saving]:
         saved = {name: u.peak_bytes - other[name].peak_bytes for name, u in current.items()}
         out.append(("model.activation_checkpointing=true", saved, "traced"))
     if report.groups.get("jagg", 0) > 0:
-        saved = {"update jagg": current["update jagg"].activation_bytes / 2}
+        saved = {name: u.activation_bytes / 2 for name, u in current.items() if u.mode == "jagg"}
         change = "update.mode=jagg_sequential: one endpoint graph alive instead of two"
         out.append((change, saved, "estimate; trace it with update.mode=jagg_sequential"))
     if report.micro_batch > 1:
@@ -890,6 +1012,7 @@ def largest_term(report: PlanReport, phase: Phase) -> str:
         "transformer shards": report.param_bytes,
         "optimizer state": report.optimizer_bytes,
         "KL reference shards": report.reference_bytes,
+        "EMA shards": report.ema_bytes,
         "step tensors": report.step_tensor_bytes,
         **{f"{m.role} {m.name}": m.num_bytes for m in report.frozen},
     }
@@ -906,17 +1029,23 @@ def _memory_lines(r: PlanReport) -> list[str]:
         f"  gradients (float32 shards)                 {_gib(r.grad_bytes):>7}",
         f"  optimizer state (AdamW)                    {_gib(r.optimizer_bytes):>7}",
         f"  KL reference (shards)                      {_gib(r.reference_bytes):>7}",
-        f"  step tensors (trajectory, images)          {_gib(r.step_tensor_bytes):>7}",
+        f"  EMA (float32 shards)                       {_gib(r.ema_bytes):>7}",
+        f"  step tensors (trajectories, images)        {_gib(r.step_tensor_bytes):>7}"
+        f"   of which kept velocities {_gib(r.velocity_bytes)}",
     ]
     for m in r.frozen:
         label = f"{m.role} {m.name} (replicated)"
         lines.append(f"  {label:<42} {_gib(m.num_bytes):>7}   {m.num_params / 1e9:.2f} B parameters")
     lines += ["", "phase peaks per rank, GiB (working: the phase's own activations, all-gathered blocks, temporaries)"]
-    for p in [*r.phases, *r.updates]:
-        label = p.name if p.checkpointing is None else f"{p.name}, {'AC' if p.checkpointing else 'no AC'}"
+    labels = [
+        p.name if p.checkpointing is None else f"{p.name}, {'AC' if p.checkpointing else 'no AC'}"
+        for p in r.phases + r.updates
+    ]
+    width = max(map(len, labels))
+    for p, label in zip([*r.phases, *r.updates], labels):
         note = "" if p.checkpointing in (None, r.checkpointing) else "  (other checkpointing setting)"
         lines.append(
-            f"  {label:<22} peak {_gib(p.peak_bytes):>6}   working {_gib(p.working_bytes):>6}"
+            f"  {label:<{width}} peak {_gib(p.peak_bytes):>6}   working {_gib(p.working_bytes):>6}"
             f" (activations {_gib(p.activation_bytes)}, all-gathered {_gib(p.gathered_bytes)}){note}"
         )
     return lines
@@ -924,17 +1053,17 @@ def _memory_lines(r: PlanReport) -> list[str]:
 
 def _flop_lines(r: PlanReport) -> list[str]:
     lines = ["FLOPs per rank per training step, TFLOP (calls per step x TFLOP per call)"]
+    width = max(len(p.name) for p in r.phases + r.configured_updates())
     for p in r.phases + r.configured_updates():
-        lines.append(
-            f"  {p.name:<22} {p.flops * p.calls_per_step / 1e12:>10.1f}   ({p.calls_per_step:g} x {p.flops / 1e12:.2f})"
-        )
+        total = p.flops * p.calls_per_step / 1e12
+        lines.append(f"  {p.name:<{width}} {total:>10.1f}   ({p.calls_per_step:g} x {p.flops / 1e12:.2f})")
     update, step = r.flops_per_step()
     update_exact, step_exact = r.flops_per_step(exact=True)
     lines += [
-        f"  update as routed       {update / 1e12:>10.1f}   every group exact: {update_exact / 1e12:.1f}"
-        f" -> {update_exact / update:.2f}x faster at equal throughput",
-        f"  training step          {step / 1e12:>10.1f}   every group exact: {step_exact / 1e12:.1f}"
-        f" -> {step_exact / step:.2f}x faster at equal throughput",
+        f"  {'update as routed':<{width}} {update / 1e12:>10.1f}   every group exact: {update_exact / 1e12:.1f}"
+        f" -> {update_exact / update:.2f}x fewer FLOPs: that speed-up at equal throughput",
+        f"  {'training step':<{width}} {step / 1e12:>10.1f}   every group exact: {step_exact / 1e12:.1f}"
+        f" -> {step_exact / step:.2f}x",
     ]
     return lines
 
@@ -965,7 +1094,10 @@ def format_report(report: PlanReport) -> str:
         lines.append(f"does not fit: {peak.name} needs {_gib(peak.peak_bytes)} GiB, {over} GiB over {budget};")
         lines.append(f"  its largest term is {largest_term(r, peak)}. Each change alone:")
         lines += advice(r)
-    lines.append(f"traced in {r.seconds:.0f} s")
+    need = _gib(peak.peak_bytes + r.reserved_gib * GIB)
+    lines.append(
+        f"needs GPUs of at least {need} GiB each ({r.reserved_gib:g} GiB reserved); traced in {r.seconds:.0f} s"
+    )
     verdict = "fits" if r.fits else "does not fit"
     lines.append(f"peak per rank {_gib(peak.peak_bytes)} GiB of {r.gpu_memory_gib:g} GiB: {verdict}")
     return "\n".join(lines)
