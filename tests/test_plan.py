@@ -131,6 +131,21 @@ def test_presets_need_no_paths_and_route_as_the_paper(experiment, groups):
     assert expected_groups(cfg, "exact") == pytest.approx({"exact": sum(groups.values())})
 
 
+def test_update_calls_follow_velocity_reuse():
+    """flux_dance: 96 micro-batches of 1 sample, 3 jagg and 2 exact groups each; fresh velocities serve
+    the first 12 samples (one optimizer step), stale ones all; exact needs none."""
+    cfg, _ = config(["experiment=flux_dance"])
+    groups = expected_groups(cfg)
+    assert update_variants(cfg, groups, kept_velocities=True) == [
+        ("exact", False, 192),
+        ("jagg", True, 36),
+        ("jagg", False, 252),
+    ]
+    stale = replace(cfg, update=replace(cfg.update, reuse_velocities="stale"))
+    assert update_variants(stale, groups, kept_velocities=True)[1:] == [("jagg", True, 288)]
+    assert update_variants(cfg, groups, kept_velocities=False)[1:] == [("jagg", False, 288)]
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -169,7 +184,9 @@ def test_real_architecture_takes_lora_and_shards_on_8_fake_ranks(experiment, tmp
     arch = partial_arch(cfg.model.name, tmp_path / "arch")
     targets = get_backbone_class(cfg.model.name).lora_target_modules
     with torch.device("meta"):
-        base = num_params(build_component(TRANSFORMERS[cfg.model.name], read_json(arch / "transformer" / "config.json")))
+        base = num_params(
+            build_component(TRANSFORMERS[cfg.model.name], read_json(arch / "transformer" / "config.json"))
+        )
     with fake_process_group(8), FakeTensorMode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=VIEW_WARNING)
         run = build_run(cfg, arch)
@@ -203,18 +220,43 @@ TINY = [
 PHASES = {"rollout", "decode", "update exact", "update jagg, rollout velocities", "update jagg", "optimizer"}
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
-def tiny(tiny_flux_dir):
+def tiny(tiny_flux_dir, tmp_path_factory):
+    """(config, the planner's report of TINY, rank 0's traced peaks of the same step on real tensors
+    over 2 gloo processes): tests/plan_worker.py runs while this process plans."""
     overrides = [*TINY, f"model.path={tiny_flux_dir}"]
-    cfg, given = config(overrides)
-    return overrides, cfg, plan(cfg, model_path_given=given)
+    out = tmp_path_factory.mktemp("real_run")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    worker = subprocess.Popen(
+        [*torchrun, "--master_port", str(_free_port()), str(Path(__file__).with_name("plan_worker.py")), str(out)]
+        + overrides,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        cfg, given = config(overrides)
+        report = plan(cfg, model_path_given=given)
+    finally:
+        stdout, stderr = worker.communicate(timeout=600)
+    assert worker.returncode == 0, f"torchrun failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
+    return cfg, report, json.loads((out / "real_peaks.json").read_text())
 
 
 def test_planner_bytes_equal_the_analytic_count(tiny):
     """FSDP2 pads dim 0 of every parameter to a multiple of the world size: rank 0 holds
     ceil(dim0 / ws) rows. Gradients and AdamW's two moments are float32 like the shards; AdamW adds
     one float32 step counter per parameter. The KL reference copy and the EMA are sharded the same way."""
-    _, cfg, report = tiny
+    cfg, report, _ = tiny
     ws = cfg.plan.world_size
     model = build_component(FluxTransformer2DModel, read_json(Path(cfg.model.path) / "transformer" / "config.json"))
     shards = [math.ceil(p.shape[0] / ws) * math.prod(p.shape[1:]) * 4 for p in model.parameters()]
@@ -225,25 +267,11 @@ def test_planner_bytes_equal_the_analytic_count(tiny):
     assert report.num_params == report.num_trainable == num_params(model)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_traced_peaks_match_a_real_gloo_run(tiny, tmp_path):
+def test_traced_peaks_match_a_real_gloo_run(tiny):
     """The same phases on real tensors over 2 gloo processes (tests/plan_worker.py) give rank 0 the
     same peaks within 1%; measured here: equal to the byte, as fake tensors carry the storage sizes
     of the real kernels' outputs."""
-    overrides, _, report = tiny
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    worker = Path(__file__).with_name("plan_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
-    proc = subprocess.run(
-        [*cmd, str(worker), str(tmp_path), *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
-    )
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    real = json.loads((tmp_path / "real_peaks.json").read_text())
+    _, report, real = tiny
     planned = {p.name: p.peak_bytes - report.frozen_bytes for p in report.step_phases()}
     assert set(planned) == set(real) == PHASES
     for name, value in real.items():
@@ -255,7 +283,7 @@ def test_every_update_call_is_traced_with_its_flops(tiny):
     forward and both endpoints (jagg) > the endpoints alone on the rollout's velocities; each once per
     step here (one exact and one jagg group per micro-batch, the first of 2 micro-batches on the
     rollout's velocities); the rollout runs every one of its 9 steps."""
-    _, cfg, report = tiny
+    cfg, report, _ = tiny
     assert {u.name for u in report.updates} == PHASES - {"rollout", "decode", "optimizer"}
     assert {u.checkpointing for u in report.updates} == {False, True}
     flops = {u.name: u.flops for u in report.configured_updates()}
@@ -271,7 +299,7 @@ def test_every_update_call_is_traced_with_its_flops(tiny):
 
 
 def test_report_ends_with_the_summary_line(tiny):
-    _, cfg, report = tiny
+    cfg, report, _ = tiny
     text = format_report(report)
     assert text.splitlines()[-1] == f"peak per rank {report.peak.peak_bytes / GIB:.1f} GiB of 80 GiB: fits"
     report = replace(report, gpu_memory_gib=1e-4, reserved_gib=0.0)

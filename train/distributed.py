@@ -204,8 +204,7 @@ def world_mesh(device_type: str | None = None) -> DeviceMesh:
     """
     global _world_mesh
     group = dist.group.WORLD
-    cached = _world_mesh is not None and _world_mesh[0] is group
-    if cached and device_type in (None, _world_mesh[1].device_type):
+    if _world_mesh is not None and _world_mesh[0] is group and device_type in (None, _world_mesh[1].device_type):
         return _world_mesh[1]
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"

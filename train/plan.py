@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import sys
 import time
@@ -85,7 +86,7 @@ from train.build import Run, adamw_settings, policy_predictor, reference_predict
 from train.config import TrainConfig, register_schema, trainable_transitions, validate
 from train.distributed import DistInfo, clip_grad_norm_, local_tensor, world_mesh
 from train.ema import EMA
-from train.jagg import MIDDLE_MODES, UPDATE_MODES, GroupPlan, plan_groups
+from train.jagg import MIDDLE_MODES, UPDATE_MODES, GroupPlan, pick_groups, plan_groups
 from train.routing import build_router
 from train.step import decode_images, sample_trajectories, step_weights
 from train.update import UpdateBatch, UpdateSettings, update_group
@@ -114,7 +115,7 @@ def load_config(cfg: DictConfig) -> tuple[TrainConfig, bool]:
     model_path_given = not OmegaConf.is_missing(cfg.model, "path")
     cfg.run_dir = NOT_READ  # Hydra's output folder: compose() sets none, and the planner writes no run
     _fill_missing(cfg)
-    config: TrainConfig = OmegaConf.to_object(cfg)
+    config = cast(TrainConfig, OmegaConf.to_object(cfg))
     validate(config, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()), check_files=False)
     if config.update.routing != "prefix":
         raise ValueError(
@@ -126,7 +127,7 @@ def load_config(cfg: DictConfig) -> tuple[TrainConfig, bool]:
 
 def _fill_missing(node: DictConfig) -> None:
     """Set every "???" value under ``node`` to NOT_READ (interpolations to them then resolve too)."""
-    for key in node.keys():
+    for key in map(str, node.keys()):
         if OmegaConf.is_missing(node, key):
             node[key] = NOT_READ
         elif not OmegaConf.is_interpolation(node, key) and isinstance(node[key], DictConfig):
@@ -155,6 +156,14 @@ def arch_folder(cfg: TrainConfig, model_path_given: bool) -> Path:
 
 def read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
+
+
+def diffusers_backbone_class(name: str) -> type[DiffusersBackbone]:
+    """The adapter class of backbone ``name`` (both shipped adapters are diffusers pipelines)."""
+    cls = get_backbone_class(name)
+    if not issubclass(cls, DiffusersBackbone):
+        raise ValueError(f"model.name={name!r}: the planner knows diffusers backbones only, not {cls.__name__}")
+    return cls
 
 
 # ---- frozen, replicated models -------------------------------------------------------------------
@@ -193,7 +202,7 @@ def _frozen(role: str, name: str, module: nn.Module, dtype: torch.dtype) -> Froz
 
 def backbone_frozen(cfg: TrainConfig, arch: Path) -> list[FrozenModel]:
     """The VAE and (without an embedding cache) the text encoders, in model.dtype as the trainer loads them."""
-    backbone_cls = get_backbone_class(cfg.model.name)
+    backbone_cls = diffusers_backbone_class(cfg.model.name)
     dtype = parse_dtype(cfg.model.dtype)
     skipped = set(backbone_cls.text_components) if cfg.model.embedding_cache is not None else set()
     out = []
@@ -219,14 +228,19 @@ def scorer_module(name: str, args: dict[str, Any]) -> nn.Module | None:
 
             from rewards.hpsv2 import register_arch
 
-            with warnings.catch_warnings():  # "no pretrained weights loaded": none are wanted here
-                warnings.simplefilter("ignore")
+            # open_clip logs "No pretrained weights loaded" as a warning: none are wanted here
+            previous = logging.root.manager.disable
+            logging.disable(logging.WARNING)
+            try:
                 return open_clip.create_model(register_arch(args.get("arch", "ViT-H-14")), device="meta")
+            finally:
+                logging.disable(previous)
         from transformers import CLIPModel
 
         folder = Path(str(args.get("model_path", NOT_READ)))
-        config = folder / "config.json" if (folder / "config.json").is_file() else None
-        config = config or ARCH_ROOT / SCORER_ARCH[name] / "config.json"
+        config = folder / "config.json"
+        if not config.is_file():
+            config = ARCH_ROOT / str(SCORER_ARCH[name]) / "config.json"
         return build_component(CLIPModel, read_json(config))
 
 
@@ -256,17 +270,17 @@ def expected_groups(cfg: TrainConfig, mode: str | None = None) -> dict[str, floa
     (update.timestep_fraction) and the Flow-GRPO-Fast window start (uniform in its range).
     ``mode`` replaces update.mode (``"exact"``: the run without JAGG)."""
     s, u = cfg.sampler, cfg.update
+    starts: list[int | None] = [None]
     if s.sde_window_size > 0:
         lo, hi = s.sde_window_range
         starts = list(range(lo, hi - s.sde_window_size + 1))
-    else:
-        starts = [None]
     counts: dict[str, float] = {}
     for start in starts:
         trainable = trainable_transitions(s, start)
-        kwargs = dict(window=u.window, mode=mode or u.mode, jagg_frac=u.jagg_frac, num_transitions=s.num_steps - 1)
-        every = plan_groups(trainable, **kwargs)
-        picked = len(plan_groups(trainable, timestep_fraction=u.timestep_fraction, **kwargs))
+        every = plan_groups(
+            trainable, window=u.window, mode=mode or u.mode, jagg_frac=u.jagg_frac, num_transitions=s.num_steps - 1
+        )
+        picked = len(pick_groups(trainable, window=u.window, timestep_fraction=u.timestep_fraction))
         for group in every:  # a uniform random subset: each group is picked with probability picked / len
             counts[group.mode] = counts.get(group.mode, 0.0) + picked / len(every) / len(starts)
     return counts
@@ -324,6 +338,7 @@ class StepFlopCounter(FlopCounterMode):
         return self
 
     def __exit__(self, *args: Any) -> None:
+        assert self.mode is not None
         self.mode.__exit__(*args)
         self.mode = None
 
@@ -396,7 +411,7 @@ def fake_deepcopy() -> Iterator[None]:
             memo[id(tensor)] = copied
         return memo[id(tensor)]
 
-    FakeTensor.__deepcopy__ = clone  # type: ignore[method-assign]
+    FakeTensor.__deepcopy__ = clone  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -463,7 +478,7 @@ def build_backbone(cfg: TrainConfig, arch: Path) -> DiffusersBackbone:
     as FSDP2 expects for large models: under a fake mode a module cannot be moved or cast once built
     (peft casts its LoRA layers to the base layer's device and dtype, and skips meta ones).
     """
-    backbone_cls = get_backbone_class(cfg.model.name)
+    backbone_cls = diffusers_backbone_class(cfg.model.name)
     loaders = {c.name: c for c in backbone_cls.components}
     configs_ = {name: read_json(arch / name / loaders[name].config_file) for name in ("transformer", "vae")}
     with torch.device("meta"):
@@ -471,7 +486,7 @@ def build_backbone(cfg: TrainConfig, arch: Path) -> DiffusersBackbone:
     with default_dtype(parse_dtype(cfg.model.dtype)):
         vae = build_component(loaders["vae"].loader, configs_["vae"])
     modules = {"transformer": transformer, "vae": vae.eval().requires_grad_(False)}
-    return backbone_cls(modules, configs_, {}, dtype=parse_dtype(cfg.model.dtype), **cfg.model.options)
+    return backbone_cls(modules, configs_, {}, dtype=parse_dtype(cfg.model.dtype), **cfg.model.options)  # type: ignore[abstract]
 
 
 def hold_gradients(run: Run) -> None:
@@ -948,33 +963,37 @@ def _gib(num_bytes: float) -> str:
 Saving = tuple[str, dict[str, float], str]  # (the change, bytes it frees per phase name, how that is known)
 
 
+def _everywhere(names: list[str], num_bytes: float) -> dict[str, float]:
+    return dict.fromkeys(names, float(num_bytes))
+
+
 def _static_savings(report: PlanReport, names: list[str]) -> list[Saving]:
-    out = []
+    out: list[Saving] = []
     text = sum(m.num_bytes for m in report.frozen if m.role == "text encoder")
     if text:
         change = "model.embedding_cache=<folder> (scripts/precompute_embeddings.py): no text encoders"
-        out.append((change, dict.fromkeys(names, text), "exact"))
+        out.append((change, _everywhere(names, text), "exact"))
     if not report.lora:  # the rollout and the decode hold no gradients in any case
         held = report.optimizer_bytes + report.reference_bytes + report.ema_bytes
-        saved = {n: held + (report.grad_bytes if n not in ("rollout", "decode") else 0) for n in names}
+        saved = {n: float(held + (report.grad_bytes if n not in ("rollout", "decode") else 0)) for n in names}
         change = "model.lora.enabled=true: no full-size gradients, optimizer state, KL reference copy or EMA"
         out.append((change, saved, "estimate; trace it with model.lora.enabled=true"))
     evaluation = sum(m.num_bytes for m in report.frozen if m.role == "eval scorer")
     if evaluation:
         change = "logging.eval_every=0 (evaluate with python -m train.eval): no evaluation scorers kept"
-        out.append((change, dict.fromkeys(names, evaluation), "exact"))
+        out.append((change, _everywhere(names, evaluation), "exact"))
     if report.velocity_bytes:
         change = "update.offload_velocities=true: the rollout's velocities in host memory"
-        out.append((change, dict.fromkeys(names, report.velocity_bytes), "exact"))
+        out.append((change, _everywhere(names, report.velocity_bytes), "exact"))
     return out
 
 
 def _working_savings(report: PlanReport) -> list[Saving]:
-    out = []
+    out: list[Saving] = []
     current = {u.name: u for u in report.configured_updates()}
     if not report.checkpointing:
         other = {u.name: u for u in report.updates if u.checkpointing}
-        saved = {name: u.peak_bytes - other[name].peak_bytes for name, u in current.items()}
+        saved = {name: float(u.peak_bytes - other[name].peak_bytes) for name, u in current.items()}
         out.append(("model.activation_checkpointing=true", saved, "traced"))
     if report.groups.get("jagg", 0) > 0:
         saved = {name: u.activation_bytes / 2 for name, u in current.items() if u.mode == "jagg"}
@@ -1018,7 +1037,7 @@ def largest_term(report: PlanReport, phase: Phase) -> str:
     }
     if phase.name not in ("rollout", "decode"):
         terms["gradients"] = report.grad_bytes
-    name = max(terms, key=terms.get)
+    name = max(terms, key=lambda term: terms[term])
     return f"{name} ({_gib(terms[name])} GiB)"
 
 
