@@ -66,7 +66,10 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from diffusers import ModelMixin
+from hydra import compose, initialize_config_module
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch import Tensor, nn
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
@@ -83,9 +86,12 @@ from rewards.base import SCORER_NAMES
 from samplers.rollout import Predict, Trajectory, stochastic_flags, trainable_flags
 from samplers.schedule import shifted_sigmas
 from train.build import Run, adamw_settings, policy_predictor, reference_predictor, setup_trainable
-from train.config import TrainConfig, register_schema, trainable_transitions, validate
+from train.cli import hydra_message, reported, setup
+from train.cli import report as report_error
+from train.config import TrainConfig, trainable_transitions, validate
 from train.distributed import DistInfo, clip_grad_norm_, local_tensor, world_mesh
 from train.ema import EMA
+from train.errors import ConfigError
 from train.jagg import MIDDLE_MODES, UPDATE_MODES, GroupPlan, pick_groups, plan_groups
 from train.routing import build_router
 from train.step import decode_images, sample_trajectories, step_weights
@@ -100,6 +106,7 @@ NOT_READ = "<not read by the planner>"  # stands in for the required paths the p
 SCORER_ARCH = {"clipscore": "clip-vit-large-patch14", "pickscore": "pickscore", "hpsv2": None}
 WEIGHTLESS_SCORERS = ("jpeg_compressibility", "jpeg_incompressibility", "shape_alignment")
 SCORER_DTYPE = "float32"  # the default dtype of every model-based scorer (rewards.base.FrozenModelScorer)
+PROG = "python -m train.plan"
 CPU = torch.device("cpu")  # the one device of every fake tensor
 VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
 EXACT_TRACED_STEPS = 2  # the exact path's steps are alike and run one after another: two show its peak
@@ -115,10 +122,13 @@ def load_config(cfg: DictConfig) -> tuple[TrainConfig, bool]:
     model_path_given = not OmegaConf.is_missing(cfg.model, "path")
     cfg.run_dir = NOT_READ  # Hydra's output folder: compose() sets none, and the planner writes no run
     _fill_missing(cfg)
-    config = cast(TrainConfig, OmegaConf.to_object(cfg))
+    try:
+        config = cast(TrainConfig, OmegaConf.to_object(cfg))
+    except OmegaConfBaseException as err:  # e.g. an interpolation that does not resolve
+        raise ConfigError(str(err).splitlines()[0]) from None
     validate(config, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()), check_files=False)
     if config.update.routing != "prefix":
-        raise ValueError(
+        raise ConfigError(
             f"update.routing={config.update.routing} routes each group by a cosine measured during the run, which "
             "a plan cannot know: plan with update.routing=prefix and a share, e.g. update.jagg_frac=0.6 (the paper's)"
         )
@@ -143,12 +153,12 @@ def arch_folder(cfg: TrainConfig, model_path_given: bool) -> Path:
     elif cfg.model.name in SHIPPED_ARCH:
         folder, field_name = ARCH_ROOT / SHIPPED_ARCH[cfg.model.name], "model.name"
     else:
-        raise ValueError(
+        raise ConfigError(
             f"model.name={cfg.model.name!r} has no shipped architecture (shipped: {sorted(SHIPPED_ARCH)}); "
             "pass plan.arch=<folder with transformer/config.json, vae/config.json, ...> or model.path"
         )
     if not (folder / "transformer" / "config.json").is_file():
-        raise ValueError(
+        raise ConfigError(
             f"{field_name}={str(folder)!r} holds no transformer/config.json; point it at a diffusers folder"
         )
     return folder
@@ -162,7 +172,7 @@ def diffusers_backbone_class(name: str) -> type[DiffusersBackbone]:
     """The adapter class of backbone ``name`` (both shipped adapters are diffusers pipelines)."""
     cls = get_backbone_class(name)
     if not issubclass(cls, DiffusersBackbone):
-        raise ValueError(f"model.name={name!r}: the planner knows diffusers backbones only, not {cls.__name__}")
+        raise ConfigError(f"model.name={name!r}: the planner knows diffusers backbones only, not {cls.__name__}")
     return cls
 
 
@@ -221,7 +231,7 @@ def scorer_module(name: str, args: dict[str, Any]) -> nn.Module | None:
     if name in WEIGHTLESS_SCORERS:
         return None
     if name not in SCORER_ARCH:
-        raise ValueError(f"reward {name!r}: the planner does not know its architecture; known: {sorted(SCORER_ARCH)}")
+        raise ConfigError(f"reward {name!r}: the planner does not know its architecture; known: {sorted(SCORER_ARCH)}")
     with torch.device("meta"):
         if name == "hpsv2":
             import open_clip
@@ -376,7 +386,7 @@ def measure(root: nn.Module, optimizer: torch.optim.Optimizer, resident: Sequenc
 def fake_process_group(world_size: int) -> Iterator[None]:
     """A fake ``world_size``-rank process group (this process is rank 0) and its cpu mesh."""
     if dist.is_initialized():
-        raise ValueError("python -m train.plan creates its own fake process group: run it without torchrun")
+        raise ConfigError("python -m train.plan creates its own fake process group: run it without torchrun")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         world_mesh("cpu")  # outside any fake mode: building a mesh runs collectives on real tensors
@@ -524,6 +534,7 @@ def build_run(cfg: TrainConfig, arch: Path) -> Run:
         reference=reference,
         compute_dtype=parse_dtype(cfg.model.dtype),
         router=build_router(cfg.update),
+        resume_from=[],
     )
     hold_gradients(run)
     step_weights(run)  # the moments exist from the first step on
@@ -1123,19 +1134,28 @@ def format_report(report: PlanReport) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> PlanReport:
-    """``python -m train.plan [overrides]``: print the plan (and write it to plan.output as JSON)."""
-    from hydra import compose, initialize_config_module
-
-    register_schema()
-    with initialize_config_module(config_module="configs", version_base=None):
-        composed = compose(config_name="train", overrides=list(sys.argv[1:] if argv is None else argv))
-    cfg, model_path_given = load_config(composed)
-    report = plan(cfg, model_path_given=model_path_given)
-    print(format_report(report))
-    if cfg.plan.output is not None:
-        Path(cfg.plan.output).write_text(json.dumps(asdict(report), indent=2) + "\n")
+    """``python -m train.plan [overrides]``: print the plan (and write it to plan.output as JSON). A wrong
+    setting ends the command with one line (train/cli.py), as every command of the trainer does."""
+    setup()
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    try:
+        with initialize_config_module(config_module="configs", version_base=None):
+            composed = compose(config_name="train", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise SystemExit(report_error(ConfigError(hydra_message(err)), PROG)) from None
+    with reported(PROG):
+        cfg, model_path_given = load_config(composed)
+        report = plan(cfg, model_path_given=model_path_given)
+        print(format_report(report))
+        if cfg.plan.output is not None:
+            Path(cfg.plan.output).write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
 
 
-if __name__ == "__main__":
+def command() -> None:
+    """The console script ``jagg-plan``."""
     main()
+
+
+if __name__ == "__main__":
+    command()
