@@ -1118,7 +1118,8 @@ def format_report(report: PlanReport) -> str:
     peak = r.peak
     budget = f"{r.gpu_memory_gib:g} GiB less {r.reserved_gib:g} GiB reserved (CUDA context, NCCL, fragmentation)"
     if r.fits:
-        lines.append(f"fits: the largest phase is {peak.name} at {_gib(peak.peak_bytes)} GiB, within {budget}")
+        lines.append(f"fits: the largest phase is {peak.name} at {_gib(peak.peak_bytes)} GiB, within {budget};")
+        lines.append(f"  its largest term is {largest_term(r, peak)}")
     else:
         over = _gib(peak.peak_bytes - r.budget_bytes)
         lines.append(f"does not fit: {peak.name} needs {_gib(peak.peak_bytes)} GiB, {over} GiB over {budget};")
