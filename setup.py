@@ -31,6 +31,7 @@ setup(
             "jagg-eval=train.eval:command",
             "jagg-compare=train.compare:main",
             "jagg-probe=train.grad_quality:command",
+            "jagg-plan=train.plan:command",
         ]
     },
 )

@@ -52,17 +52,26 @@ def draw_sde_window(
     return start, start + size
 
 
-def stochastic_steps(num_steps: int, sde: SDE, sde_window: tuple[int, int] | None = None) -> Tensor:
-    """[N] bool (CPU): the SDE steps: all (or those in [start, stop)) unless ``sde`` is the ODE."""
+def stochastic_flags(num_steps: int, sde: SDE, sde_window: tuple[int, int] | None = None) -> list[bool]:
+    """Per step, whether it is an SDE step: all (or those in [start, stop)) unless ``sde`` is the ODE."""
     if not sde.stochastic:
-        return torch.zeros(num_steps, dtype=torch.bool)
+        return [False] * num_steps
     if sde_window is None:
-        return torch.ones(num_steps, dtype=torch.bool)
+        return [True] * num_steps
     start, stop = sde_window
     if not 0 <= start < stop <= num_steps:
         raise ValueError(f"sde_window must satisfy 0 <= start < stop <= num_steps = {num_steps}, got {sde_window}")
-    steps = torch.arange(num_steps)
-    return (steps >= start) & (steps < stop)
+    return [start <= k < stop for k in range(num_steps)]
+
+
+def trainable_flags(flags: Sequence[bool]) -> list[bool]:
+    """Per step, whether it trains: the stochastic ones (``flags``) except the last transition."""
+    return [flag and k < len(flags) - 1 for k, flag in enumerate(flags)]
+
+
+def stochastic_steps(num_steps: int, sde: SDE, sde_window: tuple[int, int] | None = None) -> Tensor:
+    """[N] bool (CPU): ``stochastic_flags`` as a tensor."""
+    return torch.tensor(stochastic_flags(num_steps, sde, sde_window), dtype=torch.bool)
 
 
 @dataclass(frozen=True)
@@ -174,7 +183,8 @@ def rollout(
     num_steps, batch, device = sigmas.shape[0] - 1, noise.shape[0], noise.device
     if isinstance(generator, Sequence) and (not generator or batch % len(generator)):
         raise ValueError(f"{len(generator)} SDE-noise generators do not split a batch of {batch} rows evenly")
-    stochastic = stochastic_steps(num_steps, sde, sde_window)
+    flags = stochastic_flags(num_steps, sde, sde_window)  # the loop reads no tensor (python -m train.plan)
+    stochastic = torch.tensor(flags, dtype=torch.bool)
     if group_ids is None:
         group_ids = torch.arange(batch, device=device)
     if group_ids.shape != (batch,):
@@ -186,7 +196,7 @@ def rollout(
     latents[:, 0] = noise
     log_probs = torch.zeros(batch, num_steps, device=device, dtype=torch.float32)
     velocities = _velocity_buffer(latents, velocity_dtype, velocity_device) if keep_velocities else None
-    for k, is_sde in enumerate(stochastic.tolist()):
+    for k, is_sde in enumerate(flags):
         z = latents[:, k]
         v = predict(z, timesteps[k].expand(batch), cond)
         if is_sde:
@@ -205,7 +215,7 @@ def rollout(
         sigmas=sigmas,
         log_probs=log_probs,
         stochastic=stochastic,
-        trainable=stochastic & (torch.arange(num_steps) < num_steps - 1),
+        trainable=torch.tensor(trainable_flags(flags), dtype=torch.bool),
         velocities=velocities,
         cond=cond,
         group_ids=group_ids,

@@ -78,7 +78,7 @@ def test_console_scripts_point_at_functions():
     with mock.patch("setuptools.setup") as setup:
         runpy.run_path(str(ROOT / "setup.py"))
     scripts = dict(item.split("=") for item in setup.call_args.kwargs["entry_points"]["console_scripts"])
-    assert set(scripts) == {"jagg-train", "jagg-eval", "jagg-compare", "jagg-probe"}
+    assert set(scripts) == {"jagg-train", "jagg-eval", "jagg-compare", "jagg-probe", "jagg-plan"}
     for target in scripts.values():
         module, function = target.split(":")
         assert callable(getattr(import_module(module), function)), target

@@ -255,6 +255,12 @@ def _scorer(field_name: str, name: str, kwargs: dict[str, Any], device: torch.de
         return build_scorer(name, **kwargs).to(device)
 
 
+def adamw_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The optimizer's hyperparameters (grpo.lr, grpo.weight_decay, grpo.betas) as AdamW's keywords."""
+    g = cfg.grpo
+    return {"lr": g.lr, "weight_decay": g.weight_decay, "betas": (g.betas[0], g.betas[1])}
+
+
 def build_rewards(cfg: TrainConfig, device: torch.device) -> RewardCombiner:
     """Every reward model is replicated on every rank: scoring is data-parallel and frozen."""
     components = {
@@ -352,7 +358,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
     backbone = build_backbone(cfg, dist, device)
     params, reference = setup_trainable(cfg, backbone)
     g = cfg.grpo
-    optimizer = torch.optim.AdamW(params, lr=g.lr, weight_decay=g.weight_decay, betas=(g.betas[0], g.betas[1]))
+    optimizer = torch.optim.AdamW(params, **adamw_settings(cfg))
     lg = cfg.logging
     logger = RunLogger(
         run_dir,

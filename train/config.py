@@ -53,6 +53,9 @@ class ModelConfig:
     # per prompt; longer prompts are truncated with a warning), per-component folders (e.g. vae: /path)
     options: dict = field(default_factory=dict)
     embedding_cache: str | None = None  # cache folder written by scripts/precompute_embeddings.py
+    # images per VAE decode call when the rollout is scored (per rank); 0 = every sample of the step in one call.
+    # Decoding many 720x720 images at once dominates the step's memory (python -m train.plan shows it).
+    decode_batch: int = 0
     activation_checkpointing: bool = False  # recompute each transformer block in backward
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -191,6 +194,21 @@ class DistConfig:
 
 
 @dataclass
+class PlanConfig:
+    """``python -m train.plan``: per-rank memory and FLOPs of one training step, traced on CPU (train/plan.py)."""
+
+    world_size: int = 8  # ranks (GPUs) the transformer is sharded over with FSDP2; >= 2
+    gpu_memory_gib: float = 80.0  # memory of one GPU, GiB
+    # GiB per GPU kept out of the budget for what the trace cannot see: the CUDA context, NCCL buffers
+    # and the caching allocator's fragmentation. A run fits when its traced peak <= gpu_memory_gib - reserved_gib.
+    reserved_gib: float = 4.0
+    # Folder of architecture configs in the diffusers layout (<arch>/transformer/config.json, vae/, text encoders;
+    # config files only, no weights). null = model.path when it is given, else configs/arch/<the backbone's model>.
+    arch: str | None = None
+    output: str | None = None  # also write the report as JSON to this file (null = print only)
+
+
+@dataclass
 class TrainConfig:
     experiment: str = "demo"  # name used for the wandb group and the run folder
     run_dir: str = ""  # shared run folder of all ranks; "" = Hydra's output folder (hydra.run.dir)
@@ -209,6 +227,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def register_schema() -> None:
@@ -308,6 +327,7 @@ def _validate_model(m: ModelConfig, known_backbones: tuple[str, ...]) -> None:
         _choice(m.build_tiny, ("tiny", "small"), "model.build_tiny")
     _positive(m.height, "model.height")
     _positive(m.width, "model.width")
+    _non_negative(m.decode_batch, "model.decode_batch", " (0 = every sample of the step in one call)")
     _positive(m.lora.rank, "model.lora.rank")
     _positive(m.lora.alpha, "model.lora.alpha")
     if m.lora.init not in LORA_INITS and not re.fullmatch(r"pissa_niter_\d+", m.lora.init):
@@ -453,10 +473,24 @@ def _validate_files(cfg: TrainConfig) -> None:
             read_prompts(path, field_name=f"data.{field_name}")
 
 
-def validate(cfg: TrainConfig, *, known_scorers: tuple[str, ...], known_backbones: tuple[str, ...]) -> None:
+def _validate_plan(p: PlanConfig) -> None:
+    if p.world_size < 2:
+        raise ConfigError(f"plan.world_size must be >= 2 (FSDP2 shards over the ranks), got {p.world_size}")
+    _positive(p.gpu_memory_gib, "plan.gpu_memory_gib")
+    if not 0 <= p.reserved_gib < p.gpu_memory_gib:
+        raise ConfigError(
+            f"plan.reserved_gib must be in [0, plan.gpu_memory_gib={p.gpu_memory_gib}), got {p.reserved_gib}"
+        )
+
+
+def validate(
+    cfg: TrainConfig, *, known_scorers: tuple[str, ...], known_backbones: tuple[str, ...], check_files: bool = True
+) -> None:
     """Reject impossible settings, naming the field and the accepted values. Loads no model.
 
     Raises ConfigError (a ValueError) for a setting, PathError (a FileNotFoundError) for a missing file.
+    ``check_files=False`` skips the checks of model, prompt and checkpoint paths (``python -m train.plan``
+    reads none of them).
     """
     _check_known_keys(cfg, "")
     _check_finite(cfg, "")
@@ -470,4 +504,6 @@ def validate(cfg: TrainConfig, *, known_scorers: tuple[str, ...], known_backbone
         split_groups(trainable_transitions(cfg.sampler), cfg.update.window)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    _validate_files(cfg)
+    _validate_plan(cfg.plan)
+    if check_files:
+        _validate_files(cfg)

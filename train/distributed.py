@@ -191,6 +191,27 @@ def _wrap_blocks(model: nn.Module, block_classes: tuple[type, ...], checkpointin
     return units
 
 
+_world_mesh: tuple[Any, DeviceMesh] | None = None  # (the default process group, its mesh)
+
+
+def world_mesh(device_type: str | None = None) -> DeviceMesh:
+    """The 1-D mesh over every rank of the default process group, built once per group.
+
+    ``device_type``: None = the one already built, else cuda when available, else cpu. Building a
+    mesh runs collectives on real tensors, so it fails under a fake-tensor mode: ``python -m
+    train.plan`` builds a cpu mesh before entering one, and every later ``parallelize`` (the policy
+    and the KL reference alike) shards over that same mesh.
+    """
+    global _world_mesh
+    group = dist.group.WORLD
+    if _world_mesh is not None and _world_mesh[0] is group and device_type in (None, _world_mesh[1].device_type):
+        return _world_mesh[1]
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    _world_mesh = (group, init_device_mesh(device_type, (get_world_size(),)))
+    return _world_mesh[1]
+
+
 def parallelize(
     model: nn.Module,
     *,
@@ -220,7 +241,7 @@ def parallelize(
     if not is_distributed():
         return model
     if mesh is None:
-        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (get_world_size(),))
+        mesh = world_mesh()
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from samplers.sde import compute_dtype
 
@@ -62,7 +63,8 @@ def interpolation_weights(t: Tensor) -> Tensor:
     if t.ndim != 1 or t.shape[0] < 2:
         raise ValueError(f"t must be [W] with W >= 2, got shape {tuple(t.shape)}")
     span = t[0] - t[-1]
-    if span == 0:
+    # A fake tensor (python -m train.plan traces shapes, not values) has no value to compare.
+    if not is_fake(span) and span == 0:
         raise ValueError("the group's first and last timesteps are equal; alpha is undefined")
     return (t[0] - t) / span
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from train.build import Run, load_config, open_run, policy_predictor, process_group, reference_predictor
+from train.build import Run, adamw_settings, load_config, open_run, policy_predictor, process_group, reference_predictor
 from train.distributed import clip_grad_norm_
 from train.jagg import MIDDLE_MODES, plan_groups
 from train.quality import Samples, format_table, measure_staleness, measure_trajectories, report, summarize_groups
@@ -50,7 +50,7 @@ def one_step_later(run: Run, batch: UpdateBatch) -> Iterator[None]:
     """
     cfg, g = run.cfg, run.cfg.grpo
     saved = [p.detach().clone() for p in run.params]
-    optimizer = torch.optim.AdamW(run.params, lr=g.lr, weight_decay=g.weight_decay, betas=(g.betas[0], g.betas[1]))
+    optimizer = torch.optim.AdamW(run.params, **adamw_settings(cfg))
     traj = batch.traj
     plan = plan_groups(
         traj.trainable_steps(),

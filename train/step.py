@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from models.base import Conditioning, decode_in_chunks
 from rewards.combine import AdvantageFn, NonFiniteRewardError
-from samplers.rollout import Trajectory, draw_sde_window, rollout
+from samplers.rollout import Predict, Trajectory, draw_sde_window, rollout
 from samplers.sde import SDE
 from train.build import Run, policy_predictor, reference_predictor
 from train.distributed import all_gather_tensor, all_reduce_sum, clip_grad_norm_
@@ -72,22 +73,60 @@ def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -
     keep = UpdateSettings.from_config(cfg).keeps_velocities if keep_velocities is None else keep_velocities
     with torch.no_grad():
         cond = backbone.encode(batch.prompts).repeat(size)
-        traj = rollout(
-            policy_predictor(run),
+    traj = sample_trajectories(
+        run,
+        cond,
+        noise,
+        sigmas=sigmas,
+        group_ids=torch.tensor(batch.group_ids, device=device).repeat_interleave(size),
+        sde_window=window,
+        sde_noise=sde_noise,
+        keep_velocities=keep,
+    )
+    prompts = [p for p in batch.prompts for _ in range(size)]
+    return traj, prompts
+
+
+def sample_trajectories(
+    run: Run,
+    cond: Conditioning,
+    noise: Tensor,
+    *,
+    sigmas: Tensor,
+    group_ids: Tensor,
+    sde_window: tuple[int, int] | None,
+    sde_noise: list[torch.Generator] | None,
+    keep_velocities: bool,
+    predict: Predict | None = None,
+) -> Trajectory:
+    """The sampler's rollout (no gradients) of ``predict`` (default: the run's policy) with the run's
+    sampler settings from ``noise`` [B, ...] and ``cond`` (B rows); the velocities kept in the compute
+    dtype, in host memory with ``update.offload_velocities``."""
+    s = run.cfg.sampler
+    with torch.no_grad():
+        return rollout(
+            policy_predictor(run) if predict is None else predict,
             cond,
             noise,
             sigmas=sigmas,
             sde=SDE(s.sde, eta=s.eta, noise_level=s.noise_level),
-            sde_window=window,
+            sde_window=sde_window,
             quantize_timesteps=s.quantize_timesteps,
             generator=sde_noise,
-            group_ids=torch.tensor(batch.group_ids, device=device).repeat_interleave(size),
-            keep_velocities=keep,
+            group_ids=group_ids,
+            keep_velocities=keep_velocities,
             velocity_dtype=run.compute_dtype,  # the transformer's output precision: nothing is lost
-            velocity_device="cpu" if cfg.update.offload_velocities else None,
+            velocity_device="cpu" if run.cfg.update.offload_velocities else None,
         )
-    prompts = [p for p in batch.prompts for _ in range(size)]
-    return traj, prompts
+
+
+def decode_images(run: Run, traj: Trajectory) -> Tensor:
+    """Images [B, 3, H, W] of the trajectories' final latents, ``model.decode_batch`` per VAE call."""
+    model = run.cfg.model
+    with torch.no_grad():
+        return decode_in_chunks(
+            run.backbone, traj.latents[:, -1], rows=model.decode_batch, height=model.height, width=model.width
+        )
 
 
 def advantage_fn(run: Run) -> AdvantageFn:
@@ -111,8 +150,8 @@ class Scored:
 
 
 def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> Scored:
+    images = decode_images(run, traj)
     with torch.no_grad():
-        images = run.backbone.decode(traj.latents[:, -1], height=run.cfg.model.height, width=run.cfg.model.width)
         try:
             scores = run.rewards.score(images, prompts)
             error = 0.0
@@ -141,11 +180,16 @@ def optimizer_step(run: Run) -> tuple[float, bool]:
     norm = clip_grad_norm_(run.params, run.cfg.grpo.max_grad_norm)
     finite = bool(torch.isfinite(norm))
     if finite:
-        run.optimizer.step()
-        if run.ema is not None:
-            run.ema.update()
+        step_weights(run)
     run.optimizer.zero_grad(set_to_none=True)
     return float(norm), finite
+
+
+def step_weights(run: Run) -> None:
+    """The optimizer step on the clipped gradients, then the EMA of the new weights."""
+    run.optimizer.step()
+    if run.ema is not None:
+        run.ema.update()
 
 
 def update_phase(run: Run, traj: Trajectory, advantages: Tensor, step: int, timer: PhaseTimer) -> dict[str, float]:

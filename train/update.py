@@ -223,13 +223,23 @@ def update_micro_batch(
     scale = (len(rows) / batch.settings.gradient_accumulation_steps) / trained
     stats = UpdateStats()
     for group in plan:
-        reuse = reuse_velocities and group.mode in MIDDLE_MODES
-        inputs = group_inputs(batch, rows, (group.start, group.stop), scale=scale, velocities=reuse)
-        result = backward_group(
-            group.mode, inputs.policy, inputs.step_loss, inputs.z, inputs.t, velocities=inputs.velocities
-        )
-        stats.add_group(group.mode, result, rows=len(rows), reference_forwards=inputs.num_reference_forwards)
+        result, reference_forwards = update_group(batch, rows, group, scale=scale, reuse_velocities=reuse_velocities)
+        stats.add_group(group.mode, result, rows=len(rows), reference_forwards=reference_forwards)
     return stats
+
+
+def update_group(
+    batch: UpdateBatch, rows: Tensor, group: GroupPlan, *, scale: float, reuse_velocities: bool = False
+) -> tuple[GroupStats, int]:
+    """One planned group of the micro-batch ``rows`` through ``backward_group`` on the GRPO loss times
+    ``scale``: (what it did, the steps the KL reference ran). Reads no tensor's value, so
+    ``python -m train.plan`` traces it on fake tensors."""
+    reuse = reuse_velocities and group.mode in MIDDLE_MODES
+    inputs = group_inputs(batch, rows, (group.start, group.stop), scale=scale, velocities=reuse)
+    result = backward_group(
+        group.mode, inputs.policy, inputs.step_loss, inputs.z, inputs.t, velocities=inputs.velocities
+    )
+    return result, inputs.num_reference_forwards
 
 
 @torch.no_grad()
