@@ -138,6 +138,25 @@ def test_offline_sessions_of_a_resumed_run_merge_and_damage_is_named(tmp_path, c
     assert f"{file} is damaged" in capsys.readouterr().err
 
 
+def test_offline_reader_crosses_blocks_and_stops_at_a_cut(tmp_path):
+    """Records span wandb's 32 KiB blocks (a 70 kB configuration is cut into first/middle/last chunks;
+    500 rows cross several block ends); a file cut inside a record (a killed writer) reads up to it."""
+    from train.wandb_runs import BLOCK, read_offline, read_offline_file
+
+    big = {"seed": 1, "note": "x" * 70_000}
+    offline_session(tmp_path, "big00001", {s: s / 7 for s in range(500)}, big)
+    (folder,) = (tmp_path / "wandb").glob("offline-run-*")
+    (file,) = folder.glob("*.wandb")
+    assert file.stat().st_size > 4 * BLOCK
+    (run,) = read_offline([folder])
+    assert run.config == big
+    assert {s: v["eval/hps"] for s, v in run.steps.items()} == {s: s / 7 for s in range(500)}
+    cut = tmp_path / "cut.wandb"
+    cut.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    steps = sorted(read_offline_file(cut).steps)
+    assert 0 < len(steps) < 500 and steps == list(range(len(steps)))
+
+
 class FakeApiRun:
     def __init__(self, run_id: str, group: str, mode: str, seed: int, values: dict[int, float]) -> None:
         self.id, self.name, self.group = run_id, f"{mode}-s{seed}", group
