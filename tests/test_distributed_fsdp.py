@@ -4,31 +4,18 @@ work, this test reads its per-rank results. One torchrun start-up for every chec
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from two_ranks import run_torchrun
 
 WORKER = Path(__file__).with_name("dist_worker.py")
-REPO = WORKER.parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("fsdp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), str(WORKER), str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=REPO)
+    proc = run_torchrun(str(WORKER), str(out), timeout=180)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return [json.loads((out / f"results_rank{r}.json").read_text()) for r in range(2)]
 

@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from grad_quality_toys import ADVANTAGES, ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from hydra import compose, initialize_config_module
+from two_ranks import run_torchrun
 
 from train.config import register_schema
 from train.jagg import route
@@ -213,14 +211,6 @@ def test_probe_measures_stale_velocities_and_restores_the_weights(tiny_flux_dir,
         assert after["stale"]["cos_mean"] < after["fresh"]["cos_mean"] <= 1.0
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_probe_under_torchrun_fsdp_matches_one_process(tiny_flux_dir, tmp_path, _repo_root):
     """2 ranks x 1 prompt under FSDP2 (gloo) measure the same 4 trajectories as 1 process x 2 prompts
     (group noise does not depend on the rank layout): the cosines and ratios over the sharded,
@@ -229,10 +219,8 @@ def test_probe_under_torchrun_fsdp_matches_one_process(tiny_flux_dir, tmp_path, 
 
     common = [f"model.path={tiny_flux_dir}", *PROBE, "probe.num_rollouts=4"]
     sharded = tmp_path / "fsdp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    cmd += ["-m", "train.grad_quality", *common, f"run_dir={sharded}", f"hydra.run.dir={sharded}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    args = ["-m", "train.grad_quality", *common, f"run_dir={sharded}", f"hydra.run.dir={sharded}"]
+    result = run_torchrun(*args, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     two = json.loads((sharded / "grad_quality.json").read_text())
     with initialize_config_module(config_module="configs", version_base=None):

@@ -6,11 +6,8 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import os
 import shutil
-import socket
 import subprocess
-import sys
 import warnings
 from dataclasses import replace
 from functools import partial
@@ -22,6 +19,7 @@ from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel
 from hydra import compose, initialize_config_module
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor, Shard
+from two_ranks import env, torchrun
 
 from models.base import decode_in_chunks
 from models.flux import FluxBackbone
@@ -220,24 +218,15 @@ TINY = [
 PHASES = {"rollout", "decode", "update exact", "update jagg, rollout velocities", "update jagg", "optimizer"}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tiny(tiny_flux_dir, tmp_path_factory):
     """(config, the planner's report of TINY, rank 0's traced peaks of the same step on real tensors
     over 2 gloo processes): tests/plan_worker.py runs while this process plans."""
     overrides = [*TINY, f"model.path={tiny_flux_dir}"]
     out = tmp_path_factory.mktemp("real_run")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     worker = subprocess.Popen(
-        [*torchrun, "--master_port", str(_free_port()), str(Path(__file__).with_name("plan_worker.py")), str(out)]
-        + overrides,
-        env=env,
+        torchrun(str(Path(__file__).with_name("plan_worker.py")), str(out), *overrides),
+        env=env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from two_ranks import free_port, run_torchrun
 
 import train.__main__ as train_command
 import train.eval as eval_command
@@ -97,6 +97,19 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def exported(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "export" / "diffusion_pytorch_model.safetensors")
+
+
+def assert_same_run(straight: Path, resumed: Path, steps: int) -> None:
+    """The resumed run logged each of ``steps`` steps once, with the uninterrupted run's loss, reward
+    and gradient norm, and exported the same weights, bit for bit."""
+    rows_a, rows_b = metrics(straight), metrics(resumed)
+    assert [m["step"] for m in rows_b] == list(range(steps))
+    for a, b in zip(rows_a, rows_b):
+        for key in ("train/loss", "reward/total", "train/grad_norm"):
+            assert a[key] == b[key], (a["step"], key)
+    final_a, final_b = exported(straight), exported(resumed)
+    for name in final_a:
+        assert torch.equal(final_a[name], final_b[name]), name
 
 
 @pytest.fixture(scope="module")
@@ -412,14 +425,7 @@ def test_sigterm_checkpoints_and_resume_is_bit_identical(tiny_flux_dir, tmp_path
     monkeypatch.undo()
     monkeypatch.chdir(ROOT)
     assert command(capsys, tmp_path / "stopped", [*common, "resume=auto"])[0] == 0
-    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "stopped")
-    assert [m["step"] for m in resumed] == [0, 1, 2, 3]
-    for a, b in zip(straight, resumed):
-        for key in ("train/loss", "reward/total", "train/grad_norm"):
-            assert a[key] == b[key], (a["step"], key)
-    final_a, final_b = exported(tmp_path / "straight"), exported(tmp_path / "stopped")
-    for name in final_a:
-        assert torch.equal(final_a[name], final_b[name]), name
+    assert_same_run(tmp_path / "straight", tmp_path / "stopped", steps=4)
 
 
 def test_a_resumed_run_logs_each_step_once(tiny_flux_dir, tmp_path, capsys, monkeypatch):
@@ -459,12 +465,6 @@ def test_a_resumed_run_logs_each_step_once(tiny_flux_dir, tmp_path, capsys, monk
     ]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_sigterm_on_one_of_two_ranks(tiny_flux_dir, tmp_path):
     """2 gloo ranks; SIGTERM reaches rank 1 only. Both stop after the same step, write one checkpoint
     and exit; resume=auto then ends where the uninterrupted 2-rank run ends, bit for bit."""
@@ -475,28 +475,11 @@ def test_sigterm_on_one_of_two_ranks(tiny_flux_dir, tmp_path):
         "resumed": {"overrides": [*common, f"run_dir={tmp_path / 'stopped'}", "resume=auto"]},
     }
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    worker = ROOT / "tests" / "reliability_worker.py"
-    result = subprocess.run(
-        [*cmd, str(worker), str(tmp_path / "cases.json")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_torchrun(str(ROOT / "tests" / "reliability_worker.py"), str(tmp_path / "cases.json"), timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     outcome = json.loads((tmp_path / "outcome.json").read_text())
     assert outcome["stopped"] == {"0": "Preempted", "1": "Preempted"}, outcome
-    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "stopped")
-    assert [m["step"] for m in resumed] == [0, 1, 2]
-    for a, b in zip(straight, resumed):
-        for key in ("train/loss", "reward/total", "train/grad_norm"):
-            assert a[key] == b[key], (a["step"], key)
-    final_a, final_b = exported(tmp_path / "straight"), exported(tmp_path / "stopped")
-    for name in final_a:
-        assert torch.equal(final_a[name], final_b[name]), name
+    assert_same_run(tmp_path / "straight", tmp_path / "stopped", steps=3)
 
 
 def test_a_stopped_rank_makes_the_other_fail_naming_the_collective(tiny_flux_dir, tmp_path):

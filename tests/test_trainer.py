@@ -17,6 +17,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
+from two_ranks import run_torchrun
 
 from models.registry import load_backbone
 from train.build import load_config, setup_trainable
@@ -270,14 +271,6 @@ def test_lora_initialisation_does_not_depend_on_the_rank(tiny_flux_dir, tmp_path
     assert any(value.abs().max() > 0 for name, value in adapters[0].items() if "lora_A" in name)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8"]
 # Every update mode, both SDEs and the Flow-GRPO-Fast window, LoRA and full fine-tuning, all with KL.
 MULTI_RANK = {
@@ -295,8 +288,6 @@ def test_two_ranks_log_and_train_as_one_process(tiny_flux, tmp_path):
     """2 ranks x 1 prompt under FSDP2 (gloo) against 1 process x 2 prompts, two steps with KL: the same
     groups (ids and noise do not depend on the rank layout), gradients averaged over ranks, every
     training metric reduced over all ranks. So every logged value and the final weights agree."""
-    import subprocess
-    import sys
 
     from rewards.tiny import save_tiny_clip
 
@@ -308,17 +299,7 @@ def test_two_ranks_log_and_train_as_one_process(tiny_flux, tmp_path):
     common = [f"model.path={tiny_flux}", *SMALL, "num_steps=2", "grpo.kl_beta=0.1", *reward]
     cases = {name: [*common, *extra, f"run_dir={tmp_path / 'two' / name}"] for name, extra in MULTI_RANK.items()}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    worker = ROOT / "tests" / "trainer_worker.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [*cmd, str(worker), str(tmp_path / "cases.json")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    result = run_torchrun(str(ROOT / "tests" / "trainer_worker.py"), str(tmp_path / "cases.json"), timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     base = load_file(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors")
     for name, extra in MULTI_RANK.items():
