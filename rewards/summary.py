@@ -15,6 +15,11 @@ from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 
 
+def overall(summary: Mapping[str, float]) -> dict[str, float]:
+    """The means over all prompts of a ``summarize`` result (not the per-category ``<name>/<category>``)."""
+    return {name: value for name, value in summary.items() if "/" not in name}
+
+
 def summarize(scores: Mapping[str, Tensor], categories: Sequence[str] | None = None) -> dict[str, float]:
     """Means of each score [N] overall and, when ``categories`` (N labels) is given, per category."""
     summary: dict[str, float] = {}

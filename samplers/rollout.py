@@ -69,11 +69,6 @@ def trainable_flags(flags: Sequence[bool]) -> list[bool]:
     return [flag and k < len(flags) - 1 for k, flag in enumerate(flags)]
 
 
-def stochastic_steps(num_steps: int, sde: SDE, sde_window: tuple[int, int] | None = None) -> Tensor:
-    """[N] bool (CPU): ``stochastic_flags`` as a tensor."""
-    return torch.tensor(stochastic_flags(num_steps, sde, sde_window), dtype=torch.bool)
-
-
 @dataclass(frozen=True)
 class Trajectory:
     """A batch of sampled trajectories. B rows, N transitions; ``...`` is the packed latent shape."""

@@ -122,7 +122,7 @@ def test_crash_mid_save_leaves_previous_checkpoint_usable(tmp_path, trained, mon
     assert (leftover / ".metadata").is_file()
     (tmp_path / "checkpoints" / "step_00000003").mkdir()  # a folder without COMPLETE is not a checkpoint
     assert manager.latest() == good
-    assert manager.resolve("auto") == good
+    assert manager.usable("auto")[0] == good
     assert manager.load(good, model=model, optimizer=optimizer)["step"] == 1
     assert_same(snapshot(model), weights)
     manager.save(4, model=model, optimizer=optimizer, extra={"step": 4})
@@ -130,16 +130,16 @@ def test_crash_mid_save_leaves_previous_checkpoint_usable(tmp_path, trained, mon
     assert manager.latest().name == "step_00000004"
 
 
-def test_resolve_resume(tmp_path, trained) -> None:
+def test_usable_checkpoints_of_resume(tmp_path, trained) -> None:
     model, optimizer, _ = trained
     manager = CheckpointManager(tmp_path)
-    assert manager.resolve(None) is None and manager.resolve("") is None
-    assert manager.resolve("auto") is None  # nothing to resume from yet
+    assert manager.usable(None) == [] and manager.usable("") == []
+    assert manager.usable("auto") == []  # nothing to resume from yet
     path = manager.save(3, model=model, optimizer=optimizer, extra={})
-    assert manager.resolve("auto") == path
-    assert manager.resolve(str(path)) == path
+    assert manager.usable("auto") == [path]
+    assert manager.usable(str(path)) == [path]
     with pytest.raises(CheckpointError, match="nowhere: it is not a folder"):
-        manager.resolve(str(tmp_path / "nowhere"))
+        manager.usable(str(tmp_path / "nowhere"))
     with pytest.raises(CheckpointError, match="COMPLETE"):
         manager.load(tmp_path / "nowhere", model=model, optimizer=optimizer)
 

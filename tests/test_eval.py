@@ -17,7 +17,8 @@ from PIL import Image
 from train.build import load_config
 from train.cli import find_weights
 from train.eval import eval_command, target
-from train.evaluation import _first_occurrences, paired_difference, read_scores, standard_error
+from train.evaluation import _first_occurrences, paired_difference, read_scores
+from train.stats import standard_error
 from train.trainer import run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from models import backbone_names, load_backbone
 from models.flux import FluxConditioning
-from samplers.rollout import ODE, draw_sde_window, group_noise, rollout, stochastic_steps, transition
+from samplers.rollout import ODE, draw_sde_window, group_noise, rollout, stochastic_flags, transition
 from samplers.sde import SDE, step
 from train.grpo import ppo_step_loss
 from train.jagg import backward_group
@@ -117,7 +117,7 @@ def test_sde_window_steps_and_ode_elsewhere():
     assert traj.num_transitions == 7 and rows.latents.shape == (2, 9, 2, 2, 4)
     assert rows.cond.prompt_embeds.flatten().tolist() == [2.0, 0.0] and rows.group_ids.tolist() == [2, 0]
     torch.testing.assert_close(rows.log_probs, traj.log_probs[[2, 0]])
-    assert not stochastic_steps(8, ODE, None).any()
+    assert not any(stochastic_flags(8, ODE, None))
 
 
 def test_draw_sde_window_covers_its_range():

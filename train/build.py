@@ -157,9 +157,9 @@ def preflight(cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, 
     if problem:
         raise ConfigError(f"run_dir={cfg.run_dir!r}: {problem}; pass a writable hydra.run.dir=<folder>")
     found = checkpoints.usable(cfg.resume)
-    if found and max_step is not None and checkpoints.step_of(found[0]) > max_step:
+    if found and max_step is not None and (step := checkpoints.step_of(found[0])) > max_step:
         raise ConfigError(
-            f"resume={cfg.resume}: checkpoint {found[0]} holds step {checkpoints.step_of(found[0])}, past "
+            f"resume={cfg.resume}: checkpoint {found[0]} holds step {step}, past "
             f"num_steps={max_step}: set num_steps to at least that to train on, or use a new run folder"
         )
     return found

@@ -168,7 +168,7 @@ class CheckpointManager:
         steps: dict[Path, int] = {}
         for path in self.root.iterdir():
             match = _STEP_DIR.match(path.name)
-            if match and (path / _MARKER).is_file():
+            if match and is_complete(path):
                 steps[path] = int(match.group(1))
         return sorted(steps, key=steps.__getitem__)
 
@@ -176,14 +176,6 @@ class CheckpointManager:
         """The newest complete checkpoint, or None."""
         found = self.complete()
         return found[-1] if found else None
-
-    def resolve(self, resume: str | None) -> Path | None:
-        """The checkpoint to resume from: None/"" -> none, "auto" -> the latest usable one (or none), else a path.
-
-        A collective: every rank gets the same answer (see ``usable``).
-        """
-        found = self.usable(resume)
-        return found[0] if found else None
 
     def usable(self, resume: str | None) -> list[Path]:
         """The checkpoints ``resume`` names whose files are whole, newest first; a collective.
@@ -339,7 +331,7 @@ class CheckpointManager:
         restored (a warning says so).
         """
         path = Path(path)
-        if not (path / _MARKER).is_file():
+        if not is_complete(path):
             raise CheckpointError(f"{path} is not a complete checkpoint (no {_MARKER} file)", damaged=True)
         local = self._read_rank_file(path)
         sharded_template, _ = _split_extra(extra_template or {})

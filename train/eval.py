@@ -28,7 +28,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from rewards.summary import before_after_sheet
+from rewards.summary import before_after_sheet, overall
 from train.build import (
     build_eval_scorers,
     build_for_eval,
@@ -41,8 +41,8 @@ from train.checkpoint import CheckpointManager
 from train.cli import Weights, find_weights, reported, run_hydra, setup, show_value
 from train.config import TrainConfig
 from train.errors import CheckpointError, ConfigError
-from train.evaluation import EvalResult, evaluate, paired_difference, standard_error
-from train.report import overall
+from train.evaluation import EvalResult, evaluate, paired_difference
+from train.stats import standard_error
 
 setup()
 PROG = "python -m train.eval"

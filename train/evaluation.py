@@ -34,13 +34,14 @@ from torch import Tensor
 
 from models.base import Backbone
 from rewards.base import Scorer
-from rewards.summary import MIN_TILE, image_grid, summarize
+from rewards.summary import MIN_TILE, image_grid, overall, summarize
 from samplers.rollout import Predict, group_noise, rollout
 from samplers.sde import SDE
 from train.config import TrainConfig
 from train.data import PromptRecord
 from train.distributed import DistInfo, all_gather_tensor
 from train.seeds import stream_seed
+from train.stats import standard_error
 
 
 def _sample(
@@ -77,15 +78,6 @@ class EvalResult:
         return [float(by_index[i]) for i in indices]
 
 
-def standard_error(values: Sequence[float]) -> float:
-    """Standard error of the mean, std (n - 1) / sqrt(n); NaN below two values."""
-    n = len(values)
-    if n < 2:
-        return math.nan
-    mean = sum(values) / n
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
-
-
 @torch.no_grad()
 def evaluate(
     backbone: Backbone,
@@ -112,7 +104,7 @@ def evaluate(
         images = _sample(backbone, predict, prompts, idx, cfg, device)
         for name, scorer in scorers.items():
             scores[name].append(scorer(images, prompts))
-        if len(grid_indices) < cfg.eval.grid_size:
+        if dist.is_main and len(grid_indices) < cfg.eval.grid_size:
             grid.append(images.cpu())
             grid_indices += idx
     # Every rank scored per_rank prompts (padded by repeating its last one): gather, then drop pads.
@@ -146,14 +138,14 @@ def evaluate(
 
 def _write(result: EvalResult, records: list[PromptRecord], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    overall = [name for name in result.summary if "/" not in name]  # not the per-category means
-    errors = {f"{name}_se": standard_error([row[name] for row in result.rows]) for name in overall}
+    means = list(overall(result.summary))
+    errors = {f"{name}_se": standard_error([row[name] for row in result.rows]) for name in means}
     (out / f"{result.tag}.json").write_text(
         json.dumps({"num_prompts": len(records), **result.summary, **errors}, indent=2) + "\n"
     )
     with open(out / f"{result.tag}.scores.jsonl", "w", encoding="utf-8") as file:
         file.writelines(json.dumps(row) + "\n" for row in result.rows)
-    metric = overall[0]
+    metric = means[0]
     labels = [
         f"#{i}  {value:.4f}\n{records[i].prompt}"
         for i, value in zip(result.indices, result.scores(metric, result.indices))

@@ -10,25 +10,20 @@ per step and per phase, and where everything was written.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rewards.summary import overall
+from train.comparison import PHASES
 from train.config import TrainConfig
 from train.evaluation import paired_difference, read_scores
 from train.logger import format_seconds
-
-PHASES = ("rollout", "reward", "update", "optimizer", "probe")
+from train.stats import median
 
 
 def eval_tag(step: int) -> str:
     """The trainer's evaluation of the policy after ``step`` training steps: ``eval/<tag>.*``."""
     return f"step_{step:08d}"
-
-
-def overall(summary: Mapping[str, float]) -> dict[str, float]:
-    """The means over all prompts (not the per-category ones, named ``<metric>/<category>``)."""
-    return {name: value for name, value in summary.items() if "/" not in name}
 
 
 def eval_line(step: int, summary: Mapping[str, float], first: Mapping[str, float] | None) -> str:
@@ -45,11 +40,11 @@ def _timing(history: Sequence[Mapping[str, float]]) -> str:
     if not steps:
         return "time per step: no step ran in this session"
     phases = []
-    for phase in PHASES:
+    for phase in PHASES[1:]:  # the step itself first, on its own
         values = [m[f"time/{phase}"] for m in history if f"time/{phase}" in m]
         if values:
-            phases.append(f"{phase} {statistics.median(values):.2f}s")
-    return f"time per step (median of {len(steps)}): {statistics.median(steps):.2f}s; per phase: " + ", ".join(phases)
+            phases.append(f"{phase} {median(values):.2f}s")
+    return f"time per step (median of {len(steps)}): {median(steps):.2f}s; per phase: " + ", ".join(phases)
 
 
 def _rewards(cfg: TrainConfig, history: Sequence[Mapping[str, float]]) -> list[str]:

@@ -49,6 +49,20 @@ class Estimate:
         return f"{self.mean:{sign}.{digits}f} ± {self.half_width:.{digits}f}"
 
 
+def sample_std(values: Sequence[float]) -> float:
+    """Standard deviation with n - 1; NaN below two values."""
+    n = len(values)
+    if n < 2:
+        return math.nan
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+
+
+def standard_error(values: Sequence[float]) -> float:
+    """Standard error of the mean, std (n - 1) / sqrt(n); NaN below two values."""
+    return sample_std(values) / math.sqrt(len(values)) if values else math.nan
+
+
 def estimate(values: Sequence[float]) -> Estimate:
     """Mean and 95% confidence interval of ``values`` (at least one finite number)."""
     values = [float(v) for v in values]
@@ -58,7 +72,7 @@ def estimate(values: Sequence[float]) -> Estimate:
     mean = sum(values) / n
     if n < 2:
         return Estimate(mean, math.nan, n, math.nan)
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    std = sample_std(values)
     return Estimate(mean, t975(n - 1) * std / math.sqrt(n), n, std)
 
 

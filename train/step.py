@@ -103,21 +103,20 @@ def sample_trajectories(
     sampler settings from ``noise`` [B, ...] and ``cond`` (B rows); the velocities kept in the compute
     dtype, in host memory with ``update.offload_velocities``."""
     s = run.cfg.sampler
-    with torch.no_grad():
-        return rollout(
-            policy_predictor(run) if predict is None else predict,
-            cond,
-            noise,
-            sigmas=sigmas,
-            sde=SDE(s.sde, eta=s.eta, noise_level=s.noise_level),
-            sde_window=sde_window,
-            quantize_timesteps=s.quantize_timesteps,
-            generator=sde_noise,
-            group_ids=group_ids,
-            keep_velocities=keep_velocities,
-            velocity_dtype=run.compute_dtype,  # the transformer's output precision: nothing is lost
-            velocity_device="cpu" if run.cfg.update.offload_velocities else None,
-        )
+    return rollout(
+        policy_predictor(run) if predict is None else predict,
+        cond,
+        noise,
+        sigmas=sigmas,
+        sde=SDE(s.sde, eta=s.eta, noise_level=s.noise_level),
+        sde_window=sde_window,
+        quantize_timesteps=s.quantize_timesteps,
+        generator=sde_noise,
+        group_ids=group_ids,
+        keep_velocities=keep_velocities,
+        velocity_dtype=run.compute_dtype,  # the transformer's output precision: nothing is lost
+        velocity_device="cpu" if run.cfg.update.offload_velocities else None,
+    )
 
 
 def decode_images(run: Run, traj: Trajectory) -> Tensor:

@@ -33,9 +33,10 @@ import torch
 from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from rewards.summary import before_after_sheet
+from rewards.summary import before_after_sheet, overall
 from train.build import (
     Run,
+    adamw_settings,
     build_eval_scorers,
     load_config,
     open_run,
@@ -51,7 +52,7 @@ from train.errors import CheckpointError, Preempted
 from train.evaluation import EvalResult, evaluate, read_scores
 from train.logger import Heartbeat, progress_bar
 from train.preemption import Preemption, sigterm_requests
-from train.report import eval_line, eval_tag, overall, run_summary
+from train.report import eval_line, eval_tag, run_summary
 from train.step import train_step
 
 log = logging.getLogger(__name__)
@@ -74,10 +75,8 @@ def _save(run: Run, step: int) -> Path:
 
 def _configured_optimizer(run: Run) -> None:
     """The optimizer state restores the checkpoint's hyperparameters; the configured ones win."""
-    g = run.cfg.grpo
-    wanted = {"lr": g.lr, "weight_decay": g.weight_decay, "betas": (g.betas[0], g.betas[1])}
     for group in run.optimizer.param_groups:
-        for key, value in wanted.items():
+        for key, value in adamw_settings(run.cfg).items():
             if group[key] != value:
                 log.warning("grpo.%s: the checkpoint has %s, training goes on with %s", key, group[key], value)
                 group[key] = value
