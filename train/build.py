@@ -80,7 +80,8 @@ def _missing(tree: Any, name: str = "") -> list[str]:
     return [key for child, value in children for key in _missing(value, child)]
 
 
-def _typed(cfg: DictConfig) -> TrainConfig:
+def typed_config(cfg: DictConfig) -> TrainConfig:
+    """The composed tree as the typed schema; ConfigError naming a ``???`` or unresolvable setting."""
     missing = _missing(OmegaConf.to_container(cfg, resolve=False))
     if missing:  # the experiment leaves them ??? (local paths the user must give)
         raise ConfigError(f"required settings have no value: {', '.join(missing)}; pass each as <key>=<value>")
@@ -96,7 +97,7 @@ def load_config(cfg: DictConfig) -> TrainConfig:
 
     An empty ``run_dir`` becomes Hydra's output folder of the job (``hydra.run.dir``, or the sweep job's folder).
     """
-    config = _typed(cfg)
+    config = typed_config(cfg)
     if not config.run_dir:
         if not HydraConfig.initialized():
             raise ConfigError("run_dir is not set and no Hydra command is running: pass run_dir=<folder>")

@@ -32,7 +32,6 @@ What they compose with:
 from __future__ import annotations
 
 import ast
-import difflib
 import inspect
 import io
 import json
@@ -55,7 +54,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from train import config as config_module
-from train.config import TrainConfig, register_schema
+from train.config import TrainConfig, register_schema, unknown_setting
 from train.errors import ConfigError, PathError, Stop
 
 DEBUG_ENV = "HYDRA_FULL_ERROR"  # Hydra's own switch for full tracebacks; it shows ours too
@@ -165,9 +164,7 @@ def hydra_message(err: Exception) -> str:
     schema = getattr(cause, "object_type", None)
     if "not in" in first and full_key and isinstance(schema, type) and is_dataclass(schema):
         parent, _, key = full_key.rpartition(".")
-        close = difflib.get_close_matches(key, [f.name for f in fields(schema)], n=1)
-        hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
-        return f"{full_key} is not a setting of {schema.__name__}{hint} (train/config.py)"
+        return unknown_setting(f"{parent}." if parent else "", key, schema)
     return f"{full_key}: {first}" if full_key else first
 
 

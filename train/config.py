@@ -295,6 +295,13 @@ def _check_finite(node: object, prefix: str) -> None:
         _check_finite(value, name)
 
 
+def unknown_setting(prefix: str, key: str, schema: type) -> str:
+    """The error for ``<prefix><key>``, which the dataclass ``schema`` does not declare, with the closest name."""
+    close = difflib.get_close_matches(key, sorted(f.name for f in fields(schema)), n=1)
+    hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+    return f"{prefix}{key} is not a setting of {schema.__name__}{hint} (train/config.py)"
+
+
 def _check_known_keys(node: object, prefix: str) -> None:
     """A key added with ``+group.key=value`` that no dataclass declares would be silently ignored: reject it."""
     if not is_dataclass(node):
@@ -302,9 +309,7 @@ def _check_known_keys(node: object, prefix: str) -> None:
     declared = {f.name for f in fields(node)}
     for key in vars(node):
         if key not in declared:
-            close = difflib.get_close_matches(key, sorted(declared), n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
-            raise ConfigError(f"{prefix}{key} is not a setting of {type(node).__name__}{hint} (train/config.py)")
+            raise ConfigError(unknown_setting(prefix, key, type(node)))
     for name in declared:
         _check_known_keys(getattr(node, name), f"{prefix}{name}.")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from rewards.summary import before_after_sheet, overall
+from rewards.summary import overall
 from train.build import (
     build_eval_scorers,
     build_for_eval,
@@ -41,7 +41,7 @@ from train.checkpoint import CheckpointManager
 from train.cli import Weights, find_weights, reported, run_hydra, setup, show_value
 from train.config import TrainConfig
 from train.errors import CheckpointError, ConfigError
-from train.evaluation import EvalResult, evaluate, paired_difference
+from train.evaluation import EvalResult, before_after, evaluate, paired_difference
 from train.stats import standard_error
 
 setup()
@@ -110,18 +110,9 @@ def _compare(before: EvalResult, after: EvalResult, prompts: list[str], out: Pat
     stem = f"{after.tag}_vs_pretrained"
     (out / f"{stem}.json").write_text(json.dumps([asdict(p) for p in paired], indent=2) + "\n")
     metric = paired[0].metric
-    sheet = before_after_sheet(
-        before.images,
-        after.images,
-        [prompts[i] for i in after.indices],
-        before_scores=before.scores(metric, before.indices),
-        after_scores=after.scores(metric, after.indices),
-        names=("pretrained", after.tag.removeprefix("eval_")),
-        indices=after.indices,
-        metric=metric,
-    )
-    sheet.save(out / f"{stem}.png")
-    return [p.line("pretrained", after.tag.removeprefix("eval_")) for p in paired]
+    names = ("pretrained", after.tag.removeprefix("eval_"))
+    before_after(before, after, [prompts[i] for i in after.indices], metric, names).save(out / f"{stem}.png")
+    return [p.line(*names) for p in paired]
 
 
 def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:

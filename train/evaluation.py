@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 from torch import Tensor
 
 from models.base import Backbone
 from rewards.base import Scorer
-from rewards.summary import MIN_TILE, image_grid, overall, summarize
+from rewards.summary import MIN_TILE, before_after_sheet, image_grid, overall, summarize
 from samplers.rollout import Predict, group_noise, rollout
 from samplers.sde import SDE
 from train.config import TrainConfig
@@ -152,6 +153,23 @@ def _write(result: EvalResult, records: list[PromptRecord], out: Path) -> None:
     ]
     title = f"{result.tag}: #prompt {metric} (mean over {len(records)} prompts {result.summary[metric]:.4f})"
     image_grid(result.images, labels=labels, title=title, min_tile=MIN_TILE).save(out / f"{result.tag}.png")
+
+
+def before_after(
+    before: EvalResult, after: EvalResult, prompts: Sequence[str], metric: str, names: tuple[str, str]
+) -> Image.Image:
+    """The sheet of ``after``'s grid beside ``before``'s (the same prompts and noise), ``metric`` under
+    each image; ``prompts`` are the grid's, in its order."""
+    return before_after_sheet(
+        before.images,
+        after.images,
+        list(prompts),
+        before_scores=before.scores(metric, before.indices),
+        after_scores=after.scores(metric, after.indices),
+        names=names,
+        indices=after.indices,
+        metric=metric,
+    )
 
 
 def read_scores(path: str | Path) -> list[dict[str, Any]]:

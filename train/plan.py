@@ -85,7 +85,7 @@ from models.registry import backbone_names, get_backbone_class
 from rewards.base import SCORER_NAMES
 from samplers.rollout import Predict, Trajectory, stochastic_flags, trainable_flags
 from samplers.schedule import shifted_sigmas
-from train.build import Run, adamw_settings, policy_predictor, reference_predictor, setup_trainable
+from train.build import Run, adamw_settings, policy_predictor, reference_predictor, setup_trainable, typed_config
 from train.cli import hydra_message, reported, setup
 from train.cli import report as report_error
 from train.config import TrainConfig, trainable_transitions, validate
@@ -122,10 +122,7 @@ def load_config(cfg: DictConfig) -> tuple[TrainConfig, bool]:
     model_path_given = not OmegaConf.is_missing(cfg.model, "path")
     cfg.run_dir = NOT_READ  # Hydra's output folder: compose() sets none, and the planner writes no run
     _fill_missing(cfg)
-    try:
-        config = cast(TrainConfig, OmegaConf.to_object(cfg))
-    except OmegaConfBaseException as err:  # e.g. an interpolation that does not resolve
-        raise ConfigError(str(err).splitlines()[0]) from None
+    config = typed_config(cfg)
     validate(config, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()), check_files=False)
     if config.update.routing != "prefix":
         raise ConfigError(

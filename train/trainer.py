@@ -33,7 +33,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from rewards.summary import before_after_sheet, overall
+from rewards.summary import overall
 from train.build import (
     Run,
     adamw_settings,
@@ -49,7 +49,7 @@ from train.checkpoint import export_model
 from train.config import TrainConfig
 from train.distributed import activity
 from train.errors import CheckpointError, Preempted
-from train.evaluation import EvalResult, evaluate, read_scores
+from train.evaluation import EvalResult, before_after, evaluate, read_scores
 from train.logger import Heartbeat, progress_bar
 from train.preemption import Preemption, sigterm_requests
 from train.report import eval_line, eval_tag, run_summary
@@ -188,16 +188,7 @@ def evaluate_and_report(run: Run, step: int) -> None:
 
 def _before_after(run: Run, before: EvalResult, after: EvalResult, prompts: list[str], metric: str, step: int) -> None:
     """``eval/before_after_<tag>.png``: the same prompts and noise at step 0 and after ``step`` steps."""
-    sheet = before_after_sheet(
-        before.images,
-        after.images,
-        prompts,
-        before_scores=before.scores(metric, before.indices),
-        after_scores=after.scores(metric, after.indices),
-        names=("step 0", f"step {step}"),
-        indices=after.indices,
-        metric=metric,
-    )
+    sheet = before_after(before, after, prompts, metric, ("step 0", f"step {step}"))
     path = Path(run.cfg.run_dir) / "eval" / f"before_after_{after.tag}.png"
     sheet.save(path)
     run.logger.log_wandb_images("eval/before_after", path, [f"step 0 | step {step}: {metric}"], step)
