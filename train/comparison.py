@@ -104,7 +104,8 @@ def _read_config(folder: Path) -> dict[str, Any]:
 def _from_wandb(run: WandbRun) -> RunMetrics:
     if not run.steps:
         raise ValueError(f"wandb run {run.source} has no logged step")
-    return RunMetrics(run.source, run.steps, flatten(run.config), run.name or run.run_id)
+    steps = {step: _numbers(values) for step, values in run.steps.items()}
+    return RunMetrics(run.source, steps, flatten(run.config), run.name or run.run_id)
 
 
 def _read_wandb(path: str) -> list[RunMetrics]:

@@ -35,16 +35,12 @@ class WandbRun:
     name: str = ""
     group: str = ""
     config: dict[str, Any] = field(default_factory=dict)  # nested, as the run was given it
-    steps: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> numeric values
+    steps: dict[int, dict[str, Any]] = field(default_factory=dict)  # step -> the values logged at it
 
 
-def numbers(row: dict[str, Any]) -> dict[str, float]:
-    """The numeric values of a row, without wandb's own keys (``_step``, ``_runtime``, ...)."""
-    return {
-        k: float(v)
-        for k, v in row.items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and not k.startswith("_")
-    }
+def logged(row: dict[str, Any]) -> dict[str, Any]:
+    """A row or configuration without wandb's own keys (``_step``, ``_runtime``, ``_wandb``, ...)."""
+    return {k: v for k, v in row.items() if not k.startswith("_")}
 
 
 def records(path: Path) -> Iterator[bytes]:
@@ -98,8 +94,8 @@ def read_offline_file(path: Path) -> WandbRun:
         elif kind == "config":
             run.config |= _items(record.config.update)
         elif kind == "history":
-            run.steps.setdefault(record.history.step.num, {}).update(numbers(_items(record.history.item)))
-    run.config.pop("_wandb", None)
+            run.steps.setdefault(record.history.step.num, {}).update(logged(_items(record.history.item)))
+    run.config = logged(run.config)
     if not run.run_id:
         raise ValueError(f"{path} holds no run record (the run did not start)")
     return run
@@ -157,9 +153,9 @@ def read_online(path: str) -> list[WandbRun]:
 
 
 def _online_run(project: str, run: Any) -> WandbRun:
-    steps: dict[int, dict[str, float]] = {}
+    steps: dict[int, dict[str, Any]] = {}
     for row in run.scan_history():
         if isinstance(row.get("_step"), int):
-            steps.setdefault(row["_step"], {}).update(numbers(row))
-    config = {k: v for k, v in dict(run.config).items() if not k.startswith("_")}
+            steps.setdefault(row["_step"], {}).update(logged(row))
+    config = logged(dict(run.config))
     return WandbRun(run.id, f"wandb:{project}/{run.id}", run.name, run.group or "", config, steps)
