@@ -24,7 +24,7 @@ from two_ranks import env, torchrun
 from models.base import decode_in_chunks
 from models.flux import FluxBackbone
 from models.registry import get_backbone_class
-from rewards.base import SCORER_NAMES
+from rewards.base import SCORER_NAMES, FrozenModelScorer, scorer_class
 from train.config import register_schema
 from train.distributed import parallelize
 from train.jagg import UPDATE_MODES, backward_group
@@ -34,7 +34,6 @@ from train.plan import (
     SCORER_ARCH,
     SHIPPED_ARCH,
     VIEW_WARNING,
-    WEIGHTLESS_SCORERS,
     build_component,
     build_run,
     expected_groups,
@@ -44,6 +43,7 @@ from train.plan import (
     load_config,
     plan,
     read_json,
+    scorer_module,
     update_variants,
 )
 
@@ -110,7 +110,10 @@ def test_frozen_models_are_counted_from_their_configs():
 
 
 def test_every_scorer_has_a_known_architecture():
-    assert set(SCORER_NAMES) == set(SCORER_ARCH) | set(WEIGHTLESS_SCORERS)
+    """Every scorer built around a frozen model has an architecture; the others weigh nothing."""
+    with_weights = {name for name in SCORER_NAMES if issubclass(scorer_class(name), FrozenModelScorer)}
+    assert with_weights == set(SCORER_ARCH)
+    assert all(scorer_module(name, {}) is None for name in set(SCORER_NAMES) - with_weights)
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,7 @@ Limits, by construction:
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import logging
 import math
@@ -82,7 +83,7 @@ import configs
 from models.base import Conditioning, parse_dtype
 from models.diffusers_backbone import DiffusersBackbone
 from models.registry import backbone_names, get_backbone_class
-from rewards.base import SCORER_NAMES
+from rewards.base import SCORER_NAMES, FrozenModelScorer, scorer_class
 from samplers.rollout import Predict, Trajectory, stochastic_flags, trainable_flags
 from samplers.schedule import shifted_sigmas
 from train.build import Run, adamw_settings, policy_predictor, reference_predictor, setup_trainable, typed_config
@@ -104,8 +105,6 @@ NOT_READ = "<not read by the planner>"  # stands in for the required paths the p
 # Model-based scorers: their architecture (a shipped CLIPModel config, or open_clip's own for HPSv2),
 # used unless the scorer's model_path folder holds a config.json. The other scorers hold no weights.
 SCORER_ARCH = {"clipscore": "clip-vit-large-patch14", "pickscore": "pickscore", "hpsv2": None}
-WEIGHTLESS_SCORERS = ("jpeg_compressibility", "jpeg_incompressibility", "shape_alignment")
-SCORER_DTYPE = "float32"  # the default dtype of every model-based scorer (rewards.base.FrozenModelScorer)
 PROG = "python -m train.plan"
 CPU = torch.device("cpu")  # the one device of every fake tensor
 VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
@@ -225,7 +224,7 @@ def backbone_frozen(cfg: TrainConfig, arch: Path) -> list[FrozenModel]:
 
 def scorer_module(name: str, args: dict[str, Any]) -> nn.Module | None:
     """The architecture of scorer ``name`` on the meta device (None for a scorer without weights)."""
-    if name in WEIGHTLESS_SCORERS:
+    if not issubclass(scorer_class(name), FrozenModelScorer):  # no weights (JPEG size, shape alignment)
         return None
     if name not in SCORER_ARCH:
         raise ConfigError(f"reward {name!r}: the planner does not know its architecture; known: {sorted(SCORER_ARCH)}")
@@ -239,7 +238,7 @@ def scorer_module(name: str, args: dict[str, Any]) -> nn.Module | None:
             previous = logging.root.manager.disable
             logging.disable(logging.WARNING)
             try:
-                return open_clip.create_model(register_arch(args.get("arch", "ViT-H-14")), device="meta")
+                return open_clip.create_model(register_arch(args.get("arch", _default(name, "arch"))), device="meta")
             finally:
                 logging.disable(previous)
         from transformers import CLIPModel
@@ -251,12 +250,17 @@ def scorer_module(name: str, args: dict[str, Any]) -> nn.Module | None:
         return build_component(CLIPModel, read_json(config))
 
 
+def _default(name: str, arg: str) -> Any:
+    """The default of scorer ``name``'s constructor argument ``arg``."""
+    return inspect.signature(scorer_class(name)).parameters[arg].default
+
+
 def scorers_frozen(role: str, scorers: dict[str, dict]) -> list[FrozenModel]:
     out = []
     for name, args in scorers.items():
         module = scorer_module(name, args)
         if module is not None:
-            dtype = parse_dtype(args.get("dtype", SCORER_DTYPE), field=f"{role}.{name}.dtype")
+            dtype = parse_dtype(args.get("dtype", _default(name, "dtype")), field=f"{role}.{name}.dtype")
             out.append(_frozen(role, name, module, dtype))
     return out
 
