@@ -81,6 +81,16 @@ def is_complete(path: str | Path) -> bool:
     return (Path(path) / _MARKER).is_file()
 
 
+def _marker(path: Path) -> dict[str, Any]:
+    """``{"step", "world_size"}`` from the marker of a checkpoint that passed ``problem``."""
+    return json.loads((path / _MARKER).read_text())
+
+
+def _rank_file(saved_world: int) -> str:
+    """This rank's file of a checkpoint saved by ``saved_world`` ranks: its own, or rank 0's when resharded."""
+    return f"rank{get_rank()}.pt" if saved_world == get_world_size() else "rank0.pt"
+
+
 def _split_extra(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a nested dict into (DTensor leaves, everything else), both keeping the nesting."""
     sharded: dict[str, Any] = {}
@@ -227,7 +237,7 @@ class CheckpointManager:
 
     def step_of(self, path: Path) -> int:
         """The step a checkpoint holds, from its marker (``problem`` found nothing wrong with it)."""
-        return int(json.loads((path / _MARKER).read_text())["step"])
+        return int(_marker(path)["step"])
 
     def _local_problem(self, path: Path) -> str | None:
         if not path.is_dir():
@@ -250,7 +260,7 @@ class CheckpointManager:
             problem = self._shard_problem(path)
             if problem:
                 return problem
-        name = "rank0.pt" if world != get_world_size() else f"rank{get_rank()}.pt"
+        name = _rank_file(world)
         try:  # memory-mapped: the check reads the pickled structure, not every tensor of the file
             local = torch.load(path / name, weights_only=False, mmap=True)
         except FileNotFoundError:
@@ -356,11 +366,10 @@ class CheckpointManager:
         return _merge(local["extra"], state.get("extra", {}))
 
     def _read_rank_file(self, path: Path) -> dict[str, Any]:
-        own = path / f"rank{get_rank()}.pt"
-        saved_world = json.loads((path / _MARKER).read_text())["world_size"]
+        saved_world = _marker(path)["world_size"]
         resharded = saved_world != get_world_size()
         # weights_only=False: the file is written by save() above and holds numpy RNG state.
-        local = torch.load(path / "rank0.pt" if resharded else own, weights_only=False)
+        local = torch.load(path / _rank_file(saved_world), weights_only=False)
         if resharded:
             warnings.warn(
                 f"checkpoint {path} was saved with world size {saved_world}, now {get_world_size()}: "
