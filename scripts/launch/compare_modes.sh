@@ -15,18 +15,13 @@ group="${GROUP:-$experiment-cmp-$(date +%Y%m%d-%H%M%S)}"
 out_dir="${OUT_DIR:-runs/$experiment/$group}"
 read -r -a modes <<< "${MODES:-exact jagg ablate}"
 read -r -a seeds <<< "${SEEDS:-}"
+(( ${#seeds[@]} )) || seeds=("")  # no SEEDS: each mode once, with the experiment's own seed
 run_dirs=()
-if (( ${#seeds[@]} == 0 )); then
+for seed in "${seeds[@]}"; do
     for mode in "${modes[@]}"; do
-        launch train "$experiment" "$out_dir/$mode" "update=$mode" "logging.group=$group" "$@"
-        run_dirs+=("$out_dir/$mode")
+        run_dir="$out_dir/$mode${seed:+_s$seed}"
+        launch train "$experiment" "$run_dir" "update=$mode" ${seed:+"seed=$seed"} "logging.group=$group" "$@"
+        run_dirs+=("$run_dir")
     done
-else
-    for seed in "${seeds[@]}"; do
-        for mode in "${modes[@]}"; do
-            launch train "$experiment" "$out_dir/${mode}_s$seed" "update=$mode" "seed=$seed" "logging.group=$group" "$@"
-            run_dirs+=("$out_dir/${mode}_s$seed")
-        done
-    done
-fi
+done
 run_cmd "${PYTHON:-python}" -m train.compare "${run_dirs[@]}" --out "$out_dir/compare"
