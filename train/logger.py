@@ -50,11 +50,14 @@ WANDB_ID_FILE = "wandb_run_id"
 log = logging.getLogger(__name__)
 
 
-def last_wall_time(path: Path) -> float:
-    """``wall_time`` of the last readable record of a metrics.jsonl; 0 when there is none."""
-    if not path.is_file():
-        return 0.0
-    for line in reversed(path.read_text(encoding="utf-8").splitlines()):
+def read_lines(path: Path) -> list[str]:
+    """The lines of a metrics.jsonl, ends kept; none when there is no file."""
+    return path.read_text(encoding="utf-8").splitlines(keepends=True) if path.is_file() else []
+
+
+def last_wall_time(lines: list[str]) -> float:
+    """``wall_time`` of the last readable record among a metrics.jsonl's lines; 0 when there is none."""
+    for line in reversed(lines):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:  # a line cut short by a crash
@@ -103,7 +106,7 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if config is not None:  # what ran, next to what it logged (train.compare labels runs from it)
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dict(config)), encoding="utf-8")
-        self._start -= last_wall_time(self.metrics_path)
+        self._start -= last_wall_time(read_lines(self.metrics_path))
         if wandb_mode != "disabled":
             self._guard(
                 self._init_wandb,
@@ -183,13 +186,13 @@ class RunLogger:
             self._file.close()
             self._file = None
         path = self.metrics_path
-        lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.is_file() else []
+        lines = read_lines(path)
         kept = [line for line in lines if _logged_before(line, step)]
         if len(kept) != len(lines):
             tmp = Path(f"{path}.tmp")
             tmp.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept), encoding="utf-8")
             os.replace(tmp, path)
-        self._start = time.time() - last_wall_time(path)  # the replayed steps' time is not counted twice
+        self._start = time.time() - last_wall_time(kept)  # the replayed steps' time is not counted twice
         return len(lines) - len(kept)
 
     def log_images(
