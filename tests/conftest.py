@@ -28,3 +28,11 @@ def tiny_dir(tmp_path_factory) -> Callable[[str], Path]:
 def tiny_flux_dir(tiny_dir) -> Path:
     """The tiny Flux pipeline: the backbone of experiment=tiny, which the trainer tests run."""
     return tiny_dir("flux")
+
+
+@pytest.fixture(scope="session")
+def tiny_clip_dir(tmp_path_factory) -> Path:
+    """A tiny random CLIPModel with its processor (rewards/tiny.py), for a reward that is smooth in the images."""
+    from rewards.tiny import save_tiny_clip
+
+    return save_tiny_clip(tmp_path_factory.mktemp("clip"), seed=0)
