@@ -28,10 +28,10 @@ setup(
     entry_points={
         "console_scripts": [
             "jagg-train=train.__main__:command",
-            "jagg-eval=train.eval:command",
-            "jagg-compare=train.compare:main",
-            "jagg-probe=train.grad_quality:command",
-            "jagg-plan=train.plan:command",
+            "jagg-eval=train.eval.command:command",
+            "jagg-compare=train.compare.command:main",
+            "jagg-probe=train.probe.command:command",
+            "jagg-plan=train.plan.command:command",
         ]
     },
 )

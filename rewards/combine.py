@@ -1,7 +1,7 @@
 """Several named rewards with weights, combined in one of two ways.
 
 With components k = 1..K, weights w_k, raw scores s_k [B] and a group advantage function A
-(the trainer's, e.g. ``train.grpo.group_advantages``; ``rewards/`` never imports ``train/``):
+(the trainer's, e.g. ``train.algorithm.grpo.group_advantages``; ``rewards/`` never imports ``train/``):
 
     mode="sum"        r = sum_k w_k s_k              (the paper's HPSv2.1 : CLIPScore = 1 : 1;
                                                       advantages are then A(r))

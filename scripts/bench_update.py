@@ -30,8 +30,8 @@ import torch
 from models.flux import TINY, tiny_transformer
 from samplers.schedule import shifted_sigmas
 from samplers.sde import SDE, step
-from train.grpo import ppo_step_loss
-from train.jagg import MIDDLE_MODES, UPDATE_MODES, backward_group
+from train.algorithm.grpo import ppo_step_loss
+from train.algorithm.jagg import MIDDLE_MODES, UPDATE_MODES, backward_group
 
 IMAGE_TOKENS, TEXT_TOKENS = 256, 32
 TEXT_WIDTH, LATENT_WIDTH = int(TINY["small"]["text_width"]), 4 * int(TINY["small"]["latent_channels"])  # packed 2x2

@@ -1,8 +1,12 @@
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+# the tests' shared modules (tiny models, the two-rank launcher) and the scripts torchrun starts
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
 @pytest.fixture

@@ -2,13 +2,13 @@
 the console, and the weights ``train.eval`` is pointed at.
 
 How every command ends: a user's mistake in one line, a bug with its traceback. The commands
-(``python -m train``, ``train.eval``, ``train.grad_quality``, ``train.compare``, ``train.plan`` and their
+(``python -m train``, ``train.eval``, ``train.probe``, ``train.compare``, ``train.plan`` and their
 console scripts ``jagg-train``, ``jagg-eval``, ``jagg-probe``, ``jagg-compare``, ``jagg-plan``) share this:
 
 * ``run_hydra(main, prog=...)`` runs a ``@hydra.main`` function. Hydra's own errors while it composes
   the settings (an unknown key, a value of the wrong type, an unknown option of a group, an override
   it cannot parse) and a run folder it cannot create become one line and exit status 2.
-* ``reported(prog)`` wraps the body of the task: a ``Stop`` (train/errors.py: a setting, a path, a
+* ``reported(prog)`` wraps the body of the task: a ``Stop`` (train/components/errors.py: a setting, a path, a
   file, a checkpoint, SIGTERM) prints ``<prog>: error: <message>`` and exits with its status (2 for a
   user error); a collective that timed out or lost a peer prints which one, from where, and exits 1.
 * ``report(err, prog)`` prints the line and returns the status, for commands that return it.
@@ -22,7 +22,7 @@ What they compose with:
 * ``setup()``, called at import by every Hydra entry point, registers the typed schema and the
   resolvers below.
 * ``${jagg_fields:}`` (in ``hydra.help.template``, configs/train.yaml): every field of the schema with its
-  current value and the comment that documents it in train/config.py, so ``--help`` needs no second copy.
+  current value and the comment that documents it in train/components/config.py, so ``--help`` needs no second copy.
 * ``${jagg_eval_dir:...}`` (configs/eval.yaml): Hydra's folder of ``python -m train.eval``, inside the
   evaluated run, so its config and log sit beside its results.
 * ``ConsoleFormatter`` (configs/hydra/job_logging/console.yaml): INFO lines as they are, other levels
@@ -45,7 +45,6 @@ import typing
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, is_dataclass
-from pathlib import Path
 from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
@@ -53,9 +52,9 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from train import config as config_module
-from train.config import TrainConfig, register_schema, unknown_setting
-from train.errors import ConfigError, PathError, Stop
+from train.components import config as config_module
+from train.components.config import TrainConfig, register_schema, unknown_setting
+from train.components.errors import ConfigError, Stop
 
 DEBUG_ENV = "HYDRA_FULL_ERROR"  # Hydra's own switch for full tracebacks; it shows ours too
 # What gloo raises when a peer does not answer within the timeout or has gone away.
@@ -63,7 +62,7 @@ _COLLECTIVE_FAILURES = (
     (re.compile(r"Timed out|timed out|Timeout"), "timed out after {timeout}"),
     (re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe"), "lost its peer"),
 )
-# Frames of torch.distributed and of train/distributed.py whose function names say which collective ran.
+# Frames of torch.distributed and of train/distributed/ whose function names say which collective ran.
 _COLLECTIVE_NAMES = re.compile(r"all_gather|all_reduce|reduce_scatter|broadcast|barrier|gather|scatter|all_to_all")
 
 
@@ -104,7 +103,7 @@ def collective_failure(err: BaseException) -> str | None:
     """One line for a collective that timed out or lost its peer (gloo raises a bare RuntimeError), else None.
 
     The collective is read from the traceback: the innermost frame of torch.distributed or
-    train/distributed.py named after one, and the innermost frame of this project that called it.
+    train/distributed/ named after one, and the innermost frame of this project that called it.
     """
     frames = traceback.extract_tb(err.__traceback__)
     if not any("torch/distributed" in frame.filename for frame in frames):
@@ -115,13 +114,15 @@ def collective_failure(err: BaseException) -> str | None:
         return None
     collective, caller = "a collective", None
     for frame in reversed(frames):
-        in_dist = "torch/distributed" in frame.filename or frame.filename.endswith("train/distributed.py")
+        in_dist = "torch/distributed" in frame.filename or frame.filename.endswith("train/distributed/")
         if collective == "a collective" and in_dist and _COLLECTIVE_NAMES.search(frame.name):
             collective = f"the collective {frame.name}"
         project = any(f"/{p}/" in frame.filename for p in ("train", "models", "samplers", "rewards"))
-        if caller is None and project and not frame.filename.endswith("train/distributed.py"):
+        if caller is None and project and not frame.filename.endswith("train/distributed/"):
             caller = f"{'/'.join(frame.filename.split('/')[-2:])}:{frame.lineno} in {frame.name}"
-    from train.distributed import collective_context  # torch: not for commands that never start a process group
+    from train.distributed.collectives import (
+        collective_context,  # torch: not for commands that never start a process group
+    )
 
     activity, timeout_s = collective_context()
     timeout = f"{timeout_s:g} s (dist.timeout_s)" if timeout_s else "its timeout"
@@ -219,7 +220,7 @@ def _comments(source: str) -> dict[int, str]:
 
 
 def field_docs() -> dict[str, str]:
-    """Dotted key of every schema field -> its documenting comment in train/config.py.
+    """Dotted key of every schema field -> its documenting comment in train/components/config.py.
 
     A field's comment is the one at the end of its line, else the comment lines right above it.
     """
@@ -282,59 +283,16 @@ def fields_help(root: DictConfig) -> str:
     return text.replace("$", "$$")  # Hydra fills the template with string.Template: a literal $ is $$
 
 
-@dataclass(frozen=True)
-class Weights:
-    """Trained weights that ``python -m train.eval`` can load, found from a path on its command line."""
-
-    kind: str  # "checkpoint" (a step_XXXXXXXX folder), "export" (save_pretrained) or "lora_export"
-    path: Path
-    run_dir: Path | None  # the run folder that wrote them (holds metrics.jsonl or .hydra/), when recognisable
-    tag: str  # names the evaluation's files: "step_00000060" or "export"
-
-
-def _run_folder(path: Path) -> Path | None:
-    return path if (path / "metrics.jsonl").is_file() or (path / ".hydra").is_dir() else None
-
-
-def find_weights(value: str, field: str) -> Weights:
-    """What ``value`` (``eval.transformer`` or ``resume``) points at: an export, a checkpoint, or a run folder
-    (its export, else its latest complete checkpoint). Raises PathError naming ``field`` and the fix."""
-    # imported here: diffusers loads only when weights are asked for, not for --help
-    from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
-
-    from train.checkpoint import CheckpointManager, is_complete
-
-    path = Path(value)
-    accepted = "an export folder (<run>/export), a checkpoint folder (<run>/checkpoints/step_XXXXXXXX) or a run folder"
-    if not path.exists():
-        raise PathError(f"{field}={value!r} does not exist; pass {accepted}")
-    if is_complete(path):
-        run = _run_folder(path.parent.parent) if path.parent.name == "checkpoints" else None
-        return Weights("checkpoint", path, run, path.name)
-    if (path / "config.json").is_file() or (path / LORA_WEIGHT_NAME_SAFE).is_file():
-        kind = "export" if (path / "config.json").is_file() else "lora_export"
-        return Weights(kind, path, _run_folder(path.parent), "export")
-    if path.parent.name == "checkpoints" or path.name.endswith(".tmp"):
-        raise PathError(
-            f"{field}={value!r} is not a complete checkpoint (no COMPLETE marker: its save was interrupted); "
-            f"pick another folder of {path.parent}"
-        )
-    if (path / "export").is_dir():
-        return find_weights(str(path / "export"), field)
-    latest = CheckpointManager(path).latest()
-    if latest is not None:
-        return find_weights(str(latest), field)
-    raise PathError(f"{field}={value!r} holds no trained weights; pass {accepted}")
-
-
 def eval_output_dir(transformer: str | None, resume: str | None, default: str) -> str:
     """Hydra's folder for ``python -m train.eval``: ``<evaluated run>/eval``, else ``default``.
 
-    A path that names no weights also gives ``default``: train/eval.py then says what is wrong with it.
+    A path that names no weights also gives ``default``: train/eval/command.py then says what is wrong with it.
     """
     value = transformer or (resume if resume != "auto" else None)
     if not value:
         return default
+    from train.components.checkpoint import find_weights  # torch and diffusers: only when a path is given
+
     try:
         run = find_weights(value, "eval.transformer").run_dir
     except FileNotFoundError:

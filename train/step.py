@@ -1,12 +1,12 @@
 """One training step, phase by phase: rollout -> decode and score -> advantages -> update -> optimizer.
 
 On each rank:
-  1. draw ``prompts_per_rank`` prompts (train/data.py); each is a group of G samples on this rank
+  1. draw ``prompts_per_rank`` prompts (train/components/data.py); each is a group of G samples on this rank
      that starts from one initial noise drawn from the stream (seed, "initial_noise", group id);
   2. roll out the N-step trajectory without gradients (SDE or Flow-GRPO-Fast window);
   3. decode, score every reward component, combine, and take group advantages;
-  4. update: the router (train/routing.py) may measure first; then micro-batches through
-     train/update.py (exact or JAGG per group), one optimizer step per
+  4. update: the router (train/algorithm/routing.py) may measure first; then micro-batches through
+     train/algorithm/update.py (exact or JAGG per group), one optimizer step per
      ``gradient_accumulation_steps`` samples, after clipping the global gradient norm.
 
 The rollout keeps its velocities when the JAGG path can reuse them (``update.reuse_velocities``):
@@ -30,12 +30,13 @@ from models.base import Conditioning, decode_in_chunks
 from rewards.combine import AdvantageFn, NonFiniteRewardError
 from samplers.rollout import Predict, Trajectory, draw_sde_window, rollout
 from samplers.sde import SDE
-from train.build import Run, policy_predictor, reference_predictor
-from train.distributed import all_gather_tensor, all_reduce_sum, clip_grad_norm_
-from train.grpo import group_advantages
-from train.logger import PhaseTimer
-from train.seeds import stream_generator
-from train.update import UpdateBatch, UpdateSettings, UpdateStats, update_micro_batch
+from train.algorithm.grpo import group_advantages
+from train.algorithm.update import UpdateBatch, UpdateStats, update_micro_batch
+from train.components.build import Run, policy_predictor, reference_predictor, update_settings
+from train.components.logger import PhaseTimer
+from train.distributed.collectives import all_gather_tensor, all_reduce_sum
+from train.distributed.parallelize import clip_grad_norm_
+from train.distributed.seeds import stream_generator
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -
     sigmas = backbone.sigmas(s.num_steps, height=cfg.model.height, width=cfg.model.width, shift=s.shift)
     # SDE noise per group, from (seed, group id): the same samples however groups spread over ranks.
     sde_noise = [stream_generator(cfg.seed, "sde_noise", gid, device) for gid in batch.group_ids]
-    keep = UpdateSettings.from_config(cfg).keeps_velocities if keep_velocities is None else keep_velocities
+    keep = update_settings(cfg).keeps_velocities if keep_velocities is None else keep_velocities
     with torch.no_grad():
         cond = backbone.encode(batch.prompts).repeat(size)
     traj = sample_trajectories(
@@ -198,7 +199,7 @@ def update_phase(run: Run, traj: Trajectory, advantages: Tensor, step: int, time
         advantages=advantages,
         predict=policy_predictor(run),
         reference=reference_predictor(run),
-        settings=UpdateSettings.from_config(run.cfg),
+        settings=update_settings(run.cfg),
     )
     routing: dict[str, float] = {}
     if run.router.due(step):  # it measures on the step's own rollout, before any gradient exists

@@ -1,5 +1,5 @@
 """The GRPO training loop: resume, then train steps (train/step.py), evaluation and checkpoints on
-their own cadences, the export, and the summary (train/report.py) at the end.
+their own cadences, the export, and the summary (train/components/summary.py) at the end.
 
 The console (and the run folder's log file) shows a progress bar or, without it, a heartbeat line;
 a line per evaluation; and the summary. Evaluation runs before training, every
@@ -7,14 +7,14 @@ a line per evaluation; and the summary. Evaluation runs before training, every
 before/after sheet (``eval/before_after_<tag>.png``) of the same prompts and noise.
 
 Departures from the reference trainers, on purpose: every random draw comes from its own stream
-of (seed, purpose, index) (train/seeds.py): a group's SDE noise from its group id, the training
+of (seed, purpose, index) (train/distributed/seeds.py): a group's SDE noise from its group id, the training
 plan from the step, LoRA's initialisation from the seed alone, so a resumed run replays exactly
 and a step does not depend on how its groups are spread over ranks;
 a NaN reward or a non-finite gradient skips the update (all ranks together) instead of
 corrupting the weights.
 
 Faults of a cluster: SIGTERM (a scheduler's notice) makes every rank stop after the same step,
-write a checkpoint and exit with ``Preempted`` (train/preemption.py); ``resume=auto`` then replays
+write a checkpoint and exit with ``Preempted`` (train/distributed/preemption.py); ``resume=auto`` then replays
 from it bit for bit, with the rows of replayed steps dropped from metrics.jsonl, and falls back to
 the previous checkpoint when the latest is damaged. The last step is always checkpointed.
 """
@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from rewards.summary import overall
-from train.build import (
+from train.components.build import (
     Run,
     adamw_settings,
     build_eval_scorers,
@@ -45,14 +45,14 @@ from train.build import (
     read_eval_prompts,
     read_heldout_prompts,
 )
-from train.checkpoint import export_model
-from train.config import TrainConfig
-from train.distributed import activity
-from train.errors import CheckpointError, Preempted
-from train.evaluation import EvalResult, before_after, evaluate, read_scores
-from train.logger import Heartbeat, progress_bar
-from train.preemption import Preemption, sigterm_requests
-from train.report import eval_line, eval_tag, run_summary
+from train.components.checkpoint import export_model
+from train.components.config import TrainConfig
+from train.components.errors import CheckpointError, Preempted
+from train.components.evaluation import EvalResult, before_after, evaluate, read_scores
+from train.components.logger import Heartbeat, progress_bar
+from train.components.summary import eval_line, eval_tag, run_summary
+from train.distributed.collectives import activity
+from train.distributed.preemption import Preemption, sigterm_requests
 from train.step import train_step
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def resume(run: Run) -> int:
 
 
 def run_eval(run: Run, step: int, *, heldout: bool = False) -> EvalResult:
-    """The evaluation protocol of train/evaluation.py on all ranks, with the EMA weights when kept, on
+    """The evaluation protocol of train/components/evaluation.py on all ranks, with the EMA weights when kept, on
     the evaluation prompts or (``heldout``) on data.heldout_prompts."""
     if run.eval_records is None or run.heldout_records is None or run.eval_scorers is None:
         run.eval_records = read_eval_prompts(run.cfg)

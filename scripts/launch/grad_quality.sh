@@ -8,4 +8,4 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 [[ $# -ge 1 ]] || die "usage: $0 EXPERIMENT [hydra overrides...]"
 experiment="$1"
 shift
-launch train.grad_quality "$experiment" "${RUN_DIR:-runs/$experiment/grad_quality/$(date +%Y-%m-%d_%H-%M-%S)}" "$@"
+launch train.probe "$experiment" "${RUN_DIR:-runs/$experiment/grad_quality/$(date +%Y-%m-%d_%H-%M-%S)}" "$@"

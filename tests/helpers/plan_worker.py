@@ -1,0 +1,42 @@
+"""Worker of tests/test_plan.py: ``torchrun --nproc_per_node 2 plan_worker.py OUT OVERRIDES...``.
+
+Runs the planner's phases of one training step with real tensors on a real 2-rank gloo group,
+built and traced by the same functions ``python -m train.plan`` uses on fake tensors, and writes
+rank 0's traced peaks (bytes, frozen models excluded) to ``OUT/real_peaks.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_module
+
+from train.components.config import register_schema
+from train.distributed.collectives import init_distributed, shutdown
+from train.plan.command import VIEW_WARNING, arch_folder, build_run, expected_groups, load_config, trace_step
+
+
+def main(out: Path, overrides: list[str]) -> None:
+    register_schema()
+    with initialize_config_module(config_module="configs", version_base=None):
+        cfg, model_path_given = load_config(compose(config_name="train", overrides=overrides))
+    dist = init_distributed(backend="gloo")
+    try:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=VIEW_WARNING)
+            run = build_run(cfg, arch_folder(cfg, model_path_given))
+            traced = trace_step(run, expected_groups(cfg))
+        peaks = {p.name: p.peak_bytes for p in traced.phases + traced.updates}
+        if dist.is_main:
+            (out / "real_peaks.json").write_text(json.dumps(peaks))
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])

@@ -1,0 +1,57 @@
+"""Worker of the 2-rank SIGTERM test of tests/test_reliability.py: ``torchrun --nproc_per_node 2 THIS CASES``.
+
+CASES is a JSON file {name: {"overrides": [...], "sigterm": {"rank": r, "step": k}}}; the cases train in
+turn in one process group, through the library the trainer's entry point uses. With "sigterm", rank r
+sends itself SIGTERM during training step k, as a scheduler signalling one node would. Rank 0 writes
+``outcome.json`` beside CASES: per case, how each rank's run ended ("done" or the exception's name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_module
+
+import train.trainer as trainer
+from train.components.build import load_config, open_run, process_group
+from train.components.config import register_schema
+from train.components.errors import Preempted
+from train.distributed.collectives import gather_objects
+
+
+def main() -> None:
+    cases_file = Path(sys.argv[1])
+    cases = json.loads(cases_file.read_text())
+    register_schema()
+    real_step = trainer.train_step
+    outcome = {}
+    with process_group() as dist:
+        for name, case in cases.items():
+            with initialize_config_module(config_module="configs", version_base=None):
+                cfg = compose(config_name="train", overrides=case["overrides"])
+            sigterm = case.get("sigterm")
+
+            def step(run, k, sigterm=sigterm):
+                out = real_step(run, k)
+                if sigterm and dist.rank == sigterm["rank"] and k == sigterm["step"]:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return out
+
+            trainer.train_step = step
+            try:
+                with open_run(load_config(cfg), dist) as run:
+                    trainer.fit(run)
+                ended = "done"
+            except Preempted:
+                ended = "Preempted"
+            outcome[name] = dict(enumerate(gather_objects(ended)))
+    if dist.is_main:
+        (cases_file.parent / "outcome.json").write_text(json.dumps(outcome))
+
+
+if __name__ == "__main__":
+    main()

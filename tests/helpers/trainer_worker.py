@@ -1,0 +1,33 @@
+"""Worker of tests/test_trainer.py's multi-rank test, run as ``torchrun --nproc_per_node 2 trainer_worker.py CASES``.
+
+CASES is a JSON file {name: [Hydra overrides]}; every case trains in turn in one process group (one
+torchrun start-up for all of them), through the library the trainer's entry point uses
+(train.components.build.open_run, then train.trainer.fit), each into the run_dir its overrides name.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_module
+
+from train.components.build import load_config, open_run, process_group
+from train.components.config import register_schema
+from train.trainer import fit
+
+
+def main() -> None:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    register_schema()
+    with process_group() as dist:
+        for overrides in cases.values():
+            with initialize_config_module(config_module="configs", version_base=None):
+                cfg = compose(config_name="train", overrides=overrides)
+            with open_run(load_config(cfg), dist) as run:
+                fit(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Two local gloo ranks for the multi-process tests: a free port and torchrun's command line."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HELPERS = Path(__file__).resolve().parent  # the worker scripts and their modules
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(*args: str) -> list[str]:
+    """``python -m torch.distributed.run`` with 2 processes on a free port, then ``args``."""
+    port = str(free_port())
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, *args]
+
+
+def env() -> dict[str, str]:
+    """One thread per rank (2 ranks share 2 cores), no model hub, the repository importable."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{HELPERS}"}
+
+
+def run_torchrun(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``torchrun(*args)`` from the repository root and capture its output."""
+    return subprocess.run(torchrun(*args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)

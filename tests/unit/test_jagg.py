@@ -1,0 +1,372 @@
+"""The four update paths against independently computed gradients, in float64.
+
+Each test builds the real per-step GRPO loss of a group (SDE log-prob of a stored transition, PPO
+clip) and compares ``backward_group``'s accumulated ``.grad`` with a formula evaluated with
+``torch.func`` Jacobians, never with the code under test.
+"""
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev
+
+from samplers.schedule import shifted_sigmas
+from samplers.sde import SDE, step
+from train.algorithm.groups import prefix_path, route_groups, split_groups
+from train.algorithm.grpo import ppo_step_loss
+from train.algorithm.jagg import (
+    UPDATE_MODES,
+    aggregate,
+    backward_group,
+    interpolation_weights,
+)
+
+pytestmark = pytest.mark.usefixtures("float64")
+B, D = 3, 6
+SDE_ = SDE("dance", eta=0.7)
+
+
+class LinearInZT(nn.Module):
+    """v = A(theta) z + b(theta) t + c(theta): nonlinear in theta, linear in (z, t)."""
+
+    def __init__(self):
+        super().__init__()
+        self.p1, self.p2 = nn.Parameter(torch.randn(D, D)), nn.Parameter(torch.randn(D, D))
+        self.q, self.r = nn.Parameter(torch.randn(D)), nn.Parameter(torch.randn(D))
+
+    def forward(self, z, t):
+        a = 0.3 * torch.tanh(self.p1) @ self.p2
+        return z @ a.T + t[:, None] * torch.sin(self.q) * self.q + self.r**3
+
+
+class MLP(nn.Module):
+    """Nonlinear in z, t and theta."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(D + 1, 16), nn.Tanh(), nn.Linear(16, 16), nn.SiLU(), nn.Linear(16, D))
+
+    def forward(self, z, t):
+        return self.net(torch.cat([z, t[:, None]], dim=1))
+
+
+def make_group(model, width, *, start=4, affine_path=False, seed=0, clip_range=10.0, advantages=None):
+    """z [W] latents, t [W] timesteps and the GRPO step_loss(j, v) -> (loss, metrics) of a group of transitions."""
+    g = torch.Generator().manual_seed(seed)
+    sigmas = shifted_sigmas(20, 3.0)[start : start + width + 1]  # non-uniform (shift 3)
+    t = sigmas[:-1].clone()
+    z = [torch.randn(B, D, generator=g) for _ in range(width)]
+    if affine_path:
+        alpha = interpolation_weights(t)
+        z = [z[0] + a * (z[-1] - z[0]) for a in alpha]
+    adv = torch.randn(B, generator=g) if advantages is None else advantages
+    next_z, old = [], []
+    with torch.no_grad():
+        for j in range(width):
+            out = step(SDE_, model(z[j], t[j].expand(B)), z[j], sigmas[j], sigmas[j + 1], generator=g)
+            next_z.append(out.next_z)
+            old.append(out.log_prob + 0.01 * torch.randn(B, generator=g))  # ratios != 1
+
+    def step_loss(j, v):
+        logp = step(SDE_, v, z[j], sigmas[j], sigmas[j + 1], next_z=next_z[j]).log_prob
+        return ppo_step_loss(logp, old[j], adv, clip_range=clip_range)
+
+    return z, t, step_loss
+
+
+def grads_of(model, mode, z, t, step_loss):
+    model.zero_grad(set_to_none=True)
+    stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t)
+    return torch.cat([p.grad.flatten() for p in model.parameters()]), stats
+
+
+def jacobian_terms(model, z, t, step_loss):
+    """[J_j^T s_j for each j] computed with torch.func, flattened over all parameters."""
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    terms = []
+    for j, (z_j, t_j) in enumerate(zip(z, t)):
+        t_rows = t_j.expand(B)
+        v = model(z_j, t_rows).detach().requires_grad_(True)
+        (s_j,) = torch.autograd.grad(step_loss(j, v)[0], v)
+        jac = jacrev(lambda p, z_j=z_j, t_rows=t_rows: functional_call(model, p, (z_j, t_rows)))(params)
+        terms.append(torch.cat([torch.einsum("bd,bd...->...", s_j, jac[k]).flatten() for k in params]))
+    return terms
+
+
+@pytest.mark.parametrize("width", [3, 4, 5])
+def test_theorem_1_jagg_exact_for_linear_velocity(width):
+    torch.manual_seed(0)
+    model = LinearInZT()
+    z, t, step_loss = make_group(model, width, affine_path=True)
+    exact, _ = grads_of(model, "exact", z, t, step_loss)
+    for mode in ("jagg", "jagg_sequential"):
+        approx, _ = grads_of(model, mode, z, t, step_loss)
+        torch.testing.assert_close(approx, exact, rtol=1e-10, atol=1e-12)
+    # The premise matters: off the affine path JAGG is only an approximation.
+    z_off, t_off, loss_off = make_group(model, width, affine_path=False, seed=1)
+    exact_off, _ = grads_of(model, "exact", z_off, t_off, loss_off)
+    jagg_off, _ = grads_of(model, "jagg", z_off, t_off, loss_off)
+    assert (jagg_off - exact_off).abs().max() > 1e-4
+
+
+def test_each_mode_equals_its_formula_on_nonlinear_network():
+    torch.manual_seed(1)
+    model, width = MLP(), 4
+    z, t, step_loss = make_group(model, width)
+    terms = jacobian_terms(model, z, t, step_loss)
+    # J_0^T s_base + J_{W-1}^T s_corr: the s_j enter through their endpoint Jacobians.
+    alpha = interpolation_weights(t)
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    s = []
+    for j in range(width):
+        v = model(z[j], t[j].expand(B)).detach().requires_grad_(True)
+        s.append(torch.autograd.grad(step_loss(j, v)[0], v)[0])
+    s_base = sum((1 - a) * s_j for a, s_j in zip(alpha, s))
+    s_corr = sum(a * s_j for a, s_j in zip(alpha, s))
+
+    def vjp_at(j, cot):
+        jac = jacrev(lambda p: functional_call(model, p, (z[j], t[j].expand(B))))(params)
+        return torch.cat([torch.einsum("bd,bd...->...", cot, jac[k]).flatten() for k in params])
+
+    expected = {
+        "exact": sum(terms),
+        "jagg": vjp_at(0, s_base) + vjp_at(width - 1, s_corr),
+        "jagg_sequential": vjp_at(0, s_base) + vjp_at(width - 1, s_corr),
+        "ablate": terms[0] + terms[-1],
+    }
+    for mode in UPDATE_MODES:
+        got, _ = grads_of(model, mode, z, t, step_loss)
+        torch.testing.assert_close(got, expected[mode], rtol=1e-9, atol=1e-12, msg=mode)
+    assert (expected["jagg"] - expected["exact"]).abs().max() > 1e-6  # the approximation is not trivial
+
+
+def test_window_two_all_modes_agree():
+    torch.manual_seed(2)
+    model = MLP()
+    z, t, step_loss = make_group(model, 2)
+    exact, _ = grads_of(model, "exact", z, t, step_loss)
+    for mode in ("jagg", "jagg_sequential", "ablate"):
+        got, _ = grads_of(model, mode, z, t, step_loss)
+        torch.testing.assert_close(got, exact, rtol=1e-10, atol=1e-12)
+
+
+def test_gradients_accumulate_across_groups():
+    torch.manual_seed(3)
+    model = MLP()
+    z, t, step_loss = make_group(model, 4)
+    once, _ = grads_of(model, "jagg", z, t, step_loss)
+    backward_group("jagg", lambda zz, tt: model(zz, tt), step_loss, z, t)
+    torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), 2 * once)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+@pytest.mark.parametrize(
+    "mode, grad_fwd, nograd_fwd, calls, backward_steps",
+    [("exact", 5, 0, 5, 5), ("jagg", 2, 3, 1, 2), ("jagg_sequential", 2, 3, 2, 2), ("ablate", 2, 0, 1, 2)],
+)
+def test_counters_and_backward_hook(mode, grad_fwd, nograd_fwd, calls, backward_steps):
+    torch.manual_seed(4)
+    model = MLP()
+    z, t, step_loss = make_group(model, 5)
+    rows = []
+    model.register_full_backward_hook(lambda m, gin, gout: rows.append(gout[0].shape[0]))
+    _, stats = grads_of(model, mode, z, t, step_loss)
+    assert (stats.grad_forwards, stats.nograd_forwards, stats.backward_calls) == (grad_fwd, nograd_fwd, calls)
+    assert sum(rows) // B == backward_steps  # transformer backward passes, in steps of B rows
+    assert len(rows) == calls
+    expected_steps = [0, 4] if mode == "ablate" else [0, 1, 2, 3, 4]
+    assert list(stats.losses) == expected_steps
+
+
+def test_losses_and_metrics_are_the_step_losses():
+    torch.manual_seed(5)
+    model = MLP()
+    z, t, step_loss = make_group(model, 4)
+    _, exact = grads_of(model, "exact", z, t, step_loss)
+    _, jagg = grads_of(model, "jagg", z, t, step_loss)
+    for j in range(4):
+        loss, metrics = step_loss(j, model(z[j], t[j].expand(B)))
+        torch.testing.assert_close(jagg.losses[j], exact.losses[j])
+        torch.testing.assert_close(exact.losses[j], loss.detach())
+        assert exact.metrics[j].keys() == jagg.metrics[j].keys() == metrics.keys()  # handed back as values
+        for name, value in metrics.items():
+            torch.testing.assert_close(jagg.metrics[j][name], value)
+
+
+def test_clipped_step_contributes_exactly_zero():
+    torch.manual_seed(6)
+    model = MLP()
+    width = 4
+    z, t, base_loss = make_group(model, width, clip_range=0.2, advantages=torch.ones(B))
+
+    def clipped_loss(j, v):  # step 1 with a ratio far above 1 + eps and A > 0: clipped in every row
+        if j != 1:
+            return base_loss(j, v)
+        return ppo_step_loss(v.sum(1) * 0 + 5.0, torch.zeros(B), torch.ones(B), clip_range=0.2)
+
+    def dropped_loss(j, v):
+        return base_loss(j, v) if j != 1 else ((v * 0).sum(), {})
+
+    for mode in UPDATE_MODES:
+        with_clip, _ = grads_of(model, mode, z, t, clipped_loss)
+        dropped, _ = grads_of(model, mode, z, t, dropped_loss)
+        assert torch.equal(with_clip, dropped), mode
+
+
+def test_zero_advantage_gives_zero_gradient():
+    torch.manual_seed(7)
+    model = MLP()
+    z, t, step_loss = make_group(model, 4, advantages=torch.zeros(B))
+    for mode in UPDATE_MODES:
+        got, _ = grads_of(model, mode, z, t, step_loss)
+        assert torch.equal(got, torch.zeros_like(got)), mode
+
+
+def test_interpolation_weights_and_aggregate():
+    t = torch.tensor([1.0, 0.9, 0.6, 0.5])
+    torch.testing.assert_close(interpolation_weights(t), torch.tensor([0.0, 0.2, 0.8, 1.0]))
+    s = [torch.full((2,), float(j + 1)) for j in range(4)]  # s_j = j + 1
+    base, corr = aggregate(s, t)
+    # base = 1*1 + 0.8*2 + 0.2*3 + 0*4 = 3.2; corr = 0*1 + 0.2*2 + 0.8*3 + 1*4 = 6.8
+    torch.testing.assert_close(base, torch.full((2,), 3.2))
+    torch.testing.assert_close(corr, torch.full((2,), 6.8))
+    with pytest.raises(ValueError):
+        interpolation_weights(torch.tensor([0.5, 0.5]))
+
+
+def _velocities(model, z, t):
+    with torch.no_grad():
+        return [model(z_j, t_j.expand(B)) for z_j, t_j in zip(z, t)]
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+@pytest.mark.parametrize("mode", ["jagg", "jagg_sequential"])
+def test_given_velocities_replace_the_middle_forwards(mode):
+    """The W steps' v at the current weights, as a list or one [W, B, D] tensor: the same gradient as
+    recomputing them, and the transformer runs only the endpoints (forward and backward)."""
+    torch.manual_seed(8)
+    model, width = MLP(), 5
+    z, t, step_loss = make_group(model, width)
+    recomputed, _ = grads_of(model, mode, z, t, step_loss)
+    velocities = _velocities(model, z, t)
+    rows = []
+    model.register_forward_hook(lambda m, args, out: rows.append(out.shape[0]))
+    for given in (velocities, torch.stack(velocities)):
+        rows.clear()
+        model.zero_grad(set_to_none=True)
+        stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=given)
+        got = torch.cat([p.grad.flatten() for p in model.parameters()])
+        torch.testing.assert_close(got, recomputed, rtol=1e-12, atol=1e-14)
+        assert (stats.grad_forwards, stats.nograd_forwards, stats.reused_velocities) == (2, 0, width - 2)
+        assert sum(rows) == 2 * B  # the two endpoints' rows, nothing else
+        assert list(stats.losses) == list(range(width))
+
+
+def test_given_velocities_enter_through_s_j():
+    """jagg on given v_j: J_0^T s_base + J_{W-1}^T s_corr with the middle s_j taken at those v_j (the
+    endpoints' s_j at the model's own v, which carry the Jacobians), from torch.func Jacobians."""
+    torch.manual_seed(9)
+    model, width = MLP(), 4
+    z, t, step_loss = make_group(model, width)
+    own = _velocities(model, z, t)
+    given = [v + 0.3 * torch.randn_like(v) for v in own]  # e.g. from weights before an optimizer step
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    s = []
+    for j in range(width):
+        v = (given[j] if 0 < j < width - 1 else own[j]).clone().requires_grad_(True)
+        s.append(torch.autograd.grad(step_loss(j, v)[0], v)[0])
+    alpha = interpolation_weights(t)
+    s_base = sum((1 - a) * s_j for a, s_j in zip(alpha, s))
+    s_corr = sum(a * s_j for a, s_j in zip(alpha, s))
+
+    def vjp_at(j, cot):
+        jac = jacrev(lambda p: functional_call(model, p, (z[j], t[j].expand(B))))(params)
+        return torch.cat([torch.einsum("bd,bd...->...", cot, jac[k]).flatten() for k in params])
+
+    expected = vjp_at(0, s_base) + vjp_at(width - 1, s_corr)
+    for mode in ("jagg", "jagg_sequential"):
+        model.zero_grad(set_to_none=True)
+        backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=given)
+        got = torch.cat([p.grad.flatten() for p in model.parameters()])
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12, msg=mode)
+    recomputed, _ = grads_of(model, "jagg", z, t, step_loss)
+    assert (recomputed - expected).abs().max() > 1e-6  # the given velocities were used
+
+
+def test_exact_and_ablate_ignore_velocities():
+    torch.manual_seed(10)
+    model = MLP()
+    z, t, step_loss = make_group(model, 4)
+    junk = [torch.full_like(z_j, 1e3) for z_j in z]
+    for mode in ("exact", "ablate"):
+        plain, _ = grads_of(model, mode, z, t, step_loss)
+        model.zero_grad(set_to_none=True)
+        stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=junk)
+        assert torch.equal(torch.cat([p.grad.flatten() for p in model.parameters()]), plain), mode
+        assert stats.reused_velocities == 0
+
+
+@pytest.mark.parametrize(
+    "velocities, message",
+    [
+        (lambda z: z[:3], "one v per step"),
+        (lambda z: [z_j[:, :2] for z_j in z], r"velocities\[0\] has shape"),
+        (lambda z: torch.stack(z)[:, :1], r"velocities\[0\] has shape"),
+    ],
+)
+def test_velocities_of_the_wrong_shape(velocities, message):
+    model = MLP()
+    z, t, step_loss = make_group(model, 4)
+    with pytest.raises(ValueError, match=message):
+        backward_group("jagg", lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=velocities(z))
+
+
+def test_unknown_mode():
+    with pytest.raises(ValueError, match="update.mode"):
+        backward_group("fast", lambda z, t: z, lambda j, v: v.sum(), [torch.zeros(1, 1)] * 2, torch.tensor([1.0, 0.5]))
+
+
+def test_routing_worked_examples():
+    # 21 sampling steps, last ignored: M = 20, W = 4, jagg_frac = 0.6 -> round(12) = 12.
+    plan = route_groups(range(20), window=4, mode="jagg", jagg_frac=0.6, num_transitions=20)
+    assert [(p.start, p.mode) for p in plan] == [(0, "jagg"), (4, "jagg"), (8, "jagg"), (12, "exact"), (16, "exact")]
+    # Flow-GRPO-Fast window of transitions 4..11 and jagg_frac = 0.4 -> round(8) = 8.
+    plan = route_groups(range(4, 12), window=4, mode="jagg", jagg_frac=0.4, num_transitions=20)
+    assert [(p.start, p.stop, p.mode) for p in plan] == [(4, 8, "jagg"), (8, 12, "exact")]
+    # The exact mode never routes to JAGG; jagg_frac = 1 routes everything.
+    for mode, window in (("exact", 4), ("ablate", 5)):
+        plan = route_groups(range(20), window=window, mode=mode, jagg_frac=1.0, num_transitions=20)
+        assert {p.mode for p in plan} == {mode}
+
+
+def test_timestep_fraction_picks_groups_reproducibly():
+    kw = dict(window=4, mode="jagg", jagg_frac=0.6, num_transitions=20, timestep_fraction=0.6)
+    a = route_groups(range(20), generator=torch.Generator().manual_seed(0), **kw)
+    b = route_groups(range(20), generator=torch.Generator().manual_seed(0), **kw)
+    assert a == b and len(a) == 3  # int(5 * 0.6) groups
+    assert [p.start for p in a] == sorted(p.start for p in a)  # high noise first
+    for p in a:
+        assert p.mode == prefix_path(p.start, p.stop, mode="jagg", jagg_frac=0.6, num_transitions=20)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(window=1), "update.window"),
+        (dict(window=3), "update.window"),  # 20 steps do not split into groups of 3
+        (dict(jagg_frac=1.5), "update.jagg_frac"),
+        (dict(jagg_frac=-0.1), "update.jagg_frac"),
+        (dict(timestep_fraction=0.0), "update.timestep_fraction"),
+        (dict(mode="sum"), "update.mode"),
+    ],
+)
+def test_impossible_plans(kwargs, field):
+    args = dict(window=4, mode="jagg", jagg_frac=0.6, num_transitions=20) | kwargs
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        route_groups(range(20), **args)
+
+
+def test_split_groups_over_runs():
+    assert split_groups([0, 1, 4, 5, 6, 7], 2) == [(0, 2), (4, 6), (6, 8)]
+    with pytest.raises(ValueError, match="trainable"):
+        split_groups([], 4)

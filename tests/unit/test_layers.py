@@ -1,0 +1,130 @@
+"""Imports point one way: samplers/, models/ and rewards/ never import the trainer's world, and inside
+train/ the sub-packages form layers (README, Layout):
+
+    commands (train.cli, train.eval, train.probe, train.compare, train.plan, train.__main__)
+      -> the trainer (train.trainer, train.step)
+        -> run components (train.components)
+          -> the algorithm (train.algorithm)
+            -> distribution (train.distributed)
+
+A module imports its own layer or those below it, never one above; no command imports the memory
+planner's package but the planner itself; and the modules import each other without a cycle."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FORBIDDEN = ("train", "torch.distributed", "hydra", "omegaconf", "wandb")
+# the layer of each part of train/, lowest first; a part is a sub-package or a top-level module
+LAYERS = [
+    {"train.distributed"},
+    {"train.algorithm"},
+    {"train.components"},
+    {"train.trainer", "train.step"},
+    {"train.cli", "train.eval", "train.probe", "train.compare", "train.plan", "train.__main__"},
+]
+
+
+def imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+@pytest.mark.parametrize("package", ["samplers", "models", "rewards"])
+def test_lower_layers_do_not_import_trainer(package):
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files, f"{package}/ has no modules"
+    for path in files:
+        bad = {m for m in imported_modules(path) if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)}
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def train_import_graph() -> dict[str, set[str]]:
+    """train module -> the train modules it imports anywhere (function bodies and TYPE_CHECKING too)."""
+    modules = {module_name(path): path for path in (ROOT / "train").rglob("*.py")}
+    modules.pop("train")  # the package's docstring: ``from train.x import`` names train.x, not train
+    return {
+        name: {m for m in modules if m != name and any(i == m or i.startswith(m + ".") for i in imported_modules(path))}
+        for name, path in modules.items()
+    }
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the part that holds ``module`` (the longest matching part)."""
+    matches = [
+        (len(part), i)
+        for i, parts in enumerate(LAYERS)
+        for part in parts
+        if module == part or module.startswith(part + ".")
+    ]
+    assert matches, f"{module} belongs to no layer: add its part to LAYERS"
+    return max(matches)[1]
+
+
+def part_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of the graph as a path that starts and ends at one node, or None."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt, [*path, nxt])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [node])):
+            return cycle
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, imports in graph.items() for b in imports if layer_of(b) > layer_of(a))
+
+
+def test_train_layers_import_downwards_only():
+    graph = train_import_graph()
+    assert {"train.components.build", "train.trainer", "train.step", "train.algorithm.jagg"} <= set(graph)
+    assert upward_imports(graph) == []
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+    # the commands are rooms of their own: none imports another's package (the trainer's `python -m
+    # train` and the shared train.cli aside), and nothing imports the memory planner
+    commands = ("train.eval", "train.probe", "train.compare", "train.plan")
+    crossing = sorted(
+        f"{a} -> {b}" for a, imports in graph.items() for b in imports
+        if part_of(b) in commands and part_of(a) != part_of(b)
+    )  # fmt: skip
+    assert crossing == []
+
+
+def test_layer_rule_sees_an_upward_import():
+    graph = {"train.algorithm.update": {"train.components.config"}, "train.components.config": set()}
+    assert upward_imports(graph) == ["train.algorithm.update -> train.components.config"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_checker_sees_forbidden_imports(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch.distributed as dist\nfrom train.algorithm.jagg import aggregate\n")
+    assert {"torch.distributed", "train.algorithm.jagg"} <= imported_modules(bad)

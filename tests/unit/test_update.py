@@ -1,0 +1,96 @@
+"""The update stage (train/algorithm/update.py) on toy velocity models: the KL reference's batched call, and the
+JAGG paths on the rollout's kept velocities."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from grad_quality_toys import ToyVelocity, toy_batch, toy_settings, toy_trajectory
+from torch import Tensor
+
+from samplers.rollout import transition
+from train.algorithm.groups import RoutedGroup
+from train.algorithm.grpo import kl_to_reference
+from train.algorithm.update import group_inputs, update_micro_batch
+
+ROWS = torch.tensor([1, 3])
+
+
+class Recording(ToyVelocity):
+    """A toy velocity that records the rows of every call."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.calls: list[int] = []
+
+    def forward(self, z: Tensor, t: Tensor, cond) -> Tensor:
+        self.calls.append(z.shape[0])
+        return super().forward(z, t, cond)
+
+
+def test_kl_reference_is_one_batched_call_per_group():
+    """The reference's v of the group's W steps come from one call over W x rows rows, and each step's
+    KL term equals the one of a reference evaluated at that step alone."""
+    model, reference = ToyVelocity(), Recording(seed=1)
+    traj = toy_trajectory(model)
+    inputs = group_inputs(toy_batch(model, traj, toy_settings(kl_beta=0.1), reference=reference), ROWS, (4, 8))
+    assert reference.calls == [4 * len(ROWS)] and inputs.num_reference_forwards == 4
+    cond = traj.cond.index(ROWS)
+    for j, k in enumerate(range(4, 8)):
+        t = traj.timesteps[k].expand(len(ROWS))
+        v = model(traj.latents[ROWS, k], t, cond)
+        out, ref_out = (
+            transition(traj, k, v, ROWS),
+            transition(traj, k, reference(traj.latents[ROWS, k], t, cond), ROWS),
+        )
+        expected = kl_to_reference(out.mean, ref_out.mean, out.diffusion)
+        assert expected > 0
+        torch.testing.assert_close(inputs.step_loss(j, v)[1]["kl"], expected.detach())
+
+
+def _micro_batch_grads(model, traj, settings, plan, *, reuse: bool):
+    model.zero_grad(set_to_none=True)
+    stats = update_micro_batch(toy_batch(model, traj, settings), ROWS, plan, reuse_velocities=reuse)
+    return torch.cat([p.grad.flatten() for p in model.parameters()]), stats
+
+
+def test_micro_batch_on_kept_velocities():
+    """The jagg groups take their middle steps from the rollout (same gradient as recomputing, no
+    middle forward); the exact group runs as always."""
+    model = Recording(gamma=10.0)
+    traj = toy_trajectory(model, keep_velocities=True)
+    plan = [RoutedGroup(0, 4, "jagg"), RoutedGroup(4, 8, "jagg_sequential"), RoutedGroup(8, 12, "exact")]
+    settings = toy_settings()
+    model.calls.clear()
+    recomputed, recomputing = _micro_batch_grads(model, traj, settings, plan, reuse=False)
+    recomputing_calls = list(model.calls)
+    model.calls.clear()
+    reused, stats = _micro_batch_grads(model, traj, settings, plan, reuse=True)
+    # float32: the rollout's v of 4 rows and the recomputed v of 2 rows agree to rounding
+    assert float((reused - recomputed).norm() / recomputed.norm()) < 1e-6
+    assert (stats.reused_velocities, recomputing.reused_velocities) == (4, 0)
+    assert stats.nograd_forwards == recomputing.nograd_forwards - 4
+    # recomputing: jagg = middle (4 rows) + endpoints (4); sequential = middle (4) + 2 + 2; exact = 4 x 2
+    assert recomputing_calls == [4, 4, 4, 2, 2, 2, 2, 2, 2]
+    assert model.calls == [4, 2, 2, 2, 2, 2, 2]
+
+
+def test_reuse_needs_kept_velocities():
+    model = ToyVelocity()
+    with pytest.raises(ValueError, match="keep_velocities"):
+        _micro_batch_grads(model, toy_trajectory(model), toy_settings(), [RoutedGroup(0, 4, "jagg")], reuse=True)
+
+
+@pytest.mark.parametrize(
+    "mode, window, reuse, keeps",
+    [
+        ("jagg", 4, "fresh", True),
+        ("jagg_sequential", 4, "stale", True),
+        ("jagg", 4, "off", False),
+        ("jagg", 2, "fresh", False),  # no middle step
+        ("exact", 4, "fresh", False),
+        ("ablate", 4, "stale", False),
+    ],
+)
+def test_which_runs_keep_velocities(mode, window, reuse, keeps):
+    assert toy_settings(mode=mode, window=window, reuse_velocities=reuse).keeps_velocities is keeps

@@ -1,0 +1,235 @@
+"""The update paths of one group of W consecutive denoising steps, and the group planner.
+
+For step j of a group, L_j(v_j) is the per-step loss, v_j = model(z_j, t_j) the velocity, J_j its
+Jacobian with respect to the parameters and s_j = dL_j/dv_j, taken on a detached copy of v_j (no
+transformer backward). z_j carries no gradient (the per-step REINFORCE approximation).
+
+    exact            sum_j J_j^T s_j                            W forwards with grad, W backwards
+    jagg             J_0^T s_base + J_{W-1}^T s_corr            W-2 no-grad forwards (one batched
+                                                                call, or none with ``velocities``),
+                                                                both endpoints in one batched
+                                                                forward, one backward
+    jagg_sequential  same as jagg                               endpoint 0 forward+backward, then
+                                                                endpoint W-1: one graph alive
+    ablate           J_0^T s_0 + J_{W-1}^T s_{W-1}              endpoints only, one backward
+
+with alpha_j = (t_0 - t_j) / (t_0 - t_{W-1}) over the network-input timesteps,
+s_base = sum_j (1 - alpha_j) s_j and s_corr = sum_j alpha_j s_j. JAGG is exact when v is linear
+in (z, t) and the W points lie on the affine path between the endpoints (the paper's Theorem 1).
+PPO clipping needs no special case: a clipped step has s_j = 0.
+
+The middle steps' v_j only feed s_j. ``velocities`` hands them in (the rollout's, while the weights are
+still those that sampled it): jagg and jagg_sequential then run no middle forward at all, and their
+gradient is the recomputing one up to float rounding (the rollout ran other batch shapes).
+
+Departure from the paper's Algorithm 1: the two endpoints run as one batched forward, so under
+FSDP2 each sharded module is all-gathered once in the forward and once in the backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+
+from samplers.sde import compute_dtype
+
+UPDATE_MODES = ("exact", "jagg", "jagg_sequential", "ablate")
+MIDDLE_MODES = ("jagg", "jagg_sequential")  # the paths that need the middle steps' v, and so can take ``velocities``
+
+BoundPredict = Callable[[Tensor, Tensor], Tensor]  # (z [B, ...], t [B]) -> v [B, ...]: the conditioning is bound
+Metrics = dict[str, Tensor]  # name -> detached scalar
+Velocities = Sequence[Tensor] | Tensor  # W tensors [B, ...], or one [W, B, ...]: v_j at the current weights
+StepLoss = Callable[[int, Tensor], tuple[Tensor, Metrics]]  # (j, v_j [B, ...]) -> (scalar loss of step j, metrics)
+
+
+@dataclass
+class GroupStats:
+    """What one ``backward_group`` call did. Forward counters are in steps (rows of B each)."""
+
+    losses: dict[int, Tensor] = field(default_factory=dict)  # step j -> detached scalar L_j
+    metrics: dict[int, Metrics] = field(default_factory=dict)  # step j -> what step_loss reported for it
+    grad_forwards: int = 0
+    nograd_forwards: int = 0
+    backward_calls: int = 0
+    reused_velocities: int = 0  # middle steps whose v came from ``velocities`` instead of a forward
+
+
+def interpolation_weights(t: Tensor) -> Tensor:
+    """alpha_j = (t_0 - t_j) / (t_0 - t_{W-1}) for the W network-input timesteps t [W]."""
+    if t.ndim != 1 or t.shape[0] < 2:
+        raise ValueError(f"t must be [W] with W >= 2, got shape {tuple(t.shape)}")
+    span = t[0] - t[-1]
+    # A fake tensor (python -m train.plan traces shapes, not values) has no value to compare.
+    if not is_fake(span) and span == 0:
+        raise ValueError("the group's first and last timesteps are equal; alpha is undefined")
+    return (t[0] - t) / span
+
+
+def aggregate(s: Sequence[Tensor], t: Tensor) -> tuple[Tensor, Tensor]:
+    """(s_base, s_corr) = (sum_j (1 - alpha_j) s_j, sum_j alpha_j s_j)."""
+    if len(s) != t.shape[0]:
+        raise ValueError(f"got {len(s)} upstream gradients for {t.shape[0]} timesteps")
+    alpha = interpolation_weights(t)
+    s_base = sum((1 - a) * s_j for a, s_j in zip(alpha, s))
+    s_corr = sum(a * s_j for a, s_j in zip(alpha, s))
+    return s_base, s_corr
+
+
+def _record(stats: GroupStats, j: int, loss: Tensor, metrics: Metrics) -> None:
+    stats.losses[j] = loss.detach()
+    stats.metrics[j] = metrics
+
+
+def _upstream(step_loss: StepLoss, j: int, v: Tensor, stats: GroupStats) -> Tensor:
+    """s_j = dL_j/dv_j on a detached proxy of v (no model backward); records L_j and its metrics.
+
+    The proxy is float32 for half-precision models (the SDE log-prob needs it) and keeps float64.
+    """
+    proxy = v.detach().to(compute_dtype(v.dtype)).requires_grad_(True)
+    with torch.enable_grad():
+        loss, metrics = step_loss(j, proxy)
+        if loss.requires_grad:
+            (s,) = torch.autograd.grad(loss, proxy, materialize_grads=True)
+        else:  # the loss does not depend on v (e.g. zero advantage folded to a constant)
+            s = torch.zeros_like(proxy)
+    _record(stats, j, loss, metrics)
+    return s
+
+
+def _rows(t_j: Tensor, batch: int) -> Tensor:
+    return t_j.expand(batch)
+
+
+def _forward(predict: BoundPredict, zs: Sequence[Tensor], ts: Sequence[Tensor] | Tensor) -> list[Tensor]:
+    """One batched call of ``predict`` over several steps; returns one v per step."""
+    batch = zs[0].shape[0]
+    v = predict(torch.cat(list(zs)), torch.cat([_rows(t_j, batch) for t_j in ts]))
+    return list(v.split(batch))
+
+
+def _exact(predict: BoundPredict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats) -> None:
+    for j, (z_j, t_j) in enumerate(zip(z, t)):
+        loss, metrics = step_loss(j, predict(z_j, _rows(t_j, z_j.shape[0])))
+        stats.grad_forwards += 1
+        if loss.requires_grad:
+            loss.backward()
+            stats.backward_calls += 1
+        _record(stats, j, loss, metrics)
+
+
+def _middle(
+    predict: BoundPredict,
+    step_loss: StepLoss,
+    z: Sequence[Tensor],
+    t: Tensor,
+    stats: GroupStats,
+    velocities: Sequence[Tensor] | None,
+) -> list[Tensor]:
+    """s_j of the W-2 middle steps: on the given velocities, or from one batched no-grad forward."""
+    width = len(z)
+    if width == 2:
+        return []
+    if velocities is not None:  # possibly offloaded to host memory: each comes to its latent's device
+        v_mid = [v_j.to(z_j.device, non_blocking=True) for v_j, z_j in zip(velocities[1:-1], z[1:-1])]
+        stats.reused_velocities += width - 2
+    else:
+        with torch.no_grad():
+            v_mid = _forward(predict, z[1:-1], t[1:-1])
+        stats.nograd_forwards += width - 2
+    return [_upstream(step_loss, j, v_j, stats) for j, v_j in enumerate(v_mid, start=1)]
+
+
+def _joint_endpoints(
+    predict: BoundPredict,
+    step_loss: StepLoss,
+    z: Sequence[Tensor],
+    t: Tensor,
+    stats: GroupStats,
+    mode: str,
+    velocities: Sequence[Tensor] | None,
+) -> None:
+    """jagg and ablate: both endpoints in one batched forward with grad, one backward."""
+    width = len(z)
+    s_mid = _middle(predict, step_loss, z, t, stats, velocities) if mode == "jagg" else []
+    v0, v_last = _forward(predict, [z[0], z[-1]], [t[0], t[-1]])
+    stats.grad_forwards += 2
+    s0 = _upstream(step_loss, 0, v0, stats)
+    s_last = _upstream(step_loss, width - 1, v_last, stats)
+    if mode == "jagg":
+        g0, g_last = aggregate([s0, *s_mid, s_last], t.to(s0.dtype))
+    else:
+        g0, g_last = s0, s_last
+    torch.autograd.backward([v0, v_last], [g0.to(v0.dtype), g_last.to(v_last.dtype)])
+    stats.backward_calls += 1
+
+
+def _sequential(
+    predict: BoundPredict,
+    step_loss: StepLoss,
+    z: Sequence[Tensor],
+    t: Tensor,
+    stats: GroupStats,
+    velocities: Sequence[Tensor] | None,
+) -> None:
+    """The paper's Algorithm 2: at most one endpoint graph alive at a time."""
+    width = len(z)
+    s_mid = _middle(predict, step_loss, z, t, stats, velocities)
+    alpha = interpolation_weights(t)[1:-1]
+    s_base = sum((1 - a) * s_j for a, s_j in zip(alpha, s_mid))
+    s_corr = sum(a * s_j for a, s_j in zip(alpha, s_mid))
+    for j, partial in ((0, s_base), (width - 1, s_corr)):
+        v = predict(z[j], _rows(t[j], z[j].shape[0]))
+        stats.grad_forwards += 1
+        s_j = _upstream(step_loss, j, v, stats)
+        v.backward((partial + s_j).to(v.dtype))
+        stats.backward_calls += 1
+
+
+def _checked_velocities(velocities: Velocities, z: Sequence[Tensor]) -> list[Tensor]:
+    """The W given velocities, detached, each checked to be shaped like its z_j (on any device)."""
+    if len(velocities) != len(z):
+        raise ValueError(f"velocities must hold one v per step of the group ({len(z)}), got {len(velocities)}")
+    out = [v_j.detach() for v_j in velocities]
+    for j, (v_j, z_j) in enumerate(zip(out, z)):
+        if v_j.shape != z_j.shape:
+            raise ValueError(f"velocities[{j}] has shape {tuple(v_j.shape)}, its latent {tuple(z_j.shape)}")
+    return out
+
+
+def backward_group(
+    mode: str,
+    predict: BoundPredict,
+    step_loss: StepLoss,
+    z: Sequence[Tensor],
+    t: Tensor,
+    *,
+    velocities: Velocities | None = None,
+) -> GroupStats:
+    """Accumulate into ``.grad`` the gradient of sum_j L_j, (L_j, metrics_j) = step_loss(j, predict(z[j], t_j)),
+    by ``mode``; returns each step's loss and metrics with the counters.
+
+    z: W latents [B, ...] (no gradient); t: [W] network-input timesteps, one per step.
+    velocities: v_j = predict(z[j], t_j) at the current weights, W tensors [B, ...] or one [W, B, ...]
+    (e.g. the rollout's); jagg and jagg_sequential take the middle steps' from them instead of
+    running a forward, exact and ablate need none and ignore them.
+    """
+    if mode not in UPDATE_MODES:
+        raise ValueError(f"update.mode must be one of {UPDATE_MODES}, got {mode!r}")
+    if len(z) != t.shape[0] or len(z) < 2:
+        raise ValueError(f"a group needs W >= 2 latents and W timesteps, got {len(z)} and {t.shape[0]}")
+    z = [z_j.detach() for z_j in z]
+    given = _checked_velocities(velocities, z) if velocities is not None and mode in MIDDLE_MODES else None
+    stats = GroupStats()
+    if mode == "exact":
+        _exact(predict, step_loss, z, t, stats)
+    elif mode == "jagg_sequential":
+        _sequential(predict, step_loss, z, t, stats, given)
+    else:
+        _joint_endpoints(predict, step_loss, z, t, stats, mode, given)
+    stats.losses = dict(sorted(stats.losses.items()))
+    stats.metrics = dict(sorted(stats.metrics.items()))
+    return stats

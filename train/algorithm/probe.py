@@ -1,0 +1,344 @@
+"""Gradient quality of a JAGG path per group (the paper's Appendix E, Table 5), and the jagg_frac it gives.
+
+The measurement behind ``python -m train.probe`` (train/probe/probe.py) and ``update.routing=auto``
+(train/algorithm/routing.py). For one trajectory and one group of W transitions [start, stop), with the update
+stage's own per-step GRPO loss (``train.algorithm.update.group_inputs``: PPO clip + KL, on the rollout's advantage):
+
+    g_exact = sum_j J_j^T s_j                        backward_group("exact")
+    g_mode                                           backward_group(mode), mode = jagg by default
+    cos = <g_mode, g_exact> / (|g_mode| |g_exact|)   rho = |g_mode| / |g_exact|
+
+over every trainable parameter. A group reports the mean and the sample standard deviation (n - 1)
+of cos and rho over K trajectories. A trajectory whose exact gradient is zero (zero advantage) has no
+cosine and is left out of that group (``num_samples`` counts the others); a zero g_mode against a
+nonzero g_exact counts as cos = 0, rho = 0.
+
+The rule (the paper's): a group qualifies when its mean cos >= threshold (0.5). The recommended
+jagg_frac is the end of the run of qualifying groups that starts at the highest-noise group, over M
+(the trajectory's trainable transitions), so ``train.algorithm.groups.prefix_path`` sends exactly that run to the path.
+The paper then sets 0.6 for Flux where this rule gives 0.8, to stay clear of a high-variance group;
+the report carries the standard deviations for such a judgement.
+
+torchrun + FSDP2: trajectory m is row m // R of rank m % R and is measured in a turn of all ranks.
+FSDP's collectives need every rank to run the same forwards and backwards, so each rank runs the
+group on its own row m // R, but only the owner's loss has weight 1 (the others weight 0): the
+reduce-scattered gradient is the owner's gradient / R, and cos and rho do not see the factor. Dot
+products are over the full gradient: the local shards' products summed over ranks by
+``train.distributed.sum_over_shards`` (as ``clip_grad_norm_`` does), accumulated in float64.
+
+Staleness (``update.reuse_velocities=stale``): after an optimizer step the rollout's velocities are
+no longer the policy's. ``measure_staleness`` compares with g_exact both the fresh g_mode (middle
+velocities recomputed) and g_mode on the trajectory's kept velocities, at the current weights; the
+probe (train/probe/probe.py) moves the weights by one optimizer step first.
+
+The probe writes ``.grad``: it needs empty gradients (None) and leaves them None, so nothing it
+computes reaches an optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from train.algorithm.groups import prefix_path, split_groups
+from train.algorithm.jagg import backward_group
+from train.algorithm.update import GroupInputs, UpdateBatch, group_inputs
+from train.distributed.collectives import get_rank, get_world_size
+from train.distributed.parallelize import local_tensor, sum_over_shards
+
+MIN_ROLLOUTS = 10  # fewer trajectories per group: the report says its spread and recommendation are rough
+
+Group = tuple[int, int]  # transitions [start, stop)
+Samples = dict[Group, list[tuple[float, float]]]  # group -> (cos, rho) per measured trajectory
+
+
+@torch.no_grad()
+def global_dots(a: Sequence[Tensor | None], b: Sequence[Tensor | None]) -> tuple[float, float, float]:
+    """(<a, a>, <b, b>, <a, b>) of two gradients given per parameter (None = zero), over all ranks.
+
+    Each parameter's three local products are summed over ranks by ``sum_over_shards`` (a DTensor
+    counts once per distinct shard, a plain tensor once), in float64.
+    """
+    if len(a) != len(b):
+        raise ValueError(f"the two gradients have {len(a)} and {len(b)} parameters")
+    terms = []
+    for x, y in zip(a, b):
+        ref = x if x is not None else y
+        if ref is None:
+            continue
+        zero = torch.zeros_like(local_tensor(ref).flatten().float())
+        xl = local_tensor(x).flatten().float() if x is not None else zero
+        yl = local_tensor(y).flatten().float() if y is not None else zero
+        terms.append((ref, torch.stack([xl @ xl, yl @ yl, xl @ yl]).double()))
+    device = local_tensor(terms[0][0]).device if terms else torch.device("cpu")
+    aa, bb, ab = sum_over_shards(terms, zero=torch.zeros(3, dtype=torch.float64, device=device)).tolist()
+    return aa, bb, ab
+
+
+def _clear(params: Sequence[nn.Parameter]) -> None:
+    for p in params:
+        p.grad = None
+
+
+def compare_to_exact(
+    inputs: GroupInputs, params: Sequence[nn.Parameter], paths: Sequence[tuple[str, bool]]
+) -> list[tuple[float, float]] | None:
+    """(cos, rho) against the exact gradient of one group, per (mode, on the kept velocities) path;
+    None when g_exact = 0."""
+    backward_group("exact", inputs.policy, inputs.step_loss, inputs.z, inputs.t)
+    exact = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    _clear(params)
+    out = []
+    for mode, reuse in paths:
+        velocities = inputs.velocities if reuse else None
+        backward_group(mode, inputs.policy, inputs.step_loss, inputs.z, inputs.t, velocities=velocities)
+        ee, mm, em = global_dots(exact, [p.grad for p in params])
+        _clear(params)
+        if ee == 0:
+            return None
+        out.append((0.0, 0.0) if mm == 0 else (em / math.sqrt(ee * mm), math.sqrt(mm / ee)))
+    return out
+
+
+def measure_group(inputs: GroupInputs, params: Sequence[nn.Parameter], mode: str) -> tuple[float, float] | None:
+    """(cos, rho) of ``mode``'s gradient against the exact one, for one group; None when g_exact = 0."""
+    result = compare_to_exact(inputs, params, [(mode, False)])
+    return None if result is None else result[0]
+
+
+def _measure(
+    batch: UpdateBatch, params: Sequence[nn.Parameter], *, num_rollouts: int, paths: Sequence[tuple[str, bool]]
+) -> list[Samples]:
+    """One ``Samples`` per path of ``compare_to_exact``, for trajectories 0 .. num_rollouts - 1.
+
+    Trajectory m is row m // R of rank m % R (R ranks; every rank passes its own ``batch``).
+    """
+    world, rank = get_world_size(), get_rank()
+    traj = batch.traj
+    if num_rollouts > world * traj.batch_size:
+        raise ValueError(f"asked for {num_rollouts} trajectories; the batch holds {traj.batch_size} per rank x {world}")
+    assert all(p.grad is None for p in params), "the probe needs empty gradients (zero_grad(set_to_none=True))"
+    reuse = any(on_kept for _, on_kept in paths)
+    groups = split_groups(traj.trainable_steps(), batch.settings.window)
+    samples: list[Samples] = [{group: [] for group in groups} for _ in paths]
+    for m in range(num_rollouts):
+        rows = torch.tensor([m // world], device=batch.advantages.device)
+        weight = 1.0 if rank == m % world else 0.0
+        for group in groups:
+            inputs = group_inputs(batch, rows, group, scale=weight, velocities=reuse)
+            result = compare_to_exact(inputs, params, paths)
+            for per_path, value in zip(samples, result or []):
+                per_path[group].append(value)
+    return samples
+
+
+def measure_trajectories(
+    batch: UpdateBatch, params: Sequence[nn.Parameter], *, num_rollouts: int, mode: str = "jagg"
+) -> Samples:
+    """(cos, rho) of ``mode`` per group of ``batch.settings.window`` for trajectories 0 .. num_rollouts - 1."""
+    return _measure(batch, params, num_rollouts=num_rollouts, paths=[(mode, False)])[0]
+
+
+def measure_staleness(
+    batch: UpdateBatch, params: Sequence[nn.Parameter], *, num_rollouts: int, mode: str = "jagg"
+) -> tuple[Samples, Samples]:
+    """(fresh, stale): (cos, rho) per group of ``mode`` recomputing its middle velocities, and of ``mode``
+    on the trajectory's kept velocities, both against the exact gradient at the current weights."""
+    fresh, stale = _measure(batch, params, num_rollouts=num_rollouts, paths=[(mode, False), (mode, True)])
+    return fresh, stale
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return mean, 0.0
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+@dataclass(frozen=True)
+class GroupQuality:
+    """Measured quality of one group of transitions [start, stop), over its trajectories."""
+
+    start: int
+    stop: int
+    t_first: float  # network-input timestep of the group's first step (high noise = near 1)
+    t_last: float  # of its last step
+    cos: tuple[float, ...]  # cos(g_mode, g_exact), one per measured trajectory
+    rho: tuple[float, ...]  # |g_mode| / |g_exact|, one per measured trajectory
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.cos)
+
+    @property
+    def cos_mean(self) -> float:
+        return _mean_std(self.cos)[0]
+
+    @property
+    def cos_std(self) -> float:
+        return _mean_std(self.cos)[1]
+
+    @property
+    def rho_mean(self) -> float:
+        return _mean_std(self.rho)[0]
+
+    @property
+    def rho_std(self) -> float:
+        return _mean_std(self.rho)[1]
+
+
+def summarize_groups(samples: Mapping[Group, Sequence[tuple[float, float]]], timesteps: Tensor) -> list[GroupQuality]:
+    """One ``GroupQuality`` per group, high noise first; ``timesteps`` [N] are the trajectory's t."""
+    t = timesteps.detach().float().cpu().tolist()
+    return [
+        GroupQuality(
+            start=a,
+            stop=b,
+            t_first=t[a],
+            t_last=t[b - 1],
+            cos=tuple(c for c, _ in samples[(a, b)]),
+            rho=tuple(r for _, r in samples[(a, b)]),
+        )
+        for a, b in sorted(samples)
+    ]
+
+
+def recommend_jagg_frac(groups: Sequence[GroupQuality], *, threshold: float, num_transitions: int) -> float:
+    """The paper's rule: stop of the last group of the qualifying run from the highest noise, over M.
+
+    A group qualifies when its mean cosine is >= ``threshold`` (a group without samples does not).
+    """
+    if num_transitions < 1:
+        raise ValueError(f"num_transitions must be >= 1, got {num_transitions}")
+    stop = 0
+    for group in sorted(groups, key=lambda g: g.start):
+        if not group.cos_mean >= threshold:  # also stops at NaN (no sample)
+            break
+        stop = max(stop, group.stop)
+    return round(stop / num_transitions, 4)
+
+
+def _finite(value: float) -> float | None:
+    return None if math.isnan(value) else value  # JSON null: a group without samples
+
+
+def _pm(mean: float | None, std: float | None, width: int) -> str:
+    return f"{'-':>{width}}{'':8}" if mean is None else f"{mean:>{width}.3f} ± {std:.3f}"
+
+
+def _statistics(g: GroupQuality) -> dict[str, Any]:
+    return {
+        "cos_mean": _finite(g.cos_mean),
+        "cos_std": _finite(g.cos_std),
+        "rho_mean": _finite(g.rho_mean),
+        "rho_std": _finite(g.rho_std),
+        "num_samples": g.num_samples,
+    }
+
+
+def report(
+    groups: Sequence[GroupQuality],
+    *,
+    mode: str,
+    threshold: float,
+    num_transitions: int,
+    staleness: tuple[Sequence[GroupQuality], Sequence[GroupQuality]] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The JSON report: the recommendation, and per group its statistics, samples and path under it.
+
+    ``staleness``: (fresh, stale) per group after an optimizer step (``measure_staleness``); each group
+    then reports both under ``after_step``.
+    """
+    frac = recommend_jagg_frac(groups, threshold=threshold, num_transitions=num_transitions)
+    rows: list[dict[str, Any]] = []
+    for index, g in enumerate(groups):
+        rows.append(
+            {
+                "group": index,
+                "start": g.start,
+                "stop": g.stop,
+                "t_first": g.t_first,
+                "t_last": g.t_last,
+                "cos_mean": _finite(g.cos_mean),
+                "cos_std": _finite(g.cos_std),
+                "rho_mean": _finite(g.rho_mean),
+                "rho_std": _finite(g.rho_std),
+                "num_samples": g.num_samples,
+                "qualifies": bool(g.cos_mean >= threshold),
+                "path": prefix_path(g.start, g.stop, mode=mode, jagg_frac=frac, num_transitions=num_transitions),
+                "cos": list(g.cos),
+                "rho": list(g.rho),
+            }
+        )
+    if staleness is not None:
+        for row, fresh, stale in zip(rows, *staleness, strict=True):
+            row["after_step"] = {"fresh": _statistics(fresh), "stale": _statistics(stale)}
+    return {
+        "mode": mode,
+        "threshold": threshold,
+        "num_transitions": num_transitions,
+        "recommended_jagg_frac": frac,
+        **extra,
+        "groups": rows,
+    }
+
+
+def format_table(rep: Mapping[str, Any]) -> str:
+    """Table 5 of the paper as text, the recommendation (and the staleness columns when measured), and
+    what the columns mean."""
+    mode = rep["mode"]
+    stale = all("after_step" in g for g in rep["groups"]) and bool(rep["groups"])
+    header = f"{'group':>5}  {'steps':>7}  {'t':>11}  {f'cos(g_{mode}, g_exact)':>24}  {'rho':>15}  {'n':>3}  path"
+    if stale:
+        header += f"  {'fresh, 1 step':>22}  {'stale, 1 step':>22}"
+    lines = [header, *(_table_row(g, stale) for g in rep["groups"])]
+    lines.append(
+        f"* mean cos >= {rep['threshold']}: recommended update.jagg_frac={rep['recommended_jagg_frac']} "
+        f"(M = {rep['num_transitions']} trainable transitions)"
+    )
+    return "\n".join(lines + _legend(rep, stale))
+
+
+def _table_row(g: Mapping[str, Any], stale: bool) -> str:
+    mark = "*" if g["qualifies"] else " "
+    line = (
+        f"{g['group']:>5}  {g['start']:>3}-{g['stop'] - 1:<3}  {g['t_first']:.3f}-{g['t_last']:.3f}  "
+        f"{_pm(g['cos_mean'], g['cos_std'], 14)}{mark}  {_pm(g['rho_mean'], g['rho_std'], 7)}  "
+        f"{g['num_samples']:>3}  {g['path']:<5}"
+    )
+    if stale:
+        after = g["after_step"]
+        line += "".join(f"  {_pm(after[k]['cos_mean'], after[k]['cos_std'], 14)}" for k in ("fresh", "stale"))
+    return line.rstrip()
+
+
+def _legend(rep: Mapping[str, Any], stale: bool) -> list[str]:
+    """What the columns mean, and a note when too few trajectories were measured."""
+    mode = rep["mode"]
+    lines = [
+        "steps: the group's transitions; t: its first and last network-input timestep (1 = pure noise)",
+        f"cos: cosine between the group's gradient by the {mode} path and the exact one (1 = same direction);",
+        f"rho: |g_{mode}| / |g_exact| (1 = same length); both mean ± standard deviation over n trajectories",
+        "path: where the recommended jagg_frac routes the group",
+    ]
+    if stale:
+        lines.append(
+            f"after one optimizer step on the rollout: cos(g_{mode}, g_exact) with the middle velocities "
+            "recomputed (fresh) and taken from the rollout (stale, update.reuse_velocities=stale)"
+        )
+    fewest = min((g["num_samples"] for g in rep["groups"]), default=0)
+    if fewest < MIN_ROLLOUTS:
+        lines.append(
+            f"note: n = {fewest} trajectories is too few for the ± and the recommendation to mean much "
+            f"(a standard deviation from n values is itself uncertain by about 1 / sqrt(2 (n - 1))); "
+            f"use probe.num_rollouts >= {MIN_ROLLOUTS} (the paper: >= 20)"
+        )
+    return lines

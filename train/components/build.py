@@ -1,0 +1,461 @@
+"""The builders of a run, shared by the trainer and every command-line tool.
+
+``build_run`` assembles the run state (``Run``) in a fixed order: seeds, the shared run folder, the
+rewards (a wrong reward path fails in seconds, before the transformer loads), the backbone, the
+trainable parameters and the KL reference (then sharding), the optimizer, the logger and the router.
+``predictor`` turns a backbone (or a reference transformer) into the ``predict(z, t, cond)`` that the
+rollout, the update and the evaluation call.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from torch import Tensor, nn
+
+from models.base import Backbone, Conditioning, parse_dtype
+from models.registry import backbone_names, load_backbone
+from models.tiny import build_tiny
+from rewards.base import SCORER_NAMES, Scorer, build_scorer, scorer_class
+from rewards.combine import RewardCombiner
+from samplers.rollout import Predict
+from train.algorithm.routing import ROUTINGS, AutoRouter, PrefixRouter, Router
+from train.algorithm.update import UpdateSettings
+from train.components.checkpoint import CheckpointManager, Weights
+from train.components.config import TrainConfig, UpdateConfig, validate
+from train.components.data import PromptRecord, PromptSampler, read_prompts
+from train.components.ema import EMA
+from train.components.errors import ConfigError, PathError
+from train.components.evaluation import EvalResult
+from train.components.logger import RunLogger
+from train.distributed.collectives import DistInfo, broadcast_object, init_distributed, shutdown
+from train.distributed.parallelize import parallelize
+from train.distributed.seeds import seed_everything, stream_seed
+
+
+@dataclass
+class Run:
+    """Everything a training step needs, built once by ``build_run``."""
+
+    cfg: TrainConfig
+    dist: DistInfo
+    device: torch.device  # where the transformer, the latents and the rewards live
+    backbone: Backbone
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    ema: EMA | None
+    rewards: RewardCombiner
+    prompts: PromptSampler
+    checkpoints: CheckpointManager
+    logger: RunLogger
+    reference: nn.Module | None  # frozen copy for the KL term of full fine-tuning; None with LoRA or no KL
+    compute_dtype: torch.dtype
+    router: Router  # update.routing: which groups train and by which path (train/algorithm/routing.py)
+    resume_from: list[Path]  # the checkpoints ``resume`` names that passed the file checks, newest first
+    eval_records: list[PromptRecord] | None = None  # built on the first evaluation
+    heldout_records: list[PromptRecord] | None = None
+    eval_scorers: dict[str, Scorer] | None = None
+    eval_before: EvalResult | None = None  # rank 0: the step-0 evaluation, for the before/after sheets
+
+
+def _missing(tree: Any, name: str = "") -> list[str]:
+    """Keys whose value is ``???`` (read without resolving interpolations, which would stop at the first)."""
+    if isinstance(tree, dict):
+        children = [(f"{name}.{key}" if name else str(key), value) for key, value in tree.items()]
+    elif isinstance(tree, list):
+        children = [(f"{name}[{i}]", value) for i, value in enumerate(tree)]
+    else:
+        return [name] if tree == "???" else []
+    return [key for child, value in children for key in _missing(value, child)]
+
+
+def typed_config(cfg: DictConfig) -> TrainConfig:
+    """The composed tree as the typed schema; ConfigError naming a ``???`` or unresolvable setting."""
+    missing = _missing(OmegaConf.to_container(cfg, resolve=False))
+    if missing:  # the experiment leaves them ??? (local paths the user must give)
+        raise ConfigError(f"required settings have no value: {', '.join(missing)}; pass each as <key>=<value>")
+    try:
+        return cast(TrainConfig, OmegaConf.to_object(cfg))
+    except OmegaConfBaseException as err:  # e.g. an interpolation that does not resolve
+        key = getattr(err, "full_key", None)
+        raise ConfigError(f"{key}: {str(err).splitlines()[0]}" if key else str(err).splitlines()[0]) from None
+
+
+def load_config(cfg: DictConfig) -> TrainConfig:
+    """The typed config of a composed Hydra tree, validated (no model is loaded).
+
+    An empty ``run_dir`` becomes Hydra's output folder of the job (``hydra.run.dir``, or the sweep job's folder).
+    """
+    config = typed_config(cfg)
+    if not config.run_dir:
+        if not HydraConfig.initialized():
+            raise ConfigError("run_dir is not set and no Hydra command is running: pass run_dir=<folder>")
+        config.run_dir = HydraConfig.get().runtime.output_dir
+    validate(config, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()))
+    return config
+
+
+@contextmanager
+def process_group(timeout_s: float | None = None) -> Iterator[DistInfo]:
+    """torchrun's process group (none for one process) for the duration of a command.
+
+    timeout_s: ``dist.timeout_s``, how long a collective waits for the other ranks.
+    """
+    dist = init_distributed(timeout_s=timeout_s)
+    try:
+        yield dist
+    finally:
+        shutdown()
+
+
+@contextmanager
+def _settings(field_name: str) -> Iterator[None]:
+    """A ValueError or FileNotFoundError raised while building from ``field_name``'s values is about them.
+
+    The adapters and scorers check their arguments and name the file or option that is wrong;
+    here that becomes the user error it is (its traceback stays on the exception's cause).
+    """
+    try:
+        yield
+    except FileNotFoundError as err:
+        raise PathError(f"{field_name}: {err}") from err
+    except ValueError as err:
+        raise ConfigError(f"{field_name}: {err}") from err
+
+
+def _unwritable(run_dir: Path) -> str | None:
+    """Why the run folder or its checkpoints/ cannot be written, or None (tried by creating a file)."""
+    for folder in (run_dir, run_dir / "checkpoints"):
+        probe = folder / f".write_test_{os.getpid()}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            return f"cannot write in {folder} ({err.strerror})"
+    return None
+
+
+def preflight(cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, *, max_step: int | None) -> list[Path]:
+    """The checks that need the run folder, before any model loads; returns the checkpoints to resume from.
+
+    Rank 0 writes the run folder and its checkpoints: it tries, and every rank gets the verdict. The
+    checkpoints ``resume`` names are checked file by file (``CheckpointManager.usable``); a training
+    run must not start from a checkpoint past its last step (``max_step``, num_steps).
+    """
+    problem = broadcast_object(_unwritable(Path(cfg.run_dir)) if dist.is_main else None)
+    if problem:
+        raise ConfigError(f"run_dir={cfg.run_dir!r}: {problem}; pass a writable hydra.run.dir=<folder>")
+    found = checkpoints.usable(cfg.resume)
+    if found and max_step is not None and (step := checkpoints.step_of(found[0])) > max_step:
+        raise ConfigError(
+            f"resume={cfg.resume}: checkpoint {found[0]} holds step {step}, past "
+            f"num_steps={max_step}: set num_steps to at least that to train on, or use a new run folder"
+        )
+    return found
+
+
+def resolve_device(cfg: TrainConfig, dist: DistInfo) -> torch.device:
+    if cfg.device == "cpu" or (cfg.device == "auto" and dist.device.type == "cpu"):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device=cuda but CUDA is not available; use device=cpu or device=auto")
+    return dist.device
+
+
+def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Backbone:
+    """Load every component from the local folder (building the tiny one first if asked).
+
+    Placement policy for the frozen parts: text encoders and VAE are replicated on every rank in
+    the model dtype (they run once per step, without gradients, and sharding them would add
+    collectives for no memory that matters next to the transformer's optimizer state); with
+    ``model.embedding_cache`` the text encoders are not loaded at all. The transformer keeps
+    float32 master weights and computes in ``model.dtype`` (FSDP2 mixed precision or autocast).
+    """
+    if cfg.model.build_tiny is not None:
+        if dist.is_main:
+            with _settings("model.build_tiny"):
+                build_tiny(cfg.model.name, cfg.model.path, size=cfg.model.build_tiny)
+        broadcast_object(None)  # the other ranks wait for the folder
+    with _settings("model"):
+        backbone = load_backbone(
+            cfg.model.name,
+            cfg.model.path,
+            dtype=parse_dtype(cfg.model.dtype),
+            device=device,
+            embedding_cache=cfg.model.embedding_cache,
+            **cfg.model.options,
+        )
+    if next(backbone.transformer.parameters()).dtype != torch.float32:  # float32 master weights
+        backbone.transformer.to(torch.float32)
+    return backbone
+
+
+def add_lora(cfg: TrainConfig, backbone: Backbone) -> None:
+    """LoRA adapters of ``model.lora`` on the transformer (the only trainable parameters afterwards)."""
+    from peft import LoraConfig  # only LoRA runs pay for importing peft
+
+    transformer: Any = backbone.transformer  # a diffusers model: its PEFT mixin adds the adapters
+    lora = cfg.model.lora
+    # peft draws the adapters from the global RNG, which differs per rank; FSDP2 keeps each rank's
+    # shard of its own draw. One stream for every rank gives the same weights on any world size.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(stream_seed(cfg.seed, "model_init"))
+        transformer.add_adapter(
+            LoraConfig(
+                r=lora.rank,
+                lora_alpha=lora.alpha,
+                init_lora_weights=lora.init,  # type: ignore[arg-type]  # a config string; peft checks it
+                target_modules=backbone.lora_target_modules,
+            )
+        )
+
+
+def setup_trainable(cfg: TrainConfig, backbone: Backbone) -> tuple[list[nn.Parameter], nn.Module | None]:
+    """LoRA or full fine-tuning, the KL reference, then sharding (in that order)."""
+    transformer = backbone.transformer
+    transformer.requires_grad_(False)
+    reference = None
+    if cfg.model.lora.enabled:
+        add_lora(cfg, backbone)
+    else:
+        transformer.requires_grad_(True)
+        if cfg.grpo.kl_beta > 0:  # full fine-tuning: the reference is a frozen copy of the start
+            reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+    transformer.train()
+    compute = parse_dtype(cfg.model.dtype)
+    for module in (transformer, reference):
+        if module is not None:
+            parallelize(
+                module,
+                block_classes=backbone.block_classes,
+                param_dtype=compute,
+                activation_checkpointing=cfg.model.activation_checkpointing and module is transformer,
+            )
+    return [p for p in transformer.parameters() if p.requires_grad], reference
+
+
+def _scorer(field_name: str, name: str, kwargs: dict[str, Any], device: torch.device) -> Scorer:
+    """Scorer ``name`` built from the settings under ``field_name``, its arguments checked first."""
+    try:
+        inspect.signature(scorer_class(name)).bind(**kwargs)
+    except TypeError as err:
+        raise ConfigError(f"{field_name}: {err} (the scorer's arguments are in docs/rewards.md)") from None
+    with _settings(field_name):
+        return build_scorer(name, **kwargs).to(device)
+
+
+def adamw_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The optimizer's hyperparameters (grpo.lr, grpo.weight_decay, grpo.betas) as AdamW's keywords."""
+    g = cfg.grpo
+    return {"lr": g.lr, "weight_decay": g.weight_decay, "betas": (g.betas[0], g.betas[1])}
+
+
+def build_rewards(cfg: TrainConfig, device: torch.device) -> RewardCombiner:
+    """Every reward model is replicated on every rank: scoring is data-parallel and frozen."""
+    components = {
+        name: (
+            _scorer(f"reward.components.{name}", name, {k: v for k, v in comp.items() if k != "weight"}, device),
+            float(comp.get("weight", 1.0)),
+        )
+        for name, comp in cfg.reward.components.items()
+    }
+    return RewardCombiner(components, mode=cfg.reward.combine)
+
+
+def build_eval_scorers(cfg: TrainConfig, device: torch.device) -> dict[str, Scorer]:
+    """The evaluation metrics of ``eval.scorers`` (name -> constructor arguments)."""
+    return {
+        name: _scorer(f"eval.scorers.{name}", name, dict(kwargs), device) for name, kwargs in cfg.eval.scorers.items()
+    }
+
+
+def read_eval_prompts(cfg: TrainConfig) -> list[PromptRecord]:
+    """``data.eval_prompts`` (or the training prompts), cut to ``data.num_eval_prompts`` when set, each
+    ``eval.samples_per_prompt`` times (item j * n + i is sample j of prompt i: its own noise)."""
+    records = read_prompts(cfg.data.eval_prompts or cfg.data.train_prompts, field_name="data.eval_prompts")
+    return records[: cfg.data.num_eval_prompts or None] * cfg.eval.samples_per_prompt
+
+
+def read_heldout_prompts(cfg: TrainConfig) -> list[PromptRecord]:
+    """``data.heldout_prompts`` (none when unset), each ``eval.samples_per_prompt`` times."""
+    if cfg.data.heldout_prompts is None:
+        return []
+    return read_prompts(cfg.data.heldout_prompts, field_name="data.heldout_prompts") * cfg.eval.samples_per_prompt
+
+
+def predictor(
+    backbone: Backbone,
+    *,
+    compute_dtype: torch.dtype,
+    world_size: int,
+    device: torch.device,
+    transformer: nn.Module | None = None,
+) -> Predict:
+    """predict(z, t, cond) with the backbone's transformer, or with ``transformer`` (the reference).
+
+    Single-process runs compute in ``compute_dtype`` by autocast over float32 master weights;
+    under FSDP2 the mixed-precision policy does it.
+    """
+    wanted = compute_dtype != torch.float32 and world_size == 1
+
+    def predict(z: Tensor, t: Tensor, cond: Conditioning) -> Tensor:
+        with torch.autocast(device.type, dtype=compute_dtype) if wanted else nullcontext():
+            return backbone.predict(z, t, cond, transformer=transformer)
+
+    return predict
+
+
+def policy_predictor(run: Run, transformer: nn.Module | None = None) -> Predict:
+    return predictor(
+        run.backbone,
+        compute_dtype=run.compute_dtype,
+        world_size=run.dist.world_size,
+        device=run.device,
+        transformer=transformer,
+    )
+
+
+def reference_predictor(run: Run) -> Predict | None:
+    """The KL reference: the LoRA-disabled policy, or the frozen copy of full fine-tuning."""
+    if run.cfg.grpo.kl_beta == 0:
+        return None
+    if run.reference is not None:
+        return policy_predictor(run, run.reference)
+    policy = policy_predictor(run)
+    transformer: Any = run.backbone.transformer  # diffusers' PEFT mixin: enable/disable_adapters
+
+    def predict(z: Tensor, t: Tensor, cond: Conditioning) -> Tensor:
+        transformer.disable_adapters()
+        try:
+            return policy(z, t, cond)
+        finally:
+            transformer.enable_adapters()
+
+    return predict
+
+
+def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run:
+    """The run state; ``training``: refuse a checkpoint past num_steps (the probe only measures one)."""
+    seed_everything(cfg.seed, dist.rank)
+    run_dir = Path(broadcast_object(cfg.run_dir))  # every rank writes where rank 0 does
+    cfg.run_dir = str(run_dir)
+    checkpoints = CheckpointManager(run_dir, keep_last=cfg.checkpoint.keep_last)
+    resume_from = preflight(cfg, dist, checkpoints, max_step=cfg.num_steps if training else None)
+    device = resolve_device(cfg, dist)
+    records = read_prompts(cfg.data.train_prompts)
+    rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds
+    backbone = build_backbone(cfg, dist, device)
+    params, reference = setup_trainable(cfg, backbone)
+    g = cfg.grpo
+    optimizer = torch.optim.AdamW(params, **adamw_settings(cfg))
+    lg = cfg.logging
+    logger = RunLogger(
+        run_dir,
+        is_main=dist.is_main,
+        wandb_mode=lg.wandb_mode,
+        project=lg.project,
+        entity=lg.entity,
+        group=lg.group or cfg.experiment,
+        name=lg.name or f"{cfg.experiment}-{cfg.update.mode}-s{cfg.seed}",
+        tags=list(dict.fromkeys([cfg.update.mode, f"seed{cfg.seed}", cfg.sampler.sde, *lg.tags])),
+        notes=lg.notes,
+        config=cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg))),
+    )
+    return Run(
+        cfg=cfg,
+        dist=dist,
+        device=device,
+        backbone=backbone,
+        params=params,
+        optimizer=optimizer,
+        ema=EMA(params, g.ema_decay) if g.ema_decay > 0 else None,
+        rewards=rewards,
+        prompts=PromptSampler(
+            records, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, prompts_per_rank=g.prompts_per_rank
+        ),
+        checkpoints=checkpoints,
+        logger=logger,
+        reference=reference,
+        compute_dtype=parse_dtype(cfg.model.dtype),
+        router=build_router(cfg.update),
+        resume_from=resume_from,
+    )
+
+
+@contextmanager
+def open_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Iterator[Run]:
+    """``build_run``, and the logger finished however the block ends."""
+    run = build_run(cfg, dist, training=training)
+    try:
+        yield run
+    finally:
+        run.logger.finish()
+
+
+def build_for_eval(cfg: TrainConfig, dist: DistInfo) -> tuple[Backbone, Predict, torch.device]:
+    """The pretrained backbone in evaluation mode, its predictor and its device (``load_weights`` then
+    puts trained weights in; the predictor follows ``backbone.transformer``)."""
+    device = resolve_device(cfg, dist)
+    backbone = build_backbone(cfg, dist, device)
+    backbone.transformer.eval()
+    predict = predictor(backbone, compute_dtype=parse_dtype(cfg.model.dtype), world_size=dist.world_size, device=device)
+    return backbone, predict, device
+
+
+def load_weights(cfg: TrainConfig, backbone: Backbone, weights: Weights, device: torch.device) -> None:
+    """Trained weights into ``backbone.transformer``: a full export replaces it, a LoRA export adds its
+    adapter, a training checkpoint loads its model state (into LoRA adapters of ``model.lora`` first
+    when the run trained LoRA)."""
+    transformer: Any = backbone.transformer  # a diffusers model (from_pretrained, PEFT mixin)
+    if weights.kind == "export":
+        backbone.transformer = type(transformer).from_pretrained(weights.path, torch_dtype=torch.float32).to(device)
+    elif weights.kind == "lora_export":
+        transformer.load_lora_adapter(str(weights.path), prefix="transformer", weight_name=LORA_WEIGHT_NAME_SAFE)
+    else:
+        if cfg.model.lora.enabled:
+            add_lora(cfg, backbone)
+        CheckpointManager(weights.path.parent.parent).load(weights.path, model=backbone.transformer, optimizer=None)
+    backbone.transformer.eval()
+
+
+def build_router(update: UpdateConfig) -> Router:
+    """The router ``update.routing`` names."""
+    u = update
+    if u.routing == "auto":
+        return AutoRouter(
+            mode=u.mode,
+            window=u.window,
+            timestep_fraction=u.timestep_fraction,
+            every=u.auto_every,
+            threshold=u.auto_threshold,
+            num_rollouts=u.auto_rollouts,
+        )
+    if u.routing == "prefix":
+        return PrefixRouter(mode=u.mode, window=u.window, timestep_fraction=u.timestep_fraction, jagg_frac=u.jagg_frac)
+    raise ValueError(f"update.routing={u.routing!r} is not valid; accepted values: {', '.join(ROUTINGS)}")
+
+
+def update_settings(cfg: TrainConfig) -> UpdateSettings:
+    """The update stage's settings (train/algorithm/update.py) of a run's configuration."""
+    return UpdateSettings(
+        mode=cfg.update.mode,
+        window=cfg.update.window,
+        timestep_fraction=cfg.update.timestep_fraction,
+        clip_range=cfg.grpo.clip_range,
+        kl_beta=cfg.grpo.kl_beta,
+        gradient_accumulation_steps=cfg.grpo.gradient_accumulation_steps,
+        reuse_velocities=cfg.update.reuse_velocities,
+    )

@@ -1,0 +1,538 @@
+"""Resumable checkpoints (torch.distributed.checkpoint) and the export of the trained transformer.
+
+Layout of ``run_dir/checkpoints/step_00000040/``:
+
+* DCP files (``.metadata``, ``__<rank>_*.distcp``): ``{"model", "optim", "extra"}`` where model and
+  optimizer states come from ``get_state_dict`` (FSDP2-aware, resharding-capable) and ``extra``
+  holds the DTensor leaves of the caller's ``extra`` dict (e.g. an FSDP2 EMA, saved sharded).
+* ``rank{r}.pt``, one per rank: the rest of ``extra`` (step, data position, plain tensors, any
+  picklable object) and this rank's RNG states (torch CPU, CUDA if any, python, numpy). RNG
+  states differ per rank, so they are per-rank files, not DCP entries (DCP would keep rank 0's).
+* ``COMPLETE``: a JSON marker (step, world size).
+
+Atomicity: every rank writes into ``step_XXXXXXXX.tmp/``; after a barrier, rank 0 writes
+``COMPLETE`` there and renames the folder to ``step_XXXXXXXX/`` (an atomic rename on one file
+system). A crash at any earlier point leaves only a ``.tmp`` folder, which ``latest()`` ignores and
+the next save deletes, so the previous checkpoint stays the latest usable one.
+
+Damage after the fact (a disk error, a copy cut short, a file overwritten) is caught before any model
+loads by ``usable``: the marker must be the JSON written here, ``.metadata`` must read, every
+``.distcp`` shard must be as long as the metadata says and each rank's ``rank<r>.pt`` must load.
+What only reading the tensors shows (a shard of the right length holding zeros) and a checkpoint
+that does not fit the model (another size, LoRA against full weights) raise ``CheckpointError`` from
+``load``, saying which. The ranks agree on every verdict, so they resume from the same checkpoint;
+with ``resume=auto`` a damaged one is reported and the previous complete one is used.
+
+In a single process there is no process group: DCP is called with ``no_dist=True`` (it would
+otherwise guess the same; its warning is silenced) and ``get_state_dict`` works on the unsharded model.
+
+``export_model`` gathers the full (unsharded) state dict to rank 0's CPU and writes the
+transformer as diffusers ``save_pretrained`` output (loadable with ``from_pretrained``), a LoRA
+injected with diffusers' ``add_adapter`` as ``pytorch_lora_weights.safetensors`` (keys prefixed
+with the pipeline component, loadable with ``pipe.load_lora_weights`` or
+``transformer.load_lora_adapter``), or a ``peft.PeftModel`` as a PEFT adapter folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from diffusers import ModelMixin
+from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
+from peft import PeftModel
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import save_file
+from torch import Tensor, nn
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from train.components.errors import CheckpointError, PathError
+from train.distributed.collectives import (
+    barrier,
+    broadcast_object,
+    gather_objects,
+    get_rank,
+    get_world_size,
+    is_distributed,
+)
+
+log = logging.getLogger(__name__)
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_MARKER = "COMPLETE"
+_RANK_FILE_KEYS = {"step", "world_size", "extra", "rng", "sharded_extra_keys"}
+
+
+def is_complete(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint whose save finished (it holds the COMPLETE marker)."""
+    return (Path(path) / _MARKER).is_file()
+
+
+def _marker(path: Path) -> dict[str, Any]:
+    """``{"step", "world_size"}`` from the marker of a checkpoint that passed ``problem``."""
+    return json.loads((path / _MARKER).read_text())
+
+
+def _rank_file(saved_world: int) -> str:
+    """This rank's file of a checkpoint saved by ``saved_world`` ranks: its own, or rank 0's when resharded."""
+    return f"rank{get_rank()}.pt" if saved_world == get_world_size() else "rank0.pt"
+
+
+def _split_extra(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a nested dict into (DTensor leaves, everything else), both keeping the nesting."""
+    sharded: dict[str, Any] = {}
+    local: dict[str, Any] = {}
+    for key, value in tree.items():
+        if not isinstance(key, str):
+            raise ValueError(f"checkpoint extra: keys must be strings, got {key!r}")
+        if isinstance(value, dict):
+            sub_sharded, sub_local = _split_extra(value)
+            if sub_sharded:
+                sharded[key] = sub_sharded
+            if sub_local or not sub_sharded:
+                local[key] = sub_local
+        elif isinstance(value, DTensor):
+            sharded[key] = value
+        else:
+            local[key] = value
+    return sharded, local
+
+
+def _merge(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in other.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _flat_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
+    keys: set[str] = set()
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        keys |= _flat_keys(value, path + ".") if isinstance(value, dict) else {path}
+    return keys
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+@contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """Silence DCP's "assuming ... a single process" warning: that is our explicit no_dist choice."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _train_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
+class CheckpointManager:
+    """Save, find and load the checkpoints of one run (every rank constructs one, same run_dir)."""
+
+    def __init__(self, run_dir: str | Path, *, keep_last: int = 3) -> None:
+        if keep_last < 1:
+            raise ValueError(f"checkpoint keep_last must be >= 1, got {keep_last}")
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last = keep_last
+
+    def path_for(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}"
+
+    def complete(self) -> list[Path]:
+        """Complete checkpoints, oldest first (folders ending in .tmp are ignored)."""
+        if not self.root.is_dir():
+            return []
+        steps: dict[Path, int] = {}
+        for path in self.root.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and is_complete(path):
+                steps[path] = int(match.group(1))
+        return sorted(steps, key=steps.__getitem__)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        found = self.complete()
+        return found[-1] if found else None
+
+    def usable(self, resume: str | None) -> list[Path]:
+        """The checkpoints ``resume`` names whose files are whole, newest first; a collective.
+
+        None or "" -> none. A path -> [path], or CheckpointError naming what is wrong with it. "auto"
+        -> every complete checkpoint of this run that passes the check (a damaged one is logged and
+        skipped); CheckpointError when there are some and every one is damaged.
+        """
+        if resume in (None, ""):
+            return []
+        if resume != "auto":
+            problem = self.problem(Path(resume))
+            if problem:
+                raise CheckpointError(
+                    f"resume={resume}: {problem}; resume from another checkpoint, or use resume=auto",
+                    damaged=True,
+                )
+            return [Path(resume)]
+        found, damaged = [], []
+        # Rank 0's listing for every rank: each candidate is checked by a collective, so all ranks must
+        # walk the same list even when a shared file system shows them the folder at different moments.
+        for path in broadcast_object(list(reversed(self.complete()))):
+            problem = self.problem(path)
+            if problem:
+                log.warning("resume=auto: skipping the damaged %s", problem)
+                damaged.append(problem)
+            else:
+                found.append(path)
+        if damaged and not found:
+            raise CheckpointError(
+                f"resume=auto: no checkpoint under {self.root} can be resumed from ({'; '.join(damaged)}); "
+                "delete the damaged ones to start from step 0",
+                damaged=True,
+            )
+        return found
+
+    def problem(self, path: Path) -> str | None:
+        """What is wrong with the files of checkpoint ``path`` on any rank ("checkpoint <path>: ..."), or None.
+
+        A collective. Rank 0 checks the shared files (marker, metadata, shard lengths), every rank its
+        own ``rank<r>.pt``; nothing is loaded into a model.
+        """
+        local = self._local_problem(path)
+        problems = [(rank, p) for rank, p in enumerate(gather_objects(local)) if p]
+        if not problems:
+            return None
+        rank, problem = problems[0]
+        return f"checkpoint {path}: {problem}{f' (seen by rank {rank})' if rank else ''}"
+
+    def step_of(self, path: Path) -> int:
+        """The step a checkpoint holds, from its marker (``problem`` found nothing wrong with it)."""
+        return int(_marker(path)["step"])
+
+    def _local_problem(self, path: Path) -> str | None:
+        if not path.is_dir():
+            return "it is not a folder"
+        marker = path / _MARKER
+        if not marker.is_file():
+            return f"it has no {_MARKER} marker (an interrupted save, or not a checkpoint folder)"
+        text = marker.read_bytes()[:200]
+        try:
+            info = json.loads(text)
+            step, world = info["step"], info["world_size"]
+        except (ValueError, KeyError, TypeError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            return f"its {_MARKER} marker is not the JSON the trainer writes ({text[:40]!r})"
+        if not isinstance(step, int) or not isinstance(world, int) or world < 1:
+            return f"its {_MARKER} marker holds step={step!r}, world_size={world!r}; expected integers"
+        match = _STEP_DIR.match(path.name)
+        if match and int(match.group(1)) != step:
+            return f"its {_MARKER} marker says step {step}, its folder name step {int(match.group(1))}"
+        if get_rank() == 0:
+            problem = self._shard_problem(path)
+            if problem:
+                return problem
+        name = _rank_file(world)
+        try:  # memory-mapped: the check reads the pickled structure, not every tensor of the file
+            local = torch.load(path / name, weights_only=False, mmap=True)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        # Whatever torch.load raises on a cut or overwritten file (zip, pickle, OS errors), the file is damaged.
+        except Exception as err:
+            return f"{name} cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:80]})"
+        if not isinstance(local, dict) or not _RANK_FILE_KEYS <= set(local) or local["step"] != step:
+            return f"{name} is not the rank file of step {step}"
+        return None
+
+    @staticmethod
+    def _shard_problem(path: Path) -> str | None:
+        """The metadata must read and every shard must be as long as the byte ranges it lists."""
+        if not (path / ".metadata").is_file():
+            return "it has no .metadata file (the index of its .distcp shards)"
+        try:
+            metadata = FileSystemReader(str(path)).read_metadata()
+        except Exception as err:  # any failure to unpickle the index means the file is damaged
+            return f".metadata cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:80]})"
+        needed: dict[str, int] = {}
+        for info in (metadata.storage_data or {}).values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for name, size in sorted(needed.items()):
+            shard = path / name
+            if not shard.is_file():
+                return f"{name} is missing"
+            if shard.stat().st_size < size:
+                return f"{name} is truncated ({shard.stat().st_size} of {size} bytes)"
+        return None
+
+    def save(self, step: int, *, model: nn.Module, optimizer: Optimizer | None, extra: dict[str, Any]) -> Path:
+        """Write a checkpoint of step ``step`` on every rank (a collective); return its folder."""
+        rng = _rng_state()
+        final = self.path_for(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if get_rank() == 0:
+            self._prepare()
+        barrier()
+        sharded_extra, local_extra = _split_extra(extra)
+        state = _train_state(model, optimizer)
+        if sharded_extra:
+            state["extra"] = sharded_extra
+        with _single_process_ok():
+            dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
+        local = {
+            "step": step,
+            "world_size": get_world_size(),
+            "extra": local_extra,
+            "rng": rng,
+            "sharded_extra_keys": sorted(_flat_keys(sharded_extra)),
+        }
+        torch.save(local, tmp / f"rank{get_rank()}.pt")
+        barrier()
+        if get_rank() == 0:
+            (tmp / _MARKER).write_text(json.dumps({"step": step, "world_size": get_world_size()}))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            self._prune()
+        barrier()
+        return final
+
+    def load(
+        self,
+        path: str | Path,
+        *,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        extra_template: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Restore model, optimizer and this rank's RNG states in place; return ``extra``.
+
+        Sharded (DTensor) entries of ``extra`` are loaded into the matching DTensors of
+        ``extra_template`` (e.g. ``{"ema": ema.state_dict()}``, which restores the EMA in place);
+        the rest comes from this rank's file. With a different world size than at save time,
+        model and optimizer reshard, ``extra`` comes from rank 0's file and RNG states are not
+        restored (a warning says so).
+        """
+        path = Path(path)
+        if not is_complete(path):
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {_MARKER} file)", damaged=True)
+        local = self._read_rank_file(path)
+        sharded_template, _ = _split_extra(extra_template or {})
+        missing = set(local["sharded_extra_keys"]) - _flat_keys(sharded_template)
+        if missing:
+            raise ValueError(
+                f"checkpoint {path} holds sharded extra entries {sorted(missing)}: pass "
+                "extra_template with DTensors of the same shape, e.g. {'ema': ema.state_dict()}"
+            )
+        state = _train_state(model, optimizer)
+        if local["sharded_extra_keys"]:
+            state["extra"] = sharded_template
+        try:
+            with _single_process_ok():
+                dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
+        except CheckpointException as err:  # raised on every rank, with every rank's failure
+            raise _load_error(path, err) from None
+        if optimizer is None:
+            set_model_state_dict(model, state["model"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return _merge(local["extra"], state.get("extra", {}))
+
+    def _read_rank_file(self, path: Path) -> dict[str, Any]:
+        saved_world = _marker(path)["world_size"]
+        resharded = saved_world != get_world_size()
+        # weights_only=False: the file is written by save() above and holds numpy RNG state.
+        local = torch.load(path / _rank_file(saved_world), weights_only=False)
+        if resharded:
+            warnings.warn(
+                f"checkpoint {path} was saved with world size {saved_world}, now {get_world_size()}: "
+                "RNG states are not restored",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        else:
+            _set_rng_state(local["rng"])
+        return local
+
+    def _prepare(self) -> None:
+        """Create the folder and delete the leftovers of interrupted saves."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob("step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def _prune(self) -> None:
+        for old in self.complete()[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_error(path: Path, err: CheckpointException) -> CheckpointError:
+    """A CheckpointError for a failed DCP load: the checkpoint does not fit the model, or a shard is damaged."""
+    failures = [failure[0] for failure in err.failures.values()]
+    for failure in failures:
+        text = str(failure)
+        if "Size mismatch" in text:
+            return CheckpointError(
+                f"checkpoint {path} was saved from a model of another size ({text}); resume with the model "
+                "settings it was saved with (model.*), or start a new run folder",
+                damaged=False,
+            )
+        if "Missing key" in text:
+            return CheckpointError(
+                f"checkpoint {path} does not hold this model's weights ({text.rstrip('.')}): it was saved with "
+                "other model settings (model.name, model.path, model.lora.*); resume with those, or start a new "
+                "run folder",
+                damaged=False,
+            )
+    # torch.load's own message for a zeroed shard advises weights_only=False, which would not help.
+    kinds = sorted({type(failure).__name__ for failure in failures})
+    return CheckpointError(
+        f"checkpoint {path} is damaged: its .distcp shards do not read back as saved tensors ({', '.join(kinds)}; "
+        "a zeroed, overwritten or cut file)",
+        damaged=True,
+    )
+
+
+def export_model(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    adapter_name: str | None = None,
+    lora_prefix: str = "transformer",
+) -> Path:
+    """Write the trained transformer, or only its LoRA adapter, to ``out_dir`` (a collective).
+
+    dtype: cast the exported tensors (None keeps the training dtype). adapter_name: which LoRA
+    adapter to write when the model holds several. lora_prefix: the pipeline component the LoRA
+    keys are prefixed with (diffusers-injected adapters only).
+    """
+    if not isinstance(model, (ModelMixin, PeftModel)):
+        raise ValueError(
+            f"export_model: {type(model).__name__} is neither a diffusers ModelMixin nor a peft "
+            "PeftModel; only those have a loadable on-disk format"
+        )
+    # Full tensors are gathered on every rank but kept only on rank 0 (cpu_offload), in CPU memory.
+    full: dict[str, Any] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = Path(out_dir)
+    if get_rank() == 0:
+        if dtype is not None:
+            full = {key: value.to(dtype) for key, value in full.items()}
+        if isinstance(model, PeftModel):
+            model.save_pretrained(str(out), state_dict=full)
+        elif getattr(model, "peft_config", None):
+            _export_diffusers_lora(model, full, out, adapter_name, lora_prefix)
+        else:
+            _export_full(model, full, out)
+    barrier()
+    return out
+
+
+def _export_full(model: ModelMixin, state: dict[str, Tensor], out: Path) -> None:
+    """save_pretrained of an unsharded copy built on the meta device from the model's config.
+
+    FSDP2 swaps the model's class for a generated subclass; the copy uses the original class, so
+    config.json names the real class.
+    """
+    cls: Any = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    with torch.device("meta"):
+        copy = cls.from_config(model.config)  # type: ignore[attr-defined]  # ModelMixin's ConfigMixin
+    copy.load_state_dict(state, strict=True, assign=True)
+    copy.save_pretrained(out)
+
+
+def _export_diffusers_lora(
+    model: Any, state: dict[str, Tensor], out: Path, adapter_name: str | None, prefix: str
+) -> None:
+    """The file diffusers' ``save_lora_adapter`` writes, from the gathered state and with a prefix."""
+    names = list(model.peft_config)
+    if adapter_name is None:
+        if len(names) != 1:
+            raise ValueError(f"export_model: the model holds adapters {names}; pass adapter_name")
+        adapter_name = names[0]
+    if adapter_name not in names:
+        raise ValueError(f"export_model: adapter_name={adapter_name!r} not in the model's adapters {names}")
+    lora = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter_name)
+    config = model.peft_config[adapter_name].to_dict()
+    config = {key: sorted(value) if isinstance(value, set) else value for key, value in config.items()}
+    # Like a pipeline's save_lora_weights: tensor keys and adapter-config keys carry the component prefix.
+    tag = f"{prefix}." if prefix else ""
+    tensors = {f"{tag}{key}": value.contiguous() for key, value in lora.items()}
+    packed = {f"{tag}{key}": value for key, value in config.items()}
+    metadata = {"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True)}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / LORA_WEIGHT_NAME_SAFE), metadata=metadata)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Trained weights that ``python -m train.eval`` can load, found from a path on its command line."""
+
+    kind: str  # "checkpoint" (a step_XXXXXXXX folder), "export" (save_pretrained) or "lora_export"
+    path: Path
+    run_dir: Path | None  # the run folder that wrote them (holds metrics.jsonl or .hydra/), when recognisable
+    tag: str  # names the evaluation's files: "step_00000060" or "export"
+
+
+def _run_folder(path: Path) -> Path | None:
+    return path if (path / "metrics.jsonl").is_file() or (path / ".hydra").is_dir() else None
+
+
+def find_weights(value: str, field: str) -> Weights:
+    """What ``value`` (``eval.transformer`` or ``resume``) points at: an export, a checkpoint, or a run folder
+    (its export, else its latest complete checkpoint). Raises PathError naming ``field`` and the fix."""
+    path = Path(value)
+    accepted = "an export folder (<run>/export), a checkpoint folder (<run>/checkpoints/step_XXXXXXXX) or a run folder"
+    if not path.exists():
+        raise PathError(f"{field}={value!r} does not exist; pass {accepted}")
+    if is_complete(path):
+        run = _run_folder(path.parent.parent) if path.parent.name == "checkpoints" else None
+        return Weights("checkpoint", path, run, path.name)
+    if (path / "config.json").is_file() or (path / LORA_WEIGHT_NAME_SAFE).is_file():
+        kind = "export" if (path / "config.json").is_file() else "lora_export"
+        return Weights(kind, path, _run_folder(path.parent), "export")
+    if path.parent.name == "checkpoints" or path.name.endswith(".tmp"):
+        raise PathError(
+            f"{field}={value!r} is not a complete checkpoint (no COMPLETE marker: its save was interrupted); "
+            f"pick another folder of {path.parent}"
+        )
+    if (path / "export").is_dir():
+        return find_weights(str(path / "export"), field)
+    latest = CheckpointManager(path).latest()
+    if latest is not None:
+        return find_weights(str(latest), field)
+    raise PathError(f"{field}={value!r} holds no trained weights; pass {accepted}")

@@ -1,0 +1,515 @@
+"""The typed configuration schema of the trainer, and its validation.
+
+Every field says its unit and whether it is per rank or global. The YAML tree under ``configs/``
+fills these dataclasses (Hydra's ConfigStore registers them as ``train_schema``, the first entry
+of ``configs/train.yaml``'s defaults list), so a misspelled key or a wrong type fails at compose
+time. ``validate`` then rejects impossible combinations before any model is loaded: every float
+must be finite and in its range, every count >= 0 (>= 1 where 0 would mean nothing), every file
+must exist and read as UTF-8. It raises ConfigError or PathError (train/components/errors.py), which the
+commands print as one line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from rewards.combine import COMBINE_MODES
+from samplers.sde import SDE_KINDS
+from train.algorithm.groups import split_groups
+from train.algorithm.jagg import UPDATE_MODES
+from train.algorithm.routing import ROUTINGS
+from train.components.data import read_prompts
+from train.components.errors import ConfigError, PathError
+
+DTYPES = ("float32", "bfloat16", "float16")
+LORA_INITS = ("gaussian", "olora", "pissa", "orthogonal")  # peft's init_lora_weights that need no extra config
+REUSE_VELOCITIES = ("fresh", "stale", "off")  # update.reuse_velocities
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False  # train LoRA adapters instead of every transformer weight
+    rank: int = 64  # r: rank of each adapter's B A, >= 1
+    alpha: int = 128  # scaling: the adapter adds alpha / r * B A, >= 1
+    init: str = "gaussian"  # peft init_lora_weights: gaussian | olora | pissa | pissa_niter_<n> | orthogonal
+
+
+@dataclass
+class ModelConfig:
+    name: str = "flux"  # backbone registry key: flux | qwenimage (models/registry.py)
+    path: str = MISSING  # local diffusers pipeline folder (no hub downloads)
+    build_tiny: str | None = None  # "tiny" | "small": build a random offline pipeline at `path` if absent (CPU demos)
+    dtype: str = "float32"  # transformer parameter/compute dtype: float32 | bfloat16 | float16
+    height: int = 32  # image height in pixels
+    width: int = 32  # image width in pixels
+    # adapter options for models.registry.load_backbone: Flux guidance / max_sequence_length (text tokens
+    # per prompt; longer prompts are truncated with a warning), per-component folders (e.g. vae: /path)
+    options: dict = field(default_factory=dict)
+    embedding_cache: str | None = None  # cache folder written by scripts/precompute_embeddings.py
+    # images per VAE decode call when the rollout is scored (per rank); 0 = every sample of the step in one call.
+    # Decoding many 720x720 images at once dominates the step's memory (python -m train.plan shows it).
+    decode_batch: int = 0
+    activation_checkpointing: bool = False  # recompute each transformer block in backward
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class SamplerConfig:
+    sde: str = "dance"  # transition kind: dance (constant eta) | flow (noise_level) | ode
+    num_steps: int = 21  # denoising steps N per rollout; the last transition is never trained
+    shift: float | None = 3.0  # fixed timestep shift, > 0; null = the backbone's own (dynamic) schedule
+    eta: float = 0.3  # dance: diffusion coefficient g (constant), > 0
+    noise_level: float = 0.7  # flow: g = noise_level * sqrt(sigma / (1 - sigma)), > 0
+    quantize_timesteps: bool = False  # feed int(1000 sigma) / 1000 to the transformer (DanceGRPO)
+    sde_window_size: int = 0  # Flow-GRPO-Fast: >0 = SDE only on this many consecutive steps, ODE elsewhere
+    sde_window_range: list[int] = field(default_factory=lambda: [0, 12])  # [lo, hi): window start in [lo, hi - size]
+
+
+@dataclass
+class UpdateConfig:
+    mode: str = "jagg"  # exact | jagg | jagg_sequential | ablate
+    window: int = 4  # W: consecutive transitions per group
+    # Which groups take the `mode` path (train/algorithm/routing.py). prefix: those ending at or before
+    # round(jagg_frac * M), M the trainable transitions; the rest are exact. auto: every auto_every steps
+    # a probe measures cos(g_mode, g_exact) per group on the current policy and a group takes the
+    # `mode` path when its mean cosine >= auto_threshold.
+    routing: str = "prefix"  # prefix | auto
+    jagg_frac: float = 0.6  # routing=prefix: share of the trajectory, in [0, 1], routed to the `mode` path
+    timestep_fraction: float = 1.0  # share of groups trained per sample (DanceGRPO draws them at random)
+    auto_every: int = 10  # routing=auto: training steps between probes (the first step always probes)
+    auto_threshold: float = 0.5  # routing=auto: minimum mean cosine for the `mode` path (the paper's 0.5)
+    auto_rollouts: int = 4  # routing=auto: trajectories per probe, all ranks together (<= G * prompts_per_rank)
+    # The middle steps of a jagg / jagg_sequential group need v_j only for s_j = dL_j/dv_j, and the rollout computed
+    # them. fresh: the rollout keeps its velocities and the update uses them while the weights are those that
+    # sampled (until the first optimizer step of the training step), then recomputes them; stale: uses them after
+    # optimizer steps too (an approximation: python -m train.probe reports its cosine); off: keeps none
+    # and always recomputes. Kept velocities cost N * (latent elements) * (model.dtype bytes) per sample (per rank;
+    # logged as memory/velocity_bytes_per_sample); exact and ablate, or W = 2, keep none.
+    reuse_velocities: str = "fresh"  # fresh | stale | off
+    offload_velocities: bool = False  # keep the rollout's velocities in host memory (pinned) instead of on the GPU
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = 12  # G: samples per prompt, all on one rank, sharing one initial noise
+    prompts_per_rank: int = 1  # prompts per rank per training step (per rank)
+    micro_batch: int = 1  # samples per forward/backward in the update (per rank)
+    gradient_accumulation_steps: int = 12  # samples per rank per optimizer step
+    clip_range: float = 1e-4  # PPO clip epsilon of the ratio, > 0
+    adv_clip_max: float = 5.0  # advantages are clamped to +-adv_clip_max, > 0
+    adv_eps: float = 1e-8  # added to the group std, >= 0
+    global_std: bool = False  # normalize by the std of all rewards of the step (all ranks) instead of per group
+    # Flow-GRPO's beta (the paper's Table 4 values as they are): beta * mean (mu - mu_ref)^2 / (2 g^2) over the
+    # trained steps' transition means, g the step's diffusion coefficient, >= 0 (0 = off, no reference forwards)
+    kl_beta: float = 0.0
+    lr: float = 1e-5  # AdamW learning rate, > 0 (on resume the configured value replaces the checkpoint's)
+    weight_decay: float = 1e-4  # AdamW decoupled weight decay, >= 0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW (beta1, beta2), each in [0, 1)
+    max_grad_norm: float = 1.0  # global gradient-norm clip, across all shards, > 0
+    ema_decay: float = 0.0  # EMA of trainable weights for evaluation, in [0, 1) (0 = off)
+
+
+@dataclass
+class RewardConfig:
+    combine: str = "sum"  # sum: weighted sum of raw scores; advantage: weighted sum of per-reward advantages
+    # scorer registry key (hpsv2 | clipscore | pickscore | jpeg_compressibility | ...) ->
+    # {weight: float (default 1), <the scorer's arguments, e.g. checkpoint: /path>} (docs/rewards.md).
+    # Untyped so that `+reward.components.pickscore.weight=0.5` can add a component from the command line.
+    components: dict = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    train_prompts: str = MISSING  # text file, one prompt per line
+    eval_prompts: str | None = None  # text or jsonl ({"prompt", "category"}) file for evaluation
+    num_eval_prompts: int = 0  # 0 = all of eval_prompts
+    # prompts kept out of training, evaluated with the eval prompts (as many samples each) and logged as
+    # eval/<metric>/held-out: whether training on a prompt subset generalises (null = none)
+    heldout_prompts: str | None = None
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: str = "disabled"  # disabled | offline | online
+    project: str = "jagg-grpo"  # wandb project
+    entity: str | None = None  # wandb entity (user or team); null = wandb's default entity
+    group: str | None = None  # wandb group; null = the experiment name (scripts/launch/compare_modes.sh sets one)
+    name: str | None = None  # wandb run name; null = <experiment>-<update.mode>-s<seed>
+    tags: list[str] = field(default_factory=list)  # wandb tags, added to the automatic ones (mode, seed<N>, sde)
+    notes: str | None = None  # wandb notes: a sentence on what this run tests
+    sample_every: int = 0  # save (and send to wandb) a captioned grid of rollout images every N steps (0 = never)
+    # evaluate before training, every N steps and after the last step (0 = never); eval/* at step k = after k steps
+    eval_every: int = 0
+    progress_bar: bool = True  # a tqdm bar on rank 0; when false, a heartbeat line instead
+    heartbeat_s: float = 60.0  # progress_bar=false: seconds between progress lines (0 = one line per step)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N steps (0 = only at the end); the last step is always saved
+    keep_last: int = 3  # complete checkpoints kept, >= 1; older ones are deleted after each save
+    export: bool = True  # write the trained transformer (or LoRA) in diffusers format at the end
+
+
+@dataclass
+class EvalConfig:
+    num_steps: int = 28  # ODE steps of evaluation sampling
+    batch_size: int = 4  # prompts per rank per sampling call
+    seed: int = 0  # prompt i starts from the noise of the stream (seed, "eval_noise", i) (train/distributed/seeds.py)
+    # images per prompt, each from its own noise: sample j of prompt i (of n) is evaluation item j * n + i,
+    # so sample 0 keeps the noise of samples_per_prompt=1; more samples shrink the spread of a small prompt set
+    samples_per_prompt: int = 1
+    grid_size: int = 16  # images in the PNG grid (the first prompts), and pairs in the before/after sheet
+    # python -m train.eval: the weights to evaluate: an export (<run>/export), a training checkpoint
+    # (<run>/checkpoints/step_XXXXXXXX) or a run folder (its export, else its latest checkpoint); null = pretrained
+    transformer: str | None = None
+    # python -m train.eval: also evaluate the pretrained model (same prompts and noise) and report the paired difference
+    compare_pretrained: bool = False
+    # metric name (hpsv2 | pickscore | clipscore | jpeg_compressibility | ...) -> scorer arguments (local paths)
+    scorers: dict[str, dict] = field(default_factory=dict)
+
+
+@dataclass
+class ProbeConfig:
+    """``python -m train.probe``: gradient quality of a JAGG path per group (train/probe/command.py)."""
+
+    num_rollouts: int = 20  # K: trajectories measured, all ranks together (the paper: >= 20)
+    mode: str = "jagg"  # the path compared with exact: jagg | jagg_sequential | ablate
+    threshold: float = 0.5  # a group qualifies for the path when its mean cos(g_mode, g_exact) >= threshold
+    output: str | None = None  # JSON report; null = <run_dir>/grad_quality.json
+
+
+@dataclass
+class DistConfig:
+    # Seconds a collective may wait for the other ranks before this rank fails with a message naming it
+    # (a hung, stopped or dead rank). Longer than any legitimate wait: a slow checkpoint save or evaluation.
+    timeout_s: float = 1800.0
+
+
+@dataclass
+class PlanConfig:
+    """``python -m train.plan``: per-rank memory and FLOPs of one training step, traced on CPU (train/plan/)."""
+
+    world_size: int = 8  # ranks (GPUs) the transformer is sharded over with FSDP2; >= 2
+    gpu_memory_gib: float = 80.0  # memory of one GPU, GiB
+    # GiB per GPU kept out of the budget for what the trace cannot see: the CUDA context, NCCL buffers
+    # and the caching allocator's fragmentation. A run fits when its traced peak <= gpu_memory_gib - reserved_gib.
+    reserved_gib: float = 4.0
+    # Folder of architecture configs in the diffusers layout (<arch>/transformer/config.json, vae/, text encoders;
+    # config files only, no weights). null = model.path when it is given, else configs/arch/<the backbone's model>.
+    arch: str | None = None
+    output: str | None = None  # also write the report as JSON to this file (null = print only)
+
+
+@dataclass
+class TrainConfig:
+    experiment: str = "demo"  # name used for the wandb group and the run folder
+    run_dir: str = ""  # shared run folder of all ranks; "" = Hydra's output folder (hydra.run.dir)
+    seed: int = 42  # every random stream derives from (seed, purpose, index) (train/distributed/seeds.py)
+    num_steps: int = 10  # training steps (rollout + update)
+    resume: str | None = None  # null | auto (latest checkpoint in run_dir) | path to a checkpoint folder
+    device: str = "auto"  # auto | cpu | cuda
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+
+def register_schema() -> None:
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def _choice(value, accepted, name: str) -> None:
+    if value not in accepted:
+        raise ConfigError(f"{name}={value!r} is not valid; accepted values: {', '.join(map(str, accepted))}")
+
+
+def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    if high is None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    if low is None:
+        return f"{'<' if high_open else '<='} {high:g}"
+    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+def _in_range(
+    value: float,
+    name: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    why: str = "",
+) -> None:
+    """``value`` finite and within its bounds (an open end excludes the bound itself); ``why`` ends the message."""
+    ok = math.isfinite(value)
+    ok = ok and (low is None or (value > low if low_open else value >= low))
+    ok = ok and (high is None or (value < high if high_open else value <= high))
+    if not ok:
+        finite = "" if math.isfinite(value) else "a finite number "
+        raise ConfigError(f"{name} must be {finite}{_bounds(low, high, low_open, high_open)}, got {value}{why}")
+
+
+def _positive(value, name: str, why: str = "") -> None:
+    _in_range(value, name, low=0, low_open=True, why=why)
+
+
+def _non_negative(value, name: str, why: str = "") -> None:
+    _in_range(value, name, low=0, why=why)
+
+
+def _check_finite(node: object, prefix: str) -> None:
+    """Every float anywhere in the settings (dataclass fields, lists, dicts such as model.options) is finite.
+
+    The field-specific checks below add the ranges; this walk keeps a new float field from slipping
+    through with a NaN, which no comparison rejects.
+    """
+    if is_dataclass(node):
+        items = [(f.name, getattr(node, f.name)) for f in fields(node)]
+    elif isinstance(node, dict):
+        items = [(str(key), value) for key, value in node.items()]
+    elif isinstance(node, list | tuple):
+        items = [(f"[{i}]", value) for i, value in enumerate(node)]
+    else:
+        return
+    for key, value in items:
+        name = f"{prefix}{key}" if key.startswith("[") or not prefix else f"{prefix}.{key}"
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name} must be a finite number, got {value}")
+        _check_finite(value, name)
+
+
+def unknown_setting(prefix: str, key: str, schema: type) -> str:
+    """The error for ``<prefix><key>``, which the dataclass ``schema`` does not declare, with the closest name."""
+    close = difflib.get_close_matches(key, sorted(f.name for f in fields(schema)), n=1)
+    hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+    return f"{prefix}{key} is not a setting of {schema.__name__}{hint} (train/components/config.py)"
+
+
+def _check_known_keys(node: object, prefix: str) -> None:
+    """A key added with ``+group.key=value`` that no dataclass declares would be silently ignored: reject it."""
+    if not is_dataclass(node):
+        return
+    declared = {f.name for f in fields(node)}
+    for key in vars(node):
+        if key not in declared:
+            raise ConfigError(unknown_setting(prefix, key, type(node)))
+    for name in declared:
+        _check_known_keys(getattr(node, name), f"{prefix}{name}.")
+
+
+def trainable_transitions(sampler: SamplerConfig, window_start: int | None = None) -> list[int]:
+    """Trainable transitions of a rollout: the SDE steps, without the last (ignored) transition."""
+    last = sampler.num_steps - 1
+    if sampler.sde == "ode":
+        return []
+    if sampler.sde_window_size <= 0:
+        return list(range(last))
+    start = sampler.sde_window_range[0] if window_start is None else window_start
+    return [k for k in range(start, start + sampler.sde_window_size) if k < last]
+
+
+def _validate_model(m: ModelConfig, known_backbones: tuple[str, ...]) -> None:
+    _choice(m.name, known_backbones, "model.name")
+    _choice(m.dtype, DTYPES, "model.dtype")
+    if m.build_tiny is not None:
+        _choice(m.build_tiny, ("tiny", "small"), "model.build_tiny")
+    _positive(m.height, "model.height")
+    _positive(m.width, "model.width")
+    _non_negative(m.decode_batch, "model.decode_batch", " (0 = every sample of the step in one call)")
+    _positive(m.lora.rank, "model.lora.rank")
+    _positive(m.lora.alpha, "model.lora.alpha")
+    if m.lora.init not in LORA_INITS and not re.fullmatch(r"pissa_niter_\d+", m.lora.init):
+        raise ConfigError(
+            f"model.lora.init={m.lora.init!r} is not valid; accepted values: {', '.join(LORA_INITS)}, pissa_niter_<n>"
+        )
+
+
+def _validate_sampler(s: SamplerConfig) -> None:
+    _choice(s.sde, SDE_KINDS[:2], "sampler.sde")
+    if s.num_steps < 2:
+        raise ConfigError(f"sampler.num_steps must be >= 2 (the last transition is never trained), got {s.num_steps}")
+    if s.shift is not None:
+        _positive(s.shift, "sampler.shift")
+    # A diffusion coefficient of 0 makes every SDE step deterministic: no log-probability to train on.
+    (_positive if s.sde == "dance" else _non_negative)(s.eta, "sampler.eta")
+    (_positive if s.sde == "flow" else _non_negative)(s.noise_level, "sampler.noise_level")
+    _non_negative(s.sde_window_size, "sampler.sde_window_size", " (0 = SDE on every step)")
+    if len(s.sde_window_range) != 2:
+        raise ConfigError(f"sampler.sde_window_range must be [lo, hi], got {list(s.sde_window_range)}")
+    if s.sde_window_size > 0:
+        lo, hi = s.sde_window_range
+        if not (0 <= lo and lo + s.sde_window_size <= hi <= s.num_steps - 1):
+            raise ConfigError(
+                f"sampler.sde_window_range={list(s.sde_window_range)} must satisfy 0 <= lo and "
+                f"lo + sde_window_size ({s.sde_window_size}) <= hi <= num_steps - 1 ({s.num_steps - 1})"
+            )
+
+
+def _validate_grpo(g: GRPOConfig) -> None:
+    for name in ("group_size", "prompts_per_rank", "micro_batch", "gradient_accumulation_steps"):
+        _positive(getattr(g, name), f"grpo.{name}")
+    if g.group_size < 2:
+        raise ConfigError(f"grpo.group_size must be >= 2 (advantages are relative within a group), got {g.group_size}")
+    samples = g.group_size * g.prompts_per_rank
+    if samples % g.gradient_accumulation_steps:
+        raise ConfigError(
+            f"grpo.gradient_accumulation_steps={g.gradient_accumulation_steps} must divide the samples per rank "
+            f"per step (group_size * prompts_per_rank = {samples})"
+        )
+    if g.gradient_accumulation_steps % g.micro_batch:
+        raise ConfigError(
+            f"grpo.micro_batch={g.micro_batch} must divide "
+            f"grpo.gradient_accumulation_steps={g.gradient_accumulation_steps}"
+        )
+    _positive(g.clip_range, "grpo.clip_range")
+    _positive(g.adv_clip_max, "grpo.adv_clip_max")
+    _non_negative(g.adv_eps, "grpo.adv_eps")
+    _non_negative(g.kl_beta, "grpo.kl_beta", " (0 = no KL term)")
+    _positive(g.max_grad_norm, "grpo.max_grad_norm")
+    _in_range(g.ema_decay, "grpo.ema_decay", low=0, high=1, high_open=True, why=" (0 = no EMA)")
+    # AdamW's own checks run only once the model is loaded: the same ranges, up front.
+    _positive(g.lr, "grpo.lr")
+    _non_negative(g.weight_decay, "grpo.weight_decay")
+    if len(g.betas) != 2:
+        raise ConfigError(f"grpo.betas must be two numbers [beta1, beta2], got {list(g.betas)}")
+    for i, beta in enumerate(g.betas):
+        _in_range(beta, f"grpo.betas[{i}]", low=0, high=1, high_open=True)
+
+
+def _validate_update(u: UpdateConfig, g: GRPOConfig) -> None:
+    _choice(u.mode, UPDATE_MODES, "update.mode")
+    _choice(u.routing, ROUTINGS, "update.routing")
+    _choice(u.reuse_velocities, REUSE_VELOCITIES, "update.reuse_velocities")
+    if u.offload_velocities and u.reuse_velocities == "off":
+        raise ConfigError(
+            "update.offload_velocities=true keeps no velocities with update.reuse_velocities=off: "
+            "pick update.reuse_velocities=fresh or stale, or update.offload_velocities=false"
+        )
+    _in_range(u.timestep_fraction, "update.timestep_fraction", low=0, high=1, low_open=True)
+    _in_range(u.jagg_frac, "update.jagg_frac", low=0, high=1)
+    _in_range(u.auto_threshold, "update.auto_threshold", low=-1, high=1, why=" (a cosine)")
+    _positive(u.auto_every, "update.auto_every")
+    _positive(u.auto_rollouts, "update.auto_rollouts")
+    if u.routing == "auto":
+        if u.mode == "exact":
+            raise ConfigError("update.routing=auto routes between update.mode and exact: pick update.mode=jagg")
+        rows = g.group_size * g.prompts_per_rank
+        if u.auto_rollouts > rows:
+            raise ConfigError(
+                f"update.auto_rollouts={u.auto_rollouts} exceeds the samples per rank per step "
+                f"(group_size * prompts_per_rank = {rows})"
+            )
+
+
+def _validate_reward(r: RewardConfig, known_scorers: tuple[str, ...]) -> None:
+    _choice(r.combine, COMBINE_MODES, "reward.combine")
+    if not r.components:
+        raise ConfigError("reward.components is empty: name at least one scorer, e.g. reward=jpeg")
+    weights = []
+    for name, comp in r.components.items():
+        _choice(name, known_scorers, "reward.components (scorer name)")
+        weight = comp.get("weight", 1.0) if isinstance(comp, dict) else None
+        if not isinstance(weight, int | float) or isinstance(weight, bool):
+            raise ConfigError(f"reward.components.{name} must be {{weight: <number>, <scorer arguments>}}, got {comp}")
+        _in_range(weight, f"reward.components.{name}.weight")
+        weights.append(weight)
+    if not any(weights):
+        raise ConfigError("reward.components: every weight is 0, so every advantage would be 0; give one a weight")
+
+
+def _validate_run(cfg: TrainConfig, known_scorers: tuple[str, ...]) -> None:
+    if not cfg.experiment.strip():
+        raise ConfigError("experiment must name the run (it is the wandb group and part of the run folder)")
+    _choice(cfg.device, ("auto", "cpu", "cuda"), "device")
+    _positive(cfg.num_steps, "num_steps")
+    _positive(cfg.dist.timeout_s, "dist.timeout_s")
+    _choice(cfg.logging.wandb_mode, WANDB_MODES, "logging.wandb_mode")
+    if cfg.logging.wandb_mode != "disabled" and not cfg.logging.project.strip():
+        raise ConfigError("logging.project is empty: name the wandb project")
+    _non_negative(cfg.logging.sample_every, "logging.sample_every", " (0 = never)")
+    _non_negative(cfg.logging.eval_every, "logging.eval_every", " (0 = never)")
+    _non_negative(cfg.logging.heartbeat_s, "logging.heartbeat_s", " (0 = a line per step)")
+    _non_negative(cfg.checkpoint.every, "checkpoint.every", " (0 = only at the end)")
+    _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
+    _non_negative(cfg.data.num_eval_prompts, "data.num_eval_prompts", " (0 = all of them)")
+    e = cfg.eval
+    for name in ("num_steps", "batch_size", "samples_per_prompt", "grid_size"):
+        _positive(getattr(e, name), f"eval.{name}")
+    for name in e.scorers:
+        _choice(name, known_scorers, "eval.scorers (scorer name)")
+    if cfg.logging.eval_every and not e.scorers:
+        raise ConfigError("logging.eval_every > 0 needs eval.scorers (e.g. eval.scorers={jpeg_compressibility: {}})")
+    p = cfg.probe
+    _positive(p.num_rollouts, "probe.num_rollouts")
+    _choice(p.mode, tuple(m for m in UPDATE_MODES if m != "exact"), "probe.mode")
+    _in_range(p.threshold, "probe.threshold", low=-1, high=1, why=" (a cosine)")
+
+
+def _validate_files(cfg: TrainConfig) -> None:
+    model_path = Path(cfg.model.path)
+    if cfg.model.build_tiny is None and not model_path.is_dir():
+        raise PathError(f"model.path={cfg.model.path!r} is not a folder; point it at a local diffusers pipeline folder")
+    # eval.transformer: python -m train.eval checks it (train.cli.find_weights), naming what it accepts
+    if cfg.model.embedding_cache is not None and not Path(cfg.model.embedding_cache).is_dir():
+        raise PathError(f"model.embedding_cache={cfg.model.embedding_cache!r} is not a folder")
+    if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_dir():
+        raise PathError(f"resume={cfg.resume!r}: no such checkpoint folder (use resume=auto or a path)")
+    read_prompts(cfg.data.train_prompts, field_name="data.train_prompts")
+    for field_name in ("eval_prompts", "heldout_prompts"):
+        path = getattr(cfg.data, field_name)
+        if path is not None:
+            read_prompts(path, field_name=f"data.{field_name}")
+
+
+def _validate_plan(p: PlanConfig) -> None:
+    if p.world_size < 2:
+        raise ConfigError(f"plan.world_size must be >= 2 (FSDP2 shards over the ranks), got {p.world_size}")
+    _positive(p.gpu_memory_gib, "plan.gpu_memory_gib")
+    if not 0 <= p.reserved_gib < p.gpu_memory_gib:
+        raise ConfigError(
+            f"plan.reserved_gib must be in [0, plan.gpu_memory_gib={p.gpu_memory_gib}), got {p.reserved_gib}"
+        )
+
+
+def validate(
+    cfg: TrainConfig, *, known_scorers: tuple[str, ...], known_backbones: tuple[str, ...], check_files: bool = True
+) -> None:
+    """Reject impossible settings, naming the field and the accepted values. Loads no model.
+
+    Raises ConfigError (a ValueError) for a setting, PathError (a FileNotFoundError) for a missing file.
+    ``check_files=False`` skips the checks of model, prompt and checkpoint paths (``python -m train.plan``
+    reads none of them).
+    """
+    _check_known_keys(cfg, "")
+    _check_finite(cfg, "")
+    _validate_model(cfg.model, known_backbones)
+    _validate_sampler(cfg.sampler)
+    _validate_grpo(cfg.grpo)
+    _validate_update(cfg.update, cfg.grpo)
+    _validate_reward(cfg.reward, known_scorers)
+    _validate_run(cfg, known_scorers)
+    try:
+        split_groups(trainable_transitions(cfg.sampler), cfg.update.window)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _validate_plan(cfg.plan)
+    if check_files:
+        _validate_files(cfg)

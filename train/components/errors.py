@@ -1,0 +1,56 @@
+"""The errors a command reports in one line instead of a traceback (train/cli.py prints them).
+
+* ``UserError``: something the user gave is wrong (a setting, a path, a file, a checkpoint). The
+  command prints its message, which names the field or file and the fix, and exits with status 2.
+  ``ConfigError`` is a ValueError and ``PathError`` a FileNotFoundError, so callers that catch
+  those (and the tests) keep working; ``CheckpointError`` says whether the checkpoint is damaged
+  (``resume=auto`` then falls back to the previous one) or merely does not fit the run.
+* ``Preempted``: SIGTERM stopped training after writing a checkpoint; exit status 143 (128 + 15,
+  what a process killed by SIGTERM reports), so a scheduler or a script does not take the job for
+  finished.
+
+Any other exception is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class Stop(Exception):
+    """Ends a command with one line on stderr and ``exit_code``."""
+
+    exit_code = 1
+    label = "error"  # the word after the program name: "python -m train: error: ..."
+    # Raised on every rank alike (a setting, or a decision the ranks took together): rank 0 alone prints it.
+    same_on_every_rank = False
+
+
+class UserError(Stop):
+    exit_code = 2
+
+
+class ConfigError(UserError, ValueError):
+    """A setting is impossible; every rank composes the same settings."""
+
+    same_on_every_rank = True
+
+
+class PathError(UserError, FileNotFoundError):
+    """A file or folder named by a setting is missing (it may be missing on some nodes only)."""
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint cannot be resumed from. ``damaged``: its files are broken, so an earlier one may serve."""
+
+    same_on_every_rank = True  # raised after the ranks agreed (train/components/checkpoint.py)
+
+    def __init__(self, message: str, *, damaged: bool) -> None:
+        super().__init__(message)
+        self.damaged = damaged
+
+
+class Preempted(Stop):
+    """SIGTERM: a checkpoint was written and training stopped; ``resume=auto`` continues."""
+
+    exit_code = 143
+    label = "stopped"
+    same_on_every_rank = True

@@ -1,0 +1,229 @@
+"""Evaluation: sample a prompt file with the ODE and fixed seeds, score it, write JSON, scores per prompt and a grid.
+
+Prompt i always starts from the noise of the stream (eval.seed, "eval_noise", i), so scores do not
+depend on the number of ranks or the batch size, and two models evaluated with the same prompts and
+eval.seed saw the same noise: their per-prompt scores pair up. Prompts are dealt round-robin to
+ranks and the scores gathered; the trainer calls ``evaluate`` every ``logging.eval_every`` steps on
+all ranks and ``python -m train.eval`` (train/eval/command.py) once or twice.
+Output in ``<out>`` (``<run_dir>/eval`` for the trainer):
+
+* ``<tag>.json``: means overall and per category (when the prompt file is JSON lines with a
+  "category", as the HPSv2 benchmark), the number of prompts and the standard error over prompts;
+* ``<tag>.scores.jsonl``: one line per prompt, ``{"index", "prompt", "category", "seed", <scorer>:
+  value, ...}``; prompt ``index`` (its line in the prompt file; with ``eval.samples_per_prompt`` = m,
+  item j * n + i is sample j of prompt i of n) started from the noise of the stream
+  (seed, "eval_noise", index);
+* ``<tag>.png``: the first ``eval.grid_size`` prompts' images, each with its index and first scorer's value.
+
+``paired_difference`` compares two such score files prompt by prompt (after - before, with the
+standard error of the mean difference, which is what a before/after claim needs: the prompts'
+own spread cancels out).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from torch import Tensor
+
+from models.base import Backbone
+from rewards.base import Scorer
+from rewards.summary import MIN_TILE, before_after_sheet, image_grid, overall, summarize
+from samplers.rollout import Predict, group_noise, rollout
+from samplers.sde import SDE
+from train.components.config import TrainConfig
+from train.components.data import PromptRecord
+from train.components.stats import standard_error
+from train.distributed.collectives import DistInfo, all_gather_tensor
+from train.distributed.seeds import stream_seed
+
+
+def _sample(
+    backbone: Backbone, predict: Predict, prompts: list[str], indices: list[int], cfg: TrainConfig, device: torch.device
+) -> Tensor:
+    """Images of ``prompts`` by the ODE; prompt i's noise comes from (eval.seed, i)."""
+    h, w = cfg.model.height, cfg.model.width
+    seeds = [stream_seed(cfg.eval.seed, "eval_noise", i) for i in indices]
+    noise = group_noise(backbone.initial_noise, seeds, group_size=1, height=h, width=w, device=device)
+    sigmas = backbone.sigmas(cfg.eval.num_steps, height=h, width=w, shift=cfg.sampler.shift)
+    traj = rollout(
+        predict,
+        backbone.encode(prompts),
+        noise,
+        sigmas=sigmas,
+        sde=SDE("ode"),
+        quantize_timesteps=cfg.sampler.quantize_timesteps,
+    )
+    return backbone.decode(traj.latents[:, -1], height=h, width=w)
+
+
+@dataclass
+class EvalResult:
+    """What one evaluation measured. ``rows`` and ``images`` are filled on rank 0 only."""
+
+    tag: str
+    summary: dict[str, float]  # mean of every scorer, overall and "<scorer>/<category>"
+    rows: list[dict[str, Any]]  # per prompt, in prompt order: index, prompt, category, seed, <scorer>: value
+    images: Tensor  # [n, 3, H, W]: the grid's images (rank 0's first eval.grid_size prompts)
+    indices: list[int]  # prompt index of each of ``images``
+
+    def scores(self, metric: str, indices: Sequence[int]) -> list[float]:
+        by_index = {row["index"]: row[metric] for row in self.rows}
+        return [float(by_index[i]) for i in indices]
+
+
+@torch.no_grad()
+def evaluate(
+    backbone: Backbone,
+    predict: Predict,
+    scorers: dict[str, Scorer],
+    records: list[PromptRecord],
+    cfg: TrainConfig,
+    dist: DistInfo,
+    *,
+    device: torch.device,
+    tag: str,
+    out: Path | None = None,
+) -> EvalResult:
+    """Sample and score ``records`` across ranks; rank 0 writes ``<out>/<tag>.{json,scores.jsonl,png}``
+    (``out`` defaults to ``<run_dir>/eval``)."""
+    per_rank = math.ceil(len(records) / dist.world_size)
+    mine = list(range(dist.rank, len(records), dist.world_size)) or [0]  # a rank with none pads with prompt 0
+    scores: dict[str, list[Tensor]] = {name: [] for name in scorers}
+    grid: list[Tensor] = []
+    grid_indices: list[int] = []
+    for first in range(0, per_rank, cfg.eval.batch_size):
+        idx = [mine[min(i, len(mine) - 1)] for i in range(first, min(first + cfg.eval.batch_size, per_rank))]
+        prompts = [records[i].prompt for i in idx]
+        images = _sample(backbone, predict, prompts, idx, cfg, device)
+        for name, scorer in scorers.items():
+            scores[name].append(scorer(images, prompts))
+        if dist.is_main and len(grid_indices) < cfg.eval.grid_size:
+            grid.append(images.cpu())
+            grid_indices += idx
+    # Every rank scored per_rank prompts (padded by repeating its last one): gather, then drop pads.
+    owner = all_gather_tensor(torch.tensor([mine[min(i, len(mine) - 1)] for i in range(per_rank)]))
+    keep = _first_occurrences(owner)
+    gathered = {name: all_gather_tensor(torch.cat(vals))[keep] for name, vals in scores.items()}
+    order = owner[keep].tolist()
+    categories = [records[i].category for i in order]
+    named = [c for c in categories if c is not None]
+    summary = summarize(gathered, named if len(named) == len(categories) else None)
+    result = EvalResult(tag, summary, [], torch.empty(0), [])
+    if not dist.is_main:
+        return result
+    values = {name: v.float().cpu().tolist() for name, v in gathered.items()}
+    rows = [
+        {
+            "index": i,
+            "prompt": records[i].prompt,
+            "category": records[i].category,
+            "seed": cfg.eval.seed,
+            **{name: values[name][k] for name in scorers},
+        }
+        for k, i in enumerate(order)
+    ]
+    result.rows = sorted(rows, key=lambda row: row["index"])
+    count = min(cfg.eval.grid_size, len(grid_indices))
+    result.images, result.indices = torch.cat(grid)[:count], grid_indices[:count]
+    _write(result, records, out or Path(cfg.run_dir) / "eval")
+    return result
+
+
+def _write(result: EvalResult, records: list[PromptRecord], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    means = list(overall(result.summary))
+    errors = {f"{name}_se": standard_error([row[name] for row in result.rows]) for name in means}
+    (out / f"{result.tag}.json").write_text(
+        json.dumps({"num_prompts": len(records), **result.summary, **errors}, indent=2) + "\n"
+    )
+    with open(out / f"{result.tag}.scores.jsonl", "w", encoding="utf-8") as file:
+        file.writelines(json.dumps(row) + "\n" for row in result.rows)
+    metric = means[0]
+    labels = [
+        f"#{i}  {value:.4f}\n{records[i].prompt}"
+        for i, value in zip(result.indices, result.scores(metric, result.indices))
+    ]
+    title = f"{result.tag}: #prompt {metric} (mean over {len(records)} prompts {result.summary[metric]:.4f})"
+    image_grid(result.images, labels=labels, title=title, min_tile=MIN_TILE).save(out / f"{result.tag}.png")
+
+
+def before_after(
+    before: EvalResult, after: EvalResult, prompts: Sequence[str], metric: str, names: tuple[str, str]
+) -> Image.Image:
+    """The sheet of ``after``'s grid beside ``before``'s (the same prompts and noise), ``metric`` under
+    each image; ``prompts`` are the grid's, in its order."""
+    return before_after_sheet(
+        before.images,
+        after.images,
+        list(prompts),
+        before_scores=before.scores(metric, before.indices),
+        after_scores=after.scores(metric, after.indices),
+        names=names,
+        indices=after.indices,
+        metric=metric,
+    )
+
+
+def read_scores(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a ``<tag>.scores.jsonl`` file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such per-prompt score file (evaluate writes <tag>.scores.jsonl)")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Means over the same prompts before and after, and their paired difference, each with its standard error."""
+
+    metric: str
+    num_prompts: int
+    before: float
+    before_se: float
+    after: float
+    after_se: float
+    difference: float  # mean over prompts of (after - before)
+    difference_se: float
+
+    def line(self, before_name: str = "before", after_name: str = "after") -> str:
+        return (
+            f"{self.metric}: {before_name} {self.before:.4f} ± {self.before_se:.4f} -> {after_name} "
+            f"{self.after:.4f} ± {self.after_se:.4f}; paired difference {self.difference:+.4f} ± "
+            f"{self.difference_se:.4f} (standard errors over {self.num_prompts} prompts)"
+        )
+
+
+def paired_difference(before: list[dict[str, Any]], after: list[dict[str, Any]], metric: str) -> Paired:
+    """``metric`` of the same prompts (matched by index and prompt) under two models."""
+    a = {(row["index"], row["prompt"]): float(row[metric]) for row in before if metric in row}
+    b = {(row["index"], row["prompt"]): float(row[metric]) for row in after if metric in row}
+    if not a or a.keys() != b.keys():
+        raise ValueError(
+            f"paired_difference: the two evaluations must score the same prompts with {metric!r} "
+            f"({len(a)} and {len(b)} scored, {len(a.keys() & b.keys())} in common): use the same "
+            "data.eval_prompts, data.num_eval_prompts and eval.seed"
+        )
+    keys = sorted(a)
+    x, y = [a[k] for k in keys], [b[k] for k in keys]
+    d = [v - u for u, v in zip(x, y)]
+    n = len(keys)
+    return Paired(
+        metric, n, sum(x) / n, standard_error(x), sum(y) / n, standard_error(y), sum(d) / n, standard_error(d)
+    )
+
+
+def _first_occurrences(ids: Tensor) -> Tensor:
+    seen, keep = set(), []
+    for position, value in enumerate(ids.tolist()):
+        if value not in seen:
+            seen.add(value)
+            keep.append(position)
+    return torch.tensor(keep, dtype=torch.long)

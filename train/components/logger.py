@@ -1,0 +1,332 @@
+"""One run logger (metrics.jsonl, sample grids, wandb), a phase timer, the progress bar and its heartbeat.
+
+* ``RunLogger`` is a no-op off rank 0: every rank calls it, only rank 0 writes. It writes the run's
+  resolved configuration to ``run_dir/config.yaml`` when it starts. Each ``log`` call
+  appends one JSON line ``{"step", "wall_time", <metric>: float, ...}`` to
+  ``run_dir/metrics.jsonl`` and flushes it, so a crashed run keeps every logged step. The file is
+  created by the first ``log``: a tool that logs nothing (the probe) leaves no empty one behind.
+  A row at step k is training step k, or (``eval/*`` only) the policy after k steps. A resumed run
+  calls ``rewind(k)`` first: the rows of the steps it will replay go, so every step has one row.
+  ``wall_time`` is seconds of this run: a resumed run continues from the last record it keeps.
+* wandb is optional (``wandb_mode`` disabled, offline or online). Offline runs write into
+  ``run_dir/wandb/``. The wandb run id is kept in ``run_dir/wandb_run_id``, so a resumed run (or
+  any later session in the same folder) continues the same wandb run. wandb gets ``wall_time`` too
+  (train.compare.command plots against it). The steps a resumed run replays: offline, each session writes a
+  folder of its own and train.compare.command keeps the later values (as ``rewind`` does here); online,
+  wandb keeps the first values of a step and drops the replay, which differs only in timings,
+  since a resumed run replays bit for bit. Any exception raised by
+  wandb (import, init, log, finish) is caught, warned once, and wandb is switched off for the rest
+  of the run: observability never stops training. The JSONL file is the record of truth either way.
+* ``PhaseTimer`` sums wall-clock seconds per phase (``time/<phase>``); on CUDA it synchronizes
+  before reading the clock, since kernels run asynchronously and would be billed to the next phase.
+* ``Heartbeat``: a progress line at most every ``every_s`` seconds, for runs without the bar.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import secrets
+import string
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from omegaconf import OmegaConf
+from torch import Tensor
+from tqdm import tqdm
+
+from rewards.summary import MIN_TILE, image_grid
+
+WANDB_MODES = ("disabled", "offline", "online")
+WANDB_ID_FILE = "wandb_run_id"
+log = logging.getLogger(__name__)
+
+
+def read_lines(path: Path) -> list[str]:
+    """The lines of a metrics.jsonl, ends kept; none when there is no file."""
+    return path.read_text(encoding="utf-8").splitlines(keepends=True) if path.is_file() else []
+
+
+def last_wall_time(lines: list[str]) -> float:
+    """``wall_time`` of the last readable record among a metrics.jsonl's lines; 0 when there is none."""
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a crash
+            continue
+        if isinstance(record, dict) and isinstance(record.get("wall_time"), int | float):
+            return float(record["wall_time"])
+    return 0.0
+
+
+def _to_float(key: str, value: float | int | bool | Tensor) -> float:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"metric {key!r} is a tensor of shape {tuple(value.shape)}; log a scalar")
+        return float(value.detach().float().item())
+    return float(value)
+
+
+class RunLogger:
+    """Metrics and sample images of one run, written by rank 0 only."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        is_main: bool,
+        wandb_mode: str = "disabled",
+        project: str = "jagg-grpo",
+        entity: str | None = None,
+        group: str | None = None,
+        name: str | None = None,
+        tags: Sequence[str] = (),
+        notes: str | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        if wandb_mode not in WANDB_MODES:
+            raise ValueError(f"logging.wandb_mode={wandb_mode!r}; accepted: {', '.join(WANDB_MODES)}")
+        self.run_dir = Path(run_dir)
+        self.is_main = is_main
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self._start = time.time()
+        self._wandb: Any = None
+        self._file: TextIO | None = None
+        self._finished = False
+        if not is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if config is not None:  # what ran, next to what it logged (train.compare.command labels runs from it)
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dict(config)), encoding="utf-8")
+        self._start -= last_wall_time(read_lines(self.metrics_path))
+        if wandb_mode != "disabled":
+            self._guard(
+                self._init_wandb,
+                wandb_mode,
+                project=project,
+                entity=entity,
+                group=group,
+                name=name,
+                tags=tags,
+                notes=notes,
+                config=config,
+            )
+
+    def _init_wandb(self, mode: str, **kwargs: Any) -> None:
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+
+        id_file = self.run_dir / WANDB_ID_FILE
+        if id_file.is_file():
+            run_id = id_file.read_text(encoding="utf-8").strip()
+        else:
+            # wandb's own ids are 8 characters of [a-z0-9]; its generator is not public API
+            run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+            id_file.write_text(run_id + "\n", encoding="utf-8")
+        kwargs["tags"] = list(kwargs["tags"])
+        kwargs["config"] = dict(kwargs["config"] or {})
+        # mode is one of WANDB_MODES (checked in __init__); wandb annotates it as a Literal.
+        # resume="allow": the run of this id continues when it exists (a resumed training run), else starts.
+        self._wandb = wandb.init(
+            mode=mode,  # type: ignore[arg-type]
+            dir=str(self.run_dir),
+            id=run_id,
+            resume="allow",
+            **kwargs,
+        )
+
+    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """Run a wandb call; on any error warn once and stop using wandb."""
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:  # wandb may raise anything; training must go on without it
+            warnings.warn(f"wandb failed ({exc!r}); continuing without wandb", RuntimeWarning, stacklevel=3)
+            self._wandb = None
+
+    @property
+    def wandb_active(self) -> bool:
+        return self._wandb is not None
+
+    def log(self, metrics: Mapping[str, float | int | bool | Tensor], step: int) -> None:
+        """Append one JSON line (and a wandb point) with ``metrics`` at ``step``."""
+        if not self.is_main:
+            return
+        if self._finished:
+            raise RuntimeError("RunLogger.log after finish()")
+        if self._file is None:  # kept open for the whole run (appended to every step); closed by finish()
+            self._file = open(self.metrics_path, "a", encoding="utf-8")
+        values = {key: _to_float(key, value) for key, value in metrics.items()}
+        record = {"step": step, "wall_time": round(time.time() - self._start, 3), **values}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._guard(self._wandb.log, {"wall_time": record["wall_time"], **values}, step=step)
+
+    def rewind(self, step: int) -> int:
+        """Drop the rows that a run resumed at ``step`` logs again; returns how many were dropped.
+
+        Kept: training rows of steps < ``step`` and the evaluation after ``step`` steps (logged before
+        the checkpoint of ``step`` was written; a run resumed at 0 evaluates again). A line cut short
+        by a crash is dropped too. Rank 0 rewrites the file through a temporary file and a rename, so
+        a crash here leaves the old file or the new one.
+        """
+        if not self.is_main:
+            return 0
+        if self._finished:
+            raise RuntimeError("RunLogger.rewind after finish()")
+        if self._file is not None:  # log() opens it again
+            self._file.close()
+            self._file = None
+        path = self.metrics_path
+        lines = read_lines(path)
+        kept = [line for line in lines if _logged_before(line, step)]
+        if len(kept) != len(lines):
+            tmp = Path(f"{path}.tmp")
+            tmp.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept), encoding="utf-8")
+            os.replace(tmp, path)
+        self._start = time.time() - last_wall_time(kept)  # the replayed steps' time is not counted twice
+        return len(lines) - len(kept)
+
+    def log_images(
+        self,
+        key: str,
+        images: Tensor,
+        captions: Sequence[str],
+        step: int,
+        *,
+        scores: Sequence[float] | None = None,
+        score_name: str = "reward",
+        nrow: int | None = None,
+    ) -> Path | None:
+        """Save a captioned PNG grid ``samples/<key>_<step>.png``, with ``score_name`` per image when
+        ``scores`` is given, ``nrow`` per row, and ``<key>_<step>.txt`` (``index<TAB>score<TAB>caption`` per
+        image); send the images to wandb."""
+        if not self.is_main:
+            return None
+        if len(captions) != images.shape[0] or (scores is not None and len(scores) != len(captions)):
+            raise ValueError(f"log_images: {images.shape[0]} images, {len(captions)} captions and scores to match")
+        folder = self.run_dir / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        stem = f"{key.replace('/', '_')}_{step:08d}"
+        path = folder / f"{stem}.png"
+        values = [f"{score:.4f}" for score in scores] if scores is not None else [""] * len(captions)
+        labels = [f"#{i}  {value}\n{caption}" for i, (value, caption) in enumerate(zip(values, captions))]
+        title = f"{key}, step {step}" + (f": #index {score_name}" if scores is not None else "")
+        image_grid(images, nrow, labels=labels, title=title, min_tile=MIN_TILE).save(path)
+        lines = [f"{i}\t{value}\t{caption}" for i, (value, caption) in enumerate(zip(values, captions))]
+        header = f"index\t{score_name}\tcaption" if scores is not None else "index\t\tcaption"
+        (folder / f"{stem}.txt").write_text("\n".join([header, *lines]) + "\n", encoding="utf-8")
+        self.log_wandb_images(key, images, [f"{v} {c}".strip() for v, c in zip(values, captions)], step)
+        return path
+
+    def log_wandb_images(self, key: str, images: Tensor | Path, captions: Sequence[str], step: int) -> None:
+        """Images [B, 3, H, W] in [0, 1] with one caption each, or one PNG file with one caption, to wandb."""
+        if self.is_main and self._wandb is not None:
+            self._guard(self._log_wandb_images, key, images, captions, step)
+
+    def _log_wandb_images(self, key: str, images: Tensor | Path, captions: Sequence[str], step: int) -> None:
+        import wandb
+
+        if isinstance(images, Path):
+            self._wandb.log({key: wandb.Image(str(images), caption=captions[0])}, step=step)
+            return
+        pixels = (images.detach().float().clamp(0, 1).cpu() * 255).round().to(torch.uint8)
+        entries = [wandb.Image(img.permute(1, 2, 0).numpy(), caption=cap) for img, cap in zip(pixels, captions)]
+        self._wandb.log({key: entries}, step=step)
+
+    def finish(self) -> None:
+        self._finished = True
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb is not None:
+            self._guard(self._wandb.finish)
+            self._wandb = None
+
+
+def _logged_before(line: str, step: int) -> bool:
+    """Whether a metrics.jsonl row was logged before the checkpoint of ``step`` (see ``RunLogger.rewind``)."""
+    try:
+        row = json.loads(line)
+        logged = int(row["step"])
+    except (ValueError, KeyError, TypeError):
+        return False
+    metrics = [key for key in row if key not in ("step", "wall_time")]
+    return logged < step or (logged == step > 0 and all(key.startswith("eval/") for key in metrics))
+
+
+class PhaseTimer:
+    """``with timer.phase("rollout"): ...`` sums seconds per phase until ``pop()``."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._totals: dict[str, float] = defaultdict(float)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = self._now()
+        try:
+            yield
+        finally:
+            self._totals[name] += self._now() - start
+
+    def pop(self) -> dict[str, float]:
+        """{"time/<phase>": seconds} accumulated since the last pop; resets the totals."""
+        out = {f"time/{name}": seconds for name, seconds in self._totals.items()}
+        self._totals.clear()
+        return out
+
+
+def progress_bar(total: int, *, is_main: bool, initial: int = 0, desc: str = "train") -> tqdm:
+    """A tqdm bar over optimizer steps, shown on rank 0 only (disabled elsewhere)."""
+    return tqdm(total=total, initial=initial, desc=desc, disable=not is_main, dynamic_ncols=True)
+
+
+def format_seconds(seconds: float) -> str:
+    """``42.0s``, ``3m05s``, ``2h04m``."""
+    if not math.isfinite(seconds):
+        return "?"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, sec = divmod(round(seconds), 60)
+    return f"{minutes}m{sec:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+class Heartbeat:
+    """``step 12/60  reward 0.5912  3.10 s/step  eta 2m29s`` at most every ``every_s`` seconds (0: every
+    step) and after the last step, on the console of rank 0, for runs whose progress bar is off."""
+
+    def __init__(self, total: int, *, start: int, every_s: float, enabled: bool) -> None:
+        self.total, self.start, self.every_s, self.enabled = total, start, every_s, enabled
+        self._began = time.perf_counter()
+        self._last = -math.inf  # the first step always shows
+
+    def tick(self, done: int, reward: float | None) -> None:
+        """``done`` steps are finished (this session started at ``start``)."""
+        now = time.perf_counter()
+        if not self.enabled or (now - self._last < self.every_s and done < self.total):
+            return
+        self._last = now
+        per_step = (now - self._began) / max(done - self.start, 1)
+        shown = "-" if reward is None or math.isnan(reward) else f"{reward:.4f}"
+        log.info(
+            "step %d/%d  reward %s  %.2f s/step  eta %s",
+            done,
+            self.total,
+            shown,
+            per_step,
+            format_seconds(per_step * (self.total - done)),
+        )

@@ -1,0 +1,102 @@
+"""What the console shows of a run: a line per evaluation and the summary at its end.
+
+    eval step 20: shape_alignment 0.5735 (step 0: 0.5862)
+
+The summary gives the evaluation reward before -> after with standard errors over prompts and the
+paired difference (from the per-prompt score files, so it holds across a resume), the median time
+per step and per phase, and where everything was written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from rewards.summary import overall
+from train.components.config import TrainConfig
+from train.components.evaluation import paired_difference, read_scores
+from train.components.logger import format_seconds
+from train.components.stats import median
+
+PHASES = ("step", "rollout", "reward", "update", "optimizer", "probe")  # the timed phases of a step (time/<phase>)
+
+
+def eval_tag(step: int) -> str:
+    """The trainer's evaluation of the policy after ``step`` training steps: ``eval/<tag>.*``."""
+    return f"step_{step:08d}"
+
+
+def eval_line(step: int, summary: Mapping[str, float], first: Mapping[str, float] | None) -> str:
+    """``eval step 20: shape_alignment 0.5735 (step 0: 0.5862)``, one entry per scorer."""
+    parts = []
+    for name, value in overall(summary).items():
+        before = "" if step == 0 or not first or name not in first else f" (step 0: {first[name]:.4f})"
+        parts.append(f"{name} {value:.4f}{before}")
+    return f"eval step {step}: " + ", ".join(parts)
+
+
+def _timing(history: Sequence[Mapping[str, float]]) -> str:
+    steps = [m["time/step"] for m in history if "time/step" in m]
+    if not steps:
+        return "time per step: no step ran in this session"
+    phases = []
+    for phase in PHASES[1:]:  # the step itself first, on its own
+        values = [m[f"time/{phase}"] for m in history if f"time/{phase}" in m]
+        if values:
+            phases.append(f"{phase} {median(values):.2f}s")
+    return f"time per step (median of {len(steps)}): {median(steps):.2f}s; per phase: " + ", ".join(phases)
+
+
+def _rewards(cfg: TrainConfig, history: Sequence[Mapping[str, float]]) -> list[str]:
+    eval_dir = Path(cfg.run_dir) / "eval"
+    before, after = eval_dir / f"{eval_tag(0)}.scores.jsonl", eval_dir / f"{eval_tag(cfg.num_steps)}.scores.jsonl"
+    if cfg.logging.eval_every and before.is_file() and after.is_file():
+        rows_before, rows_after = read_scores(before), read_scores(after)
+        metrics = [k for k in rows_after[0] if k not in ("index", "prompt", "category", "seed")]
+        return [
+            paired_difference(rows_before, rows_after, name).line("step 0", f"step {cfg.num_steps}") for name in metrics
+        ]
+    rewards = [m["reward/total"] for m in history if not math.isnan(m.get("reward/total", math.nan))]
+    why = "logging.eval_every=0" if not cfg.logging.eval_every else f"no {before.name} to pair with"
+    if len(rewards) < 2:
+        return [f"no reward to compare ({why})"]
+    return [f"training reward/total: first step {rewards[0]:.4f} -> last step {rewards[-1]:.4f} ({why})"]
+
+
+def _listing(folder: Path, pattern: str) -> list[str]:
+    return sorted(p.name for p in folder.glob(pattern)) if folder.is_dir() else []
+
+
+def _files(cfg: TrainConfig, wandb_mode: str) -> list[str]:
+    run = Path(cfg.run_dir)
+    lines = [f"run folder: {run}", "  metrics.jsonl   every logged step (python -m train.compare reads it)"]
+    lines += [f"  {name:<15} these lines" for name in _listing(run, "*.log")]
+    if wandb_mode != "disabled":
+        lines.append(f"  wandb/          wandb {wandb_mode} run (its id in wandb_run_id)")
+    samples = _listing(run / "samples", "*.png")
+    if samples:
+        lines.append(f"  samples/        {len(samples)} captioned grids of rollouts, rewards under each image")
+    evals = _listing(run / "eval", "step_*.json")
+    if evals:
+        sheets = _listing(run / "eval", "before_after_*.png")
+        lines.append(
+            f"  eval/           {len(evals)} evaluations ({evals[0]} ... {evals[-1]}): means (.json), scores per "
+            f"prompt (.scores.jsonl), grids (.png)" + (f", before/after sheets ({sheets[-1]})" if sheets else "")
+        )
+    checkpoints = _listing(run / "checkpoints", "step_????????")
+    if checkpoints:
+        lines.append(f"  checkpoints/    {', '.join(checkpoints)} (continue with resume=auto)")
+    if (run / "export").is_dir():
+        lines.append("  export/         the trained transformer (python -m train.eval eval.transformer=<run>/export)")
+    return lines
+
+
+def run_summary(cfg: TrainConfig, *, start: int, history: Sequence[Mapping[str, float]], seconds: float) -> str:
+    """The end-of-run summary: rewards before -> after, timing, files."""
+    done = f"steps {start}-{cfg.num_steps - 1}" if start < cfg.num_steps else "no step left to run"
+    lines = [f"finished {cfg.experiment} ({cfg.update.mode}, seed {cfg.seed}): {done} in {format_seconds(seconds)}"]
+    lines += _rewards(cfg, history)
+    lines.append(_timing(history))
+    lines += _files(cfg, cfg.logging.wandb_mode)
+    return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""Process groups and the cross-rank helpers every layer of the trainer calls.
+
+* Launch: ``torchrun`` sets RANK / WORLD_SIZE / LOCAL_RANK; without them (``python -m train``) the
+  run is one process and no process group is created. Every helper below is then the identity,
+  so the trainer calls them unconditionally.
+* A hung rank: every collective of the process group times out after ``dist.timeout_s``; gloo
+  then raises in the waiting rank, which train/cli.py reports naming the collective and what the
+  rank was doing (``activity``); NCCL's watchdog aborts the process with a message naming the op.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: global rank, number of processes, rank on its node, its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    is_main: bool
+
+
+def is_distributed() -> bool:
+    """True when a process group with more than one rank is initialized."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise ValueError(f"WORLD_SIZE is set but {name} is not: launch with torchrun, which sets both")
+    return int(value)
+
+
+@dataclass
+class _Context:
+    activity: str = "start-up"  # what this rank is doing, for the message of a collective that timed out
+    timeout_s: float | None = None  # the process group's collective timeout
+
+
+_context = _Context()
+
+
+@contextmanager
+def activity(label: str) -> Iterator[None]:
+    """Name what the block does ("training step 3"), so a collective that times out in it says so.
+
+    An exception leaves the label in place: the command reports it after the blocks have unwound.
+    """
+    outer, _context.activity = _context.activity, label
+    yield
+    _context.activity = outer
+
+
+def collective_context() -> tuple[str, float | None]:
+    """(what this rank is doing, the collective timeout in seconds or None)."""
+    return _context.activity, _context.timeout_s
+
+
+def init_distributed(backend: str | None = None, *, timeout_s: float | None = None) -> DistInfo:
+    """Read torchrun's environment and create the process group (none for a single process).
+
+    backend: None picks nccl when CUDA is available, else gloo. The device is cuda:LOCAL_RANK or cpu.
+    timeout_s: how long any collective waits for the other ranks (None: torch's default, 10 min for
+    NCCL and 30 min for gloo).
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = _env_int("RANK") if world_size > 1 else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available()
+    if backend is None:
+        backend = "nccl" if use_cuda else "gloo"
+    if backend == "nccl" and not use_cuda:
+        raise ValueError("backend='nccl' needs CUDA, which is not available here: use backend='gloo' or None")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    _context.activity = "start-up"
+    if world_size > 1 and not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+        dist.init_process_group(backend=backend, device_id=device if use_cuda else None, timeout=timeout)
+        _context.timeout_s = timeout_s
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, is_main=rank == 0)
+
+
+def shutdown() -> None:
+    """Destroy the process group if one exists (safe to call in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(tensor: Tensor) -> Tensor:
+    """Sum of ``tensor`` over ranks, as a new tensor (the input is left unchanged)."""
+    out = tensor.detach().clone()
+    if is_distributed():
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def all_reduce_max(tensor: Tensor) -> Tensor:
+    """Elementwise maximum of ``tensor`` over ranks, as a new tensor (for a minimum, negate)."""
+    out = tensor.detach().clone()
+    if is_distributed():
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
+def all_gather_tensor(tensor: Tensor) -> Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0 in rank order (all ranks pass equal shapes)."""
+    if not is_distributed():
+        return tensor.detach().clone()
+    local = tensor.detach().contiguous()
+    out = local.new_empty((get_world_size() * local.shape[0], *local.shape[1:]))
+    dist.all_gather_into_tensor(out, local)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s picklable ``obj`` on every rank."""
+    if not is_distributed():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order, on every rank."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()

@@ -1,0 +1,152 @@
+"""FSDP2 sharding of a transformer and the global gradient norm.
+
+* Sharding (``parallelize``): activation checkpointing per block, then FSDP2 ``fully_shard`` on
+  every block, then on the root, in that fixed order (the torchtitan recipe). Parameters are
+  all-gathered in ``param_dtype`` for compute and gradients are reduce-scattered in
+  ``reduce_dtype`` (float32 by default, so bf16 training still averages gradients exactly enough).
+  The root gets the same ``reshard_after_forward`` as the blocks, so a forward plus a backward
+  all-gathers each of the ``num_blocks + 1`` FSDP modules exactly once in each direction.
+* Gradient clipping (``clip_grad_norm_``): the norm is the GLOBAL one,
+  ``sqrt(sum over ranks of sum over local shards of g^2)``. A per-shard norm (each rank clipping
+  by the norm of its own shard) differs on every rank and is a known bug of a reference trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+
+from train.distributed.collectives import all_reduce_sum, get_world_size, is_distributed
+
+
+def _wrap_blocks(model: nn.Module, block_classes: tuple[type, ...], checkpointing: bool) -> list[nn.Module]:
+    """The sharding units: every block, wrapped in place for activation checkpointing if asked.
+
+    Non-reentrant checkpointing keeps kwargs (diffusers blocks take keyword arguments) and lets
+    FSDP2's pre-backward all-gather run before the recomputation.
+    """
+    units = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, block_classes):
+                unit = checkpoint_wrapper(child) if checkpointing else child
+                parent.register_module(name, unit)
+                units.append(unit)
+    return units
+
+
+_world_mesh: tuple[Any, DeviceMesh] | None = None  # (the default process group, its mesh)
+
+
+def world_mesh(device_type: str | None = None) -> DeviceMesh:
+    """The 1-D mesh over every rank of the default process group, built once per group.
+
+    ``device_type``: None = the one already built, else cuda when available, else cpu. Building a
+    mesh runs collectives on real tensors, so it fails under a fake-tensor mode: ``python -m
+    train.plan`` builds a cpu mesh before entering one, and every later ``parallelize`` (the policy
+    and the KL reference alike) shards over that same mesh.
+    """
+    global _world_mesh
+    group = dist.group.WORLD
+    if _world_mesh is not None and _world_mesh[0] is group and device_type in (None, _world_mesh[1].device_type):
+        return _world_mesh[1]
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    _world_mesh = (group, init_device_mesh(device_type, (get_world_size(),)))
+    return _world_mesh[1]
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    block_classes: Iterable[type],
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype = torch.float32,
+    activation_checkpointing: bool = False,
+    reshard_after_forward: bool = True,
+    mesh: DeviceMesh | None = None,
+) -> nn.Module:
+    """Apply activation checkpointing per block, then FSDP2 per block, then FSDP2 on the root.
+
+    In one process (no process group) only checkpointing is applied: FSDP needs a process group,
+    and a single CPU process trains in the model's own dtype, so ``param_dtype``/``reduce_dtype``
+    are not used there. Returns the same module object (modified in place).
+    """
+    classes = tuple(block_classes)
+    if not classes:
+        raise ValueError(
+            "parallelize: block_classes is empty; pass the transformer block classes "
+            "(diffusers lists them in model._no_split_modules)"
+        )
+    units = _wrap_blocks(model, classes, activation_checkpointing)
+    if not units:
+        names = ", ".join(c.__name__ for c in classes)
+        raise ValueError(f"parallelize: no submodule of {type(model).__name__} is an instance of {names}")
+    if not is_distributed():
+        return model
+    if mesh is None:
+        mesh = world_mesh()
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # The root is set explicitly (not FSDP2's automatic "keep the root unsharded"), so the number
+    # of all-gathers per forward and per backward both equal the number of FSDP modules.
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """This rank's shard of a DTensor, or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _replication(tensor: DTensor) -> int:
+    """How many ranks hold the same local shard of ``tensor`` (product of its Replicate mesh dims)."""
+    count = 1
+    for dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Replicate):
+            count *= tensor.device_mesh.size(dim)
+    return count
+
+
+def sum_over_shards(terms: Iterable[tuple[Tensor, Tensor]], *, zero: Tensor) -> Tensor:
+    """The sum over all ranks of per-tensor ``terms``: pairs (tensor, value computed on its local part).
+
+    A DTensor's value counts once per distinct shard: every rank adds its local shard's value divided
+    by the number of ranks holding that same shard; a plain tensor is the same on every rank and its
+    value counts once. ``zero`` fixes the shape, dtype and device of the accumulators. Every rank
+    must call it (one all-reduce).
+    """
+    sharded, plain = zero.clone(), zero.clone()
+    for tensor, value in terms:
+        if isinstance(tensor, DTensor):
+            sharded += value / _replication(tensor)
+        else:
+            plain += value
+    return all_reduce_sum(sharded) + plain
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> Tensor:
+    """Scale gradients in place so their global L2 norm is at most ``max_norm``; return that norm.
+
+    The squares of every gradient's local shard, summed over all ranks by ``sum_over_shards``
+    (float32 accumulation).
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    zero = torch.zeros((), device=local_tensor(grads[0]).device, dtype=torch.float32)
+    total = sum_over_shards(((g, local_tensor(g).float().pow(2).sum()) for g in grads), zero=zero).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        local_tensor(g).mul_(coef.to(g.dtype))
+    return total

@@ -1,0 +1,166 @@
+"""``python -m train.eval`` (``jagg-eval``): the evaluation protocol of train/components/evaluation.py on a model,
+optionally against the pretrained one with the paired difference.
+
+    python -m train.eval                                                  # the pretrained testbed model
+    python -m train.eval eval.transformer=runs/demo/<run>                 # its export, else latest checkpoint
+    python -m train.eval eval.transformer=runs/demo/<run>/checkpoints/step_00000030 eval.compare_pretrained=true
+    python -m train.eval resume=runs/demo/<run>/checkpoints/step_00000030  # the same as eval.transformer=
+    python -m train.eval experiment=flux_dance model.path=... data.eval_prompts=hpsv2_bench.jsonl \\
+        eval.scorers.hpsv2.checkpoint=... eval.transformer=runs/flux_dance/<run>/export
+
+The weights (``eval.transformer`` or ``resume``) are an export (``<run>/export``: the full transformer
+or a LoRA file), a training checkpoint (``<run>/checkpoints/step_XXXXXXXX``), or a run folder; the path
+is checked before any model loads. Pass the same model settings as the training run (a checkpoint of
+a LoRA run needs ``model.lora.*``; the run's ``.hydra/config.yaml`` is checked when present).
+Output, in the evaluated run's ``eval/`` folder (configs/eval.yaml; without a run,
+``runs/<experiment>/eval_<time>``): ``eval_<what>.json``, ``.scores.jsonl`` and ``.png`` per model
+(``what`` = ``pretrained``, ``step_XXXXXXXX`` or ``export``), and with ``eval.compare_pretrained=true``
+``eval_<what>_vs_pretrained.json`` (the paired difference per scorer) and ``.png`` (before/after sheet).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from rewards.summary import overall
+from train.cli import reported, run_hydra, setup, show_value
+from train.components.build import (
+    build_eval_scorers,
+    build_for_eval,
+    load_config,
+    load_weights,
+    process_group,
+    read_eval_prompts,
+)
+from train.components.checkpoint import CheckpointManager, Weights, find_weights
+from train.components.config import TrainConfig
+from train.components.errors import CheckpointError, ConfigError
+from train.components.evaluation import EvalResult, before_after, evaluate, paired_difference
+from train.components.stats import standard_error
+
+setup()
+PROG = "python -m train.eval"
+log = logging.getLogger(__name__)
+STRUCTURE = ("model.name", "model.lora.enabled", "model.lora.rank", "model.lora.alpha")
+
+
+def target(cfg: TrainConfig) -> Weights | None:
+    """The weights named by ``eval.transformer`` or ``resume`` (None: the pretrained model), checked."""
+    if cfg.resume == "auto":
+        raise ConfigError("resume=auto names no run to evaluate; pass eval.transformer=<run folder>")
+    if cfg.resume and cfg.eval.transformer and Path(cfg.resume) != Path(cfg.eval.transformer):
+        raise ConfigError(
+            f"eval.transformer={cfg.eval.transformer!r} and resume={cfg.resume!r} name different weights; pass one"
+        )
+    field, value = ("eval.transformer", cfg.eval.transformer) if cfg.eval.transformer else ("resume", cfg.resume)
+    if not value:
+        if cfg.eval.compare_pretrained:
+            raise ConfigError("eval.compare_pretrained=true needs the trained weights: pass eval.transformer=<path>")
+        return None
+    return find_weights(value, field)
+
+
+def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
+    """A checkpoint loads into the model structure it was trained with: compare with the run's saved config."""
+    saved = weights.run_dir / ".hydra" / "config.yaml" if weights.run_dir is not None else None
+    if weights.kind != "checkpoint" or saved is None or not saved.is_file():
+        return
+    trained = OmegaConf.load(saved)
+    here = OmegaConf.structured(cfg)
+    for key in STRUCTURE:
+        was, now = OmegaConf.select(trained, key), OmegaConf.select(here, key)
+        if was is not None and was != now:
+            raise ConfigError(
+                f"{weights.path} was trained with {key}={show_value(was)} ({saved}), this command has "
+                f"{key}={show_value(now)}: pass {key}={show_value(was)}"
+            )
+    if OmegaConf.select(trained, "grpo.ema_decay", default=0.0):
+        log.info("the run kept an EMA of its weights: this evaluates the trained weights, not the EMA")
+
+
+def check_checkpoint(weights: Weights) -> None:
+    """A checkpoint's files are whole before any model loads, as for resuming (a collective)."""
+    problem = CheckpointManager(weights.path.parent.parent).problem(weights.path)
+    if problem:
+        raise CheckpointError(f"{problem}; evaluate another checkpoint", damaged=True)
+
+
+def _line(result: EvalResult) -> str:
+    means = overall(result.summary)
+    parts = [
+        f"{name} {value:.4f} ± {standard_error([row[name] for row in result.rows]):.4f}"
+        for name, value in means.items()
+    ]
+    return (
+        f"eval {result.tag.removeprefix('eval_')}: "
+        + ", ".join(parts)
+        + f" (standard error over {len(result.rows)} prompts)"
+    )
+
+
+def _compare(before: EvalResult, after: EvalResult, prompts: list[str], out: Path) -> list[str]:
+    """The paired difference per scorer (JSON) and the before/after sheet; the console lines."""
+    paired = [paired_difference(before.rows, after.rows, name) for name in overall(after.summary)]
+    stem = f"{after.tag}_vs_pretrained"
+    (out / f"{stem}.json").write_text(json.dumps([asdict(p) for p in paired], indent=2) + "\n")
+    metric = paired[0].metric
+    names = ("pretrained", after.tag.removeprefix("eval_"))
+    before_after(before, after, [prompts[i] for i in after.indices], metric, names).save(out / f"{stem}.png")
+    return [p.line(*names) for p in paired]
+
+
+def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
+    """Everything ``main`` does: check, load, evaluate, compare; the results by tag (rows on rank 0)."""
+    config = load_config(cfg)
+    weights = target(config)
+    if weights is not None:
+        check_training_config(config, weights)
+    out = Path(config.run_dir)
+    records = read_eval_prompts(config)
+    results: dict[str, EvalResult] = {}
+    with process_group(config.dist.timeout_s) as dist:
+        if weights is not None and weights.kind == "checkpoint":
+            check_checkpoint(weights)
+        backbone, predict, device = build_for_eval(config, dist)
+        scorers = build_eval_scorers(config, device)
+
+        def run(tag: str) -> EvalResult:
+            result = evaluate(backbone, predict, scorers, records, config, dist, device=device, tag=tag, out=out)
+            if dist.is_main:
+                log.info(_line(result))
+            results[tag] = result
+            return result
+
+        if weights is None or config.eval.compare_pretrained:
+            run("eval_pretrained")
+        if weights is not None:
+            load_weights(config, backbone, weights, device)
+            after = run(f"eval_{weights.tag}")
+            if config.eval.compare_pretrained and dist.is_main:
+                lines = _compare(results["eval_pretrained"], after, [r.prompt for r in records], out)
+                log.info("\n".join(lines))
+    if dist.is_main:
+        log.info("wrote %s: %s (.json means, .scores.jsonl per prompt, .png grids)", out, ", ".join(results))
+    return results
+
+
+@hydra.main(config_path="pkg://configs", config_name="eval", version_base=None)
+def main(cfg: DictConfig) -> None:
+    with reported(PROG):
+        logging.captureWarnings(True)  # warnings reach the console handler and the log file too
+        eval_command(cfg)
+
+
+def command() -> None:
+    """``python -m train.eval`` and the console script ``jagg-eval``: one line for a user's mistake."""
+    run_hydra(main, prog=PROG)
+
+
+if __name__ == "__main__":
+    command()

@@ -1,0 +1,168 @@
+"""The gradient-quality probe of a configured run (the paper's Appendix E): roll out batches with the
+trainer's phases and measure (train/algorithm/probe.py) until K trajectories had a gradient; the report.
+
+``python -m train.probe`` (train/probe/command.py) runs ``run_probe``: it builds as the trainer
+does, with wandb off and only as many prompts per rank as K trajectories need; with
+``resume=<checkpoint folder>`` it measures those weights. It logs no metric (its folder gets no
+metrics.jsonl), only ``grad_quality.json`` and the table on the console.
+
+With ``update.reuse_velocities=stale`` (and a ``probe.mode`` with middle steps) it also measures what
+staleness costs: on every batch it moves the weights by one optimizer step on the batch (the
+trainer's first step of a training step: the configured paths, one fresh AdamW step at grpo.lr, which
+moves every weight by about lr, the largest first step), measures there the path with its middle
+velocities recomputed (fresh) and taken from the rollout (stale), and restores the weights. The
+trainer's later chunks lag further behind (c steps for chunk c); this is the first of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from train.algorithm.groups import route_groups
+from train.algorithm.jagg import MIDDLE_MODES
+from train.algorithm.probe import (
+    Samples,
+    format_table,
+    measure_staleness,
+    measure_trajectories,
+    report,
+    summarize_groups,
+)
+from train.algorithm.update import UpdateBatch, update_micro_batch
+from train.components.build import (
+    Run,
+    adamw_settings,
+    load_config,
+    open_run,
+    policy_predictor,
+    process_group,
+    reference_predictor,
+    update_settings,
+)
+from train.distributed.parallelize import clip_grad_norm_
+from train.step import reward_phase, rollout_phase
+from train.trainer import resume
+
+log = logging.getLogger(__name__)
+MAX_BATCHES_PER_K = 10
+
+
+@contextmanager
+def one_step_later(run: Run, batch: UpdateBatch) -> Iterator[None]:
+    """The weights after one optimizer step on ``batch`` for the duration of the block, then restored.
+
+    The step: the first ``gradient_accumulation_steps`` samples (or all there are) through the
+    configured paths (every group, the prefix rule), the global-norm clip, and a fresh AdamW's first
+    step (the run's optimizer state is not touched).
+    """
+    cfg, g = run.cfg, run.cfg.grpo
+    saved = [p.detach().clone() for p in run.params]
+    optimizer = torch.optim.AdamW(run.params, **adamw_settings(cfg))
+    traj = batch.traj
+    plan = route_groups(
+        traj.trainable_steps(),
+        window=cfg.update.window,
+        mode=cfg.update.mode,
+        jagg_frac=cfg.update.jagg_frac,
+        num_transitions=traj.num_transitions,
+    )
+    rows = min(g.gradient_accumulation_steps, traj.batch_size)
+    for first in range(0, rows, g.micro_batch):
+        micro = torch.arange(first, min(first + g.micro_batch, rows), device=run.device)
+        update_micro_batch(batch, micro, plan, reuse_velocities=False)
+    clip_grad_norm_(run.params, g.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value in zip(run.params, saved):
+                p.copy_(value)
+
+
+def probe(run: Run) -> dict[str, Any]:
+    """Roll out batches until ``probe.num_rollouts`` trajectories are measured; the JSON report.
+
+    A trajectory whose advantage is 0 (its group's rewards all equal) has no gradient and is not
+    measured; batches are drawn until K trajectories were, at most ``MAX_BATCHES_PER_K`` times as
+    many batches as K needs.
+    """
+    cfg, p = run.cfg, run.cfg.probe
+    settings = update_settings(cfg)
+    predict, reference = policy_predictor(run), reference_predictor(run)
+    per_batch = cfg.grpo.group_size * cfg.grpo.prompts_per_rank * run.dist.world_size
+    stale = cfg.update.reuse_velocities == "stale" and p.mode in MIDDLE_MODES and cfg.update.window > 2
+    samples: Samples = defaultdict(list)
+    fresh_after: Samples = defaultdict(list)
+    stale_after: Samples = defaultdict(list)
+    traj, done = None, 0
+    max_batches = MAX_BATCHES_PER_K * math.ceil(p.num_rollouts / per_batch)
+    for batch in range(max_batches):
+        traj, prompts = rollout_phase(run, batch, keep_velocities=stale)
+        advantages = reward_phase(run, traj, prompts).advantages
+        if advantages is None:  # a NaN reward (reward_phase warned); this batch is not measured
+            continue
+        count = min(per_batch, p.num_rollouts - done)
+        update = UpdateBatch(traj, advantages, predict=predict, reference=reference, settings=settings)
+        for group, values in measure_trajectories(update, run.params, num_rollouts=count, mode=p.mode).items():
+            samples[group] += values
+        if stale:
+            with one_step_later(run, update):
+                fresh, old = measure_staleness(update, run.params, num_rollouts=count, mode=p.mode)
+            for group in fresh:
+                fresh_after[group] += fresh[group]
+                stale_after[group] += old[group]
+        done = min((len(v) for v in samples.values()), default=0)
+        if done >= p.num_rollouts:
+            break
+    else:
+        log.warning("probe: %d of K = %d trajectories had a gradient after %d batches", done, p.num_rollouts, batch + 1)
+    assert traj is not None  # validate() keeps probe.num_rollouts >= 1, so a batch was drawn
+    staleness = None
+    if stale:
+        staleness = (summarize_groups(fresh_after, traj.timesteps), summarize_groups(stale_after, traj.timesteps))
+    return report(
+        summarize_groups(samples, traj.timesteps),
+        mode=p.mode,
+        threshold=p.threshold,
+        num_transitions=traj.num_transitions,
+        staleness=staleness,
+        experiment=cfg.experiment,
+        model=cfg.model.name,
+        window=cfg.update.window,
+        sampler=cfg.sampler.sde,
+        num_rollouts=p.num_rollouts,
+        world_size=run.dist.world_size,
+    )
+
+
+def run_probe(cfg: DictConfig) -> dict[str, Any]:
+    """Build as the trainer does, probe, and write the report (rank 0 prints the table)."""
+    config = load_config(cfg)
+    config.logging.wandb_mode = "disabled"
+    with process_group(config.dist.timeout_s) as dist:
+        needed = math.ceil(config.probe.num_rollouts / (config.grpo.group_size * dist.world_size))
+        if needed < config.grpo.prompts_per_rank:  # samples no trajectory would use are not rolled out
+            log.info("probe: %d prompt(s) per rank per rollout batch cover K = %d", needed, config.probe.num_rollouts)
+            config.grpo.prompts_per_rank = needed
+        with open_run(config, dist, training=False) as run:
+            if config.resume is not None:
+                resume(run)
+            rep = probe(run)
+        if dist.is_main:
+            out = Path(config.probe.output or Path(config.run_dir) / "grad_quality.json")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(rep, indent=2) + "\n")
+            log.info("%s\nreport: %s", format_table(rep), out)
+    return rep
