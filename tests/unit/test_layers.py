@@ -23,7 +23,7 @@ LAYERS = [
     {"train.algorithm"},
     {"train.components"},
     {"train.trainer", "train.step"},
-    {"train.cli", "train.eval", "train.probe", "train.compare", "train.plan", "train.__main__"},
+    {"train.cli", "train.eval", "train.probe", "train.compare", "train.plan", "train.__main__", "train.grad_quality"},
 ]
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from grad_quality_toys import ToyVelocity, toy_batch, toy_settings, toy_trajectory
+from probe_toys import ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grad_quality_toys import ToyVelocity, toy_batch, toy_settings, toy_trajectory
+from probe_toys import ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from torch import Tensor
 
 from samplers.rollout import transition

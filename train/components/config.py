@@ -184,7 +184,7 @@ class ProbeConfig:
     num_rollouts: int = 20  # K: trajectories measured, all ranks together (the paper: >= 20)
     mode: str = "jagg"  # the path compared with exact: jagg | jagg_sequential | ablate
     threshold: float = 0.5  # a group qualifies for the path when its mean cos(g_mode, g_exact) >= threshold
-    output: str | None = None  # JSON report; null = <run_dir>/grad_quality.json
+    output: str | None = None  # JSON report; null = <run_dir>/probe.json
 
 
 @dataclass

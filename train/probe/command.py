@@ -5,7 +5,7 @@ paper's Table 5) and the jagg_frac it gives, on the configured backbone, sampler
     torchrun --nproc_per_node 8 -m train.probe experiment=flux_dance model.path=... \\
         data.train_prompts=... reward.components.hpsv2.checkpoint=... reward.components.clipscore.model_path=...
 
-Each probe writes into its own folder, ``runs/<experiment>/grad_quality/<time>`` (configs/probe.yaml).
+Each probe writes into its own folder, ``runs/<experiment>/probe/<time>`` (configs/probe.yaml).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ trainer's phases and measure (train/algorithm/probe.py) until K trajectories had
 ``python -m train.probe`` (train/probe/command.py) runs ``run_probe``: it builds as the trainer
 does, with wandb off and only as many prompts per rank as K trajectories need; with
 ``resume=<checkpoint folder>`` it measures those weights. It logs no metric (its folder gets no
-metrics.jsonl), only ``grad_quality.json`` and the table on the console.
+metrics.jsonl), only ``probe.json`` and the table on the console.
 
 With ``update.reuse_velocities=stale`` (and a ``probe.mode`` with middle steps) it also measures what
 staleness costs: on every batch it moves the weights by one optimizer step on the batch (the
@@ -161,7 +161,7 @@ def run_probe(cfg: DictConfig) -> dict[str, Any]:
                 resume(run)
             rep = probe(run)
         if dist.is_main:
-            out = Path(config.probe.output or Path(config.run_dir) / "grad_quality.json")
+            out = Path(config.probe.output or Path(config.run_dir) / "probe.json")
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(rep, indent=2) + "\n")
             log.info("%s\nreport: %s", format_table(rep), out)

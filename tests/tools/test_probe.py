@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from grad_quality_toys import ADVANTAGES, ToyVelocity, toy_batch, toy_settings, toy_trajectory
+from probe_toys import ADVANTAGES, ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from hydra import compose, initialize_config_module
 from two_ranks import run_torchrun
 
@@ -222,7 +222,7 @@ def test_probe_under_torchrun_fsdp_matches_one_process(tiny_flux_dir, tmp_path, 
     args = ["-m", "train.probe", *common, f"run_dir={sharded}", f"hydra.run.dir={sharded}"]
     result = run_torchrun(*args, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    two = json.loads((sharded / "grad_quality.json").read_text())
+    two = json.loads((sharded / "probe.json").read_text())
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(
             config_name="train", overrides=[*common, f"run_dir={tmp_path / 'one'}", "grpo.prompts_per_rank=2"]
