@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from probe_toys import ADVANTAGES, ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from hydra import compose, initialize_config_module
+from probe_toys import ADVANTAGES, ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from two_ranks import run_torchrun
 
 from train.algorithm.groups import prefix_path

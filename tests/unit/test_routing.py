@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from probe_toys import ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
+from probe_toys import ToyVelocity, toy_batch, toy_settings, toy_trajectory
 
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
