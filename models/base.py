@@ -148,10 +148,6 @@ class Backbone(abc.ABC):
         schedule (with its resolution-dependent shift); a float: samplers.schedule.shifted_sigmas."""
 
     @abc.abstractmethod
-    def free_text_encoders(self) -> None:
-        """Drop the text encoders from memory; ``encode`` then needs an embedding cache."""
-
-    @abc.abstractmethod
     def to(self, device: torch.device | str) -> Backbone:
         """Move every loaded component to ``device``; returns self."""
 

@@ -13,7 +13,6 @@ linear in the token count L = h/2 * w/2, optional terminal stretch, then a final
 from __future__ import annotations
 
 import abc
-import gc
 import inspect
 import warnings
 from collections.abc import Collection, Mapping
@@ -180,13 +179,6 @@ class DiffusersBackbone(Backbone):
             if isinstance(part, nn.Module):
                 part.to(self.device)
         return self
-
-    def free_text_encoders(self) -> None:
-        for name in self.text_components:
-            self._parts.pop(name, None)
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     # ---- latents and schedule ------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import torch
 
 from models import backbone_names, load_backbone
 from models.cache import EmbeddingCache
-from models.flux import FluxConditioning
+from models.flux import FluxBackbone, FluxConditioning
 from scripts.precompute_embeddings import main as precompute
 
 PROMPTS = ["a photo of a cat", "a red dog with a blue hat on the grass", "a bowl of fruit", "a photo of a cat"]
@@ -67,13 +67,12 @@ def test_missing_prompt_and_mismatched_cache_are_refused(caches, tmp_path):
     assert index["signature"]["dims"] == {"prompt_embeds": 32, "pooled": 32}
 
 
-def test_free_text_encoders(tiny_flux_dir):
-    backbone = load_backbone("flux", tiny_flux_dir, dtype="float32")
-    cond = backbone.encode(["a cat"])
+def test_missing_components_are_named(tiny_flux_dir):
+    cond = load_backbone("flux", tiny_flux_dir, dtype="float32").encode(["a cat"])
     assert isinstance(cond, FluxConditioning)
-    backbone.free_text_encoders()
+    no_text = load_backbone("flux", tiny_flux_dir, dtype="float32", skip=FluxBackbone.text_components)
     with pytest.raises(ValueError, match="not loaded.*embedding_cache"):
-        backbone.encode(["a cat"])
+        no_text.encode(["a cat"])
     text_only = load_backbone("flux", tiny_flux_dir, dtype="float32", skip=("transformer", "vae"))
     with pytest.raises(ValueError, match="component 'transformer' is not loaded"):
         text_only.predict(torch.zeros(1, 8, 8, 16), torch.ones(1), cond)
