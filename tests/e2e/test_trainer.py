@@ -102,9 +102,19 @@ def exported(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(lora if lora.is_file() else run_dir / "export" / "diffusion_pytorch_model.safetensors")
 
 
+@pytest.fixture(scope="module")
+def golden_runs(tiny_flux_dir, tiny_clip_dir, tmp_path_factory) -> dict[str, list[dict]]:
+    """The metrics of every golden case, trained once for the golden check and the counts check."""
+    root = tmp_path_factory.mktemp("golden")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(ROOT)
+        reward = [*smooth_reward(tiny_clip_dir), *GOLDEN_RUN]
+        return {case: train(root / case, tiny_flux_dir, [*reward, *overrides]) for case, overrides in CASES.items()}
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_tiny_run_matches_golden(case, tiny_flux, tiny_clip_dir, tmp_path):
-    metrics = train(tmp_path / case, tiny_flux, [*smooth_reward(tiny_clip_dir), *GOLDEN_RUN, *CASES[case]])
+def test_tiny_run_matches_golden(case, golden_runs):
+    metrics = golden_runs[case]
     assert [m["step"] for m in metrics] == [0, 1, 2]
     values = {key: [m[key] for m in metrics] for key in GOLDEN_KEYS}
     mode = case.split("-")[1]
@@ -123,48 +133,48 @@ def test_tiny_run_matches_golden(case, tiny_flux, tiny_clip_dir, tmp_path):
 
 
 COUNTED = ("count/grad_forwards", "count/nograd_forwards", "count/backward_calls", "count/reused_velocities")
-TWO_OPTIMIZER_STEPS = ["grpo.gradient_accumulation_steps=2"]  # one micro-batch of 2 rows per optimizer step
+# 9 sampling steps' v of a 16 x 16 x 4 latent packed into 8 x 8 x 16, float32
+VELOCITY_BYTES = 9 * 8 * 8 * 16 * 4
 
 
-def test_counts_per_update_mode(tiny_flux, tmp_path):
-    """Two groups of W = 4 per micro-batch, two micro-batches: exact runs W backward passes per
-    group, the JAGG paths 2 transformer backward passes (1 call joint, 2 sequential). The JAGG paths
-    take their 2 middle steps per group from the rollout while the weights are the rollout's: with
-    one optimizer step per training step, always; with two, fresh recomputes after the first."""
-    cases = {
-        "exact": ["update=exact"],
-        "jagg": ["update=jagg"],
-        "jagg_sequential": ["update=jagg_sequential"],
-        "ablate": ["update=ablate"],
-        "jagg-off": ["update=jagg", "update.reuse_velocities=off"],
-        "jagg-fresh-2": ["update=jagg", *TWO_OPTIMIZER_STEPS],
-        "jagg-stale-2": ["update=jagg", "update.reuse_velocities=stale", *TWO_OPTIMIZER_STEPS],
+def test_counts_per_update_mode(golden_runs, tiny_flux, tmp_path):
+    """Per step of the golden runs: two micro-batches of 2 rows, each its own optimizer step, and two
+    groups of W = 4 per micro-batch, group 0 routed to the mode (jagg_frac 0.6 of 8 transitions) and
+    group 1 exact (Flow-GRPO-Fast: one group, in its window). Exact runs W forwards and W backward
+    passes per group; jagg and ablate 2 endpoint forwards and 1 backward call, jagg_sequential 2 calls.
+    jagg takes its 2 middle steps from the rollout in the first micro-batch (the weights are the
+    rollout's) and recomputes them without grad in the second (an optimizer step moved the weights:
+    update.reuse_velocities=fresh). Two more runs, every group on jagg: reuse off recomputes every
+    middle step, stale reuses them after the optimizer step too."""
+    counts = {case: tuple(metrics[0][key] for key in COUNTED) for case, metrics in golden_runs.items()}
+    assert counts == {
+        "dance-exact": (16, 0, 16, 0),
+        "dance-jagg": (12, 2, 10, 2),
+        "dance-jagg_sequential": (12, 2, 12, 2),
+        "dance-ablate": (12, 0, 10, 0),
+        "flow-jagg": (12, 18, 10, 2),  # and the KL reference: 4 no-grad steps per group and micro-batch
+        "flow_fast-jagg": (4, 2, 2, 2),  # one group of 4 in the SDE window, on jagg (jagg_frac 1)
     }
-    counts, kept = {}, {}
-    for name, extra in cases.items():
-        m = train(tmp_path / name, tiny_flux, [*extra, "update.jagg_frac=1.0", "num_steps=1"])[0]
+    kept = {case: metrics[0].get("memory/velocity_bytes_per_sample") for case, metrics in golden_runs.items()}
+    assert kept == {case: None if "exact" in case or "ablate" in case else VELOCITY_BYTES for case in CASES}
+    extra = {
+        "jagg-off": ["update.reuse_velocities=off"],
+        "jagg-stale": ["update.reuse_velocities=stale", *GOLDEN_RUN],
+    }
+    for name, overrides in extra.items():
+        m = train(tmp_path / name, tiny_flux, ["update=jagg", "update.jagg_frac=1.0", "num_steps=1", *overrides])[0]
         counts[name] = tuple(m[key] for key in COUNTED)
         kept[name] = m.get("memory/velocity_bytes_per_sample")
-    assert counts == {
-        "exact": (16, 0, 16, 0),
-        "jagg": (8, 0, 4, 8),
-        "jagg_sequential": (8, 0, 8, 8),
-        "ablate": (8, 0, 4, 0),
-        "jagg-off": (8, 8, 4, 0),
-        "jagg-fresh-2": (8, 4, 4, 4),
-        "jagg-stale-2": (8, 0, 4, 8),
-    }
-    # 9 sampling steps' v of a 16 x 16 x 4 latent packed into 8 x 8 x 16, float32; none where nothing reuses them
-    velocity_bytes = 9 * 8 * 8 * 16 * 4
-    assert kept == {name: None if name in ("exact", "ablate", "jagg-off") else velocity_bytes for name in cases}
+    assert (counts["jagg-off"], kept["jagg-off"]) == ((8, 8, 4, 0), None)
+    assert (counts["jagg-stale"], kept["jagg-stale"]) == ((8, 0, 4, 8), VELOCITY_BYTES)
 
 
 @pytest.mark.parametrize(
     "extra",
     [
         [],  # jagg on the first group, reusing the rollout's velocities (one optimizer step per step)
-        ["update.reuse_velocities=fresh", *TWO_OPTIMIZER_STEPS],  # reused, then recomputed after a step
-        ["update.reuse_velocities=stale", *TWO_OPTIMIZER_STEPS],
+        ["update.reuse_velocities=fresh", *GOLDEN_RUN],  # reused, then recomputed after a step
+        ["update.reuse_velocities=stale", *GOLDEN_RUN],
     ],
     ids=["default", "fresh", "stale"],
 )
