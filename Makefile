@@ -10,13 +10,17 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test lint install
+.PHONY: demo test test-fast lint install
 
 demo: $(VENV)/.installed
 	$(BIN)/python -m train
 
 test: $(VENV)/.installed $(VENV)/.test-extras
 	$(BIN)/python -m pytest -q tests
+
+# the inner loop: every test but those marked slow (subprocesses, torchrun, long training)
+test-fast: $(VENV)/.installed $(VENV)/.test-extras
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
