@@ -1,4 +1,4 @@
-"""Two processes under torchrun on CPU/gloo with FSDP2: the worker (tests/dist_worker.py) does the
+"""Two processes under torchrun on CPU/gloo with FSDP2: the worker (tests/helpers/dist_worker.py) does the
 work, this test reads its per-rank results. One torchrun start-up for every check (~20 s)."""
 
 from __future__ import annotations

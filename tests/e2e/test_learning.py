@@ -8,7 +8,7 @@ evaluation is the ODE with fixed noise, so its step-0 value is the frozen model 
 is paired. The shape-alignment reward rides along at a small weight with ``reward.combine=advantage``,
 so every step takes per-reward group advantages of a discrete reward as well; every group is centred,
 so ``adv/mean`` is zero to float rounding (the exact-zero advantage of tied groups, which are rare
-here, is pinned by tests/test_grpo.py).
+here, is pinned by tests/unit/test_grpo.py).
 
 Measured (4 steps): gain +0.42 (exact) and +0.32 (jagg) kB against a margin of 0.15; with the
 advantages' sign flipped -0.37 and -0.36. The test fails if the sign flips (the reward falls), if

@@ -2,7 +2,7 @@
 
 Golden values: ``tests/golden/trainer.json`` holds the per-step reward (a tiny CLIPScore), gradient norm, loss and
 approx_kl of a 3-step run for every update mode and sampler preset. Regenerate it after an intended change with
-``UPDATE_GOLDEN=1 python -m pytest tests/test_trainer.py -k golden`` and say why in the commit.
+``UPDATE_GOLDEN=1 python -m pytest tests/e2e/test_trainer.py -k golden`` and say why in the commit.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Worker of tests/test_distributed_fsdp.py, run as ``torchrun --nproc_per_node 2 dist_worker.py OUT``.
+"""Worker of tests/distributed/test_distributed_fsdp.py, run as ``torchrun --nproc_per_node 2 dist_worker.py OUT``.
 
 One torchrun start-up (~6 s) checks, on a tiny diffusers Flux transformer (2 double + 2 single
 blocks) sharded with FSDP2 on CPU/gloo:

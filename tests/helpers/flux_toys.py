@@ -1,5 +1,5 @@
 """The tiny Flux transformer of models/flux.py without guidance embedding, seeded, for the
-distribution and checkpoint tests; tests/dist_worker.py imports it too."""
+distribution and checkpoint tests; tests/helpers/dist_worker.py imports it too."""
 
 import torch
 from diffusers import FluxTransformer2DModel

@@ -1,4 +1,4 @@
-"""Toy velocity models whose linearity the tests control (tests/test_probe.py, test_routing.py)."""
+"""Toy velocity models whose linearity the tests control (tests/tools/test_probe.py, test_routing.py)."""
 
 from __future__ import annotations
 

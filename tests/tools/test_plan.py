@@ -224,7 +224,7 @@ PHASES = {"rollout", "decode", "update exact", "update jagg, rollout velocities"
 @pytest.fixture(scope="module")
 def tiny(tiny_flux_dir, tmp_path_factory):
     """(config, the planner's report of TINY, rank 0's traced peaks of the same step on real tensors
-    over 2 gloo processes): tests/plan_worker.py runs while this process plans."""
+    over 2 gloo processes): tests/helpers/plan_worker.py runs while this process plans."""
     overrides = [*TINY, f"model.path={tiny_flux_dir}"]
     out = tmp_path_factory.mktemp("real_run")
     worker = subprocess.Popen(
@@ -260,7 +260,7 @@ def test_planner_bytes_equal_the_analytic_count(tiny):
 
 
 def test_traced_peaks_match_a_real_gloo_run(tiny):
-    """The same phases on real tensors over 2 gloo processes (tests/plan_worker.py) give rank 0 the
+    """The same phases on real tensors over 2 gloo processes (tests/helpers/plan_worker.py) give rank 0 the
     same peaks within 1%; measured here: equal to the byte, as fake tensors carry the storage sizes
     of the real kernels' outputs."""
     _, report, real = tiny

@@ -936,7 +936,7 @@ def plan(cfg: TrainConfig, *, model_path_given: bool = False) -> PlanReport:
     groups = expected_groups(cfg)
     with fake_process_group(cfg.plan.world_size), FakeTensorMode(), warnings.catch_warnings():
         # FSDP2 warns on every forward that FluxSingleTransformerBlock returns views; no path of ours
-        # writes into them in place (tests/test_plan.py checks it), so the warning is noise here.
+        # writes into them in place (tests/tools/test_plan.py checks it), so the warning is noise here.
         warnings.filterwarnings("ignore", message=VIEW_WARNING)
         traced = trace_step(build_run(cfg, arch), groups)
         updates = traced.updates + trace_other_checkpointing(cfg, arch, traced.tensors, groups)
