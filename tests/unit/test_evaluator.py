@@ -67,6 +67,7 @@ def test_cadence_is_every_eval_every_steps_and_the_last(tmp_path):
     evaluator = session(tmp_path, start=0)
     assert [done for done in range(1, 4) if evaluator.due(done)] == [2, 3]
     cfg = evaluator.cfg
+    assert build_evaluator(SimpleNamespace(cfg=cfg), start=cfg.num_steps) is None  # no step left
     cfg.logging.eval_every = 0
     assert build_evaluator(SimpleNamespace(cfg=cfg), start=0) is None
 

@@ -295,10 +295,11 @@ def read_heldout_prompts(cfg: TrainConfig) -> list[PromptRecord]:
 
 
 def build_evaluator(run: Run, *, start: int) -> Evaluator | None:
-    """The trainer's evaluation of ``run`` (None with logging.eval_every=0); a session resumed at
-    ``start`` > 0 reads the step-0 result back from the run folder (rank 0, which shows it)."""
+    """The trainer's evaluation for a session that starts at step ``start``, or None when it would
+    evaluate nothing (logging.eval_every=0, or no step left). A resumed session's rank 0 reads the
+    step-0 result back from the run folder, for its comparisons."""
     cfg = run.cfg
-    if not cfg.logging.eval_every:
+    if not cfg.logging.eval_every or start == cfg.num_steps:
         return None
     records, heldout = read_eval_prompts(cfg), read_heldout_prompts(cfg)
     resumed = start > 0 and run.dist.is_main
