@@ -44,7 +44,12 @@ class Scorer(abc.ABC):
     def __call__(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
         check_inputs(images, prompts, scorer=self.name)
         scores = self.score(images, prompts)
-        assert scores.shape == (images.shape[0],), f"{self.name} returned shape {tuple(scores.shape)}"
+        if not isinstance(scores, Tensor) or scores.shape != (images.shape[0],):
+            # a scorer is user code (docs/rewards.md): one score per image is its contract, not an invariant
+            got = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
+            raise ValueError(
+                f"reward {self.name!r}: score() must return one value per image, shape [{images.shape[0]}], got {got}"
+            )
         return scores.to(device=images.device, dtype=torch.float32)
 
     @abc.abstractmethod

@@ -216,7 +216,7 @@ def test_samples_per_prompt_repeats_the_prompt_set_with_new_noise(tmp_path):
 def test_heldout_prompts_are_read_like_eval_prompts_and_logged_under_held_out(tmp_path):
     from train.components.build import read_heldout_prompts
     from train.components.config import TrainConfig
-    from train.trainer import _eval_keys
+    from train.components.evaluator import _eval_keys
 
     cfg = TrainConfig()
     cfg.eval.samples_per_prompt = 2

@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from models.base import DTYPES, parse_dtype
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.components.config import TrainConfig, register_schema, trainable_transitions, validate
@@ -171,6 +172,16 @@ def test_bad_values_fail_fast(overrides, error, message, tmp_path):
     cfg = load(overrides, tmp_path)
     with pytest.raises(error, match=message):
         check(cfg)
+
+
+def test_model_dtype_accepts_what_the_backbone_parses(tmp_path):
+    """model.dtype is validated against models.base.DTYPES, the names parse_dtype reads."""
+    for name in DTYPES:
+        check(load([f"model.dtype={name}"], tmp_path))
+    with pytest.raises(ValueError, match=r"model\.dtype='bf32'.*float32, fp32, bfloat16, bf16"):
+        check(load(["model.dtype=bf32"], tmp_path))
+    with pytest.raises(ValueError, match="model.dtype must be one of"):
+        parse_dtype("bf32")
 
 
 def test_empty_or_missing_prompt_file(tmp_path):

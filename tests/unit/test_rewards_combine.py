@@ -136,6 +136,13 @@ def test_scorer_input_checks(images: Tensor, prompts, match: str) -> None:
         JPEGCompressibilityScorer()(images, prompts)
 
 
+@pytest.mark.parametrize("values", [[1.0, 2.0, 3.0], [[1.0], [2.0], [3.0], [4.0]]])
+def test_scorer_output_shape_is_checked(values) -> None:
+    """A scorer returning other than one score per image is an error naming it, not an assert."""
+    with pytest.raises(ValueError, match=r"reward 'fixed': score\(\) must return one value per image, shape \[4\]"):
+        FixedScorer("fixed", values)(IMAGES, PROMPTS)
+
+
 def test_flat_image_is_more_compressible_than_noise() -> None:
     flat = torch.full((1, 3, 64, 64), 0.4)
     noise = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))

@@ -3,6 +3,7 @@
 ``build_run`` assembles the run state (``Run``) in a fixed order: seeds, the shared run folder, the
 rewards (a wrong reward path fails in seconds, before the transformer loads), the backbone, the
 trainable parameters and the KL reference (then sharding), the optimizer, the logger and the router.
+``build_evaluator`` gives the trainer its evaluation (train/components/evaluator.py).
 ``predictor`` turns a backbone (or a reference transformer) into the ``predict(z, t, cond)`` that the
 rollout, the update and the evaluation call.
 """
@@ -38,8 +39,9 @@ from train.components.config import TrainConfig, UpdateConfig, validate
 from train.components.data import PromptRecord, PromptSampler, read_prompts
 from train.components.ema import EMA
 from train.components.errors import ConfigError, PathError
-from train.components.evaluation import EvalResult
+from train.components.evaluator import Evaluator, read_result
 from train.components.logger import RunLogger
+from train.components.summary import eval_tag
 from train.distributed.collectives import DistInfo, broadcast_object, init_distributed, shutdown
 from train.distributed.parallelize import parallelize
 from train.distributed.seeds import seed_everything, stream_seed
@@ -64,10 +66,6 @@ class Run:
     compute_dtype: torch.dtype
     router: Router  # update.routing: which groups train and by which path (train/algorithm/routing.py)
     resume_from: list[Path]  # the checkpoints ``resume`` names that passed the file checks, newest first
-    eval_records: list[PromptRecord] | None = None  # built on the first evaluation
-    heldout_records: list[PromptRecord] | None = None
-    eval_scorers: dict[str, Scorer] | None = None
-    eval_before: EvalResult | None = None  # rank 0: the step-0 evaluation, for the before/after sheets
 
 
 def _missing(tree: Any, name: str = "") -> list[str]:
@@ -294,6 +292,30 @@ def read_heldout_prompts(cfg: TrainConfig) -> list[PromptRecord]:
     if cfg.data.heldout_prompts is None:
         return []
     return read_prompts(cfg.data.heldout_prompts, field_name="data.heldout_prompts") * cfg.eval.samples_per_prompt
+
+
+def build_evaluator(run: Run, *, start: int) -> Evaluator | None:
+    """The trainer's evaluation for a session that starts at step ``start``, or None when it would
+    evaluate nothing (logging.eval_every=0, or no step left). A resumed session's rank 0 reads the
+    step-0 result back from the run folder, for its comparisons."""
+    cfg = run.cfg
+    if not cfg.logging.eval_every or start == cfg.num_steps:
+        return None
+    records, heldout = read_eval_prompts(cfg), read_heldout_prompts(cfg)
+    resumed = start > 0 and run.dist.is_main
+    return Evaluator(
+        cfg=cfg,
+        dist=run.dist,
+        device=run.device,
+        backbone=run.backbone,
+        predict=policy_predictor(run),
+        ema=run.ema,
+        logger=run.logger,
+        scorers=build_eval_scorers(cfg, run.device),
+        records=records,
+        heldout=heldout,
+        before=read_result(Path(cfg.run_dir) / "eval", eval_tag(0)) if resumed else None,
+    )
 
 
 def predictor(

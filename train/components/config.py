@@ -20,6 +20,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from models.base import DTYPES
 from rewards.combine import COMBINE_MODES
 from samplers.sde import SDE_KINDS
 from train.algorithm.groups import split_groups
@@ -27,11 +28,10 @@ from train.algorithm.jagg import UPDATE_MODES
 from train.algorithm.routing import ROUTINGS
 from train.components.data import read_prompts
 from train.components.errors import ConfigError, PathError
+from train.components.logger import WANDB_MODES
 
-DTYPES = ("float32", "bfloat16", "float16")
 LORA_INITS = ("gaussian", "olora", "pissa", "orthogonal")  # peft's init_lora_weights that need no extra config
 REUSE_VELOCITIES = ("fresh", "stale", "off")  # update.reuse_velocities
-WANDB_MODES = ("disabled", "offline", "online")
 
 
 @dataclass
@@ -47,7 +47,7 @@ class ModelConfig:
     name: str = "flux"  # backbone registry key: flux | qwenimage (models/registry.py)
     path: str = MISSING  # local diffusers pipeline folder (no hub downloads)
     build_tiny: str | None = None  # "tiny" | "small": build a random offline pipeline at `path` if absent (CPU demos)
-    dtype: str = "float32"  # transformer parameter/compute dtype: float32 | bfloat16 | float16
+    dtype: str = "float32"  # transformer parameter/compute dtype: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
     height: int = 32  # image height in pixels
     width: int = 32  # image width in pixels
     # adapter options for models.registry.load_backbone: Flux guidance / max_sequence_length (text tokens

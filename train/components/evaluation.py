@@ -3,8 +3,9 @@
 Prompt i always starts from the noise of the stream (eval.seed, "eval_noise", i), so scores do not
 depend on the number of ranks or the batch size, and two models evaluated with the same prompts and
 eval.seed saw the same noise: their per-prompt scores pair up. Prompts are dealt round-robin to
-ranks and the scores gathered; the trainer calls ``evaluate`` every ``logging.eval_every`` steps on
-all ranks and ``python -m train.eval`` (train/eval/command.py) once or twice.
+ranks and the scores gathered; the trainer's Evaluator (train/components/evaluator.py) calls
+``evaluate`` every ``logging.eval_every`` steps on all ranks and ``python -m train.eval``
+(train/eval/command.py) once or twice.
 Output in ``<out>`` (``<run_dir>/eval`` for the trainer):
 
 * ``<tag>.json``: means overall and per category (when the prompt file is JSON lines with a

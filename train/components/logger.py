@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from rewards.summary import MIN_TILE, image_grid
 
-WANDB_MODES = ("disabled", "offline", "online")
+WANDB_MODES = ("disabled", "offline", "online")  # logging.wandb_mode
 WANDB_ID_FILE = "wandb_run_id"
 log = logging.getLogger(__name__)
 
@@ -150,10 +150,6 @@ class RunLogger:
         except Exception as exc:  # wandb may raise anything; training must go on without it
             warnings.warn(f"wandb failed ({exc!r}); continuing without wandb", RuntimeWarning, stacklevel=3)
             self._wandb = None
-
-    @property
-    def wandb_active(self) -> bool:
-        return self._wandb is not None
 
     def log(self, metrics: Mapping[str, float | int | bool | Tensor], step: int) -> None:
         """Append one JSON line (and a wandb point) with ``metrics`` at ``step``."""

@@ -1,0 +1,101 @@
+"""The trainer's Evaluator without a model: the protocol (``evaluate``) is replaced by one that returns
+a made-up result and writes its files, so what is tested is what the Evaluator adds: its cadence,
+the step-0 result kept in one session and read back from the run folder by a resumed one, the
+console line and the before/after sheet against it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train.components.evaluator as evaluator_module
+from train.components.build import build_evaluator
+from train.components.config import TrainConfig
+from train.components.evaluation import EvalResult, _write
+from train.components.evaluator import Evaluator, read_result
+from train.components.logger import RunLogger
+from train.distributed.collectives import DistInfo
+
+SCORER = "jpeg_compressibility"
+VALUE = {"step_00000000": 0.25, "step_00000002": 0.5}  # the made-up mean score of each evaluation
+
+
+def fake_evaluate(backbone, predict, scorers, records, cfg, dist, *, device, tag, out=None) -> EvalResult:
+    """Prompt i scores VALUE[tag] + i / 100; the grid is every prompt, random pixels."""
+    rows = [
+        {"index": i, "prompt": r.prompt, "category": None, "seed": 0, SCORER: VALUE[tag] + i / 100}
+        for i, r in enumerate(records)
+    ]
+    mean = sum(row[SCORER] for row in rows) / len(rows)
+    result = EvalResult(tag, {SCORER: mean}, rows, torch.rand(len(rows), 3, 8, 8), list(range(len(rows))))
+    _write(result, records, Path(cfg.run_dir) / "eval")
+    return result
+
+
+def session(tmp_path: Path, *, start: int) -> Evaluator:
+    """The Evaluator a session starting at ``start`` builds, on one rank, around no model."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square\na blue circle\n")
+    cfg = TrainConfig()
+    cfg.run_dir, cfg.num_steps = str(tmp_path), 3
+    cfg.data.train_prompts = str(prompts)
+    cfg.logging.eval_every = 2
+    cfg.eval.scorers = {SCORER: {}}
+    cfg.eval.samples_per_prompt = 1
+    cpu = torch.device("cpu")
+    dist = DistInfo(rank=0, world_size=1, local_rank=0, device=cpu, is_main=True)
+    logger = RunLogger(tmp_path, is_main=True)
+    run = SimpleNamespace(
+        cfg=cfg, dist=dist, device=cpu, backbone=None, compute_dtype=torch.float32, ema=None, logger=logger
+    )
+    evaluator = build_evaluator(run, start=start)  # the parts of a Run it reads
+    assert evaluator is not None
+    return evaluator
+
+
+@pytest.fixture(autouse=True)
+def _no_model(monkeypatch):
+    monkeypatch.setattr(evaluator_module, "evaluate", fake_evaluate)
+
+
+def test_cadence_is_every_eval_every_steps_and_the_last(tmp_path):
+    evaluator = session(tmp_path, start=0)
+    assert [done for done in range(1, 4) if evaluator.due(done)] == [2, 3]
+    cfg = evaluator.cfg
+    assert build_evaluator(SimpleNamespace(cfg=cfg), start=cfg.num_steps) is None  # no step left
+    cfg.logging.eval_every = 0
+    assert build_evaluator(SimpleNamespace(cfg=cfg), start=0) is None
+
+
+def test_a_resumed_session_reads_step_0_back_and_compares_with_it(tmp_path, caplog):
+    first = session(tmp_path, start=0)
+    assert first.before is None
+    first(0)
+    kept = first.before
+    assert kept is not None and kept.tag == "step_00000000"
+    first.logger.finish()
+
+    resumed = session(tmp_path, start=1)  # a new process: nothing of the first session but its files
+    before = resumed.before
+    assert before is not None and before is not kept
+    assert before.indices == kept.indices and before.rows == kept.rows
+    assert before.summary[SCORER] == kept.summary[SCORER]
+    torch.testing.assert_close(before.images, kept.images, atol=0.5 / 255, rtol=0)  # saved as uint8
+    with caplog.at_level(logging.INFO, logger=evaluator_module.__name__):
+        resumed(2)
+    resumed.logger.finish()
+    assert f"eval step 2: {SCORER} 0.5050 (step 0: 0.2550)" in caplog.messages
+    assert (tmp_path / "eval" / "before_after_step_00000002.png").is_file()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["step"], row[f"eval/{SCORER}"]) for row in rows] == [(0, 0.255), (2, 0.505)]
+
+
+def test_a_fresh_session_reads_nothing_back(tmp_path):
+    session(tmp_path, start=0)(0)
+    assert session(tmp_path, start=0).before is None  # it evaluates step 0 itself
+    assert read_result(tmp_path / "eval", "step_00000002") is None  # no such evaluation

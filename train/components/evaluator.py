@@ -1,0 +1,119 @@
+"""The trainer's evaluation: an ``Evaluator`` built once (train/components/build.py:build_evaluator)
+with its prompts, scorers and the step-0 result, called after ``step`` training steps on all ranks.
+
+A call runs the protocol of train/components/evaluation.py (with the EMA weights when kept) on the
+evaluation prompts and, when ``data.heldout_prompts`` is set, on those as a second evaluation; logs
+``eval/<metric>[/<category>]`` and ``eval/<metric>/held-out[/<category>]`` at ``step``; then rank 0
+prints the line against step 0 (``eval step 20: shape_alignment 0.5735 (step 0: 0.5862)``), sends
+the captioned grid to wandb and writes ``eval/before_after_<tag>.png``: the same prompts and noise
+at step 0 and after ``step`` steps.
+
+The step-0 grid is saved as ``eval/step_00000000.grid.pt`` (uint8) beside its scores: a resumed
+session does not evaluate step 0 again, and its builder reads the step-0 result back from the files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.base import Backbone
+from rewards.base import Scorer
+from rewards.summary import overall
+from samplers.rollout import Predict
+from train.components.config import TrainConfig
+from train.components.data import PromptRecord
+from train.components.ema import EMA
+from train.components.evaluation import EvalResult, before_after, evaluate, read_scores
+from train.components.logger import RunLogger
+from train.components.summary import eval_line, eval_tag
+from train.distributed.collectives import DistInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Evaluator:
+    """The evaluation of the policy during training (the module docstring says what one call does)."""
+
+    cfg: TrainConfig
+    dist: DistInfo
+    device: torch.device
+    backbone: Backbone
+    predict: Predict  # the policy; it follows backbone.transformer as it trains
+    ema: EMA | None  # swapped in for each evaluation when kept
+    logger: RunLogger
+    scorers: dict[str, Scorer]  # eval.scorers
+    records: list[PromptRecord]  # the evaluation prompts, eval.samples_per_prompt times each
+    heldout: list[PromptRecord]  # data.heldout_prompts likewise; empty: no held-out evaluation
+    before: EvalResult | None = None  # rank 0: the step-0 result, for the line and the before/after sheets
+
+    def due(self, done: int) -> bool:
+        """After ``done`` steps: every eval_every steps, and after the last step whatever its number."""
+        return done % self.cfg.logging.eval_every == 0 or done == self.cfg.num_steps
+
+    def __call__(self, step: int) -> None:
+        """Evaluate the policy after ``step`` training steps: log it on all ranks, show it on rank 0."""
+        result = self._evaluate(self.records, eval_tag(step))
+        metrics = _eval_keys(result.summary, "")
+        if self.heldout:
+            metrics |= _eval_keys(self._evaluate(self.heldout, f"{eval_tag(step)}_held-out").summary, "/held-out")
+        self.logger.log(metrics, step)
+        if self.dist.is_main:
+            self._show(result, step)
+
+    def _evaluate(self, records: list[PromptRecord], tag: str) -> EvalResult:
+        with self.ema.swapped() if self.ema is not None else nullcontext():
+            return evaluate(
+                self.backbone, self.predict, self.scorers, records, self.cfg, self.dist, device=self.device, tag=tag
+            )
+
+    def _show(self, result: EvalResult, step: int) -> None:
+        """The console line, the grid on wandb and the sheet against step 0 (which step 0 itself keeps)."""
+        folder = Path(self.cfg.run_dir) / "eval"
+        if step == 0:
+            self.before = result
+            save_grid(result, folder)
+        before = self.before
+        log.info(eval_line(step, result.summary, before.summary if before is not None else None))
+        metric = next(iter(overall(result.summary)))
+        prompts = [self.records[i].prompt for i in result.indices]
+        scores = result.scores(metric, result.indices)
+        captions = [f"#{i} {metric} {v:.4f}: {p}" for i, v, p in zip(result.indices, scores, prompts)]
+        self.logger.log_wandb_images("eval/images", result.images, captions, step)
+        if step > 0 and before is not None and before.indices == result.indices:
+            sheet = before_after(before, result, prompts, metric, ("step 0", f"step {step}"))
+            path = folder / f"before_after_{result.tag}.png"
+            sheet.save(path)
+            self.logger.log_wandb_images("eval/before_after", path, [f"step 0 | step {step}: {metric}"], step)
+
+
+def _eval_keys(summary: dict[str, float], suffix: str) -> dict[str, float]:
+    """eval/<metric><suffix>[/<category>] for a summary's <metric>[/<category>] keys."""
+    keyed = {}
+    for key, value in summary.items():
+        metric, _, category = key.partition("/")
+        keyed[f"eval/{metric}{suffix}" + (f"/{category}" if category else "")] = value
+    return keyed
+
+
+def save_grid(result: EvalResult, folder: Path) -> None:
+    """``<folder>/<tag>.grid.pt``: the grid's images as uint8 and their prompt indices (``read_result``)."""
+    pixels = (result.images.clamp(0, 1) * 255).round().to(torch.uint8)
+    torch.save({"images": pixels, "indices": result.indices}, folder / f"{result.tag}.grid.pt")
+
+
+def read_result(folder: Path, tag: str) -> EvalResult | None:
+    """The evaluation ``tag`` read back from its files in ``folder`` (the grid to 1/255), or None
+    when its summary or grid is missing."""
+    summary, grid = folder / f"{tag}.json", folder / f"{tag}.grid.pt"
+    if not summary.is_file() or not grid.is_file():
+        return None
+    saved = torch.load(grid)
+    rows = read_scores(folder / f"{tag}.scores.jsonl")
+    return EvalResult(tag, json.loads(summary.read_text()), rows, saved["images"].float() / 255, saved["indices"])
