@@ -13,7 +13,7 @@ and ``FlopCounterMode``:
                 the rank, keeping the velocities when the update reuses them; the transformer is
                 traced on the first step (the others run its shapes), its FLOPs counted N times
     decode      ``train.step.decode_images`` of those samples (the reward models score the images next)
-    update      ``train.algorithm.update.update_group``: one group of W steps of one micro-batch (the GRPO loss,
+    update      ``train.algorithm.update.update_micro_batch``: one group of W steps of one micro-batch (the GRPO loss,
                 the KL reference's batched call, ``train.algorithm.jagg.backward_group``), once per update path
                 the run routes to (and exact), on the rollout's velocities or recomputing them as the
                 run does, with and without activation checkpointing, while earlier micro-batches'
@@ -88,7 +88,7 @@ from samplers.rollout import Predict, Trajectory, stochastic_flags, trainable_fl
 from samplers.schedule import shifted_sigmas
 from train.algorithm.groups import RoutedGroup, pick_groups, route_groups
 from train.algorithm.jagg import MIDDLE_MODES, UPDATE_MODES
-from train.algorithm.update import UpdateBatch, update_group
+from train.algorithm.update import UpdateBatch, update_micro_batch
 from train.cli import hydra_message, reported, setup
 from train.cli import report as report_error
 from train.components.build import (
@@ -548,7 +548,7 @@ def build_run(cfg: TrainConfig, arch: Path) -> Run:
         resume_from=[],
     )
     hold_gradients(run)
-    step_weights(run)  # the moments exist from the first step on
+    step_weights(run.optimizer, run.ema)  # the moments exist from the first step on
     run.optimizer.zero_grad(set_to_none=True)
     return run
 
@@ -647,7 +647,8 @@ def rollout_call(run: Run, tensors: StepTensors) -> Callable[[], None]:
         # The schedule's values change no shape: a fixed shift stands in for a dynamic one.
         sigmas = known(lambda: shifted_sigmas(s.num_steps, s.shift if s.shift is not None else 1.0))
         traj = sample_trajectories(
-            run,
+            TracedOnce(policy_predictor(run)),
+            cfg,
             cond,
             noise.repeat_interleave(g.group_size, dim=0),
             sigmas=sigmas,
@@ -655,7 +656,7 @@ def rollout_call(run: Run, tensors: StepTensors) -> Callable[[], None]:
             sde_window=window,
             sde_noise=[torch.Generator().manual_seed(i) for i in range(g.prompts_per_rank)],
             keep_velocities=update_settings(cfg).keeps_velocities,
-            predict=TracedOnce(policy_predictor(run)),
+            velocity_dtype=run.compute_dtype,
         )
         flags = stochastic_flags(s.num_steps, traj.sde, window)  # readable, for transition() and the plan
         stochastic = known(lambda: torch.tensor(flags, dtype=torch.bool))
@@ -667,16 +668,17 @@ def rollout_call(run: Run, tensors: StepTensors) -> Callable[[], None]:
 
 def decode_call(run: Run, tensors: StepTensors) -> Callable[[], None]:
     """The decode of the rollout's final latents before scoring (``train.step.decode_images``)."""
+    cfg = run.cfg
 
     def call() -> None:
         assert tensors.traj is not None
-        tensors.images = decode_images(run, tensors.traj)
+        tensors.images = decode_images(run.backbone, tensors.traj.latents[:, -1], cfg.model)
 
     return call
 
 
 def update_call(run: Run, tensors: StepTensors, mode: str, *, reuse: bool) -> Callable[[], None]:
-    """One group of W steps of one micro-batch through ``train.algorithm.update.update_group`` (the GRPO loss,
+    """One group of W steps of one micro-batch through ``train.algorithm.update.update_micro_batch`` (the GRPO loss,
     the KL reference's batched call, ``backward_group``), on the rollout's velocities when ``reuse``."""
     cfg, traj = run.cfg, tensors.traj
     assert traj is not None and tensors.advantages is not None
@@ -692,7 +694,7 @@ def update_call(run: Run, tensors: StepTensors, mode: str, *, reuse: bool) -> Ca
     rows = torch.arange(cfg.grpo.micro_batch)
 
     def call() -> None:
-        update_group(batch, rows, group, scale=1.0, reuse_velocities=reuse)  # the scale changes nothing traced
+        update_micro_batch(batch, rows, [group], reuse_velocities=reuse)  # its scale changes nothing traced
 
     return call
 
@@ -703,7 +705,7 @@ def optimizer_call(run: Run) -> Callable[[], None]:
 
     def call() -> None:
         clip_grad_norm_(run.params, run.cfg.grpo.max_grad_norm)
-        step_weights(run)
+        step_weights(run.optimizer, run.ema)
         run.optimizer.zero_grad(set_to_none=True)
 
     return call
