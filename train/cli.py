@@ -2,8 +2,8 @@
 the console, and the weights ``train.eval`` is pointed at.
 
 How every command ends: a user's mistake in one line, a bug with its traceback. The commands
-(``python -m train``, ``train.eval``, ``train.probe``, ``train.compare``, ``train.plan`` and their
-console scripts ``jagg-train``, ``jagg-eval``, ``jagg-probe``, ``jagg-compare``, ``jagg-plan``) share this:
+(``python -m train`` and the command packages of train/, with their ``jagg-*`` console scripts)
+share this:
 
 * ``run_hydra(main, prog=...)`` runs a ``@hydra.main`` function. Hydra's own errors while it composes
   the settings (an unknown key, a value of the wrong type, an unknown option of a group, an override

@@ -17,7 +17,8 @@ from hydra import compose, initialize_config_module
 
 from train.components.config import register_schema
 from train.distributed.collectives import init_distributed, shutdown
-from train.plan.command import VIEW_WARNING, arch_folder, build_run, expected_groups, load_config, trace_step
+from train.plan.command import VIEW_WARNING, arch_folder, load_config
+from train.plan.tracing import build_run, expected_groups, trace_step
 
 
 def main(out: Path, overrides: list[str]) -> None:

@@ -80,15 +80,23 @@ class UpdateStats:
     num_rows: int = 0  # rows of every evaluated step: the denominator of the means
     counts: Counts = Counts()
     groups: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # (rows, metrics) of the steps added since the metrics were last read: ``add_group`` reads no
+    # tensor, so a caller that never adds or summarizes the stats syncs nothing (and a fake tensor traces)
+    pending: list[tuple[int, Metrics]] = field(default_factory=list)
 
     def add_group(self, mode: str, result: GroupStats, *, rows: int, reference_forwards: int = 0) -> None:
         """Count one ``backward_group`` call over ``rows`` rows and add the metrics of every step it evaluated."""
-        for metrics in result.metrics.values():
-            for name, value in metrics.items():
-                self._add(name, float(value), rows)
-            self.num_rows += rows
+        self.pending += [(rows, metrics) for metrics in result.metrics.values()]
+        self.num_rows += rows * len(result.metrics)
         self.counts += result.counts + Counts(nograd_forwards=reference_forwards)
         self.groups[mode] += 1
+
+    def _settle(self) -> None:
+        """Read the pending metrics into the sums and extremes, in the order they were added."""
+        for rows, metrics in self.pending:
+            for name, value in metrics.items():
+                self._add(name, float(value), rows)
+        self.pending = []
 
     def _add(self, name: str, value: float, rows: int) -> None:
         if name.endswith("_max"):
@@ -99,6 +107,8 @@ class UpdateStats:
             self.sums[name] += rows * value
 
     def __add__(self, other: UpdateStats) -> UpdateStats:
+        self._settle()
+        other._settle()
         out = UpdateStats(num_rows=self.num_rows + other.num_rows, counts=self.counts + other.counts)
         for name in [*self.sums, *other.sums]:
             out.sums[name] = self.sums.get(name, 0.0) + other.sums.get(name, 0.0)
@@ -113,6 +123,7 @@ class UpdateStats:
     def summary(self, device: torch.device) -> dict[str, float]:
         """The logged metrics, over all ranks (two collectives; every rank must call it with the same
         metric names, as every rank runs the same plan). ``device`` holds the reduced tensors."""
+        self._settle()
         counters = {f"count/{name}": value for name, value in asdict(self.counts).items()}
         counters |= {f"count/groups_{mode}": num for mode, num in sorted(self.groups.items())}
         mean_names, max_names, min_names = sorted(self.sums), sorted(self.maxima), sorted(self.minima)
