@@ -71,8 +71,9 @@ from train.cli import report as report_error
 from train.components.build import (
     typed_config,
 )
-from train.components.config import TrainConfig, validate
+from train.components.config import validate
 from train.components.errors import ConfigError
+from train.plan.config import PlanRunConfig, register, validate_plan
 from train.plan.fake import fake_process_group, fake_tensors
 from train.plan.frozen import ARCH_ROOT, NOT_READ, frozen_models
 from train.plan.report import PlanReport, format_report
@@ -87,7 +88,7 @@ PROG = "python -m train.plan"
 VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
 
 
-def load_config(cfg: DictConfig) -> tuple[TrainConfig, bool]:
+def load_config(cfg: DictConfig) -> tuple[PlanRunConfig, bool]:
     """(the typed config, whether model.path was given). Required paths the planner does not read
     (model, prompts, reward checkpoints) may stay unset; everything else is validated as for training."""
     cfg = copy.deepcopy(cfg)
@@ -95,7 +96,10 @@ def load_config(cfg: DictConfig) -> tuple[TrainConfig, bool]:
     cfg.run_dir = NOT_READ  # Hydra's output folder: compose() sets none, and the planner writes no run
     _fill_missing(cfg)
     config = typed_config(cfg)
+    if not isinstance(config, PlanRunConfig):
+        raise TypeError(f"the planner's settings come from configs/plan.yaml, got a {type(config).__name__}")
     validate(config, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()), check_files=False)
+    validate_plan(config.plan)
     if config.update.routing != "prefix":
         raise ConfigError(
             f"update.routing={config.update.routing} routes each group by a cosine measured during the run, which "
@@ -113,7 +117,7 @@ def _fill_missing(node: DictConfig) -> None:
             _fill_missing(node[key])
 
 
-def arch_folder(cfg: TrainConfig, model_path_given: bool) -> Path:
+def arch_folder(cfg: PlanRunConfig, model_path_given: bool) -> Path:
     """Where the architecture configs are read: plan.arch, else model.path, else the shipped ones."""
     if cfg.plan.arch is not None:
         folder, field_name = Path(cfg.plan.arch), "plan.arch"
@@ -133,7 +137,7 @@ def arch_folder(cfg: TrainConfig, model_path_given: bool) -> Path:
     return folder
 
 
-def plan(cfg: TrainConfig, *, model_path_given: bool = False) -> PlanReport:
+def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
     """Trace one training step of ``cfg`` on rank 0 of plan.world_size fake ranks (module docstring)."""
     started = time.perf_counter()
     arch = arch_folder(cfg, model_path_given)
@@ -184,10 +188,11 @@ def main(argv: Sequence[str] | None = None) -> PlanReport:
     """``python -m train.plan [overrides]``: print the plan (and write it to plan.output as JSON). A wrong
     setting ends the command with one line (train/cli.py), as every command of the trainer does."""
     setup()
+    register()
     overrides = list(sys.argv[1:] if argv is None else argv)
     try:
         with initialize_config_module(config_module="configs", version_base=None):
-            composed = compose(config_name="train", overrides=overrides)
+            composed = compose(config_name="plan", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as err:
         raise SystemExit(report_error(ConfigError(hydra_message(err)), PROG)) from None
     with reported(PROG):

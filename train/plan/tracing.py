@@ -31,6 +31,7 @@ from train.components.build import (
 from train.components.config import TrainConfig, trainable_transitions
 from train.components.ema import EMA
 from train.distributed.parallelize import clip_grad_norm_, local_tensor
+from train.plan.config import PlanRunConfig
 from train.plan.fake import default_dtype, fake_deepcopy, known, measure
 from train.plan.frozen import build_component, diffusers_backbone_class, read_json
 from train.plan.report import Phase, to_phase
@@ -121,7 +122,7 @@ class TracedRun:
     """The parts of a run that one training step uses, on fake tensors (the trainer's ``Run`` also
     holds rewards, prompts, checkpoints and a logger, which the planner neither builds nor traces)."""
 
-    cfg: TrainConfig
+    cfg: PlanRunConfig
     backbone: DiffusersBackbone
     params: list[nn.Parameter]
     optimizer: LocalShardAdamW
@@ -138,7 +139,7 @@ class TracedRun:
         return None if self.cfg.grpo.kl_beta == 0 else kl_reference(self.backbone, self.reference, self.policy)
 
 
-def build_run(cfg: TrainConfig, arch: Path) -> TracedRun:
+def build_run(cfg: PlanRunConfig, arch: Path) -> TracedRun:
     """The run's parts on fake tensors, built by the trainer's own code where it loads no weights:
     ``train.components.build.setup_trainable`` (LoRA or full fine-tuning, the KL reference, activation
     checkpointing, FSDP2 through ``parallelize``), AdamW with the run's settings and its state as after
@@ -425,7 +426,7 @@ def trace_step(run: TracedRun, groups: dict[str, float]) -> Traced:
 
 
 def trace_other_checkpointing(
-    cfg: TrainConfig, arch: Path, tensors: StepTensors, groups: dict[str, float]
+    cfg: PlanRunConfig, arch: Path, tensors: StepTensors, groups: dict[str, float]
 ) -> list[Phase]:
     """The update traces with activation checkpointing flipped, on the same step's tensors (a second
     model: checkpointing wraps the blocks before FSDP2 shards them)."""
