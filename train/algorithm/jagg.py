@@ -42,7 +42,7 @@ MIDDLE_MODES = ("jagg", "jagg_sequential")  # the paths that need the middle ste
 BoundPredict = Callable[[Tensor, Tensor], Tensor]  # (z [B, ...], t [B]) -> v [B, ...]: the conditioning is bound
 Metrics = dict[str, Tensor]  # name -> detached scalar
 Velocities = Sequence[Tensor] | Tensor  # W tensors [B, ...], or one [W, B, ...]: v_j at the current weights
-StepLoss = Callable[[int, Tensor], tuple[Tensor, Metrics]]  # (j, v_j [B, ...]) -> (scalar loss of step j, metrics)
+LossFn = Callable[[int, Tensor], tuple[Tensor, Metrics]]  # (j, v_j [B, ...]) -> (scalar loss of step j, metrics)
 # A path: yields (j, v_j) for each step it evaluates and receives L_j back (backward_group calls the loss).
 Path = Generator[tuple[int, Tensor], Tensor, None]
 
@@ -206,7 +206,7 @@ def _checked_velocities(velocities: Velocities, z: Sequence[Tensor]) -> list[Ten
 def backward_group(
     mode: str,
     predict: BoundPredict,
-    step_loss: StepLoss,
+    step_loss: LossFn,
     z: Sequence[Tensor],
     t: Tensor,
     *,

@@ -46,6 +46,11 @@ Limits, by construction:
   metrics (``train.algorithm.update.UpdateStats``).
 * The exact path's trace runs the KL reference's batched call on its 2 traced steps, not W: the
   jagg paths' traces hold the full call (a few [W x micro_batch] rows without gradients).
+
+The planner's files: this one (the settings as read, the plan, the command), config.py (``plan.*``,
+composed by configs/plan.yaml), fake.py (the fake process group and tensors, the tracker and FLOP
+counter: every private torch name), frozen.py (the replicated models), tracing.py (the run's parts
+and the traced step), report.py (the verdict and the printed report).
 """
 
 from __future__ import annotations
