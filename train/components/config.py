@@ -275,7 +275,8 @@ def unknown_setting(prefix: str, key: str, schema: type) -> str:
     """The error for ``<prefix><key>``, which the dataclass ``schema`` does not declare, with the closest name."""
     close = difflib.get_close_matches(key, sorted(f.name for f in fields(schema)), n=1)
     hint = f"; did you mean {prefix}{close[0]}?" if close else ""
-    return f"{prefix}{key} is not a setting of {schema.__name__}{hint} (train/components/config.py)"
+    where = schema.__module__.replace(".", "/") + ".py"  # the module that declares the schema
+    return f"{prefix}{key} is not a setting of {schema.__name__}{hint} ({where})"
 
 
 def _check_known_keys(node: object, prefix: str) -> None:
