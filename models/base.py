@@ -158,7 +158,7 @@ def decode_in_chunks(
     """``backbone.decode(z)`` with at most ``rows`` latents per call (one call when ``rows`` <= 0).
 
     A VAE's full-resolution activations grow with the images decoded together (FLUX.1-dev's VAE:
-    about 0.9 GiB per 720 x 720 image, ``python -m train.plan``), while each image's pixels depend
+    about 0.9 GiB per 720 x 720 image), while each image's pixels depend
     on its own latent only; chunks bound the memory of decoding a whole rollout batch.
     """
     if rows <= 0 or rows >= z.shape[0]:

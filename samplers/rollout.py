@@ -178,7 +178,7 @@ def rollout(
     num_steps, batch, device = sigmas.shape[0] - 1, noise.shape[0], noise.device
     if isinstance(generator, Sequence) and (not generator or batch % len(generator)):
         raise ValueError(f"{len(generator)} SDE-noise generators do not split a batch of {batch} rows evenly")
-    flags = stochastic_flags(num_steps, sde, sde_window)  # the loop reads no tensor (python -m train.plan)
+    flags = stochastic_flags(num_steps, sde, sde_window)  # python values: the loop reads no tensor
     stochastic = torch.tensor(flags, dtype=torch.bool)
     if group_ids is None:
         group_ids = torch.arange(batch, device=device)

@@ -76,3 +76,14 @@ def network_timesteps(sigmas: Tensor, *, quantize: bool = False) -> Tensor:
     if quantize:
         t = torch.floor(t * 1000.0) / 1000.0
     return t
+
+
+def check_timesteps(sigmas: Tensor, *, quantize: bool = False) -> None:
+    """Refuse a schedule whose network timesteps do not strictly decrease: JAGG's interpolation
+    weights divide by the timestep span of a group, which two equal timesteps could make 0."""
+    t = network_timesteps(sigmas, quantize=quantize)
+    if not bool((t[1:] < t[:-1]).all()):
+        raise ValueError(
+            "the network timesteps must strictly decrease: sampler.quantize_timesteps maps two of the "
+            f"{t.shape[0]} steps to one timestep (use fewer sampler.num_steps)"
+        )

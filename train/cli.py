@@ -2,8 +2,8 @@
 the console, and the weights ``train.eval`` is pointed at.
 
 How every command ends: a user's mistake in one line, a bug with its traceback. The commands
-(``python -m train``, ``train.eval``, ``train.probe``, ``train.compare``, ``train.plan`` and their
-console scripts ``jagg-train``, ``jagg-eval``, ``jagg-probe``, ``jagg-compare``, ``jagg-plan``) share this:
+(``python -m train`` and the command packages of train/, with their ``jagg-*`` console scripts)
+share this:
 
 * ``run_hydra(main, prog=...)`` runs a ``@hydra.main`` function. Hydra's own errors while it composes
   the settings (an unknown key, a value of the wrong type, an unknown option of a group, an override
@@ -52,7 +52,6 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from train.components import config as config_module
 from train.components.config import TrainConfig, register_schema, unknown_setting
 from train.components.errors import ConfigError, Stop
 
@@ -219,12 +218,12 @@ def _comments(source: str) -> dict[int, str]:
     return found
 
 
-def field_docs() -> dict[str, str]:
-    """Dotted key of every schema field -> its documenting comment in train/components/config.py.
+def _class_docs(module_name: str) -> dict[str, dict[str, str]]:
+    """Class name -> field name -> its documenting comment, for the dataclasses of a module's source.
 
     A field's comment is the one at the end of its line, else the comment lines right above it.
     """
-    source = inspect.getsource(config_module)
+    source = inspect.getsource(sys.modules[module_name])
     comments = _comments(source)
     lines = source.splitlines()
     per_class: dict[str, dict[str, str]] = {}
@@ -244,7 +243,20 @@ def field_docs() -> dict[str, str]:
                     number -= 1
                 text = " ".join(above)
             docs[item.target.id] = text
+    return per_class
+
+
+def field_docs(schema: type = TrainConfig) -> dict[str, str]:
+    """Dotted key of every field of ``schema`` (the trainer's, or a command's that extends it) -> its
+    documenting comment in the module that declares it (train/components/config.py for the trainer's)."""
     out: dict[str, str] = {}
+
+    def doc(cls: type, name: str) -> str:
+        for owner in cls.__mro__:  # the class that declares the field, for an inherited one
+            docs = _class_docs(owner.__module__).get(owner.__name__, {}) if is_dataclass(owner) else {}
+            if name in docs:
+                return docs[name]
+        return ""
 
     def walk(cls: type, prefix: str) -> None:
         hints = typing.get_type_hints(cls)
@@ -253,9 +265,9 @@ def field_docs() -> dict[str, str]:
             if is_dataclass(kind):
                 walk(typing.cast(type, kind), f"{prefix}{f.name}.")
             else:
-                out[f"{prefix}{f.name}"] = per_class.get(cls.__name__, {}).get(f.name, "")
+                out[f"{prefix}{f.name}"] = doc(cls, f.name)
 
-    walk(TrainConfig, "")
+    walk(schema, "")
     return out
 
 
@@ -272,8 +284,9 @@ def fields_help(root: DictConfig) -> str:
     """``key = value   meaning`` for every schema field, values as composed (interpolations unresolved)."""
     values = OmegaConf.to_container(root, resolve=False, throw_on_missing=False)
     assert isinstance(values, dict)
+    schema = OmegaConf.get_type(root)
     rows = []
-    for key, doc in field_docs().items():
+    for key, doc in field_docs(schema if isinstance(schema, type) and is_dataclass(schema) else TrainConfig).items():
         node: Any = values
         for part in key.split("."):
             node = node.get(part) if isinstance(node, dict) else None

@@ -26,17 +26,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from models.base import Conditioning, decode_in_chunks
+from models.base import Backbone, Conditioning, decode_in_chunks
 from rewards.combine import AdvantageFn, NonFiniteRewardError
-from samplers.rollout import Predict, Trajectory, draw_sde_window, rollout
+from samplers.rollout import Predict, Trajectory, draw_sde_window, group_noise, rollout
+from samplers.schedule import check_timesteps
 from samplers.sde import SDE
 from train.algorithm.grpo import group_advantages
 from train.algorithm.update import UpdateBatch, UpdateStats, update_micro_batch
 from train.components.build import Run, policy_predictor, reference_predictor, update_settings
+from train.components.config import ModelConfig, TrainConfig
+from train.components.ema import EMA
 from train.components.logger import PhaseTimer
 from train.distributed.collectives import all_gather_tensor, all_reduce_sum
 from train.distributed.parallelize import clip_grad_norm_
-from train.distributed.seeds import stream_generator
+from train.distributed.seeds import stream_generator, stream_seed
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +49,10 @@ def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -
     by default when the update can reuse them."""
     cfg, backbone, device = run.cfg, run.backbone, run.device
     batch = run.prompts.batch(step)
-    size = cfg.grpo.group_size
-    noise = torch.cat(
-        [
-            backbone.initial_noise(
-                1,
-                height=cfg.model.height,
-                width=cfg.model.width,
-                generator=stream_generator(cfg.seed, "initial_noise", gid, device),
-            ).expand(size, *([-1] * 3))
-            for gid in batch.group_ids
-        ]
-    )
-    s = cfg.sampler
+    size, s = cfg.grpo.group_size, cfg.sampler
+    seeds = [stream_seed(cfg.seed, "initial_noise", gid) for gid in batch.group_ids]
+    h, w = cfg.model.height, cfg.model.width
+    noise = group_noise(backbone.initial_noise, seeds, group_size=size, height=h, width=w, device=device)
     window = None
     if s.sde_window_size > 0:  # the window decides how many transitions train: same on every rank
         lo, hi = s.sde_window_range
@@ -68,14 +62,16 @@ def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -
             window_range=(lo, hi),
             generator=stream_generator(cfg.seed, "sde_window", step),  # same on every rank
         )
-    sigmas = backbone.sigmas(s.num_steps, height=cfg.model.height, width=cfg.model.width, shift=s.shift)
+    sigmas = backbone.sigmas(s.num_steps, height=h, width=w, shift=s.shift)
+    check_timesteps(sigmas, quantize=s.quantize_timesteps)
     # SDE noise per group, from (seed, group id): the same samples however groups spread over ranks.
     sde_noise = [stream_generator(cfg.seed, "sde_noise", gid, device) for gid in batch.group_ids]
     keep = update_settings(cfg).keeps_velocities if keep_velocities is None else keep_velocities
     with torch.no_grad():
         cond = backbone.encode(batch.prompts).repeat(size)
     traj = sample_trajectories(
-        run,
+        policy_predictor(run),
+        cfg,
         cond,
         noise,
         sigmas=sigmas,
@@ -83,13 +79,15 @@ def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -
         sde_window=window,
         sde_noise=sde_noise,
         keep_velocities=keep,
+        velocity_dtype=run.compute_dtype,  # the transformer's output precision: nothing is lost
     )
     prompts = [p for p in batch.prompts for _ in range(size)]
     return traj, prompts
 
 
 def sample_trajectories(
-    run: Run,
+    predict: Predict,
+    cfg: TrainConfig,
     cond: Conditioning,
     noise: Tensor,
     *,
@@ -98,14 +96,14 @@ def sample_trajectories(
     sde_window: tuple[int, int] | None,
     sde_noise: list[torch.Generator] | None,
     keep_velocities: bool,
-    predict: Predict | None = None,
+    velocity_dtype: torch.dtype,
 ) -> Trajectory:
-    """The sampler's rollout (no gradients) of ``predict`` (default: the run's policy) with the run's
-    sampler settings from ``noise`` [B, ...] and ``cond`` (B rows); the velocities kept in the compute
-    dtype, in host memory with ``update.offload_velocities``."""
-    s = run.cfg.sampler
+    """The sampler's rollout (no gradients) of ``predict`` with ``cfg.sampler``'s settings from ``noise``
+    [B, ...] and ``cond`` (B rows); the velocities kept in ``velocity_dtype``, in host memory with
+    ``update.offload_velocities``."""
+    s = cfg.sampler
     return rollout(
-        policy_predictor(run) if predict is None else predict,
+        predict,
         cond,
         noise,
         sigmas=sigmas,
@@ -115,18 +113,15 @@ def sample_trajectories(
         generator=sde_noise,
         group_ids=group_ids,
         keep_velocities=keep_velocities,
-        velocity_dtype=run.compute_dtype,  # the transformer's output precision: nothing is lost
-        velocity_device="cpu" if run.cfg.update.offload_velocities else None,
+        velocity_dtype=velocity_dtype,
+        velocity_device="cpu" if cfg.update.offload_velocities else None,
     )
 
 
-def decode_images(run: Run, traj: Trajectory) -> Tensor:
-    """Images [B, 3, H, W] of the trajectories' final latents, ``model.decode_batch`` per VAE call."""
-    model = run.cfg.model
+def decode_images(backbone: Backbone, latents: Tensor, model: ModelConfig) -> Tensor:
+    """Images [B, 3, H, W] of the final ``latents`` [B, ...], ``model.decode_batch`` per VAE call."""
     with torch.no_grad():
-        return decode_in_chunks(
-            run.backbone, traj.latents[:, -1], rows=model.decode_batch, height=model.height, width=model.width
-        )
+        return decode_in_chunks(backbone, latents, rows=model.decode_batch, height=model.height, width=model.width)
 
 
 def advantage_fn(run: Run) -> AdvantageFn:
@@ -150,7 +145,7 @@ class Scored:
 
 
 def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> Scored:
-    images = decode_images(run, traj)
+    images = decode_images(run.backbone, traj.latents[:, -1], run.cfg.model)
     with torch.no_grad():
         try:
             scores = run.rewards.score(images, prompts)
@@ -180,56 +175,32 @@ def optimizer_step(run: Run) -> tuple[float, bool]:
     norm = clip_grad_norm_(run.params, run.cfg.grpo.max_grad_norm)
     finite = bool(torch.isfinite(norm))
     if finite:
-        step_weights(run)
+        step_weights(run.optimizer, run.ema)
     run.optimizer.zero_grad(set_to_none=True)
     return float(norm), finite
 
 
-def step_weights(run: Run) -> None:
+def step_weights(optimizer: torch.optim.Optimizer, ema: EMA | None) -> None:
     """The optimizer step on the clipped gradients, then the EMA of the new weights."""
-    run.optimizer.step()
-    if run.ema is not None:
-        run.ema.update()
+    optimizer.step()
+    if ema is not None:
+        ema.update()
 
 
-def update_phase(run: Run, traj: Trajectory, advantages: Tensor, step: int, timer: PhaseTimer) -> dict[str, float]:
-    g = run.cfg.grpo
-    batch = UpdateBatch(
+def update_batch(run: Run, traj: Trajectory, advantages: Tensor) -> UpdateBatch:
+    return UpdateBatch(
         traj=traj,
         advantages=advantages,
         predict=policy_predictor(run),
         reference=reference_predictor(run),
         settings=update_settings(run.cfg),
     )
-    routing: dict[str, float] = {}
-    if run.router.due(step):  # it measures on the step's own rollout, before any gradient exists
-        with timer.phase("probe"):
-            routing = run.router.refresh(step, batch, run.params)
-    plan_gen = stream_generator(run.cfg.seed, "update_plan", step)  # same on every rank
-    stats = UpdateStats()
-    norms, skipped, moved = [], 0, False
-    for chunk in range(0, advantages.shape[0], g.gradient_accumulation_steps):
-        reuse = traj.velocities is not None and (batch.settings.reuse_velocities == "stale" or not moved)
-        with timer.phase("update"):
-            for first in range(chunk, chunk + g.gradient_accumulation_steps, g.micro_batch):
-                rows = torch.arange(first, first + g.micro_batch, device=run.device)
-                plan = run.router.plan(traj, plan_gen)
-                stats.merge(update_micro_batch(batch, rows, plan, reuse_velocities=reuse))
-        with timer.phase("optimizer"):
-            norm, stepped = optimizer_step(run)
-            norms.append(norm)
-            skipped += not stepped
-            moved |= stepped  # the kept velocities are no longer those of the current weights
-    optimizer = {
-        "train/grad_norm": sum(norms) / len(norms),
-        "train/skipped_optimizer_steps": skipped,
-        "train/lr": run.optimizer.param_groups[0]["lr"],
-    }
-    return stats.summary(run.device) | routing | optimizer
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
-    timer = PhaseTimer(run.device)
+    """One step (the phases above); the update runs here, micro-batch by micro-batch, so that the call
+    path from the trainer to a group's loss stays short (tests/unit/test_update.py counts it)."""
+    g, timer = run.cfg.grpo, PhaseTimer(run.device)
     with timer.phase("step"):
         with timer.phase("rollout"):
             traj, prompts = rollout_phase(run, step)
@@ -237,22 +208,46 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             scored = reward_phase(run, traj, prompts)
         metrics = scored.metrics
         if scored.advantages is not None:
-            metrics |= update_phase(run, traj, scored.advantages, step, timer)
+            batch = update_batch(run, traj, scored.advantages)
+            routing: dict[str, float] = {}
+            if run.router.due(step):  # it measures on the step's own rollout, before any gradient exists
+                with timer.phase("probe"):
+                    routing = run.router.refresh(step, batch, run.params)
+            plan_gen = stream_generator(run.cfg.seed, "update_plan", step)  # same on every rank
+            stats, norms, moved = UpdateStats(), [], False
+            for chunk in range(0, traj.batch_size, g.gradient_accumulation_steps):
+                reuse = traj.velocities is not None and (batch.settings.reuse_velocities == "stale" or not moved)
+                with timer.phase("update"):
+                    for first in range(chunk, chunk + g.gradient_accumulation_steps, g.micro_batch):
+                        rows = torch.arange(first, first + g.micro_batch, device=run.device)
+                        plan = run.router.plan(traj, plan_gen)
+                        stats += update_micro_batch(batch, rows, plan, reuse_velocities=reuse)
+                with timer.phase("optimizer"):
+                    norms.append(optimizer_step(run))
+                    moved |= norms[-1][1]  # the kept velocities are no longer those of the current weights
+            metrics |= stats.summary(run.device) | routing | optimizer_metrics(run, norms)
     metrics |= timer.pop()
     metrics["count/rollout_forwards"] = run.cfg.sampler.num_steps
     if traj.velocities is not None:  # what keeping them costs, per sample of the rollout, on every rank
         metrics["memory/velocity_bytes_per_sample"] = traj.velocities[0].nbytes
     every = run.cfg.logging.sample_every
     if every and (step + 1) % every == 0:
-        rewards = None if scored.rewards is None else scored.rewards.float().cpu().tolist()
-        # one row per group: its G samples share the prompt and the initial noise
-        run.logger.log_images(
-            "samples",
-            scored.images,
-            prompts,
-            step,
-            scores=rewards,
-            score_name="reward/total",
-            nrow=run.cfg.grpo.group_size,
-        )
+        log_samples(run, scored, prompts, step)
     return metrics
+
+
+def optimizer_metrics(run: Run, steps: list[tuple[float, bool]]) -> dict[str, float]:
+    """The optimizer's metrics of a step, from each optimizer step's (gradient norm, stepped)."""
+    return {
+        "train/grad_norm": sum(norm for norm, _ in steps) / len(steps),
+        "train/skipped_optimizer_steps": sum(not stepped for _, stepped in steps),
+        "train/lr": run.optimizer.param_groups[0]["lr"],
+    }
+
+
+def log_samples(run: Run, scored: Scored, prompts: list[str], step: int) -> None:
+    """The step's images, one row per group: its G samples share the prompt and the initial noise."""
+    rewards = None if scored.rewards is None else scored.rewards.float().cpu().tolist()
+    run.logger.log_images(
+        "samples", scored.images, prompts, step, scores=rewards, score_name="reward/total", nrow=run.cfg.grpo.group_size
+    )

@@ -17,8 +17,12 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from train.cli import field_docs, setup
+from train.plan.config import PlanRunConfig
+from train.probe.config import ProbeRunConfig
+from train.probe.config import register as register_probe
 
 setup()
+register_probe()
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -62,14 +66,19 @@ def test_help_lists_every_field_with_its_value_and_meaning(config, app):
     assert "model.path = testbed/pipeline" in shown and "local diffusers pipeline folder (no hub downloads)" in shown
     assert "update.mode = exact" in shown  # values as composed
     assert len([line for line in shown.splitlines() if " = " in line]) >= len(field_docs())
+    assert ("probe.num_rollouts = 20" in shown) is (config == "probe")  # a command's own settings in its help only
     if config == "train":
         assert 'eval "$(jagg-train -sc install=bash)"' in shown
 
 
 def test_every_schema_field_is_documented():
     docs = field_docs()
-    assert {"model.lora.rank", "logging.entity", "eval.compare_pretrained", "probe.num_rollouts"} <= set(docs)
+    assert {"model.lora.rank", "logging.entity", "eval.compare_pretrained"} <= set(docs)
+    assert not any(key.startswith(("probe.", "plan.")) for key in docs)  # the trainer's settings only
     assert [key for key, doc in docs.items() if not doc] == []
+    for schema, own in ((ProbeRunConfig, "probe.num_rollouts"), (PlanRunConfig, "plan.world_size")):
+        theirs = field_docs(schema)
+        assert own in theirs and set(docs) < set(theirs) and all(theirs.values())
     # a comment above the field counts when its own line has none
     assert docs["model.options"].startswith("adapter options for models.registry.load_backbone")
 

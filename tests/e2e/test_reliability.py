@@ -183,7 +183,7 @@ BAD_SETTINGS = {
     "num_eval_prompts-negative": (["data.num_eval_prompts=-1"], r"data\.num_eval_prompts must be >= 0"),
     "eval.num_steps-zero": (["eval.num_steps=0"], r"eval\.num_steps must be > 0"),
     "samples_per_prompt-zero": (["eval.samples_per_prompt=0"], r"eval\.samples_per_prompt must be > 0"),
-    "probe.threshold-nan": (["probe.threshold=nan"], r"probe\.threshold must be a finite number"),
+    "plan-setting": (["plan.world_size=8"], r"plan is not a setting of TrainConfig"),  # python -m train.plan's
     "timeout-zero": (["dist.timeout_s=0"], r"dist\.timeout_s must be > 0"),
     "num_steps-zero": (["num_steps=0"], r"num_steps must be > 0"),
     "height-zero": (["model.height=0"], r"model\.height must be > 0"),

@@ -7,6 +7,7 @@ approx_kl of a 3-step run for every update mode and sampler preset. Regenerate i
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -20,6 +21,8 @@ from safetensors.torch import load_file
 from two_ranks import HELPERS, run_torchrun
 
 from models.registry import load_backbone
+from samplers.sde import step
+from train.algorithm import update
 from train.components.build import load_config, setup_trainable
 from train.components.config import register_schema
 from train.distributed.seeds import seed_everything
@@ -167,6 +170,29 @@ def test_counts_per_update_mode(golden_runs, tiny_flux, tmp_path):
         kept[name] = m.get("memory/velocity_bytes_per_sample")
     assert (counts["jagg-off"], kept["jagg-off"]) == ((8, 8, 4, 0), None)
     assert (counts["jagg-stale"], kept["jagg-stale"]) == ((8, 0, 4, 8), VELOCITY_BYTES)
+
+
+def test_call_path_from_fit_to_the_sde_step(tiny_flux, tmp_path, monkeypatch):
+    """At most 7 frames from ``fit`` to the SDE step that scores a group's transition, both ends
+    counted (fit -> _train -> train_step -> update_micro_batch -> backward_group -> StepLoss.__call__
+    -> samplers.sde.step), for a jagg and an exact group. The stand-in for the SDE step counts
+    itself and walks up to fit's frame."""
+    depths: dict[str, int] = {}
+
+    def counted_step(*args, **kwargs):
+        frame, names = inspect.currentframe(), []
+        while frame is not None and frame.f_code.co_name != "fit":
+            names.append(frame.f_code.co_name)
+            if frame.f_code.co_name == "backward_group":
+                mode = frame.f_locals["mode"]
+            frame = frame.f_back
+        assert frame is not None, f"the SDE step was not called from fit: {names}"
+        depths[mode] = max(depths.get(mode, 0), len(names) + 1)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(update, "step", counted_step)
+    train(tmp_path / "run", tiny_flux, ["update=jagg", "num_steps=1"])  # jagg_frac 0.6: a jagg and an exact group
+    assert depths == {"jagg": 7, "exact": 7}, depths  # 12 and 11 before the update path was shortened
 
 
 @pytest.mark.parametrize(

@@ -17,13 +17,16 @@ from hydra import compose, initialize_config_module
 
 from train.components.config import register_schema
 from train.distributed.collectives import init_distributed, shutdown
-from train.plan.command import VIEW_WARNING, arch_folder, build_run, expected_groups, load_config, trace_step
+from train.plan.command import VIEW_WARNING, arch_folder, load_config
+from train.plan.config import register
+from train.plan.tracing import build_run, expected_groups, trace_step
 
 
 def main(out: Path, overrides: list[str]) -> None:
     register_schema()
+    register()
     with initialize_config_module(config_module="configs", version_base=None):
-        cfg, model_path_given = load_config(compose(config_name="train", overrides=overrides))
+        cfg, model_path_given = load_config(compose(config_name="plan", overrides=overrides))
     dist = init_distributed(backend="gloo")
     try:
         torch.manual_seed(0)

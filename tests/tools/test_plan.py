@@ -28,33 +28,22 @@ from rewards.base import SCORER_NAMES, FrozenModelScorer, scorer_class
 from train.algorithm.jagg import UPDATE_MODES, backward_group
 from train.components.config import register_schema
 from train.distributed.parallelize import parallelize
-from train.plan.command import (
-    ARCH_ROOT,
-    GIB,
-    SCORER_ARCH,
-    SHIPPED_ARCH,
-    VIEW_WARNING,
-    build_component,
-    build_run,
-    expected_groups,
-    fake_process_group,
-    format_report,
-    frozen_models,
-    load_config,
-    plan,
-    read_json,
-    scorer_module,
-    update_variants,
-)
+from train.plan.command import SHIPPED_ARCH, VIEW_WARNING, load_config, plan
+from train.plan.config import register
+from train.plan.fake import fake_process_group
+from train.plan.frozen import ARCH_ROOT, SCORER_ARCH, build_component, frozen_models, read_json, scorer_module
+from train.plan.report import GIB, format_report
+from train.plan.tracing import build_run, expected_groups, update_variants
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT_PARTS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
 register_schema()
+register()
 
 
 def config(overrides: list[str]):
     with initialize_config_module(config_module="configs", version_base=None):
-        return load_config(compose(config_name="train", overrides=overrides))
+        return load_config(compose(config_name="plan", overrides=overrides))
 
 
 def real_transformer(name: str) -> dict:

@@ -26,9 +26,11 @@ from train.algorithm.probe import (
     summarize_groups,
 )
 from train.components.config import register_schema
+from train.probe.config import register
 
 ROOT = Path(__file__).resolve().parents[2]
 register_schema()
+register()
 
 
 def probe(model, traj, settings, *, advantages=ADVANTAGES, reference=None) -> list[GroupQuality]:
@@ -173,7 +175,7 @@ def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, caplog, _repo_root):
     out = tmp_path / "report.json"
     overrides = [f"run_dir={tmp_path}", f"model.path={tiny_flux_dir}", *PROBE, "probe.num_rollouts=3"]
     with initialize_config_module(config_module="configs", version_base=None):
-        cfg = compose(config_name="train", overrides=[*overrides, f"probe.output={out}"])
+        cfg = compose(config_name="probe", overrides=[*overrides, f"probe.output={out}"])
     rep = run_probe(cfg)
     assert json.loads(out.read_text()) == json.loads(json.dumps(rep))
     assert [(g["start"], g["stop"]) for g in rep["groups"]] == [(0, 4), (4, 8)]
@@ -197,11 +199,11 @@ def test_probe_measures_stale_velocities_and_restores_the_weights(tiny_flux_dir,
 
     overrides = [f"run_dir={tmp_path}", f"model.path={tiny_flux_dir}", *PROBE, "probe.num_rollouts=2"]
     with initialize_config_module(config_module="configs", version_base=None):
-        cfg = compose(config_name="train", overrides=[*overrides, "update.reuse_velocities=stale"])
+        cfg = compose(config_name="probe", overrides=[*overrides, "update.reuse_velocities=stale"])
     config = load_config(cfg)
     with process_group() as dist, open_run(config, dist) as run:
         before = [p.detach().clone() for p in run.params]
-        rep = run_probe_on(run)
+        rep = run_probe_on(run, config.probe)
         assert all(torch.equal(p, b) for p, b in zip(run.params, before))
         assert all(p.grad is None for p in run.params) and not run.optimizer.state
     for g in rep["groups"]:
@@ -225,7 +227,7 @@ def test_probe_under_torchrun_fsdp_matches_one_process(tiny_flux_dir, tmp_path, 
     two = json.loads((sharded / "probe.json").read_text())
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(
-            config_name="train", overrides=[*common, f"run_dir={tmp_path / 'one'}", "grpo.prompts_per_rank=2"]
+            config_name="probe", overrides=[*common, f"run_dir={tmp_path / 'one'}", "grpo.prompts_per_rank=2"]
         )
     one = run_probe(cfg)
     assert two["world_size"] == 2 and one["world_size"] == 1

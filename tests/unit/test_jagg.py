@@ -10,12 +10,13 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev
 
-from samplers.schedule import shifted_sigmas
+from samplers.schedule import check_timesteps, shifted_sigmas
 from samplers.sde import SDE, step
 from train.algorithm.groups import prefix_path, route_groups, split_groups
 from train.algorithm.grpo import ppo_step_loss
 from train.algorithm.jagg import (
     UPDATE_MODES,
+    Counts,
     aggregate,
     backward_group,
     interpolation_weights,
@@ -171,7 +172,7 @@ def test_counters_and_backward_hook(mode, grad_fwd, nograd_fwd, calls, backward_
     rows = []
     model.register_full_backward_hook(lambda m, gin, gout: rows.append(gout[0].shape[0]))
     _, stats = grads_of(model, mode, z, t, step_loss)
-    assert (stats.grad_forwards, stats.nograd_forwards, stats.backward_calls) == (grad_fwd, nograd_fwd, calls)
+    assert stats.counts == Counts(grad_fwd, nograd_fwd, calls, 0)
     assert sum(rows) // B == backward_steps  # transformer backward passes, in steps of B rows
     assert len(rows) == calls
     expected_steps = [0, 4] if mode == "ablate" else [0, 1, 2, 3, 4]
@@ -230,8 +231,13 @@ def test_interpolation_weights_and_aggregate():
     # base = 1*1 + 0.8*2 + 0.2*3 + 0*4 = 3.2; corr = 0*1 + 0.2*2 + 0.8*3 + 1*4 = 6.8
     torch.testing.assert_close(base, torch.full((2,), 3.2))
     torch.testing.assert_close(corr, torch.full((2,), 6.8))
-    with pytest.raises(ValueError):
-        interpolation_weights(torch.tensor([0.5, 0.5]))
+
+
+def test_timesteps_that_repeat_are_refused():
+    """A group's alpha divides by t_0 - t_{W-1}: the rollout refuses a schedule with a repeated timestep."""
+    check_timesteps(shifted_sigmas(20, 3.0), quantize=True)
+    with pytest.raises(ValueError, match="quantize_timesteps"):
+        check_timesteps(torch.tensor([1.0, 0.5004, 0.5001, 0.0]), quantize=True)
 
 
 def _velocities(model, z, t):
@@ -257,7 +263,8 @@ def test_given_velocities_replace_the_middle_forwards(mode):
         stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=given)
         got = torch.cat([p.grad.flatten() for p in model.parameters()])
         torch.testing.assert_close(got, recomputed, rtol=1e-12, atol=1e-14)
-        assert (stats.grad_forwards, stats.nograd_forwards, stats.reused_velocities) == (2, 0, width - 2)
+        counts = stats.counts
+        assert (counts.grad_forwards, counts.nograd_forwards, counts.reused_velocities) == (2, 0, width - 2)
         assert sum(rows) == 2 * B  # the two endpoints' rows, nothing else
         assert list(stats.losses) == list(range(width))
 
@@ -303,7 +310,7 @@ def test_exact_and_ablate_ignore_velocities():
         model.zero_grad(set_to_none=True)
         stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=junk)
         assert torch.equal(torch.cat([p.grad.flatten() for p in model.parameters()]), plain), mode
-        assert stats.reused_velocities == 0
+        assert stats.counts.reused_velocities == 0
 
 
 @pytest.mark.parametrize(

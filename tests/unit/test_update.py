@@ -3,6 +3,8 @@ JAGG paths on the rollout's kept velocities."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from probe_toys import ToyVelocity, toy_batch, toy_settings, toy_trajectory
@@ -11,7 +13,7 @@ from torch import Tensor
 from samplers.rollout import transition
 from train.algorithm.groups import RoutedGroup
 from train.algorithm.grpo import kl_to_reference
-from train.algorithm.update import group_inputs, update_micro_batch
+from train.algorithm.update import reference_velocities, step_loss, update_micro_batch
 
 ROWS = torch.tensor([1, 3])
 
@@ -33,8 +35,9 @@ def test_kl_reference_is_one_batched_call_per_group():
     KL term equals the one of a reference evaluated at that step alone."""
     model, reference = ToyVelocity(), Recording(seed=1)
     traj = toy_trajectory(model)
-    inputs = group_inputs(toy_batch(model, traj, toy_settings(kl_beta=0.1), reference=reference), ROWS, (4, 8))
-    assert reference.calls == [4 * len(ROWS)] and inputs.num_reference_forwards == 4
+    batch = toy_batch(model, traj, toy_settings(kl_beta=0.1), reference=reference)
+    loss = step_loss(batch, ROWS, (4, 8), scale=1.0, reference=reference_velocities(batch, ROWS, (4, 8)))
+    assert reference.calls == [4 * len(ROWS)] and loss.reference_forwards == 4
     cond = traj.cond.index(ROWS)
     for j, k in enumerate(range(4, 8)):
         t = traj.timesteps[k].expand(len(ROWS))
@@ -45,7 +48,7 @@ def test_kl_reference_is_one_batched_call_per_group():
         )
         expected = kl_to_reference(out.mean, ref_out.mean, out.diffusion)
         assert expected > 0
-        torch.testing.assert_close(inputs.step_loss(j, v)[1]["kl"], expected.detach())
+        torch.testing.assert_close(loss(j, v)[1]["kl"], expected.detach())
 
 
 def _micro_batch_grads(model, traj, settings, plan, *, reuse: bool):
@@ -68,8 +71,8 @@ def test_micro_batch_on_kept_velocities():
     reused, stats = _micro_batch_grads(model, traj, settings, plan, reuse=True)
     # float32: the rollout's v of 4 rows and the recomputed v of 2 rows agree to rounding
     assert float((reused - recomputed).norm() / recomputed.norm()) < 1e-6
-    assert (stats.reused_velocities, recomputing.reused_velocities) == (4, 0)
-    assert stats.nograd_forwards == recomputing.nograd_forwards - 4
+    assert (stats.counts.reused_velocities, recomputing.counts.reused_velocities) == (4, 0)
+    assert stats.counts.nograd_forwards == recomputing.counts.nograd_forwards - 4
     # recomputing: jagg = middle (4 rows) + endpoints (4); sequential = middle (4) + 2 + 2; exact = 4 x 2
     assert recomputing_calls == [4, 4, 4, 2, 2, 2, 2, 2, 2]
     assert model.calls == [4, 2, 2, 2, 2, 2, 2]
@@ -94,3 +97,29 @@ def test_reuse_needs_kept_velocities():
 )
 def test_which_runs_keep_velocities(mode, window, reuse, keeps):
     assert toy_settings(mode=mode, window=window, reuse_velocities=reuse).keeps_velocities is keeps
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.1])
+def test_micro_batches_of_1_2_and_g_give_one_gradient(kl_beta):
+    """With every group trained (timestep_fraction 1), the accumulated gradient of the G rows does not
+    depend on how they are split into micro-batches: each micro-batch's loss is scaled by
+    (rows / gradient_accumulation_steps) / trained transitions. Float64, so only rounding differs."""
+    model, reference = ToyVelocity(gamma=10.0).double(), ToyVelocity(seed=1).double()
+
+    def in_float64(net):
+        return lambda z, t, cond: net(z.double(), t.double(), cond)
+
+    traj = toy_trajectory(in_float64(model))
+    rows = traj.batch_size
+    settings = replace(toy_settings(kl_beta=kl_beta), gradient_accumulation_steps=rows)
+    batch = toy_batch(in_float64(model), traj, settings, reference=in_float64(reference))
+    plan = [RoutedGroup(0, 4, "jagg"), RoutedGroup(4, 8, "jagg_sequential"), RoutedGroup(8, 12, "exact")]
+    grads = []
+    for micro in (1, 2, rows):
+        model.zero_grad(set_to_none=True)
+        for first in range(0, rows, micro):
+            update_micro_batch(batch, torch.arange(first, first + micro), plan)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert grads[0].abs().max() > 0
+    for other in grads[1:]:
+        torch.testing.assert_close(other, grads[0], rtol=1e-12, atol=1e-14)

@@ -15,6 +15,8 @@ import torch
 
 from train.algorithm.jagg import UPDATE_MODES
 
+Group = tuple[int, int]  # transitions [start, stop)
+
 
 @dataclass(frozen=True)
 class RoutedGroup:
@@ -25,7 +27,7 @@ class RoutedGroup:
     mode: str
 
 
-def split_groups(trainable: Sequence[int], window: int) -> list[tuple[int, int]]:
+def split_groups(trainable: Sequence[int], window: int) -> list[Group]:
     """Cut the trainable transitions (sorted indices) into consecutive groups of ``window``.
 
     Every contiguous run of trainable transitions must split into whole groups.
@@ -72,7 +74,7 @@ def pick_groups(
     window: int,
     timestep_fraction: float = 1.0,
     generator: torch.Generator | None = None,
-) -> list[tuple[int, int]]:
+) -> list[Group]:
     """Split, then pick int(timestep_fraction * num_groups) groups at random (at least one; all when
     the fraction is 1). Returned high noise first."""
     if not 0.0 < timestep_fraction <= 1.0:

@@ -1,4 +1,4 @@
-"""The update paths of one group of W consecutive denoising steps, and the group planner.
+"""The update paths of one group of W consecutive denoising steps (``backward_group``).
 
 For step j of a group, L_j(v_j) is the per-step loss, v_j = model(z_j, t_j) the velocity, J_j its
 Jacobian with respect to the parameters and s_j = dL_j/dv_j, taken on a detached copy of v_j (no
@@ -28,12 +28,11 @@ FSDP2 each sharded module is all-gathered once in the forward and once in the ba
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
 from samplers.sde import compute_dtype
 
@@ -43,30 +42,41 @@ MIDDLE_MODES = ("jagg", "jagg_sequential")  # the paths that need the middle ste
 BoundPredict = Callable[[Tensor, Tensor], Tensor]  # (z [B, ...], t [B]) -> v [B, ...]: the conditioning is bound
 Metrics = dict[str, Tensor]  # name -> detached scalar
 Velocities = Sequence[Tensor] | Tensor  # W tensors [B, ...], or one [W, B, ...]: v_j at the current weights
-StepLoss = Callable[[int, Tensor], tuple[Tensor, Metrics]]  # (j, v_j [B, ...]) -> (scalar loss of step j, metrics)
+LossFn = Callable[[int, Tensor], tuple[Tensor, Metrics]]  # (j, v_j [B, ...]) -> (scalar loss of step j, metrics)
+# A path: yields (j, v_j) for each step it evaluates and receives L_j back (backward_group calls the loss).
+Path = Generator[tuple[int, Tensor], Tensor, None]
 
 
-@dataclass
-class GroupStats:
-    """What one ``backward_group`` call did. Forward counters are in steps (rows of B each)."""
+@dataclass(frozen=True)
+class Counts:
+    """What a piece of the update ran; forwards are in steps (rows of B each). Counts add."""
 
-    losses: dict[int, Tensor] = field(default_factory=dict)  # step j -> detached scalar L_j
-    metrics: dict[int, Metrics] = field(default_factory=dict)  # step j -> what step_loss reported for it
     grad_forwards: int = 0
     nograd_forwards: int = 0
     backward_calls: int = 0
     reused_velocities: int = 0  # middle steps whose v came from ``velocities`` instead of a forward
 
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+@dataclass
+class GroupStats:
+    """What one ``backward_group`` call did."""
+
+    losses: dict[int, Tensor] = field(default_factory=dict)  # step j -> detached scalar L_j
+    metrics: dict[int, Metrics] = field(default_factory=dict)  # step j -> what step_loss reported for it
+    counts: Counts = Counts()
+
 
 def interpolation_weights(t: Tensor) -> Tensor:
-    """alpha_j = (t_0 - t_j) / (t_0 - t_{W-1}) for the W network-input timesteps t [W]."""
+    """alpha_j = (t_0 - t_j) / (t_0 - t_{W-1}) for the W network-input timesteps t [W].
+
+    Reads no value: a group whose first and last timesteps are equal (alpha undefined) cannot be
+    drawn, as ``split_groups`` cuts groups from distinct transitions of a decreasing schedule."""
     if t.ndim != 1 or t.shape[0] < 2:
         raise ValueError(f"t must be [W] with W >= 2, got shape {tuple(t.shape)}")
-    span = t[0] - t[-1]
-    # A fake tensor (python -m train.plan traces shapes, not values) has no value to compare.
-    if not is_fake(span) and span == 0:
-        raise ValueError("the group's first and last timesteps are equal; alpha is undefined")
-    return (t[0] - t) / span
+    return (t[0] - t) / (t[0] - t[-1])
 
 
 def aggregate(s: Sequence[Tensor], t: Tensor) -> tuple[Tensor, Tensor]:
@@ -77,27 +87,6 @@ def aggregate(s: Sequence[Tensor], t: Tensor) -> tuple[Tensor, Tensor]:
     s_base = sum((1 - a) * s_j for a, s_j in zip(alpha, s))
     s_corr = sum(a * s_j for a, s_j in zip(alpha, s))
     return s_base, s_corr
-
-
-def _record(stats: GroupStats, j: int, loss: Tensor, metrics: Metrics) -> None:
-    stats.losses[j] = loss.detach()
-    stats.metrics[j] = metrics
-
-
-def _upstream(step_loss: StepLoss, j: int, v: Tensor, stats: GroupStats) -> Tensor:
-    """s_j = dL_j/dv_j on a detached proxy of v (no model backward); records L_j and its metrics.
-
-    The proxy is float32 for half-precision models (the SDE log-prob needs it) and keeps float64.
-    """
-    proxy = v.detach().to(compute_dtype(v.dtype)).requires_grad_(True)
-    with torch.enable_grad():
-        loss, metrics = step_loss(j, proxy)
-        if loss.requires_grad:
-            (s,) = torch.autograd.grad(loss, proxy, materialize_grads=True)
-        else:  # the loss does not depend on v (e.g. zero advantage folded to a constant)
-            s = torch.zeros_like(proxy)
-    _record(stats, j, loss, metrics)
-    return s
 
 
 def _rows(t_j: Tensor, batch: int) -> Tensor:
@@ -111,82 +100,96 @@ def _forward(predict: BoundPredict, zs: Sequence[Tensor], ts: Sequence[Tensor] |
     return list(v.split(batch))
 
 
-def _exact(predict: BoundPredict, step_loss: StepLoss, z: Sequence[Tensor], t: Tensor, stats: GroupStats) -> None:
+def _upstream(j: int, v: Tensor) -> Generator[tuple[int, Tensor], Tensor, Tensor]:
+    """s_j = dL_j/dv_j on a detached proxy of v (no model backward).
+
+    The proxy is float32 for half-precision models (the SDE log-prob needs it) and keeps float64.
+    """
+    proxy = v.detach().to(compute_dtype(v.dtype)).requires_grad_(True)
+    loss = yield j, proxy
+    if not loss.requires_grad:  # the loss does not depend on v (e.g. zero advantage folded to a constant)
+        return torch.zeros_like(proxy)
+    (s,) = torch.autograd.grad(loss, proxy, materialize_grads=True)
+    return s
+
+
+def _exact(
+    predict: BoundPredict, z: Sequence[Tensor], t: Tensor, stats: GroupStats, velocities: Sequence[Tensor] | None
+) -> Path:
+    """Each step's forward with grad and its backward (``velocities`` are not needed)."""
     for j, (z_j, t_j) in enumerate(zip(z, t)):
-        loss, metrics = step_loss(j, predict(z_j, _rows(t_j, z_j.shape[0])))
-        stats.grad_forwards += 1
+        v = predict(z_j, _rows(t_j, z_j.shape[0]))
+        stats.counts += Counts(grad_forwards=1)
+        loss = yield j, v
         if loss.requires_grad:
             loss.backward()
-            stats.backward_calls += 1
-        _record(stats, j, loss, metrics)
+            stats.counts += Counts(backward_calls=1)
 
 
 def _middle(
-    predict: BoundPredict,
-    step_loss: StepLoss,
-    z: Sequence[Tensor],
-    t: Tensor,
-    stats: GroupStats,
-    velocities: Sequence[Tensor] | None,
-) -> list[Tensor]:
+    predict: BoundPredict, z: Sequence[Tensor], t: Tensor, stats: GroupStats, velocities: Sequence[Tensor] | None
+) -> Generator[tuple[int, Tensor], Tensor, list[Tensor]]:
     """s_j of the W-2 middle steps: on the given velocities, or from one batched no-grad forward."""
     width = len(z)
     if width == 2:
         return []
     if velocities is not None:  # possibly offloaded to host memory: each comes to its latent's device
         v_mid = [v_j.to(z_j.device, non_blocking=True) for v_j, z_j in zip(velocities[1:-1], z[1:-1])]
-        stats.reused_velocities += width - 2
+        stats.counts += Counts(reused_velocities=width - 2)
     else:
         with torch.no_grad():
             v_mid = _forward(predict, z[1:-1], t[1:-1])
-        stats.nograd_forwards += width - 2
-    return [_upstream(step_loss, j, v_j, stats) for j, v_j in enumerate(v_mid, start=1)]
+        stats.counts += Counts(nograd_forwards=width - 2)
+    s_mid = []
+    for j, v_j in enumerate(v_mid, start=1):
+        s_mid.append((yield from _upstream(j, v_j)))
+    return s_mid
 
 
 def _joint_endpoints(
     predict: BoundPredict,
-    step_loss: StepLoss,
     z: Sequence[Tensor],
     t: Tensor,
     stats: GroupStats,
-    mode: str,
     velocities: Sequence[Tensor] | None,
-) -> None:
-    """jagg and ablate: both endpoints in one batched forward with grad, one backward."""
-    width = len(z)
-    s_mid = _middle(predict, step_loss, z, t, stats, velocities) if mode == "jagg" else []
+    *,
+    correct: bool = True,
+) -> Path:
+    """jagg (``correct``) and ablate: both endpoints in one batched forward with grad, one backward."""
+    s_mid = (yield from _middle(predict, z, t, stats, velocities)) if correct else []
     v0, v_last = _forward(predict, [z[0], z[-1]], [t[0], t[-1]])
-    stats.grad_forwards += 2
-    s0 = _upstream(step_loss, 0, v0, stats)
-    s_last = _upstream(step_loss, width - 1, v_last, stats)
-    if mode == "jagg":
-        g0, g_last = aggregate([s0, *s_mid, s_last], t.to(s0.dtype))
-    else:
-        g0, g_last = s0, s_last
+    stats.counts += Counts(grad_forwards=2)
+    s0 = yield from _upstream(0, v0)
+    s_last = yield from _upstream(len(z) - 1, v_last)
+    g0, g_last = aggregate([s0, *s_mid, s_last], t.to(s0.dtype)) if correct else (s0, s_last)
     torch.autograd.backward([v0, v_last], [g0.to(v0.dtype), g_last.to(v_last.dtype)])
-    stats.backward_calls += 1
+    stats.counts += Counts(backward_calls=1)
+
+
+def _ablate(
+    predict: BoundPredict, z: Sequence[Tensor], t: Tensor, stats: GroupStats, velocities: Sequence[Tensor] | None
+) -> Path:
+    """The endpoints' own s_j only (``velocities`` are not needed)."""
+    return _joint_endpoints(predict, z, t, stats, None, correct=False)
 
 
 def _sequential(
-    predict: BoundPredict,
-    step_loss: StepLoss,
-    z: Sequence[Tensor],
-    t: Tensor,
-    stats: GroupStats,
-    velocities: Sequence[Tensor] | None,
-) -> None:
-    """The paper's Algorithm 2: at most one endpoint graph alive at a time."""
-    width = len(z)
-    s_mid = _middle(predict, step_loss, z, t, stats, velocities)
-    alpha = interpolation_weights(t)[1:-1]
-    s_base = sum((1 - a) * s_j for a, s_j in zip(alpha, s_mid))
-    s_corr = sum(a * s_j for a, s_j in zip(alpha, s_mid))
-    for j, partial in ((0, s_base), (width - 1, s_corr)):
+    predict: BoundPredict, z: Sequence[Tensor], t: Tensor, stats: GroupStats, velocities: Sequence[Tensor] | None
+) -> Path:
+    """The paper's Algorithm 2: at most one endpoint graph alive at a time. Each endpoint's backward
+    carries its share of the middle steps (``aggregate`` with the endpoints' own s_j left out)."""
+    s_mid = yield from _middle(predict, z, t, stats, velocities)
+    none = torch.zeros(())  # an endpoint's s_j before its forward: zero, as alpha_0 = 0 and 1 - alpha_{W-1} = 0 do
+    s_base, s_corr = aggregate([none, *s_mid, none], t)
+    for j, partial in ((0, s_base), (len(z) - 1, s_corr)):
         v = predict(z[j], _rows(t[j], z[j].shape[0]))
-        stats.grad_forwards += 1
-        s_j = _upstream(step_loss, j, v, stats)
+        stats.counts += Counts(grad_forwards=1)
+        s_j = yield from _upstream(j, v)
         v.backward((partial + s_j).to(v.dtype))
-        stats.backward_calls += 1
+        stats.counts += Counts(backward_calls=1)
+
+
+PATHS = {"exact": _exact, "jagg": _joint_endpoints, "jagg_sequential": _sequential, "ablate": _ablate}
 
 
 def _checked_velocities(velocities: Velocities, z: Sequence[Tensor]) -> list[Tensor]:
@@ -203,19 +206,22 @@ def _checked_velocities(velocities: Velocities, z: Sequence[Tensor]) -> list[Ten
 def backward_group(
     mode: str,
     predict: BoundPredict,
-    step_loss: StepLoss,
+    step_loss: LossFn,
     z: Sequence[Tensor],
     t: Tensor,
     *,
     velocities: Velocities | None = None,
 ) -> GroupStats:
     """Accumulate into ``.grad`` the gradient of sum_j L_j, (L_j, metrics_j) = step_loss(j, predict(z[j], t_j)),
-    by ``mode``; returns each step's loss and metrics with the counters.
+    by ``mode``; returns each step's loss and metrics with the counts.
 
     z: W latents [B, ...] (no gradient); t: [W] network-input timesteps, one per step.
     velocities: v_j = predict(z[j], t_j) at the current weights, W tensors [B, ...] or one [W, B, ...]
     (e.g. the rollout's); jagg and jagg_sequential take the middle steps' from them instead of
     running a forward, exact and ablate need none and ignore them.
+
+    The mode's path (``PATHS``) runs the forwards and backwards; the step loss is called here, on
+    each (j, v_j) the path hands over, and its value goes back to the path.
     """
     if mode not in UPDATE_MODES:
         raise ValueError(f"update.mode must be one of {UPDATE_MODES}, got {mode!r}")
@@ -224,12 +230,22 @@ def backward_group(
     z = [z_j.detach() for z_j in z]
     given = _checked_velocities(velocities, z) if velocities is not None and mode in MIDDLE_MODES else None
     stats = GroupStats()
-    if mode == "exact":
-        _exact(predict, step_loss, z, t, stats)
-    elif mode == "jagg_sequential":
-        _sequential(predict, step_loss, z, t, stats, given)
-    else:
-        _joint_endpoints(predict, step_loss, z, t, stats, mode, given)
+    path = PATHS[mode](predict, z, t, stats, given)
+    request = next(path, None)
+    while request is not None:
+        j, v = request
+        with torch.enable_grad():
+            loss, metrics = step_loss(j, v)
+        stats.losses[j], stats.metrics[j] = loss.detach(), metrics
+        request = _resume(path, loss)
     stats.losses = dict(sorted(stats.losses.items()))
     stats.metrics = dict(sorted(stats.metrics.items()))
     return stats
+
+
+def _resume(path: Path, loss: Tensor) -> tuple[int, Tensor] | None:
+    """The path's next (j, v_j) once it has step j's loss; None when it is done."""
+    try:
+        return path.send(loss)
+    except StopIteration:
+        return None

@@ -2,7 +2,7 @@
 
 The measurement behind ``python -m train.probe`` (train/probe/probe.py) and ``update.routing=auto``
 (train/algorithm/routing.py). For one trajectory and one group of W transitions [start, stop), with the update
-stage's own per-step GRPO loss (``train.algorithm.update.group_inputs``: PPO clip + KL, on the rollout's advantage):
+stage's own per-step GRPO loss (``train.algorithm.update.StepLoss``: PPO clip + KL, on the rollout's advantage):
 
     g_exact = sum_j J_j^T s_j                        backward_group("exact")
     g_mode                                           backward_group(mode), mode = jagg by default
@@ -45,15 +45,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from train.algorithm.groups import prefix_path, split_groups
-from train.algorithm.jagg import backward_group
-from train.algorithm.update import GroupInputs, UpdateBatch, group_inputs
+from train.algorithm.groups import Group, prefix_path, split_groups
+from train.algorithm.jagg import BoundPredict, backward_group
+from train.algorithm.update import StepLoss, UpdateBatch, bind, kept_velocities, reference_velocities, step_loss
 from train.distributed.collectives import get_rank, get_world_size
 from train.distributed.parallelize import local_tensor, sum_over_shards
 
 MIN_ROLLOUTS = 10  # fewer trajectories per group: the report says its spread and recommendation are rough
 
-Group = tuple[int, int]  # transitions [start, stop)
 Samples = dict[Group, list[tuple[float, float]]]  # group -> (cos, rho) per measured trajectory
 
 
@@ -86,29 +85,26 @@ def _clear(params: Sequence[nn.Parameter]) -> None:
 
 
 def compare_to_exact(
-    inputs: GroupInputs, params: Sequence[nn.Parameter], paths: Sequence[tuple[str, bool]]
+    policy: BoundPredict,
+    loss: StepLoss,
+    kept: Tensor | None,
+    params: Sequence[nn.Parameter],
+    paths: Sequence[tuple[str, bool]],
 ) -> list[tuple[float, float]] | None:
-    """(cos, rho) against the exact gradient of one group, per (mode, on the kept velocities) path;
-    None when g_exact = 0."""
-    backward_group("exact", inputs.policy, inputs.step_loss, inputs.z, inputs.t)
+    """(cos, rho) against the exact gradient of one group (``loss``'s), per (mode, on the ``kept``
+    velocities) path; None when g_exact = 0."""
+    backward_group("exact", policy, loss, loss.z, loss.timesteps)
     exact = [None if p.grad is None else p.grad.detach().clone() for p in params]
     _clear(params)
     out = []
     for mode, reuse in paths:
-        velocities = inputs.velocities if reuse else None
-        backward_group(mode, inputs.policy, inputs.step_loss, inputs.z, inputs.t, velocities=velocities)
+        backward_group(mode, policy, loss, loss.z, loss.timesteps, velocities=kept if reuse else None)
         ee, mm, em = global_dots(exact, [p.grad for p in params])
         _clear(params)
         if ee == 0:
             return None
         out.append((0.0, 0.0) if mm == 0 else (em / math.sqrt(ee * mm), math.sqrt(mm / ee)))
     return out
-
-
-def measure_group(inputs: GroupInputs, params: Sequence[nn.Parameter], mode: str) -> tuple[float, float] | None:
-    """(cos, rho) of ``mode``'s gradient against the exact one, for one group; None when g_exact = 0."""
-    result = compare_to_exact(inputs, params, [(mode, False)])
-    return None if result is None else result[0]
 
 
 def _measure(
@@ -129,9 +125,11 @@ def _measure(
     for m in range(num_rollouts):
         rows = torch.tensor([m // world], device=batch.advantages.device)
         weight = 1.0 if rank == m % world else 0.0
+        policy = bind(batch.predict, traj.cond.index(rows))
         for group in groups:
-            inputs = group_inputs(batch, rows, group, scale=weight, velocities=reuse)
-            result = compare_to_exact(inputs, params, paths)
+            loss = step_loss(batch, rows, group, scale=weight, reference=reference_velocities(batch, rows, group))
+            kept = kept_velocities(traj, rows, group) if reuse else None
+            result = compare_to_exact(policy, loss, kept, params, paths)
             for per_path, value in zip(samples, result or []):
                 per_path[group].append(value)
     return samples

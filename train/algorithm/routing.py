@@ -36,13 +36,12 @@ import torch
 from torch import nn
 
 from samplers.rollout import Trajectory
-from train.algorithm.groups import RoutedGroup, pick_groups, route_groups
+from train.algorithm.groups import Group, RoutedGroup, pick_groups, route_groups
 from train.algorithm.probe import GroupQuality, measure_trajectories, recommend_jagg_frac, summarize_groups
 from train.algorithm.update import UpdateBatch
 from train.distributed.collectives import broadcast_object, get_world_size
 
 ROUTINGS = ("prefix", "auto")  # update.routing
-Group = tuple[int, int]
 
 
 class Router(abc.ABC):

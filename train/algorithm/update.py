@@ -25,15 +25,16 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import Tensor
 
-from samplers.rollout import Predict, Trajectory, transition
+from samplers.rollout import Predict, Trajectory
+from samplers.sde import SDE, step
 from train.algorithm.groups import RoutedGroup
 from train.algorithm.grpo import kl_to_reference, ppo_step_loss
-from train.algorithm.jagg import MIDDLE_MODES, BoundPredict, GroupStats, Metrics, StepLoss, backward_group
+from train.algorithm.jagg import MIDDLE_MODES, BoundPredict, Counts, GroupStats, Metrics, backward_group
 from train.distributed.collectives import all_reduce_max, all_reduce_sum
 
 
@@ -66,7 +67,7 @@ class UpdateBatch:
 
 @dataclass
 class UpdateStats:
-    """What one rank's update stage computed; ``summary`` reduces it over all ranks.
+    """What one rank's update stage computed; ``summary`` reduces it over all ranks. Stats add.
 
     A step metric m of a micro-batch of b rows enters its sum as b * m and b enters the row count, so
     a logged mean is over every sample of every rank; a metric named ``*_max`` (``*_min``) logs the
@@ -77,23 +78,25 @@ class UpdateStats:
     maxima: dict[str, float] = field(default_factory=dict)  # the *_max metrics
     minima: dict[str, float] = field(default_factory=dict)  # the *_min metrics
     num_rows: int = 0  # rows of every evaluated step: the denominator of the means
-    grad_forwards: int = 0
-    nograd_forwards: int = 0
-    backward_calls: int = 0
-    reused_velocities: int = 0
+    counts: Counts = Counts()
     groups: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # (rows, metrics) of the steps added since the metrics were last read: ``add_group`` reads no
+    # tensor, so a caller that never adds or summarizes the stats syncs nothing (and a fake tensor traces)
+    pending: list[tuple[int, Metrics]] = field(default_factory=list)
 
     def add_group(self, mode: str, result: GroupStats, *, rows: int, reference_forwards: int = 0) -> None:
         """Count one ``backward_group`` call over ``rows`` rows and add the metrics of every step it evaluated."""
-        for metrics in result.metrics.values():
+        self.pending += [(rows, metrics) for metrics in result.metrics.values()]
+        self.num_rows += rows * len(result.metrics)
+        self.counts += result.counts + Counts(nograd_forwards=reference_forwards)
+        self.groups[mode] += 1
+
+    def _settle(self) -> None:
+        """Read the pending metrics into the sums and extremes, in the order they were added."""
+        for rows, metrics in self.pending:
             for name, value in metrics.items():
                 self._add(name, float(value), rows)
-            self.num_rows += rows
-        self.grad_forwards += result.grad_forwards
-        self.nograd_forwards += result.nograd_forwards + reference_forwards
-        self.backward_calls += result.backward_calls
-        self.reused_velocities += result.reused_velocities
-        self.groups[mode] += 1
+        self.pending = []
 
     def _add(self, name: str, value: float, rows: int) -> None:
         if name.endswith("_max"):
@@ -103,30 +106,25 @@ class UpdateStats:
         else:
             self.sums[name] += rows * value
 
-    def merge(self, other: UpdateStats) -> None:
-        for name, value in other.sums.items():
-            self.sums[name] += value
-        for name, value in other.maxima.items():
-            self.maxima[name] = max(self.maxima.get(name, -math.inf), value)
-        for name, value in other.minima.items():
-            self.minima[name] = min(self.minima.get(name, math.inf), value)
-        for mode, num in other.groups.items():
-            self.groups[mode] += num
-        self.num_rows += other.num_rows
-        self.grad_forwards += other.grad_forwards
-        self.nograd_forwards += other.nograd_forwards
-        self.backward_calls += other.backward_calls
-        self.reused_velocities += other.reused_velocities
+    def __add__(self, other: UpdateStats) -> UpdateStats:
+        self._settle()
+        other._settle()
+        out = UpdateStats(num_rows=self.num_rows + other.num_rows, counts=self.counts + other.counts)
+        for name in [*self.sums, *other.sums]:
+            out.sums[name] = self.sums.get(name, 0.0) + other.sums.get(name, 0.0)
+        for mode in [*self.groups, *other.groups]:
+            out.groups[mode] = self.groups.get(mode, 0) + other.groups.get(mode, 0)
+        for name in [*self.maxima, *other.maxima]:
+            out.maxima[name] = max(self.maxima.get(name, -math.inf), other.maxima.get(name, -math.inf))
+        for name in [*self.minima, *other.minima]:
+            out.minima[name] = min(self.minima.get(name, math.inf), other.minima.get(name, math.inf))
+        return out
 
     def summary(self, device: torch.device) -> dict[str, float]:
         """The logged metrics, over all ranks (two collectives; every rank must call it with the same
         metric names, as every rank runs the same plan). ``device`` holds the reduced tensors."""
-        counters = {
-            "count/grad_forwards": self.grad_forwards,
-            "count/nograd_forwards": self.nograd_forwards,
-            "count/backward_calls": self.backward_calls,
-            "count/reused_velocities": self.reused_velocities,
-        }
+        self._settle()
+        counters = {f"count/{name}": value for name, value in asdict(self.counts).items()}
         counters |= {f"count/groups_{mode}": num for mode, num in sorted(self.groups.items())}
         mean_names, max_names, min_names = sorted(self.sums), sorted(self.maxima), sorted(self.minima)
         totals = [*(self.sums[n] for n in mean_names), *counters.values(), self.num_rows]
@@ -147,55 +145,104 @@ def _tiled(cond, rows: int):
     return cond if reps == 1 else type(cond).cat([cond] * reps)
 
 
-@dataclass(frozen=True)
-class GroupInputs:
-    """The arguments of ``backward_group`` for one group [start, stop) of one micro-batch."""
-
-    policy: BoundPredict  # (z [b, ...], t [b]) -> v, the micro-batch's conditioning tiled to b rows
-    step_loss: StepLoss  # (j, v_j) -> (scaled GRPO loss of transition start + j, its metrics)
-    z: list[Tensor]  # W latents [rows, ...]
-    t: Tensor  # [W] network-input timesteps
-    num_reference_forwards: int  # steps the KL reference ran (without grad) to build step_loss
-    velocities: Tensor | None  # [W, rows, ...] the rollout's v of these steps, when asked for (maybe on the host)
-
-
-def group_inputs(
-    batch: UpdateBatch, rows: Tensor, group: tuple[int, int], *, scale: float = 1.0, velocities: bool = False
-) -> GroupInputs:
-    """The per-step GRPO loss of transitions [start, stop) of ``rows``, times ``scale``:
-
-    L_k = PPO-clip(logp_theta(z_{k+1} | z_k), logp_old, A) + kl_beta * KL(mean_theta || mean_ref).
-    Its metrics: ``loss`` (L_k before scaling), ``kl`` with a KL term, and ``ppo_step_loss``'s.
-    ``velocities``: hand back the trajectory's kept velocities of these steps too (it must hold them).
-    """
-    traj, settings = batch.traj, batch.settings
-    cond = traj.cond.index(rows)
-    adv = batch.advantages[rows]
-    ks = list(range(*group))
-    z = [traj.latents[rows, k] for k in ks]
-    t = traj.timesteps[ks]
-    ref_v = _reference_velocities(batch.reference, z, t, cond) if settings.kl_beta > 0 else None
-    kept = None
-    if velocities:
-        if traj.velocities is None:
-            raise ValueError("the rollout kept no velocities to reuse (rollout(..., keep_velocities=True))")
-        kept = traj.velocities[rows.to(traj.velocities.device), group[0] : group[1]].transpose(0, 1)
+def bind(predict: Predict, cond) -> BoundPredict:
+    """``predict`` on the micro-batch's conditioning ``cond``, tiled to the rows of each call."""
 
     def policy(z: Tensor, t: Tensor) -> Tensor:
-        return batch.predict(z, t, _tiled(cond, z.shape[0]))
+        return predict(z, t, _tiled(cond, z.shape[0]))
 
-    def step_loss(j: int, v: Tensor) -> tuple[Tensor, Metrics]:
-        out = transition(traj, ks[j], v, rows)
-        assert out.log_prob is not None  # transition() refuses ODE steps
-        loss, metrics = ppo_step_loss(out.log_prob, traj.log_probs[rows, ks[j]], adv, clip_range=settings.clip_range)
-        if ref_v is not None:
-            ref_mean = transition(traj, ks[j], ref_v[j], rows).mean
-            kl = kl_to_reference(out.mean, ref_mean, out.diffusion)
-            loss = loss + settings.kl_beta * kl
+    return policy
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """The GRPO loss of the W transitions [start, start + W) of a micro-batch, times ``scale``, called
+    on (j, v_j) with v_j [b, ...] the velocity at step start + j:
+
+    L_j = PPO-clip(logp_theta(z_{j+1} | z_j), logp_old, A) + kl_beta * KL(mean_theta || mean_ref).
+    Returns (scale * L_j, metrics): ``loss`` (L_j before scaling), ``kl`` with a KL term, and
+    ``ppo_step_loss``'s. ``latents[:-1]`` and ``timesteps`` are the group's inputs of the policy.
+    """
+
+    sde: SDE
+    latents: list[Tensor]  # W + 1 stored latents [b, ...]: z at steps start .. start + W
+    timesteps: Tensor  # [W] network-input timesteps
+    sigmas: Tensor  # [W + 1]
+    sigma_guard: float
+    old_log_probs: Tensor  # [b, W] the rollout's log-probs
+    advantages: Tensor  # [b]
+    reference: list[Tensor] | None  # the KL reference's v of the W steps [b, ...]; None without a KL term
+    clip_range: float
+    kl_beta: float
+    scale: float
+
+    @property
+    def z(self) -> list[Tensor]:
+        return self.latents[:-1]
+
+    @property
+    def reference_forwards(self) -> int:
+        """The steps the KL reference ran (without grad) for this loss."""
+        return 0 if self.reference is None else len(self.reference)
+
+    def __call__(self, j: int, v: Tensor) -> tuple[Tensor, Metrics]:
+        z, next_z, sigma, sigma_next = self.latents[j], self.latents[j + 1], self.sigmas[j], self.sigmas[j + 1]
+        out = step(self.sde, v, z, sigma, sigma_next, next_z=next_z, sigma_guard=self.sigma_guard)
+        assert out.log_prob is not None  # step_loss() refuses ODE steps
+        old = self.old_log_probs[:, j]
+        loss, metrics = ppo_step_loss(out.log_prob, old, self.advantages, clip_range=self.clip_range)
+        if self.reference is not None:
+            ref = step(self.sde, self.reference[j], z, sigma, sigma_next, next_z=next_z, sigma_guard=self.sigma_guard)
+            kl = kl_to_reference(out.mean, ref.mean, out.diffusion)
+            loss = loss + self.kl_beta * kl
             metrics = {**metrics, "kl": kl.detach()}
-        return loss * scale, {"loss": loss.detach(), **metrics}
+        return loss * self.scale, {"loss": loss.detach(), **metrics}
 
-    return GroupInputs(policy, step_loss, z, t, len(ks) if ref_v is not None else 0, kept)
+
+def step_loss(
+    batch: UpdateBatch, rows: Tensor, group: tuple[int, int], *, scale: float, reference: list[Tensor] | None
+) -> StepLoss:
+    """The ``StepLoss`` of transitions [start, stop) of ``rows``; ``reference``: the KL reference's v of
+    these steps (``reference_velocities``), None without a KL term."""
+    traj, settings = batch.traj, batch.settings
+    start, stop = group
+    for k in range(start, stop):
+        if not bool(traj.stochastic[k]):
+            raise ValueError(f"transition {k} is an ODE step; it has no log-probability to train on")
+    return StepLoss(
+        sde=traj.sde,
+        latents=[traj.latents[rows, k] for k in range(start, stop + 1)],
+        timesteps=traj.timesteps[start:stop],
+        sigmas=traj.sigmas[start : stop + 1],
+        sigma_guard=traj.sigma_guard,
+        old_log_probs=traj.log_probs[rows, start:stop],
+        advantages=batch.advantages[rows],
+        reference=reference,
+        clip_range=settings.clip_range,
+        kl_beta=settings.kl_beta,
+        scale=scale,
+    )
+
+
+@torch.no_grad()
+def reference_velocities(batch: UpdateBatch, rows: Tensor, group: tuple[int, int]) -> list[Tensor] | None:
+    """The KL reference's v of transitions [start, stop) of ``rows``, from one batched call over them
+    (one FSDP gather per module); None when the loss has no KL term (``kl_beta`` = 0)."""
+    if batch.settings.kl_beta <= 0:
+        return None
+    if batch.reference is None:
+        raise ValueError("grpo.kl_beta > 0 needs a reference policy")
+    traj, ks = batch.traj, range(*group)
+    z = torch.cat([traj.latents[rows, k] for k in ks])
+    t = torch.cat([traj.timesteps[k].expand(len(rows)) for k in ks])
+    return list(batch.reference(z, t, _tiled(traj.cond.index(rows), len(z))).split(len(rows)))
+
+
+def kept_velocities(traj: Trajectory, rows: Tensor, group: tuple[int, int]) -> Tensor:
+    """[W, rows, ...] the rollout's v of transitions [start, stop) of ``rows`` (maybe on the host)."""
+    if traj.velocities is None:
+        raise ValueError("the rollout kept no velocities to reuse (rollout(..., keep_velocities=True))")
+    return traj.velocities[rows.to(traj.velocities.device), group[0] : group[1]].transpose(0, 1)
 
 
 def update_micro_batch(
@@ -209,32 +256,13 @@ def update_micro_batch(
     """
     trained = sum(p.stop - p.start for p in plan)
     scale = (len(rows) / batch.settings.gradient_accumulation_steps) / trained
+    policy = bind(batch.predict, batch.traj.cond.index(rows))
     stats = UpdateStats()
     for group in plan:
-        result, reference_forwards = update_group(batch, rows, group, scale=scale, reuse_velocities=reuse_velocities)
-        stats.add_group(group.mode, result, rows=len(rows), reference_forwards=reference_forwards)
+        span = (group.start, group.stop)
+        loss = step_loss(batch, rows, span, scale=scale, reference=reference_velocities(batch, rows, span))
+        reuse = reuse_velocities and group.mode in MIDDLE_MODES
+        given = kept_velocities(batch.traj, rows, span) if reuse else None
+        result = backward_group(group.mode, policy, loss, loss.z, loss.timesteps, velocities=given)
+        stats.add_group(group.mode, result, rows=len(rows), reference_forwards=loss.reference_forwards)
     return stats
-
-
-def update_group(
-    batch: UpdateBatch, rows: Tensor, group: RoutedGroup, *, scale: float, reuse_velocities: bool = False
-) -> tuple[GroupStats, int]:
-    """One planned group of the micro-batch ``rows`` through ``backward_group`` on the GRPO loss times
-    ``scale``: (what it did, the steps the KL reference ran). Reads no tensor's value, so
-    ``python -m train.plan`` traces it on fake tensors."""
-    reuse = reuse_velocities and group.mode in MIDDLE_MODES
-    inputs = group_inputs(batch, rows, (group.start, group.stop), scale=scale, velocities=reuse)
-    result = backward_group(
-        group.mode, inputs.policy, inputs.step_loss, inputs.z, inputs.t, velocities=inputs.velocities
-    )
-    return result, inputs.num_reference_forwards
-
-
-@torch.no_grad()
-def _reference_velocities(reference: Predict | None, z: list[Tensor], t: Tensor, cond) -> list[Tensor]:
-    """The reference's v of the W steps, from one batched call over them (one FSDP gather per module)."""
-    if reference is None:
-        raise ValueError("grpo.kl_beta > 0 needs a reference policy")
-    rows = z[0].shape[0]
-    v = reference(torch.cat(z), torch.cat([t_j.expand(rows) for t_j in t]), _tiled(cond, len(z) * rows))
-    return list(v.split(rows))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -351,22 +351,33 @@ def policy_predictor(run: Run, transformer: nn.Module | None = None) -> Predict:
 
 
 def reference_predictor(run: Run) -> Predict | None:
-    """The KL reference: the LoRA-disabled policy, or the frozen copy of full fine-tuning."""
+    """The KL reference of the run (``kl_reference``); None without a KL term."""
     if run.cfg.grpo.kl_beta == 0:
         return None
-    if run.reference is not None:
-        return policy_predictor(run, run.reference)
-    policy = policy_predictor(run)
-    transformer: Any = run.backbone.transformer  # diffusers' PEFT mixin: enable/disable_adapters
+    return kl_reference(run.backbone, run.reference, lambda transformer=None: policy_predictor(run, transformer))
+
+
+def kl_reference(backbone: Backbone, reference: nn.Module | None, policy: Callable[..., Predict]) -> Predict:
+    """The KL reference: the frozen copy ``reference`` of full fine-tuning, else the LoRA-disabled
+    policy. ``policy(transformer=None)``: the predictor of the backbone's transformer, or of another."""
+    if reference is not None:
+        return policy(reference)
+    lora = policy()
+    transformer: Any = backbone.transformer  # diffusers' PEFT mixin: enable/disable_adapters
 
     def predict(z: Tensor, t: Tensor, cond: Conditioning) -> Tensor:
         transformer.disable_adapters()
         try:
-            return policy(z, t, cond)
+            return lora(z, t, cond)
         finally:
             transformer.enable_adapters()
 
     return predict
+
+
+def build_ema(params: list[nn.Parameter], decay: float) -> EMA | None:
+    """The EMA of ``params`` (grpo.ema_decay); None when the decay is 0."""
+    return EMA(params, decay) if decay > 0 else None
 
 
 def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run:
@@ -403,7 +414,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
         backbone=backbone,
         params=params,
         optimizer=optimizer,
-        ema=EMA(params, g.ema_decay) if g.ema_decay > 0 else None,
+        ema=build_ema(params, g.ema_decay),
         rewards=rewards,
         prompts=PromptSampler(
             records, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, prompts_per_rank=g.prompts_per_rank

@@ -1,8 +1,8 @@
 """The typed configuration schema of the trainer, and its validation.
 
 Every field says its unit and whether it is per rank or global. The YAML tree under ``configs/``
-fills these dataclasses (Hydra's ConfigStore registers them as ``train_schema``, the first entry
-of ``configs/train.yaml``'s defaults list), so a misspelled key or a wrong type fails at compose
+fills these dataclasses (Hydra's ConfigStore registers them as option ``train`` of the ``schema``
+group, the first entry of ``configs/train.yaml``'s defaults list), so a misspelled key or a wrong type fails at compose
 time. ``validate`` then rejects impossible combinations before any model is loaded: every float
 must be finite and in its range, every count >= 0 (>= 1 where 0 would mean nothing), every file
 must exist and read as UTF-8. It raises ConfigError or PathError (train/components/errors.py), which the
@@ -55,7 +55,7 @@ class ModelConfig:
     options: dict = field(default_factory=dict)
     embedding_cache: str | None = None  # cache folder written by scripts/precompute_embeddings.py
     # images per VAE decode call when the rollout is scored (per rank); 0 = every sample of the step in one call.
-    # Decoding many 720x720 images at once dominates the step's memory (python -m train.plan shows it).
+    # Decoding many 720x720 images at once dominates the step's memory (0.9 GiB per image for FLUX.1-dev's VAE).
     decode_batch: int = 0
     activation_checkpointing: bool = False  # recompute each transformer block in backward
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -178,35 +178,10 @@ class EvalConfig:
 
 
 @dataclass
-class ProbeConfig:
-    """``python -m train.probe``: gradient quality of a JAGG path per group (train/probe/command.py)."""
-
-    num_rollouts: int = 20  # K: trajectories measured, all ranks together (the paper: >= 20)
-    mode: str = "jagg"  # the path compared with exact: jagg | jagg_sequential | ablate
-    threshold: float = 0.5  # a group qualifies for the path when its mean cos(g_mode, g_exact) >= threshold
-    output: str | None = None  # JSON report; null = <run_dir>/probe.json
-
-
-@dataclass
 class DistConfig:
     # Seconds a collective may wait for the other ranks before this rank fails with a message naming it
     # (a hung, stopped or dead rank). Longer than any legitimate wait: a slow checkpoint save or evaluation.
     timeout_s: float = 1800.0
-
-
-@dataclass
-class PlanConfig:
-    """``python -m train.plan``: per-rank memory and FLOPs of one training step, traced on CPU (train/plan/)."""
-
-    world_size: int = 8  # ranks (GPUs) the transformer is sharded over with FSDP2; >= 2
-    gpu_memory_gib: float = 80.0  # memory of one GPU, GiB
-    # GiB per GPU kept out of the budget for what the trace cannot see: the CUDA context, NCCL buffers
-    # and the caching allocator's fragmentation. A run fits when its traced peak <= gpu_memory_gib - reserved_gib.
-    reserved_gib: float = 4.0
-    # Folder of architecture configs in the diffusers layout (<arch>/transformer/config.json, vae/, text encoders;
-    # config files only, no weights). null = model.path when it is given, else configs/arch/<the backbone's model>.
-    arch: str | None = None
-    output: str | None = None  # also write the report as JSON to this file (null = print only)
 
 
 @dataclass
@@ -226,13 +201,13 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    probe: ProbeConfig = field(default_factory=ProbeConfig)
     dist: DistConfig = field(default_factory=DistConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
-def register_schema() -> None:
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+def register_schema(name: str = "train", schema: type = TrainConfig) -> None:
+    """Store ``schema`` as option ``name`` of the ``schema`` group: configs/train.yaml composes the
+    trainer's; a command with settings of its own (configs/probe.yaml) overrides it with a subclass."""
+    ConfigStore.instance().store(group="schema", name=name, node=schema)
 
 
 def _choice(value, accepted, name: str) -> None:
@@ -300,7 +275,8 @@ def unknown_setting(prefix: str, key: str, schema: type) -> str:
     """The error for ``<prefix><key>``, which the dataclass ``schema`` does not declare, with the closest name."""
     close = difflib.get_close_matches(key, sorted(f.name for f in fields(schema)), n=1)
     hint = f"; did you mean {prefix}{close[0]}?" if close else ""
-    return f"{prefix}{key} is not a setting of {schema.__name__}{hint} (train/components/config.py)"
+    where = schema.__module__.replace(".", "/") + ".py"  # the module that declares the schema
+    return f"{prefix}{key} is not a setting of {schema.__name__}{hint} ({where})"
 
 
 def _check_known_keys(node: object, prefix: str) -> None:
@@ -457,10 +433,6 @@ def _validate_run(cfg: TrainConfig, known_scorers: tuple[str, ...]) -> None:
         _choice(name, known_scorers, "eval.scorers (scorer name)")
     if cfg.logging.eval_every and not e.scorers:
         raise ConfigError("logging.eval_every > 0 needs eval.scorers (e.g. eval.scorers={jpeg_compressibility: {}})")
-    p = cfg.probe
-    _positive(p.num_rollouts, "probe.num_rollouts")
-    _choice(p.mode, tuple(m for m in UPDATE_MODES if m != "exact"), "probe.mode")
-    _in_range(p.threshold, "probe.threshold", low=-1, high=1, why=" (a cosine)")
 
 
 def _validate_files(cfg: TrainConfig) -> None:
@@ -479,24 +451,14 @@ def _validate_files(cfg: TrainConfig) -> None:
             read_prompts(path, field_name=f"data.{field_name}")
 
 
-def _validate_plan(p: PlanConfig) -> None:
-    if p.world_size < 2:
-        raise ConfigError(f"plan.world_size must be >= 2 (FSDP2 shards over the ranks), got {p.world_size}")
-    _positive(p.gpu_memory_gib, "plan.gpu_memory_gib")
-    if not 0 <= p.reserved_gib < p.gpu_memory_gib:
-        raise ConfigError(
-            f"plan.reserved_gib must be in [0, plan.gpu_memory_gib={p.gpu_memory_gib}), got {p.reserved_gib}"
-        )
-
-
 def validate(
     cfg: TrainConfig, *, known_scorers: tuple[str, ...], known_backbones: tuple[str, ...], check_files: bool = True
 ) -> None:
     """Reject impossible settings, naming the field and the accepted values. Loads no model.
 
     Raises ConfigError (a ValueError) for a setting, PathError (a FileNotFoundError) for a missing file.
-    ``check_files=False`` skips the checks of model, prompt and checkpoint paths (``python -m train.plan``
-    reads none of them).
+    ``check_files=False`` skips the checks of model, prompt and checkpoint paths, for a command that
+    reads none of them.
     """
     _check_known_keys(cfg, "")
     _check_finite(cfg, "")
@@ -510,6 +472,5 @@ def validate(
         split_groups(trainable_transitions(cfg.sampler), cfg.update.window)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    _validate_plan(cfg.plan)
     if check_files:
         _validate_files(cfg)

@@ -50,8 +50,8 @@ def world_mesh(device_type: str | None = None) -> DeviceMesh:
     """The 1-D mesh over every rank of the default process group, built once per group.
 
     ``device_type``: None = the one already built, else cuda when available, else cpu. Building a
-    mesh runs collectives on real tensors, so it fails under a fake-tensor mode: ``python -m
-    train.plan`` builds a cpu mesh before entering one, and every later ``parallelize`` (the policy
+    mesh runs collectives on real tensors, so it fails under a fake-tensor mode: a caller tracing on
+    fake tensors builds a cpu mesh before entering one, and every later ``parallelize`` (the policy
     and the KL reference alike) shards over that same mesh.
     """
     global _world_mesh

@@ -16,10 +16,12 @@ import hydra
 from omegaconf import DictConfig
 
 from train.cli import reported, run_hydra, setup
+from train.probe.config import register
 from train.probe.probe import run_probe
 
 PROG = "python -m train.probe"
 setup()
+register()
 
 
 @hydra.main(config_path="pkg://configs", config_name="probe", version_base=None)

@@ -50,6 +50,7 @@ from train.components.build import (
     update_settings,
 )
 from train.distributed.parallelize import clip_grad_norm_
+from train.probe.config import ProbeConfig, probe_settings
 from train.step import reward_phase, rollout_phase
 from train.trainer import resume
 
@@ -91,14 +92,14 @@ def one_step_later(run: Run, batch: UpdateBatch) -> Iterator[None]:
                 p.copy_(value)
 
 
-def probe(run: Run) -> dict[str, Any]:
+def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
     """Roll out batches until ``probe.num_rollouts`` trajectories are measured; the JSON report.
 
     A trajectory whose advantage is 0 (its group's rewards all equal) has no gradient and is not
     measured; batches are drawn until K trajectories were, at most ``MAX_BATCHES_PER_K`` times as
     many batches as K needs.
     """
-    cfg, p = run.cfg, run.cfg.probe
+    cfg = run.cfg
     settings = update_settings(cfg)
     predict, reference = policy_predictor(run), reference_predictor(run)
     per_batch = cfg.grpo.group_size * cfg.grpo.prompts_per_rank * run.dist.world_size
@@ -150,18 +151,19 @@ def probe(run: Run) -> dict[str, Any]:
 def run_probe(cfg: DictConfig) -> dict[str, Any]:
     """Build as the trainer does, probe, and write the report (rank 0 prints the table)."""
     config = load_config(cfg)
+    p = probe_settings(config)
     config.logging.wandb_mode = "disabled"
     with process_group(config.dist.timeout_s) as dist:
-        needed = math.ceil(config.probe.num_rollouts / (config.grpo.group_size * dist.world_size))
+        needed = math.ceil(p.num_rollouts / (config.grpo.group_size * dist.world_size))
         if needed < config.grpo.prompts_per_rank:  # samples no trajectory would use are not rolled out
-            log.info("probe: %d prompt(s) per rank per rollout batch cover K = %d", needed, config.probe.num_rollouts)
+            log.info("probe: %d prompt(s) per rank per rollout batch cover K = %d", needed, p.num_rollouts)
             config.grpo.prompts_per_rank = needed
         with open_run(config, dist, training=False) as run:
             if config.resume is not None:
                 resume(run)
-            rep = probe(run)
+            rep = probe(run, p)
         if dist.is_main:
-            out = Path(config.probe.output or Path(config.run_dir) / "probe.json")
+            out = Path(p.output or Path(config.run_dir) / "probe.json")
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(rep, indent=2) + "\n")
             log.info("%s\nreport: %s", format_table(rep), out)

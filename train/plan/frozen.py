@@ -1,0 +1,143 @@
+"""The frozen models every rank replicates (text encoders, VAE, reward and evaluation scorers),
+counted from their architecture configs: built on the meta device, never loaded."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import ModelMixin
+from torch import nn
+
+import configs
+from models.base import parse_dtype
+from models.diffusers_backbone import DiffusersBackbone
+from models.registry import get_backbone_class
+from rewards.base import FrozenModelScorer, scorer_class
+from train.components.config import TrainConfig
+from train.components.errors import ConfigError
+
+ARCH_ROOT = Path(configs.__file__).resolve().parent / "arch"
+
+
+NOT_READ = "<not read by the planner>"  # stands in for the required paths the planner never opens
+
+
+# Model-based scorers: their architecture (a shipped CLIPModel config, or open_clip's own for HPSv2),
+# used unless the scorer's model_path folder holds a config.json. The other scorers hold no weights.
+SCORER_ARCH = {"clipscore": "clip-vit-large-patch14", "pickscore": "pickscore", "hpsv2": None}
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def diffusers_backbone_class(name: str) -> type[DiffusersBackbone]:
+    """The adapter class of backbone ``name`` (both shipped adapters are diffusers pipelines)."""
+    cls = get_backbone_class(name)
+    if not issubclass(cls, DiffusersBackbone):
+        raise ConfigError(f"model.name={name!r}: the planner knows diffusers backbones only, not {cls.__name__}")
+    return cls
+
+
+@dataclass(frozen=True)
+class FrozenModel:
+    """A model every rank holds whole, in the dtype it is placed in."""
+
+    role: str  # text encoder | VAE | reward | eval scorer
+    name: str
+    num_params: int
+    num_bytes: int  # parameters and buffers
+
+
+def module_bytes(module: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of ``module``'s parameters and buffers once cast to ``dtype`` (integer buffers keep theirs)."""
+    total = 0
+    for tensor in [*module.parameters(), *module.buffers()]:
+        size = dtype.itemsize if tensor.is_floating_point() else tensor.dtype.itemsize
+        total += tensor.numel() * size
+    return total
+
+
+def build_component(loader: Any, config: dict[str, Any]) -> nn.Module:
+    """A diffusers or transformers model of class ``loader`` from its config (call under a device
+    or fake mode: the weights are random)."""
+    if isinstance(loader, type) and issubclass(loader, ModelMixin):
+        return loader.from_config(config)
+    return loader(loader.config_class.from_dict(config))
+
+
+def _frozen(role: str, name: str, module: nn.Module, dtype: torch.dtype) -> FrozenModel:
+    return FrozenModel(role, name, sum(p.numel() for p in module.parameters()), module_bytes(module, dtype))
+
+
+def backbone_frozen(cfg: TrainConfig, arch: Path) -> list[FrozenModel]:
+    """The VAE and (without an embedding cache) the text encoders, in model.dtype as the trainer loads them."""
+    backbone_cls = diffusers_backbone_class(cfg.model.name)
+    dtype = parse_dtype(cfg.model.dtype)
+    skipped = set(backbone_cls.text_components) if cfg.model.embedding_cache is not None else set()
+    out = []
+    for comp in backbone_cls.components:
+        if not comp.is_module or comp.name == "transformer" or comp.name in skipped:
+            continue
+        role = "text encoder" if comp.name in backbone_cls.text_components else "VAE"
+        with torch.device("meta"):
+            module = build_component(comp.loader, read_json(arch / comp.name / comp.config_file))
+        out.append(_frozen(role, comp.name, module, dtype))
+    return out
+
+
+def scorer_module(name: str, args: dict[str, Any]) -> nn.Module | None:
+    """The architecture of scorer ``name`` on the meta device (None for a scorer without weights)."""
+    if not issubclass(scorer_class(name), FrozenModelScorer):  # no weights (JPEG size, shape alignment)
+        return None
+    if name not in SCORER_ARCH:
+        raise ConfigError(f"reward {name!r}: the planner does not know its architecture; known: {sorted(SCORER_ARCH)}")
+    with torch.device("meta"):
+        if name == "hpsv2":
+            import open_clip
+
+            from rewards.hpsv2 import register_arch
+
+            # open_clip logs "No pretrained weights loaded" as a warning: none are wanted here
+            previous = logging.root.manager.disable
+            logging.disable(logging.WARNING)
+            try:
+                return open_clip.create_model(register_arch(args.get("arch", _default(name, "arch"))), device="meta")
+            finally:
+                logging.disable(previous)
+        from transformers import CLIPModel
+
+        folder = Path(str(args.get("model_path", NOT_READ)))
+        config = folder / "config.json"
+        if not config.is_file():
+            config = ARCH_ROOT / str(SCORER_ARCH[name]) / "config.json"
+        return build_component(CLIPModel, read_json(config))
+
+
+def _default(name: str, arg: str) -> Any:
+    """The default of scorer ``name``'s constructor argument ``arg``."""
+    return inspect.signature(scorer_class(name)).parameters[arg].default
+
+
+def scorers_frozen(role: str, scorers: dict[str, dict]) -> list[FrozenModel]:
+    out = []
+    for name, args in scorers.items():
+        module = scorer_module(name, args)
+        if module is not None:
+            dtype = parse_dtype(args.get("dtype", _default(name, "dtype")), field=f"{role}.{name}.dtype")
+            out.append(_frozen(role, name, module, dtype))
+    return out
+
+
+def frozen_models(cfg: TrainConfig, arch: Path) -> list[FrozenModel]:
+    rewards = {name: {k: v for k, v in comp.items() if k != "weight"} for name, comp in cfg.reward.components.items()}
+    out = backbone_frozen(cfg, arch) + scorers_frozen("reward", rewards)
+    if cfg.logging.eval_every:  # built on the first evaluation and kept for the rest of the run
+        out += scorers_frozen("eval scorer", dict(cfg.eval.scorers))
+    return out

@@ -1,0 +1,274 @@
+"""What the planner found, and how it prints it: the phases' peaks and FLOPs, the verdict, and the
+changes that would lower the peak."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from train.plan.fake import Measured
+from train.plan.frozen import FrozenModel
+
+GIB = 2**30
+
+
+@dataclass
+class Phase:
+    """One traced call on rank 0. Its peak includes the frozen models once ``plan`` adds them."""
+
+    name: str  # rollout | decode | update <mode>[, rollout velocities] | optimizer
+    peak_bytes: int
+    working_bytes: int  # the call's own memory: its peak minus what was live when it started
+    activation_bytes: int  # of which activations and backward temporaries, at the peak
+    gathered_bytes: int  # of which all-gathered (unsharded) parameters, at the peak
+    flops: int  # of one call; an update's call is one group of W steps of one micro-batch
+    calls_per_step: float  # calls per rank per training step
+    checkpointing: bool | None = None  # updates: traced with activation checkpointing
+    mode: str | None = None  # updates: the path
+
+
+def to_phase(name: str, m: Measured, calls_per_step: float, **kwargs: Any) -> Phase:
+    at_peak = m.at_peak
+    return Phase(
+        name=name,
+        peak_bytes=m.peak_bytes,
+        working_bytes=m.peak_bytes - m.start_bytes,
+        activation_bytes=at_peak.get("Activation", 0) + at_peak.get("Temp", 0),
+        gathered_bytes=at_peak.get("All Gather", 0) + at_peak.get("Unsharded Param", 0),
+        flops=m.flops,
+        calls_per_step=calls_per_step,
+        **kwargs,
+    )
+
+
+@dataclass
+class PlanReport:
+    """Everything ``python -m train.plan`` prints (and writes as JSON to plan.output)."""
+
+    experiment: str
+    backbone: str
+    arch: str
+    world_size: int
+    gpu_memory_gib: float
+    reserved_gib: float
+    num_params: int
+    num_trainable: int
+    lora: bool
+    checkpointing: bool
+    image_tokens: int
+    text_tokens: int
+    samples_per_rank: int
+    decode_batch: int
+    micro_batch: int
+    groups: dict[str, float]  # expected groups per micro-batch, per update path
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    reference_bytes: int
+    ema_bytes: int
+    step_tensor_bytes: int  # trajectories (with the velocities kept on the GPU), conditioning, images
+    velocity_bytes: int  # of which the rollout's velocities kept on the GPU for the update
+    frozen: list[FrozenModel]
+    phases: list[Phase]  # rollout, decode, optimizer
+    updates: list[Phase]  # per traced path, with and without activation checkpointing
+    seconds: float = 0.0
+
+    @property
+    def frozen_bytes(self) -> int:
+        return sum(m.num_bytes for m in self.frozen)
+
+    @property
+    def budget_bytes(self) -> float:
+        return (self.gpu_memory_gib - self.reserved_gib) * GIB
+
+    def configured_updates(self) -> list[Phase]:
+        return [u for u in self.updates if u.checkpointing == self.checkpointing]
+
+    def step_phases(self) -> list[Phase]:
+        """The phases of a step as configured: the updates the run routes to, its checkpointing."""
+        return self.phases + [u for u in self.configured_updates() if u.calls_per_step > 0]
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.step_phases(), key=lambda p: p.peak_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak.peak_bytes <= self.budget_bytes
+
+    def flops_per_step(self, *, exact: bool = False) -> tuple[float, float]:
+        """(update, whole step) FLOPs per rank: as routed, or with every group on the exact path."""
+        updates = self.configured_updates()
+        if exact:
+            calls = sum(u.calls_per_step for u in updates)
+            update = calls * next(u.flops for u in updates if u.mode == "exact")
+        else:
+            update = sum(u.calls_per_step * u.flops for u in updates)
+        return update, update + sum(p.calls_per_step * p.flops for p in self.phases)
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.1f}"
+
+
+Saving = tuple[str, dict[str, float], str]  # (the change, bytes it frees per phase name, how that is known)
+
+
+def _everywhere(names: list[str], num_bytes: float) -> dict[str, float]:
+    return dict.fromkeys(names, float(num_bytes))
+
+
+def _static_savings(report: PlanReport, names: list[str]) -> list[Saving]:
+    out: list[Saving] = []
+    text = sum(m.num_bytes for m in report.frozen if m.role == "text encoder")
+    if text:
+        change = "model.embedding_cache=<folder> (scripts/precompute_embeddings.py): no text encoders"
+        out.append((change, _everywhere(names, text), "exact"))
+    if not report.lora:  # the rollout and the decode hold no gradients in any case
+        held = report.optimizer_bytes + report.reference_bytes + report.ema_bytes
+        saved = {n: float(held + (report.grad_bytes if n not in ("rollout", "decode") else 0)) for n in names}
+        change = "model.lora.enabled=true: no full-size gradients, optimizer state, KL reference copy or EMA"
+        out.append((change, saved, "estimate; trace it with model.lora.enabled=true"))
+    evaluation = sum(m.num_bytes for m in report.frozen if m.role == "eval scorer")
+    if evaluation:
+        change = "logging.eval_every=0 (evaluate with python -m train.eval): no evaluation scorers kept"
+        out.append((change, _everywhere(names, evaluation), "exact"))
+    if report.velocity_bytes:
+        change = "update.offload_velocities=true: the rollout's velocities in host memory"
+        out.append((change, _everywhere(names, report.velocity_bytes), "exact"))
+    return out
+
+
+def _working_savings(report: PlanReport) -> list[Saving]:
+    out: list[Saving] = []
+    current = {u.name: u for u in report.configured_updates()}
+    if not report.checkpointing:
+        other = {u.name: u for u in report.updates if u.checkpointing}
+        saved = {name: float(u.peak_bytes - other[name].peak_bytes) for name, u in current.items()}
+        out.append(("model.activation_checkpointing=true", saved, "traced"))
+    if report.groups.get("jagg", 0) > 0:
+        saved = {name: u.activation_bytes / 2 for name, u in current.items() if u.mode == "jagg"}
+        change = "update.mode=jagg_sequential: one endpoint graph alive instead of two"
+        out.append((change, saved, "estimate; trace it with update.mode=jagg_sequential"))
+    if report.micro_batch > 1:
+        share = 1 - 1 / report.micro_batch
+        saved = {p.name: p.working_bytes * share for p in report.step_phases() if p.name != "decode"}
+        out.append(("grpo.micro_batch=1", saved, "estimate; trace it with grpo.micro_batch=1"))
+    decode = next(p for p in report.phases if p.name == "decode")
+    per_call = report.decode_batch if 0 < report.decode_batch < report.samples_per_rank else report.samples_per_rank
+    for rows in (16, 8, 4, 2, 1):  # the largest chunk that fits, if one does: working memory ~ images per call
+        saved = {"decode": decode.working_bytes * (1 - rows / per_call)}
+        if rows < per_call and (decode.peak_bytes - saved["decode"] <= report.budget_bytes or rows == 1):
+            out.append((f"model.decode_batch={rows}", saved, f"estimate; trace it with model.decode_batch={rows}"))
+            break
+    return out
+
+
+def advice(report: PlanReport) -> list[str]:
+    """One line per change that lowers the peak: the step's peak it would leave, and whether that fits."""
+    names = [p.name for p in report.step_phases()]
+    lines = []
+    for change, saved, how in _static_savings(report, names) + _working_savings(report):
+        peak = max(p.peak_bytes - saved.get(p.name, 0) for p in report.step_phases())
+        if peak < report.peak.peak_bytes:
+            verdict = "fits" if peak <= report.budget_bytes else "does not fit"
+            lines.append(f"  {change}: peak {_gib(peak)} GiB, {verdict} ({how})")
+    return lines
+
+
+def largest_term(report: PlanReport, phase: Phase) -> str:
+    terms = {
+        f"{phase.name} working memory": phase.working_bytes,
+        "transformer shards": report.param_bytes,
+        "optimizer state": report.optimizer_bytes,
+        "KL reference shards": report.reference_bytes,
+        "EMA shards": report.ema_bytes,
+        "step tensors": report.step_tensor_bytes,
+        **{f"{m.role} {m.name}": m.num_bytes for m in report.frozen},
+    }
+    if phase.name not in ("rollout", "decode"):
+        terms["gradients"] = report.grad_bytes
+    name = max(terms, key=lambda term: terms[term])
+    return f"{name} ({_gib(terms[name])} GiB)"
+
+
+def _memory_lines(r: PlanReport) -> list[str]:
+    lines = [
+        "memory per rank, GiB",
+        f"  transformer shards (float32)               {_gib(r.param_bytes):>7}",
+        f"  gradients (float32 shards)                 {_gib(r.grad_bytes):>7}",
+        f"  optimizer state (AdamW)                    {_gib(r.optimizer_bytes):>7}",
+        f"  KL reference (shards)                      {_gib(r.reference_bytes):>7}",
+        f"  EMA (float32 shards)                       {_gib(r.ema_bytes):>7}",
+        f"  step tensors (trajectories, images)        {_gib(r.step_tensor_bytes):>7}"
+        f"   of which kept velocities {_gib(r.velocity_bytes)}",
+    ]
+    for m in r.frozen:
+        label = f"{m.role} {m.name} (replicated)"
+        lines.append(f"  {label:<42} {_gib(m.num_bytes):>7}   {m.num_params / 1e9:.2f} B parameters")
+    lines += ["", "phase peaks per rank, GiB (working: the phase's own activations, all-gathered blocks, temporaries)"]
+    labels = [
+        p.name if p.checkpointing is None else f"{p.name}, {'AC' if p.checkpointing else 'no AC'}"
+        for p in r.phases + r.updates
+    ]
+    width = max(map(len, labels))
+    for p, label in zip([*r.phases, *r.updates], labels):
+        note = "" if p.checkpointing in (None, r.checkpointing) else "  (other checkpointing setting)"
+        lines.append(
+            f"  {label:<{width}} peak {_gib(p.peak_bytes):>6}   working {_gib(p.working_bytes):>6}"
+            f" (activations {_gib(p.activation_bytes)}, all-gathered {_gib(p.gathered_bytes)}){note}"
+        )
+    return lines
+
+
+def _flop_lines(r: PlanReport) -> list[str]:
+    lines = ["FLOPs per rank per training step, TFLOP (calls per step x TFLOP per call)"]
+    width = max(len(p.name) for p in r.phases + r.configured_updates())
+    for p in r.phases + r.configured_updates():
+        total = p.flops * p.calls_per_step / 1e12
+        lines.append(f"  {p.name:<{width}} {total:>10.1f}   ({p.calls_per_step:g} x {p.flops / 1e12:.2f})")
+    update, step = r.flops_per_step()
+    update_exact, step_exact = r.flops_per_step(exact=True)
+    lines += [
+        f"  {'update as routed':<{width}} {update / 1e12:>10.1f}   every group exact: {update_exact / 1e12:.1f}"
+        f" -> {update_exact / update:.2f}x fewer FLOPs: that speed-up at equal throughput",
+        f"  {'training step':<{width}} {step / 1e12:>10.1f}   every group exact: {step_exact / 1e12:.1f}"
+        f" -> {step_exact / step:.2f}x",
+    ]
+    return lines
+
+
+def format_report(report: PlanReport) -> str:
+    r = report
+    groups = ", ".join(f"{mode} {n:g}" for mode, n in sorted(r.groups.items()))
+    what = "LoRA" if r.lora else "full fine-tuning"
+    checkpointing = "on" if r.checkpointing else "off"
+    lines = [
+        f"plan of experiment={r.experiment} ({r.backbone}, architecture from {r.arch})",
+        f"  {r.world_size} ranks x {r.gpu_memory_gib:g} GiB; transformer {r.num_params / 1e9:.2f} B parameters, "
+        f"{what} ({r.num_trainable / 1e9:.3f} B trained), activation checkpointing {checkpointing}",
+        f"  {r.samples_per_rank} samples per rank per step, {r.image_tokens} image + {r.text_tokens} text tokens each; "
+        f"micro-batch {r.micro_batch}, groups per micro-batch: {groups}",
+        "",
+        *_memory_lines(r),
+        "",
+        *_flop_lines(r),
+        "",
+    ]
+    peak = r.peak
+    budget = f"{r.gpu_memory_gib:g} GiB less {r.reserved_gib:g} GiB reserved (CUDA context, NCCL, fragmentation)"
+    if r.fits:
+        lines.append(f"fits: the largest phase is {peak.name} at {_gib(peak.peak_bytes)} GiB, within {budget};")
+        lines.append(f"  its largest term is {largest_term(r, peak)}")
+    else:
+        over = _gib(peak.peak_bytes - r.budget_bytes)
+        lines.append(f"does not fit: {peak.name} needs {_gib(peak.peak_bytes)} GiB, {over} GiB over {budget};")
+        lines.append(f"  its largest term is {largest_term(r, peak)}. Each change alone:")
+        lines += advice(r)
+    need = _gib(peak.peak_bytes + r.reserved_gib * GIB)
+    lines.append(
+        f"needs GPUs of at least {need} GiB each ({r.reserved_gib:g} GiB reserved); traced in {r.seconds:.0f} s"
+    )
+    verdict = "fits" if r.fits else "does not fit"
+    lines.append(f"peak per rank {_gib(peak.peak_bytes)} GiB of {r.gpu_memory_gib:g} GiB: {verdict}")
+    return "\n".join(lines)

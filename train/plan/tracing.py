@@ -1,0 +1,436 @@
+"""One training step of the run traced on fake tensors: the run's parts built by the trainer's own
+code (train.components.build.setup_trainable, FSDP2, AdamW, the EMA) and the trainer's own step
+functions (train.step, train.algorithm.update) run phase by phase under ``measure``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from models.base import Conditioning, parse_dtype
+from models.diffusers_backbone import DiffusersBackbone
+from samplers.rollout import Predict, Trajectory, stochastic_flags, trainable_flags
+from samplers.schedule import shifted_sigmas
+from train.algorithm.groups import RoutedGroup, pick_groups, route_groups
+from train.algorithm.jagg import MIDDLE_MODES, UPDATE_MODES
+from train.algorithm.update import UpdateBatch, update_micro_batch
+from train.components.build import (
+    adamw_settings,
+    build_ema,
+    kl_reference,
+    predictor,
+    setup_trainable,
+    update_settings,
+)
+from train.components.config import TrainConfig, trainable_transitions
+from train.components.ema import EMA
+from train.distributed.parallelize import clip_grad_norm_, local_tensor
+from train.plan.config import PlanRunConfig
+from train.plan.fake import default_dtype, fake_deepcopy, known, measure
+from train.plan.frozen import build_component, diffusers_backbone_class, read_json
+from train.plan.report import Phase, to_phase
+from train.step import decode_images, sample_trajectories, step_weights
+
+CPU = torch.device("cpu")  # the one device of every fake tensor
+
+
+EXACT_TRACED_STEPS = 2  # the exact path's steps are alike and run one after another: two show its peak
+
+
+def expected_groups(cfg: TrainConfig, mode: str | None = None) -> dict[str, float]:
+    """Expected groups per micro-batch of each update path, over the random group pick
+    (update.timestep_fraction) and the Flow-GRPO-Fast window start (uniform in its range).
+    ``mode`` replaces update.mode (``"exact"``: the run without JAGG)."""
+    s, u = cfg.sampler, cfg.update
+    starts: list[int | None] = [None]
+    if s.sde_window_size > 0:
+        lo, hi = s.sde_window_range
+        starts = list(range(lo, hi - s.sde_window_size + 1))
+    counts: dict[str, float] = {}
+    for start in starts:
+        trainable = trainable_transitions(s, start)
+        every = route_groups(
+            trainable, window=u.window, mode=mode or u.mode, jagg_frac=u.jagg_frac, num_transitions=s.num_steps - 1
+        )
+        picked = len(pick_groups(trainable, window=u.window, timestep_fraction=u.timestep_fraction))
+        for group in every:  # a uniform random subset: each group is picked with probability picked / len
+            counts[group.mode] = counts.get(group.mode, 0.0) + picked / len(every) / len(starts)
+    return counts
+
+
+class LocalShardAdamW(torch.optim.AdamW):
+    """The trainer's AdamW (``train.components.build.adamw_settings``) stepping each rank's local shards.
+
+    DTensor runs an optimizer's foreach kernels on the local shards; the planner runs them there
+    directly, because DTensor's sharding propagation of foreach ops over a thousand parameters costs
+    minutes of CPU. Foreach, as PyTorch picks on CUDA: its temporaries span every parameter at once.
+    ``step`` takes each parameter's gradient shard; ``zero_grad`` drops both.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], **kwargs: Any) -> None:
+        self.sharded = list(params)
+        with torch.no_grad():
+            shards = [local_tensor(p) for p in self.sharded]
+        super().__init__(shards, foreach=True, **kwargs)
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        shards = [p for group in self.param_groups for p in group["params"]]
+        with torch.no_grad():
+            for p, shard in zip(self.sharded, shards, strict=True):
+                shard.grad = None if p.grad is None else local_tensor(p.grad)
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for p in self.sharded:
+            p.grad = None
+
+
+def build_backbone(cfg: TrainConfig, arch: Path) -> DiffusersBackbone:
+    """The adapter around a float32 transformer (the trainer's master weights) and the VAE in model.dtype.
+
+    The transformer is built on the meta device and materialized by ``build_run`` after sharding,
+    as FSDP2 expects for large models: under a fake mode a module cannot be moved or cast once built
+    (peft casts its LoRA layers to the base layer's device and dtype, and skips meta ones).
+    """
+    backbone_cls = diffusers_backbone_class(cfg.model.name)
+    loaders = {c.name: c for c in backbone_cls.components}
+    configs_ = {name: read_json(arch / name / loaders[name].config_file) for name in ("transformer", "vae")}
+    with torch.device("meta"):
+        transformer = build_component(loaders["transformer"].loader, configs_["transformer"])
+    with default_dtype(parse_dtype(cfg.model.dtype)):
+        vae = build_component(loaders["vae"].loader, configs_["vae"])
+    modules = {"transformer": transformer, "vae": vae.eval().requires_grad_(False)}
+    return backbone_cls(modules, configs_, {}, dtype=parse_dtype(cfg.model.dtype), **cfg.model.options)  # type: ignore[abstract]
+
+
+def hold_gradients(run: TracedRun) -> None:
+    """A gradient on every trainable parameter, as the update of a later micro-batch finds them
+    (FSDP2 adds its reduce-scattered gradient to them)."""
+    for p in run.params:
+        p.grad = torch.zeros_like(p)
+
+
+@dataclass
+class TracedRun:
+    """The parts of a run that one training step uses, on fake tensors (the trainer's ``Run`` also
+    holds rewards, prompts, checkpoints and a logger, which the planner neither builds nor traces)."""
+
+    cfg: PlanRunConfig
+    backbone: DiffusersBackbone
+    params: list[nn.Parameter]
+    optimizer: LocalShardAdamW
+    ema: EMA | None
+    reference: nn.Module | None  # the frozen KL reference of full fine-tuning
+
+    def policy(self, transformer: nn.Module | None = None) -> Predict:
+        """The trainer's predictor of the policy (or of ``transformer``) on the run's world size."""
+        dtype = parse_dtype(self.cfg.model.dtype)
+        world_size = self.cfg.plan.world_size
+        return predictor(self.backbone, compute_dtype=dtype, world_size=world_size, device=CPU, transformer=transformer)
+
+    def kl_reference(self) -> Predict | None:
+        return None if self.cfg.grpo.kl_beta == 0 else kl_reference(self.backbone, self.reference, self.policy)
+
+
+def build_run(cfg: PlanRunConfig, arch: Path) -> TracedRun:
+    """The run's parts on fake tensors, built by the trainer's own code where it loads no weights:
+    ``train.components.build.setup_trainable`` (LoRA or full fine-tuning, the KL reference, activation
+    checkpointing, FSDP2 through ``parallelize``), AdamW with the run's settings and its state as after
+    a first step, the EMA."""
+    backbone = build_backbone(cfg, arch)
+    with fake_deepcopy(), torch.device("meta"):  # LoRA layers too: peft skips moving meta adapters
+        _, reference = setup_trainable(cfg, backbone)
+    for module in (backbone.transformer, reference):
+        if module is not None:
+            module.to_empty(device=CPU)
+    params = [p for p in backbone.transformer.parameters() if p.requires_grad]  # to_empty replaced them
+    optimizer = LocalShardAdamW(params, **adamw_settings(cfg))
+    run = TracedRun(cfg, backbone, params, optimizer, build_ema(params, cfg.grpo.ema_decay), reference)
+    hold_gradients(run)
+    step_weights(run.optimizer, run.ema)  # the moments exist from the first step on
+    run.optimizer.zero_grad(set_to_none=True)
+    return run
+
+
+# Shapes of the conditioning fields of one prompt, from (text tokens, the transformer's config).
+_FIELD_SHAPES: dict[str, Callable[[int, dict[str, Any]], tuple[int, ...]]] = {
+    "prompt_embeds": lambda tokens, config: (tokens, config["joint_attention_dim"]),
+    "pooled": lambda tokens, config: (config["pooled_projection_dim"],),
+    "mask": lambda tokens, config: (tokens,),
+}
+
+
+def text_tokens(cfg: TrainConfig) -> int:
+    """Text tokens per prompt: the adapter's max_sequence_length (Qwen-Image pads to the longest
+    prompt of a batch, so this is its worst case)."""
+    return int(cfg.model.options.get("max_sequence_length") or 512)
+
+
+def conditioning(backbone: DiffusersBackbone, rows: int, tokens: int) -> Conditioning:
+    """What ``backbone.encode`` returns for ``rows`` prompts of ``tokens`` text tokens (its shapes)."""
+    config = backbone.configs["transformer"]
+    values = {}
+    for f in fields(backbone.conditioning_class):
+        if f.name not in _FIELD_SHAPES:
+            raise ValueError(f"plan: no shape known for conditioning field {f.name!r} of backbone {backbone.name!r}")
+        shape = (rows, *_FIELD_SHAPES[f.name](tokens, config))
+        is_mask = f.name == "mask"
+        values[f.name] = torch.ones(shape, dtype=torch.long) if is_mask else torch.randn(shape, dtype=backbone.dtype)
+    return backbone.conditioning_class(**values)
+
+
+def first_window(cfg: TrainConfig) -> tuple[int, int] | None:
+    """The Flow-GRPO-Fast SDE window the trace samples with: the first one the run can draw (every
+    window trains as many transitions: validation keeps the last one out of its range)."""
+    s = cfg.sampler
+    if s.sde_window_size <= 0:
+        return None
+    lo = s.sde_window_range[0]
+    return lo, lo + s.sde_window_size
+
+
+@dataclass
+class StepTensors:
+    """What a step keeps from its rollout to its optimizer step (train.step.train_step)."""
+
+    traj: Trajectory | None = None
+    images: Tensor | None = None  # [B, 3, H, W] float32, from the decode on (logged after the update)
+    advantages: Tensor | None = None  # [B]
+
+    def resident(self, *, offloaded_velocities: bool) -> list[Tensor]:
+        """The tensors on the GPU: the velocities stay out when they are kept in host memory."""
+        out: list[Tensor] = []
+        if self.traj is not None:
+            t = self.traj
+            out += [t.latents, t.timesteps, t.sigmas, t.log_probs, t.group_ids, *t.cond.tensors().values()]
+            if t.velocities is not None and not offloaded_velocities:
+                out.append(t.velocities)
+        return out + [x for x in (self.images, self.advantages) if x is not None]
+
+
+class TracedOnce:
+    """A predictor that runs its first call and answers each later one with an uninitialized tensor
+    of that call's output shape and dtype (each later call must have the first one's input shape).
+
+    The rollout's N steps call the transformer with the same shapes: its first forward traced gives
+    a step's memory and 1/N of the rollout's FLOPs, and the sampler's own loop (trajectory buffers,
+    SDE steps, log-probabilities, kept velocities) still runs every step, at a fraction of the CPU.
+    """
+
+    def __init__(self, predict: Predict) -> None:
+        self.predict = predict
+        self.first: tuple[torch.Size, torch.Size, torch.dtype] | None = None  # (input shape, output shape, dtype)
+
+    def __call__(self, z: Tensor, t: Tensor, cond: Any) -> Tensor:
+        if self.first is None:
+            v = self.predict(z, t, cond)
+            self.first = (z.shape, v.shape, v.dtype)
+            return v
+        if z.shape != self.first[0]:
+            raise ValueError(f"TracedOnce: a call on {tuple(z.shape)} after one on {tuple(self.first[0])}")
+        return torch.empty(self.first[1], dtype=self.first[2], device=z.device)
+
+
+def rollout_call(run: TracedRun, tensors: StepTensors) -> Callable[[], None]:
+    """The rollout of every sample of the rank (``train.step.sample_trajectories``: the sampler's N
+    steps, the transformer traced on the first, ``TracedOnce``) from conditioning and noise shaped as
+    ``rollout_phase`` makes them."""
+    cfg, backbone = run.cfg, cast(DiffusersBackbone, run.backbone)
+    g, s, window = cfg.grpo, cfg.sampler, first_window(cfg)
+
+    def call() -> None:
+        cond = conditioning(backbone, g.prompts_per_rank, text_tokens(cfg)).repeat(g.group_size)
+        noise = backbone.initial_noise(g.prompts_per_rank, height=cfg.model.height, width=cfg.model.width)
+        # The schedule's values change no shape: a fixed shift stands in for a dynamic one.
+        sigmas = known(lambda: shifted_sigmas(s.num_steps, s.shift if s.shift is not None else 1.0))
+        traj = sample_trajectories(
+            TracedOnce(run.policy()),
+            cfg,
+            cond,
+            noise.repeat_interleave(g.group_size, dim=0),
+            sigmas=sigmas,
+            group_ids=torch.arange(g.prompts_per_rank).repeat_interleave(g.group_size),
+            sde_window=window,
+            sde_noise=[torch.Generator().manual_seed(i) for i in range(g.prompts_per_rank)],
+            keep_velocities=update_settings(cfg).keeps_velocities,
+            velocity_dtype=parse_dtype(cfg.model.dtype),
+        )
+        flags = stochastic_flags(s.num_steps, traj.sde, window)  # readable, for transition() and the plan
+        stochastic = known(lambda: torch.tensor(flags, dtype=torch.bool))
+        trainable = known(lambda: torch.tensor(trainable_flags(flags), dtype=torch.bool))
+        tensors.traj = replace(traj, stochastic=stochastic, trainable=trainable)
+
+    return call
+
+
+def decode_call(run: TracedRun, tensors: StepTensors) -> Callable[[], None]:
+    """The decode of the rollout's final latents before scoring (``train.step.decode_images``)."""
+    cfg = run.cfg
+
+    def call() -> None:
+        assert tensors.traj is not None
+        tensors.images = decode_images(run.backbone, tensors.traj.latents[:, -1], cfg.model)
+
+    return call
+
+
+def update_call(run: TracedRun, tensors: StepTensors, mode: str, *, reuse: bool) -> Callable[[], None]:
+    """One group of W steps of one micro-batch through ``train.algorithm.update.update_micro_batch`` (the GRPO loss,
+    the KL reference's batched call, ``backward_group``), on the rollout's velocities when ``reuse``."""
+    cfg, traj = run.cfg, tensors.traj
+    assert traj is not None and tensors.advantages is not None
+    batch = UpdateBatch(
+        traj=traj,
+        advantages=tensors.advantages,
+        predict=run.policy(),
+        reference=run.kl_reference(),
+        settings=update_settings(cfg),
+    )
+    start = traj.trainable_steps()[0]
+    group = RoutedGroup(start, start + (EXACT_TRACED_STEPS if mode == "exact" else cfg.update.window), mode)
+    rows = torch.arange(cfg.grpo.micro_batch)
+
+    def call() -> None:
+        update_micro_batch(batch, rows, [group], reuse_velocities=reuse)  # its scale changes nothing traced
+
+    return call
+
+
+def optimizer_call(run: TracedRun) -> Callable[[], None]:
+    """``train.step.optimizer_step`` but for its finiteness test (a value): the global-norm clip, the
+    AdamW step and the EMA, then zero_grad."""
+
+    def call() -> None:
+        clip_grad_norm_(run.params, run.cfg.grpo.max_grad_norm)
+        step_weights(run.optimizer, run.ema)
+        run.optimizer.zero_grad(set_to_none=True)
+
+    return call
+
+
+def _storage_bytes(tensors: Sequence[Tensor]) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def reference_shards(run: TracedRun) -> list[Tensor]:
+    """The KL reference's local shards: a second FSDP root, which the policy's tracker counts as inputs."""
+    return [] if run.reference is None else [local_tensor(p) for p in run.reference.parameters()]
+
+
+def ema_shards(run: TracedRun) -> list[Tensor]:
+    """The EMA's float32 local shards (held by no module or optimizer: counted as inputs)."""
+    return [] if run.ema is None else [local_tensor(s) for s in run.ema.shadow]
+
+
+def update_variants(
+    cfg: TrainConfig, groups: dict[str, float], *, kept_velocities: bool
+) -> list[tuple[str, bool, float]]:
+    """(path, on the rollout's velocities, calls per rank per step) for each update call the run makes,
+    and exact (the baseline of the speed-up) in any case. ``update.reuse_velocities=fresh`` reuses them
+    until the first optimizer step of the step moves the weights: the first of B / accumulation chunks."""
+    g = cfg.grpo
+    samples = g.group_size * g.prompts_per_rank
+    micro_batches = samples // g.micro_batch
+    reused = 1.0 if cfg.update.reuse_velocities == "stale" else g.gradient_accumulation_steps / samples
+    out = []
+    for mode in UPDATE_MODES:
+        calls = micro_batches * groups.get(mode, 0.0)
+        if calls == 0 and mode != "exact":
+            continue
+        if kept_velocities and mode in MIDDLE_MODES:
+            out.append((mode, True, calls * reused))
+            if reused < 1:
+                out.append((mode, False, calls * (1 - reused)))
+        else:
+            out.append((mode, False, calls))
+    return out
+
+
+def trace_updates(run: TracedRun, tensors: StepTensors, groups: dict[str, float]) -> list[Phase]:
+    """Every update call of the run (``update_variants``) on one group of one micro-batch, with the
+    run's activation checkpointing and gradients held."""
+    cfg = run.cfg
+    assert tensors.traj is not None
+    offloaded = cfg.update.offload_velocities
+    resident = tensors.resident(offloaded_velocities=offloaded) + reference_shards(run) + ema_shards(run)
+    out = []
+    for mode, reuse, calls in update_variants(cfg, groups, kept_velocities=tensors.traj.velocities is not None):
+        m = measure(run.backbone.transformer, run.optimizer, resident, update_call(run, tensors, mode, reuse=reuse))
+        if mode == "exact":  # its W steps, each freed before the next, traced on EXACT_TRACED_STEPS
+            m.flops = round(m.flops * cfg.update.window / EXACT_TRACED_STEPS)
+        name = f"update {mode}" + (", rollout velocities" if reuse else "")
+        out.append(to_phase(name, m, calls, checkpointing=cfg.model.activation_checkpointing, mode=mode))
+    return out
+
+
+@dataclass
+class Traced:
+    """Everything measured on rank 0 of the run as configured."""
+
+    phases: list[Phase]
+    updates: list[Phase]
+    tensors: StepTensors
+    at_step: dict[str, int]  # tracker categories when the optimizer step starts: shards, gradients, state, inputs
+    num_params: int
+    num_trainable: int
+    step_tensor_bytes: int
+    reference_bytes: int
+    ema_bytes: int
+    velocity_bytes: int
+    image_tokens: int
+
+
+def trace_step(run: TracedRun, groups: dict[str, float]) -> Traced:
+    """The phases in the order a step runs them, with gradients held where the trainer holds them."""
+    cfg, g = run.cfg, run.cfg.grpo
+    root, opt = run.backbone.transformer, run.optimizer
+    offloaded = cfg.update.offload_velocities
+    always = reference_shards(run) + ema_shards(run)
+    tensors = StepTensors()
+    # the rollout and the decode run after the last optimizer step's zero_grad(set_to_none)
+    rollout = measure(root, opt, always, rollout_call(run, tensors))
+    assert tensors.traj is not None
+    if offloaded and tensors.traj.velocities is not None:  # allocated during the rollout, in host memory
+        rollout.peak_bytes -= _storage_bytes([tensors.traj.velocities])
+    rollout.flops *= cfg.sampler.num_steps  # counted: the transformer's first forward (TracedOnce)
+    phases = [to_phase("rollout", rollout, 1)]
+    decode = measure(root, opt, always + tensors.resident(offloaded_velocities=offloaded), decode_call(run, tensors))
+    phases.append(to_phase("decode", decode, 1))
+    tensors.advantages = torch.zeros(tensors.traj.batch_size)
+    hold_gradients(run)
+    updates = trace_updates(run, tensors, groups)
+    resident = always + tensors.resident(offloaded_velocities=offloaded)
+    optimizer = measure(root, opt, resident, optimizer_call(run))
+    phases.append(to_phase("optimizer", optimizer, g.group_size * g.prompts_per_rank / g.gradient_accumulation_steps))
+    velocities = tensors.traj.velocities
+    return Traced(
+        phases=phases,
+        updates=updates,
+        tensors=tensors,
+        at_step=optimizer.at_start,
+        num_params=sum(p.numel() for p in root.parameters()),
+        num_trainable=sum(p.numel() for p in run.params),
+        step_tensor_bytes=_storage_bytes(tensors.resident(offloaded_velocities=offloaded)),
+        reference_bytes=_storage_bytes(reference_shards(run)),
+        ema_bytes=_storage_bytes(ema_shards(run)),
+        velocity_bytes=0 if offloaded or velocities is None else _storage_bytes([velocities]),
+        image_tokens=math.prod(cast(DiffusersBackbone, run.backbone).latent_grid(cfg.model.height, cfg.model.width)),
+    )
+
+
+def trace_other_checkpointing(
+    cfg: PlanRunConfig, arch: Path, tensors: StepTensors, groups: dict[str, float]
+) -> list[Phase]:
+    """The update traces with activation checkpointing flipped, on the same step's tensors (a second
+    model: checkpointing wraps the blocks before FSDP2 shards them)."""
+    other = replace(cfg, model=replace(cfg.model, activation_checkpointing=not cfg.model.activation_checkpointing))
+    run = build_run(other, arch)
+    hold_gradients(run)
+    return trace_updates(run, tensors, groups)
