@@ -1,5 +1,7 @@
 """GRPO math on hand-made tensors; comments say why each expected number is what it is."""
 
+import math
+
 import pytest
 import torch
 
@@ -47,6 +49,20 @@ def test_group_advantages_clamp_and_global_std():
     # global std 0.5: group 1 -> (-5, 5)/0.5 = (-10, 10) clamped to +-3; group 2 -> (-1, 1)/0.5 = -2, 2
     adv = group_advantages(rewards, groups, eps=0.0, adv_clip_max=3.0, global_std=torch.tensor(0.5))
     torch.testing.assert_close(adv, torch.tensor([-3.0, 3.0, -2.0, 2.0]))
+
+
+def test_unbiased_std_is_dancegrpo_torch_std():
+    # group of 3: rewards 0, 1, 2 -> mean 1, sum of squares 2; population std sqrt(2/3), unbiased 1
+    rewards = torch.tensor([0.0, 1.0, 2.0, 4.0, 4.0])
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    adv = group_advantages(rewards, groups, eps=0.0, unbiased=True)
+    torch.testing.assert_close(adv, torch.tensor([-1.0, 0.0, 1.0, 0.0, 0.0]))  # the tied group stays 0
+    g = torch.randn(12, generator=torch.Generator().manual_seed(0))
+    dance = (g - g.mean()) / (g.std() + 1e-8)  # DanceGRPO's own line
+    torch.testing.assert_close(group_advantages(g, torch.zeros(12), unbiased=True), dance)
+    # ours (population) = DanceGRPO's x sqrt(G / (G - 1)), 1.0445 at G = 12
+    ratio = group_advantages(g, torch.zeros(12)) / dance
+    torch.testing.assert_close(ratio, torch.full((12,), math.sqrt(12 / 11)), rtol=1e-6, atol=0)
 
 
 def test_group_advantages_reject_nan():
