@@ -156,6 +156,7 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
         (["sampler.quantize_timesteps=dance", "sampler.shift=null"], ValueError, "sampler.shift"),
         (["grpo.adv_std=sample"], ValueError, "grpo.adv_std.*population, unbiased"),
         (["+reward.components.aesthetic.weight=1"], ValueError, "reward.components.*aesthetic.*hpsv2"),
+        (["+reward.components.remote.weight=1"], ValueError, "reward.components.remote.url is not set"),
         (["grpo.gradient_accumulation_steps=3"], ValueError, "grpo.gradient_accumulation_steps"),
         (["grpo.group_size=1"], ValueError, "grpo.group_size"),
         (["sampler.sde_window_range=[0,12]"], ValueError, "sampler.sde_window_range"),

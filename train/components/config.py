@@ -443,6 +443,11 @@ def _validate_reward(r: RewardConfig, known_scorers: tuple[str, ...]) -> None:
         if not isinstance(weight, int | float) or isinstance(weight, bool):
             raise ConfigError(f"reward.components.{name} must be {{weight: <number>, <scorer arguments>}}, got {comp}")
         _in_range(weight, f"reward.components.{name}.weight")
+        if name == "remote" and not comp.get("url"):
+            raise ConfigError(
+                "reward.components.remote.url is not set: give the reward server's address, e.g. "
+                "http://127.0.0.1:8100 (scripts/reward_server.py)"
+            )
         weights.append(weight)
     if not any(weights):
         raise ConfigError("reward.components: every weight is 0, so every advantage would be 0; give one a weight")
