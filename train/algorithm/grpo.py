@@ -20,6 +20,16 @@ term to a reference policy.
   high-noise end more. Under CPS the ``diffusion`` of a step is its std sigma_t = sigma'
   sin(noise_level pi / 2) (samplers/sde.py), and the same formula is then the exact Gaussian KL of
   the two transitions, as flow_grpo computes it for CPS.
+* GRPO-Guard's RatioNorm (``ratio_norm_log_ratio``): with s the transition std g sqrt(-dt) and
+  s_bar its mean over the rows given, the log-ratio becomes
+  (logp - logp_old + mean_elems (mu - mu_old)^2 / (2 s_bar^2)) s_bar. For a Gaussian step of std s
+  = s_bar this is mean_elems (z' - mu_old)(mu - mu_old) / s = mean_elems eps (mu - mu_old): zero-mean
+  under the sampling noise and O(|mu - mu_old|), whatever the step's s, where the plain log-ratio's
+  mean drifts by -(mu - mu_old)^2 / (2 s^2), large at the small-s steps. s_bar is taken over the rows
+  of one transition k, which all share sigma_k and sigma_{k+1} (one schedule per rollout), so s_bar
+  is each row's own s: the result does not depend on how rows are split into micro-batches nor on
+  which other rows share the call. Defined for the Gaussian kinds (dance, flow); CPS's log-prob has
+  no 1 / (2 s^2) to normalise.
 """
 
 from __future__ import annotations
@@ -95,3 +105,11 @@ def kl_to_reference(mean: Tensor, ref_mean: Tensor, diffusion: Tensor) -> Tensor
     """Scalar mean over batch and elements of (mean - ref_mean)^2 / (2 g^2); g = ``diffusion`` [B]."""
     g = diffusion.reshape(-1, *([1] * (mean.ndim - 1)))
     return ((mean - ref_mean) ** 2 / (2.0 * g**2)).mean()
+
+
+def ratio_norm_log_ratio(log_prob: Tensor, old_log_prob: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor) -> Tensor:
+    """GRPO-Guard's normalised log-ratio [B] (module docstring). log_prob, old_log_prob, std: [B];
+    mean, old_mean: [B, ...], the transition means under the current and the sampling weights."""
+    std_bar = std.mean()
+    shift = ((mean - old_mean) ** 2).flatten(1).mean(1) / (2.0 * std_bar**2)
+    return (log_prob - old_log_prob + shift) * std_bar
