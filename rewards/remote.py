@@ -46,7 +46,7 @@ TOKEN_ENV = "JAGG_REWARD_TOKEN"
 
 
 class RemoteRewardError(ValueError):
-    """The reward server answered outside the protocol, or refused the request."""
+    """The reward server answered outside the protocol, refused the request, or was unreachable at start-up."""
 
 
 class RemoteUnavailable(ConnectionError):
@@ -112,8 +112,9 @@ class RemoteScorer(Scorer):
         try:
             answer = self.client.get(f"{self.url}/health")
         except httpx.HTTPError as err:
+            # a setting (a wrong url, a server not started): a ValueError, which the trainer prints as one line
             reason = type(err).__name__
-            raise ConnectionError(f"reward server {self.url} is unreachable ({reason}): start it first") from None
+            raise RemoteRewardError(f"reward server {self.url} is unreachable ({reason}): start it first") from None
         self._check_status(answer)
 
     def _check_status(self, answer: httpx.Response) -> None:

@@ -96,7 +96,7 @@ def test_remote_scores_equal_local_ones(jpeg_app):
 
 def test_server_down_at_start_up_names_the_url():
     url = _free_port_url()
-    with pytest.raises(ConnectionError, match=f"reward server {url} is unreachable"):
+    with pytest.raises(RemoteRewardError, match=f"reward server {url} is unreachable"):
         RemoteScorer(url, timeout_s=2, retries=0)
 
 
