@@ -75,18 +75,18 @@ def dance_float32_sigmas(sigmas: Tensor) -> Tensor:
     DanceGRPO evaluates s u / (1 + (s - 1) u) in float32 on a float32 linspace; a float32 sigma can
     sit a rounding step below a multiple of 1/1000 that the float64 one reaches (21 steps, shift 3:
     step 14 is 0.59999996, not 0.6). u_k = 1 - k / N is the same grid in both; the shift is read back
-    from sigmas[1] (exact up to float64 rounding, which float32 discards). A schedule that is not a
-    fixed-shift one raises: DanceGRPO has no other.
+    from sigmas[1] (exact up to float64 rounding, which float32 discards) and must give back
+    sigmas[N - 1]: a schedule that is not a fixed-shift one raises, DanceGRPO has no other. Only those
+    two values are read, as Python floats (python -m train.plan runs this on shape-only tensors).
     """
     num_steps = sigmas.shape[0] - 1
-    u64 = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
-    if num_steps < 2:
-        shift = 1.0
-    else:
-        sigma1, u1 = float(sigmas[1]), float(u64[1])
+    shift = 1.0
+    if num_steps >= 2:
+        u1, u_last = 1.0 - 1.0 / num_steps, 1.0 / num_steps
+        sigma1, sigma_last = float(sigmas[1]), float(sigmas[num_steps - 1])
         shift = sigma1 * (1.0 - u1) / (u1 * (1.0 - sigma1))
-    if not torch.allclose(sigmas.to(torch.float64), shift * u64 / (1.0 + (shift - 1.0) * u64), rtol=0, atol=1e-9):
-        raise ValueError("sampler.quantize_timesteps=dance needs a fixed-shift schedule: set sampler.shift")
+        if abs(shift * u_last / (1.0 + (shift - 1.0) * u_last) - sigma_last) > 1e-9:
+            raise ValueError("sampler.quantize_timesteps=dance needs a fixed-shift schedule: set sampler.shift")
     u = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
     s = torch.tensor(shift, dtype=torch.float32)
     return (s * u) / (1.0 + (s - 1.0) * u)
