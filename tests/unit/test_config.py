@@ -237,3 +237,16 @@ def _node(cfg: TrainConfig, dotted: str):
     for part in filter(None, dotted.split(".")):
         node = getattr(node, part)
     return node
+
+
+def test_pickscore_reward_option_is_flow_grpo_scaled(paths, tmp_path):
+    cfg = load(
+        [
+            "reward=pickscore",
+            f"reward.components.pickscore.model_path={paths['model']}",
+            f"reward.components.pickscore.processor_path={paths['model']}",
+        ],
+        tmp_path,
+    )
+    check(cfg)
+    assert cfg.reward.components["pickscore"]["scale"] == "flow_grpo"
