@@ -14,6 +14,7 @@ Needs the ``server`` extra: pip install -e .[server] (FastAPI and uvicorn).
 from __future__ import annotations
 
 import argparse
+import ast
 import hmac
 import importlib
 import os
@@ -62,7 +63,7 @@ def make_app(scorer: Scorer, *, max_bytes: int, token: str | None) -> FastAPI:
     return app
 
 
-def load_scorer(name: str | None, class_path: str | None, kwargs: dict[str, str], device: str) -> Scorer:
+def load_scorer(name: str | None, class_path: str | None, kwargs: dict[str, object], device: str) -> Scorer:
     """One of our registered scorers by ``name``, or the class at ``module:Class``, on ``device``."""
     if class_path is None:
         scorer = build_scorer(name or "", **kwargs)
@@ -70,6 +71,14 @@ def load_scorer(name: str | None, class_path: str | None, kwargs: dict[str, str]
         module_name, _, class_name = class_path.partition(":")
         scorer = getattr(importlib.import_module(module_name), class_name)(**kwargs)
     return scorer.to(device)
+
+
+def arg_value(text: str) -> object:
+    """A --arg value: a Python literal (95, 0.5, True) when it parses as one, else the string itself."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     bad = [a for a in args.arg if "=" not in a]
     if bad:
         raise SystemExit(f"--arg must be KEY=VALUE, got {bad[0]!r}")
-    kwargs = dict(a.split("=", 1) for a in args.arg)
+    kwargs = {key: arg_value(value) for key, value in (a.split("=", 1) for a in args.arg)}
     scorer = load_scorer(args.scorer, args.scorer_class, kwargs, args.device)
     app = make_app(scorer, max_bytes=int(args.max_mb * 2**20), token=os.environ.get(TOKEN_ENV) or None)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

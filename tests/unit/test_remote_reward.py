@@ -173,3 +173,12 @@ def test_each_rank_sends_only_its_own_rows(jpeg_app):
         scorer = RemoteScorer(url, timeout_s=10, retries=0)
         first, second = scorer(images[:1], PROMPTS[:1]), scorer(images[1:], PROMPTS[1:])
     torch.testing.assert_close(torch.cat([first, second]), build_scorer("jpeg_compressibility")(images, PROMPTS))
+
+
+def test_server_arguments_are_literals_or_strings():
+    module = _server_module()
+    assert module.arg_value("95") == 95 and module.arg_value("0.5") == 0.5
+    assert module.arg_value("/ckpt/PickScore_v1") == "/ckpt/PickScore_v1"
+    assert module.arg_value("flow_grpo") == "flow_grpo"
+    scorer = module.load_scorer("jpeg_compressibility", None, {"quality": module.arg_value("80")}, "cpu")
+    assert scorer.name == "jpeg_compressibility"
