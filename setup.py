@@ -21,8 +21,13 @@ setup(
         "safetensors>=0.4",
         "matplotlib>=3.8",
         "tqdm>=4.66",
+        "httpx>=0.27,<1",  # the remote reward's client (rewards/remote.py)
     ],
-    extras_require={"dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.10"]},
+    extras_require={
+        "dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.10"],
+        # scripts/reward_server.py, on the machine that serves a reward model
+        "server": ["fastapi>=0.110", "uvicorn>=0.29"],
+    },
     # The commands as programs on PATH: Hydra's tab completion (eval "$(jagg-train -sc install=bash)")
     # completes a program's name, which "python -m train" is not.
     entry_points={

@@ -32,6 +32,7 @@ _REGISTRY: dict[str, str] = {
     "jpeg_compressibility": "rewards.compressibility:JPEGCompressibilityScorer",
     "jpeg_incompressibility": "rewards.compressibility:JPEGIncompressibilityScorer",
     "shape_alignment": "rewards.shapes:ShapeAlignmentScorer",
+    "remote": "rewards.remote:RemoteScorer",
 }
 SCORER_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 

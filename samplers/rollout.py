@@ -10,7 +10,7 @@ v = predict(z_k, t_k, cond) over the whole batch, then samplers.sde.step with th
       window lies inside [lo, hi);
     * ``ode``: every step deterministic (evaluation, and the zero-noise check against diffusers).
 
-t_k is sigma_k, or DanceGRPO's floor(1000 sigma_k) / 1000 with ``quantize_timesteps``; the SDE
+t_k is sigma_k, or floor(1000 sigma_k) / 1000 with ``quantize_timesteps`` (samplers/schedule.py); the SDE
 always uses the exact sigmas. Trainable transitions are the stochastic ones except the last
 (k = N - 1, whose tiny sigma makes the Gaussian too peaked to train on; both references drop it).
 Latents and log-probs are stored in float32 so recomputing a transition sees exactly what the
@@ -160,7 +160,7 @@ def rollout(
     sde_window: tuple[int, int] | None = None,
     group_ids: Tensor | None = None,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
-    quantize_timesteps: bool = False,
+    quantize_timesteps: str = "none",
     keep_velocities: bool = False,
     velocity_dtype: torch.dtype = torch.float32,
     velocity_device: torch.device | str | None = None,

@@ -66,19 +66,51 @@ def dynamic_sigmas(num_steps: int, mu: float, *, shift_terminal: float | None = 
     return torch.cat([sigmas, torch.zeros(1, dtype=sigmas.dtype)])
 
 
-def network_timesteps(sigmas: Tensor, *, quantize: bool = False) -> Tensor:
+QUANTIZE_MODES = ("none", "float64", "dance")  # sampler.quantize_timesteps
+
+
+def dance_float32_sigmas(sigmas: Tensor) -> Tensor:
+    """DanceGRPO's float32 schedule [N+1] for our float64 fixed-shift ``sigmas`` [N+1].
+
+    DanceGRPO evaluates s u / (1 + (s - 1) u) in float32 on a float32 linspace; a float32 sigma can
+    sit a rounding step below a multiple of 1/1000 that the float64 one reaches (21 steps, shift 3:
+    step 14 is 0.59999996, not 0.6). u_k = 1 - k / N is the same grid in both; the shift is read back
+    from sigmas[1] (exact up to float64 rounding, which float32 discards) and must give back
+    sigmas[N - 1]: a schedule that is not a fixed-shift one raises, DanceGRPO has no other. Only those
+    two values are read, as Python floats (python -m train.plan runs this on shape-only tensors).
+    """
+    num_steps = sigmas.shape[0] - 1
+    shift = 1.0
+    if num_steps >= 2:
+        u1, u_last = 1.0 - 1.0 / num_steps, 1.0 / num_steps
+        sigma1, sigma_last = float(sigmas[1]), float(sigmas[num_steps - 1])
+        shift = sigma1 * (1.0 - u1) / (u1 * (1.0 - sigma1))
+        if abs(shift * u_last / (1.0 + (shift - 1.0) * u_last) - sigma_last) > 1e-9:
+            raise ValueError("sampler.quantize_timesteps=dance needs a fixed-shift schedule: set sampler.shift")
+    u = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+    s = torch.tensor(shift, dtype=torch.float32)
+    return (s * u) / (1.0 + (s - 1.0) * u)
+
+
+def network_timesteps(sigmas: Tensor, *, quantize: str = "none") -> Tensor:
     """The timestep fed to the transformer at each of the N steps (sigmas[:-1]).
 
-    With ``quantize`` the value is int(1000 sigma) / 1000 (DanceGRPO); the SDE itself always uses
-    the exact sigma, so rollout and training see the same inputs and the ratio is unaffected.
+    ``none``: sigma itself. ``float64``: floor(1000 sigma) / 1000 of our float64 schedule.
+    ``dance``: DanceGRPO's int(1000 sigma) / 1000 of its float32 schedule (``dance_float32_sigmas``);
+    the two differ only where sigma is an exact multiple of 1/1000. The SDE itself always uses our
+    exact sigmas, so rollout and training see the same inputs and the ratio is unaffected.
     """
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"sampler.quantize_timesteps={quantize!r} is not valid; accepted values: {QUANTIZE_MODES}")
+    if quantize == "dance":
+        return torch.floor(dance_float32_sigmas(sigmas)[:-1] * 1000.0).to(sigmas.dtype) / 1000.0
     t = sigmas[:-1].clone()
-    if quantize:
+    if quantize == "float64":
         t = torch.floor(t * 1000.0) / 1000.0
     return t
 
 
-def check_timesteps(sigmas: Tensor, *, quantize: bool = False) -> None:
+def check_timesteps(sigmas: Tensor, *, quantize: str = "none") -> None:
     """Refuse a schedule whose network timesteps do not strictly decrease: JAGG's interpolation
     weights divide by the timestep span of a group, which two equal timesteps could make 0."""
     t = network_timesteps(sigmas, quantize=quantize)

@@ -12,6 +12,20 @@ Both reference recipes are Euler-Maruyama steps of the same reverse SDE with dif
 
 The log-probability of z' under N(mean, std^2) is the elementwise Gaussian log density averaged
 over every non-batch dimension, computed in float32 (float64 inputs stay float64, for tests).
+
+``cps`` (Flow-GRPO's Coefficients-Preserving Sampling, arXiv 2509.05952) is not an Euler-Maruyama
+step: with x0_hat = z - sigma v, sigma_t = sigma' sin(noise_level pi / 2) (noise_level in (0, 1]),
+
+    mean = x0_hat (1 - sigma') + x1_hat sqrt(sigma'^2 - sigma_t^2),     std = sigma_t,
+
+so z' keeps the marginal's coefficients (1 - sigma') on x0 and sigma' on the noise. Its log-prob
+is flow_grpo's, -(z' - mean)^2 averaged over non-batch dims: every constant and the 1 / (2 sigma_t^2)
+factor are dropped, so exp(logp - logp_old) is not a density ratio (the references pair it with
+clip_range 1e-5). A true Gaussian log-prob is not offered: it would only rescale each step's
+log-ratio by 1 / (2 sigma_t^2), which clip ranges tuned on flow_grpo's form do not expect. The
+``diffusion`` of a CPS step is sigma_t, so the KL term (train/algorithm/grpo.py) is the exact
+Gaussian KL of the two transitions, as flow_grpo computes it. At sigma' = 0 (the last step, never
+trained) sigma_t = 0, z' = x0_hat and the log-prob is 0.
 """
 
 from __future__ import annotations
@@ -22,12 +36,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-SDE_KINDS = ("dance", "flow", "ode")
+SDE_KINDS = ("dance", "flow", "cps", "ode")
 
 
 @dataclass(frozen=True)
 class SDE:
-    """Which transition to take. ``eta`` is read by ``dance``, ``noise_level`` by ``flow``."""
+    """Which transition to take. ``eta`` is read by ``dance``, ``noise_level`` by ``flow`` and ``cps``."""
 
     kind: str = "dance"
     eta: float = 0.3
@@ -36,6 +50,9 @@ class SDE:
     def __post_init__(self) -> None:
         if self.kind not in SDE_KINDS:
             raise ValueError(f"sampler.sde must be one of {SDE_KINDS}, got {self.kind!r}")
+        if self.kind == "cps" and not 0 < self.noise_level <= 1:
+            # sigma_t = sigma' sin(noise_level pi / 2) must stay in (0, sigma'] for sqrt(sigma'^2 - sigma_t^2)
+            raise ValueError(f"sampler.noise_level must be in (0, 1] for sampler.sde=cps, got {self.noise_level}")
         if self.eta < 0 or self.noise_level < 0:
             raise ValueError("sampler.eta and sampler.noise_level must be >= 0")
 
@@ -115,6 +132,8 @@ def step(
         zero = torch.zeros(z.shape[0], dtype=dtype, device=z.device)
         return StepOutput(out, mean, zero, zero, None)
 
+    if sde.kind == "cps":
+        return _cps_step(sde, v, z, sig, sig_next, next_z=next_z, noise=noise, generator=generator)
     g = diffusion_coeff(sde, sig, sigma_guard)
     x1_hat = z + (1.0 - sig) * v
     mean = z + (v + g**2 / (2.0 * sig) * x1_hat) * dt
@@ -125,3 +144,29 @@ def step(
         next_z = mean + std * noise.to(dtype)
     next_z = next_z.to(dtype)
     return StepOutput(next_z, mean, std.flatten(), g.flatten(), gaussian_log_prob(next_z, mean, std))
+
+
+def _cps_step(
+    sde: SDE,
+    v: Tensor,
+    z: Tensor,
+    sig: Tensor,
+    sig_next: Tensor,
+    *,
+    next_z: Tensor | None,
+    noise: Tensor | None,
+    generator: torch.Generator | None,
+) -> StepOutput:
+    """The ``cps`` transition (module docstring); ``sig``/``sig_next`` already [B, 1, ..., 1]."""
+    sigma_t = sig_next * math.sin(sde.noise_level * math.pi / 2)
+    x0_hat = z - sig * v
+    x1_hat = z + (1.0 - sig) * v
+    # clamp: sin(pi / 2) rounds so that sigma'^2 - sigma_t^2 can be -1 ulp at noise_level = 1
+    mean = x0_hat * (1.0 - sig_next) + x1_hat * torch.sqrt((sig_next**2 - sigma_t**2).clamp_min(0.0))
+    if next_z is None:
+        if noise is None:
+            noise = torch.randn(z.shape, generator=generator, device=z.device, dtype=torch.float32)
+        next_z = mean + sigma_t * noise.to(mean.dtype)
+    next_z = next_z.to(mean.dtype)
+    log_prob = -((next_z - mean) ** 2).flatten(1).mean(1)
+    return StepOutput(next_z, mean, sigma_t.flatten(), sigma_t.flatten(), log_prob)

@@ -128,8 +128,11 @@ def advantage_fn(run: Run) -> AdvantageFn:
     g = run.cfg.grpo
 
     def fn(rewards: Tensor, group_ids: Tensor) -> Tensor:
-        global_std = all_gather_tensor(rewards).std(unbiased=False) if g.global_std else None
-        return group_advantages(rewards, group_ids, eps=g.adv_eps, adv_clip_max=g.adv_clip_max, global_std=global_std)
+        unbiased = g.adv_std == "unbiased"
+        global_std = all_gather_tensor(rewards).std(unbiased=unbiased) if g.global_std else None
+        return group_advantages(
+            rewards, group_ids, eps=g.adv_eps, adv_clip_max=g.adv_clip_max, global_std=global_std, unbiased=unbiased
+        )
 
     return fn
 

@@ -1,4 +1,4 @@
-"""Worker of tests/e2e/test_trainer.py's multi-rank test, run as ``torchrun --nproc_per_node 2 trainer_worker.py CASES``.
+"""Worker of tests/e2e/test_trainer.py's multi-rank test: ``torchrun --nproc_per_node 2 trainer_worker.py CASES``.
 
 CASES is a JSON file {name: [Hydra overrides]}; every case trains in turn in one process group (one
 torchrun start-up for all of them), through the library the trainer's entry point uses

@@ -85,6 +85,11 @@ def test_paper_experiments_compose_and_validate(experiment, paths, tmp_path):
     assert set(cfg.reward.components) == {"hpsv2", "clipscore"}
     assert cfg.eval.scorers["hpsv2"]["checkpoint"] == str(paths["file"])  # interpolated from the reward
     assert cfg.grpo.group_size == 12 and cfg.sampler.num_steps == 21 and cfg.update.window == 4
+    # each recipe's own conventions (docs/recipes.md)
+    dance = experiment.endswith("_dance")
+    assert cfg.grpo.adv_std == ("unbiased" if dance else "population")
+    assert cfg.sampler.quantize_timesteps == ("dance" if dance else "none")
+    assert cfg.grpo.adv_eps == (1e-8 if dance else 1e-4)
 
 
 @pytest.mark.parametrize("experiment", PAPER_EXPERIMENTS)
@@ -121,7 +126,9 @@ def stand_ins(missing: list[str], paths) -> list[str]:
 @pytest.mark.parametrize("group, option", GROUP_OPTIONS)
 def test_group_options_compose(group, option, paths, tmp_path):
     overrides = [f"{group}={option}"]
-    if group == "sampler":  # the demo's 9 steps; Fast needs a window inside the 8 trainable transitions
+    if option == "cps_fast":  # flow_grpo's 6 steps as shipped; its 3-step window needs a JAGG window of 3
+        overrides += ["update.window=3", "sampler.sde_window_range=[0,3]", "sampler.sde_window_size=3"]
+    elif group == "sampler":  # the demo's 9 steps; Fast needs a window inside the 8 trainable transitions
         overrides += ["sampler.num_steps=9"] + (
             ["sampler.sde_window_range=[0,8]", "sampler.sde_window_size=4"] if option == "flow_fast" else []
         )
@@ -155,8 +162,14 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
         (["update.mode=fast"], ValueError, "update.mode='fast'.*exact, jagg, jagg_sequential, ablate"),
         (["update.reuse_velocities=always"], ValueError, "update.reuse_velocities='always'.*fresh, stale, off"),
         (["update.reuse_velocities=off", "update.offload_velocities=true"], ValueError, "update.offload_velocities"),
-        (["sampler.sde=cps"], ValueError, "sampler.sde"),
+        (["sampler.sde=euler"], ValueError, "sampler.sde='euler'.*dance, flow, cps"),
+        (["sampler.sde=cps", "sampler.noise_level=1.2"], ValueError, r"sampler.noise_level must be in \(0, 1\]"),
+        (["sampler.sde=cps", "sampler.noise_level=0"], ValueError, r"sampler.noise_level must be in \(0, 1\]"),
+        (["sampler.quantize_timesteps=true"], ValueError, "sampler.quantize_timesteps.*none, float64, dance"),
+        (["sampler.quantize_timesteps=dance", "sampler.shift=null"], ValueError, "sampler.shift"),
+        (["grpo.adv_std=sample"], ValueError, "grpo.adv_std.*population, unbiased"),
         (["+reward.components.aesthetic.weight=1"], ValueError, "reward.components.*aesthetic.*hpsv2"),
+        (["+reward.components.remote.weight=1"], ValueError, "reward.components.remote.url is not set"),
         (["grpo.gradient_accumulation_steps=3"], ValueError, "grpo.gradient_accumulation_steps"),
         (["grpo.group_size=1"], ValueError, "grpo.group_size"),
         (["sampler.sde_window_range=[0,12]"], ValueError, "sampler.sde_window_range"),
@@ -247,3 +260,16 @@ def _node(cfg: TrainConfig, dotted: str):
     for part in filter(None, dotted.split(".")):
         node = getattr(node, part)
     return node
+
+
+def test_pickscore_reward_option_is_flow_grpo_scaled(paths, tmp_path):
+    cfg = load(
+        [
+            "reward=pickscore",
+            f"reward.components.pickscore.model_path={paths['model']}",
+            f"reward.components.pickscore.processor_path={paths['model']}",
+        ],
+        tmp_path,
+    )
+    check(cfg)
+    assert cfg.reward.components["pickscore"]["scale"] == "flow_grpo"

@@ -1,10 +1,12 @@
 """GRPO math on hand-made tensors; comments say why each expected number is what it is."""
 
+import math
+
 import pytest
 import torch
 
 from samplers.sde import SDE, step
-from train.algorithm.grpo import group_advantages, kl_to_reference, ppo_step_loss
+from train.algorithm.grpo import group_advantages, kl_to_reference, ppo_step_loss, ratio_norm_log_ratio
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -47,6 +49,20 @@ def test_group_advantages_clamp_and_global_std():
     # global std 0.5: group 1 -> (-5, 5)/0.5 = (-10, 10) clamped to +-3; group 2 -> (-1, 1)/0.5 = -2, 2
     adv = group_advantages(rewards, groups, eps=0.0, adv_clip_max=3.0, global_std=torch.tensor(0.5))
     torch.testing.assert_close(adv, torch.tensor([-3.0, 3.0, -2.0, 2.0]))
+
+
+def test_unbiased_std_is_dancegrpo_torch_std():
+    # group of 3: rewards 0, 1, 2 -> mean 1, sum of squares 2; population std sqrt(2/3), unbiased 1
+    rewards = torch.tensor([0.0, 1.0, 2.0, 4.0, 4.0])
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    adv = group_advantages(rewards, groups, eps=0.0, unbiased=True)
+    torch.testing.assert_close(adv, torch.tensor([-1.0, 0.0, 1.0, 0.0, 0.0]))  # the tied group stays 0
+    g = torch.randn(12, generator=torch.Generator().manual_seed(0))
+    dance = (g - g.mean()) / (g.std() + 1e-8)  # DanceGRPO's own line
+    torch.testing.assert_close(group_advantages(g, torch.zeros(12), unbiased=True), dance)
+    # ours (population) = DanceGRPO's x sqrt(G / (G - 1)), 1.0445 at G = 12
+    ratio = group_advantages(g, torch.zeros(12)) / dance
+    torch.testing.assert_close(ratio, torch.full((12,), math.sqrt(12 / 11)), rtol=1e-6, atol=0)
 
 
 def test_group_advantages_reject_nan():
@@ -107,3 +123,33 @@ def test_kl_is_the_gaussian_kl_times_dt():
         normal = torch.distributions.Normal
         exact = torch.distributions.kl_divergence(normal(out.mean, s), normal(ref.mean, s)).mean()
         torch.testing.assert_close(kl_to_reference(out.mean, ref.mean, out.diffusion), exact * 0.15)
+
+
+def test_ratio_norm_hand_made():
+    # s_bar = 0.5. Row 0: (0.1 + 0.04 / (2 * 0.25)) * 0.5 = (0.1 + 0.08) * 0.5 = 0.09.
+    # Row 1: the means agree, so only the log-ratio is rescaled: -0.2 * 0.5 = -0.1.
+    mean = torch.tensor([[0.2, 0.2], [1.0, -1.0]])
+    old_mean = torch.tensor([[0.0, 0.0], [1.0, -1.0]])
+    out = ratio_norm_log_ratio(
+        torch.tensor([0.1, -0.3]), torch.tensor([0.0, -0.1]), mean, old_mean, torch.tensor([0.5, 0.5])
+    )
+    torch.testing.assert_close(out, torch.tensor([0.09, -0.1]))
+
+
+def test_ratio_norm_is_the_noise_times_the_mean_shift_and_split_invariant():
+    # Flow-GRPO's SDE, one transition: RatioNorm's log-ratio = mean eps (mu - mu_old), exactly;
+    # 0 on policy (ratio exactly 1); the same for any split of the rows into micro-batches.
+    g = torch.Generator().manual_seed(0)
+    z, v = torch.randn(4, 8, 3, generator=g), torch.randn(4, 8, 3, generator=g)
+    sde, eps = SDE("flow", noise_level=0.7), torch.randn(4, 8, 3, generator=g)
+    old = step(sde, v, z, 0.6, 0.5, noise=eps)
+    new = step(sde, v + 0.05 * torch.randn(4, 8, 3, generator=g), z, 0.6, 0.5, next_z=old.next_z)
+    out = ratio_norm_log_ratio(new.log_prob, old.log_prob, new.mean, old.mean, new.std)
+    torch.testing.assert_close(out, (eps * (new.mean - old.mean)).flatten(1).mean(1))
+    on_policy = ratio_norm_log_ratio(old.log_prob, old.log_prob, old.mean, old.mean, old.std)
+    assert torch.equal(on_policy, torch.zeros(4))
+    halves = [
+        ratio_norm_log_ratio(new.log_prob[r], old.log_prob[r], new.mean[r], old.mean[r], new.std[r])
+        for r in (slice(0, 1), slice(1, 4))
+    ]
+    torch.testing.assert_close(torch.cat(halves), out, rtol=0, atol=1e-15)

@@ -114,3 +114,14 @@ def test_bfloat16_scorer_returns_float32_close_to_float32(clip_dir: Path, scorer
     low = CLIPScoreScorer(clip_dir, dtype="bf16")(images, PROMPTS[:2])
     assert low.dtype == torch.float32
     torch.testing.assert_close(low, scorers["clipscore"](images, PROMPTS[:2]), atol=3e-2, rtol=0)
+
+
+def test_pickscore_flow_grpo_scale_is_logit_over_26(pickscore_dirs: tuple[Path, Path], scorers: dict) -> None:
+    # flow_grpo's PickScore reward: logit_scale.exp() * cosine / 26, the same ranking as the cosine
+    images = _smooth_images(4, 40, 48, seed=3)
+    scaled = PickScoreScorer(*pickscore_dirs, scale="flow_grpo")
+    cosine = scorers["pickscore"](images, PROMPTS)
+    factor = scorers["pickscore"].model.logit_scale.exp().item() / 26
+    torch.testing.assert_close(scaled(images, PROMPTS), cosine * factor, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="reward.components.pickscore.scale='logit'"):
+        PickScoreScorer(*pickscore_dirs, scale="logit")

@@ -14,7 +14,7 @@ from samplers.sde import SDE, step
 from train.algorithm.grpo import ppo_step_loss
 from train.algorithm.jagg import backward_group
 
-SDES = {"dance": SDE("dance", eta=0.3), "flow": SDE("flow", noise_level=0.7)}
+SDES = {"dance": SDE("dance", eta=0.3), "flow": SDE("flow", noise_level=0.7), "cps": SDE("cps", noise_level=0.8)}
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +35,13 @@ def _sample(backbone, sde: SDE, *, num_steps: int = 6, group_size: int = 2, seed
     )
 
 
-@pytest.mark.parametrize("kind", ["dance", "flow"])
+@pytest.mark.parametrize("kind", ["dance", "flow", "cps"])
 @pytest.mark.parametrize("name", backbone_names())
 def test_recomputed_log_probs_give_ratio_one(name, kind, backbones):
     """Same weights, stored float32 latents: every transition re-scores to its sampling log-prob,
     also when recomputed on a different split of rows (as a training micro-batch would)."""
     backbone = backbones[name]
-    traj = _sample(backbone, SDES[kind], quantize_timesteps=kind == "dance")
+    traj = _sample(backbone, SDES[kind], quantize_timesteps="float64" if kind == "dance" else "none")
     assert traj.log_probs.dtype == torch.float32 and traj.latents.dtype == torch.float32
     assert traj.trainable.tolist() == [True] * 5 + [False]  # the last transition never trains
     for k in range(traj.num_steps):
@@ -85,7 +85,7 @@ def test_one_batched_call_per_step_quantized_t_and_kept_velocities():
     sigmas = torch.tensor([1.0, 0.7777, 0.3333, 0.0], dtype=torch.float64)
     noise = torch.randn(5, 2, 2, 4, generator=torch.Generator().manual_seed(0))
     traj = rollout(
-        _linear_predict(calls), None, noise, sigmas=sigmas, sde=SDES["dance"], quantize_timesteps=True,
+        _linear_predict(calls), None, noise, sigmas=sigmas, sde=SDES["dance"], quantize_timesteps="float64",
         keep_velocities=True, generator=torch.Generator().manual_seed(1),
     )  # fmt: skip
     assert [b for b, _ in calls] == [5, 5, 5]
@@ -162,11 +162,12 @@ def _jagg_grads(backbone, traj, mode: str, start: int, width: int, *, reuse: boo
     return grads
 
 
+@pytest.mark.parametrize("kind", ["dance", "cps"])
 @pytest.mark.parametrize("name", backbone_names())
-def test_jagg_paths_on_real_backbones(name, backbones):
+def test_jagg_paths_on_real_backbones(name, kind, backbones):
     """W = 2: JAGG is the exact gradient; any W: the sequential variant equals the joint one."""
     backbone = backbones[name]
-    traj = _sample(backbone, SDES["dance"], num_steps=5)
+    traj = _sample(backbone, SDES[kind], num_steps=5)
     exact, jagg = _jagg_grads(backbone, traj, "exact", 1, 2), _jagg_grads(backbone, traj, "jagg", 1, 2)
     assert len(exact) == len(jagg) > 0 and any(g.abs().max() > 0 for g in exact)
     for a, b in zip(exact, jagg):
@@ -219,7 +220,7 @@ def test_kept_velocities_in_the_model_dtype_and_on_the_host():
         )
 
 
-@pytest.mark.parametrize("kind", ["dance", "ode"])
+@pytest.mark.parametrize("kind", ["dance", "cps", "ode"])
 @pytest.mark.parametrize("name", backbone_names())
 def test_rollout_never_reads_device_values(name, kind, tiny_dir):
     """On the meta device any host copy or sync (.item(), .tolist(), .cpu(), bool(tensor)) raises,

@@ -13,6 +13,7 @@ from samplers.sde import SDE, gaussian_log_prob, step
 
 pytestmark = pytest.mark.usefixtures("float64")
 DANCE, FLOW, ODE = SDE("dance", eta=0.3), SDE("flow", noise_level=0.7), SDE("ode")
+CPS = SDE("cps", noise_level=0.8)
 
 
 def _latents(seed: int = 0, shape=(3, 16, 4)):
@@ -106,7 +107,7 @@ def test_gaussian_log_prob_per_row_std():
 
 def test_invalid_sde_kind():
     with pytest.raises(ValueError, match="sampler.sde"):
-        SDE("cps")
+        SDE("euler")
 
 
 def test_shifted_sigmas():
@@ -136,4 +137,91 @@ def test_dynamic_sigmas_equal_diffusers(kwargs, seq_len, steps):
 def test_network_timesteps_quantized():
     sig = torch.tensor([1.0, 0.8765, 0.1234, 0.0])
     torch.testing.assert_close(network_timesteps(sig), sig[:-1])
-    torch.testing.assert_close(network_timesteps(sig, quantize=True), torch.tensor([1.0, 0.876, 0.123]))
+    torch.testing.assert_close(network_timesteps(sig, quantize="float64"), torch.tensor([1.0, 0.876, 0.123]))
+    with pytest.raises(ValueError, match="quantize_timesteps"):
+        network_timesteps(sig, quantize="true")
+
+
+def _dance_reference(num_steps: int, shift: float) -> list[float]:
+    """DanceGRPO's own arithmetic, written out: a float32 linspace (its default dtype), the shift in
+    float32, int(1000 sigma)."""
+    u = torch.linspace(1, 0, num_steps + 1, dtype=torch.float32)
+    sigmas = (shift * u) / (1 + (shift - 1) * u)
+    return [int(sigma * 1000) / 1000 for sigma in sigmas][:num_steps]
+
+
+@pytest.mark.parametrize("num_steps, shift", [(21, 3.0), (9, 3.0), (16, 3.0), (20, 3.0), (12, 1.0), (10, 2.5)])
+def test_dance_timesteps_equal_dancegrpo(num_steps, shift):
+    t = network_timesteps(shifted_sigmas(num_steps, shift), quantize="dance")
+    assert t.tolist() == pytest.approx(_dance_reference(num_steps, shift), abs=1e-12)
+
+
+def test_dance_and_float64_part_at_exact_thousandths():
+    # 21 steps, shift 3: sigma_14 = 0.6 exactly in float64, 0.59999996 in float32 -> 0.600 vs 0.599
+    sigmas = shifted_sigmas(21, 3.0)
+    ours, dance = network_timesteps(sigmas, quantize="float64"), network_timesteps(sigmas, quantize="dance")
+    assert (ours != dance).nonzero().flatten().tolist() == [14]
+    assert (float(ours[14]), float(dance[14])) == pytest.approx((0.600, 0.599), abs=1e-12)
+
+
+def test_dance_timesteps_need_a_fixed_shift():
+    with pytest.raises(ValueError, match="sampler.shift"):
+        network_timesteps(dynamic_sigmas(8, 0.8), quantize="dance")
+
+
+def _cps_formula(v, z, sigma, sigma_next, noise_level, eps):
+    """Coefficients-Preserving Sampling written from the paper's symbols, one line each."""
+    sigma_t = sigma_next * math.sin(noise_level * math.pi / 2)
+    x0_hat, x1_hat = z - sigma * v, z + (1 - sigma) * v
+    mean = x0_hat * (1 - sigma_next) + x1_hat * math.sqrt(sigma_next**2 - sigma_t**2)
+    return mean, sigma_t, mean + sigma_t * eps
+
+
+@pytest.mark.parametrize("noise_level", [0.3, 0.8, 1.0])
+@pytest.mark.parametrize("sigma, sigma_next", [(1.0, 0.9), (0.6, 0.45), (0.2, 0.05)])
+def test_cps_step_equals_the_formula(noise_level, sigma, sigma_next):
+    z, v = _latents(1)
+    eps = torch.randn(z.shape, generator=torch.Generator().manual_seed(5))
+    out = step(SDE("cps", noise_level=noise_level), v, z, sigma, sigma_next, noise=eps)
+    mean, sigma_t, next_z = _cps_formula(v, z, sigma, sigma_next, noise_level, eps)
+    assert out.next_z.dtype == torch.float64
+    torch.testing.assert_close(out.mean, mean, rtol=0, atol=1e-14)
+    torch.testing.assert_close(out.next_z, next_z, rtol=0, atol=1e-14)
+    torch.testing.assert_close(out.std, torch.full((3,), sigma_t), rtol=0, atol=1e-15)
+    torch.testing.assert_close(out.diffusion, out.std, rtol=0, atol=0)  # the KL divides by 2 sigma_t^2
+    # flow_grpo's log-prob: -(z' - mean)^2 averaged, no constants, no 1 / (2 sigma_t^2)
+    torch.testing.assert_close(out.log_prob, -((sigma_t * eps) ** 2).flatten(1).mean(1), rtol=0, atol=1e-14)
+
+
+def test_cps_preserves_the_marginal_coefficients():
+    # With the true v = x1 - x0 (z = (1 - sigma) x0 + sigma x1), z' = (1 - sigma') x0 + sigma' (a x1 + b eps)
+    # with a^2 + b^2 = 1: the noise keeps unit variance, the name of the method.
+    x0, x1 = _latents(2)
+    sigma, sigma_next, noise_level = 0.7, 0.5, 0.6
+    z, v = (1 - sigma) * x0 + sigma * x1, x1 - x0
+    eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(1))
+    out = step(SDE("cps", noise_level=noise_level), v, z, sigma, sigma_next, noise=eps)
+    b = math.sin(noise_level * math.pi / 2)
+    torch.testing.assert_close(out.next_z, (1 - sigma_next) * x0 + sigma_next * (math.sqrt(1 - b**2) * x1 + b * eps))
+
+
+def test_cps_last_step_is_x0_hat_with_zero_log_prob():
+    z, v = _latents(3)
+    out = step(CPS, v, z, 0.1, 0.0)
+    torch.testing.assert_close(out.next_z, z - 0.1 * v, rtol=0, atol=1e-15)
+    assert torch.equal(out.log_prob, torch.zeros(3))
+
+
+def test_cps_rescored_step_and_ratio():
+    z, v = _latents(4)
+    sampled = step(CPS, v, z, 0.5, 0.4, generator=torch.Generator().manual_seed(0))
+    rescored = step(CPS, v, z, 0.5, 0.4, next_z=sampled.next_z)
+    assert torch.equal(rescored.log_prob, sampled.log_prob)
+    moved = step(CPS, v + 0.01, z, 0.5, 0.4, next_z=sampled.next_z)
+    assert (moved.log_prob - sampled.log_prob).abs().min() > 0
+
+
+@pytest.mark.parametrize("noise_level", [0.0, 1.5, -0.1])
+def test_cps_noise_level_outside_zero_one_is_rejected(noise_level):
+    with pytest.raises(ValueError, match=r"sampler.noise_level must be in \(0, 1\] for sampler.sde=cps"):
+        SDE("cps", noise_level=noise_level)

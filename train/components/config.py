@@ -22,6 +22,7 @@ from omegaconf import MISSING
 
 from models.base import DTYPES
 from rewards.combine import COMBINE_MODES
+from samplers.schedule import QUANTIZE_MODES
 from samplers.sde import SDE_KINDS
 from train.algorithm.groups import split_groups
 from train.algorithm.jagg import UPDATE_MODES
@@ -30,6 +31,7 @@ from train.components.data import read_prompts
 from train.components.errors import ConfigError, PathError
 from train.components.logger import WANDB_MODES
 
+ADV_STDS = ("population", "unbiased")  # grpo.adv_std
 LORA_INITS = ("gaussian", "olora", "pissa", "orthogonal")  # peft's init_lora_weights that need no extra config
 REUSE_VELOCITIES = ("fresh", "stale", "off")  # update.reuse_velocities
 
@@ -63,12 +65,15 @@ class ModelConfig:
 
 @dataclass
 class SamplerConfig:
-    sde: str = "dance"  # transition kind: dance (constant eta) | flow (noise_level) | ode
+    sde: str = "dance"  # transition kind: dance (constant eta) | flow (noise_level) | cps (noise_level) | ode
     num_steps: int = 21  # denoising steps N per rollout; the last transition is never trained
     shift: float | None = 3.0  # fixed timestep shift, > 0; null = the backbone's own (dynamic) schedule
     eta: float = 0.3  # dance: diffusion coefficient g (constant), > 0
-    noise_level: float = 0.7  # flow: g = noise_level * sqrt(sigma / (1 - sigma)), > 0
-    quantize_timesteps: bool = False  # feed int(1000 sigma) / 1000 to the transformer (DanceGRPO)
+    # flow: g = noise_level * sqrt(sigma / (1 - sigma)), > 0; cps: sigma_t = sigma' sin(noise_level pi / 2), in (0, 1]
+    noise_level: float = 0.7
+    # t fed to the transformer: none = sigma; float64 = floor(1000 sigma) / 1000 of our float64 schedule;
+    # dance = int(1000 sigma) / 1000 of DanceGRPO's float32 schedule (needs a fixed shift; samplers/schedule.py)
+    quantize_timesteps: str = "none"  # none | float64 | dance
     sde_window_size: int = 0  # Flow-GRPO-Fast: >0 = SDE only on this many consecutive steps, ODE elsewhere
     sde_window_range: list[int] = field(default_factory=lambda: [0, 12])  # [lo, hi): window start in [lo, hi - size]
 
@@ -105,7 +110,8 @@ class GRPOConfig:
     gradient_accumulation_steps: int = 12  # samples per rank per optimizer step
     clip_range: float = 1e-4  # PPO clip epsilon of the ratio, > 0
     adv_clip_max: float = 5.0  # advantages are clamped to +-adv_clip_max, > 0
-    adv_eps: float = 1e-8  # added to the group std, >= 0
+    adv_eps: float = 1e-8  # added to the group std, >= 0 (Flow-GRPO's stat tracker: 1e-4)
+    adv_std: str = "population"  # population (Flow-GRPO's, n) | unbiased (DanceGRPO's torch.std, n - 1)
     global_std: bool = False  # normalize by the std of all rewards of the step (all ranks) instead of per group
     # Flow-GRPO's beta (the paper's Table 4 values as they are): beta * mean (mu - mu_ref)^2 / (2 g^2) over the
     # trained steps' transition means, g the step's diffusion coefficient, >= 0 (0 = off, no reference forwards)
@@ -319,14 +325,20 @@ def _validate_model(m: ModelConfig, known_backbones: tuple[str, ...]) -> None:
 
 
 def _validate_sampler(s: SamplerConfig) -> None:
-    _choice(s.sde, SDE_KINDS[:2], "sampler.sde")
+    _choice(s.sde, tuple(kind for kind in SDE_KINDS if kind != "ode"), "sampler.sde")
     if s.num_steps < 2:
         raise ConfigError(f"sampler.num_steps must be >= 2 (the last transition is never trained), got {s.num_steps}")
     if s.shift is not None:
         _positive(s.shift, "sampler.shift")
+    _choice(s.quantize_timesteps, QUANTIZE_MODES, "sampler.quantize_timesteps")
+    if s.quantize_timesteps == "dance" and s.shift is None:
+        raise ConfigError("sampler.quantize_timesteps=dance needs DanceGRPO's fixed-shift schedule: set sampler.shift")
     # A diffusion coefficient of 0 makes every SDE step deterministic: no log-probability to train on.
     (_positive if s.sde == "dance" else _non_negative)(s.eta, "sampler.eta")
-    (_positive if s.sde == "flow" else _non_negative)(s.noise_level, "sampler.noise_level")
+    if s.sde == "cps":
+        _in_range(s.noise_level, "sampler.noise_level", low=0, high=1, low_open=True, why=" for sampler.sde=cps")
+    else:
+        (_positive if s.sde == "flow" else _non_negative)(s.noise_level, "sampler.noise_level")
     _non_negative(s.sde_window_size, "sampler.sde_window_size", " (0 = SDE on every step)")
     if len(s.sde_window_range) != 2:
         raise ConfigError(f"sampler.sde_window_range must be [lo, hi], got {list(s.sde_window_range)}")
@@ -358,6 +370,7 @@ def _validate_grpo(g: GRPOConfig) -> None:
     _positive(g.clip_range, "grpo.clip_range")
     _positive(g.adv_clip_max, "grpo.adv_clip_max")
     _non_negative(g.adv_eps, "grpo.adv_eps")
+    _choice(g.adv_std, ADV_STDS, "grpo.adv_std")
     _non_negative(g.kl_beta, "grpo.kl_beta", " (0 = no KL term)")
     _positive(g.max_grad_norm, "grpo.max_grad_norm")
     _in_range(g.ema_decay, "grpo.ema_decay", low=0, high=1, high_open=True, why=" (0 = no EMA)")
@@ -406,6 +419,11 @@ def _validate_reward(r: RewardConfig, known_scorers: tuple[str, ...]) -> None:
         if not isinstance(weight, int | float) or isinstance(weight, bool):
             raise ConfigError(f"reward.components.{name} must be {{weight: <number>, <scorer arguments>}}, got {comp}")
         _in_range(weight, f"reward.components.{name}.weight")
+        if name == "remote" and not comp.get("url"):
+            raise ConfigError(
+                "reward.components.remote.url is not set: give the reward server's address, e.g. "
+                "http://127.0.0.1:8100 (scripts/reward_server.py)"
+            )
         weights.append(weight)
     if not any(weights):
         raise ConfigError("reward.components: every weight is 0, so every advantage would be 0; give one a weight")
