@@ -225,6 +225,7 @@ def test_probe_under_torchrun_fsdp_matches_one_process(tiny_flux_dir, tmp_path, 
     result = run_torchrun(*args, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     two = json.loads((sharded / "probe.json").read_text())
+    assert (sharded / "probe.log").is_file()  # the console's lines, named after the command
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(
             config_name="probe", overrides=[*common, f"run_dir={tmp_path / 'one'}", "grpo.prompts_per_rank=2"]
