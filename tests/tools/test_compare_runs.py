@@ -8,6 +8,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,25 @@ def offline_session(root: Path, run_id: str, values: dict[int, float], config: d
     for s, v in values.items():
         run.log({"eval/hps": v, "wall_time": float(s)}, step=s)
     run.finish()
+    wait_for_offline_records(root / "wandb")
+
+
+def wait_for_offline_records(folder: Path, timeout_s: float = 60.0) -> None:
+    """wandb's service process writes an offline run's .wandb file on its own schedule, and on a busy
+    machine it can still be short of its run record when ``finish()`` returns: wait (bounded) until
+    every offline folder's file reads as a started run, as train.compare will read it."""
+    from train.compare.wandb_runs import read_offline_file
+
+    deadline = time.monotonic() + timeout_s
+    for file in sorted(folder.glob("offline-run-*/*.wandb")):
+        while True:
+            try:
+                read_offline_file(file)
+                break
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
 
 def test_offline_sessions_of_a_resumed_run_merge_and_damage_is_named(tmp_path, capsys):

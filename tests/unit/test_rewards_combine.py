@@ -108,7 +108,15 @@ def test_combiner_rejects_bad_settings() -> None:
 
 
 def test_registry_builds_by_name_and_lists_names_on_error() -> None:
-    expected = {"hpsv2", "clipscore", "pickscore", "jpeg_compressibility", "jpeg_incompressibility", "shape_alignment"}
+    expected = {
+        "hpsv2",
+        "clipscore",
+        "pickscore",
+        "jpeg_compressibility",
+        "jpeg_incompressibility",
+        "shape_alignment",
+        "remote",
+    }
     assert set(SCORER_NAMES) == expected
     assert isinstance(build_scorer("jpeg_compressibility"), JPEGCompressibilityScorer)
     assert rewards.build_scorer is build_scorer
