@@ -10,6 +10,8 @@ from two_ranks import HELPERS, run_torchrun
 
 WORKER = HELPERS / "dist_worker.py"
 
+pytestmark = pytest.mark.slow  # one torchrun start-up of two gloo ranks
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:

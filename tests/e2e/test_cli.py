@@ -33,6 +33,7 @@ def python(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow
 def test_console_lines_are_also_in_the_run_log(tiny_flux_dir, tmp_path):
     """Hydra's job logging writes the console's lines to <run>/__main__.log (it stayed empty when the
     trainer printed)."""
@@ -50,6 +51,7 @@ def test_console_lines_are_also_in_the_run_log(tiny_flux_dir, tmp_path):
     assert not (run_dir / "export").exists() and "export/" not in log
 
 
+@pytest.mark.slow
 def test_cfg_job_resolve_prints_the_configuration():
     resolved = python("-m", "train", "--cfg", "job", "--resolve").stdout  # it crashed on ${hydra:runtime.output_dir}
     assert "run_dir: ''" in resolved and "experiment: demo" in resolved
@@ -93,6 +95,7 @@ def test_console_scripts_point_at_functions():
         assert callable(getattr(import_module(module), function)), target
 
 
+@pytest.mark.slow
 def test_the_renamed_probe_command_names_its_new_name():
     done = subprocess.run(
         [sys.executable, "-m", "train.grad_quality", "probe.num_rollouts=2"],
@@ -104,6 +107,7 @@ def test_the_renamed_probe_command_names_its_new_name():
     ]
 
 
+@pytest.mark.slow
 def test_sweep_subfolders_are_short():
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(config_name="train", overrides=["update=exact", "seed=3"], return_hydra_config=True)

@@ -465,6 +465,7 @@ def test_a_resumed_run_logs_each_step_once(tiny_flux_dir, tmp_path, capsys, monk
     ]
 
 
+@pytest.mark.slow
 def test_sigterm_on_one_of_two_ranks(tiny_flux_dir, tmp_path):
     """2 gloo ranks; SIGTERM reaches rank 1 only. Both stop after the same step, write one checkpoint
     and exit; resume=auto then ends where the uninterrupted 2-rank run ends, bit for bit."""
@@ -482,6 +483,7 @@ def test_sigterm_on_one_of_two_ranks(tiny_flux_dir, tmp_path):
     assert_same_run(tmp_path / "straight", tmp_path / "stopped", steps=3)
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_makes_the_other_fail_naming_the_collective(tiny_flux_dir, tmp_path):
     """Two ``python -m train`` processes (gloo); once step 0 is logged, rank 1 is stopped (SIGSTOP). Rank 0
     fails after dist.timeout_s with one line naming the collective and what it was doing."""

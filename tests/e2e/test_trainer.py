@@ -341,6 +341,7 @@ MULTI_RANK = {
 ABS_TOL = {"train/loss": 1e-6, "adv/mean": 1e-6}
 
 
+@pytest.mark.slow
 def test_two_ranks_log_and_train_as_one_process(tiny_flux, tiny_clip_dir, tmp_path):
     """2 ranks x 1 prompt under FSDP2 (gloo) against 1 process x 2 prompts, two steps with KL: the same
     groups (ids and noise do not depend on the rank layout), gradients averaged over ranks, every

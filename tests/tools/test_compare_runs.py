@@ -367,6 +367,7 @@ def test_compare_modes_runs_three_modes_in_one_group_then_compares():
     assert compare[1:] == ["-m", "train.compare", "out/exact", "out/jagg", "out/ablate", "--out", "out/compare"]
 
 
+@pytest.mark.slow
 def test_testbed_compare_sweeps_modes_and_seeds_then_compares(tmp_path):
     """python -m train -m experiment=testbed_compare: one job per update mode and seed, then the
     Hydra callback writes the comparison over seeds."""

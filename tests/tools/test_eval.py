@@ -122,6 +122,7 @@ def test_eval_of_a_checkpoint_an_export_and_a_run_folder(tiny_flux_dir, tmp_path
     assert target(config) == find_weights(str(checkpoint), "resume")
 
 
+@pytest.mark.slow
 def test_eval_command_line_writes_into_the_evaluated_run(tiny_flux_dir, tmp_path):
     """Hydra's own folder of the command (its .hydra/ and eval.log) is the evaluated run's eval/ folder."""
     run_dir = train_run(tiny_flux_dir, tmp_path / "run")

@@ -233,6 +233,7 @@ def tiny(tiny_flux_dir, tmp_path_factory):
     return cfg, report, json.loads((out / "real_peaks.json").read_text())
 
 
+@pytest.mark.slow
 def test_planner_bytes_equal_the_analytic_count(tiny):
     """FSDP2 pads dim 0 of every parameter to a multiple of the world size: rank 0 holds
     ceil(dim0 / ws) rows. Gradients and AdamW's two moments are float32 like the shards; AdamW adds
@@ -248,6 +249,7 @@ def test_planner_bytes_equal_the_analytic_count(tiny):
     assert report.num_params == report.num_trainable == num_params(model)
 
 
+@pytest.mark.slow
 def test_traced_peaks_match_a_real_gloo_run(tiny):
     """The same phases on real tensors over 2 gloo processes (tests/helpers/plan_worker.py) give rank 0 the
     same peaks within 1%; measured here: equal to the byte, as fake tensors carry the storage sizes
@@ -259,6 +261,7 @@ def test_traced_peaks_match_a_real_gloo_run(tiny):
         assert planned[name] == pytest.approx(value, rel=0.01), name
 
 
+@pytest.mark.slow
 def test_every_update_call_is_traced_with_its_flops(tiny):
     """The KL reference's batched call over W steps and W policy forwards (exact) > the middle
     forward and both endpoints (jagg) > the endpoints alone on the rollout's velocities; each once per
@@ -279,6 +282,7 @@ def test_every_update_call_is_traced_with_its_flops(tiny):
     assert rollout.flops == pytest.approx(9 * middle, rel=0.01)  # 9 forwards of 2 rows
 
 
+@pytest.mark.slow
 def test_report_ends_with_the_summary_line(tiny):
     cfg, report, _ = tiny
     text = format_report(report)

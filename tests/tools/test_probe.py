@@ -213,6 +213,7 @@ def test_probe_measures_stale_velocities_and_restores_the_weights(tiny_flux_dir,
         assert after["stale"]["cos_mean"] < after["fresh"]["cos_mean"] <= 1.0
 
 
+@pytest.mark.slow
 def test_probe_under_torchrun_fsdp_matches_one_process(tiny_flux_dir, tmp_path, _repo_root):
     """2 ranks x 1 prompt under FSDP2 (gloo) measure the same 4 trajectories as 1 process x 2 prompts
     (group noise does not depend on the rank layout): the cosines and ratios over the sharded,
