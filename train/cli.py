@@ -32,6 +32,7 @@ What they compose with:
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import io
 import json
@@ -218,6 +219,7 @@ def _comments(source: str) -> dict[int, str]:
     return found
 
 
+@functools.cache  # a module's source is read and tokenized once per process
 def _class_docs(module_name: str) -> dict[str, dict[str, str]]:
     """Class name -> field name -> its documenting comment, for the dataclasses of a module's source.
 

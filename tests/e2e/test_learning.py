@@ -62,6 +62,7 @@ def train(run_dir: Path, overrides: list[str]) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["exact", "jagg"])
 def test_short_run_raises_the_evaluation_reward(mode, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the testbed's model and prompt files are relative to the repository root

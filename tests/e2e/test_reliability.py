@@ -412,6 +412,7 @@ def sigterm_at(step: int, monkeypatch) -> None:
     monkeypatch.setattr(trainer, "train_step", step_then_signal)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_resume_is_bit_identical(tiny_flux_dir, tmp_path, capsys, monkeypatch):
     common = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=4", "checkpoint.every=0"]
     assert command(capsys, tmp_path / "straight", common)[0] == 0

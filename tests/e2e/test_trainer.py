@@ -195,6 +195,7 @@ def test_call_path_from_fit_to_the_sde_step(tiny_flux, tmp_path, monkeypatch):
     assert depths == {"jagg": 7, "exact": 7}, depths  # 12 and 11 before the update path was shortened
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
     [

@@ -71,6 +71,7 @@ def test_shipped_architectures_are_the_released_models():
     assert (num_params(flux), num_params(qwen)) == (11_901_408_320, 20_430_401_088)
 
 
+@pytest.mark.slow
 def test_frozen_models_are_counted_from_their_configs():
     """Published sizes: CLIP-L text 123 M, T5-XXL encoder 4.76 B, Qwen2.5-VL-7B 8.29 B, HPSv2.1 and
     PickScore (CLIP ViT-H-14) 986 M, CLIP ViT-L/14 428 M. Text encoders and VAE in model.dtype

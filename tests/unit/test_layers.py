@@ -56,9 +56,10 @@ def train_import_graph() -> dict[str, set[str]]:
     """train module -> the train modules it imports anywhere (function bodies and TYPE_CHECKING too)."""
     modules = {module_name(path): path for path in (ROOT / "train").rglob("*.py")}
     modules.pop("train")  # the package's docstring: ``from train.x import`` names train.x, not train
+    imports = {name: imported_modules(path) for name, path in modules.items()}
     return {
-        name: {m for m in modules if m != name and any(i == m or i.startswith(m + ".") for i in imported_modules(path))}
-        for name, path in modules.items()
+        name: {m for m in modules if m != name and any(i == m or i.startswith(m + ".") for i in imports[name])}
+        for name in modules
     }
 
 
