@@ -77,7 +77,7 @@ def dance_float32_sigmas(sigmas: Tensor) -> Tensor:
     step 14 is 0.59999996, not 0.6). u_k = 1 - k / N is the same grid in both; the shift is read back
     from sigmas[1] (exact up to float64 rounding, which float32 discards) and must give back
     sigmas[N - 1]: a schedule that is not a fixed-shift one raises, DanceGRPO has no other. Only those
-    two values are read, as Python floats (python -m train.plan runs this on shape-only tensors).
+    two values are read, as Python floats (so it also runs on tensors that carry shapes only).
     """
     num_steps = sigmas.shape[0] - 1
     shift = 1.0

@@ -11,7 +11,7 @@ share this:
 * ``reported(prog)`` wraps the body of the task: a ``Stop`` (train/components/errors.py: a setting, a path, a
   file, a checkpoint, SIGTERM) prints ``<prog>: error: <message>`` and exits with its status (2 for a
   user error); a collective that timed out or lost a peer prints which one, from where, and exits 1.
-* ``report(err, prog)`` prints the line and returns the status, for commands that return it.
+* ``report_error(err, prog)`` prints the line and returns the status, for commands that return it.
 
 Everything else propagates, so a bug shows its traceback. ``HYDRA_FULL_ERROR=1`` prints the
 traceback of a reported error too. Under torchrun a message that every rank raises alike (a
@@ -89,7 +89,7 @@ def _print(prog: str, label: str, message: str, *, rank: int) -> None:
     print(f"{prefix}{prog}: {label}: {one_line}", file=sys.stderr, flush=True)
 
 
-def report(err: Stop, prog: str) -> int:
+def report_error(err: Stop, prog: str) -> int:
     """Print ``err`` as one line (rank 0 alone when every rank raised it) and return its exit status."""
     rank = _rank()
     if _debug():
@@ -140,7 +140,7 @@ def reported(prog: str) -> Iterator[None]:
     try:
         yield
     except Stop as err:
-        raise SystemExit(report(err, prog)) from None
+        raise SystemExit(report_error(err, prog)) from None
     except RuntimeError as err:
         line = collective_failure(err)
         if line is None:
@@ -184,7 +184,7 @@ def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None 
     except (HydraException, OmegaConfBaseException) as err:
         if _progress.task_started:
             raise
-        raise SystemExit(report(ConfigError(hydra_message(err)), prog)) from None
+        raise SystemExit(report_error(ConfigError(hydra_message(err)), prog)) from None
     except OSError as err:
         if _progress.task_started:
             raise
@@ -192,7 +192,7 @@ def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None 
         message = (
             f"cannot write the run folder ({err.strerror}: {err.filename}); pass a writable hydra.run.dir=<folder>"
         )
-        raise SystemExit(report(ConfigError(message), prog)) from None
+        raise SystemExit(report_error(ConfigError(message), prog)) from None
     finally:
         sys.argv, _progress.debug = saved_argv, None
         if saved_debug is None:

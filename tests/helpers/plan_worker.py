@@ -17,22 +17,22 @@ from hydra import compose, initialize_config_module
 
 from train.components.config import register_schema
 from train.distributed.collectives import init_distributed, shutdown
-from train.plan.command import VIEW_WARNING, arch_folder, load_config
+from train.plan.command import VIEW_WARNING, arch_folder, plan_config
 from train.plan.config import register
-from train.plan.tracing import build_run, expected_groups, trace_step
+from train.plan.tracing import expected_groups, trace_step, traced_run
 
 
 def main(out: Path, overrides: list[str]) -> None:
     register_schema()
     register()
     with initialize_config_module(config_module="configs", version_base=None):
-        cfg, model_path_given = load_config(compose(config_name="plan", overrides=overrides))
+        cfg, model_path_given = plan_config(compose(config_name="plan", overrides=overrides))
     dist = init_distributed(backend="gloo")
     try:
         torch.manual_seed(0)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=VIEW_WARNING)
-            run = build_run(cfg, arch_folder(cfg, model_path_given))
+            run = traced_run(cfg, arch_folder(cfg, model_path_given))
             traced = trace_step(run, expected_groups(cfg))
         peaks = {p.name: p.peak_bytes for p in traced.phases + traced.updates}
         if dist.is_main:

@@ -28,12 +28,12 @@ from rewards.base import SCORER_NAMES, FrozenModelScorer, scorer_class
 from train.algorithm.jagg import UPDATE_MODES, backward_group
 from train.components.config import register_schema
 from train.distributed.parallelize import parallelize
-from train.plan.command import SHIPPED_ARCH, VIEW_WARNING, load_config, plan
+from train.plan.command import SHIPPED_ARCH, VIEW_WARNING, plan, plan_config
 from train.plan.config import register
 from train.plan.fake import fake_process_group
 from train.plan.frozen import ARCH_ROOT, SCORER_ARCH, build_component, frozen_models, read_json, scorer_module
 from train.plan.report import GIB, format_report
-from train.plan.tracing import build_run, expected_groups, update_variants
+from train.plan.tracing import expected_groups, traced_run, update_variants
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT_PARTS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
@@ -43,7 +43,7 @@ register()
 
 def config(overrides: list[str]):
     with initialize_config_module(config_module="configs", version_base=None):
-        return load_config(compose(config_name="plan", overrides=overrides))
+        return plan_config(compose(config_name="plan", overrides=overrides))
 
 
 def real_transformer(name: str) -> dict:
@@ -180,7 +180,7 @@ def test_real_architecture_takes_lora_and_shards_on_8_fake_ranks(experiment, tmp
         )
     with fake_process_group(8), FakeTensorMode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=VIEW_WARNING)
-        run = build_run(cfg, arch)
+        run = traced_run(cfg, arch)
         model = run.backbone.transformer
         names = [n for n, _ in model.named_modules()]
         for target in targets:  # peft matches a target by module-name suffix; each must name real modules

@@ -21,8 +21,8 @@ from train.algorithm.probe import (
     global_dots,
     measure_staleness,
     measure_trajectories,
+    probe_report,
     recommend_jagg_frac,
-    report,
     summarize_groups,
 )
 from train.components.config import register_schema
@@ -107,14 +107,14 @@ def test_stale_velocities_cost_cosine_only_once_the_weights_moved():
 
 def test_staleness_columns_in_the_report():
     groups = [quality(0.9, 0), quality(0.8, 4)]
-    rep = report(
+    rep = probe_report(
         groups, mode="jagg", threshold=0.5, num_transitions=8, staleness=(groups, [quality(0.7, 0), quality(0.6, 4)])
     )
     assert rep["groups"][1]["after_step"]["stale"]["cos_mean"] == 0.6
     assert rep["groups"][1]["after_step"]["fresh"]["cos_mean"] == 0.8
     table = format_table(rep)
     assert "stale, 1 step" in table and "0.600 ± 0.000" in table.splitlines()[2]
-    assert "stale" not in format_table(report(groups, mode="jagg", threshold=0.5, num_transitions=8))
+    assert "stale" not in format_table(probe_report(groups, mode="jagg", threshold=0.5, num_transitions=8))
 
 
 def test_global_dots_in_one_process():
@@ -146,7 +146,7 @@ def test_recommendation_follows_the_threshold_rule():
 def test_recommendation_routes_exactly_the_qualifying_groups():
     # A Flow-GRPO-Fast window of transitions 4..11 (M = 20): the group 4..7 passes, 8..11 does not.
     groups = [quality(0.7, 4), quality(0.4, 8)]
-    rep = report(groups, mode="jagg", threshold=0.5, num_transitions=20)
+    rep = probe_report(groups, mode="jagg", threshold=0.5, num_transitions=20)
     assert rep["recommended_jagg_frac"] == 0.4
     assert [g["path"] for g in rep["groups"]] == ["jagg", "exact"]
     for g in rep["groups"]:

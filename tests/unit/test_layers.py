@@ -129,3 +129,14 @@ def test_checker_sees_forbidden_imports(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import torch.distributed as dist\nfrom train.algorithm.jagg import aggregate\n")
     assert {"torch.distributed", "train.algorithm.jagg"} <= imported_modules(bad)
+
+
+def test_no_core_module_mentions_the_planner():
+    """The planner is a tool in its own room: no seam, comment or import for it outside train/plan/."""
+    core = [p for pkg in ("train", "models", "samplers", "rewards") for p in (ROOT / pkg).rglob("*.py")]
+    mentions = [
+        str(p.relative_to(ROOT))
+        for p in core
+        if "plan" not in p.relative_to(ROOT).parts[1:2] and "train.plan" in p.read_text()
+    ]
+    assert mentions == []

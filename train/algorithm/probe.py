@@ -241,7 +241,7 @@ def _statistics(g: GroupQuality) -> dict[str, Any]:
     }
 
 
-def report(
+def probe_report(
     groups: Sequence[GroupQuality],
     *,
     mode: str,

@@ -430,7 +430,7 @@ def render(rows: list[list[str]], *, markdown: bool = False) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows)
 
 
-def report(c: Comparison, *, markdown: bool = False) -> str:
+def comparison_tables(c: Comparison, *, markdown: bool = False) -> str:
     """Every table of the comparison as text (or markdown)."""
     h = "## " if markdown else ""
     seeds = {a.label: sorted(s for s in a.seeds() if s >= 0) for a in c.arms}

@@ -24,8 +24,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from train.cli import report as report_error
-from train.compare.arms import build_comparison, plot, report, summary
+from train.cli import report_error
+from train.compare.arms import build_comparison, comparison_tables, plot, summary
 from train.components.errors import UserError
 
 
@@ -62,10 +62,10 @@ def compare(args: argparse.Namespace) -> str:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(report(c, markdown=True), encoding="utf-8")
+    (out / "table.md").write_text(comparison_tables(c, markdown=True), encoding="utf-8")
     (out / "summary.json").write_text(json.dumps(summary(c), indent=2) + "\n", encoding="utf-8")
     images = plot(c, out)
-    return report(c) + f"\nwritten to {out}: table.md, summary.json, {', '.join(p.name for p in images)}\n"
+    return comparison_tables(c) + f"\nwritten to {out}: table.md, summary.json, {', '.join(p.name for p in images)}\n"
 
 
 class CompareSweep(Callback):

@@ -71,8 +71,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
-from train.cli import hydra_message, reported, setup
-from train.cli import report as report_error
+from train.cli import hydra_message, report_error, reported, setup
 from train.components.build import (
     typed_config,
 )
@@ -82,7 +81,7 @@ from train.plan.config import PlanRunConfig, register, validate_plan
 from train.plan.fake import fake_process_group, fake_tensors
 from train.plan.frozen import ARCH_ROOT, NOT_READ, frozen_models
 from train.plan.report import PlanReport, format_report
-from train.plan.tracing import build_run, expected_groups, text_tokens, trace_other_checkpointing, trace_step
+from train.plan.tracing import expected_groups, text_tokens, trace_other_checkpointing, trace_step, traced_run
 
 SHIPPED_ARCH = {"flux": "flux1-dev", "qwenimage": "qwen-image"}  # model.name -> folder under configs/arch
 
@@ -93,7 +92,7 @@ PROG = "python -m train.plan"
 VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
 
 
-def load_config(cfg: DictConfig) -> tuple[PlanRunConfig, bool]:
+def plan_config(cfg: DictConfig) -> tuple[PlanRunConfig, bool]:
     """(the typed config, whether model.path was given). Required paths the planner does not read
     (model, prompts, reward checkpoints) may stay unset; everything else is validated as for training."""
     cfg = copy.deepcopy(cfg)
@@ -152,7 +151,7 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
         # FSDP2 warns on every forward that FluxSingleTransformerBlock returns views; no path of ours
         # writes into them in place (tests/tools/test_plan.py checks it), so the warning is noise here.
         warnings.filterwarnings("ignore", message=VIEW_WARNING)
-        traced = trace_step(build_run(cfg, arch), groups)
+        traced = trace_step(traced_run(cfg, arch), groups)
         updates = traced.updates + trace_other_checkpointing(cfg, arch, traced.tensors, groups)
     frozen_bytes = sum(m.num_bytes for m in frozen)
     for phase in [*traced.phases, *updates]:
@@ -201,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> PlanReport:
     except (HydraException, OmegaConfBaseException) as err:
         raise SystemExit(report_error(ConfigError(hydra_message(err)), PROG)) from None
     with reported(PROG):
-        cfg, model_path_given = load_config(composed)
+        cfg, model_path_given = plan_config(composed)
         report = plan(cfg, model_path_given=model_path_given)
         print(format_report(report))
         if cfg.plan.output is not None:

@@ -92,10 +92,10 @@ class LocalShardAdamW(torch.optim.AdamW):
             p.grad = None
 
 
-def build_backbone(cfg: TrainConfig, arch: Path) -> DiffusersBackbone:
+def meta_backbone(cfg: TrainConfig, arch: Path) -> DiffusersBackbone:
     """The adapter around a float32 transformer (the trainer's master weights) and the VAE in model.dtype.
 
-    The transformer is built on the meta device and materialized by ``build_run`` after sharding,
+    The transformer is built on the meta device and materialized by ``traced_run`` after sharding,
     as FSDP2 expects for large models: under a fake mode a module cannot be moved or cast once built
     (peft casts its LoRA layers to the base layer's device and dtype, and skips meta ones).
     """
@@ -139,12 +139,12 @@ class TracedRun:
         return None if self.cfg.grpo.kl_beta == 0 else kl_reference(self.backbone, self.reference, self.policy)
 
 
-def build_run(cfg: PlanRunConfig, arch: Path) -> TracedRun:
+def traced_run(cfg: PlanRunConfig, arch: Path) -> TracedRun:
     """The run's parts on fake tensors, built by the trainer's own code where it loads no weights:
     ``train.components.build.setup_trainable`` (LoRA or full fine-tuning, the KL reference, activation
     checkpointing, FSDP2 through ``parallelize``), AdamW with the run's settings and its state as after
     a first step, the EMA."""
-    backbone = build_backbone(cfg, arch)
+    backbone = meta_backbone(cfg, arch)
     with fake_deepcopy(), torch.device("meta"):  # LoRA layers too: peft skips moving meta adapters
         _, reference = setup_trainable(cfg, backbone)
     for module in (backbone.transformer, reference):
@@ -431,6 +431,6 @@ def trace_other_checkpointing(
     """The update traces with activation checkpointing flipped, on the same step's tensors (a second
     model: checkpointing wraps the blocks before FSDP2 shards them)."""
     other = replace(cfg, model=replace(cfg.model, activation_checkpointing=not cfg.model.activation_checkpointing))
-    run = build_run(other, arch)
+    run = traced_run(other, arch)
     hold_gradients(run)
     return trace_updates(run, tensors, groups)

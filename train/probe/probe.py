@@ -35,7 +35,7 @@ from train.algorithm.probe import (
     format_table,
     measure_staleness,
     measure_trajectories,
-    report,
+    probe_report,
     summarize_groups,
 )
 from train.algorithm.update import UpdateBatch, update_micro_batch
@@ -133,7 +133,7 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
     staleness = None
     if stale:
         staleness = (summarize_groups(fresh_after, traj.timesteps), summarize_groups(stale_after, traj.timesteps))
-    return report(
+    return probe_report(
         summarize_groups(samples, traj.timesteps),
         mode=p.mode,
         threshold=p.threshold,
