@@ -38,7 +38,9 @@ $(VENV)/.installed: setup.py constraints.txt
 	touch $@
 
 # The HPSv2.1 parity test compares against the reference package; it is not a dependency (it pins
-# protobuf<4 and pytest 7), so it is installed without its requirements.
+# protobuf<4 and pytest 7), so it is installed without its requirements. The remote reward's tests
+# serve a scorer with scripts/reward_server.py: the server extra (FastAPI, uvicorn).
 $(VENV)/.test-extras: $(VENV)/.installed
 	$(BIN)/python -m pip install --no-deps hpsv2x==1.2.0 clint==0.5.1 args==0.1.0
+	$(BIN)/python -m pip install -c constraints.txt -e ".[server]"
 	touch $@
