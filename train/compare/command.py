@@ -30,7 +30,7 @@ from train.components.errors import UserError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m train.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "runs",
         nargs="+",
