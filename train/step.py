@@ -219,7 +219,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             plan_gen = stream_generator(run.cfg.seed, "update_plan", step)  # same on every rank
             stats, norms, moved = UpdateStats(), [], False
             for chunk in range(0, traj.batch_size, g.gradient_accumulation_steps):
-                reuse = traj.velocities is not None and (batch.settings.reuse_velocities == "stale" or not moved)
+                reuse = batch.settings.reuses_velocities and (batch.settings.reuse_velocities == "stale" or not moved)
                 with timer.phase("update"):
                     for first in range(chunk, chunk + g.gradient_accumulation_steps, g.micro_batch):
                         rows = torch.arange(first, first + g.micro_batch, device=run.device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -283,6 +284,19 @@ def test_nan_loss_skips_optimizer_step(tiny_flux, tmp_path, monkeypatch):
     after = exported(tmp_path / "nanloss")
     for name, value in before.items():
         assert torch.equal(after[name], value.to(after[name].dtype)), name
+
+
+def test_ratio_norm_trains_on_the_rollouts_velocities(tiny_flux, tmp_path):
+    """GRPO-Guard on Flow-GRPO's SDE, exact path (which keeps velocities for nothing else): the rollout
+    keeps them, and the first micro-batch, on the sampling weights, has ratios of one as without it; the
+    second, after an optimizer step, moves them."""
+    overrides = ["num_steps=1", "sampler=flow", "update=exact", *GOLDEN_RUN]
+    guarded = train(tmp_path / "guard", tiny_flux, [*overrides, "grpo.ratio_norm=true"])[0]
+    plain = train(tmp_path / "plain", tiny_flux, overrides)[0]
+    assert guarded["memory/velocity_bytes_per_sample"] > 0 and "memory/velocity_bytes_per_sample" not in plain
+    assert guarded["train/grad_norm"] > 0 and guarded["train/skipped_optimizer_steps"] == 0
+    assert guarded["train/loss"] != plain["train/loss"]
+    assert math.isfinite(guarded["train/approx_kl"]) and guarded["train/approx_kl"] > 0
 
 
 def test_lora_with_kl_trains_only_adapters(tiny_flux, tmp_path):

@@ -168,6 +168,7 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
         (["sampler.quantize_timesteps=true"], ValueError, "sampler.quantize_timesteps.*none, float64, dance"),
         (["sampler.quantize_timesteps=dance", "sampler.shift=null"], ValueError, "sampler.shift"),
         (["grpo.adv_std=sample"], ValueError, "grpo.adv_std.*population, unbiased"),
+        (["grpo.ratio_norm=true", "sampler.sde=cps"], ValueError, "grpo.ratio_norm=true.*sampler.sde=cps"),
         (["+reward.components.aesthetic.weight=1"], ValueError, "reward.components.*aesthetic.*hpsv2"),
         (["+reward.components.remote.weight=1"], ValueError, "reward.components.remote.url is not set"),
         (["grpo.gradient_accumulation_steps=3"], ValueError, "grpo.gradient_accumulation_steps"),

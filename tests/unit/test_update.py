@@ -96,22 +96,72 @@ def test_reuse_needs_kept_velocities():
     ],
 )
 def test_which_runs_keep_velocities(mode, window, reuse, keeps):
-    assert toy_settings(mode=mode, window=window, reuse_velocities=reuse).keeps_velocities is keeps
+    settings = toy_settings(mode=mode, window=window, reuse_velocities=reuse)
+    assert settings.keeps_velocities is settings.reuses_velocities is keeps
+    # GRPO-Guard reads the sampling weights' v from the rollout on every path, and reuses none for it
+    guarded = replace(settings, ratio_norm=True)
+    assert guarded.keeps_velocities and guarded.reuses_velocities is keeps
 
 
-@pytest.mark.parametrize("kl_beta", [0.0, 0.1])
-def test_micro_batches_of_1_2_and_g_give_one_gradient(kl_beta):
+def in_float64(net):
+    return lambda z, t, cond: net(z.double(), t.double(), cond)
+
+
+def test_ratio_norm_on_policy_scales_each_steps_gradient_by_its_std():
+    """On the sampling weights (v = the rollout's v, so mu = mu_old) the normalised log-ratio is
+    (logp - logp_old) s: each step's gradient in v is its plain one times the step's std s, and the
+    mean-shift term contributes nothing. Float64 steps on the float32 rollout: rounding only."""
+    model = ToyVelocity(gamma=10.0)
+    traj = toy_trajectory(model, sde="flow", keep_velocities=True)
+    plain_settings = toy_settings()
+    guarded = toy_batch(model, traj, replace(plain_settings, ratio_norm=True))
+    plain = toy_batch(model, traj, plain_settings)
+    group = (4, 8)
+    guarded_loss = step_loss(guarded, ROWS, group, scale=1.0, reference=None)
+    plain_loss = step_loss(plain, ROWS, group, scale=1.0, reference=None)
+    for j, k in enumerate(range(*group)):
+        grads = []
+        for loss in (guarded_loss, plain_loss):
+            v = traj.velocities[ROWS, k].double().requires_grad_()
+            (grad,) = torch.autograd.grad(loss(j, v)[0], v)
+            grads.append(grad)
+        std = transition(traj, k, traj.velocities[ROWS, k], ROWS).std
+        assert torch.equal(std, std[:1].expand_as(std))  # one schedule: every row of a step shares s
+        assert grads[1].abs().max() > 0
+        torch.testing.assert_close(grads[0], float(std[0]) * grads[1], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("sde", ["dance", "flow"])
+def test_ratio_norm_through_jagg_is_exact_where_theorem_1_holds(sde):
+    """GRPO-Guard's loss is a loss like any other: on a velocity whose parameter Jacobian is affine in t
+    and free of z (gamma = 0), jagg (through its s_j) gives exact's gradient of it, off the sampling
+    weights too (the model moved, so mu != mu_old and the shift term counts). Float64."""
+    model = ToyVelocity().double()
+    traj = toy_trajectory(in_float64(model), sde=sde, keep_velocities=True)
+    with torch.no_grad():  # off-policy: the shift term and ratios away from one count
+        for param in model.parameters():
+            param.mul_(1.05)
+    settings = replace(toy_settings(), ratio_norm=True)
+    grads = {}
+    for mode in ("exact", "jagg"):
+        model.zero_grad(set_to_none=True)
+        update_micro_batch(toy_batch(in_float64(model), traj, settings), ROWS, [RoutedGroup(4, 8, mode)])
+        grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert grads["exact"].abs().max() > 0
+    torch.testing.assert_close(grads["jagg"], grads["exact"], rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("kl_beta, ratio_norm", [(0.0, False), (0.1, False), (0.0, True)])
+def test_micro_batches_of_1_2_and_g_give_one_gradient(kl_beta, ratio_norm):
     """With every group trained (timestep_fraction 1), the accumulated gradient of the G rows does not
     depend on how they are split into micro-batches: each micro-batch's loss is scaled by
-    (rows / gradient_accumulation_steps) / trained transitions. Float64, so only rounding differs."""
+    (rows / gradient_accumulation_steps) / trained transitions. GRPO-Guard's mean std is over a
+    micro-batch's rows of one step, which share their std: no split changes it. Float64, so only
+    rounding differs."""
     model, reference = ToyVelocity(gamma=10.0).double(), ToyVelocity(seed=1).double()
-
-    def in_float64(net):
-        return lambda z, t, cond: net(z.double(), t.double(), cond)
-
-    traj = toy_trajectory(in_float64(model))
+    traj = toy_trajectory(in_float64(model), keep_velocities=ratio_norm)
     rows = traj.batch_size
-    settings = replace(toy_settings(kl_beta=kl_beta), gradient_accumulation_steps=rows)
+    settings = replace(toy_settings(kl_beta=kl_beta), gradient_accumulation_steps=rows, ratio_norm=ratio_norm)
     batch = toy_batch(in_float64(model), traj, settings, reference=in_float64(reference))
     plan = [RoutedGroup(0, 4, "jagg"), RoutedGroup(4, 8, "jagg_sequential"), RoutedGroup(8, 12, "exact")]
     grads = []

@@ -85,7 +85,11 @@ def ppo_step_loss(
     Metrics (detached scalars): clip_frac (rows whose ratio left [1 - eps, 1 + eps]),
     approx_kl = 0.5 mean (logp - logp_old)^2, ratio_mean, ratio_max, ratio_min.
     """
-    log_ratio = log_prob - old_log_prob
+    return ppo_clip_loss(log_prob - old_log_prob, advantages, clip_range=clip_range)
+
+
+def ppo_clip_loss(log_ratio: Tensor, advantages: Tensor, *, clip_range: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """``ppo_step_loss`` on a given log-ratio [B] (GRPO-Guard's normalised one, or logp - logp_old)."""
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)

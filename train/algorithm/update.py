@@ -33,7 +33,7 @@ from torch import Tensor
 from samplers.rollout import Predict, Trajectory
 from samplers.sde import SDE, step
 from train.algorithm.groups import RoutedGroup
-from train.algorithm.grpo import kl_to_reference, ppo_step_loss
+from train.algorithm.grpo import kl_to_reference, ppo_clip_loss, ppo_step_loss, ratio_norm_log_ratio
 from train.algorithm.jagg import MIDDLE_MODES, BoundPredict, Counts, GroupStats, Metrics, backward_group
 from train.distributed.collectives import all_reduce_max, all_reduce_sum
 
@@ -47,11 +47,18 @@ class UpdateSettings:
     kl_beta: float
     gradient_accumulation_steps: int
     reuse_velocities: str = "fresh"  # fresh | stale | off (train/components/config.py, update.reuse_velocities)
+    ratio_norm: bool = False  # GRPO-Guard's normalised log-ratio (grpo.ratio_norm)
+
+    @property
+    def reuses_velocities(self) -> bool:
+        """Whether the middle steps take the rollout's velocities: only a path with them (W > 2)."""
+        return self.reuse_velocities != "off" and self.mode in MIDDLE_MODES and self.window > 2
 
     @property
     def keeps_velocities(self) -> bool:
-        """Whether the rollout keeps its velocities: only a path with middle steps (W > 2) reuses them."""
-        return self.reuse_velocities != "off" and self.mode in MIDDLE_MODES and self.window > 2
+        """Whether the rollout keeps its velocities: to reuse them, or as the sampling weights' v that
+        GRPO-Guard's normalisation compares the current transition mean with."""
+        return self.reuses_velocities or self.ratio_norm
 
 
 @dataclass(frozen=True)
@@ -161,7 +168,9 @@ class StepLoss:
 
     L_j = PPO-clip(logp_theta(z_{j+1} | z_j), logp_old, A) + kl_beta * KL(mean_theta || mean_ref).
     Returns (scale * L_j, metrics): ``loss`` (L_j before scaling), ``kl`` with a KL term, and
-    ``ppo_step_loss``'s. ``latents[:-1]`` and ``timesteps`` are the group's inputs of the policy.
+    ``ppo_step_loss``'s. ``latents[:-1]`` and ``timesteps`` are the group's inputs of the policy. With
+    ``sampled`` (the rollout's v of the W steps) the PPO ratio is GRPO-Guard's normalised one
+    (``ratio_norm_log_ratio``), its mean std taken over the micro-batch's rows of step j.
     """
 
     sde: SDE
@@ -172,6 +181,7 @@ class StepLoss:
     old_log_probs: Tensor  # [b, W] the rollout's log-probs
     advantages: Tensor  # [b]
     reference: list[Tensor] | None  # the KL reference's v of the W steps [b, ...]; None without a KL term
+    sampled: Tensor | None  # [W, b, ...] the rollout's v of the W steps, for GRPO-Guard; None without it
     clip_range: float
     kl_beta: float
     scale: float
@@ -190,7 +200,13 @@ class StepLoss:
         out = step(self.sde, v, z, sigma, sigma_next, next_z=next_z, sigma_guard=self.sigma_guard)
         assert out.log_prob is not None  # step_loss() refuses ODE steps
         old = self.old_log_probs[:, j]
-        loss, metrics = ppo_step_loss(out.log_prob, old, self.advantages, clip_range=self.clip_range)
+        if self.sampled is None:
+            loss, metrics = ppo_step_loss(out.log_prob, old, self.advantages, clip_range=self.clip_range)
+        else:
+            v_old = self.sampled[j].to(v.device, v.dtype)
+            old_mean = step(self.sde, v_old, z, sigma, sigma_next, next_z=next_z, sigma_guard=self.sigma_guard).mean
+            log_ratio = ratio_norm_log_ratio(out.log_prob, old, out.mean, old_mean, out.std)
+            loss, metrics = ppo_clip_loss(log_ratio, self.advantages, clip_range=self.clip_range)
         if self.reference is not None:
             ref = step(self.sde, self.reference[j], z, sigma, sigma_next, next_z=next_z, sigma_guard=self.sigma_guard)
             kl = kl_to_reference(out.mean, ref.mean, out.diffusion)
@@ -218,6 +234,7 @@ def step_loss(
         old_log_probs=traj.log_probs[rows, start:stop],
         advantages=batch.advantages[rows],
         reference=reference,
+        sampled=kept_velocities(traj, rows, group) if settings.ratio_norm else None,
         clip_range=settings.clip_range,
         kl_beta=settings.kl_beta,
         scale=scale,

@@ -491,4 +491,5 @@ def update_settings(cfg: TrainConfig) -> UpdateSettings:
         kl_beta=cfg.grpo.kl_beta,
         gradient_accumulation_steps=cfg.grpo.gradient_accumulation_steps,
         reuse_velocities=cfg.update.reuse_velocities,
+        ratio_norm=cfg.grpo.ratio_norm,
     )

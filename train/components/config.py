@@ -113,6 +113,10 @@ class GRPOConfig:
     adv_eps: float = 1e-8  # added to the group std, >= 0 (Flow-GRPO's stat tracker: 1e-4)
     adv_std: str = "population"  # population (Flow-GRPO's, n) | unbiased (DanceGRPO's torch.std, n - 1)
     global_std: bool = False  # normalize by the std of all rewards of the step (all ranks) instead of per group
+    # GRPO-Guard's RatioNorm: the PPO log-ratio (logp - logp_old + mean (mu - mu_old)^2 / (2 s^2)) s, s the step's
+    # transition std (train/algorithm/grpo.py), so the ratio stays centred at every step; the rollout then keeps its
+    # velocities (the sampling weights' mu_old). For sampler.sde=dance or flow (CPS's log-prob has no 1 / (2 s^2))
+    ratio_norm: bool = False
     # Flow-GRPO's beta (the paper's Table 4 values as they are): beta * mean (mu - mu_ref)^2 / (2 g^2) over the
     # trained steps' transition means, g the step's diffusion coefficient, >= 0 (0 = off, no reference forwards)
     kl_beta: float = 0.0
@@ -484,6 +488,11 @@ def validate(
     _validate_sampler(cfg.sampler)
     _validate_grpo(cfg.grpo)
     _validate_update(cfg.update, cfg.grpo)
+    if cfg.grpo.ratio_norm and cfg.sampler.sde == "cps":
+        raise ConfigError(
+            "grpo.ratio_norm=true normalises a Gaussian log-prob, which sampler.sde=cps does not have: "
+            "use sampler.sde=flow or dance, or grpo.ratio_norm=false"
+        )
     _validate_reward(cfg.reward, known_scorers)
     _validate_run(cfg, known_scorers)
     try:

@@ -361,7 +361,7 @@ def trace_updates(run: TracedRun, tensors: StepTensors, groups: dict[str, float]
     offloaded = cfg.update.offload_velocities
     resident = tensors.resident(offloaded_velocities=offloaded) + reference_shards(run) + ema_shards(run)
     out = []
-    for mode, reuse, calls in update_variants(cfg, groups, kept_velocities=tensors.traj.velocities is not None):
+    for mode, reuse, calls in update_variants(cfg, groups, kept_velocities=update_settings(cfg).reuses_velocities):
         m = measure(run.backbone.transformer, run.optimizer, resident, update_call(run, tensors, mode, reuse=reuse))
         if mode == "exact":  # its W steps, each freed before the next, traced on EXACT_TRACED_STEPS
             m.flops = round(m.flops * cfg.update.window / EXACT_TRACED_STEPS)

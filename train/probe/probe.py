@@ -110,7 +110,7 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
     traj, done = None, 0
     max_batches = MAX_BATCHES_PER_K * math.ceil(p.num_rollouts / per_batch)
     for batch in range(max_batches):
-        traj, prompts = rollout_phase(run, batch, keep_velocities=stale)
+        traj, prompts = rollout_phase(run, batch, keep_velocities=stale or settings.ratio_norm)
         advantages = reward_phase(run, traj, prompts).advantages
         if advantages is None:  # a NaN reward (reward_phase warned); this batch is not measured
             continue
