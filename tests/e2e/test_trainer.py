@@ -356,6 +356,28 @@ MULTI_RANK = {
 ABS_TOL = {"train/loss": 1e-6, "adv/mean": 1e-6}
 
 
+def assert_same_training(one: Path, many: Path, base: dict[str, torch.Tensor], name: str) -> None:
+    """The run in ``many`` (several ranks) logged and exported what the one in ``one`` (one process) did."""
+    single = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
+    multi = [json.loads(line) for line in (many / "metrics.jsonl").read_text().splitlines()]
+    assert len(multi) == len(single) == 2
+    for a, b in zip(single, multi):
+        keys = {k for k in a if not k.startswith("time/") and k != "wall_time"}
+        assert keys == {k for k in b if not k.startswith("time/") and k != "wall_time"}, name
+        assert a["train/kl"] > 0 or a["step"] == 0, name  # the KL term is live after the first step
+        for key in sorted(keys):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=ABS_TOL.get(key, 1e-9)), (name, a["step"], key)
+    a, b = exported(one), exported(many)
+    assert a.keys() == b.keys(), name
+    # how far training moved the weights: from the loaded transformer, or LoRA's B from its zero init
+    moved = max((a[k] - base[k] if k in base else a[k] * ("lora_B" in k)).abs().max().item() for k in a)
+    assert moved > 1e-5, name
+    for key in a:
+        # AdamW divides every element's gradient by that element's own RMS, so an element whose gradient
+        # is at rounding level moves by a rounding-decided amount: measured 1% of `moved` at worst
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=moved * 5e-2, msg=f"{name} {key}")
+
+
 @pytest.mark.slow
 def test_two_ranks_log_and_train_as_one_process(tiny_flux, tiny_clip_dir, tmp_path):
     """2 ranks x 1 prompt under FSDP2 (gloo) against 1 process x 2 prompts, two steps with KL: the same
@@ -369,32 +391,27 @@ def test_two_ranks_log_and_train_as_one_process(tiny_flux, tiny_clip_dir, tmp_pa
     assert result.returncode == 0, result.stderr[-4000:]
     base = load_file(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors")
     for name, extra in MULTI_RANK.items():
-        single = train(
-            tmp_path / "one" / name,
-            tiny_flux,
-            [
-                "num_steps=2",
-                "grpo.kl_beta=0.1",
-                *reward,
-                *extra,
-                "grpo.prompts_per_rank=2",
-                "grpo.gradient_accumulation_steps=8",
-            ],
-        )
-        two = [json.loads(line) for line in (tmp_path / "two" / name / "metrics.jsonl").read_text().splitlines()]
-        assert len(two) == len(single) == 2
-        for a, b in zip(single, two):
-            keys = {k for k in a if not k.startswith("time/") and k != "wall_time"}
-            assert keys == {k for k in b if not k.startswith("time/") and k != "wall_time"}, name
-            assert a["train/kl"] > 0 or a["step"] == 0, name  # the KL term is live after the first step
-            for key in sorted(keys):
-                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=ABS_TOL.get(key, 1e-9)), (name, a["step"], key)
-        a, b = exported(tmp_path / "one" / name), exported(tmp_path / "two" / name)
-        assert a.keys() == b.keys(), name
-        # how far training moved the weights: from the loaded transformer, or LoRA's B from its zero init
-        moved = max((a[k] - base[k] if k in base else a[k] * ("lora_B" in k)).abs().max().item() for k in a)
-        assert moved > 1e-5, name
-        for key in a:
-            # AdamW divides every element's gradient by that element's own RMS, so an element whose gradient
-            # is at rounding level moves by a rounding-decided amount: measured 1% of `moved` at worst
-            torch.testing.assert_close(b[key], a[key], rtol=0, atol=moved * 5e-2, msg=f"{name} {key}")
+        one = [*extra, "grpo.prompts_per_rank=2", "grpo.gradient_accumulation_steps=8"]
+        train(tmp_path / "one" / name, tiny_flux, ["num_steps=2", "grpo.kl_beta=0.1", *reward, *one])
+        assert_same_training(tmp_path / "one" / name, tmp_path / "two" / name, base, name)
+
+
+@pytest.mark.slow
+def test_hsdp_on_four_ranks_trains_as_one_process(tiny_flux, tiny_clip_dir, tmp_path):
+    """4 ranks x 1 prompt, HSDP (2 replicas of 2 shards: dist.replicate_degree=2) and FSDP over all 4,
+    against 1 process x 4 prompts; then the HSDP run's checkpoint resumes in one process (DCP
+    reshards it)."""
+    reward = smooth_reward(tiny_clip_dir)
+    common = [f"model.path={tiny_flux}", *SMALL, "num_steps=2", "grpo.kl_beta=0.1", "checkpoint.every=1", *reward]
+    layouts = {"hsdp": ["dist.replicate_degree=2"], "fsdp": []}
+    cases = {name: [*common, *extra, f"run_dir={tmp_path / name}"] for name, extra in layouts.items()}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    result = run_torchrun(str(HELPERS / "trainer_worker.py"), str(tmp_path / "cases.json"), timeout=900, nproc=4)
+    assert result.returncode == 0, result.stderr[-4000:]
+    one = ["num_steps=2", "grpo.kl_beta=0.1", *reward, "grpo.prompts_per_rank=4", "grpo.gradient_accumulation_steps=16"]
+    train(tmp_path / "one", tiny_flux, one)
+    base = load_file(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors")
+    for name in layouts:
+        assert_same_training(tmp_path / "one", tmp_path / name, base, name)
+    resumed = train(tmp_path / "hsdp", tiny_flux, [*one, "num_steps=3", "resume=auto"])
+    assert [row["step"] for row in resumed] == [0, 1, 2]

@@ -1,4 +1,4 @@
-"""Two local gloo ranks for the multi-process tests: a free port and torchrun's command line."""
+"""Local gloo ranks (two unless told) for the multi-process tests: a free port and torchrun's command line."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def torchrun(*args: str) -> list[str]:
-    """``python -m torch.distributed.run`` with 2 processes on a free port, then ``args``."""
+def torchrun(*args: str, nproc: int = 2) -> list[str]:
+    """``python -m torch.distributed.run`` with ``nproc`` processes on a free port, then ``args``."""
     port = str(free_port())
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port, *args]
 
 
 def env() -> dict[str, str]:
@@ -29,6 +29,7 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{HELPERS}"}
 
 
-def run_torchrun(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``torchrun(*args)`` from the repository root and capture its output."""
-    return subprocess.run(torchrun(*args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+def run_torchrun(*args: str, timeout: float, nproc: int = 2) -> subprocess.CompletedProcess:
+    """Run ``torchrun(*args, nproc=nproc)`` from the repository root and capture its output."""
+    cmd = torchrun(*args, nproc=nproc)
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)

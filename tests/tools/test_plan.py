@@ -145,6 +145,7 @@ def test_update_calls_follow_velocity_reuse():
         (["plan.reserved_gib=90"], "plan.reserved_gib"),
         (["model.decode_batch=-1"], "model.decode_batch"),
         (["plan.arch=/nowhere"], "plan.arch"),
+        (["plan.world_size=8", "dist.replicate_degree=3"], "dist.replicate_degree=3 must divide the world size 8"),
     ],
 )
 def test_bad_settings_fail_before_tracing(overrides, message):
@@ -248,6 +249,20 @@ def test_planner_bytes_equal_the_analytic_count(tiny):
     assert report.optimizer_bytes == 2 * sum(shards) + 4 * len(shards)
     assert report.reference_bytes == report.ema_bytes == sum(shards)
     assert report.num_params == report.num_trainable == num_params(model)
+
+
+@pytest.mark.slow
+def test_hsdp_shards_over_one_replica(tiny_flux_dir):
+    """dist.replicate_degree=2 on 4 ranks: each parameter is sharded over the 2 ranks of a replica, so
+    rank 0 holds ceil(dim0 / 2) rows of it, twice what FSDP over all 4 leaves it."""
+    overrides = [*TINY, f"model.path={tiny_flux_dir}", "plan.world_size=4", "grpo.kl_beta=0", "grpo.ema_decay=0"]
+    model = build_component(FluxTransformer2DModel, read_json(tiny_flux_dir / "transformer" / "config.json"))
+    for replicate, shard in ((2, 2), (1, 4)):
+        cfg, given = config([*overrides, f"dist.replicate_degree={replicate}"])
+        report = plan(cfg, model_path_given=given)
+        assert report.param_bytes == sum(
+            math.ceil(p.shape[0] / shard) * math.prod(p.shape[1:]) * 4 for p in model.parameters()
+        )
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ from train.components.evaluator import Evaluator, read_result
 from train.components.logger import RunLogger
 from train.components.summary import eval_tag
 from train.distributed.collectives import DistInfo, broadcast_object, init_distributed, shutdown
-from train.distributed.parallelize import parallelize
+from train.distributed.parallelize import mesh_shape, parallelize
 from train.distributed.seeds import seed_everything, stream_seed
 
 
@@ -165,6 +165,14 @@ def preflight(cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, 
     return found
 
 
+def check_mesh(cfg: TrainConfig, world_size: int) -> None:
+    """HSDP's replicate degree divides the world size, before any model loads."""
+    try:
+        mesh_shape(world_size, cfg.dist.replicate_degree)
+    except ValueError as err:
+        raise ConfigError(f"{err}: pick a divisor of it, or dist.replicate_degree=1") from None
+
+
 def resolve_device(cfg: TrainConfig, dist: DistInfo) -> torch.device:
     if cfg.device == "cpu" or (cfg.device == "auto" and dist.device.type == "cpu"):
         return torch.device("cpu")
@@ -241,6 +249,7 @@ def setup_trainable(cfg: TrainConfig, backbone: Backbone) -> tuple[list[nn.Param
                 block_classes=backbone.block_classes,
                 param_dtype=compute,
                 activation_checkpointing=cfg.model.activation_checkpointing and module is transformer,
+                replicate=cfg.dist.replicate_degree,
             )
     return [p for p in transformer.parameters() if p.requires_grad], reference
 
@@ -387,6 +396,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
     cfg.run_dir = str(run_dir)
     checkpoints = CheckpointManager(run_dir, keep_last=cfg.checkpoint.keep_last)
     resume_from = preflight(cfg, dist, checkpoints, max_step=cfg.num_steps if training else None)
+    check_mesh(cfg, dist.world_size)
     device = resolve_device(cfg, dist)
     records = read_prompts(cfg.data.train_prompts)
     rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds

@@ -192,6 +192,10 @@ class DistConfig:
     # Seconds a collective may wait for the other ranks before this rank fails with a message naming it
     # (a hung, stopped or dead rank). Longer than any legitimate wait: a slow checkpoint save or evaluation.
     timeout_s: float = 1800.0
+    # HSDP: R > 1 replicates the model over R groups of world / R ranks, each group sharding it (one group per
+    # node: all-gathers stay inside a node, gradients are all-reduced across nodes); R must divide the world
+    # size. 1 = FSDP over every rank. Checkpoints load across a change of R or of the world size.
+    replicate_degree: int = 1
 
 
 @dataclass
@@ -488,6 +492,7 @@ def validate(
     _validate_sampler(cfg.sampler)
     _validate_grpo(cfg.grpo)
     _validate_update(cfg.update, cfg.grpo)
+    _positive(cfg.dist.replicate_degree, "dist.replicate_degree", " (1 = shard over every rank)")
     if cfg.grpo.ratio_norm and cfg.sampler.sde == "cps":
         raise ConfigError(
             "grpo.ratio_norm=true normalises a Gaussian log-prob, which sampler.sde=cps does not have: "

@@ -1,7 +1,11 @@
 """FSDP2 sharding of a transformer and the global gradient norm.
 
 * Sharding (``parallelize``): activation checkpointing per block, then FSDP2 ``fully_shard`` on
-  every block, then on the root, in that fixed order (the torchtitan recipe). Parameters are
+  every block, then on the root, in that fixed order (the torchtitan recipe). Over a 1-D mesh every
+  rank holds 1 / world of each parameter; with ``replicate`` R > 1 the mesh is 2-D (replicate R,
+  shard world / R): hybrid sharding (HSDP), each parameter sharded over the world / R ranks of a
+  shard group (one node) and replicated over the R groups, so all-gathers stay inside a node and
+  only the gradients' all-reduce crosses nodes. Parameters are
   all-gathered in ``param_dtype`` for compute and gradients are reduce-scattered in
   ``reduce_dtype`` (float32 by default, so bf16 training still averages gradients exactly enough).
   The root gets the same ``reshard_after_forward`` as the blocks, so a forward plus a backward
@@ -46,8 +50,16 @@ def _wrap_blocks(model: nn.Module, block_classes: tuple[type, ...], checkpointin
 _world_mesh: tuple[Any, DeviceMesh] | None = None  # (the default process group, its mesh)
 
 
-def world_mesh(device_type: str | None = None) -> DeviceMesh:
-    """The 1-D mesh over every rank of the default process group, built once per group.
+def mesh_shape(world_size: int, replicate: int) -> tuple[int, ...]:
+    """(world,) or, for HSDP, (replicate, world / replicate); ValueError when ``replicate`` does not
+    divide the world."""
+    if replicate < 1 or world_size % replicate:
+        raise ValueError(f"dist.replicate_degree={replicate} must divide the world size {world_size}")
+    return (world_size,) if replicate == 1 else (replicate, world_size // replicate)
+
+
+def world_mesh(device_type: str | None = None, *, replicate: int = 1) -> DeviceMesh:
+    """The mesh over every rank of the default process group (``mesh_shape``), built once per group.
 
     ``device_type``: None = the one already built, else cuda when available, else cpu. Building a
     mesh runs collectives on real tensors, so it fails under a fake-tensor mode: a caller tracing on
@@ -55,12 +67,14 @@ def world_mesh(device_type: str | None = None) -> DeviceMesh:
     and the KL reference alike) shards over that same mesh.
     """
     global _world_mesh
-    group = dist.group.WORLD
-    if _world_mesh is not None and _world_mesh[0] is group and device_type in (None, _world_mesh[1].device_type):
-        return _world_mesh[1]
+    group, shape = dist.group.WORLD, mesh_shape(get_world_size(), replicate)
+    if _world_mesh is not None and _world_mesh[0] is group and tuple(_world_mesh[1].shape) == shape:
+        if device_type in (None, _world_mesh[1].device_type):
+            return _world_mesh[1]
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    _world_mesh = (group, init_device_mesh(device_type, (get_world_size(),)))
+    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+    _world_mesh = (group, init_device_mesh(device_type, shape, mesh_dim_names=names))
     return _world_mesh[1]
 
 
@@ -72,9 +86,10 @@ def parallelize(
     reduce_dtype: torch.dtype = torch.float32,
     activation_checkpointing: bool = False,
     reshard_after_forward: bool = True,
-    mesh: DeviceMesh | None = None,
+    replicate: int = 1,
 ) -> nn.Module:
-    """Apply activation checkpointing per block, then FSDP2 per block, then FSDP2 on the root.
+    """Apply activation checkpointing per block, then FSDP2 per block, then FSDP2 on the root, over
+    ``world_mesh(replicate=replicate)`` (HSDP when ``replicate`` > 1).
 
     In one process (no process group) only checkpointing is applied: FSDP needs a process group,
     and a single CPU process trains in the model's own dtype, so ``param_dtype``/``reduce_dtype``
@@ -92,8 +107,7 @@ def parallelize(
         raise ValueError(f"parallelize: no submodule of {type(model).__name__} is an instance of {names}")
     if not is_distributed():
         return model
-    if mesh is None:
-        mesh = world_mesh()
+    mesh = world_mesh(replicate=replicate)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

@@ -72,9 +72,7 @@ from omegaconf.errors import OmegaConfBaseException
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.cli import hydra_message, report_error, reported, setup
-from train.components.build import (
-    typed_config,
-)
+from train.components.build import check_mesh, typed_config
 from train.components.config import validate
 from train.components.errors import ConfigError
 from train.plan.config import PlanRunConfig, register, validate_plan
@@ -144,10 +142,11 @@ def arch_folder(cfg: PlanRunConfig, model_path_given: bool) -> Path:
 def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
     """Trace one training step of ``cfg`` on rank 0 of plan.world_size fake ranks (module docstring)."""
     started = time.perf_counter()
+    check_mesh(cfg, cfg.plan.world_size)
     arch = arch_folder(cfg, model_path_given)
     frozen = frozen_models(cfg, arch)
     groups = expected_groups(cfg)
-    with fake_process_group(cfg.plan.world_size), fake_tensors(), warnings.catch_warnings():
+    with fake_process_group(cfg.plan.world_size, cfg.dist.replicate_degree), fake_tensors(), warnings.catch_warnings():
         # FSDP2 warns on every forward that FluxSingleTransformerBlock returns views; no path of ours
         # writes into them in place (tests/tools/test_plan.py checks it), so the warning is noise here.
         warnings.filterwarnings("ignore", message=VIEW_WARNING)

@@ -109,13 +109,15 @@ def measure(root: nn.Module, optimizer: torch.optim.Optimizer, resident: Sequenc
 
 
 @contextmanager
-def fake_process_group(world_size: int) -> Iterator[None]:
-    """A fake ``world_size``-rank process group (this process is rank 0) and its cpu mesh."""
+def fake_process_group(world_size: int, replicate: int = 1) -> Iterator[None]:
+    """A fake ``world_size``-rank process group (this process is rank 0) and its cpu mesh (HSDP's
+    2-D one with ``replicate`` > 1)."""
     if dist.is_initialized():
         raise ConfigError("python -m train.plan creates its own fake process group: run it without torchrun")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        world_mesh("cpu")  # outside any fake mode: building a mesh runs collectives on real tensors
+        # outside any fake mode: building a mesh runs collectives on real tensors
+        world_mesh("cpu", replicate=replicate)
         yield
     finally:
         dist.destroy_process_group()
