@@ -12,6 +12,11 @@
 # experiments demo, tiny and testbed_compare); NNODES > 1 adds torchrun's c10d rendezvous
 # (--nnodes --node_rank --rdzv_backend c10d --rdzv_endpoint MASTER_ADDR:MASTER_PORT, port default
 # 29500), which needs NODE_RANK, MASTER_ADDR and an explicit RUN_DIR on a filesystem every node shares.
+# Elastic by default: torchrun restarts all workers when one fails, up to MAX_RESTARTS times (default 3;
+# MAX_RESTARTS=0 turns it off), and a training launch passes resume=auto (unless you pass a resume=
+# of your own), so a restart continues from the run's latest checkpoint: a crash costs the steps since
+# that checkpoint (checkpoint.every) plus a model load, not the run. A folder holding a run of other
+# settings is still refused.
 # DRY_RUN=1 prints the commands instead of running them; a variable that is not set prints as
 # <NAME>, so the commands can be read before any path exists.
 # Commands run from the repository root: relative paths (RUN_DIR, OUT_DIR, prompts) start there.
@@ -88,10 +93,24 @@ experiment_paths() {
     fi
 }
 
+# has_setting NAME [hydra overrides...]: whether an override sets NAME (NAME=, +NAME= or ++NAME=).
+has_setting() {
+    local name="$1" arg
+    shift
+    for arg in "$@"; do
+        [[ "$arg" =~ ^\+{0,2}$name= ]] && return 0
+    done
+    return 1
+}
+
 # launch MODULE EXPERIMENT RUN_DIR [hydra overrides...]: torchrun on this node (one of NNODES).
 launch() {
     local module="$1" experiment="$2" run_dir="$3"
     shift 3
+    local resume=()
+    if [[ "$module" == train ]] && ! has_setting resume "$@"; then
+        resume=(resume=auto)
+    fi
     PATH_OVERRIDES=()
     experiment_paths "$experiment"
     local rendezvous=(--standalone)
@@ -101,8 +120,9 @@ launch() {
             --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}")
     fi
     # hydra.run.dir is passed explicitly: Hydra's default folder is a timestamp taken per process.
-    run_cmd "$TORCHRUN" "${rendezvous[@]}" --nproc_per_node "${NPROC_PER_NODE:-$DEFAULT_NPROC}" -m "$module" \
-        "experiment=$experiment" "hydra.run.dir=$run_dir" ${PATH_OVERRIDES[@]+"${PATH_OVERRIDES[@]}"} "$@"
+    run_cmd "$TORCHRUN" "${rendezvous[@]}" --max-restarts "${MAX_RESTARTS:-3}" \
+        --nproc_per_node "${NPROC_PER_NODE:-$DEFAULT_NPROC}" -m "$module" "experiment=$experiment" \
+        "hydra.run.dir=$run_dir" ${PATH_OVERRIDES[@]+"${PATH_OVERRIDES[@]}"} ${resume[@]+"${resume[@]}"} "$@"
 }
 
 # The run folder: RUN_DIR when set, else runs/<experiment>/<tag>_<date>.

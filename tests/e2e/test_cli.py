@@ -136,7 +136,9 @@ def test_compare_modes_dry_run_loops_over_seeds_and_passes_the_run_folders():
     lines = launch("compare_modes.sh", "testbed_compare", "num_steps=4", SEEDS="0 1", OUT_DIR="runs/x", GROUP="g")
     assert len(lines) == 7  # 3 modes x 2 seeds, then the comparison
     first = lines[0].split()
-    assert first[:4] == ["torchrun", "--standalone", "--nproc_per_node", "1"]  # a CPU experiment: one process
+    # elastic: 3 restarts, each resuming the run's latest checkpoint; a CPU experiment: one process
+    assert first[:6] == ["torchrun", "--standalone", "--max-restarts", "3", "--nproc_per_node", "1"]
+    assert "resume=auto" in first
     assert {"experiment=testbed_compare", "update=exact", "seed=0", "logging.group=g", "num_steps=4"} <= set(first)
     assert "hydra.run.dir=runs/x/exact_s0" in first
     assert "hydra.run.dir=runs/x/ablate_s1" in lines[5].split()
@@ -152,7 +154,13 @@ def test_paper_launchers_dry_run_without_paths_and_multinode_uses_c10d():
     assert words[words.index("--rdzv_backend") + 1] == "c10d"
     assert words[words.index("--rdzv_endpoint") + 1] == "10.0.0.1:29500"
     assert words[words.index("--nnodes") + 1] == "2" and words[words.index("--node_rank") + 1] == "'<NODE_RANK>'"
-    assert "hydra.run.dir=/shared/r" in words
+    assert "hydra.run.dir=/shared/r" in words and "resume=auto" in words
+    (line,) = launch("train.sh", "demo", "resume=runs/demo/a/checkpoints/step_00000002", MAX_RESTARTS="0")
+    words = line.split()  # the user's resume= replaces the default; MAX_RESTARTS=0 turns restarts off
+    assert [w for w in words if "resume=" in w] == ["resume=runs/demo/a/checkpoints/step_00000002"]
+    assert words[words.index("--max-restarts") + 1] == "0"
+    (line,) = launch("probe.sh", "demo")
+    assert "resume=auto" not in line.split()  # the probe measures; it resumes nothing
     (line,) = launch("train.sh", "demo", "update=exact,jagg", "logging.notes=it's new")
     assert " update=exact,jagg " in line  # quoted only where a shell needs it: commas stay as they are
     echoed = subprocess.run(["bash", "-c", "printf '%s\\n' " + line], capture_output=True, text=True, check=True)
