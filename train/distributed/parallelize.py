@@ -8,13 +8,18 @@
   The root gets the same ``reshard_after_forward`` as the blocks, so a forward plus a backward
   all-gathers each of the ``num_blocks + 1`` FSDP modules exactly once in each direction.
 * Compilation (``compile_blocks``): each block is compiled in place (``nn.Module.compile``: its
-  parameter names, hence checkpoints and exports, stay those of the eager model), by inductor with
-  the batch dimension dynamic from the first call (``dynamic=True``), so the row counts a step feeds
-  the blocks (rollout, micro-batches, JAGG's endpoint and middle rows, evaluation batches) share
-  one graph per block class and variant (train or eval mode, LoRA on or off) instead of one per
-  row count; a batch of one row is specialised by torch to a graph of its own. Blocks of one class
-  share their compiled code (torch guards on the class, not on the instance), so a model compiles
-  once per block class and variant whatever its depth. ``compile_stats`` reads torch's counters.
+  parameter names, hence checkpoints and exports, stay those of the eager model) by inductor, with
+  torch's automatic dynamic shapes: a block's first row count compiles a static graph, and the
+  first call with another row count compiles one with the batch dimension symbolic, which then
+  serves every row count a step feeds the blocks (rollout, micro-batches, JAGG's endpoint and middle
+  rows, evaluation batches); a batch of one row is specialised by torch to a graph of its own. So a
+  run compiles a bounded number of graphs per block class and variant (train or eval mode, with or
+  without gradients, LoRA on or off), not one per step. ``dynamic=True`` (every dimension symbolic
+  from the first call, the text and image token counts too) ran the testbed's forward slower than
+  eager on CPU and still recompiled when a row count stopped equalling the token count (torch
+  unifies equal sizes). Blocks of one class share their compiled code (torch guards on the class,
+  not on the instance), so a model compiles once per block class and variant whatever its depth.
+  ``compile_stats`` reads torch's counters.
 * Gradient clipping (``clip_grad_norm_``): the norm is the GLOBAL one,
   ``sqrt(sum over ranks of sum over local shards of g^2)``. A per-shard norm (each rank clipping
   by the norm of its own shard) differs on every rank and is a known bug of a reference trainer.
@@ -103,7 +108,7 @@ def compile_unavailable(device_type: str) -> str | None:
 def compile_blocks(units: Iterable[nn.Module]) -> None:
     """``torch.compile`` each sharding unit in place (the module docstring says how and why)."""
     for unit in units:
-        unit.compile(dynamic=True)
+        unit.compile()
 
 
 @dataclass(frozen=True)
