@@ -16,12 +16,10 @@ GOLDEN_KEYS), which were measured between two CPUs' float32 kernels.
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
-from test_trainer import GOLDEN_KEYS, GOLDEN_RUN, SMALL, replayed_keys, smooth_reward, train
-from two_ranks import HELPERS, run_torchrun
+from test_trainer import GOLDEN_KEYS, GOLDEN_RUN, replayed_keys, smooth_reward, train
 
 from models.registry import load_backbone
 from train.algorithm.jagg import UPDATE_MODES, backward_group
@@ -130,23 +128,3 @@ def test_compiled_velocities_and_every_update_path_match_eager(backbones):
             assert relative_error(g_compiled, g_eager) < 1e-5, (mode, name)
     blocks = [m for m in compiled.transformer.modules() if isinstance(m, compiled.block_classes)]
     assert blocks and all(b._compiled_call_impl is not None for b in blocks)
-
-
-def test_two_ranks_with_compile_equal_one_process(runs, tiny_flux_dir, tiny_clip_dir, tmp_path):
-    """2 ranks x 1 prompt under FSDP2 (gloo), compiled, against 1 process x 2 prompts, compiled."""
-    reward = smooth_reward(tiny_clip_dir)
-    common = [f"model.path={tiny_flux_dir}", *SMALL, "num_steps=2", "model.compile=true", *reward]
-    cases = {"jagg": [*common, f"run_dir={tmp_path / 'two'}"]}
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    result = run_torchrun(str(HELPERS / "trainer_worker.py"), str(tmp_path / "cases.json"), timeout=1800)
-    assert result.returncode == 0, result.stderr[-4000:]
-    one = train(
-        tmp_path / "one",
-        tiny_flux_dir,
-        ["num_steps=2", "model.compile=true", *reward, "grpo.prompts_per_rank=2", "grpo.gradient_accumulation_steps=8"],
-    )
-    two = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    assert len(one) == len(two) == 2
-    for a, b in zip(one, two):
-        for key in GOLDEN_KEYS:
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)

@@ -257,6 +257,7 @@ def test_console_lines_last_step_evaluation_and_run_folder(tiny_flux, tmp_path, 
     assert summary.startswith("finished tiny (jagg, seed 42): steps 0-2 in ")
     assert "jpeg_compressibility: step 0 " in summary and "-> step 3 " in summary and "paired difference" in summary
     assert "time per step (median of 3): " in summary and "rollout " in summary and "update " in summary
+    assert "transformer TFLOP/s (MFU of the peak " in summary and "measured float32 matmul): step " in summary
     for entry in ("metrics.jsonl", "samples/", "eval/", "checkpoints/    step_00000002", "export/"):
         assert entry in summary, entry
 
