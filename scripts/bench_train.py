@@ -2,7 +2,7 @@
 run's peak memory.
 
     OMP_NUM_THREADS=1 python scripts/bench_train.py [--job small|demo] [--rounds 3] [--steps 4]
-        [--kl-beta 0.05] [--runs exact jagg jagg-recompute ablate]
+        [--kl-beta 0.05] [--runs exact jagg jagg-recompute ablate] [--compile off on]
 
 ``--job small``: the small Flux config (64 px, 8 trainable transitions = 2 groups of W = 4, G = 4,
 micro-batch 1, one optimizer step per training step, jagg_frac 1.0 so every group takes the run's
@@ -10,6 +10,10 @@ path). ``--job demo``: the default job (``python -m train``, the CPU testbed: 64
 one micro-batch, one optimizer step per training step, one group of W = 4) without its evaluations
 and checkpoints.
 Both with the KL penalty of ``--kl-beta`` (full fine-tuning: a frozen copy is the reference; 0 = off).
+``--compile off on``: every run eager and with ``model.compile=true`` (``<run>+compile``); the compiled
+runs' first step, which compiles, is reported apart: its ``time/compile`` in the first process (a cold
+inductor cache, when nothing compiled these graphs before on this machine) and the median of the
+others (a warm cache), with the graphs compiled per process.
 
 Runs: ``jagg`` reuses the rollout's velocities (``update.reuse_velocities=fresh``, the default),
 ``jagg-recompute`` recomputes them (``off``), ``jagg-stale`` reuses them after optimizer steps too.
@@ -76,8 +80,8 @@ def child(out: Path, steps: int, overrides: list[str]) -> None:
     class TwoClockTimer(PhaseTimer):
         """The trainer's phase timer that also sums the process's CPU time per phase."""
 
-        def __init__(self, device: Any = "cpu") -> None:
-            super().__init__(device)
+        def __init__(self, device: Any = "cpu", flops: Any = None) -> None:
+            super().__init__(device, flops)
             self._cpu: dict[str, float] = defaultdict(float)
 
         @contextmanager
@@ -104,7 +108,7 @@ def child(out: Path, steps: int, overrides: list[str]) -> None:
 
 
 def run_once(overrides: list[str], steps: int, folder: Path) -> tuple[list[dict], float]:
-    """Metrics of steps 1.. of one training process, and its peak RSS in MiB."""
+    """Metrics of every step of one training process, and its peak RSS in MiB."""
     folder.mkdir(parents=True)
     out = folder / "steps.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -114,7 +118,7 @@ def run_once(overrides: list[str], steps: int, folder: Path) -> tuple[list[dict]
     if os.waitstatus_to_exitcode(status) != 0:
         assert proc.stderr is not None
         raise RuntimeError(f"{' '.join(overrides)} failed:\n{proc.stderr.read()[-3000:]}")
-    return json.loads(out.read_text())[1:], usage.ru_maxrss / 1024
+    return json.loads(out.read_text()), usage.ru_maxrss / 1024
 
 
 def main() -> None:
@@ -124,37 +128,61 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps per process, the first one dropped")
     parser.add_argument("--kl-beta", type=float, default=0.05, help="grpo.kl_beta (0 = no KL reference)")
     parser.add_argument("--runs", nargs="+", default=["exact", "jagg", "jagg-recompute", "ablate"], choices=list(RUNS))
+    parser.add_argument("--compile", nargs="+", default=["off"], choices=["off", "on"], help="model.compile per run")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args()
     if args.child is not None:
         child(args.child, args.steps, overrides)
         return
     keys = [f"{clock}/{p}" for clock in ("time", "cpu") for p in PHASES]
-    results: dict[str, dict[str, list[float]]] = {name: {k: [] for k in [*keys, "rss"]} for name in args.runs}
+    runs = {f"{name}+compile" if on == "on" else name: [*RUNS[name], f"model.compile={on == 'on'}"]
+            for name in args.runs for on in args.compile}  # fmt: skip
+    results: dict[str, dict[str, list[float]]] = {name: {k: [] for k in [*keys, "rss"]} for name in runs}
     kept: dict[str, float] = {}
+    first_steps: dict[str, list[dict]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for name in args.runs:
-                run_overrides = [*JOBS[args.job], *RUNS[name], f"grpo.kl_beta={args.kl_beta}"]
-                metrics, rss = run_once(run_overrides, args.steps, Path(tmp) / f"{name}_{r}")
+            for name, run_overrides in runs.items():
+                overrides_ = [*JOBS[args.job], *run_overrides, f"grpo.kl_beta={args.kl_beta}"]
+                metrics, rss = run_once(overrides_, args.steps, Path(tmp) / f"{name}_{r}")
+                first_steps[name].append(metrics[0])
                 for key in keys:
-                    results[name][key] += [m[key] for m in metrics]
+                    results[name][key] += [m[key] for m in metrics[1:]]
                 results[name]["rss"].append(rss)
-                kept[name] = metrics[0].get("memory/velocity_bytes_per_sample", 0) / 1024
+                kept[name] = metrics[1].get("memory/velocity_bytes_per_sample", 0) / 1024
+    report(args, results, kept)
+    report_compile(first_steps)
+
+
+def report(args: argparse.Namespace, results: dict[str, dict[str, list[float]]], kept: dict[str, float]) -> None:
+    """Median update and step per run, as ratios to the first run."""
     med = {name: {k: statistics.median(v) for k, v in res.items()} for name, res in results.items()}
-    base = med[args.runs[0]]
+    base = next(iter(med.values()))
     timed = args.rounds * (args.steps - 1)
     print(f"job {args.job}, grpo.kl_beta={args.kl_beta}; median of {timed} steps per run ({args.rounds} processes)")
-    print(f"{'':<16}{'CPU time':>44}{'wall clock':>32}")
-    header = f"{'update s':>10}{'step s':>8}{'update/exact':>14}{'step/exact':>12}"
-    print(f"{'run':<16}{header}{header}{'peak RSS MiB':>14}{'kept v KiB/sample':>19}")
+    print(f"{'':<24}{'CPU time':>44}{'wall clock':>32}")
+    header = f"{'update s':>10}{'step s':>8}{'update/base':>14}{'step/base':>12}"
+    print(f"{'run':<24}{header}{header}{'peak RSS MiB':>14}{'kept v KiB/sample':>19}")
     for name, m in med.items():
         row = ""
         for clock in ("cpu", "time"):
             update, step = m[f"{clock}/update"], m[f"{clock}/step"]
             ratios = f"{update / base[f'{clock}/update']:>14.3f}{step / base[f'{clock}/step']:>12.3f}"
             row += f"{update:>10.2f}{step:>8.2f}{ratios}"
-        print(f"{name:<16}{row}{max(results[name]['rss']):>14.0f}{kept[name]:>19.1f}")
+        print(f"{name:<24}{row}{max(results[name]['rss']):>14.0f}{kept[name]:>19.1f}")
+    print(f"base: {next(iter(med))}")
+
+
+def report_compile(first_steps: dict[str, list[dict]]) -> None:
+    """The compiled runs' first step: compile time of the first process and of the later ones."""
+    for name, steps in first_steps.items():
+        if "time/compile" not in steps[0]:
+            continue
+        later = [m["time/compile"] for m in steps[1:]]
+        warm = f", later processes (median) {statistics.median(later):.1f}s" if later else ""
+        graphs = int(steps[0]["count/compilations"])
+        print(f"{name}: time/compile of the first step: first process {steps[0]['time/compile']:.1f}s{warm}; "
+              f"{graphs} graphs per process")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from train.components.build import Run, policy_predictor, reference_predictor, u
 from train.components.config import ModelConfig, TrainConfig
 from train.components.ema import EMA
 from train.components.logger import PhaseTimer
+from train.components.perf import perf_metrics
 from train.distributed.collectives import all_gather_tensor, all_reduce_sum
 from train.distributed.parallelize import clip_grad_norm_
 from train.distributed.seeds import stream_generator, stream_seed
@@ -203,7 +204,9 @@ def update_batch(run: Run, traj: Trajectory, advantages: Tensor) -> UpdateBatch:
 def train_step(run: Run, step: int) -> dict[str, float]:
     """One step (the phases above); the update runs here, micro-batch by micro-batch, so that the call
     path from the trainer to a group's loss stays short (tests/unit/test_update.py counts it)."""
-    g, timer = run.cfg.grpo, PhaseTimer(run.device)
+    g, timer = run.cfg.grpo, PhaseTimer(run.device, run.flops)
+    if run.compiles is not None:
+        run.compiles.begin()
     with timer.phase("step"):
         with timer.phase("rollout"):
             traj, prompts = rollout_phase(run, step)
@@ -230,6 +233,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
                     moved |= norms[-1][1]  # the kept velocities are no longer those of the current weights
             metrics |= stats.summary(run.device) | routing | optimizer_metrics(run, norms)
     metrics |= timer.pop()
+    metrics |= perf_metrics(metrics, run.peak)
+    if run.compiles is not None:
+        metrics |= run.compiles.end(step)
     metrics["count/rollout_forwards"] = run.cfg.sampler.num_steps
     if traj.velocities is not None:  # what keeping them costs, per sample of the rollout, on every rank
         metrics["memory/velocity_bytes_per_sample"] = traj.velocities[0].nbytes

@@ -153,4 +153,4 @@ def fit(run: Run) -> None:
         with activity("the export"):
             export_model(run.backbone.transformer, Path(cfg.run_dir) / "export")
     if run.dist.is_main:
-        log.info(run_summary(cfg, start=start, history=history, seconds=time.perf_counter() - began))
+        log.info(run_summary(cfg, start=start, history=history, seconds=time.perf_counter() - began, peak=run.peak))

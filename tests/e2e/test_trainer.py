@@ -100,6 +100,14 @@ def train(run_dir: Path, model: Path, overrides: list[str]) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def replayed_keys(row: dict, *, per_rank: tuple[str, ...] = ()) -> set[str]:
+    """The metrics a replay must reproduce: all but the clocks (time/*, wall_time), what is computed
+    from them (perf/*: TFLOP/s and MFU), what counts the process's history (count/compilations:
+    graphs compiled so far), and the ``per_rank`` prefixes."""
+    process = ("wall_time", "count/compilations")
+    return {k for k in row if not k.startswith(("time/", "perf/", *per_rank)) and k not in process}
+
+
 def exported(run_dir: Path) -> dict[str, torch.Tensor]:
     """The exported transformer, or its LoRA adapters."""
     lora = run_dir / "export" / "pytorch_lora_weights.safetensors"
@@ -217,8 +225,8 @@ def test_resume_replays_exactly(extra, tiny_flux, tmp_path):
     clock = [m["wall_time"] for m in resumed]
     assert clock == sorted(clock) and clock[2] >= clock[1]  # wall_time goes on across the resume
     for a, b in zip(straight, resumed):
-        keys = {k for k in a if not k.startswith("time/") and k != "wall_time"}
-        assert keys == {k for k in b if not k.startswith("time/") and k != "wall_time"}
+        keys = replayed_keys(a)
+        assert keys == replayed_keys(b)
         for key in sorted(keys):
             assert a[key] == b[key], (a["step"], key)
     final_a, final_b = exported(tmp_path / "straight"), exported(tmp_path / "resumed")
@@ -250,6 +258,7 @@ def test_console_lines_last_step_evaluation_and_run_folder(tiny_flux, tmp_path, 
     assert summary.startswith("finished tiny (jagg, seed 42): steps 0-2 in ")
     assert "jpeg_compressibility: step 0 " in summary and "-> step 3 " in summary and "paired difference" in summary
     assert "time per step (median of 3): " in summary and "rollout " in summary and "update " in summary
+    assert "transformer TFLOP/s (MFU of the peak " in summary and "measured float32 matmul): step " in summary
     for entry in ("metrics.jsonl", "samples/", "eval/", "checkpoints/    step_00000002", "export/"):
         assert entry in summary, entry
 
@@ -362,8 +371,8 @@ def assert_same_training(one: Path, many: Path, base: dict[str, torch.Tensor], n
     multi = [json.loads(line) for line in (many / "metrics.jsonl").read_text().splitlines()]
     assert len(multi) == len(single) == 2
     for a, b in zip(single, multi):
-        keys = {k for k in a if not k.startswith("time/") and k != "wall_time"}
-        assert keys == {k for k in b if not k.startswith("time/") and k != "wall_time"}, name
+        keys = replayed_keys(a, per_rank=("flops/",))
+        assert keys == replayed_keys(b, per_rank=("flops/",)), name
         assert a["train/kl"] > 0 or a["step"] == 0, name  # the KL term is live after the first step
         for key in sorted(keys):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=ABS_TOL.get(key, 1e-9)), (name, a["step"], key)

@@ -174,6 +174,7 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
         (["grpo.gradient_accumulation_steps=3"], ValueError, "grpo.gradient_accumulation_steps"),
         (["grpo.group_size=1"], ValueError, "grpo.group_size"),
         (["sampler.sde_window_range=[0,12]"], ValueError, "sampler.sde_window_range"),
+        (["perf.peak_tflops=0"], ValueError, "perf.peak_tflops must be > 0"),
         (
             ["model.build_tiny=null", "model.path=/nonexistent/flux"],
             FileNotFoundError,

@@ -41,9 +41,10 @@ from train.components.ema import EMA
 from train.components.errors import ConfigError, PathError
 from train.components.evaluator import Evaluator, read_result
 from train.components.logger import RunLogger
+from train.components.perf import CompileWatch, FlopMeter, Peak, device_peak
 from train.components.summary import eval_tag
 from train.distributed.collectives import DistInfo, broadcast_object, init_distributed, shutdown
-from train.distributed.parallelize import mesh_shape, parallelize
+from train.distributed.parallelize import compile_unavailable, mesh_shape, parallelize
 from train.distributed.seeds import seed_everything, stream_seed
 
 
@@ -66,6 +67,9 @@ class Run:
     compute_dtype: torch.dtype
     router: Router  # update.routing: which groups train and by which path (train/algorithm/routing.py)
     resume_from: list[Path]  # the checkpoints ``resume`` names that passed the file checks, newest first
+    flops: FlopMeter  # the FLOPs of the transformer's calls (train/components/perf.py)
+    peak: Peak  # one device's peak rate, for perf/mfu/<phase>
+    compiles: CompileWatch | None  # model.compile: what compiling costs, step by step
 
 
 def _missing(tree: Any, name: str = "") -> list[str]:
@@ -230,7 +234,14 @@ def add_lora(cfg: TrainConfig, backbone: Backbone) -> None:
 
 
 def setup_trainable(cfg: TrainConfig, backbone: Backbone) -> tuple[list[nn.Parameter], nn.Module | None]:
-    """LoRA or full fine-tuning, the KL reference, then sharding (in that order)."""
+    """LoRA or full fine-tuning, the KL reference, then sharding (in that order): the trainable
+    parameters and the reference."""
+    reference = add_trainable(cfg, backbone)
+    return shard_trainable(cfg, backbone, reference)
+
+
+def add_trainable(cfg: TrainConfig, backbone: Backbone) -> nn.Module | None:
+    """LoRA adapters or every weight made trainable; returns the KL reference of full fine-tuning."""
     transformer = backbone.transformer
     transformer.requires_grad_(False)
     reference = None
@@ -241,6 +252,15 @@ def setup_trainable(cfg: TrainConfig, backbone: Backbone) -> tuple[list[nn.Param
         if cfg.grpo.kl_beta > 0:  # full fine-tuning: the reference is a frozen copy of the start
             reference = copy.deepcopy(transformer).requires_grad_(False).eval()
     transformer.train()
+    return reference
+
+
+def shard_trainable(
+    cfg: TrainConfig, backbone: Backbone, reference: nn.Module | None
+) -> tuple[list[nn.Parameter], nn.Module | None]:
+    """``parallelize`` the transformer and the reference (checkpointing the transformer's blocks,
+    compiling both with ``model.compile``); the trainable parameters and the reference."""
+    transformer = backbone.transformer
     compute = parse_dtype(cfg.model.dtype)
     for module in (transformer, reference):
         if module is not None:
@@ -250,6 +270,7 @@ def setup_trainable(cfg: TrainConfig, backbone: Backbone) -> tuple[list[nn.Param
                 param_dtype=compute,
                 activation_checkpointing=cfg.model.activation_checkpointing and module is transformer,
                 replicate=cfg.dist.replicate_degree,
+                compile=cfg.model.compile,
             )
     return [p for p in transformer.parameters() if p.requires_grad], reference
 
@@ -334,8 +355,10 @@ def predictor(
     world_size: int,
     device: torch.device,
     transformer: nn.Module | None = None,
+    flops: FlopMeter | None = None,
 ) -> Predict:
-    """predict(z, t, cond) with the backbone's transformer, or with ``transformer`` (the reference).
+    """predict(z, t, cond) with the backbone's transformer, or with ``transformer`` (the reference);
+    each call counted by ``flops`` when given.
 
     Single-process runs compute in ``compute_dtype`` by autocast over float32 master weights;
     under FSDP2 the mixed-precision policy does it.
@@ -343,6 +366,8 @@ def predictor(
     wanted = compute_dtype != torch.float32 and world_size == 1
 
     def predict(z: Tensor, t: Tensor, cond: Conditioning) -> Tensor:
+        if flops is not None:
+            flops.count(z, t, cond)
         with torch.autocast(device.type, dtype=compute_dtype) if wanted else nullcontext():
             return backbone.predict(z, t, cond, transformer=transformer)
 
@@ -356,6 +381,7 @@ def policy_predictor(run: Run, transformer: nn.Module | None = None) -> Predict:
         world_size=run.dist.world_size,
         device=run.device,
         transformer=transformer,
+        flops=run.flops,
     )
 
 
@@ -399,9 +425,13 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
     check_mesh(cfg, dist.world_size)
     device = resolve_device(cfg, dist)
     records = read_prompts(cfg.data.train_prompts)
+    if cfg.model.compile and (why := compile_unavailable(device.type)):
+        raise ConfigError(f"model.compile=true: {why}; or set model.compile=false")
     rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds
     backbone = build_backbone(cfg, dist, device)
-    params, reference = setup_trainable(cfg, backbone)
+    reference = add_trainable(cfg, backbone)
+    flops = FlopMeter(backbone)  # of the eager model: before checkpointing, compilation and sharding wrap it
+    params, reference = shard_trainable(cfg, backbone, reference)
     g = cfg.grpo
     optimizer = torch.optim.AdamW(params, **adamw_settings(cfg))
     lg = cfg.logging
@@ -435,6 +465,9 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
         compute_dtype=parse_dtype(cfg.model.dtype),
         router=build_router(cfg.update),
         resume_from=resume_from,
+        flops=flops,
+        peak=device_peak(cfg.perf.peak_tflops, device),
+        compiles=CompileWatch() if cfg.model.compile else None,
     )
 
 

@@ -60,6 +60,10 @@ class ModelConfig:
     # Decoding many 720x720 images at once dominates the step's memory (0.9 GiB per image for FLUX.1-dev's VAE).
     decode_batch: int = 0
     activation_checkpointing: bool = False  # recompute each transformer block in backward
+    # torch.compile (inductor) each transformer block on its own, for the rollout, the update, the KL reference and
+    # evaluation alike; needs a C++ compiler on CPU, Triton on CUDA (checked at start-up). The first step pays
+    # the compilation (logged as time/compile; inductor's on-disk cache makes a second run start faster)
+    compile: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -188,6 +192,14 @@ class EvalConfig:
 
 
 @dataclass
+class PerfConfig:
+    # peak TFLOP/s of one device, the denominator of perf/mfu/<phase>; null = the device's: the table of
+    # train/components/perf.py on a GPU (A100, H100, H200, B200 bf16 dense), on CPU this machine's float32
+    # matmul rate measured once at start-up; > 0
+    peak_tflops: float | None = None
+
+
+@dataclass
 class DistConfig:
     # Seconds a collective may wait for the other ranks before this rank fails with a message naming it
     # (a hung, stopped or dead rank). Longer than any legitimate wait: a slow checkpoint save or evaluation.
@@ -216,6 +228,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
 
 
 def register_schema(name: str = "train", schema: type = TrainConfig) -> None:
@@ -443,6 +456,8 @@ def _validate_run(cfg: TrainConfig, known_scorers: tuple[str, ...]) -> None:
     _choice(cfg.device, ("auto", "cpu", "cuda"), "device")
     _positive(cfg.num_steps, "num_steps")
     _positive(cfg.dist.timeout_s, "dist.timeout_s")
+    if cfg.perf.peak_tflops is not None:
+        _positive(cfg.perf.peak_tflops, "perf.peak_tflops", " (null = the device's own)")
     _choice(cfg.logging.wandb_mode, WANDB_MODES, "logging.wandb_mode")
     if cfg.logging.wandb_mode != "disabled" and not cfg.logging.project.strip():
         raise ConfigError("logging.project is empty: name the wandb project")

@@ -36,7 +36,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 from omegaconf import OmegaConf
@@ -44,6 +44,9 @@ from torch import Tensor
 from tqdm import tqdm
 
 from rewards.summary import MIN_TILE, image_grid
+
+if TYPE_CHECKING:
+    from train.components.perf import FlopMeter
 
 WANDB_MODES = ("disabled", "offline", "online")  # logging.wandb_mode
 WANDB_ID_FILE = "wandb_run_id"
@@ -260,11 +263,14 @@ def _logged_before(line: str, step: int) -> bool:
 
 
 class PhaseTimer:
-    """``with timer.phase("rollout"): ...`` sums seconds per phase until ``pop()``."""
+    """``with timer.phase("rollout"): ...`` sums seconds per phase until ``pop()``, and the FLOPs that
+    ``flops`` counted in each phase when given."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", flops: FlopMeter | None = None) -> None:
         self.device = torch.device(device)
+        self.flops = flops
         self._totals: dict[str, float] = defaultdict(float)
+        self._flops: dict[str, int] = defaultdict(int)
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -273,16 +279,20 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        start = self._now()
+        start, counted = self._now(), self.flops.total if self.flops is not None else 0
         try:
             yield
         finally:
             self._totals[name] += self._now() - start
+            if self.flops is not None:
+                self._flops[name] += self.flops.total - counted
 
     def pop(self) -> dict[str, float]:
-        """{"time/<phase>": seconds} accumulated since the last pop; resets the totals."""
+        """{"time/<phase>": seconds, "flops/<phase>": FLOPs} accumulated since the last pop; resets the totals."""
         out = {f"time/{name}": seconds for name, seconds in self._totals.items()}
+        out |= {f"flops/{name}": float(flops) for name, flops in self._flops.items() if flops}
         self._totals.clear()
+        self._flops.clear()
         return out
 
 

@@ -4,7 +4,8 @@
 
 The summary gives the evaluation reward before -> after with standard errors over prompts and the
 paired difference (from the per-prompt score files, so it holds across a resume), the median time
-per step and per phase, and where everything was written.
+per step and per phase, the achieved TFLOP/s and MFU per phase (train/components/perf.py), what
+compiling cost (model.compile), and where everything was written.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from rewards.summary import overall
 from train.components.config import TrainConfig
 from train.components.evaluation import paired_difference, read_scores
 from train.components.logger import format_seconds
+from train.components.perf import Peak
 from train.components.stats import median
 
 PHASES = ("step", "rollout", "reward", "update", "optimizer", "probe")  # the timed phases of a step (time/<phase>)
@@ -46,6 +48,27 @@ def _timing(history: Sequence[Mapping[str, float]]) -> str:
         if values:
             phases.append(f"{phase} {median(values):.2f}s")
     return f"time per step (median of {len(steps)}): {median(steps):.2f}s; per phase: " + ", ".join(phases)
+
+
+def _perf(history: Sequence[Mapping[str, float]], peak: Peak) -> list[str]:
+    """Median TFLOP/s (and MFU) per phase, and the compilation of the first step when compiled."""
+    parts = []
+    for phase in PHASES:
+        tflops = [m[f"perf/tflops/{phase}"] for m in history if f"perf/tflops/{phase}" in m]
+        if tflops:
+            mfu = [m[f"perf/mfu/{phase}"] for m in history if f"perf/mfu/{phase}" in m]
+            parts.append(f"{phase} {median(tflops):.3g}" + (f" ({100 * median(mfu):.1f}%)" if mfu else ""))
+    if not parts:
+        return []
+    known = f"{peak.tflops:.3g} TFLOP/s, {peak.source}" if peak.tflops else peak.source
+    lines = [f"transformer TFLOP/s (MFU of the peak {known}): " + ", ".join(parts)]
+    compiled = [m for m in history if "count/compilations" in m]
+    if compiled:
+        lines.append(
+            f"compile: {compiled[0]['time/compile']:.1f}s in the first step of this session, "
+            f"{int(compiled[-1]['count/compilations'])} graphs in all"
+        )
+    return lines
 
 
 def _rewards(cfg: TrainConfig, history: Sequence[Mapping[str, float]]) -> list[str]:
@@ -92,11 +115,14 @@ def _files(cfg: TrainConfig, wandb_mode: str) -> list[str]:
     return lines
 
 
-def run_summary(cfg: TrainConfig, *, start: int, history: Sequence[Mapping[str, float]], seconds: float) -> str:
-    """The end-of-run summary: rewards before -> after, timing, files."""
+def run_summary(
+    cfg: TrainConfig, *, start: int, history: Sequence[Mapping[str, float]], seconds: float, peak: Peak
+) -> str:
+    """The end-of-run summary: rewards before -> after, timing, throughput, files."""
     done = f"steps {start}-{cfg.num_steps - 1}" if start < cfg.num_steps else "no step left to run"
     lines = [f"finished {cfg.experiment} ({cfg.update.mode}, seed {cfg.seed}): {done} in {format_seconds(seconds)}"]
     lines += _rewards(cfg, history)
     lines.append(_timing(history))
+    lines += _perf(history, peak)
     lines += _files(cfg, cfg.logging.wandb_mode)
     return "\n".join(lines)

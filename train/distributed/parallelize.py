@@ -1,15 +1,29 @@
-"""FSDP2 sharding of a transformer and the global gradient norm.
+"""FSDP2 sharding and regional compilation of a transformer, and the global gradient norm.
 
-* Sharding (``parallelize``): activation checkpointing per block, then FSDP2 ``fully_shard`` on
-  every block, then on the root, in that fixed order (the torchtitan recipe). Over a 1-D mesh every
-  rank holds 1 / world of each parameter; with ``replicate`` R > 1 the mesh is 2-D (replicate R,
-  shard world / R): hybrid sharding (HSDP), each parameter sharded over the world / R ranks of a
-  shard group (one node) and replicated over the R groups, so all-gathers stay inside a node and
-  only the gradients' all-reduce crosses nodes. Parameters are
+* Sharding (``parallelize``): activation checkpointing per block, then ``torch.compile`` of each
+  block on its own (regional compilation, when asked), then FSDP2 ``fully_shard`` on every block,
+  then on the root, in that fixed order (the torchtitan recipe). Over a 1-D mesh every rank holds
+  1 / world of each parameter; with ``replicate`` R > 1 the mesh is 2-D (replicate R, shard world /
+  R): hybrid sharding (HSDP), each parameter sharded over the world / R ranks of a shard group (one
+  node) and replicated over the R groups, so all-gathers stay inside a node and only the gradients'
+  all-reduce crosses nodes. Parameters are
   all-gathered in ``param_dtype`` for compute and gradients are reduce-scattered in
   ``reduce_dtype`` (float32 by default, so bf16 training still averages gradients exactly enough).
   The root gets the same ``reshard_after_forward`` as the blocks, so a forward plus a backward
   all-gathers each of the ``num_blocks + 1`` FSDP modules exactly once in each direction.
+* Compilation (``compile_blocks``): each block is compiled in place (``nn.Module.compile``: its
+  parameter names, hence checkpoints and exports, stay those of the eager model) by inductor, with
+  torch's automatic dynamic shapes: a block's first row count compiles a static graph, and the
+  first call with another row count compiles one with the batch dimension symbolic, which then
+  serves every row count a step feeds the blocks (rollout, micro-batches, JAGG's endpoint and middle
+  rows, evaluation batches); a batch of one row is specialised by torch to a graph of its own. So a
+  run compiles a bounded number of graphs per block class and variant (train or eval mode, with or
+  without gradients, LoRA on or off), not one per step. ``dynamic=True`` (every dimension symbolic
+  from the first call, the text and image token counts too) ran the testbed's forward slower than
+  eager on CPU and still recompiled when a row count stopped equalling the token count (torch
+  unifies equal sizes). Blocks of one class share their compiled code (torch guards on the class,
+  not on the instance), so a model compiles once per block class and variant whatever its depth.
+  ``compile_stats`` reads torch's counters.
 * Gradient clipping (``clip_grad_norm_``): the norm is the GLOBAL one,
   ``sqrt(sum over ranks of sum over local shards of g^2)``. A per-shard norm (each rank clipping
   by the norm of its own shard) differs on every rank and is a known bug of a reference trainer.
@@ -17,7 +31,9 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -78,6 +94,52 @@ def world_mesh(device_type: str | None = None, *, replicate: int = 1) -> DeviceM
     return _world_mesh[1]
 
 
+def compile_unavailable(device_type: str) -> str | None:
+    """Why ``torch.compile`` (inductor) cannot run on ``device_type`` here, or None when it can.
+
+    Inductor turns CPU graphs into C++ (a C++ compiler on PATH, ``$CXX`` or g++) and CUDA graphs
+    into Triton kernels; torch's own check covers the Python version and the platform.
+    """
+    from torch._dynamo.eval_frame import is_dynamo_supported
+
+    if not is_dynamo_supported():
+        return "torch.compile does not support this Python or platform"
+    if device_type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "inductor needs Triton for CUDA and it is not installed (pip install triton)"
+        return None
+    from torch._inductor import config as inductor_config
+
+    names = inductor_config.cpp.cxx if isinstance(inductor_config.cpp.cxx, list | tuple) else (inductor_config.cpp.cxx,)
+    if not any(name and shutil.which(name) for name in names):
+        wanted = ", ".join(name for name in names if name) or "g++"
+        return f"inductor compiles CPU code with a C++ compiler and none is on PATH ({wanted}; set CXX to another)"
+    return None
+
+
+def compile_blocks(units: Iterable[nn.Module]) -> None:
+    """``torch.compile`` each sharding unit in place (the module docstring says how and why)."""
+    for unit in units:
+        unit.compile()
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    """What torch.compile did so far in this process (torch's own counters)."""
+
+    graphs: int  # graphs compiled (each with its backward when it is differentiated)
+    seconds: float  # time spent compiling forward graphs and, lazily at their first backward, backward graphs
+
+
+def compile_stats() -> CompileStats:
+    from torch._dynamo.utils import counters, cumulative_time_spent_ns
+
+    seconds = sum(cumulative_time_spent_ns.get(k, 0.0) for k in ("entire_frame_compile", "entire_backward_compile"))
+    return CompileStats(graphs=int(counters["stats"]["unique_graphs"]), seconds=seconds / 1e9)
+
+
 def parallelize(
     model: nn.Module,
     *,
@@ -85,15 +147,18 @@ def parallelize(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype = torch.float32,
     activation_checkpointing: bool = False,
+    compile: bool = False,
     reshard_after_forward: bool = True,
     replicate: int = 1,
 ) -> nn.Module:
-    """Apply activation checkpointing per block, then FSDP2 per block, then FSDP2 on the root, over
-    ``world_mesh(replicate=replicate)`` (HSDP when ``replicate`` > 1).
+    """Apply activation checkpointing per block, then ``torch.compile`` per block (``compile``),
+    then FSDP2 per block, then FSDP2 on the root, over ``world_mesh(replicate=replicate)`` (HSDP when
+    ``replicate`` > 1).
 
-    In one process (no process group) only checkpointing is applied: FSDP needs a process group,
-    and a single CPU process trains in the model's own dtype, so ``param_dtype``/``reduce_dtype``
-    are not used there. Returns the same module object (modified in place).
+    In one process (no process group) only checkpointing and compilation are applied: FSDP needs a
+    process group, and a single CPU process trains in the model's own dtype, so
+    ``param_dtype``/``reduce_dtype`` are not used there. Returns the same module object (modified
+    in place).
     """
     classes = tuple(block_classes)
     if not classes:
@@ -105,6 +170,8 @@ def parallelize(
     if not units:
         names = ", ".join(c.__name__ for c in classes)
         raise ValueError(f"parallelize: no submodule of {type(model).__name__} is an instance of {names}")
+    if compile:
+        compile_blocks(units)
     if not is_distributed():
         return model
     mesh = world_mesh(replicate=replicate)

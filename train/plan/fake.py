@@ -1,6 +1,6 @@
-"""The planner's fake environment: a fake process group, fake tensors, and torch's memory tracker and
-FLOP counter adapted to tracing one training step. Every private name of torch the planner uses is
-imported here and nowhere else."""
+"""The planner's fake environment: a fake process group, fake tensors, and torch's memory tracker
+adapted to tracing one training step, with the trainer's FLOP counter (train/components/perf.py). Every
+private name of torch the planner uses is imported here and nowhere else."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode, flop_registry
 
 from train.components.errors import ConfigError
+from train.components.perf import StepFlopCounter
 from train.distributed.parallelize import world_mesh
 
 
@@ -47,35 +47,6 @@ class StepMemTracker(FSDPMemTracker):
             if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
                 self._peak_mem[device] = snapshot[_TOTAL_KEY]
                 self._peak_mem_snap[device] = copy.deepcopy(snapshot)
-
-
-class StepFlopCounter(FlopCounterMode):
-    """FlopCounterMode with two changes. No per-module breakdown: its module tracker keeps the
-    tensors that activation checkpointing recomputes alive after the backward (measured: a 12-block
-    full-width Flux, 5.9 GiB traced peak alone, 12.2 GiB under FlopCounterMode). And attention
-    counts: the CPU flash kernel that fake tensors dispatch to has no formula of its own, so it
-    takes that of the CUDA flash kernel (the same q, k, v arguments first)."""
-
-    def __init__(self) -> None:
-        super().__init__(display=False)
-        aten = torch.ops.aten
-        self.flop_registry[aten._scaled_dot_product_flash_attention_for_cpu] = flop_registry[
-            aten._scaled_dot_product_flash_attention
-        ]
-        self.flop_registry[aten._scaled_dot_product_flash_attention_for_cpu_backward] = flop_registry[
-            aten._scaled_dot_product_flash_attention_backward
-        ]
-
-    def __enter__(self) -> StepFlopCounter:
-        self.flop_counts.clear()
-        self.mode = _FlopCounterMode(self)
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *args: Any) -> None:
-        assert self.mode is not None
-        self.mode.__exit__(*args)
-        self.mode = None
 
 
 @dataclass

@@ -145,8 +145,9 @@ def traced_run(cfg: PlanRunConfig, arch: Path) -> TracedRun:
     checkpointing, FSDP2 through ``parallelize``), AdamW with the run's settings and its state as after
     a first step, the EMA."""
     backbone = meta_backbone(cfg, arch)
+    eager = replace(cfg, model=replace(cfg.model, compile=False))  # the planner traces the eager model
     with fake_deepcopy(), torch.device("meta"):  # LoRA layers too: peft skips moving meta adapters
-        _, reference = setup_trainable(cfg, backbone)
+        _, reference = setup_trainable(eager, backbone)
     for module in (backbone.transformer, reference):
         if module is not None:
             module.to_empty(device=CPU)
