@@ -317,6 +317,46 @@ def hydra_message(err: Exception) -> str:
     return f"{full_key}: {first}" if full_key else first
 
 
+def repeated_keys(text: str) -> list[str]:
+    """Keys that the dict literals of an override name twice at one level (Hydra keeps the last, silently)."""
+    levels: list[tuple[set[str] | None, list[bool]]] = []  # per open bracket: its keys (None: a list), expecting one
+    repeated, token, quote = [], "", ""
+    for char in text:
+        if quote:
+            quote = "" if char == quote else quote
+            token += char
+        elif char in "'\"":
+            quote, token = char, token + char
+        elif char in "{[":
+            levels.append((set() if char == "{" else None, [True]))
+            token = ""
+        elif char in "}]":
+            levels = levels[:-1]
+            token = ""
+        elif char == "," and levels:
+            levels[-1][1][0], token = True, ""
+        elif char == ":" and levels and (keys := levels[-1][0]) is not None and levels[-1][1][0]:
+            key = token.strip().strip("'\"")
+            if key in keys:
+                repeated.append(key)
+            keys.add(key)
+            levels[-1][1][0], token = False, ""
+        else:
+            token += char
+    return repeated
+
+
+def _repeated_override_keys(argv: Sequence[str]) -> str | None:
+    for override in argv:
+        key, _, value = override.partition("=")
+        if repeated := repeated_keys(value):
+            return (
+                f"{key.lstrip('+~')}: the value names {', '.join(repr(k) for k in repeated)} twice, and only the last "
+                "would count: name each once"
+            )
+    return None
+
+
 def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None = None) -> None:
     """Run ``main`` (a ``@hydra.main`` function whose body is inside ``reported``); a reported error exits.
 
@@ -325,6 +365,9 @@ def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None 
     saved_argv, saved_debug = sys.argv, os.environ.get(DEBUG_ENV)
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    if problem := _repeated_override_keys(sys.argv[1:]):
+        sys.argv = saved_argv
+        raise SystemExit(report_error(ConfigError(problem), prog))
     _progress.task_started, _progress.debug, _progress.prog = False, saved_debug == "1", prog
     _progress.launch, _progress.failed_jobs, _progress.jobs = None, [], 0
     os.environ[DEBUG_ENV] = "1"  # Hydra re-raises instead of printing its own multi-line report

@@ -233,8 +233,8 @@ def _starting_again(checkpoints: CheckpointManager) -> None:
 def resolve_device(cfg: TrainConfig, dist: DistInfo) -> torch.device:
     if cfg.device == "cpu" or (cfg.device == "auto" and dist.device.type == "cpu"):
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("device=cuda but CUDA is not available; use device=cpu or device=auto")
+    if not torch.cuda.is_available():  # validate() refuses device=cuda without CUDA: device=auto found a GPU rank
+        raise ConfigError("device=auto: this rank has no CUDA device; use device=cpu")
     return dist.device
 
 
@@ -263,6 +263,8 @@ def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Ba
         )
     if next(backbone.transformer.parameters()).dtype != torch.float32:  # float32 master weights
         backbone.transformer.to(torch.float32)
+    with _settings("model.height / model.width"):  # the sizes the backbone can sample, before the first rollout
+        backbone.initial_noise(1, height=cfg.model.height, width=cfg.model.width)
     problem = non_finite(backbone.transformer)  # they would give a NaN loss and skip every update
     if problem:
         raise ConfigError(
@@ -333,12 +335,26 @@ def setup_trainable(cfg: TrainConfig, backbone: Backbone) -> tuple[list[nn.Param
     return [p for p in transformer.parameters() if p.requires_grad], reference
 
 
-def _scorer(field_name: str, name: str, kwargs: dict[str, Any], device: torch.device) -> Scorer:
-    """Scorer ``name`` built from the settings under ``field_name``, its arguments checked first."""
+def _check_arguments(field_name: str, name: str, kwargs: dict[str, Any]) -> None:
+    """The settings under ``field_name`` are arguments scorer ``name`` takes (nothing is built)."""
     try:
         inspect.signature(scorer_class(name)).bind(**kwargs)
     except TypeError as err:
         raise ConfigError(f"{field_name}: {err} (the scorer's arguments are in docs/rewards.md)") from None
+
+
+def check_eval_inputs(cfg: TrainConfig) -> None:
+    """What the evaluation reads, checked at start-up rather than at its first run (after training steps):
+    the scorers' arguments and the prompt files (validate() has read them)."""
+    if not cfg.logging.eval_every:
+        return
+    for name, kwargs in cfg.eval.scorers.items():
+        _check_arguments(f"eval.scorers.{name}", name, dict(kwargs))
+
+
+def _scorer(field_name: str, name: str, kwargs: dict[str, Any], device: torch.device) -> Scorer:
+    """Scorer ``name`` built from the settings under ``field_name``, its arguments checked first."""
+    _check_arguments(field_name, name, kwargs)
     with _settings(field_name):
         return build_scorer(name, **kwargs).to(device)
 
@@ -477,6 +493,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
     resume_from = preflight(cfg, dist, checkpoints, max_step=cfg.num_steps if training else None)
     device = resolve_device(cfg, dist)
     records = read_prompts(cfg.data.train_prompts)
+    check_eval_inputs(cfg)
     rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds
     backbone = build_backbone(cfg, dist, device)
     params, reference = setup_trainable(cfg, backbone)

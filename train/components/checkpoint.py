@@ -64,6 +64,7 @@ from diffusers import ModelMixin
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
 from peft import PeftModel
 from peft.utils import get_peft_model_state_dict
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
@@ -655,6 +656,17 @@ def _run_folder(path: Path) -> Path | None:
     return path if (path / "metrics.jsonl").is_file() or (path / ".hydra").is_dir() else None
 
 
+def _export_problem(folder: Path) -> str | None:
+    """What is wrong with the safetensors files of an export (a copy cut short, a damaged header), or None."""
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt") as weights:
+                weights.keys()
+        except Exception as err:  # safetensors raises its own error type for any unreadable header
+            return f"{file.name} cannot be read ({str(err).splitlines()[0][:80]})"
+    return None
+
+
 def find_weights(value: str, field: str) -> Weights:
     """What ``value`` (``eval.transformer`` or ``resume``) points at: an export, a checkpoint, or a run folder
     (its export, else its latest complete checkpoint). Raises PathError naming ``field`` and the fix."""
@@ -667,15 +679,20 @@ def find_weights(value: str, field: str) -> Weights:
         return Weights("checkpoint", path, run, path.name)
     if (path / "config.json").is_file() or (path / LORA_WEIGHT_NAME_SAFE).is_file():
         kind = "export" if (path / "config.json").is_file() else "lora_export"
+        if problem := _export_problem(path):
+            raise PathError(f"{field}={value!r}: the export {problem}; export again, or pass a checkpoint folder")
         return Weights(kind, path, _run_folder(path.parent), "export")
     if path.parent.name == "checkpoints" or path.name.endswith(".tmp"):
         raise PathError(
             f"{field}={value!r} is not a complete checkpoint (no COMPLETE marker: its save was interrupted); "
             f"pick another folder of {path.parent}"
         )
-    if (path / "export").is_dir():
-        return find_weights(str(path / "export"), field)
     latest = CheckpointManager(path).latest()
+    if (path / "export").is_dir():
+        problem = _export_problem(path / "export")
+        if problem is None or latest is None:
+            return find_weights(str(path / "export"), field)
+        log.warning("%s=%s: its export %s; using its latest checkpoint %s", field, value, problem, latest.name)
     if latest is not None:
         return find_weights(str(latest), field)
     raise PathError(f"{field}={value!r} holds no trained weights; pass {accepted}")

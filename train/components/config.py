@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
@@ -478,6 +479,8 @@ def _validate_run(cfg: TrainConfig, known_scorers: tuple[str, ...]) -> None:
     if not cfg.experiment.strip():
         raise ConfigError("experiment must name the run (it is the wandb group and part of the run folder)")
     _choice(cfg.device, ("auto", "cpu", "cuda"), "device")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but CUDA is not available on this machine; use device=cpu or device=auto")
     _positive(cfg.num_steps, "num_steps")
     _positive(cfg.dist.timeout_s, "dist.timeout_s")
     _choice(cfg.logging.wandb_mode, WANDB_MODES, "logging.wandb_mode")
