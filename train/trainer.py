@@ -169,8 +169,8 @@ def _after_step(
 def _rescue(run: Run, session: _Session, err: Exception) -> None:
     """Checkpoint the trained steps that an error is about to lose, when that is safe: the weights are those
     after the last step, and every rank takes part (one process, or an error every rank raised alike)."""
-    alike = isinstance(err, Stop) and err.same_on_every_rank and not isinstance(err, DiskFull)
-    if not session.unsaved() or not (run.dist.world_size == 1 or alike) or isinstance(err, DiskFull):
+    alike = isinstance(err, Stop) and err.same_on_every_rank
+    if isinstance(err, DiskFull) or not session.unsaved() or not (run.dist.world_size == 1 or alike):
         return
     try:
         path = _save(run, session.done)
@@ -225,12 +225,12 @@ def fit(run: Run) -> None:
     cfg = run.cfg
     began = time.perf_counter()
     start = resume(run)
+    if start < cfg.num_steps:  # a full disk shows now, not after the steps before the first checkpoint
+        run.checkpoints.check_space(_needed_bytes(run), "a checkpoint of this run")
     if cfg.resume is not None:
         run.logger.rewind(start)  # a resumed run logs every step once: rows of the steps it replays go
     if start == cfg.num_steps:
         log.warning("the checkpoint holds all num_steps=%d steps: nothing to train (raise num_steps to go on)", start)
-    if start < cfg.num_steps:  # a full disk shows now, not after the first checkpoint's steps
-        run.checkpoints.check_space(_needed_bytes(run), "a checkpoint of this run")
     evaluator = build_evaluator(run, start=start)
     # eval/<metric> at step k is the policy after k training steps: k = 0 is the model as loaded.
     if evaluator is not None and start == 0:

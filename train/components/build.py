@@ -50,6 +50,7 @@ from train.distributed.parallelize import parallelize
 from train.distributed.seeds import seed_everything, stream_seed
 
 log = logging.getLogger(__name__)
+FIRST_FILES_BYTES = 16 << 20  # free space a new run needs before its model loads (config, logs, metrics)
 
 
 @dataclass
@@ -198,6 +199,9 @@ def preflight(cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, 
     that change what the checkpoint's weights mean (``RESUME_SETTINGS``, unless checkpoint.allow_changed).
     """
     found = checkpoints.usable(cfg.resume)
+    if max_step is not None:  # before the logger writes: room for a checkpoint like it, else for the first files
+        needed = checkpoints.size_of(found[0]) if found else FIRST_FILES_BYTES
+        checkpoints.check_space(needed, "a checkpoint of this run")
     if not found and cfg.resume == "auto":
         _starting_again(checkpoints)
     if found and max_step is not None and (step := checkpoints.step_of(found[0])) > max_step:
