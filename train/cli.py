@@ -157,7 +157,7 @@ class _Progress:
     debug: bool | None = None  # the user's HYDRA_FULL_ERROR while run_hydra sets its own; None = read it
     prog: str = ""  # the command being run (run_hydra's prog)
     launch: _Launch | None = None  # the run folder before Hydra wrote into it (RunFolder)
-    failed_jobs: list[str] = field(default_factory=list)  # a sweep's jobs that failed, as "#<num> (<overrides>)"
+    failed_jobs: list[tuple[str, int]] = field(default_factory=list)  # a sweep's failed jobs and their statuses
     jobs: int = 0  # a sweep's jobs started
 
 
@@ -198,20 +198,12 @@ class RunFolder(Callback):
             raise SystemExit(report_error(problem, _progress.prog))  # Hydra's callbacks swallow Exceptions
 
 
-class _SweepJobFailed(Exception):
-    """A sweep's job ended with a reported error; Hydra goes on with the next job and re-raises the first."""
-
-    def __init__(self, exit_code: int) -> None:
-        super().__init__(f"a job of the sweep failed with status {exit_code}")
-        self.exit_code = exit_code
-
-
 def _sweep_job() -> str | None:
-    """``#<num> (<overrides>)`` of the running sweep job; None outside a sweep."""
+    """``#<num> (<its folder>)`` of the running sweep job; None outside a sweep."""
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None
-    job = HydraConfig.get().job
-    return f"#{job.num} ({job.override_dirname or 'no overrides'})"
+    hydra = HydraConfig.get()
+    return f"#{hydra.job.num} ({hydra.runtime.output_dir})"
 
 
 def _rank() -> int:
@@ -287,8 +279,7 @@ def reported(prog: str) -> Iterator[None]:
         status = report_error(err, prog, where=f"sweep job {job}: " if job else "")
         if job is None:
             raise SystemExit(status) from None
-        _progress.failed_jobs.append(job)
-        raise _SweepJobFailed(status) from None
+        _progress.failed_jobs.append((job, status))  # the sweep goes on with its next job
     except RuntimeError as err:
         line = collective_failure(err)
         if line is None:
@@ -373,14 +364,13 @@ def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None 
     os.environ[DEBUG_ENV] = "1"  # Hydra re-raises instead of printing its own multi-line report
     try:
         main()
-    except _SweepJobFailed as err:
-        failed = _progress.failed_jobs
-        message = (
-            f"{len(failed)} of the sweep's {_progress.jobs} jobs failed ({', '.join(failed)}; each error is above); "
-            "the others ran to their end"
-        )
-        _print(prog, "error", message, rank=_rank())
-        raise SystemExit(err.exit_code) from None
+        if failed := _progress.failed_jobs:
+            message = (
+                f"{len(failed)} of the sweep's {_progress.jobs} jobs failed ({', '.join(job for job, _ in failed)}; "
+                "each error is above); the others ran to their end"
+            )
+            _print(prog, "error", message, rank=_rank())
+            raise SystemExit(max(status for _, status in failed))
     except (HydraException, OmegaConfBaseException) as err:
         if _progress.task_started:
             raise
@@ -394,7 +384,7 @@ def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None 
         )
         raise SystemExit(report_error(ConfigError(message), prog)) from None
     finally:
-        sys.argv, _progress.debug = saved_argv, None
+        sys.argv, _progress.debug, _progress.launch = saved_argv, None, None
         if saved_debug is None:
             os.environ.pop(DEBUG_ENV, None)
         else:
