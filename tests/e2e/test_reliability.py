@@ -793,3 +793,17 @@ def test_plan_output_is_checked_before_the_trace(output, tmp_path, capsys):
         plan_command.main(["experiment=flux_dance", f"plan.output={path}"])
     line = the_error(capsys.readouterr().err, plan_command.PROG)
     assert stop.value.code == 2 and re.search(r"plan\.output=.* (is a folder|which is not a folder)", line)
+
+
+def test_resume_auto_with_only_unfinished_saves_says_it_starts_again(trained, tiny_flux_dir, tmp_path, capsys):
+    run_dir = copy_run(trained, tmp_path)
+    for path in (run_dir / "checkpoints").iterdir():  # saves cut before their COMPLETE marker and rename
+        (path / "COMPLETE").unlink()
+        path.rename(path.with_name(path.name + ".tmp"))
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=1", "resume=auto"]
+    status, stderr, stdout = command(capsys, run_dir, overrides, stdout=True)
+    assert status == 0, stderr
+    assert re.search(
+        r"resume=auto: no complete checkpoint under .*step_00000001\.tmp, step_00000002\.tmp unfinished", stdout
+    )
+    assert [m["step"] for m in metrics(run_dir)] == [0]
