@@ -93,6 +93,7 @@ class _Launch:
     saved: dict[Path, bytes]  # the bookkeeping files' contents (log files: their lengths in ``lengths``)
     lengths: dict[Path, int]
     others: dict[Path, tuple[int, int]]  # every other file: (size, mtime in ns)
+    folders: set[Path]  # the folders under it
 
     @staticmethod
     def bookkeeping(relative: Path) -> bool:
@@ -109,7 +110,8 @@ class _Launch:
             if candidate.exists():
                 break
             created = candidate
-        launch = cls(folder, created, {}, {}, {})
+        folders = {p for p in folder.rglob("*") if p.is_dir()} if folder.is_dir() else set()
+        launch = cls(folder, created, {}, {}, {}, folders)
         for path in launch._files():
             if not cls.bookkeeping(path.relative_to(folder)):
                 launch.others[path] = (path.stat().st_size, path.stat().st_mtime_ns)
@@ -147,7 +149,7 @@ class _Launch:
             else:
                 path.unlink()
         for folder in sorted(self.folder.rglob("*"), reverse=True):  # folders the launch created, now empty
-            if folder.is_dir() and not any(folder.iterdir()):
+            if folder.is_dir() and folder not in self.folders and not any(folder.iterdir()):
                 folder.rmdir()
 
 

@@ -17,6 +17,12 @@ Faults of a cluster: SIGTERM (a scheduler's notice) makes every rank stop after 
 write a checkpoint and exit with ``Preempted`` (train/distributed/preemption.py); ``resume=auto`` then replays
 from it bit for bit, with the rows of replayed steps dropped from metrics.jsonl, and falls back to
 the previous checkpoint when the latest is damaged. The last step is always checkpointed.
+
+Nothing lost, nothing silent: a step's checkpoint is written before its evaluation; when the loop
+fails after steps that are not saved yet (and the weights are still those after the last of them),
+their checkpoint is written before the error ends the run; every save first checks the disk's free
+space (``DiskFull`` names the disk); ``grpo.max_bad_steps`` steps in a row that cannot change the
+weights end the run with ``NotLearning`` after a checkpoint (train/components/health.py).
 """
 
 from __future__ import annotations

@@ -807,3 +807,16 @@ def test_resume_auto_with_only_unfinished_saves_says_it_starts_again(trained, ti
         r"resume=auto: no complete checkpoint under .*step_00000001\.tmp, step_00000002\.tmp unfinished", stdout
     )
     assert [m["step"] for m in metrics(run_dir)] == [0]
+
+
+def test_a_read_only_run_folder_is_one_line_before_hydra_writes(trained, tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    """resume=auto in an existing folder this user cannot write (os.access says so: the tests may run as root)."""
+    import train.cli as cli
+
+    run_dir = copy_run(trained, tmp_path)
+    saved = contents(run_dir)
+    real = os.access
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: Path(path) != run_dir and real(path, mode))
+    status, stderr = command(capsys, run_dir, [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "resume=auto"])
+    assert status == 2 and re.search(r"cannot write the run folder \(Permission denied: .*run\)", the_error(stderr))
+    assert contents(run_dir) == saved
