@@ -12,6 +12,14 @@ share this:
   file, a checkpoint, SIGTERM) prints ``<prog>: error: <message>`` and exits with its status (2 for a
   user error); a collective that timed out or lost a peer prints which one, from where, and exits 1.
 * ``report_error(err, prog)`` prints the line and returns the status, for commands that return it.
+* ``RunFolder``, a Hydra callback (``hydra.callbacks.run_folder`` in configs/train.yaml), looks at the
+  run folder before Hydra creates it or writes its ``.hydra/`` and log file there: a folder that holds a
+  run (train/components/run_folder.py) is refused unless the launch resumes or overwrites it, as are a
+  folder another live process owns and one that cannot be written. A launch refused later, before it
+  did any work (a setting, a file, a checkpoint that does not fit), takes back what it wrote: the
+  folder it created goes, and in a folder that existed ``.hydra/``, ``config*.yaml`` and the log file
+  are as they were. A sweep's job that fails is reported and the other jobs still run; the sweep then
+  ends with the status of its failed jobs, naming them.
 
 Everything else propagates, so a bug shows its traceback. ``HYDRA_FULL_ERROR=1`` prints the
 traceback of a reported error too. Under torchrun a message that every rank raises alike (a
@@ -39,22 +47,28 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import tokenize
 import traceback
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from train.components.config import TrainConfig, register_schema, unknown_setting
-from train.components.errors import ConfigError, Stop
+from train.components.errors import ConfigError, Stop, UserError
+from train.components.run_folder import LOCK_FILE, RunLock, check_one_run
 
 DEBUG_ENV = "HYDRA_FULL_ERROR"  # Hydra's own switch for full tracebacks; it shows ours too
 # What gloo raises when a peer does not answer within the timeout or has gone away.
@@ -67,12 +81,131 @@ _COLLECTIVE_NAMES = re.compile(r"all_gather|all_reduce|reduce_scatter|broadcast|
 
 
 @dataclass
+class _Launch:
+    """The run folder as it was before Hydra wrote into it, so that a refused launch can take back what it wrote.
+
+    What a launch writes before its first step (bookkeeping): Hydra's ``.hydra/`` and log file, the
+    trainer's ``config*.yaml`` and lock. Anything else that changed means the launch did work: it stays.
+    """
+
+    folder: Path
+    created: Path | None  # the outermost folder that did not exist (None: the run folder existed)
+    saved: dict[Path, bytes]  # the bookkeeping files' contents (log files: their lengths in ``lengths``)
+    lengths: dict[Path, int]
+    others: dict[Path, tuple[int, int]]  # every other file: (size, mtime in ns)
+    folders: set[Path]  # the folders under it
+
+    @staticmethod
+    def bookkeeping(relative: Path) -> bool:
+        parts = relative.parts
+        top = len(parts) == 1 and (
+            parts[0].endswith(".log") or parts[0] == LOCK_FILE or re.fullmatch(r"config.*\.yaml", parts[0]) is not None
+        )
+        return top or parts[0] == ".hydra"
+
+    @classmethod
+    def before(cls, folder: Path) -> _Launch:
+        created = None
+        for candidate in (folder, *folder.parents):
+            if candidate.exists():
+                break
+            created = candidate
+        folders = {p for p in folder.rglob("*") if p.is_dir()} if folder.is_dir() else set()
+        launch = cls(folder, created, {}, {}, {}, folders)
+        for path in launch._files():
+            if not cls.bookkeeping(path.relative_to(folder)):
+                launch.others[path] = (path.stat().st_size, path.stat().st_mtime_ns)
+            elif path.suffix == ".log":
+                launch.lengths[path] = path.stat().st_size
+            else:
+                launch.saved[path] = path.read_bytes()
+        return launch
+
+    def _files(self) -> list[Path]:
+        return [p for p in self.folder.rglob("*") if p.is_file()] if self.folder.is_dir() else []
+
+    def did_work(self) -> bool:
+        now = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in self._files()}
+        return {p: v for p, v in now.items() if not self.bookkeeping(p.relative_to(self.folder))} != self.others
+
+    def undo(self) -> None:
+        """Take back the bookkeeping of a launch refused before it did any work (else leave everything)."""
+        if not self.folder.is_dir() or self.did_work():
+            return
+        for handler in logging.getLogger().handlers[:]:  # Hydra's log file in the folder
+            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).is_relative_to(self.folder):
+                handler.close()
+                logging.getLogger().removeHandler(handler)
+        if self.created is not None:
+            shutil.rmtree(self.created, ignore_errors=True)
+            return
+        for path in self._files():
+            if not self.bookkeeping(path.relative_to(self.folder)):
+                continue
+            if path in self.saved:
+                path.write_bytes(self.saved[path])
+            elif path in self.lengths:
+                os.truncate(path, self.lengths[path])
+            else:
+                path.unlink()
+        for folder in sorted(self.folder.rglob("*"), reverse=True):  # folders the launch created, now empty
+            if folder.is_dir() and folder not in self.folders and not any(folder.iterdir()):
+                folder.rmdir()
+
+
+@dataclass
 class _Progress:
     task_started: bool = False  # Hydra has composed the settings, created the run folder and called the task
     debug: bool | None = None  # the user's HYDRA_FULL_ERROR while run_hydra sets its own; None = read it
+    prog: str = ""  # the command being run (run_hydra's prog)
+    launch: _Launch | None = None  # the run folder before Hydra wrote into it (RunFolder)
+    failed_jobs: list[tuple[str, int]] = field(default_factory=list)  # a sweep's failed jobs and their statuses
+    jobs: int = 0  # a sweep's jobs started
 
 
 _progress = _Progress()
+
+
+class RunFolder(Callback):
+    """Hydra's callback before the run folder is created (``hydra.callbacks.run_folder``, configs/train.yaml).
+
+    ``one_run``: refuse a folder that holds a run unless ``resume`` or ``checkpoint.overwrite`` is set, and
+    one whose lock a live process holds (the trainer's; train.eval and train.probe write beside runs).
+    """
+
+    def __init__(self, one_run: bool = True) -> None:
+        self.one_run = one_run
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            folder = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
+        except OmegaConfBaseException:
+            return  # Hydra resolves it again in a moment and reports the error its own way
+        _progress.launch = _Launch.before(folder)
+        problem: Stop | None = None
+        if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+            problem = ConfigError(
+                f"cannot write the run folder (Permission denied: {folder}); pass a writable hydra.run.dir=<folder>"
+            )
+        elif self.one_run:
+            try:
+                overwrite = bool(OmegaConf.select(config, "checkpoint.overwrite", default=False))
+                check_one_run(folder, resume=config.get("resume"), overwrite=overwrite)
+                busy = RunLock(folder).busy() if _rank() == 0 else None  # rank 0 owns the folder
+                problem = UserError(busy) if busy else None
+            except Stop as err:
+                problem = err
+        if problem is not None:
+            _progress.launch = None  # nothing was written: nothing to take back
+            raise SystemExit(report_error(problem, _progress.prog))  # Hydra's callbacks swallow Exceptions
+
+
+def _sweep_job() -> str | None:
+    """``#<num> (<its folder>)`` of the running sweep job; None outside a sweep."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    hydra = HydraConfig.get()
+    return f"#{hydra.job.num} ({hydra.runtime.output_dir})"
 
 
 def _rank() -> int:
@@ -89,13 +222,14 @@ def _print(prog: str, label: str, message: str, *, rank: int) -> None:
     print(f"{prefix}{prog}: {label}: {one_line}", file=sys.stderr, flush=True)
 
 
-def report_error(err: Stop, prog: str) -> int:
-    """Print ``err`` as one line (rank 0 alone when every rank raised it) and return its exit status."""
+def report_error(err: Stop, prog: str, *, where: str = "") -> int:
+    """Print ``err`` as one line (rank 0 alone when every rank raised it), after ``where`` (a sweep's job),
+    and return its exit status."""
     rank = _rank()
     if _debug():
         traceback.print_exception(err)
     if rank == 0 or not err.same_on_every_rank:
-        _print(prog, err.label, str(err), rank=rank)
+        _print(prog, err.label, f"{where}{err}", rank=rank)
     return err.exit_code
 
 
@@ -137,10 +271,17 @@ def collective_failure(err: BaseException) -> str | None:
 def reported(prog: str) -> Iterator[None]:
     """Around a command's body: a ``Stop`` or a failed collective ends the process with one line."""
     _progress.task_started = True
+    job = _sweep_job()
+    _progress.jobs += job is not None
     try:
         yield
     except Stop as err:
-        raise SystemExit(report_error(err, prog)) from None
+        if isinstance(err, UserError) and _progress.launch is not None:
+            _progress.launch.undo()
+        status = report_error(err, prog, where=f"sweep job {job}: " if job else "")
+        if job is None:
+            raise SystemExit(status) from None
+        _progress.failed_jobs.append((job, status))  # the sweep goes on with its next job
     except RuntimeError as err:
         line = collective_failure(err)
         if line is None:
@@ -169,6 +310,46 @@ def hydra_message(err: Exception) -> str:
     return f"{full_key}: {first}" if full_key else first
 
 
+def repeated_keys(text: str) -> list[str]:
+    """Keys that the dict literals of an override name twice at one level (Hydra keeps the last, silently)."""
+    levels: list[tuple[set[str] | None, list[bool]]] = []  # per open bracket: its keys (None: a list), expecting one
+    repeated, token, quote = [], "", ""
+    for char in text:
+        if quote:
+            quote = "" if char == quote else quote
+            token += char
+        elif char in "'\"":
+            quote, token = char, token + char
+        elif char in "{[":
+            levels.append((set() if char == "{" else None, [True]))
+            token = ""
+        elif char in "}]":
+            levels = levels[:-1]
+            token = ""
+        elif char == "," and levels:
+            levels[-1][1][0], token = True, ""
+        elif char == ":" and levels and (keys := levels[-1][0]) is not None and levels[-1][1][0]:
+            key = token.strip().strip("'\"")
+            if key in keys:
+                repeated.append(key)
+            keys.add(key)
+            levels[-1][1][0], token = False, ""
+        else:
+            token += char
+    return repeated
+
+
+def _repeated_override_keys(argv: Sequence[str]) -> str | None:
+    for override in argv:
+        key, _, value = override.partition("=")
+        if repeated := repeated_keys(value):
+            return (
+                f"{key.lstrip('+~')}: the value names {', '.join(repr(k) for k in repeated)} twice, and only the last "
+                "would count: name each once"
+            )
+    return None
+
+
 def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None = None) -> None:
     """Run ``main`` (a ``@hydra.main`` function whose body is inside ``reported``); a reported error exits.
 
@@ -177,10 +358,21 @@ def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None 
     saved_argv, saved_debug = sys.argv, os.environ.get(DEBUG_ENV)
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    _progress.task_started, _progress.debug = False, saved_debug == "1"
+    if problem := _repeated_override_keys(sys.argv[1:]):
+        sys.argv = saved_argv
+        raise SystemExit(report_error(ConfigError(problem), prog))
+    _progress.task_started, _progress.debug, _progress.prog = False, saved_debug == "1", prog
+    _progress.launch, _progress.failed_jobs, _progress.jobs = None, [], 0
     os.environ[DEBUG_ENV] = "1"  # Hydra re-raises instead of printing its own multi-line report
     try:
         main()
+        if failed := _progress.failed_jobs:
+            message = (
+                f"{len(failed)} of the sweep's {_progress.jobs} jobs failed ({', '.join(job for job, _ in failed)}; "
+                "each error is above); the others ran to their end"
+            )
+            _print(prog, "error", message, rank=_rank())
+            raise SystemExit(max(status for _, status in failed))
     except (HydraException, OmegaConfBaseException) as err:
         if _progress.task_started:
             raise
@@ -194,7 +386,7 @@ def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None 
         )
         raise SystemExit(report_error(ConfigError(message), prog)) from None
     finally:
-        sys.argv, _progress.debug = saved_argv, None
+        sys.argv, _progress.debug, _progress.launch = saved_argv, None, None
         if saved_debug is None:
             os.environ.pop(DEBUG_ENV, None)
         else:

@@ -163,6 +163,7 @@ def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> Scored:
     total = run.rewards.total(scores)
     # every rank holds as many samples: the gathered tensors are the whole step's
     metrics = {f"reward/{name}": float(all_gather_tensor(s).mean()) for name, s in scores.items()}
+    metrics |= {f"spread/{name}": group_spread(s, traj.group_ids) for name, s in scores.items()}
     everyone = all_gather_tensor(advantages)
     metrics |= {
         "reward/total": float(all_gather_tensor(total).mean()),
@@ -172,6 +173,13 @@ def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> Scored:
         "train/skipped_nan_reward": 0.0,
     }
     return Scored(advantages, images, total, metrics)
+
+
+def group_spread(scores: Tensor, group_ids: Tensor) -> float:
+    """The largest range (max - min) of ``scores`` [B] within a group, over the groups of every rank: 0 when
+    every group ties, so the reward adds no advantage (train/components/health.py warns)."""
+    everyone, ids = all_gather_tensor(scores.float()), all_gather_tensor(group_ids)
+    return max(float(everyone[ids == gid].max() - everyone[ids == gid].min()) for gid in ids.unique())
 
 
 def optimizer_step(run: Run) -> tuple[float, bool]:

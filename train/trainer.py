@@ -17,6 +17,12 @@ Faults of a cluster: SIGTERM (a scheduler's notice) makes every rank stop after 
 write a checkpoint and exit with ``Preempted`` (train/distributed/preemption.py); ``resume=auto`` then replays
 from it bit for bit, with the rows of replayed steps dropped from metrics.jsonl, and falls back to
 the previous checkpoint when the latest is damaged. The last step is always checkpointed.
+
+Nothing lost, nothing silent: a step's checkpoint is written before its evaluation; when the loop
+fails after steps that are not saved yet (and the weights are still those after the last of them),
+their checkpoint is written before the error ends the run; every save first checks the disk's free
+space (``DiskFull`` names the disk); ``grpo.max_bad_steps`` steps in a row that cannot change the
+weights end the run with ``NotLearning`` after a checkpoint (train/components/health.py).
 """
 
 from __future__ import annotations
@@ -25,19 +31,30 @@ import logging
 import math
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from train.components.build import Run, adamw_settings, build_evaluator, load_config, open_run, process_group
-from train.components.checkpoint import export_model
-from train.components.errors import CheckpointError, Preempted
+from train.components.build import (
+    Run,
+    adamw_settings,
+    build_evaluator,
+    load_config,
+    non_finite,
+    open_run,
+    process_group,
+)
+from train.components.checkpoint import export_model, state_bytes
+from train.components.config import resume_settings
+from train.components.errors import CheckpointError, DiskFull, NotLearning, Preempted, Stop
 from train.components.evaluator import Evaluator
+from train.components.health import Health
 from train.components.logger import Heartbeat, progress_bar
 from train.components.summary import run_summary
-from train.distributed.collectives import activity
+from train.distributed.collectives import activity, broadcast_object
 from train.distributed.preemption import Preemption, sigterm_requests
 from train.step import train_step
 
@@ -51,12 +68,28 @@ def run(cfg: DictConfig) -> None:
         fit(state)
 
 
+def _needed_bytes(run: Run) -> int:
+    """About the size of the run's next checkpoint: its latest one's, else an estimate from the state (a collective)."""
+    latest = broadcast_object(run.checkpoints.latest())
+    if latest is not None:
+        return run.checkpoints.size_of(latest)
+    return state_bytes(run.backbone.transformer, run.optimizer)
+
+
 def _save(run: Run, step: int) -> Path:
+    """The checkpoint of ``step`` steps, once the disk has room for it (DiskFull otherwise)."""
     extra: dict[str, Any] = {"step": step}
     if run.ema is not None:
         extra["ema"] = run.ema.state_dict()
     with activity(f"the checkpoint save after step {step}"):
-        return run.checkpoints.save(step, model=run.backbone.transformer, optimizer=run.optimizer, extra=extra)
+        run.checkpoints.check_space(_needed_bytes(run), f"the checkpoint of step {step}")
+        return run.checkpoints.save(
+            step,
+            model=run.backbone.transformer,
+            optimizer=run.optimizer,
+            extra=extra,
+            settings=resume_settings(run.cfg),
+        )
 
 
 def _configured_optimizer(run: Run) -> None:
@@ -71,16 +104,22 @@ def _configured_optimizer(run: Run) -> None:
 def resume(run: Run) -> int:
     """The step to start from: 0, or the step of the checkpoint ``resume`` names.
 
-    ``run.resume_from`` passed the file checks before the model loaded; a checkpoint whose tensors
-    still do not read back is damaged, and ``resume=auto`` falls back to the previous one.
+    ``run.resume_from[0]`` passed the file checks before the model loaded; a checkpoint whose tensors
+    still do not read back, or whose weights are not finite, is damaged, and ``resume=auto`` falls back
+    to the previous one (checked first).
     """
     # The EMA copies may be sharded DTensors: they load in place into the live EMA's state.
     template = {"ema": run.ema.state_dict()} if run.ema is not None else None
-    for path in run.resume_from:
+    for index, path in enumerate(run.resume_from):
+        if index > 0 and (problem := run.checkpoints.problem(path)):
+            log.warning("resume=auto: skipping the damaged %s", problem)
+            continue
         try:
             extra = run.checkpoints.load(
                 path, model=run.backbone.transformer, optimizer=run.optimizer, extra_template=template
             )
+            if problem := non_finite(run.backbone.transformer):
+                raise CheckpointError(f"checkpoint {path} holds {problem} among its weights", damaged=True)
         except CheckpointError as err:
             if run.cfg.resume != "auto" or not err.damaged:
                 raise
@@ -96,18 +135,59 @@ def resume(run: Run) -> int:
     return 0
 
 
-def _after_step(run: Run, evaluator: Evaluator | None, done: int, preemption: Preemption) -> None:
-    """Evaluation and checkpoint on their cadences once ``done`` steps are trained; SIGTERM stops here."""
-    cfg = run.cfg
+@dataclass
+class _Session:
+    """Where the loop stands: steps trained, the last step checkpointed, optimizer steps taken (a hook counts them)."""
+
+    done: int
+    saved: int
+    moved: int = 0
+    moved_when_done: int = 0  # ``moved`` when step ``done`` ended: more since then means the weights changed
+
+    def count(self, *_: Any) -> None:
+        self.moved += 1
+
+    def unsaved(self) -> bool:
+        """Steps are trained since the last checkpoint and the weights are still those after the last one."""
+        return self.done > self.saved and self.moved == self.moved_when_done
+
+
+def _after_step(
+    run: Run, evaluator: Evaluator | None, session: _Session, stop_line: str | None, preemption: Preemption
+) -> None:
+    """Checkpoint, then evaluation, on their cadences once ``session.done`` steps are trained; SIGTERM and a run
+    that cannot learn (``stop_line``) stop here, after their checkpoint."""
+    cfg, done = run.cfg, session.done
+    stop = preemption.requested(run.device)
+    every = cfg.checkpoint.every
+    if stop or stop_line or done == cfg.num_steps or (every and done % every == 0):
+        path = _save(run, done)
+        session.saved = done
+    if stop_line:
+        raise NotLearning(f"{stop_line}; wrote checkpoint {path}")
     if evaluator is not None and evaluator.due(done):
         with activity(f"the evaluation after step {done}"):
             evaluator(done)
-    stop = preemption.requested(run.device)
-    every = cfg.checkpoint.every
-    if stop or done == cfg.num_steps or (every and done % every == 0):
-        path = _save(run, done)
     if stop:
         raise Preempted(f"SIGTERM: wrote checkpoint {path} after step {done}; rerun with resume=auto to continue")
+
+
+def _rescue(run: Run, session: _Session, err: Exception) -> None:
+    """Checkpoint the trained steps that an error is about to lose, when that is safe: the weights are those
+    after the last step, and every rank takes part (one process, or an error every rank raised alike)."""
+    alike = isinstance(err, Stop) and err.same_on_every_rank
+    if isinstance(err, DiskFull) or not session.unsaved() or not (run.dist.world_size == 1 or alike):
+        return
+    try:
+        path = _save(run, session.done)
+    except Exception as failed:  # the original error is the one to report
+        log.warning(
+            "could not checkpoint the %d steps trained since the last checkpoint: %s",
+            session.done - session.saved,
+            failed,
+        )
+        return
+    log.warning("wrote checkpoint %s of the steps trained before this error; resume=auto continues from it", path)
 
 
 def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, float]]:
@@ -116,6 +196,13 @@ def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, 
     show_bar = main and cfg.logging.progress_bar
     bar = progress_bar(cfg.num_steps, is_main=show_bar, initial=start)
     heartbeat = Heartbeat(cfg.num_steps, start=start, every_s=cfg.logging.heartbeat_s, enabled=main and not show_bar)
+    g = cfg.grpo
+    health = Health(
+        max_bad_steps=g.max_bad_steps,
+        optimizer_steps=g.group_size * g.prompts_per_rank // g.gradient_accumulation_steps,
+    )
+    session = _Session(done=start, saved=start)
+    hook = run.optimizer.register_step_post_hook(session.count)
     history = []
     # console lines go through tqdm.write while the bar is shown, so they do not break it
     with sigterm_requests() as preemption, logging_redirect_tqdm() if show_bar else nullcontext():
@@ -123,14 +210,19 @@ def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, 
             for step in range(start, cfg.num_steps):
                 with activity(f"training step {step}"):
                     metrics = train_step(run, step)
+                    session.done, session.moved_when_done = step + 1, session.moved
                     run.logger.log(metrics, step)
                     history.append(metrics)
                     reward = metrics.get("reward/total", math.nan)
                     bar.update(1)
                     bar.set_postfix(reward=f"{reward:.4f}")
                     heartbeat.tick(step + 1, reward)
-                    _after_step(run, evaluator, step + 1, preemption)
+                    _after_step(run, evaluator, session, health.observe(metrics, step), preemption)
+        except Exception as err:
+            _rescue(run, session, err)
+            raise
         finally:
+            hook.remove()
             bar.close()
     return history
 
@@ -139,6 +231,8 @@ def fit(run: Run) -> None:
     cfg = run.cfg
     began = time.perf_counter()
     start = resume(run)
+    if start < cfg.num_steps:  # a full disk shows now, not after the steps before the first checkpoint
+        run.checkpoints.check_space(_needed_bytes(run), "a checkpoint of this run")
     if cfg.resume is not None:
         run.logger.rewind(start)  # a resumed run logs every step once: rows of the steps it replays go
     if start == cfg.num_steps:

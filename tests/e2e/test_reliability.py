@@ -8,6 +8,12 @@
 * SIGTERM writes a checkpoint after the step and the resumed run equals an uninterrupted one, bit
   for bit (1 process here; 2 gloo ranks, one signalled, in ``test_sigterm_on_one_of_two_ranks``).
 * A stopped rank: the other fails after ``dist.timeout_s`` naming the collective it waited in.
+* Nothing lost: a folder that holds a run is refused (unless resumed or overwritten) and a refused
+  launch leaves no trace; a live owner of the folder is named; a resume that changes what the weights
+  mean is refused; checkpoint files that were mixed up fail their checksums; a full disk is named
+  before a save; the steps trained before a failure are saved.
+* Nothing silent: a run that cannot learn (NaN rewards, rewards that cancel, NaN weights) stops after
+  ``grpo.max_bad_steps`` with its checkpoint; a failing job of a sweep does not stop the others.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -91,6 +98,13 @@ def files_of(folder: Path) -> dict[str, tuple[int, int, str]]:
     }
 
 
+def contents(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` -> its sha1 (a refused launch may rewrite a file with the same bytes)."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha1(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()
+    }
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -129,6 +143,12 @@ def copy_run(trained: Path, tmp_path: Path) -> Path:
 def non_utf8(tmp_path: Path) -> str:
     path = tmp_path / "latin1.txt"
     path.write_bytes("a cat\nun caf\xe9 au lait\n".encode("latin-1"))
+    return str(path)
+
+
+def prompt_file(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
     return str(path)
 
 
@@ -211,14 +231,50 @@ BAD_SETTINGS = {
     "resume-missing": (["resume=/nonexistent/step_00000001"], r"resume='/nonexistent/step_00000001': no such"),
     "embedding-cache": (["model.embedding_cache=/nonexistent"], r"model\.embedding_cache='/nonexistent' is not a"),
     "past-num_steps": (["num_steps=1"], r"holds step 2, past num_steps=1"),
+    "prompt-null": (
+        ["data.eval_prompts={null_prompt}"],
+        r"null\.jsonl:2: 'prompt' must be a non-empty string, got null",
+    ),
+    "prompt-empty": (["data.eval_prompts={empty_prompt}"], r"empty\.jsonl:1: 'prompt' must be a non-empty string"),
+    "prompt-nul": (["data.train_prompts={nul_prompt}"], r"data\.train_prompts: .*nul\.txt:2 holds a NUL byte"),
+    "category-list": (["data.eval_prompts={list_category}"], r"category\.jsonl:1: 'category' must be a string or null"),
+    "reward-twice": (
+        [
+            "reward.components={{jpeg_compressibility: {{weight: 1}}, jpeg_compressibility: {{weight: 2}}}}"
+        ],  # str.format
+        r"reward\.components: the value names 'jpeg_compressibility' twice",
+    ),
+    "height-not-a-multiple": (["model.height=33"], r"model\.height / model\.width: .*multiples of \d+, got 33x32"),
+    "eval-scorer-argument": (
+        ["logging.eval_every=1", "+eval.scorers.jpeg_compressibility.qualty=5"],
+        r"eval\.scorers\.jpeg_compressibility: .*qualty",
+    ),
+    "overwrite-and-resume": (["checkpoint.overwrite=true"], r"checkpoint\.overwrite=true .* resume=auto .*pick one"),
+    "allow_changed-unknown": (["checkpoint.allow_changed=[grpo.lr]"], r"checkpoint\.allow_changed: 'grpo\.lr' is not"),
+    "max_bad_steps-negative": (["grpo.max_bad_steps=-1"], r"grpo\.max_bad_steps must be >= 0"),
+    "changed-seed": (["seed=7"], r"saved with other settings .*\(seed 42 -> 7\).*checkpoint\.allow_changed=\[seed\]"),
+    "changed-meaning": (
+        ["update.mode=exact", "sampler.eta=0.5", "model.lora.enabled=true"],
+        r"\(model\.lora\.enabled False -> True; sampler\.eta 0\.3 -> 0\.5; update\.mode 'jagg' -> 'exact'\)",
+    ),
 }
+if not torch.cuda.is_available():
+    BAD_SETTINGS["cuda-missing"] = (["device=cuda"], r"device=cuda but CUDA is not available on this machine")
 
 
 @pytest.mark.parametrize("case", list(BAD_SETTINGS))
 def test_a_bad_setting_is_one_line_before_anything_loads(case, trained, tiny_flux_dir, tmp_path, capsys):
     overrides, expected = BAD_SETTINGS[case]
-    paths = {"tmp": str(tmp_path), "latin1": non_utf8(tmp_path), "utf16": utf16(tmp_path)}
-    before = files_of(trained / "checkpoints")
+    paths = {
+        "tmp": str(tmp_path),
+        "latin1": non_utf8(tmp_path),
+        "utf16": utf16(tmp_path),
+        "null_prompt": prompt_file(tmp_path, "null.jsonl", '{"prompt": "a cat"}\n{"prompt": null}\n'),
+        "empty_prompt": prompt_file(tmp_path, "empty.jsonl", '{"prompt": " "}\n'),
+        "nul_prompt": prompt_file(tmp_path, "nul.txt", "a cat\na d\x00og\n"),
+        "list_category": prompt_file(tmp_path, "category.jsonl", '{"prompt": "a cat", "category": ["animal"]}\n'),
+    }
+    before, saved = files_of(trained / "checkpoints"), contents(trained)
     status, stderr = command(
         capsys,
         trained,
@@ -227,6 +283,7 @@ def test_a_bad_setting_is_one_line_before_anything_loads(case, trained, tiny_flu
     assert status == 2, stderr
     assert re.search(expected, the_error(stderr)), the_error(stderr)
     assert files_of(trained / "checkpoints") == before
+    assert contents(trained) == saved  # Hydra's .hydra/ and log file too: the refused launch took them back
 
 
 def truncate(name: str):
@@ -244,6 +301,11 @@ def zero(name: str):
     return damage
 
 
+def swap(name: str):
+    """The file of the same name from the previous checkpoint (step 1): same length, other bytes."""
+    return lambda path: shutil.copyfile(path.parent / "step_00000001" / name, path / name)
+
+
 def remove(name: str):
     return lambda path: (path / name).unlink()
 
@@ -256,7 +318,9 @@ def write(name: str, text: str):
 DAMAGED = {
     "truncated-distcp": (truncate("__0_0.distcp"), r"__0_0\.distcp is truncated \(\d+ of \d+ bytes\)"),
     "missing-distcp": (remove("__0_0.distcp"), r"__0_0\.distcp is missing"),
-    "zeroed-distcp": (zero("__0_0.distcp"), r"is damaged: its \.distcp shards do not read back"),
+    "zeroed-distcp": (zero("__0_0.distcp"), r"__0_0\.distcp does not match the checksum recorded when it was saved"),
+    "swapped-distcp": (swap("__0_0.distcp"), r"__0_0\.distcp does not match the checksum recorded when it was saved"),
+    "swapped-rank0": (swap("rank0.pt"), r"rank0\.pt is not the rank file of step 2"),
     "truncated-rank0": (truncate("rank0.pt"), r"rank0\.pt cannot be read"),
     "zeroed-rank0": (zero("rank0.pt"), r"rank0\.pt cannot be read"),
     "missing-rank0": (remove("rank0.pt"), r"rank0\.pt is missing"),
@@ -325,6 +389,9 @@ def test_a_checkpoint_of_another_model_is_one_line(resume, trained, tiny_flux_di
     latest = run_dir / "checkpoints" / "step_00000002"
     overrides = [*FAST, f"model.path={other_model(tiny_flux_dir, tmp_path)}", "model.build_tiny=null", "num_steps=3"]
     status, stderr = command(capsys, run_dir, [*overrides, f"resume={'auto' if resume == 'auto' else latest}"])
+    assert status == 2 and re.search(r"other settings .*\(model\.path '.*' -> '.*wider'\)", the_error(stderr))
+    overrides.append("checkpoint.allow_changed=[model.path]")  # another copy of the model: its weights tell
+    status, stderr = command(capsys, run_dir, [*overrides, f"resume={'auto' if resume == 'auto' else latest}"])
     line = the_error(stderr)
     assert status == 2 and re.search(r"was saved from a model of another size \(Size mismatch", line), line
     assert files_of(run_dir / "checkpoints") == before
@@ -333,7 +400,7 @@ def test_a_checkpoint_of_another_model_is_one_line(resume, trained, tiny_flux_di
 def test_a_full_checkpoint_into_a_lora_run_is_one_line(trained, tiny_flux_dir, tmp_path, capsys):
     run_dir = copy_run(trained, tmp_path)
     overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "resume=auto", "model.lora.enabled=true"]
-    status, stderr = command(capsys, run_dir, overrides)
+    status, stderr = command(capsys, run_dir, [*overrides, "checkpoint.allow_changed=[model.lora]"])
     assert status == 2 and re.search(r"does not hold this model's weights.*model\.lora", the_error(stderr))
 
 
@@ -525,3 +592,231 @@ def test_a_stopped_rank_makes_the_other_fail_naming_the_collective(tiny_flux_dir
     assert re.search(r"the collective \w*(all_reduce|all_gather|broadcast|barrier|reduce_scatter)\w*", line), line
     assert re.search(r"during training step \d+, timed out after 10 s \(dist\.timeout_s\)", line), line
     assert 9 < waited < 60, waited
+
+
+def test_a_folder_that_holds_a_run_is_refused_before_anything_is_written(trained, tiny_flux_dir, tmp_path, capsys):
+    """A second launch into a finished run's folder (another seed, no resume=) changes nothing in it."""
+    run_dir = copy_run(trained, tmp_path)
+    saved = contents(run_dir)
+    status, stderr = command(capsys, run_dir, [*FAST, f"model.path={tiny_flux_dir}", "num_steps=2", "seed=7"])
+    line = the_error(stderr)
+    assert status == 2 and re.search(r"run_dir=.* already holds a run \(2 checkpoints .*resume=auto.*overwrite", line)
+    assert contents(run_dir) == saved
+
+
+def test_overwrite_replaces_the_run(trained, tiny_flux_dir, tmp_path, capsys):
+    run_dir = copy_run(trained, tmp_path)
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=1", "checkpoint.overwrite=true"]
+    assert command(capsys, run_dir, overrides)[0] == 0
+    assert [m["step"] for m in metrics(run_dir)] == [0]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000001"]
+
+
+def test_a_refused_launch_leaves_no_folder(tiny_flux_dir, tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "new"
+    status, stderr = command(capsys, run_dir, [*FAST, f"model.path={tiny_flux_dir}", "grpo.lr=nan"])
+    assert status == 2 and "grpo.lr" in the_error(stderr)
+    assert not (tmp_path / "runs").exists()  # nor the parent Hydra created for it
+
+
+def test_a_resume_keeps_each_session_configuration(trained, tiny_flux_dir, tmp_path, capsys):
+    run_dir = copy_run(trained, tmp_path)
+    first = (run_dir / "config.yaml").read_text()
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "resume=auto", "seed=7"]
+    status, _ = command(capsys, run_dir, [*overrides, "checkpoint.allow_changed=[seed]"])
+    assert status == 0
+    assert (run_dir / "config.yaml").read_text() == first
+    assert "seed: 7" in (run_dir / "config.2.yaml").read_text()
+    assert [m["step"] for m in metrics(run_dir)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("holder", ["live", "dead"])
+def test_a_live_owner_of_the_folder_is_named_and_a_dead_one_taken_over(holder, tiny_flux_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    pid = os.getppid()  # alive, and not this process
+    if holder == "dead":
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait()
+        pid = proc.pid
+    (run_dir / "LOCK").write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "renewed": time.time()}))
+    status, stderr, stdout = command(
+        capsys, run_dir, [*FAST, f"model.path={tiny_flux_dir}", "num_steps=1"], stdout=True
+    )
+    if holder == "live":
+        assert status == 2 and re.search(rf"is in use by pid {pid} on host {socket.gethostname()}", the_error(stderr))
+        assert sorted(p.name for p in run_dir.iterdir()) == ["LOCK"]
+    else:
+        assert status == 0 and "taking over the lock" in stderr + stdout
+        assert not (run_dir / "LOCK").exists()  # released at the end
+
+
+def nan_rewards(monkeypatch) -> None:
+    from rewards.combine import NonFiniteRewardError, RewardCombiner
+
+    def score(self, images, prompts):
+        raise NonFiniteRewardError("reward.components.jpeg_compressibility: NaN scores")
+
+    monkeypatch.setattr(RewardCombiner, "score", score)
+
+
+@pytest.mark.parametrize("why", ["nan-reward", "cancelling-rewards"])
+def test_a_run_that_cannot_learn_stops_after_max_bad_steps(why, tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    """Every step skipped (NaN rewards) or with a zero gradient (weights that cancel): after 2 such steps the
+    run writes its checkpoint and stops in one line, status 2."""
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=4", "checkpoint.every=0", "grpo.max_bad_steps=2"]
+    if why == "nan-reward":
+        nan_rewards(monkeypatch)
+    else:
+        overrides.append("+reward.components.jpeg_incompressibility.weight=1")  # minus the other: the sum is 0
+    status, stderr = command(capsys, tmp_path / "run", overrides)
+    line = the_error(stderr)
+    expected = "a reward was NaN" if why == "nan-reward" else "the gradient was 0"
+    assert status == 2 and re.search(rf"grpo\.max_bad_steps=2: steps 0 to 1 .*{expected}.*step_00000002", line), line
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000002"]
+
+
+def test_a_reward_without_spread_is_named(tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    from train.components import health
+
+    warnings = []
+    monkeypatch.setattr(health.log, "warning", lambda message, *args: warnings.append(message % args))
+    metrics_of = {"spread/jpeg_compressibility": 0.0, "spread/clipscore": 0.5, "train/grad_norm": 1.0}
+    watch = health.Health(max_bad_steps=10, optimizer_steps=1)
+    for step in range(health.SPREAD_STEPS + 2):
+        assert watch.observe(metrics_of, step) is None
+    assert len(warnings) == 1 and warnings[0].startswith("reward.components.jpeg_compressibility: its scores tied")
+
+
+def nan_weights(tiny_flux_dir: Path, tmp_path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    folder = Path(shutil.copytree(tiny_flux_dir, tmp_path / "nan"))
+    file = next((folder / "transformer").glob("*.safetensors"))
+    tensors = load_file(file)
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, file)
+    return folder
+
+
+def test_nan_weights_in_the_model_are_one_line(tiny_flux_dir, tmp_path, capsys):
+    model = nan_weights(tiny_flux_dir, tmp_path)
+    status, stderr = command(capsys, tmp_path / "run", [*FAST, f"model.path={model}", "model.build_tiny=null"])
+    line = the_error(stderr)
+    assert status == 2 and re.search(r"model\.path=.*nan'.* weights hold 1 NaN or inf values \(the first in ", line)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("when", ["at-start", "at-a-save", "while-writing"])
+def test_a_full_disk_is_one_line_and_keeps_the_checkpoints(when, trained, tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from train.components import checkpoint
+
+    run_dir = copy_run(trained, tmp_path)
+    before = files_of(run_dir / "checkpoints")
+    saves = []
+    if when == "at-start":
+        monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 1000)
+    elif when == "at-a-save":  # room at start-up (two checks), then full at the save after step 3
+        monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 10**12 if len(saves) < 3 else 1000)
+        real = checkpoint.CheckpointManager.check_space
+        monkeypatch.setattr(checkpoint.CheckpointManager, "check_space", lambda *a: saves.append(1) or real(*a))
+    else:
+
+        def full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(dcp, "save", full)
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=4", "checkpoint.every=1", "resume=auto"]
+    status, stderr = command(capsys, run_dir, overrides)
+    line = the_error(stderr)
+    assert status == 2 and re.search(r"the disk of .*checkpoints \(the file system mounted at /.*\) ", line), line
+    if when == "at-start":
+        assert "has 0.00 GB free, a checkpoint of this run needs about" in line
+        assert files_of(run_dir / "checkpoints") == before
+    else:
+        names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+        assert names[:2] == ["step_00000001", "step_00000002"] and not [n for n in names if n.endswith(".tmp")]
+        assert {k: v for k, v in files_of(run_dir / "checkpoints").items() if k in before} == before
+
+
+def test_the_steps_trained_before_a_failure_are_saved(tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    """A failure in step 2 (here: a bug) after two unsaved steps: step 2's checkpoint is written first."""
+    real = trainer.train_step
+
+    def fail_in_step_2(run, k):
+        if k == 2:
+            raise RuntimeError("the reward server went away")
+        return real(run, k)
+
+    monkeypatch.setattr(trainer, "train_step", fail_in_step_2)
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=4", "checkpoint.every=0"]
+    with pytest.raises(RuntimeError, match="the reward server went away"):
+        command(capsys, tmp_path / "run", overrides)
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000002"]
+
+
+def test_a_sweep_runs_its_valid_jobs_and_names_the_failed_one(tiny_flux_dir, tmp_path, capsys):
+    argv = ["-m", *FAST, f"model.path={tiny_flux_dir}", "num_steps=1", "checkpoint.export=false", "grpo.lr=nan,0.001"]
+    argv += [f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.sweep.subdir=${hydra.job.num}"]
+    with pytest.raises(SystemExit) as stop:
+        run_hydra(train_command.main, prog=train_command.PROG, argv=argv)
+    stderr = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("python -m train: error: ")]
+    assert re.search(r"sweep job #0 \(.*sweep/0\): grpo\.lr must be a finite number", lines[0]), lines
+    assert re.search(r"1 of the sweep's 2 jobs failed \(#0 \(.*sweep/0\); .*the others ran", lines[1]), lines
+    assert [m["step"] for m in metrics(tmp_path / "sweep" / "1")] == [0]
+
+
+def test_eval_names_a_truncated_export(trained, tiny_flux_dir, tmp_path, capsys):
+    run_dir = copy_run(trained, tmp_path)
+    truncate("diffusion_pytorch_model.safetensors")(run_dir / "export")
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", f"eval.transformer={run_dir / 'export'}"]
+    status, stderr = command(capsys, tmp_path / "eval", overrides, eval_command)
+    line = the_error(stderr, eval_command.PROG)
+    assert status == 2 and re.search(r"eval\.transformer=.*export'.*diffusion_pytorch_model\.safetensors cannot", line)
+    # the run folder itself: its checkpoint stands in for the damaged export
+    from train.components.checkpoint import find_weights
+
+    assert find_weights(str(run_dir), "eval.transformer").path == run_dir / "checkpoints" / "step_00000002"
+
+
+@pytest.mark.parametrize("output", ["folder", "missing-folder"])
+def test_plan_output_is_checked_before_the_trace(output, tmp_path, capsys):
+    import train.plan.command as plan_command
+
+    path = tmp_path if output == "folder" else tmp_path / "nowhere" / "plan.json"
+    with pytest.raises(SystemExit) as stop:
+        plan_command.main(["experiment=flux_dance", f"plan.output={path}"])
+    line = the_error(capsys.readouterr().err, plan_command.PROG)
+    assert stop.value.code == 2 and re.search(r"plan\.output=.* (is a folder|which is not a folder)", line)
+
+
+def test_resume_auto_with_only_unfinished_saves_says_it_starts_again(trained, tiny_flux_dir, tmp_path, capsys):
+    run_dir = copy_run(trained, tmp_path)
+    for path in (run_dir / "checkpoints").iterdir():  # saves cut before their COMPLETE marker and rename
+        (path / "COMPLETE").unlink()
+        path.rename(path.with_name(path.name + ".tmp"))
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=1", "resume=auto"]
+    status, stderr, stdout = command(capsys, run_dir, overrides, stdout=True)
+    assert status == 0, stderr
+    assert re.search(
+        r"resume=auto: no complete checkpoint under .*step_00000001\.tmp, step_00000002\.tmp unfinished", stdout
+    )
+    assert [m["step"] for m in metrics(run_dir)] == [0]
+
+
+def test_a_read_only_run_folder_is_one_line_before_hydra_writes(trained, tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    """resume=auto in an existing folder this user cannot write (os.access says so: the tests may run as root)."""
+    import train.cli as cli
+
+    run_dir = copy_run(trained, tmp_path)
+    saved = contents(run_dir)
+    real = os.access
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: Path(path) != run_dir and real(path, mode))
+    status, stderr = command(capsys, run_dir, [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "resume=auto"])
+    assert status == 2 and re.search(r"cannot write the run folder \(Permission denied: .*run\)", the_error(stderr))
+    assert contents(run_dir) == saved

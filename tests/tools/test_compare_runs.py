@@ -388,3 +388,21 @@ def test_testbed_compare_sweeps_modes_and_seeds_then_compares(tmp_path):
     assert len({(f["mean"], f["std"]) for f in firsts.values()}) == 1  # the same model before training
     assert firsts["jagg"]["std"] == 0.0  # and the same evaluation noise on every seed
     assert "paired difference to exact" in done.stdout and "- jagg: seeds [0, 1]" in done.stdout
+
+
+def test_runs_of_several_experiments_are_flagged_and_labelled_shortly():
+    from train.compare.arms import MAX_LABEL_SETTINGS, RunMetrics, arm_labels, experiments_note
+
+    def run(experiment: str, **settings) -> RunMetrics:
+        return RunMetrics(experiment, {}, {"experiment": experiment, "update.mode": "jagg", "seed": 0, **settings})
+
+    # two experiments that differ in many settings: the label names the experiment first and counts the rest
+    runs = [run("a", **{f"grpo.x{i}": 0 for i in range(9)}), run("b", **{f"grpo.x{i}": 1 for i in range(9)})]
+    labels = arm_labels(runs)
+    assert labels[0].startswith("experiment=a, ") and labels[0].endswith(f"(+{10 - MAX_LABEL_SETTINGS} more settings)")
+    assert len(set(labels)) == 2 and all(len(label) < 80 for label in labels)
+    assert "belong to 2 experiments (a, b)" in experiments_note(runs)[0]
+    assert experiments_note([run("a"), run("a", seed=1)]) == []
+    # short labels that would merge two arms: the full ones
+    close = [run("a", **{f"grpo.x{i}": int(i == 3 and k == 1 or k == 2) for i in range(4)}) for k in (0, 1, 2)]
+    assert len(set(arm_labels(close))) == 3

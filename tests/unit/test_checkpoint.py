@@ -97,7 +97,15 @@ def test_keep_last_and_latest(tmp_path, trained) -> None:
     assert [p.name for p in manager.complete()] == ["step_00000020", "step_00000030"]
     assert manager.latest() == tmp_path / "checkpoints" / "step_00000030"
     marker = json.loads((manager.latest() / "COMPLETE").read_text())
-    assert marker == {"step": 30, "world_size": 1}
+    assert {key: marker[key] for key in ("step", "world_size", "settings")} == {
+        "step": 30,
+        "world_size": 1,
+        "settings": None,
+    }
+    # every other file of the folder, with its size and SHA-256
+    files = {p.name: p.stat().st_size for p in manager.latest().iterdir() if p.name != "COMPLETE"}
+    assert {name: info["size"] for name, info in marker["files"].items()} == files
+    assert all(len(info["sha256"]) == 64 for info in marker["files"].values())
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointManager(tmp_path, keep_last=0)
 

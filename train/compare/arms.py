@@ -181,20 +181,45 @@ def _short(key: str, value: Any) -> str:
     return str(value) if key == "update.mode" else f"{key}={value}"
 
 
+MAX_LABEL_SETTINGS = 3  # settings named in an arm's label; more are counted ("+5 more settings")
+
+
+def _label(run: RunMetrics, differing: list[str], named_at_most: int) -> str:
+    named = [_short(k, run.config.get(k)) for k in differing[:named_at_most]]
+    more = len(differing) - named_at_most
+    return ", ".join(named) + (f" (+{more} more settings)" if more > 0 else "")
+
+
+def experiments_note(runs: list[RunMetrics]) -> list[str]:
+    """A note when the runs belong to more than one experiment: arms are meant to differ in a few settings."""
+    names = sorted({str(r.config["experiment"]) for r in runs if "experiment" in r.config})
+    if len(names) < 2:
+        return []
+    return [
+        f"warning: these runs belong to {len(names)} experiments ({', '.join(names)}): they are compared as arms of "
+        "one experiment; compare the runs of one experiment, or name the arms with --labels"
+    ]
+
+
 def arm_labels(runs: list[RunMetrics]) -> list[str]:
-    """The arm of each run: the settings (other than the seed) in which it differs from the others."""
+    """The arm of each run: the settings (other than the seed) in which it differs from the others, the
+    experiment first, at most ``MAX_LABEL_SETTINGS`` of them named."""
     keys = sorted({k for r in runs for k in r.config if _defines_arm(k)})
     differing = [k for k in keys if len({json.dumps(r.config.get(k), sort_keys=True) for r in runs}) > 1]
-    differing.sort(key=lambda k: (k != "update.mode", k))
-    labels = []
-    for run in runs:
-        if not run.config:
-            labels.append(run.name)
-        elif differing:
-            labels.append(", ".join(_short(k, run.config.get(k)) for k in differing))
-        else:
-            labels.append(str(run.config.get("update.mode", run.name)))
-    return labels
+    differing.sort(key=lambda k: (k != "experiment", k != "update.mode", k))
+
+    def labels(named: int) -> list[str]:
+        return [
+            run.name
+            if not run.config
+            else _label(run, differing, named)
+            if differing
+            else str(run.config.get("update.mode", run.name))
+            for run in runs
+        ]
+
+    full, short = labels(len(differing)), labels(MAX_LABEL_SETTINGS)
+    return short if len(set(short)) == len(set(full)) else full  # short labels must keep the arms apart
 
 
 @dataclass
@@ -347,6 +372,7 @@ def build_comparison(
     warmup: int = 1,
 ) -> Comparison:
     runs, notes = discover(specs)
+    notes += experiments_note(runs)
     arms = group_arms(runs, labels)
     base, why = pick_baseline(arms, baseline)
     arms = [base] + [a for a in arms if a is not base]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -25,6 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from models.base import Backbone, Conditioning, parse_dtype
 from models.registry import backbone_names, load_backbone
@@ -35,17 +37,21 @@ from samplers.rollout import Predict
 from train.algorithm.routing import ROUTINGS, AutoRouter, PrefixRouter, Router
 from train.algorithm.update import UpdateSettings
 from train.components.checkpoint import CheckpointManager, Weights
-from train.components.config import TrainConfig, UpdateConfig, validate
+from train.components.config import TrainConfig, UpdateConfig, changed_settings, validate
 from train.components.data import PromptRecord, PromptSampler, read_prompts
 from train.components.ema import EMA
-from train.components.errors import ConfigError, PathError
+from train.components.errors import ConfigError, PathError, UserError
 from train.components.evaluator import Evaluator, read_result
 from train.components.logger import RunLogger
 from train.components.perf import CompileWatch, FlopMeter, Peak, device_peak
+from train.components.run_folder import RunLock, check_one_run, clear_run, held_run
 from train.components.summary import eval_tag
-from train.distributed.collectives import DistInfo, broadcast_object, init_distributed, shutdown
+from train.distributed.collectives import DistInfo, broadcast_object, gather_objects, init_distributed, shutdown
 from train.distributed.parallelize import compile_unavailable, mesh_shape, parallelize
 from train.distributed.seeds import seed_everything, stream_seed
+
+log = logging.getLogger(__name__)
+FIRST_FILES_BYTES = 16 << 20  # free space a new run needs before its model loads (config, logs, metrics)
 
 
 @dataclass
@@ -150,21 +156,71 @@ def _unwritable(run_dir: Path) -> str | None:
     return None
 
 
-def preflight(cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, *, max_step: int | None) -> list[Path]:
-    """The checks that need the run folder, before any model loads; returns the checkpoints to resume from.
-
-    Rank 0 writes the run folder and its checkpoints: it tries, and every rank gets the verdict. The
-    checkpoints ``resume`` names are checked file by file (``CheckpointManager.usable``); a training
-    run must not start from a checkpoint past its last step (``max_step``, num_steps).
-    """
-    problem = broadcast_object(_unwritable(Path(cfg.run_dir)) if dist.is_main else None)
+def _claim(cfg: TrainConfig, *, training: bool) -> RunLock:
+    """Rank 0's part of ``claim_folder``; raises the UserError that refuses the folder."""
+    run_dir = Path(cfg.run_dir)
+    problem = _unwritable(run_dir)
     if problem:
         raise ConfigError(f"run_dir={cfg.run_dir!r}: {problem}; pass a writable hydra.run.dir=<folder>")
+    lock = RunLock(run_dir)
+    if training:
+        check_one_run(run_dir, resume=cfg.resume, overwrite=cfg.checkpoint.overwrite)
+    lock.acquire()
+    if training and cfg.checkpoint.overwrite and (held := held_run(run_dir)):
+        log.warning("checkpoint.overwrite=true: deleting the run in %s (%s)", run_dir, held)
+        clear_run(run_dir)
+    return lock
+
+
+def claim_folder(cfg: TrainConfig, dist: DistInfo, *, training: bool) -> RunLock | None:
+    """Make the run folder this run's before anything is written there; rank 0's lock (None elsewhere).
+
+    Rank 0 writes the run folder: it must be writable, a training run may not start in a folder that
+    holds a run unless it resumes or overwrites it, and no other live process may hold its lock
+    (train/components/run_folder.py). Rank 0 tries; every rank gets the verdict.
+    """
+    lock, refusal = None, None
+    if dist.is_main:
+        try:
+            lock = _claim(cfg, training=training)
+        except UserError as err:
+            refusal = err
+    message = broadcast_object(None if refusal is None else str(refusal))
+    if refusal is not None:
+        raise refusal
+    if message is not None:  # rank 0 prints it (a ConfigError is printed by rank 0 alone)
+        raise ConfigError(message)
+    if lock is not None:
+        lock.start_renewing()
+    return lock
+
+
+def preflight(cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, *, max_step: int | None) -> list[Path]:
+    """The checks of the checkpoints to resume from, before any model loads; returns them, newest first.
+
+    The checkpoints ``resume`` names are checked file by file (``CheckpointManager.usable``); a training
+    run must not start from a checkpoint past its last step (``max_step``, num_steps), nor with settings
+    that change what the checkpoint's weights mean (``RESUME_SETTINGS``, unless checkpoint.allow_changed).
+    """
     found = checkpoints.usable(cfg.resume)
+    if max_step is not None:  # before the logger writes: room for a checkpoint like it, else for the first files
+        needed = checkpoints.size_of(found[0]) if found else FIRST_FILES_BYTES
+        checkpoints.check_space(needed, "a checkpoint of this run")
+    if not found and cfg.resume == "auto":
+        _starting_again(checkpoints)
     if found and max_step is not None and (step := checkpoints.step_of(found[0])) > max_step:
         raise ConfigError(
             f"resume={cfg.resume}: checkpoint {found[0]} holds step {step}, past "
             f"num_steps={max_step}: set num_steps to at least that to train on, or use a new run folder"
+        )
+    saved = checkpoints.settings_of(found[0]) if found and max_step is not None else None
+    changed = changed_settings(saved, cfg) if saved is not None else []
+    if changed:
+        keys = ",".join(change.split(" ")[0] for change in changed)
+        raise ConfigError(
+            f"resume={cfg.resume}: checkpoint {found[0]} was saved with other settings that change what it means "
+            f"({'; '.join(changed)}): resume with its settings, start a new run folder, or allow them with "
+            f"checkpoint.allow_changed=[{keys}]"
         )
     return found
 
@@ -177,11 +233,24 @@ def check_mesh(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"{err}: pick a divisor of it, or dist.replicate_degree=1") from None
 
 
+def _starting_again(checkpoints: CheckpointManager) -> None:
+    """resume=auto without a complete checkpoint starts from step 0: say so when that drops work."""
+    unfinished = sorted(p.name for p in checkpoints.root.glob("step_*.tmp")) if checkpoints.root.is_dir() else []
+    held = held_run(checkpoints.root.parent)
+    if unfinished or held:
+        log.warning(
+            "resume=auto: no complete checkpoint under %s (%s): training starts again from step 0 and the rows "
+            "of metrics.jsonl go",
+            checkpoints.root,
+            ", ".join(unfinished) + " unfinished" if unfinished else held,
+        )
+
+
 def resolve_device(cfg: TrainConfig, dist: DistInfo) -> torch.device:
     if cfg.device == "cpu" or (cfg.device == "auto" and dist.device.type == "cpu"):
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("device=cuda but CUDA is not available; use device=cpu or device=auto")
+    if not torch.cuda.is_available():  # validate() refuses device=cuda without CUDA: device=auto found a GPU rank
+        raise ConfigError("device=auto: this rank has no CUDA device; use device=cpu")
     return dist.device
 
 
@@ -210,7 +279,32 @@ def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Ba
         )
     if next(backbone.transformer.parameters()).dtype != torch.float32:  # float32 master weights
         backbone.transformer.to(torch.float32)
+    with _settings("model.height / model.width"):  # the sizes the backbone can sample, before the first rollout
+        backbone.initial_noise(1, height=cfg.model.height, width=cfg.model.width)
+    problem = non_finite(backbone.transformer)  # they would give a NaN loss and skip every update
+    if problem:
+        raise ConfigError(
+            f"model.path={cfg.model.path!r}: the transformer's weights hold {problem}: they are damaged; "
+            "point model.path at an intact copy"
+        )
     return backbone
+
+
+def non_finite(module: nn.Module) -> str | None:
+    """ "<n> NaN or inf values (the first in <parameter>)" among ``module``'s weights on some rank, or None.
+
+    A collective: the ranks' shards (or replicas) are checked, every rank gets the same verdict.
+    """
+    count, first = 0, None
+    for name, tensor in module.state_dict().items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if isinstance(local, Tensor) and local.is_floating_point():
+            bad = int((~torch.isfinite(local)).sum())
+            count, first = count + bad, first or (name if bad else None)
+    for rank_count, rank_first in gather_objects((count, first)):
+        if rank_count:
+            return f"{rank_count} NaN or inf values (the first in {rank_first})"
+    return None
 
 
 def add_lora(cfg: TrainConfig, backbone: Backbone) -> None:
@@ -275,12 +369,26 @@ def shard_trainable(
     return [p for p in transformer.parameters() if p.requires_grad], reference
 
 
-def _scorer(field_name: str, name: str, kwargs: dict[str, Any], device: torch.device) -> Scorer:
-    """Scorer ``name`` built from the settings under ``field_name``, its arguments checked first."""
+def _check_arguments(field_name: str, name: str, kwargs: dict[str, Any]) -> None:
+    """The settings under ``field_name`` are arguments scorer ``name`` takes (nothing is built)."""
     try:
         inspect.signature(scorer_class(name)).bind(**kwargs)
     except TypeError as err:
         raise ConfigError(f"{field_name}: {err} (the scorer's arguments are in docs/rewards.md)") from None
+
+
+def check_eval_inputs(cfg: TrainConfig) -> None:
+    """What the evaluation reads, checked at start-up rather than at its first run (after training steps):
+    the scorers' arguments and the prompt files (validate() has read them)."""
+    if not cfg.logging.eval_every:
+        return
+    for name, kwargs in cfg.eval.scorers.items():
+        _check_arguments(f"eval.scorers.{name}", name, dict(kwargs))
+
+
+def _scorer(field_name: str, name: str, kwargs: dict[str, Any], device: torch.device) -> Scorer:
+    """Scorer ``name`` built from the settings under ``field_name``, its arguments checked first."""
+    _check_arguments(field_name, name, kwargs)
     with _settings(field_name):
         return build_scorer(name, **kwargs).to(device)
 
@@ -416,10 +524,10 @@ def build_ema(params: list[nn.Parameter], decay: float) -> EMA | None:
 
 
 def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run:
-    """The run state; ``training``: refuse a checkpoint past num_steps (the probe only measures one)."""
+    """The run state in the claimed run folder; ``training``: refuse a checkpoint past num_steps or of
+    other settings (the probe only measures one)."""
     seed_everything(cfg.seed, dist.rank)
-    run_dir = Path(broadcast_object(cfg.run_dir))  # every rank writes where rank 0 does
-    cfg.run_dir = str(run_dir)
+    run_dir = Path(cfg.run_dir)
     checkpoints = CheckpointManager(run_dir, keep_last=cfg.checkpoint.keep_last)
     resume_from = preflight(cfg, dist, checkpoints, max_step=cfg.num_steps if training else None)
     check_mesh(cfg, dist.world_size)
@@ -427,6 +535,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
     records = read_prompts(cfg.data.train_prompts)
     if cfg.model.compile and (why := compile_unavailable(device.type)):
         raise ConfigError(f"model.compile=true: {why}; or set model.compile=false")
+    check_eval_inputs(cfg)
     rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds
     backbone = build_backbone(cfg, dist, device)
     reference = add_trainable(cfg, backbone)
@@ -446,6 +555,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
         tags=list(dict.fromkeys([cfg.update.mode, f"seed{cfg.seed}", cfg.sampler.sde, *lg.tags])),
         notes=lg.notes,
         config=cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg))),
+        resumed=bool(resume_from),
     )
     return Run(
         cfg=cfg,
@@ -473,12 +583,19 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
 
 @contextmanager
 def open_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Iterator[Run]:
-    """``build_run``, and the logger finished however the block ends."""
-    run = build_run(cfg, dist, training=training)
+    """``build_run`` in the run folder claimed for it; the logger finished and the lock released however
+    the block ends."""
+    cfg.run_dir = str(broadcast_object(cfg.run_dir))  # every rank writes where rank 0 does
+    lock = claim_folder(cfg, dist, training=training)
     try:
-        yield run
+        run = build_run(cfg, dist, training=training)
+        try:
+            yield run
+        finally:
+            run.logger.finish()
     finally:
-        run.logger.finish()
+        if lock is not None:
+            lock.release()
 
 
 def build_for_eval(cfg: TrainConfig, dist: DistInfo) -> tuple[Backbone, Predict, torch.device]:

@@ -14,9 +14,12 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
+from typing import Any
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
@@ -32,6 +35,10 @@ from train.components.errors import ConfigError, PathError
 from train.components.logger import WANDB_MODES
 
 ADV_STDS = ("population", "unbiased")  # grpo.adv_std
+# Settings that change what a checkpoint's weights or the run's history mean: a resumed run keeps them unless
+# checkpoint.allow_changed names them (a key or a group of keys). The world size and the replicate degree
+# are not among them: a checkpoint reshards.
+RESUME_SETTINGS = ("model.name", "model.path", "model.lora", "seed", "update.mode", "sampler")
 LORA_INITS = ("gaussian", "olora", "pissa", "orthogonal")  # peft's init_lora_weights that need no extra config
 REUSE_VELOCITIES = ("fresh", "stale", "off")  # update.reuse_velocities
 
@@ -129,6 +136,9 @@ class GRPOConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW (beta1, beta2), each in [0, 1)
     max_grad_norm: float = 1.0  # global gradient-norm clip, across all shards, > 0
     ema_decay: float = 0.0  # EMA of trainable weights for evaluation, in [0, 1) (0 = off)
+    # stop (after a checkpoint) once this many consecutive steps skipped their update (a NaN reward, a non-finite
+    # gradient) or had a zero gradient (every advantage 0): such a run cannot learn (0 = never stop)
+    max_bad_steps: int = 10
 
 
 @dataclass
@@ -171,6 +181,12 @@ class CheckpointConfig:
     every: int = 0  # save every N steps (0 = only at the end); the last step is always saved
     keep_last: int = 3  # complete checkpoints kept, >= 1; older ones are deleted after each save
     export: bool = True  # write the trained transformer (or LoRA) in diffusers format at the end
+    # start a new run in a run folder that holds one, deleting its checkpoints, metrics, export and samples;
+    # without it (and without resume=) such a folder is refused
+    overwrite: bool = False
+    # settings a resumed run may change although they change what the weights or the run mean (RESUME_SETTINGS:
+    # the model, LoRA, seed, update.mode, sampler.*), e.g. [seed]; any other change of these is refused
+    allow_changed: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -229,6 +245,35 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
+
+
+def _covered(key: str, prefixes: Sequence[str]) -> bool:
+    return any(key == prefix or key.startswith(prefix + ".") for prefix in prefixes)
+
+
+def resume_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The ``RESUME_SETTINGS`` of ``cfg``, dotted key -> value (what a checkpoint records)."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            elif _covered(f"{prefix}{key}", RESUME_SETTINGS):
+                flat[f"{prefix}{key}"] = value
+
+    walk(asdict(cfg), "")
+    return flat
+
+
+def changed_settings(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """``key saved -> now`` for each recorded setting that ``cfg`` changes, unless checkpoint.allow_changed names it."""
+    now = resume_settings(cfg)
+    return [
+        f"{key} {saved.get(key)!r} -> {now.get(key)!r}"
+        for key in sorted(saved.keys() | now.keys())
+        if saved.get(key) != now.get(key) and not _covered(key, cfg.checkpoint.allow_changed)
+    ]
 
 
 def register_schema(name: str = "train", schema: type = TrainConfig) -> None:
@@ -394,6 +439,7 @@ def _validate_grpo(g: GRPOConfig) -> None:
     _choice(g.adv_std, ADV_STDS, "grpo.adv_std")
     _non_negative(g.kl_beta, "grpo.kl_beta", " (0 = no KL term)")
     _positive(g.max_grad_norm, "grpo.max_grad_norm")
+    _non_negative(g.max_bad_steps, "grpo.max_bad_steps", " (0 = never stop)")
     _in_range(g.ema_decay, "grpo.ema_decay", low=0, high=1, high_open=True, why=" (0 = no EMA)")
     # AdamW's own checks run only once the model is loaded: the same ranges, up front.
     _positive(g.lr, "grpo.lr")
@@ -454,6 +500,8 @@ def _validate_run(cfg: TrainConfig, known_scorers: tuple[str, ...]) -> None:
     if not cfg.experiment.strip():
         raise ConfigError("experiment must name the run (it is the wandb group and part of the run folder)")
     _choice(cfg.device, ("auto", "cpu", "cuda"), "device")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but CUDA is not available on this machine; use device=cpu or device=auto")
     _positive(cfg.num_steps, "num_steps")
     _positive(cfg.dist.timeout_s, "dist.timeout_s")
     if cfg.perf.peak_tflops is not None:
@@ -465,6 +513,16 @@ def _validate_run(cfg: TrainConfig, known_scorers: tuple[str, ...]) -> None:
     _non_negative(cfg.logging.eval_every, "logging.eval_every", " (0 = never)")
     _non_negative(cfg.logging.heartbeat_s, "logging.heartbeat_s", " (0 = a line per step)")
     _non_negative(cfg.checkpoint.every, "checkpoint.every", " (0 = only at the end)")
+    if cfg.checkpoint.overwrite and cfg.resume:
+        raise ConfigError(
+            f"checkpoint.overwrite=true starts the run in run_dir again, resume={cfg.resume} continues one: pick one"
+        )
+    for key in cfg.checkpoint.allow_changed:
+        if not any(_covered(key, (prefix,)) or _covered(prefix, (key,)) for prefix in RESUME_SETTINGS):
+            raise ConfigError(
+                f"checkpoint.allow_changed: {key!r} is not a setting a resumed run keeps; those are "
+                f"{', '.join(RESUME_SETTINGS)} (and the keys under them)"
+            )
     _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
     _non_negative(cfg.data.num_eval_prompts, "data.num_eval_prompts", " (0 = all of them)")
     e = cfg.eval

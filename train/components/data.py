@@ -36,17 +36,29 @@ def read_prompts(path: str | Path, *, field_name: str = "data.train_prompts") ->
         line = line.strip()
         if not line:
             continue
-        if path.suffix == ".jsonl":
-            try:
-                item = json.loads(line)
-                records.append(PromptRecord(str(item["prompt"]), item.get("category")))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ConfigError(f"{field_name}: {path}:{number} is not a JSON object with a 'prompt' key") from None
-        else:
-            records.append(PromptRecord(line))
+        if "\x00" in line:
+            raise ConfigError(f"{field_name}: {path}:{number} holds a NUL byte: is it a text file?")
+        records.append(_json_record(line, path, number, field_name) if path.suffix == ".jsonl" else PromptRecord(line))
     if not records:
         raise ConfigError(f"{field_name}={str(path)!r} has no prompts (the file is empty)")
     return records
+
+
+def _json_record(line: str, path: Path, number: int, field_name: str) -> PromptRecord:
+    """A JSON line ``{"prompt": <non-empty text>, "category": <text or null>}``."""
+    where = f"{field_name}: {path}:{number}"
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError:
+        item = None
+    if not isinstance(item, dict) or "prompt" not in item:
+        raise ConfigError(f"{where} is not a JSON object with a 'prompt' key")
+    prompt, category = item["prompt"], item.get("category")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ConfigError(f"{where}: 'prompt' must be a non-empty string, got {json.dumps(prompt)}")
+    if category is not None and not isinstance(category, str):
+        raise ConfigError(f"{where}: 'category' must be a string or null, got {json.dumps(category)}")
+    return PromptRecord(prompt, category)
 
 
 def _decode(raw: bytes, path: Path, field_name: str) -> str:

@@ -5,6 +5,8 @@
   ``ConfigError`` is a ValueError and ``PathError`` a FileNotFoundError, so callers that catch
   those (and the tests) keep working; ``CheckpointError`` says whether the checkpoint is damaged
   (``resume=auto`` then falls back to the previous one) or merely does not fit the run.
+  ``DiskFull``: the next checkpoint does not fit on the run folder's disk; ``NotLearning``: a run whose
+  steps cannot change the weights stopped (after a checkpoint); both exit with status 2.
 * ``Preempted``: SIGTERM stopped training after writing a checkpoint; exit status 143 (128 + 15,
   what a process killed by SIGTERM reports), so a scheduler or a script does not take the job for
   finished.
@@ -54,3 +56,15 @@ class Preempted(Stop):
     exit_code = 143
     label = "stopped"
     same_on_every_rank = True
+
+
+class DiskFull(UserError):
+    """The disk of the run folder cannot take the next checkpoint; the ones already written are intact."""
+
+    same_on_every_rank = True  # the ranks agree on the verdict (train/components/checkpoint.py)
+
+
+class NotLearning(UserError):
+    """Training stopped after ``grpo.max_bad_steps`` steps in a row that could not change the weights."""
+
+    same_on_every_rank = True  # decided from metrics every rank shares

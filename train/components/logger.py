@@ -1,7 +1,8 @@
 """One run logger (metrics.jsonl, sample grids, wandb), a phase timer, the progress bar and its heartbeat.
 
 * ``RunLogger`` is a no-op off rank 0: every rank calls it, only rank 0 writes. It writes the run's
-  resolved configuration to ``run_dir/config.yaml`` when it starts. Each ``log`` call
+  resolved configuration to ``run_dir/config.yaml`` when it starts (a resumed session to
+  ``config.<n>.yaml``: the first session's stays). Each ``log`` call
   appends one JSON line ``{"step", "wall_time", <metric>: float, ...}`` to
   ``run_dir/metrics.jsonl`` and flushes it, so a crashed run keeps every logged step. The file is
   created by the first ``log``: a tool that logs nothing (the probe) leaves no empty one behind.
@@ -70,6 +71,18 @@ def last_wall_time(lines: list[str]) -> float:
     return 0.0
 
 
+def session_config(run_dir: Path, *, resumed: bool) -> Path:
+    """Where a session writes its configuration: ``config.yaml``, or for a resumed run, which keeps the first
+    session's there, ``config.<n>.yaml`` (n = 2, 3, ... per resumed session)."""
+    first = run_dir / "config.yaml"
+    if not resumed or not first.exists():
+        return first
+    n = 2
+    while (run_dir / f"config.{n}.yaml").exists():
+        n += 1
+    return run_dir / f"config.{n}.yaml"
+
+
 def _to_float(key: str, value: float | int | bool | Tensor) -> float:
     if isinstance(value, Tensor):
         if value.numel() != 1:
@@ -94,6 +107,7 @@ class RunLogger:
         tags: Sequence[str] = (),
         notes: str | None = None,
         config: Mapping[str, Any] | None = None,
+        resumed: bool = False,
     ) -> None:
         if wandb_mode not in WANDB_MODES:
             raise ValueError(f"logging.wandb_mode={wandb_mode!r}; accepted: {', '.join(WANDB_MODES)}")
@@ -108,7 +122,7 @@ class RunLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if config is not None:  # what ran, next to what it logged (train.compare.command labels runs from it)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dict(config)), encoding="utf-8")
+            session_config(self.run_dir, resumed=resumed).write_text(OmegaConf.to_yaml(dict(config)), encoding="utf-8")
         self._start -= last_wall_time(read_lines(self.metrics_path))
         if wandb_mode != "disabled":
             self._guard(

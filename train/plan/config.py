@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from train.components.config import TrainConfig, register_schema
 from train.components.errors import ConfigError
@@ -32,7 +34,22 @@ def register() -> None:
     register_schema("plan", PlanRunConfig)
 
 
+def _output_problem(output: str) -> str | None:
+    """Why the report cannot be written to ``output`` (checked before the trace, which takes minutes), or None."""
+    path = Path(output)
+    if path.is_dir():
+        return "is a folder; name a file in it, e.g. plan.output=<folder>/plan.json"
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        return f"names a file in {str(folder)!r}, which is not a folder"
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return "cannot be written (permission denied)"
+    return None
+
+
 def validate_plan(p: PlanConfig) -> None:
+    if p.output is not None and (problem := _output_problem(p.output)):
+        raise ConfigError(f"plan.output={p.output!r} {problem}")
     if p.world_size < 2:
         raise ConfigError(f"plan.world_size must be >= 2 (FSDP2 shards over the ranks), got {p.world_size}")
     if not p.gpu_memory_gib > 0:
