@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,12 @@ from PIL import Image
 
 from train.components.build import load_config
 from train.components.checkpoint import find_weights
+from train.components.config import SCORERS_HINT
+from train.components.errors import ConfigError
 from train.components.evaluation import _first_occurrences, paired_difference, read_scores
 from train.components.stats import standard_error
-from train.eval.command import eval_command, target
+from train.eval import command as eval_module
+from train.eval.command import check_scorers, eval_command, target
 from train.trainer import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,6 +139,19 @@ def test_eval_command_line_writes_into_the_evaluated_run(tiny_flux_dir, tmp_path
     assert (out / "eval_step_00000002.scores.jsonl").is_file() and (out / ".hydra" / "config.yaml").is_file()
     assert "eval step_00000002: jpeg_compressibility" in done.stdout
     assert "eval step_00000002: jpeg_compressibility" in (out / "eval.log").read_text()
+
+
+@pytest.mark.parametrize("name, extra", [("eval", []), ("train", ["logging.eval_every=1"])])
+def test_no_scorers_fails_before_loading_with_a_hint_that_works_when_typed(name, extra, tmp_path, monkeypatch):
+    """experiment=tiny has no eval.scorers: train.eval sampled, then crashed writing the scores (IndexError);
+    the trainer's hint eval.scorers={jpeg_compressibility: {}} failed when typed in a shell."""
+    overrides = ["experiment=tiny", f"model.path={tmp_path / 'model'}", f"run_dir={tmp_path / 'run'}", *extra]
+    monkeypatch.setattr(eval_module, "build_for_eval", lambda *args: pytest.fail("a model was loaded"))
+    with pytest.raises(ConfigError, match="eval.scorers") as err:
+        (eval_command if name == "eval" else load_config)(compose_config(name, overrides))
+    hint = re.search(r"e\.g\. (\S+)", str(err.value)).group(1)
+    assert hint == SCORERS_HINT
+    check_scorers(load_config(compose_config(name, [*overrides, hint])))  # the hint as typed composes and validates
 
 
 def test_eval_checks_the_weights_before_loading(tiny_flux_dir, tmp_path):

@@ -34,6 +34,9 @@ from train.components.logger import WANDB_MODES
 ADV_STDS = ("population", "unbiased")  # grpo.adv_std
 LORA_INITS = ("gaussian", "olora", "pissa", "orthogonal")  # peft's init_lora_weights that need no extra config
 REUSE_VELOCITIES = ("fresh", "stale", "off")  # update.reuse_velocities
+# An override that adds an evaluation scorer to an empty eval.scorers, as typed on the command line
+# (``eval.scorers={jpeg_compressibility: {}}`` needs quotes in a shell; ``+`` adds the key to the typed dict).
+SCORERS_HINT = "+eval.scorers.jpeg_compressibility={}"
 
 
 @dataclass
@@ -450,7 +453,7 @@ def _validate_run(cfg: TrainConfig, known_scorers: tuple[str, ...]) -> None:
     for name in e.scorers:
         _choice(name, known_scorers, "eval.scorers (scorer name)")
     if cfg.logging.eval_every and not e.scorers:
-        raise ConfigError("logging.eval_every > 0 needs eval.scorers (e.g. eval.scorers={jpeg_compressibility: {}})")
+        raise ConfigError(f"logging.eval_every > 0 needs eval.scorers: add one, e.g. {SCORERS_HINT} (docs/rewards.md)")
 
 
 def _validate_files(cfg: TrainConfig) -> None:

@@ -39,7 +39,7 @@ from train.components.build import (
     read_eval_prompts,
 )
 from train.components.checkpoint import CheckpointManager, Weights, find_weights
-from train.components.config import TrainConfig
+from train.components.config import SCORERS_HINT, TrainConfig
 from train.components.errors import CheckpointError, ConfigError
 from train.components.evaluation import EvalResult, before_after, evaluate, paired_difference
 from train.components.stats import standard_error
@@ -48,6 +48,15 @@ setup()
 PROG = "python -m train.eval"
 log = logging.getLogger(__name__)
 STRUCTURE = ("model.name", "model.lora.enabled", "model.lora.rank", "model.lora.alpha")
+
+
+def check_scorers(cfg: TrainConfig) -> None:
+    """An evaluation scores with ``eval.scorers``: without one there is nothing to write (before any model loads)."""
+    if not cfg.eval.scorers:
+        raise ConfigError(
+            f"eval.scorers is empty, so there is nothing to score the images with: add one, e.g. {SCORERS_HINT} "
+            "(docs/rewards.md lists the scorers)"
+        )
 
 
 def target(cfg: TrainConfig) -> Weights | None:
@@ -118,6 +127,7 @@ def _compare(before: EvalResult, after: EvalResult, prompts: list[str], out: Pat
 def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
     """Everything ``main`` does: check, load, evaluate, compare; the results by tag (rows on rank 0)."""
     config = load_config(cfg)
+    check_scorers(config)
     weights = target(config)
     if weights is not None:
         check_training_config(config, weights)
