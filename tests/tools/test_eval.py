@@ -21,6 +21,7 @@ from train.components.config import SCORERS_HINT
 from train.components.errors import ConfigError
 from train.components.evaluation import _first_occurrences, paired_difference, read_scores
 from train.components.stats import standard_error
+from train.components.summary import _files
 from train.eval import command as eval_module
 from train.eval.command import check_scorers, eval_command, target
 from train.trainer import run
@@ -124,6 +125,28 @@ def test_eval_of_a_checkpoint_an_export_and_a_run_folder(tiny_flux_dir, tmp_path
     overrides = [f"model.path={tiny_flux_dir}", *EVAL, f"run_dir={tmp_path}", f"resume={checkpoint}"]
     config = load_config(compose_config("eval", overrides))
     assert target(config) == find_weights(str(checkpoint), "resume")
+
+
+def test_the_export_is_the_ema_the_trainer_scored_and_the_raw_weights_sit_beside_it(tiny_flux_dir, tmp_path):
+    """With an EMA the trainer evaluated the EMA, but export/ held the raw weights: train.eval of the
+    export did not reproduce the run's final score. Now export/ is the EMA, export_raw/ the raw weights
+    (as the checkpoint's model), and each export's weights.json says which."""
+    run_dir = train_run(tiny_flux_dir, tmp_path / "run", "logging.eval_every=2", "grpo.ema_decay=0.5")
+    notes = {name: json.loads((run_dir / name / "weights.json").read_text()) for name in ("export", "export_raw")}
+    assert notes["export"]["weights"] == "ema" and notes["export_raw"]["weights"] == "trained"
+    summary = _files(
+        load_config(compose_config("train", [f"model.path={tiny_flux_dir}", *EVAL, f"run_dir={run_dir}"])), "disabled"
+    )
+    assert any("export/" in line and "EMA (grpo.ema_decay=0.5)" in line and "scored" in line for line in summary)
+    assert any("export_raw/" in line and "not the EMA" in line for line in summary), summary
+    trained = scores(run_dir / "eval" / "step_00000002.scores.jsonl")
+    evaluate_cli(tiny_flux_dir, tmp_path / "ema", f"eval.transformer={run_dir}")  # a run folder: its export
+    assert scores(tmp_path / "ema" / "eval_export.scores.jsonl") == pytest.approx(trained, abs=1e-5)
+    evaluate_cli(tiny_flux_dir, tmp_path / "raw", f"eval.transformer={run_dir / 'export_raw'}")
+    evaluate_cli(tiny_flux_dir, tmp_path / "raw", f"eval.transformer={run_dir / 'checkpoints' / 'step_00000002'}")
+    raw = scores(tmp_path / "raw" / "eval_export_raw.scores.jsonl")
+    assert raw == pytest.approx(scores(tmp_path / "raw" / "eval_step_00000002.scores.jsonl"), abs=1e-5)
+    assert raw != pytest.approx(trained, abs=1e-5)  # the EMA of 2 steps is not the last weights
 
 
 @pytest.mark.slow

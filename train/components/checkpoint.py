@@ -69,6 +69,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from train.components.errors import CheckpointError, PathError
+from train.components.summary import EXPORT, RAW_EXPORT
 from train.distributed.collectives import (
     barrier,
     broadcast_object,
@@ -505,7 +506,7 @@ class Weights:
     kind: str  # "checkpoint" (a step_XXXXXXXX folder), "export" (save_pretrained) or "lora_export"
     path: Path
     run_dir: Path | None  # the run folder that wrote them (holds metrics.jsonl or .hydra/), when recognisable
-    tag: str  # names the evaluation's files: "step_00000060" or "export"
+    tag: str  # names the evaluation's files: "step_00000060", "export" or "export_raw"
 
 
 def _run_folder(path: Path) -> Path | None:
@@ -524,14 +525,14 @@ def find_weights(value: str, field: str) -> Weights:
         return Weights("checkpoint", path, run, path.name)
     if (path / "config.json").is_file() or (path / LORA_WEIGHT_NAME_SAFE).is_file():
         kind = "export" if (path / "config.json").is_file() else "lora_export"
-        return Weights(kind, path, _run_folder(path.parent), "export")
+        return Weights(kind, path, _run_folder(path.parent), RAW_EXPORT if path.name == RAW_EXPORT else EXPORT)
     if path.parent.name == "checkpoints" or path.name.endswith(".tmp"):
         raise PathError(
             f"{field}={value!r} is not a complete checkpoint (no COMPLETE marker: its save was interrupted); "
             f"pick another folder of {path.parent}"
         )
-    if (path / "export").is_dir():
-        return find_weights(str(path / "export"), field)
+    if (path / EXPORT).is_dir():
+        return find_weights(str(path / EXPORT), field)
     latest = CheckpointManager(path).latest()
     if latest is not None:
         return find_weights(str(latest), field)

@@ -5,9 +5,11 @@
   ``ConfigError`` is a ValueError and ``PathError`` a FileNotFoundError, so callers that catch
   those (and the tests) keep working; ``CheckpointError`` says whether the checkpoint is damaged
   (``resume=auto`` then falls back to the previous one) or merely does not fit the run.
-* ``Preempted``: SIGTERM stopped training after writing a checkpoint; exit status 143 (128 + 15,
-  what a process killed by SIGTERM reports), so a scheduler or a script does not take the job for
-  finished.
+* ``Preempted``: SIGTERM or the first Ctrl+C stopped training after writing a checkpoint; exit status
+  143 (128 + 15, what a process killed by SIGTERM reports) or 130 (128 + 2, SIGINT), so a scheduler or a
+  script does not take the job for finished.
+* ``Interrupted``: Ctrl+C stopped a command at once (a second one during training, or one before it);
+  exit status 130. Its message says what was not saved.
 
 Any other exception is a bug and keeps its traceback.
 """
@@ -49,8 +51,20 @@ class CheckpointError(UserError, ValueError):
 
 
 class Preempted(Stop):
-    """SIGTERM: a checkpoint was written and training stopped; ``resume=auto`` continues."""
+    """SIGTERM or Ctrl+C: a checkpoint was written and training stopped; ``resume=auto`` continues."""
 
     exit_code = 143
     label = "stopped"
     same_on_every_rank = True
+
+    def __init__(self, message: str, *, signum: int = 15) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class Interrupted(Stop):
+    """Ctrl+C stopped the command at once."""
+
+    exit_code = 130
+    label = "stopped"
+    same_on_every_rank = True  # Ctrl+C reaches every process of the terminal

@@ -4,11 +4,13 @@
 
 The summary gives the evaluation reward before -> after with standard errors over prompts and the
 paired difference (from the per-prompt score files, so it holds across a resume), the median time
-per step and per phase, and where everything was written.
+per step and per phase, and where everything was written, with what each export holds (its
+``weights.json``: the EMA the evaluations scored in ``export/``, the trained weights in ``export_raw/``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,6 +20,28 @@ from train.components.config import TrainConfig
 from train.components.evaluation import paired_difference, read_scores
 from train.components.logger import format_seconds
 from train.components.stats import median
+
+EXPORT, RAW_EXPORT = "export", "export_raw"  # <run>/export: the weights the trainer scored; export_raw: without EMA
+EXPORT_NOTE = "weights.json"  # in an export folder: which weights it holds ({"weights": "ema" | "trained", ...})
+
+
+def write_export_note(out: Path, *, weights: str, step: int, ema_decay: float) -> None:
+    """``<out>/weights.json``: which weights an export holds (the main rank writes it)."""
+    note = {"weights": weights, "step": step, "ema_decay": ema_decay, "scored_by_the_trainer": out.name == EXPORT}
+    (out / EXPORT_NOTE).write_text(json.dumps(note, indent=2) + "\n")
+
+
+def export_description(folder: Path) -> str | None:
+    """What an export holds, from its ``weights.json`` (None when it has none)."""
+    note = folder / EXPORT_NOTE
+    if not note.is_file():
+        return None
+    meta = json.loads(note.read_text())
+    step = f"the weights after step {meta['step']}"
+    what = f"the EMA (grpo.ema_decay={meta['ema_decay']:g}) of {step}" if meta["weights"] == "ema" else step
+    scored = "which the trainer's evaluations scored" if meta["scored_by_the_trainer"] else f"not the EMA of {EXPORT}/"
+    return f"{what}, {scored}"
+
 
 PHASES = ("step", "rollout", "reward", "update", "optimizer", "probe")  # the timed phases of a step (time/<phase>)
 
@@ -87,8 +111,10 @@ def _files(cfg: TrainConfig, wandb_mode: str) -> list[str]:
     checkpoints = _listing(run / "checkpoints", "step_????????")
     if checkpoints:
         lines.append(f"  checkpoints/    {', '.join(checkpoints)} (continue with resume=auto)")
-    if (run / "export").is_dir():
-        lines.append("  export/         the trained transformer (python -m train.eval eval.transformer=<run>/export)")
+    for name in (EXPORT, RAW_EXPORT):
+        if (run / name).is_dir():
+            what = export_description(run / name) or "the trained transformer"
+            lines.append(f"  {name + '/':<15} {what} (python -m train.eval eval.transformer=<run>/{name})")
     return lines
 
 

@@ -9,12 +9,13 @@ optionally against the pretrained one with the paired difference.
         eval.scorers.hpsv2.checkpoint=... eval.transformer=runs/flux_dance/<run>/export
 
 The weights (``eval.transformer`` or ``resume``) are an export (``<run>/export``: the full transformer
-or a LoRA file), a training checkpoint (``<run>/checkpoints/step_XXXXXXXX``), or a run folder; the path
+or a LoRA file, the EMA the trainer scored when the run kept one; ``<run>/export_raw``: then the trained
+weights without it), a training checkpoint (``<run>/checkpoints/step_XXXXXXXX``), or a run folder; the path
 is checked before any model loads. Pass the same model settings as the training run (a checkpoint of
 a LoRA run needs ``model.lora.*``; the run's ``.hydra/config.yaml`` is checked when present).
 Output, in the evaluated run's ``eval/`` folder (configs/eval.yaml; without a run,
 ``runs/<experiment>/eval_<time>``): ``eval_<what>.json``, ``.scores.jsonl`` and ``.png`` per model
-(``what`` = ``pretrained``, ``step_XXXXXXXX`` or ``export``), and with ``eval.compare_pretrained=true``
+(``what`` = ``pretrained``, ``step_XXXXXXXX``, ``export`` or ``export_raw``), and with ``eval.compare_pretrained=true``
 ``eval_<what>_vs_pretrained.json`` (the paired difference per scorer) and ``.png`` (before/after sheet).
 """
 
@@ -43,6 +44,7 @@ from train.components.config import SCORERS_HINT, TrainConfig
 from train.components.errors import CheckpointError, ConfigError
 from train.components.evaluation import EvalResult, before_after, evaluate, paired_difference
 from train.components.stats import standard_error
+from train.components.summary import EXPORT, export_description
 
 setup()
 PROG = "python -m train.eval"
@@ -90,7 +92,11 @@ def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
                 f"{key}={show_value(now)}: pass {key}={show_value(was)}"
             )
     if OmegaConf.select(trained, "grpo.ema_decay", default=0.0):
-        log.info("the run kept an EMA of its weights: this evaluates the trained weights, not the EMA")
+        log.info(
+            "the run kept an EMA of its weights: a checkpoint's model is the trained weights, not the EMA its "
+            "evaluations scored (%s holds that)",
+            weights.run_dir / EXPORT if weights.run_dir is not None else f"<run>/{EXPORT}",
+        )
 
 
 def check_checkpoint(weights: Weights) -> None:
@@ -131,6 +137,9 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
     weights = target(config)
     if weights is not None:
         check_training_config(config, weights)
+        held = export_description(weights.path)
+        if held:
+            log.info("%s holds %s", weights.path, held)
     out = Path(config.run_dir)
     records = read_eval_prompts(config)
     results: dict[str, EvalResult] = {}
