@@ -1,5 +1,6 @@
 """The GRPO training loop: resume, then train steps (train/step.py), evaluation and checkpoints on
-their own cadences, the export (the weights the evaluations scored: the EMA when kept), and the summary (train/components/summary.py) at the end.
+their own cadences, the export (the weights the evaluations scored: the EMA when kept), and the
+summary (train/components/summary.py) at the end.
 
 The console (and the run folder's log file) shows a progress bar or, without it, a heartbeat line;
 a line per evaluation; and the summary. Evaluation (train/components/evaluator.py) runs before
