@@ -19,7 +19,8 @@ from train.components.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
-CPU_EXPERIMENTS = ("demo", "testbed_compare", "tiny")  # need no path; the rest are the paper's four runs
+# need no path; the rest are the paper's four runs
+CPU_EXPERIMENTS = ("demo", "testbed_compare", "testbed_probe", "tiny")
 PAPER_EXPERIMENTS = [e for e in EXPERIMENTS if e not in CPU_EXPERIMENTS]
 register_schema()
 
@@ -73,7 +74,7 @@ def test_default_job_is_the_testbed(tmp_path):
     assert cfg.logging.eval_every > 0
 
 
-@pytest.mark.parametrize("experiment", ["tiny", "testbed_compare"])
+@pytest.mark.parametrize("experiment", ["tiny", "testbed_compare", "testbed_probe"])
 def test_cpu_experiments_compose_and_validate(experiment, tmp_path):
     check(load([f"experiment={experiment}"], tmp_path))
 

@@ -5,8 +5,8 @@ optionally against the pretrained one with the paired difference.
     python -m train.eval eval.transformer=runs/demo/<run>                 # its export, else latest checkpoint
     python -m train.eval eval.transformer=runs/demo/<run>/checkpoints/step_00000030 eval.compare_pretrained=true
     python -m train.eval resume=runs/demo/<run>/checkpoints/step_00000030  # the same as eval.transformer=
-    python -m train.eval experiment=flux_dance model.path=... data.eval_prompts=hpsv2_bench.jsonl \\
-        eval.scorers.hpsv2.checkpoint=... eval.transformer=runs/flux_dance/<run>/export
+    python -m train.eval experiment=flux_dance model.path=... data.eval_prompts=... <the run's other paths> \\
+        eval.transformer=runs/flux_dance/<run>/export
 
 The weights (``eval.transformer`` or ``resume``) are an export (``<run>/export``: the full transformer
 or a LoRA file, the EMA the trainer scored when the run kept one; ``<run>/export_raw``: then the trained
