@@ -341,7 +341,8 @@ def test_experiment_launchers_compose_and_validate(experiment, tmp_path, monkeyp
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a cat\n")
     model = str(tmp_path)
-    paths = dict(FLUX_PATH=model, QWENIMAGE_PATH=model, TRAIN_PROMPTS=str(prompts), HPS_CKPT="/ckpt/hps.pt")
+    paths = dict(FLUX_PATH=model, QWENIMAGE_PATH=model, TRAIN_PROMPTS=str(prompts), EVAL_PROMPTS=str(prompts))
+    paths |= dict(HPS_CKPT="/ckpt/hps.pt")
     paths |= dict(CLIP_PATH=model, PICKSCORE_PATH=model, PICKSCORE_PROCESSOR=model)
     result = dry_run(f"{experiment}.sh", "update=ablate", **paths)
     assert result.returncode == 0, result.stderr

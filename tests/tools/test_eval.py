@@ -9,12 +9,14 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hydra import compose, initialize_config_module
 from PIL import Image
 
+from train.components import evaluation
 from train.components.build import load_config
 from train.components.checkpoint import find_weights
 from train.components.config import SCORERS_HINT
@@ -175,6 +177,15 @@ def test_no_scorers_fails_before_loading_with_a_hint_that_works_when_typed(name,
     hint = re.search(r"e\.g\. (\S+)", str(err.value)).group(1)
     assert hint == SCORERS_HINT
     check_scorers(load_config(compose_config(name, [*overrides, hint])))  # the hint as typed composes and validates
+
+
+def test_an_evaluation_shows_its_progress(tiny_flux_dir, tmp_path, monkeypatch):
+    """The demo was silent for 24 s before its first evaluation line; a real preset's would be for hours."""
+    lines: list[str] = []
+    monkeypatch.setattr(evaluation, "log", SimpleNamespace(info=lambda fmt, *args: lines.append(fmt % args)))
+    monkeypatch.setattr(evaluation, "PROGRESS_S", 0.0)
+    evaluate_cli(tiny_flux_dir, tmp_path / "out")  # 3 prompts, 2 per batch
+    assert len(lines) == 1 and re.fullmatch(r"eval pretrained: 2/3 images, [\d.]+s, eta [\d.]+s", lines[0]), lines
 
 
 def test_eval_checks_the_weights_before_loading(tiny_flux_dir, tmp_path):
