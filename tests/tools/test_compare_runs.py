@@ -18,6 +18,7 @@ from PIL import Image
 
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
+from train.compare.arms import arm_rewards, group_arms, load_run
 from train.compare.command import main
 from train.components.config import register_schema, validate
 
@@ -84,7 +85,8 @@ def test_two_tiny_runs_give_tables_and_plots(tiny_runs, tmp_path, capsys):
     assert summary["arms"]["jagg"]["time_median_s"]["step"] == pytest.approx(med["jagg"])
     expected = (med["exact"] - med["jagg"]) / med["exact"] * 100
     assert f"{expected:.1f}%" in printed
-    for name in ("eval_jpeg_compressibility_vs_step", "eval_jpeg_compressibility_vs_wall", "time_per_phase"):
+    names = ["eval_jpeg_compressibility_vs_step", "eval_jpeg_compressibility_vs_training_time"]
+    for name in (*names, "eval_jpeg_compressibility_vs_wall", "training_curves", "time_per_phase"):
         with Image.open(out / f"{name}.png") as image:
             assert image.format == "PNG" and min(image.size) > 100
     assert "| step |" in (out / "table.md").read_text()
@@ -270,6 +272,24 @@ def test_sweep_over_seeds_by_hand(tmp_path, capsys):
     assert summary["arms"]["exact"]["eval/hps"]["auc"]["0"] == pytest.approx(auc)
     assert "40.0%" in printed  # median step time 1.2 s against 2.0 s
     assert "*" not in printed  # no "best" marks
+
+
+def test_held_out_metrics_are_compared_and_rewards_plot_against_training_time(tmp_path, capsys):
+    """eval/<metric>/held-out was left out although --help says every logged metric is compared; the
+    reward-vs-wall plot counted evaluation time and stalls, so the x of the training-time view is the
+    sum of the step times before each evaluation."""
+    rows = [step(i, 0.1, 2.0, 1.0) for i in range(4)]  # steps 0-3, 2 s each
+    rows += [{**e, "eval/hps/held-out": e["eval/hps"] - 0.1, "eval/hps/photo": 0.3} for e in evals({0: 0.4, 4: 0.6})]
+    run = write_run(tmp_path / "run", rows, config("jagg", 0))
+    assert main([str(run), "--out", str(tmp_path / "cmp"), "--warmup", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "eval/hps/held-out: mean" in printed and "eval/hps/photo" not in printed  # categories: on request
+    summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
+    assert summary["arms"]["jagg"]["eval/hps/held-out"]["final"] == {"0": pytest.approx(0.5)}
+    curves = arm_rewards(group_arms([load_run(run)])[0], "hps")
+    assert curves.training_time == {0: 0.0, 4: 8.0} and curves.wall == {0: 0.0, 4: 40.0}
+    for name in ("eval_hps_held-out_vs_training_time", "eval_hps_vs_wall", "training_curves"):
+        assert (tmp_path / "cmp" / f"{name}.png").is_file()
 
 
 def test_arms_are_labelled_by_the_settings_that_differ(tmp_path, capsys):

@@ -39,9 +39,9 @@ from train.components.config import TrainConfig, UpdateConfig, validate
 from train.components.data import PromptRecord, PromptSampler, read_prompts
 from train.components.ema import EMA
 from train.components.errors import ConfigError, PathError
-from train.components.evaluator import Evaluator, read_result
+from train.components.evaluator import Evaluator, read_result, read_summary
 from train.components.logger import RunLogger
-from train.components.summary import eval_tag
+from train.components.summary import eval_tag, heldout_tag
 from train.distributed.collectives import DistInfo, broadcast_object, init_distributed, shutdown
 from train.distributed.parallelize import parallelize
 from train.distributed.seeds import seed_everything, stream_seed
@@ -303,6 +303,7 @@ def build_evaluator(run: Run, *, start: int) -> Evaluator | None:
         return None
     records, heldout = read_eval_prompts(cfg), read_heldout_prompts(cfg)
     resumed = start > 0 and run.dist.is_main
+    folder = Path(cfg.run_dir) / "eval"
     return Evaluator(
         cfg=cfg,
         dist=run.dist,
@@ -314,7 +315,8 @@ def build_evaluator(run: Run, *, start: int) -> Evaluator | None:
         scorers=build_eval_scorers(cfg, run.device),
         records=records,
         heldout=heldout,
-        before=read_result(Path(cfg.run_dir) / "eval", eval_tag(0)) if resumed else None,
+        before=read_result(folder, eval_tag(0)) if resumed else None,
+        heldout_before=read_summary(folder, heldout_tag(0)) if resumed and heldout else None,
     )
 
 

@@ -1,10 +1,10 @@
 """What the console shows of a run: a line per evaluation and the summary at its end.
 
-    eval step 20: shape_alignment 0.5735 (step 0: 0.5862)
+    eval step 20: shape_alignment 0.5735 (step 0: 0.5862); held-out: shape_alignment 0.5401 (step 0: 0.5362)
 
-The summary gives the evaluation reward before -> after with standard errors over prompts and the
-paired difference (from the per-prompt score files, so it holds across a resume), the median time
-per step and per phase, and where everything was written, with what each export holds (its
+The summary gives the evaluation reward before -> after, of the held-out prompts too, with standard
+errors over prompts and the paired difference (from the per-prompt score files, so it holds across a
+resume), the median time per step and per phase, and where everything was written, with what each export holds (its
 ``weights.json``: the EMA the evaluations scored in ``export/``, the trained weights in ``export_raw/``).
 """
 
@@ -43,6 +43,7 @@ def export_description(folder: Path) -> str | None:
     return f"{what}, {scored}"
 
 
+HELD_OUT = "held-out"  # the held-out prompts' evaluation: eval/<metric>/held-out, eval/<tag>_held-out.*
 PHASES = ("step", "rollout", "reward", "update", "optimizer", "probe")  # the timed phases of a step (time/<phase>)
 
 
@@ -51,13 +52,31 @@ def eval_tag(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def eval_line(step: int, summary: Mapping[str, float], first: Mapping[str, float] | None) -> str:
-    """``eval step 20: shape_alignment 0.5735 (step 0: 0.5862)``, one entry per scorer."""
+def heldout_tag(step: int) -> str:
+    """The trainer's evaluation of the held-out prompts (data.heldout_prompts) after ``step`` steps."""
+    return f"{eval_tag(step)}_{HELD_OUT}"
+
+
+def _means(step: int, summary: Mapping[str, float], first: Mapping[str, float] | None) -> str:
     parts = []
     for name, value in overall(summary).items():
         before = "" if step == 0 or not first or name not in first else f" (step 0: {first[name]:.4f})"
         parts.append(f"{name} {value:.4f}{before}")
-    return f"eval step {step}: " + ", ".join(parts)
+    return ", ".join(parts)
+
+
+def eval_line(
+    step: int,
+    summary: Mapping[str, float],
+    first: Mapping[str, float] | None,
+    *,
+    heldout: Mapping[str, float] | None = None,
+    heldout_first: Mapping[str, float] | None = None,
+) -> str:
+    """``eval step 20: shape_alignment 0.5735 (step 0: 0.5862)``, one entry per scorer, then the held-out
+    prompts' (``; held-out: ...``) when they were evaluated."""
+    line = f"eval step {step}: {_means(step, summary, first)}"
+    return line + (f"; {HELD_OUT}: {_means(step, heldout, heldout_first)}" if heldout is not None else "")
 
 
 def _timing(history: Sequence[Mapping[str, float]]) -> str:
@@ -72,15 +91,24 @@ def _timing(history: Sequence[Mapping[str, float]]) -> str:
     return f"time per step (median of {len(steps)}): {median(steps):.2f}s; per phase: " + ", ".join(phases)
 
 
+def _paired_lines(eval_dir: Path, tags: tuple[str, str], names: tuple[str, str], label: str) -> list[str]:
+    """Per scorer, the paired difference between the evaluations ``tags`` (none when either is missing)."""
+    before, after = (eval_dir / f"{tag}.scores.jsonl" for tag in tags)
+    if not before.is_file() or not after.is_file():
+        return []
+    rows_before, rows_after = read_scores(before), read_scores(after)
+    metrics = [k for k in rows_after[0] if k not in ("index", "prompt", "category", "seed")]
+    return [label + paired_difference(rows_before, rows_after, name).line(*names) for name in metrics]
+
+
 def _rewards(cfg: TrainConfig, history: Sequence[Mapping[str, float]]) -> list[str]:
     eval_dir = Path(cfg.run_dir) / "eval"
-    before, after = eval_dir / f"{eval_tag(0)}.scores.jsonl", eval_dir / f"{eval_tag(cfg.num_steps)}.scores.jsonl"
-    if cfg.logging.eval_every and before.is_file() and after.is_file():
-        rows_before, rows_after = read_scores(before), read_scores(after)
-        metrics = [k for k in rows_after[0] if k not in ("index", "prompt", "category", "seed")]
-        return [
-            paired_difference(rows_before, rows_after, name).line("step 0", f"step {cfg.num_steps}") for name in metrics
-        ]
+    before = eval_dir / f"{eval_tag(0)}.scores.jsonl"
+    names = ("step 0", f"step {cfg.num_steps}")
+    trained = _paired_lines(eval_dir, (eval_tag(0), eval_tag(cfg.num_steps)), names, "")
+    if cfg.logging.eval_every and trained:
+        tags = (heldout_tag(0), heldout_tag(cfg.num_steps))
+        return trained + _paired_lines(eval_dir, tags, names, f"{HELD_OUT} prompts, ")
     rewards = [m["reward/total"] for m in history if not math.isnan(m.get("reward/total", math.nan))]
     why = "logging.eval_every=0" if not cfg.logging.eval_every else f"no {before.name} to pair with"
     if len(rewards) < 2:
