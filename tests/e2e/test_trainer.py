@@ -244,7 +244,8 @@ def test_console_lines_last_step_evaluation_and_run_folder(tiny_flux, tmp_path, 
     rows = [json.loads(line) for line in (tmp_path / "eval" / "step_00000003.scores.jsonl").read_text().splitlines()]
     assert [sorted(r) for r in rows] == [["category", "index", "jpeg_compressibility", "prompt", "seed"]] * 3
     assert (tmp_path / "eval" / "before_after_step_00000003.png").is_file()
-    assert (tmp_path / "samples" / "samples_00000002.png").is_file()
+    # the rollouts of the third step, as the checkpoint and the evaluation after it are numbered
+    assert (tmp_path / "samples" / "samples_00000003.png").is_file()
     summary = lines[-1]
     assert summary.startswith("finished tiny (jagg, seed 42): steps 0-2 in ")
     assert "jpeg_compressibility: step 0 " in summary and "-> step 3 " in summary and "paired difference" in summary

@@ -292,6 +292,15 @@ def test_held_out_metrics_are_compared_and_rewards_plot_against_training_time(tm
         assert (tmp_path / "cmp" / f"{name}.png").is_file()
 
 
+def test_arms_come_in_one_order_whatever_the_folder_names(tmp_path, capsys):
+    """A sweep folder's runs are read in name order (ablate, exact, jagg); the reports show exact, jagg, ablate."""
+    for mode in ("ablate", "exact", "jagg"):
+        write_run(tmp_path / "sweep" / f"{mode}_s0", evals({0: 0.4, 5: 0.5}), config(mode, 0))
+    assert main([str(tmp_path / "sweep")]) == 0
+    summary = json.loads((tmp_path / "sweep" / "compare" / "summary.json").read_text())
+    assert list(summary["arms"]) == ["exact", "jagg", "ablate"]
+
+
 def test_arms_are_labelled_by_the_settings_that_differ(tmp_path, capsys):
     a = write_run(tmp_path / "1", evals({0: 0.4, 5: 0.5}), config("jagg", 0, lr=1e-4))
     b = write_run(tmp_path / "2", evals({0: 0.4, 5: 0.6}), config("jagg", 0, lr=3e-4))
@@ -401,8 +410,13 @@ def test_testbed_compare_sweeps_modes_and_seeds_then_compares(tmp_path):
     cmd = [sys.executable, "-m", "train", "-m", "experiment=testbed_compare", *short, f"hydra.sweep.dir={sweep}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["compare", "exact", "jagg"]
-    assert sorted(p.name for p in (sweep / "jagg").iterdir()) == ["seed0", "seed1"]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [
+        "compare",
+        "exact_s0",
+        "exact_s1",
+        "jagg_s0",
+        "jagg_s1",
+    ]
     summary = json.loads((sweep / "compare" / "summary.json").read_text())
     assert summary["baseline"] == "exact" and set(summary["arms"]) == {"exact", "jagg"}
     firsts = {arm: entry["eval/shape_alignment"]["curve"]["0"] for arm, entry in summary["arms"].items()}

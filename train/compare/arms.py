@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from train.algorithm.jagg import UPDATE_MODES
 from train.compare.wandb_runs import WandbRun, read_offline, read_offline_file, read_online, run_file
 from train.components.stats import Estimate, estimate, median, paired, quantile, trapezoid_mean
 from train.components.summary import HELD_OUT, PHASES
@@ -229,7 +230,9 @@ class Arm:
 
 
 def group_arms(runs: list[RunMetrics], labels: list[str] | None = None) -> list[Arm]:
-    """Runs grouped by arm label (given, or from their configurations), in order of appearance."""
+    """Runs grouped by arm label (given, or from their configurations): the update modes in the order of
+    UPDATE_MODES (exact, jagg, jagg_sequential, ablate), as every table of the project shows them, then
+    the other arms in order of appearance."""
     labels = labels if labels is not None else arm_labels(runs)
     if len(labels) != len(runs):
         raise ValueError(f"--labels names {len(labels)} runs but {len(runs)} runs are given")
@@ -241,7 +244,8 @@ def group_arms(runs: list[RunMetrics], labels: list[str] | None = None) -> list[
         if len(set(seeds)) != len(seeds):
             sources = ", ".join(r.source for r in arm.runs)
             raise ValueError(f"arm {arm.label!r} holds two runs of one seed ({sources}); label them apart")
-    return list(arms.values())
+    order = {mode: i for i, mode in enumerate(UPDATE_MODES)}
+    return sorted(arms.values(), key=lambda arm: order.get(arm.mode or "", len(order)))
 
 
 def pick_baseline(arms: list[Arm], wanted: str | None) -> tuple[Arm, str]:
