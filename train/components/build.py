@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -221,6 +222,15 @@ def add_lora(cfg: TrainConfig, backbone: Backbone) -> None:
         )
 
 
+# FSDP2 warns on every forward with gradients that a sharded block returned a view (diffusers'
+# FluxSingleTransformerBlock slices its output into text and image tokens): an in-place op on that view
+# would skip the block's pre-backward all-gather. No code of ours writes into a block's output in place,
+# (tests/tools/test_plan.py::test_no_path_writes_into_the_views_single_blocks_return checks every update
+# path), and tests/e2e/test_trainer.py::test_two_ranks_log_and_train_as_one_process shows that 2 FSDP2 ranks
+# log every metric and export the weights of 1 process (no shard, no hook). So exactly that warning goes.
+FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
+
+
 def setup_trainable(cfg: TrainConfig, backbone: Backbone) -> tuple[list[nn.Parameter], nn.Module | None]:
     """LoRA or full fine-tuning, the KL reference, then sharding (in that order)."""
     transformer = backbone.transformer
@@ -234,6 +244,7 @@ def setup_trainable(cfg: TrainConfig, backbone: Backbone) -> tuple[list[nn.Param
             reference = copy.deepcopy(transformer).requires_grad_(False).eval()
     transformer.train()
     compute = parse_dtype(cfg.model.dtype)
+    warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING, category=UserWarning)
     for module in (transformer, reference):
         if module is not None:
             parallelize(
