@@ -126,6 +126,9 @@ def _files(cfg: TrainConfig, wandb_mode: str) -> list[str]:
     lines += [f"  {name:<15} these lines" for name in _listing(run, "*.log")]
     if wandb_mode != "disabled":
         lines.append(f"  wandb/          wandb {wandb_mode} run (its id in wandb_run_id)")
+    offline = _listing(run / "wandb", "offline-run-*")
+    if wandb_mode == "offline" and offline:
+        lines.append(f"                  upload it later: wandb sync {run / 'wandb' / offline[-1]}")
     samples = _listing(run / "samples", "*.png")
     if samples:
         lines.append(f"  samples/        {len(samples)} captioned grids of rollouts, rewards under each image")
