@@ -179,7 +179,8 @@ def _write(result: EvalResult, records: list[PromptRecord], out: Path) -> None:
         f"#{i}  {value:.4f}\n{records[i].prompt}"
         for i, value in zip(result.indices, result.scores(metric, result.indices))
     ]
-    title = f"{result.tag}: #prompt {metric} (mean over {len(records)} prompts {result.summary[metric]:.4f})"
+    # an image per evaluation item: eval.samples_per_prompt images of each prompt, each from its own noise
+    title = f"{result.tag}: #prompt {metric} (mean over {len(records)} images {result.summary[metric]:.4f})"
     image_grid(result.images, labels=labels, title=title, min_tile=MIN_TILE).save(out / f"{result.tag}.png")
 
 
@@ -225,7 +226,7 @@ class Paired:
         return (
             f"{self.metric}: {before_name} {self.before:.4f} ± {self.before_se:.4f} -> {after_name} "
             f"{self.after:.4f} ± {self.after_se:.4f}; paired difference {self.difference:+.4f} ± "
-            f"{self.difference_se:.4f} (standard errors over {self.num_prompts} prompts)"
+            f"{self.difference_se:.4f} (standard errors over {self.num_prompts} images)"
         )
 
 

@@ -92,10 +92,11 @@ def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
                 f"{key}={show_value(now)}: pass {key}={show_value(was)}"
             )
     if OmegaConf.select(trained, "grpo.ema_decay", default=0.0):
+        export = weights.run_dir / EXPORT if weights.run_dir is not None else None
         log.info(
             "the run kept an EMA of its weights: a checkpoint's model is the trained weights, not the EMA its "
             "evaluations scored (%s holds that)",
-            weights.run_dir / EXPORT if weights.run_dir is not None else f"<run>/{EXPORT}",
+            export if export is not None and export.is_dir() else f"a finished run's {EXPORT}/",
         )
 
 
@@ -115,7 +116,7 @@ def _line(result: EvalResult) -> str:
     return (
         f"eval {result.tag.removeprefix('eval_')}: "
         + ", ".join(parts)
-        + f" (standard error over {len(result.rows)} prompts)"
+        + f" (standard error over {len(result.rows)} images)"
     )
 
 
