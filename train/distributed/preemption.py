@@ -34,7 +34,7 @@ from train.distributed.collectives import all_reduce_max
 
 log = logging.getLogger(__name__)
 REPEAT_S = 1.0  # SIGINTs closer than this to the first are copies of one Ctrl+C (terminal and torchrun)
-SIGNAL_NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl+C (SIGINT)"}
+SIGNAL_NAMES: dict[int, str] = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl+C (SIGINT)"}
 
 
 class RepeatedInterrupt(KeyboardInterrupt):
