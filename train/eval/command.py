@@ -134,7 +134,6 @@ def _compare(before: EvalResult, after: EvalResult, prompts: list[str], out: Pat
 def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
     """Everything ``main`` does: check, load, evaluate, compare; the results by tag (rows on rank 0)."""
     config = load_config(cfg)
-    check_scorers(config)
     weights = target(config)
     if weights is not None:
         check_training_config(config, weights)
@@ -147,6 +146,7 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
     with process_group(config.dist.timeout_s) as dist:
         if weights is not None and weights.kind == "checkpoint":
             check_checkpoint(weights)
+        check_scorers(config)  # after the weights' checks, before any model loads
         backbone, predict, device = build_for_eval(config, dist)
         scorers = build_eval_scorers(config, device)
 
