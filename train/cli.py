@@ -10,7 +10,9 @@ share this:
   it cannot parse) and a run folder it cannot create become one line and exit status 2.
 * ``reported(prog)`` wraps the body of the task: a ``Stop`` (train/components/errors.py: a setting, a path, a
   file, a checkpoint, SIGTERM) prints ``<prog>: error: <message>`` and exits with its status (2 for a
-  user error); a collective that timed out or lost a peer prints which one, from where, and exits 1.
+  user error); a collective that timed out or lost a peer prints which one, from where, and exits 1;
+  Ctrl+C prints what the command was doing and exits 130 (the training loop handles it itself:
+  train/distributed/preemption.py).
 * ``report_error(err, prog)`` prints the line and returns the status, for commands that return it.
 * ``RunFolder``, a Hydra callback (``hydra.callbacks.run_folder`` in configs/train.yaml), looks at the
   run folder before Hydra creates it or writes its ``.hydra/`` and log file there: a folder that holds a
@@ -48,7 +50,9 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import tokenize
 import traceback
 import typing
@@ -67,7 +71,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from train.components.config import TrainConfig, register_schema, unknown_setting
-from train.components.errors import ConfigError, Stop, UserError
+from train.components.errors import ConfigError, Interrupted, Stop, UserError
 from train.components.run_folder import LOCK_FILE, RunLock, check_one_run
 
 DEBUG_ENV = "HYDRA_FULL_ERROR"  # Hydra's own switch for full tracebacks; it shows ours too
@@ -267,14 +271,34 @@ def collective_failure(err: BaseException) -> str | None:
     )
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    from train.distributed.collectives import collective_context  # torch: imported once Ctrl+C comes
+
+    raise Interrupted(f"Ctrl+C during {collective_context()[0]}: the command ended there, nothing more was written")
+
+
+@contextmanager
+def _ctrl_c_stops() -> Iterator[None]:
+    """Ctrl+C raises ``Interrupted`` (one line) instead of KeyboardInterrupt (a traceback), in the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @contextmanager
 def reported(prog: str) -> Iterator[None]:
-    """Around a command's body: a ``Stop`` or a failed collective ends the process with one line."""
+    """Around a command's body: a ``Stop``, Ctrl+C or a failed collective ends the process with one line."""
     _progress.task_started = True
     job = _sweep_job()
     _progress.jobs += job is not None
     try:
-        yield
+        with _ctrl_c_stops():
+            yield
     except Stop as err:
         if isinstance(err, UserError) and _progress.launch is not None:
             _progress.launch.undo()

@@ -263,8 +263,16 @@ def optimizer_metrics(run: Run, steps: list[tuple[float, bool]]) -> dict[str, fl
 
 
 def log_samples(run: Run, scored: Scored, prompts: list[str], step: int) -> None:
-    """The step's images, one row per group: its G samples share the prompt and the initial noise."""
+    """The step's images, one row per group: its G samples share the prompt and the initial noise. The
+    files are numbered step + 1, as the evaluation and the checkpoint after this step are (wandb: its row)."""
     rewards = None if scored.rewards is None else scored.rewards.float().cpu().tolist()
     run.logger.log_images(
-        "samples", scored.images, prompts, step, scores=rewards, score_name="reward/total", nrow=run.cfg.grpo.group_size
+        "samples",
+        scored.images,
+        prompts,
+        step,
+        scores=rewards,
+        score_name="reward/total",
+        nrow=run.cfg.grpo.group_size,
+        shown_step=step + 1,
     )

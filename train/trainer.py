@@ -1,5 +1,6 @@
 """The GRPO training loop: resume, then train steps (train/step.py), evaluation and checkpoints on
-their own cadences, the export, and the summary (train/components/summary.py) at the end.
+their own cadences, the export (the weights the evaluations scored: the EMA when kept), and the
+summary (train/components/summary.py) at the end.
 
 The console (and the run folder's log file) shows a progress bar or, without it, a heartbeat line;
 a line per evaluation; and the summary. Evaluation (train/components/evaluator.py) runs before
@@ -13,9 +14,10 @@ and a step does not depend on how its groups are spread over ranks;
 a NaN reward or a non-finite gradient skips the update (all ranks together) instead of
 corrupting the weights.
 
-Faults of a cluster: SIGTERM (a scheduler's notice) makes every rank stop after the same step,
-write a checkpoint and exit with ``Preempted`` (train/distributed/preemption.py); ``resume=auto`` then replays
-from it bit for bit, with the rows of replayed steps dropped from metrics.jsonl, and falls back to
+Faults of a cluster: SIGTERM (a scheduler's notice) or the first Ctrl+C makes every rank stop after the
+same step, write a checkpoint and exit with ``Preempted`` (train/distributed/preemption.py); a second
+Ctrl+C stops at once with ``Interrupted``, naming the steps not saved. ``resume=auto`` then replays
+from the checkpoint bit for bit, with the rows of replayed steps dropped from metrics.jsonl, and falls back to
 the previous checkpoint when the latest is damaged. The last step is always checkpointed.
 
 Nothing lost, nothing silent: a step's checkpoint is written before its evaluation; when the loop
@@ -49,13 +51,13 @@ from train.components.build import (
 )
 from train.components.checkpoint import export_model, state_bytes
 from train.components.config import resume_settings
-from train.components.errors import CheckpointError, DiskFull, NotLearning, Preempted, Stop
+from train.components.errors import CheckpointError, DiskFull, Interrupted, NotLearning, Preempted, Stop
 from train.components.evaluator import Evaluator
 from train.components.health import Health
 from train.components.logger import Heartbeat, progress_bar
-from train.components.summary import run_summary
+from train.components.summary import EXPORT, RAW_EXPORT, run_summary, write_export_note
 from train.distributed.collectives import activity, broadcast_object
-from train.distributed.preemption import Preemption, sigterm_requests
+from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInterrupt, stop_requests
 from train.step import train_step
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,19 @@ def _save(run: Run, step: int) -> Path:
             extra=extra,
             settings=resume_settings(run.cfg),
         )
+
+
+def export(run: Run, step: int) -> None:
+    """``export/``: the weights the evaluations scored (the EMA when kept), and with an EMA ``export_raw/``:
+    the trained weights; each with a ``weights.json`` saying which it is."""
+    out, decay, transformer = Path(run.cfg.run_dir), run.cfg.grpo.ema_decay, run.backbone.transformer
+    exports = [(EXPORT, "ema" if run.ema is not None else "trained")]
+    exports += [(RAW_EXPORT, "trained")] if run.ema is not None else []
+    for name, weights in exports:
+        with run.ema.swapped() if weights == "ema" and run.ema is not None else nullcontext():
+            export_model(transformer, out / name)
+        if run.dist.is_main:
+            write_export_note(out / name, weights=weights, step=step, ema_decay=decay)
 
 
 def _configured_optimizer(run: Run) -> None:
@@ -155,8 +170,8 @@ class _Session:
 def _after_step(
     run: Run, evaluator: Evaluator | None, session: _Session, stop_line: str | None, preemption: Preemption
 ) -> None:
-    """Checkpoint, then evaluation, on their cadences once ``session.done`` steps are trained; SIGTERM and a run
-    that cannot learn (``stop_line``) stop here, after their checkpoint."""
+    """Checkpoint, then evaluation, on their cadences once ``session.done`` steps are trained; SIGTERM, Ctrl+C and a
+    run that cannot learn (``stop_line``) stop here, after their checkpoint."""
     cfg, done = run.cfg, session.done
     stop = preemption.requested(run.device)
     every = cfg.checkpoint.every
@@ -169,7 +184,22 @@ def _after_step(
         with activity(f"the evaluation after step {done}"):
             evaluator(done)
     if stop:
-        raise Preempted(f"SIGTERM: wrote checkpoint {path} after step {done}; rerun with resume=auto to continue")
+        name = SIGNAL_NAMES.get(stop, f"signal {stop}")
+        message = f"{name}: wrote checkpoint {path} after step {done}; rerun with resume=auto to continue"
+        raise Preempted(message, signum=stop)
+
+
+def _unsaved(run: Run, step: int) -> Interrupted:
+    """What a second Ctrl+C during training ``step`` (0-based) leaves unsaved."""
+    latest = run.checkpoints.latest()
+    if latest is None:
+        return Interrupted(f"a second Ctrl+C stopped training step {step} at once: no checkpoint was written")
+    saved = run.checkpoints.step_of(latest)
+    lost = f"steps {saved}-{step} were" if step > saved else f"step {step} was"
+    return Interrupted(
+        f"a second Ctrl+C stopped training step {step} at once: {lost} not saved; "
+        f"resume=auto continues from {latest} (after step {saved})"
+    )
 
 
 def _rescue(run: Run, session: _Session, err: Exception) -> None:
@@ -205,7 +235,8 @@ def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, 
     hook = run.optimizer.register_step_post_hook(session.count)
     history = []
     # console lines go through tqdm.write while the bar is shown, so they do not break it
-    with sigterm_requests() as preemption, logging_redirect_tqdm() if show_bar else nullcontext():
+    step = start
+    with stop_requests() as preemption, logging_redirect_tqdm() if show_bar else nullcontext():
         try:
             for step in range(start, cfg.num_steps):
                 with activity(f"training step {step}"):
@@ -218,6 +249,8 @@ def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, 
                     bar.set_postfix(reward=f"{reward:.4f}")
                     heartbeat.tick(step + 1, reward)
                     _after_step(run, evaluator, session, health.observe(metrics, step), preemption)
+        except RepeatedInterrupt:
+            raise _unsaved(run, step) from None
         except Exception as err:
             _rescue(run, session, err)
             raise
@@ -245,6 +278,6 @@ def fit(run: Run) -> None:
     history = _train(run, evaluator, start)
     if cfg.checkpoint.export:
         with activity("the export"):
-            export_model(run.backbone.transformer, Path(cfg.run_dir) / "export")
+            export(run, cfg.num_steps)
     if run.dist.is_main:
         log.info(run_summary(cfg, start=start, history=history, seconds=time.perf_counter() - began, peak=run.peak))

@@ -111,7 +111,7 @@ def test_the_renamed_probe_command_names_its_new_name():
 def test_sweep_subfolders_are_short():
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(config_name="train", overrides=["update=exact", "seed=3"], return_hydra_config=True)
-    assert OmegaConf.to_container(cfg.hydra.sweep)["subdir"] == "${hydra.job.num}_${update.mode}_s${seed}"
+    assert OmegaConf.to_container(cfg.hydra.sweep)["subdir"] == "${update.mode}_s${seed}_job${hydra.job.num}"
     with initialize_config_module(config_module="configs", version_base=None):
         probe = compose(config_name="probe", return_hydra_config=True)
     assert OmegaConf.to_container(probe.hydra.run)["dir"].startswith("runs/${experiment}/probe/")

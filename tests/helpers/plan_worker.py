@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_module
 
+from train.components.build import FSDP_VIEW_WARNING
 from train.components.config import register_schema
 from train.distributed.collectives import init_distributed, shutdown
-from train.plan.command import VIEW_WARNING, arch_folder, plan_config
+from train.plan.command import arch_folder, plan_config
 from train.plan.config import register
 from train.plan.tracing import expected_groups, trace_step, traced_run
 
@@ -31,7 +32,7 @@ def main(out: Path, overrides: list[str]) -> None:
     try:
         torch.manual_seed(0)
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=VIEW_WARNING)
+            warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING)
             run = traced_run(cfg, arch_folder(cfg, model_path_given))
             traced = trace_step(run, expected_groups(cfg))
         peaks = {p.name: p.peak_bytes for p in traced.phases + traced.updates}

@@ -18,6 +18,7 @@ from PIL import Image
 
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
+from train.compare.arms import arm_rewards, group_arms, load_run
 from train.compare.command import main
 from train.components.config import register_schema, validate
 
@@ -84,7 +85,8 @@ def test_two_tiny_runs_give_tables_and_plots(tiny_runs, tmp_path, capsys):
     assert summary["arms"]["jagg"]["time_median_s"]["step"] == pytest.approx(med["jagg"])
     expected = (med["exact"] - med["jagg"]) / med["exact"] * 100
     assert f"{expected:.1f}%" in printed
-    for name in ("eval_jpeg_compressibility_vs_step", "eval_jpeg_compressibility_vs_wall", "time_per_phase"):
+    names = ["eval_jpeg_compressibility_vs_step", "eval_jpeg_compressibility_vs_training_time"]
+    for name in (*names, "eval_jpeg_compressibility_vs_wall", "training_curves", "time_per_phase"):
         with Image.open(out / f"{name}.png") as image:
             assert image.format == "PNG" and min(image.size) > 100
     assert "| step |" in (out / "table.md").read_text()
@@ -272,6 +274,33 @@ def test_sweep_over_seeds_by_hand(tmp_path, capsys):
     assert "*" not in printed  # no "best" marks
 
 
+def test_held_out_metrics_are_compared_and_rewards_plot_against_training_time(tmp_path, capsys):
+    """eval/<metric>/held-out was left out although --help says every logged metric is compared; the
+    reward-vs-wall plot counted evaluation time and stalls, so the x of the training-time view is the
+    sum of the step times before each evaluation."""
+    rows = [step(i, 0.1, 2.0, 1.0) for i in range(4)]  # steps 0-3, 2 s each
+    rows += [{**e, "eval/hps/held-out": e["eval/hps"] - 0.1, "eval/hps/photo": 0.3} for e in evals({0: 0.4, 4: 0.6})]
+    run = write_run(tmp_path / "run", rows, config("jagg", 0))
+    assert main([str(run), "--out", str(tmp_path / "cmp"), "--warmup", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "eval/hps/held-out: mean" in printed and "eval/hps/photo" not in printed  # categories: on request
+    summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
+    assert summary["arms"]["jagg"]["eval/hps/held-out"]["final"] == {"0": pytest.approx(0.5)}
+    curves = arm_rewards(group_arms([load_run(run)])[0], "hps")
+    assert curves.training_time == {0: 0.0, 4: 8.0} and curves.wall == {0: 0.0, 4: 40.0}
+    for name in ("eval_hps_held-out_vs_training_time", "eval_hps_vs_wall", "training_curves"):
+        assert (tmp_path / "cmp" / f"{name}.png").is_file()
+
+
+def test_arms_come_in_one_order_whatever_the_folder_names(tmp_path, capsys):
+    """A sweep folder's runs are read in name order (ablate, exact, jagg); the reports show exact, jagg, ablate."""
+    for mode in ("ablate", "exact", "jagg"):
+        write_run(tmp_path / "sweep" / f"{mode}_s0", evals({0: 0.4, 5: 0.5}), config(mode, 0))
+    assert main([str(tmp_path / "sweep")]) == 0
+    summary = json.loads((tmp_path / "sweep" / "compare" / "summary.json").read_text())
+    assert list(summary["arms"]) == ["exact", "jagg", "ablate"]
+
+
 def test_arms_are_labelled_by_the_settings_that_differ(tmp_path, capsys):
     a = write_run(tmp_path / "1", evals({0: 0.4, 5: 0.5}), config("jagg", 0, lr=1e-4))
     b = write_run(tmp_path / "2", evals({0: 0.4, 5: 0.6}), config("jagg", 0, lr=3e-4))
@@ -341,7 +370,8 @@ def test_experiment_launchers_compose_and_validate(experiment, tmp_path, monkeyp
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a cat\n")
     model = str(tmp_path)
-    paths = dict(FLUX_PATH=model, QWENIMAGE_PATH=model, TRAIN_PROMPTS=str(prompts), HPS_CKPT="/ckpt/hps.pt")
+    paths = dict(FLUX_PATH=model, QWENIMAGE_PATH=model, TRAIN_PROMPTS=str(prompts), EVAL_PROMPTS=str(prompts))
+    paths |= dict(HPS_CKPT="/ckpt/hps.pt")
     paths |= dict(CLIP_PATH=model, PICKSCORE_PATH=model, PICKSCORE_PROCESSOR=model)
     result = dry_run(f"{experiment}.sh", "update=ablate", **paths)
     assert result.returncode == 0, result.stderr
@@ -380,8 +410,13 @@ def test_testbed_compare_sweeps_modes_and_seeds_then_compares(tmp_path):
     cmd = [sys.executable, "-m", "train", "-m", "experiment=testbed_compare", *short, f"hydra.sweep.dir={sweep}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["compare", "exact", "jagg"]
-    assert sorted(p.name for p in (sweep / "jagg").iterdir()) == ["seed0", "seed1"]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [
+        "compare",
+        "exact_s0",
+        "exact_s1",
+        "jagg_s0",
+        "jagg_s1",
+    ]
     summary = json.loads((sweep / "compare" / "summary.json").read_text())
     assert summary["baseline"] == "exact" and set(summary["arms"]) == {"exact", "jagg"}
     firsts = {arm: entry["eval/shape_alignment"]["curve"]["0"] for arm, entry in summary["arms"].items()}

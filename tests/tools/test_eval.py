@@ -5,20 +5,27 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hydra import compose, initialize_config_module
 from PIL import Image
 
+from train.components import evaluation
 from train.components.build import load_config
 from train.components.checkpoint import find_weights
+from train.components.config import SCORERS_HINT
+from train.components.errors import ConfigError
 from train.components.evaluation import _first_occurrences, paired_difference, read_scores
 from train.components.stats import standard_error
-from train.eval.command import eval_command, target
+from train.components.summary import _files
+from train.eval import command as eval_module
+from train.eval.command import check_scorers, eval_command, target
 from train.trainer import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,6 +129,28 @@ def test_eval_of_a_checkpoint_an_export_and_a_run_folder(tiny_flux_dir, tmp_path
     assert target(config) == find_weights(str(checkpoint), "resume")
 
 
+def test_the_export_is_the_ema_the_trainer_scored_and_the_raw_weights_sit_beside_it(tiny_flux_dir, tmp_path):
+    """With an EMA the trainer evaluated the EMA, but export/ held the raw weights: train.eval of the
+    export did not reproduce the run's final score. Now export/ is the EMA, export_raw/ the raw weights
+    (as the checkpoint's model), and each export's weights.json says which."""
+    run_dir = train_run(tiny_flux_dir, tmp_path / "run", "logging.eval_every=2", "grpo.ema_decay=0.5")
+    notes = {name: json.loads((run_dir / name / "weights.json").read_text()) for name in ("export", "export_raw")}
+    assert notes["export"]["weights"] == "ema" and notes["export_raw"]["weights"] == "trained"
+    summary = _files(
+        load_config(compose_config("train", [f"model.path={tiny_flux_dir}", *EVAL, f"run_dir={run_dir}"])), "disabled"
+    )
+    assert any("export/" in line and "EMA (grpo.ema_decay=0.5)" in line and "scored" in line for line in summary)
+    assert any("export_raw/" in line and "not the EMA" in line for line in summary), summary
+    trained = scores(run_dir / "eval" / "step_00000002.scores.jsonl")
+    evaluate_cli(tiny_flux_dir, tmp_path / "ema", f"eval.transformer={run_dir}")  # a run folder: its export
+    assert scores(tmp_path / "ema" / "eval_export.scores.jsonl") == pytest.approx(trained, abs=1e-5)
+    evaluate_cli(tiny_flux_dir, tmp_path / "raw", f"eval.transformer={run_dir / 'export_raw'}")
+    evaluate_cli(tiny_flux_dir, tmp_path / "raw", f"eval.transformer={run_dir / 'checkpoints' / 'step_00000002'}")
+    raw = scores(tmp_path / "raw" / "eval_export_raw.scores.jsonl")
+    assert raw == pytest.approx(scores(tmp_path / "raw" / "eval_step_00000002.scores.jsonl"), abs=1e-5)
+    assert raw != pytest.approx(trained, abs=1e-5)  # the EMA of 2 steps is not the last weights
+
+
 @pytest.mark.slow
 def test_eval_command_line_writes_into_the_evaluated_run(tiny_flux_dir, tmp_path):
     """Hydra's own folder of the command (its .hydra/ and eval.log) is the evaluated run's eval/ folder."""
@@ -135,6 +164,28 @@ def test_eval_command_line_writes_into_the_evaluated_run(tiny_flux_dir, tmp_path
     assert (out / "eval_step_00000002.scores.jsonl").is_file() and (out / ".hydra" / "config.yaml").is_file()
     assert "eval step_00000002: jpeg_compressibility" in done.stdout
     assert "eval step_00000002: jpeg_compressibility" in (out / "eval.log").read_text()
+
+
+@pytest.mark.parametrize("name, extra", [("eval", []), ("train", ["logging.eval_every=1"])])
+def test_no_scorers_fails_before_loading_with_a_hint_that_works_when_typed(name, extra, tmp_path, monkeypatch):
+    """experiment=tiny has no eval.scorers: train.eval sampled, then crashed writing the scores (IndexError);
+    the trainer's hint eval.scorers={jpeg_compressibility: {}} failed when typed in a shell."""
+    overrides = ["experiment=tiny", f"model.path={tmp_path / 'model'}", f"run_dir={tmp_path / 'run'}", *extra]
+    monkeypatch.setattr(eval_module, "build_for_eval", lambda *args: pytest.fail("a model was loaded"))
+    with pytest.raises(ConfigError, match="eval.scorers") as err:
+        (eval_command if name == "eval" else load_config)(compose_config(name, overrides))
+    hint = re.search(r"e\.g\. (\S+)", str(err.value)).group(1)
+    assert hint == SCORERS_HINT
+    check_scorers(load_config(compose_config(name, [*overrides, hint])))  # the hint as typed composes and validates
+
+
+def test_an_evaluation_shows_its_progress(tiny_flux_dir, tmp_path, monkeypatch):
+    """The demo was silent for 24 s before its first evaluation line; a real preset's would be for hours."""
+    lines: list[str] = []
+    monkeypatch.setattr(evaluation, "log", SimpleNamespace(info=lambda fmt, *args: lines.append(fmt % args)))
+    monkeypatch.setattr(evaluation, "PROGRESS_S", 0.0)
+    evaluate_cli(tiny_flux_dir, tmp_path / "out")  # 3 prompts, 2 per batch
+    assert len(lines) == 1 and re.fullmatch(r"eval pretrained: 2/3 images, [\d.]+s, eta [\d.]+s", lines[0]), lines
 
 
 def test_eval_checks_the_weights_before_loading(tiny_flux_dir, tmp_path):

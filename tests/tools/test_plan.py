@@ -26,9 +26,10 @@ from models.flux import FluxBackbone
 from models.registry import get_backbone_class
 from rewards.base import SCORER_NAMES, FrozenModelScorer, scorer_class
 from train.algorithm.jagg import UPDATE_MODES, backward_group
+from train.components.build import FSDP_VIEW_WARNING
 from train.components.config import register_schema
 from train.distributed.parallelize import parallelize
-from train.plan.command import SHIPPED_ARCH, VIEW_WARNING, plan, plan_config
+from train.plan.command import SHIPPED_ARCH, plan, plan_config
 from train.plan.config import register
 from train.plan.fake import fake_process_group
 from train.plan.frozen import ARCH_ROOT, SCORER_ARCH, build_component, frozen_models, read_json, scorer_module
@@ -180,7 +181,7 @@ def test_real_architecture_takes_lora_and_shards_on_8_fake_ranks(experiment, tmp
             build_component(TRANSFORMERS[cfg.model.name], read_json(arch / "transformer" / "config.json"))
         )
     with fake_process_group(8), FakeTensorMode(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=VIEW_WARNING)
+        warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING)
         run = traced_run(cfg, arch)
         model = run.backbone.transformer
         names = [n for n, _ in model.named_modules()]
@@ -339,7 +340,7 @@ def test_no_path_writes_into_the_views_single_blocks_return(tiny_flux_dir):
 
     for checkpointing in (False, True):
         outputs = []
-        with fake_process_group(2), pytest.warns(UserWarning, match=VIEW_WARNING):
+        with fake_process_group(2), pytest.warns(UserWarning, match=FSDP_VIEW_WARNING):
             backbone.transformer = build_component(FluxTransformer2DModel, config_)
             parallelize(
                 backbone.transformer,

@@ -19,7 +19,8 @@ from train.components.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
-CPU_EXPERIMENTS = ("demo", "testbed_compare", "tiny")  # need no path; the rest are the paper's four runs
+# need no path; the rest are the paper's four runs
+CPU_EXPERIMENTS = ("demo", "testbed_compare", "testbed_probe", "tiny")
 PAPER_EXPERIMENTS = [e for e in EXPERIMENTS if e not in CPU_EXPERIMENTS]
 register_schema()
 
@@ -53,6 +54,7 @@ def required_paths(paths) -> list[str]:
     return [
         f"model.path={paths['model']}",
         f"data.train_prompts={paths['prompts']}",
+        f"data.eval_prompts={paths['prompts']}",
         f"reward.components.hpsv2.checkpoint={paths['file']}",
         f"reward.components.clipscore.model_path={paths['model']}",
         f"eval.scorers.pickscore.model_path={paths['model']}",
@@ -73,7 +75,7 @@ def test_default_job_is_the_testbed(tmp_path):
     assert cfg.logging.eval_every > 0
 
 
-@pytest.mark.parametrize("experiment", ["tiny", "testbed_compare"])
+@pytest.mark.parametrize("experiment", ["tiny", "testbed_compare", "testbed_probe"])
 def test_cpu_experiments_compose_and_validate(experiment, tmp_path):
     check(load([f"experiment={experiment}"], tmp_path))
 
@@ -90,6 +92,19 @@ def test_paper_experiments_compose_and_validate(experiment, paths, tmp_path):
     assert cfg.grpo.adv_std == ("unbiased" if dance else "population")
     assert cfg.sampler.quantize_timesteps == ("dance" if dance else "none")
     assert cfg.grpo.adv_eps == (1e-8 if dance else 1e-4)
+
+
+def test_an_evaluation_larger_than_eval_max_images_is_refused(paths, tmp_path):
+    """The presets evaluated on the whole training prompt file (HPDv2's) when data.eval_prompts was unset."""
+    many = tmp_path / "many.txt"
+    many.write_text("".join(f"prompt {i}\n" for i in range(40)))
+    overrides = ["experiment=flux_dance", *required_paths(paths), f"data.eval_prompts={many}", "eval.max_images=32"]
+    with pytest.raises(ConfigError, match=r"would sample 40 images \(40 prompts .* eval.max_images=32: set data"):
+        check(load(overrides, tmp_path))
+    check(load([*overrides, "data.num_eval_prompts=32"], tmp_path))
+    # the demo: 8 captions x 16 noises and 16 held-out x 16
+    with pytest.raises(ConfigError, match=r"384 images \(8 prompts .* and 16 held-out, x eval.samples_per_prompt=16"):
+        check(load(["eval.max_images=383"], tmp_path))
 
 
 @pytest.mark.parametrize("experiment", PAPER_EXPERIMENTS)

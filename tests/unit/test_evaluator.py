@@ -19,10 +19,13 @@ from train.components.config import TrainConfig
 from train.components.evaluation import EvalResult, _write
 from train.components.evaluator import Evaluator, read_result
 from train.components.logger import RunLogger
+from train.components.summary import run_summary
 from train.distributed.collectives import DistInfo
 
 SCORER = "jpeg_compressibility"
-VALUE = {"step_00000000": 0.25, "step_00000002": 0.5}  # the made-up mean score of each evaluation
+# the made-up mean score of each evaluation
+VALUE = {"step_00000000": 0.25, "step_00000002": 0.5, "step_00000003": 0.6}
+VALUE |= {"step_00000000_held-out": 0.1, "step_00000003_held-out": 0.2}
 
 
 def fake_evaluate(backbone, predict, scorers, records, cfg, dist, *, device, tag, out=None) -> EvalResult:
@@ -37,11 +40,13 @@ def fake_evaluate(backbone, predict, scorers, records, cfg, dist, *, device, tag
     return result
 
 
-def session(tmp_path: Path, *, start: int) -> Evaluator:
+def session(tmp_path: Path, *, start: int, heldout: bool = False) -> Evaluator:
     """The Evaluator a session starting at ``start`` builds, on one rank, around no model."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red square\na blue circle\n")
     cfg = TrainConfig()
+    if heldout:
+        cfg.data.heldout_prompts = str(prompts)
     cfg.run_dir, cfg.num_steps = str(tmp_path), 3
     cfg.data.train_prompts = str(prompts)
     cfg.logging.eval_every = 2
@@ -93,6 +98,22 @@ def test_a_resumed_session_reads_step_0_back_and_compares_with_it(tmp_path, capl
     assert (tmp_path / "eval" / "before_after_step_00000002.png").is_file()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(row["step"], row[f"eval/{SCORER}"]) for row in rows] == [(0, 0.255), (2, 0.505)]
+
+
+def test_the_held_out_prompts_are_shown_in_the_eval_lines_and_the_summary(tmp_path, monkeypatch):
+    """They were in the JSON files only: the console showed the trained captions' gain alone."""
+    lines: list[str] = []
+    monkeypatch.setattr(evaluator_module, "log", SimpleNamespace(info=lines.append))
+    evaluator = session(tmp_path, start=0, heldout=True)
+    evaluator(0)
+    evaluator(3)
+    evaluator.logger.finish()
+    assert lines[-1] == f"eval step 3: {SCORER} 0.6050 (step 0: 0.2550); held-out: {SCORER} 0.2050 (step 0: 0.1050)"
+    summary = run_summary(evaluator.cfg, start=0, history=[], seconds=1.0).splitlines()
+    assert summary[1].startswith(f"{SCORER}: step 0 0.2550") and "paired difference +0.3500" in summary[1]
+    assert summary[2].startswith(f"held-out prompts, {SCORER}: step 0 0.1050") and "+0.1000" in summary[2]
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row[f"eval/{SCORER}/held-out"] == pytest.approx(0.205)
 
 
 def test_a_fresh_session_reads_nothing_back(tmp_path):

@@ -15,7 +15,9 @@ import wandb
 from PIL import Image
 
 from rewards.summary import MIN_TILE, _font, _wrap, image_grid
+from train.components.config import TrainConfig
 from train.components.logger import WANDB_ID_FILE, Heartbeat, PhaseTimer, RunLogger, format_seconds, progress_bar
+from train.components.summary import _files
 
 
 def read_lines(run_dir) -> list[dict]:
@@ -158,6 +160,10 @@ def test_wandb_offline_writes_into_run_dir(tmp_path, monkeypatch) -> None:
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     assert len(list(runs[0].glob("files/media/images/**/*.png"))) == 5  # 2 samples, 2 eval images, 1 sheet
     assert os.environ["WANDB_SILENT"] == "true"
+    # the end-of-run summary says how to upload it
+    cfg = TrainConfig()
+    cfg.run_dir = str(tmp_path)
+    assert f"upload it later: wandb sync {runs[0]}" in "\n".join(_files(cfg, "offline"))
 
 
 def test_a_later_session_continues_the_wandb_run_and_the_wall_clock(tmp_path, monkeypatch) -> None:

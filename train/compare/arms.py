@@ -33,11 +33,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from train.algorithm.jagg import UPDATE_MODES
 from train.compare.wandb_runs import WandbRun, read_offline, read_offline_file, read_online, run_file
 from train.components.stats import Estimate, estimate, median, paired, quantile, trapezoid_mean
-from train.components.summary import PHASES
+from train.components.summary import HELD_OUT, PHASES
 
 WANDB_PREFIX = "wandb:"
+# The training curves plotted from metrics.jsonl (training_curves.png), with their axis labels.
+TRAINING_CURVES = {
+    "reward/total": "training reward (rollouts)",
+    "adv/std": "advantage spread (std)",
+    "train/approx_kl": "approximate KL to the rollout policy",
+    "train/clip_frac": "clipped fraction",
+    "train/grad_norm": "gradient norm (before clipping)",
+    "time/step": "seconds per step",
+}
+# x axes of the reward plots: the step, the training time (the sum of step times: what a method's speed
+# changes) and the wall-clock time (evaluations, checkpoints and stalls included)
+PLOT_AXES = {
+    "step": "training step",
+    "training_time": "training time: sum of step times [min]",
+    "wall": "wall-clock time, evaluations and stalls included [min]",
+}
 # Settings that never define an arm: where a run writes, how it logs, when it saves.
 IGNORED_KEYS = ("seed", "run_dir", "resume", "logging.", "checkpoint.", "hydra.", "probe.output")
 
@@ -238,7 +255,9 @@ class Arm:
 
 
 def group_arms(runs: list[RunMetrics], labels: list[str] | None = None) -> list[Arm]:
-    """Runs grouped by arm label (given, or from their configurations), in order of appearance."""
+    """Runs grouped by arm label (given, or from their configurations): the update modes in the order of
+    UPDATE_MODES (exact, jagg, jagg_sequential, ablate), as every table of the project shows them, then
+    the other arms in order of appearance."""
     labels = labels if labels is not None else arm_labels(runs)
     if len(labels) != len(runs):
         raise ValueError(f"--labels names {len(labels)} runs but {len(runs)} runs are given")
@@ -250,7 +269,8 @@ def group_arms(runs: list[RunMetrics], labels: list[str] | None = None) -> list[
         if len(set(seeds)) != len(seeds):
             sources = ", ".join(r.source for r in arm.runs)
             raise ValueError(f"arm {arm.label!r} holds two runs of one seed ({sources}); label them apart")
-    return list(arms.values())
+    order = {mode: i for i, mode in enumerate(UPDATE_MODES)}
+    return sorted(arms.values(), key=lambda arm: order.get(arm.mode or "", len(order)))
 
 
 def pick_baseline(arms: list[Arm], wanted: str | None) -> tuple[Arm, str]:
@@ -267,8 +287,8 @@ def pick_baseline(arms: list[Arm], wanted: str | None) -> tuple[Arm, str]:
 
 
 def eval_metrics(arms: list[Arm], wanted: list[str] | None) -> list[str]:
-    """Names of the ``eval/<name>`` metrics that runs logged: the overall means by default, or the
-    ``wanted`` ones, which may name a category (``shape_alignment/held-out``)."""
+    """Names of the ``eval/<name>`` metrics that runs logged: the overall means by default, the held-out
+    prompts' (``shape_alignment/held-out``) among them, or the ``wanted`` ones, which may name a category."""
     logged = list(
         dict.fromkeys(
             k.split("/", 1)[1]
@@ -284,7 +304,7 @@ def eval_metrics(arms: list[Arm], wanted: list[str] | None) -> list[str]:
         if missing:
             raise ValueError(f"--metrics {', '.join(missing)} not logged as eval/<name>; logged: {logged or 'none'}")
         return wanted
-    return [name for name in logged if "/" not in name]
+    return [name for name in logged if "/" not in name or name.endswith(f"/{HELD_OUT}")]
 
 
 @dataclass
@@ -296,6 +316,7 @@ class ArmRewards:
     gain: dict[int, float]  # seed -> final - value at step 0 (the frozen control)
     auc: dict[int, float]  # seed -> mean over training (trapezoids over the evaluation steps)
     wall: dict[int, float]  # evaluation step -> mean wall_time (s) over seeds when it was logged
+    training_time: dict[int, float]  # evaluation step -> mean over seeds of the time/step (s) of the steps before it
     last_step: int
 
 
@@ -310,12 +331,15 @@ def arm_rewards(arm: Arm, metric: str) -> ArmRewards | None:
     last = common[-1]
     curves = {seed: {step: s[step] for step in common} for seed, s in per_seed.items()}
     walls = {step: [r.steps[step].get("wall_time", math.nan) for r in arm.runs] for step in common}
+    step_times = [run.series("time/step") for run in arm.runs]
+    trained = {step: [sum(t for k, t in times.items() if k < step) for times in step_times] for step in common}
     return ArmRewards(
         curve={step: estimate([c[step] for c in curves.values()]) for step in common},
         final={seed: c[last] for seed, c in curves.items()},
         gain={seed: c[last] - c[common[0]] for seed, c in curves.items()} if common[0] == 0 else {},
         auc={seed: trapezoid_mean(c) for seed, c in curves.items()},
         wall={step: sum(w) / len(w) for step, w in walls.items()},
+        training_time={step: sum(t) / len(t) for step, t in trained.items()},
         last_step=last,
     )
 
@@ -498,8 +522,8 @@ def summary(c: Comparison) -> dict[str, Any]:
 
 
 def plot(c: Comparison, out: Path) -> list[Path]:
-    """Per metric: reward against step and against wall-clock time (mean line, min-max band over
-    seeds); and the median time per phase as bars."""
+    """Per metric: reward against step, training time and wall-clock time (mean line, min-max band over
+    seeds); the training curves of metrics.jsonl; and the median time per phase as bars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -507,19 +531,18 @@ def plot(c: Comparison, out: Path) -> list[Path]:
 
     written = []
     for metric in c.metrics:
-        for axis in ("step", "wall"):
+        for axis, xlabel in PLOT_AXES.items():
             fig, ax = plt.subplots(figsize=(6.5, 4))
             for arm in c.arms:
                 r = c.rewards[metric][arm.label]
                 if r is None:
                     continue
                 steps = sorted(r.curve)
-                x = steps if axis == "step" else [r.wall[s] / 60 for s in steps]
+                x = steps if axis == "step" else [getattr(r, axis)[s] / 60 for s in steps]
                 key = f"eval/{metric}"
                 per_seed = [[run.steps[s][key] for s in steps] for run in arm.runs]
                 ax.plot(x, [r.curve[s].mean for s in steps], marker="o", label=f"{arm.label} (n={len(arm.runs)})")
                 ax.fill_between(x, [min(v) for v in zip(*per_seed)], [max(v) for v in zip(*per_seed)], alpha=0.2)
-            xlabel = "training step" if axis == "step" else "wall-clock time [min]"
             ax.set(xlabel=xlabel, ylabel=f"eval/{metric}", title=f"eval/{metric}: mean, band = min..max over seeds")
             ax.grid(alpha=0.3)
             ax.legend()
@@ -527,8 +550,35 @@ def plot(c: Comparison, out: Path) -> list[Path]:
             fig.savefig(path, dpi=110, bbox_inches="tight")
             plt.close(fig)
             written.append(path)
+    written.append(_plot_training_curves(c, out, plt))
     written.append(_plot_phases(c, out, plt))
     return written
+
+
+def _plot_training_curves(c: Comparison, out: Path, plt: Any) -> Path:
+    """``training_curves.png``: each logged one of TRAINING_CURVES against the step, per arm the mean over
+    seeds with a min-max band."""
+    logged = [k for k in TRAINING_CURVES if any(r.series(k) for arm in c.arms for r in arm.runs)]
+    columns = 3
+    rows = max(1, math.ceil(len(logged) / columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.4 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, logged):
+        for arm in c.arms:
+            series = [r.series(key) for r in arm.runs]
+            steps = sorted(set.intersection(*(set(s) for s in series)))
+            values = [[s[k] for s in series] for k in steps]
+            ax.plot(steps, [sum(v) / len(v) for v in values], label=f"{arm.label} (n={len(arm.runs)})", lw=1)
+            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], alpha=0.2)
+        ax.set(xlabel="training step", ylabel=key, title=TRAINING_CURVES[key])
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(logged) :]:
+        ax.set_visible(False)
+    if logged:
+        axes.flat[0].legend()
+    path = out / "training_curves.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def _plot_phases(c: Comparison, out: Path, plt: Any) -> Path:

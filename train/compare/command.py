@@ -9,7 +9,9 @@
 Runs are grouped into arms by the settings that differ between them (seeds pooled); train/compare/arms.py
 documents the statistics. Printed and written to ``--out`` (default ``<sweep>/compare`` for one
 sweep folder, else ``comparison``): ``table.md``, ``summary.json``, ``eval_<metric>_vs_step.png``,
-``eval_<metric>_vs_wall.png`` and ``time_per_phase.png``. Exit status 2, with one line naming the
+``eval_<metric>_vs_training_time.png`` (against the sum of step times), ``eval_<metric>_vs_wall.png`` (evaluations
+and stalls included), ``training_curves.png`` (metrics.jsonl's reward, advantage spread, KL, clip fraction,
+gradient norm and step time) and ``time_per_phase.png``. Exit status 2, with one line naming the
 run and the reason, when a run is missing or malformed.
 """
 
@@ -38,7 +40,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--labels", help="comma-separated arm label of each run (default: from their configs)")
     parser.add_argument("--baseline", help="arm label of the baseline (default: the arm with update.mode=exact)")
-    parser.add_argument("--metrics", nargs="+", help="eval metric names to compare (default: every logged one)")
+    parser.add_argument(
+        "--metrics",
+        nargs="+",
+        help="eval metric names to compare (default: every logged overall mean, held-out ones included)",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the timings (default 1)")
     parser.add_argument("--out", help="output folder (default: <sweep>/compare for one sweep folder, else comparison)")
     args = parser.parse_args(argv)

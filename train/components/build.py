@@ -14,6 +14,7 @@ import copy
 import inspect
 import logging
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -41,11 +42,11 @@ from train.components.config import TrainConfig, UpdateConfig, changed_settings,
 from train.components.data import PromptRecord, PromptSampler, read_prompts
 from train.components.ema import EMA
 from train.components.errors import ConfigError, PathError, UserError
-from train.components.evaluator import Evaluator, read_result
+from train.components.evaluator import Evaluator, read_result, read_summary
 from train.components.logger import RunLogger
 from train.components.perf import CompileWatch, FlopMeter, Peak, device_peak
 from train.components.run_folder import RunLock, check_one_run, clear_run, held_run
-from train.components.summary import eval_tag
+from train.components.summary import eval_tag, heldout_tag
 from train.distributed.collectives import DistInfo, broadcast_object, gather_objects, init_distributed, shutdown
 from train.distributed.parallelize import compile_unavailable, mesh_shape, parallelize
 from train.distributed.seeds import seed_everything, stream_seed
@@ -327,6 +328,15 @@ def add_lora(cfg: TrainConfig, backbone: Backbone) -> None:
         )
 
 
+# FSDP2 warns on every forward with gradients that a sharded block returned a view (diffusers'
+# FluxSingleTransformerBlock slices its output into text and image tokens): an in-place op on that view
+# would skip the block's pre-backward all-gather. No code of ours writes into a block's output in place,
+# (tests/tools/test_plan.py::test_no_path_writes_into_the_views_single_blocks_return checks every update
+# path), and tests/e2e/test_trainer.py::test_two_ranks_log_and_train_as_one_process shows that 2 FSDP2 ranks
+# log every metric and export the weights of 1 process (no shard, no hook). So exactly that warning goes.
+FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
+
+
 def setup_trainable(cfg: TrainConfig, backbone: Backbone) -> tuple[list[nn.Parameter], nn.Module | None]:
     """LoRA or full fine-tuning, the KL reference, then sharding (in that order): the trainable
     parameters and the reference."""
@@ -356,6 +366,7 @@ def shard_trainable(
     compiling both with ``model.compile``); the trainable parameters and the reference."""
     transformer = backbone.transformer
     compute = parse_dtype(cfg.model.dtype)
+    warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING, category=UserWarning)
     for module in (transformer, reference):
         if module is not None:
             parallelize(
@@ -441,6 +452,7 @@ def build_evaluator(run: Run, *, start: int) -> Evaluator | None:
         return None
     records, heldout = read_eval_prompts(cfg), read_heldout_prompts(cfg)
     resumed = start > 0 and run.dist.is_main
+    folder = Path(cfg.run_dir) / "eval"
     return Evaluator(
         cfg=cfg,
         dist=run.dist,
@@ -452,7 +464,8 @@ def build_evaluator(run: Run, *, start: int) -> Evaluator | None:
         scorers=build_eval_scorers(cfg, run.device),
         records=records,
         heldout=heldout,
-        before=read_result(Path(cfg.run_dir) / "eval", eval_tag(0)) if resumed else None,
+        before=read_result(folder, eval_tag(0)) if resumed else None,
+        heldout_before=read_summary(folder, heldout_tag(0)) if resumed and heldout else None,
     )
 
 

@@ -80,6 +80,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from train.components.errors import CheckpointError, DiskFull, PathError
+from train.components.summary import EXPORT, RAW_EXPORT
 from train.distributed.collectives import (
     barrier,
     broadcast_object,
@@ -649,7 +650,7 @@ class Weights:
     kind: str  # "checkpoint" (a step_XXXXXXXX folder), "export" (save_pretrained) or "lora_export"
     path: Path
     run_dir: Path | None  # the run folder that wrote them (holds metrics.jsonl or .hydra/), when recognisable
-    tag: str  # names the evaluation's files: "step_00000060" or "export"
+    tag: str  # names the evaluation's files: "step_00000060", "export" or "export_raw"
 
 
 def _run_folder(path: Path) -> Path | None:
@@ -681,17 +682,17 @@ def find_weights(value: str, field: str) -> Weights:
         kind = "export" if (path / "config.json").is_file() else "lora_export"
         if problem := _export_problem(path):
             raise PathError(f"{field}={value!r}: the export {problem}; export again, or pass a checkpoint folder")
-        return Weights(kind, path, _run_folder(path.parent), "export")
+        return Weights(kind, path, _run_folder(path.parent), RAW_EXPORT if path.name == RAW_EXPORT else EXPORT)
     if path.parent.name == "checkpoints" or path.name.endswith(".tmp"):
         raise PathError(
             f"{field}={value!r} is not a complete checkpoint (no COMPLETE marker: its save was interrupted); "
             f"pick another folder of {path.parent}"
         )
     latest = CheckpointManager(path).latest()
-    if (path / "export").is_dir():
-        problem = _export_problem(path / "export")
+    if (path / EXPORT).is_dir():
+        problem = _export_problem(path / EXPORT)
         if problem is None or latest is None:
-            return find_weights(str(path / "export"), field)
+            return find_weights(str(path / EXPORT), field)
         log.warning("%s=%s: its export %s; using its latest checkpoint %s", field, value, problem, latest.name)
     if latest is not None:
         return find_weights(str(latest), field)

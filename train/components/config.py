@@ -41,6 +41,9 @@ ADV_STDS = ("population", "unbiased")  # grpo.adv_std
 RESUME_SETTINGS = ("model.name", "model.path", "model.lora", "seed", "update.mode", "sampler")
 LORA_INITS = ("gaussian", "olora", "pissa", "orthogonal")  # peft's init_lora_weights that need no extra config
 REUSE_VELOCITIES = ("fresh", "stale", "off")  # update.reuse_velocities
+# An override that adds an evaluation scorer to an empty eval.scorers, as typed on the command line
+# (``eval.scorers={jpeg_compressibility: {}}`` needs quotes in a shell; ``+`` adds the key to the typed dict).
+SCORERS_HINT = "+eval.scorers.jpeg_compressibility={}"
 
 
 @dataclass
@@ -203,6 +206,9 @@ class EvalConfig:
     transformer: str | None = None
     # python -m train.eval: also evaluate the pretrained model (same prompts and noise) and report the paired difference
     compare_pretrained: bool = False
+    # the most images one evaluation may sample (prompts x samples_per_prompt, held-out ones included), >= 1: a
+    # larger set (data.eval_prompts unset falls back to every training prompt) is refused; cut it with num_eval_prompts
+    max_images: int = 3200
     # metric name (hpsv2 | pickscore | clipscore | jpeg_compressibility | ...) -> scorer arguments (local paths)
     scorers: dict[str, dict] = field(default_factory=dict)
 
@@ -526,12 +532,12 @@ def _validate_run(cfg: TrainConfig, known_scorers: tuple[str, ...]) -> None:
     _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
     _non_negative(cfg.data.num_eval_prompts, "data.num_eval_prompts", " (0 = all of them)")
     e = cfg.eval
-    for name in ("num_steps", "batch_size", "samples_per_prompt", "grid_size"):
+    for name in ("num_steps", "batch_size", "samples_per_prompt", "grid_size", "max_images"):
         _positive(getattr(e, name), f"eval.{name}")
     for name in e.scorers:
         _choice(name, known_scorers, "eval.scorers (scorer name)")
     if cfg.logging.eval_every and not e.scorers:
-        raise ConfigError("logging.eval_every > 0 needs eval.scorers (e.g. eval.scorers={jpeg_compressibility: {}})")
+        raise ConfigError(f"logging.eval_every > 0 needs eval.scorers: add one, e.g. {SCORERS_HINT} (docs/rewards.md)")
 
 
 def _validate_files(cfg: TrainConfig) -> None:
@@ -548,6 +554,27 @@ def _validate_files(cfg: TrainConfig) -> None:
         path = getattr(cfg.data, field_name)
         if path is not None:
             read_prompts(path, field_name=f"data.{field_name}")
+
+
+def _check_eval_size(cfg: TrainConfig) -> None:
+    """One evaluation samples at most eval.max_images images (the trainer's run before training and every
+    eval_every steps; python -m train.eval's once or twice)."""
+    d, e = cfg.data, cfg.eval
+    if not e.scorers:
+        return  # no evaluation is configured
+    prompts = len(read_prompts(d.eval_prompts or d.train_prompts))
+    if d.num_eval_prompts:
+        prompts = min(prompts, d.num_eval_prompts)
+    heldout = len(read_prompts(d.heldout_prompts)) if d.heldout_prompts else 0
+    images = (prompts + heldout) * e.samples_per_prompt
+    if images > e.max_images:
+        source = f"data.eval_prompts={d.eval_prompts}" if d.eval_prompts else f"data.train_prompts={d.train_prompts}"
+        raise ConfigError(
+            f"an evaluation would sample {images} images ({prompts} prompts of {source}"
+            + (f" and {heldout} held-out" if heldout else "")
+            + f", x eval.samples_per_prompt={e.samples_per_prompt}), more than eval.max_images={e.max_images}: "
+            "set data.num_eval_prompts=<n> (or data.eval_prompts=<a smaller file>), or raise eval.max_images"
+        )
 
 
 def validate(
@@ -579,3 +606,4 @@ def validate(
         raise ConfigError(str(err)) from None
     if check_files:
         _validate_files(cfg)
+        _check_eval_size(cfg)

@@ -7,9 +7,11 @@
   (``resume=auto`` then falls back to the previous one) or merely does not fit the run.
   ``DiskFull``: the next checkpoint does not fit on the run folder's disk; ``NotLearning``: a run whose
   steps cannot change the weights stopped (after a checkpoint); both exit with status 2.
-* ``Preempted``: SIGTERM stopped training after writing a checkpoint; exit status 143 (128 + 15,
-  what a process killed by SIGTERM reports), so a scheduler or a script does not take the job for
-  finished.
+* ``Preempted``: SIGTERM or the first Ctrl+C stopped training after writing a checkpoint; exit status
+  143 (128 + 15, what a process killed by SIGTERM reports) or 130 (128 + 2, SIGINT), so a scheduler or a
+  script does not take the job for finished.
+* ``Interrupted``: Ctrl+C stopped a command at once (a second one during training, or one before it);
+  exit status 130. Its message says what was not saved.
 
 Any other exception is a bug and keeps its traceback.
 """
@@ -51,11 +53,23 @@ class CheckpointError(UserError, ValueError):
 
 
 class Preempted(Stop):
-    """SIGTERM: a checkpoint was written and training stopped; ``resume=auto`` continues."""
+    """SIGTERM or Ctrl+C: a checkpoint was written and training stopped; ``resume=auto`` continues."""
 
     exit_code = 143
     label = "stopped"
     same_on_every_rank = True
+
+    def __init__(self, message: str, *, signum: int = 15) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class Interrupted(Stop):
+    """Ctrl+C stopped the command at once."""
+
+    exit_code = 130
+    label = "stopped"
+    same_on_every_rank = True  # Ctrl+C reaches every process of the terminal
 
 
 class DiskFull(UserError):

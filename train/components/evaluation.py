@@ -16,6 +16,9 @@ Output in ``<out>`` (``<run_dir>/eval`` for the trainer):
   (seed, "eval_noise", index);
 * ``<tag>.png``: the first ``eval.grid_size`` prompts' images, each with its index and first scorer's value.
 
+Rank 0 prints a progress line every ``PROGRESS_S`` seconds of an evaluation (``eval step_00000025: 256/512
+images, 31 s, eta 31 s``): a large evaluation set is not silence.
+
 ``paired_difference`` compares two such score files prompt by prompt (after - before, with the
 standard error of the mean difference, which is what a before/after claim needs: the prompts'
 own spread cancels out).
@@ -24,7 +27,9 @@ own spread cancels out).
 from __future__ import annotations
 
 import json
+import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,9 +46,29 @@ from samplers.rollout import Predict, group_noise, rollout
 from samplers.sde import SDE
 from train.components.config import TrainConfig
 from train.components.data import PromptRecord
+from train.components.logger import format_seconds
 from train.components.stats import standard_error
 from train.distributed.collectives import DistInfo, all_gather_tensor
 from train.distributed.seeds import stream_seed
+
+log = logging.getLogger(__name__)
+PROGRESS_S = 10.0  # seconds between an evaluation's progress lines (the demo's first evaluation takes ~25 s)
+
+
+class _Progress:
+    """``eval <tag>: <done>/<total> images, <elapsed>, eta <left>`` every PROGRESS_S seconds, on rank 0."""
+
+    def __init__(self, tag: str, total: int, *, enabled: bool) -> None:
+        self.tag, self.total, self.enabled = tag.removeprefix("eval_"), total, enabled
+        self.began = self.last = time.perf_counter()
+
+    def __call__(self, done: int) -> None:
+        now = time.perf_counter()
+        if not self.enabled or now - self.last < PROGRESS_S or done >= self.total:
+            return
+        self.last, elapsed = now, now - self.began
+        left = format_seconds(elapsed / done * (self.total - done))
+        log.info("eval %s: %d/%d images, %s, eta %s", self.tag, done, self.total, format_seconds(elapsed), left)
 
 
 def _sample(
@@ -100,6 +125,7 @@ def evaluate(
     scores: dict[str, list[Tensor]] = {name: [] for name in scorers}
     grid: list[Tensor] = []
     grid_indices: list[int] = []
+    progress = _Progress(tag, len(records), enabled=dist.is_main)
     for first in range(0, per_rank, cfg.eval.batch_size):
         idx = [mine[min(i, len(mine) - 1)] for i in range(first, min(first + cfg.eval.batch_size, per_rank))]
         prompts = [records[i].prompt for i in idx]
@@ -109,6 +135,7 @@ def evaluate(
         if dist.is_main and len(grid_indices) < cfg.eval.grid_size:
             grid.append(images.cpu())
             grid_indices += idx
+        progress(min((first + len(idx)) * dist.world_size, len(records)))
     # Every rank scored per_rank prompts (padded by repeating its last one): gather, then drop pads.
     owner = all_gather_tensor(torch.tensor([mine[min(i, len(mine) - 1)] for i in range(per_rank)]))
     keep = _first_occurrences(owner)
@@ -152,7 +179,8 @@ def _write(result: EvalResult, records: list[PromptRecord], out: Path) -> None:
         f"#{i}  {value:.4f}\n{records[i].prompt}"
         for i, value in zip(result.indices, result.scores(metric, result.indices))
     ]
-    title = f"{result.tag}: #prompt {metric} (mean over {len(records)} prompts {result.summary[metric]:.4f})"
+    # an image per evaluation item: eval.samples_per_prompt images of each prompt, each from its own noise
+    title = f"{result.tag}: #prompt {metric} (mean over {len(records)} images {result.summary[metric]:.4f})"
     image_grid(result.images, labels=labels, title=title, min_tile=MIN_TILE).save(out / f"{result.tag}.png")
 
 
@@ -198,7 +226,7 @@ class Paired:
         return (
             f"{self.metric}: {before_name} {self.before:.4f} ± {self.before_se:.4f} -> {after_name} "
             f"{self.after:.4f} ± {self.after_se:.4f}; paired difference {self.difference:+.4f} ± "
-            f"{self.difference_se:.4f} (standard errors over {self.num_prompts} prompts)"
+            f"{self.difference_se:.4f} (standard errors over {self.num_prompts} images)"
         )
 
 

@@ -4,7 +4,8 @@ with its prompts, scorers and the step-0 result, called after ``step`` training 
 A call runs the protocol of train/components/evaluation.py (with the EMA weights when kept) on the
 evaluation prompts and, when ``data.heldout_prompts`` is set, on those as a second evaluation; logs
 ``eval/<metric>[/<category>]`` and ``eval/<metric>/held-out[/<category>]`` at ``step``; then rank 0
-prints the line against step 0 (``eval step 20: shape_alignment 0.5735 (step 0: 0.5862)``), sends
+prints the line against step 0 (``eval step 20: shape_alignment 0.5735 (step 0: 0.5862); held-out:
+shape_alignment 0.5401 (step 0: 0.5362)``), sends
 the captioned grid to wandb and writes ``eval/before_after_<tag>.png``: the same prompts and noise
 at step 0 and after ``step`` steps.
 
@@ -31,7 +32,7 @@ from train.components.data import PromptRecord
 from train.components.ema import EMA
 from train.components.evaluation import EvalResult, before_after, evaluate, read_scores
 from train.components.logger import RunLogger
-from train.components.summary import eval_line, eval_tag
+from train.components.summary import HELD_OUT, eval_line, eval_tag, heldout_tag
 from train.distributed.collectives import DistInfo
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class Evaluator:
     records: list[PromptRecord]  # the evaluation prompts, eval.samples_per_prompt times each
     heldout: list[PromptRecord]  # data.heldout_prompts likewise; empty: no held-out evaluation
     before: EvalResult | None = None  # rank 0: the step-0 result, for the line and the before/after sheets
+    heldout_before: dict[str, float] | None = None  # rank 0: the held-out prompts' step-0 means, for the line
 
     def due(self, done: int) -> bool:
         """After ``done`` steps: every eval_every steps, and after the last step whatever its number."""
@@ -61,11 +63,12 @@ class Evaluator:
         """Evaluate the policy after ``step`` training steps: log it on all ranks, show it on rank 0."""
         result = self._evaluate(self.records, eval_tag(step))
         metrics = _eval_keys(result.summary, "")
-        if self.heldout:
-            metrics |= _eval_keys(self._evaluate(self.heldout, f"{eval_tag(step)}_held-out").summary, "/held-out")
+        heldout = self._evaluate(self.heldout, heldout_tag(step)).summary if self.heldout else None
+        if heldout is not None:
+            metrics |= _eval_keys(heldout, f"/{HELD_OUT}")
         self.logger.log(metrics, step)
         if self.dist.is_main:
-            self._show(result, step)
+            self._show(result, heldout, step)
 
     def _evaluate(self, records: list[PromptRecord], tag: str) -> EvalResult:
         with self.ema.swapped() if self.ema is not None else nullcontext():
@@ -73,14 +76,15 @@ class Evaluator:
                 self.backbone, self.predict, self.scorers, records, self.cfg, self.dist, device=self.device, tag=tag
             )
 
-    def _show(self, result: EvalResult, step: int) -> None:
+    def _show(self, result: EvalResult, heldout: dict[str, float] | None, step: int) -> None:
         """The console line, the grid on wandb and the sheet against step 0 (which step 0 itself keeps)."""
         folder = Path(self.cfg.run_dir) / "eval"
         if step == 0:
-            self.before = result
+            self.before, self.heldout_before = result, heldout
             save_grid(result, folder)
         before = self.before
-        log.info(eval_line(step, result.summary, before.summary if before is not None else None))
+        first = before.summary if before is not None else None
+        log.info(eval_line(step, result.summary, first, heldout=heldout, heldout_first=self.heldout_before))
         metric = next(iter(overall(result.summary)))
         prompts = [self.records[i].prompt for i in result.indices]
         scores = result.scores(metric, result.indices)
@@ -106,6 +110,12 @@ def save_grid(result: EvalResult, folder: Path) -> None:
     """``<folder>/<tag>.grid.pt``: the grid's images as uint8 and their prompt indices (``read_result``)."""
     pixels = (result.images.clamp(0, 1) * 255).round().to(torch.uint8)
     torch.save({"images": pixels, "indices": result.indices}, folder / f"{result.tag}.grid.pt")
+
+
+def read_summary(folder: Path, tag: str) -> dict[str, float] | None:
+    """The means of the evaluation ``tag`` in ``folder`` (its ``<tag>.json``), or None when it is missing."""
+    path = folder / f"{tag}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def read_result(folder: Path, tag: str) -> EvalResult | None:

@@ -218,21 +218,24 @@ class RunLogger:
         scores: Sequence[float] | None = None,
         score_name: str = "reward",
         nrow: int | None = None,
+        shown_step: int | None = None,
     ) -> Path | None:
-        """Save a captioned PNG grid ``samples/<key>_<step>.png``, with ``score_name`` per image when
-        ``scores`` is given, ``nrow`` per row, and ``<key>_<step>.txt`` (``index<TAB>score<TAB>caption`` per
-        image); send the images to wandb."""
+        """Save a captioned PNG grid ``samples/<key>_<shown_step>.png``, with ``score_name`` per image when
+        ``scores`` is given, ``nrow`` per row, and ``<key>_<shown_step>.txt`` (``index<TAB>score<TAB>caption``
+        per image); send the images to wandb at ``step``. ``shown_step`` (default ``step``) names and titles
+        the files: the trainer's count of steps, as its evaluations and checkpoints say it."""
         if not self.is_main:
             return None
         if len(captions) != images.shape[0] or (scores is not None and len(scores) != len(captions)):
             raise ValueError(f"log_images: {images.shape[0]} images, {len(captions)} captions and scores to match")
         folder = self.run_dir / "samples"
         folder.mkdir(parents=True, exist_ok=True)
-        stem = f"{key.replace('/', '_')}_{step:08d}"
+        shown = step if shown_step is None else shown_step
+        stem = f"{key.replace('/', '_')}_{shown:08d}"
         path = folder / f"{stem}.png"
         values = [f"{score:.4f}" for score in scores] if scores is not None else [""] * len(captions)
         labels = [f"#{i}  {value}\n{caption}" for i, (value, caption) in enumerate(zip(values, captions))]
-        title = f"{key}, step {step}" + (f": #index {score_name}" if scores is not None else "")
+        title = f"{key}, step {shown}" + (f": #index {score_name}" if scores is not None else "")
         image_grid(images, nrow, labels=labels, title=title, min_tile=MIN_TILE).save(path)
         lines = [f"{i}\t{value}\t{caption}" for i, (value, caption) in enumerate(zip(values, captions))]
         header = f"index\t{score_name}\tcaption" if scores is not None else "index\t\tcaption"

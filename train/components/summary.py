@@ -1,15 +1,18 @@
 """What the console shows of a run: a line per evaluation and the summary at its end.
 
-    eval step 20: shape_alignment 0.5735 (step 0: 0.5862)
+    eval step 20: shape_alignment 0.5735 (step 0: 0.5862); held-out: shape_alignment 0.5401 (step 0: 0.5362)
 
-The summary gives the evaluation reward before -> after with standard errors over prompts and the
-paired difference (from the per-prompt score files, so it holds across a resume), the median time
-per step and per phase, the achieved TFLOP/s and MFU per phase (train/components/perf.py), what
-compiling cost (model.compile), and where everything was written.
+The summary gives the evaluation reward before -> after, of the held-out prompts too, with standard
+errors over prompts and the paired difference (from the per-prompt score files, so it holds across a
+resume), the median time per step and per phase, the achieved TFLOP/s and MFU per phase
+(train/components/perf.py), what compiling cost (model.compile), and where everything was written, with
+what each export holds (its ``weights.json``: the EMA the evaluations scored in ``export/``, the trained
+weights in ``export_raw/``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,6 +24,29 @@ from train.components.logger import format_seconds
 from train.components.perf import Peak
 from train.components.stats import median
 
+EXPORT, RAW_EXPORT = "export", "export_raw"  # <run>/export: the weights the trainer scored; export_raw: without EMA
+EXPORT_NOTE = "weights.json"  # in an export folder: which weights it holds ({"weights": "ema" | "trained", ...})
+
+
+def write_export_note(out: Path, *, weights: str, step: int, ema_decay: float) -> None:
+    """``<out>/weights.json``: which weights an export holds (the main rank writes it)."""
+    note = {"weights": weights, "step": step, "ema_decay": ema_decay, "scored_by_the_trainer": out.name == EXPORT}
+    (out / EXPORT_NOTE).write_text(json.dumps(note, indent=2) + "\n")
+
+
+def export_description(folder: Path) -> str | None:
+    """What an export holds, from its ``weights.json`` (None when it has none)."""
+    note = folder / EXPORT_NOTE
+    if not note.is_file():
+        return None
+    meta = json.loads(note.read_text())
+    step = f"the weights after step {meta['step']}"
+    what = f"the EMA (grpo.ema_decay={meta['ema_decay']:g}) of {step}" if meta["weights"] == "ema" else step
+    scored = "which the trainer's evaluations scored" if meta["scored_by_the_trainer"] else f"not the EMA of {EXPORT}/"
+    return f"{what}, {scored}"
+
+
+HELD_OUT = "held-out"  # the held-out prompts' evaluation: eval/<metric>/held-out, eval/<tag>_held-out.*
 PHASES = ("step", "rollout", "reward", "update", "optimizer", "probe")  # the timed phases of a step (time/<phase>)
 
 
@@ -29,13 +55,31 @@ def eval_tag(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def eval_line(step: int, summary: Mapping[str, float], first: Mapping[str, float] | None) -> str:
-    """``eval step 20: shape_alignment 0.5735 (step 0: 0.5862)``, one entry per scorer."""
+def heldout_tag(step: int) -> str:
+    """The trainer's evaluation of the held-out prompts (data.heldout_prompts) after ``step`` steps."""
+    return f"{eval_tag(step)}_{HELD_OUT}"
+
+
+def _means(step: int, summary: Mapping[str, float], first: Mapping[str, float] | None) -> str:
     parts = []
     for name, value in overall(summary).items():
         before = "" if step == 0 or not first or name not in first else f" (step 0: {first[name]:.4f})"
         parts.append(f"{name} {value:.4f}{before}")
-    return f"eval step {step}: " + ", ".join(parts)
+    return ", ".join(parts)
+
+
+def eval_line(
+    step: int,
+    summary: Mapping[str, float],
+    first: Mapping[str, float] | None,
+    *,
+    heldout: Mapping[str, float] | None = None,
+    heldout_first: Mapping[str, float] | None = None,
+) -> str:
+    """``eval step 20: shape_alignment 0.5735 (step 0: 0.5862)``, one entry per scorer, then the held-out
+    prompts' (``; held-out: ...``) when they were evaluated."""
+    line = f"eval step {step}: {_means(step, summary, first)}"
+    return line + (f"; {HELD_OUT}: {_means(step, heldout, heldout_first)}" if heldout is not None else "")
 
 
 def _timing(history: Sequence[Mapping[str, float]]) -> str:
@@ -71,15 +115,24 @@ def _perf(history: Sequence[Mapping[str, float]], peak: Peak) -> list[str]:
     return lines
 
 
+def _paired_lines(eval_dir: Path, tags: tuple[str, str], names: tuple[str, str], label: str) -> list[str]:
+    """Per scorer, the paired difference between the evaluations ``tags`` (none when either is missing)."""
+    before, after = (eval_dir / f"{tag}.scores.jsonl" for tag in tags)
+    if not before.is_file() or not after.is_file():
+        return []
+    rows_before, rows_after = read_scores(before), read_scores(after)
+    metrics = [k for k in rows_after[0] if k not in ("index", "prompt", "category", "seed")]
+    return [label + paired_difference(rows_before, rows_after, name).line(*names) for name in metrics]
+
+
 def _rewards(cfg: TrainConfig, history: Sequence[Mapping[str, float]]) -> list[str]:
     eval_dir = Path(cfg.run_dir) / "eval"
-    before, after = eval_dir / f"{eval_tag(0)}.scores.jsonl", eval_dir / f"{eval_tag(cfg.num_steps)}.scores.jsonl"
-    if cfg.logging.eval_every and before.is_file() and after.is_file():
-        rows_before, rows_after = read_scores(before), read_scores(after)
-        metrics = [k for k in rows_after[0] if k not in ("index", "prompt", "category", "seed")]
-        return [
-            paired_difference(rows_before, rows_after, name).line("step 0", f"step {cfg.num_steps}") for name in metrics
-        ]
+    before = eval_dir / f"{eval_tag(0)}.scores.jsonl"
+    names = ("step 0", f"step {cfg.num_steps}")
+    trained = _paired_lines(eval_dir, (eval_tag(0), eval_tag(cfg.num_steps)), names, "")
+    if cfg.logging.eval_every and trained:
+        tags = (heldout_tag(0), heldout_tag(cfg.num_steps))
+        return trained + _paired_lines(eval_dir, tags, names, f"{HELD_OUT} prompts, ")
     rewards = [m["reward/total"] for m in history if not math.isnan(m.get("reward/total", math.nan))]
     why = "logging.eval_every=0" if not cfg.logging.eval_every else f"no {before.name} to pair with"
     if len(rewards) < 2:
@@ -97,6 +150,9 @@ def _files(cfg: TrainConfig, wandb_mode: str) -> list[str]:
     lines += [f"  {name:<15} these lines" for name in _listing(run, "*.log")]
     if wandb_mode != "disabled":
         lines.append(f"  wandb/          wandb {wandb_mode} run (its id in wandb_run_id)")
+    offline = _listing(run / "wandb", "offline-run-*")
+    if wandb_mode == "offline" and offline:
+        lines.append(f"                  upload it later: wandb sync {run / 'wandb' / offline[-1]}")
     samples = _listing(run / "samples", "*.png")
     if samples:
         lines.append(f"  samples/        {len(samples)} captioned grids of rollouts, rewards under each image")
@@ -110,8 +166,10 @@ def _files(cfg: TrainConfig, wandb_mode: str) -> list[str]:
     checkpoints = _listing(run / "checkpoints", "step_????????")
     if checkpoints:
         lines.append(f"  checkpoints/    {', '.join(checkpoints)} (continue with resume=auto)")
-    if (run / "export").is_dir():
-        lines.append("  export/         the trained transformer (python -m train.eval eval.transformer=<run>/export)")
+    for name in (EXPORT, RAW_EXPORT):
+        if (run / name).is_dir():
+            what = export_description(run / name) or "the trained transformer"
+            lines.append(f"  {name + '/':<15} {what} (python -m train.eval eval.transformer=<run>/{name})")
     return lines
 
 

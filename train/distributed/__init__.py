@@ -1,2 +1,2 @@
 """Distribution: process groups and cross-rank helpers, FSDP2 sharding and the global gradient norm,
-preemption (SIGTERM), and every random stream of a run. Imports nothing else of train/."""
+preemption (SIGTERM, Ctrl+C), and every random stream of a run. Imports nothing else of train/."""

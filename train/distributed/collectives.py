@@ -132,7 +132,9 @@ def all_gather_tensor(tensor: Tensor) -> Tensor:
         return tensor.detach().clone()
     local = tensor.detach().contiguous()
     out = local.new_empty((get_world_size() * local.shape[0], *local.shape[1:]))
-    dist.all_gather_into_tensor(out, local)
+    # all_gather_single is all_gather_into_tensor's new name (torch 2.14 deprecates the old one, with a warning)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local)
     return out
 
 

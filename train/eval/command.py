@@ -5,16 +5,17 @@ optionally against the pretrained one with the paired difference.
     python -m train.eval eval.transformer=runs/demo/<run>                 # its export, else latest checkpoint
     python -m train.eval eval.transformer=runs/demo/<run>/checkpoints/step_00000030 eval.compare_pretrained=true
     python -m train.eval resume=runs/demo/<run>/checkpoints/step_00000030  # the same as eval.transformer=
-    python -m train.eval experiment=flux_dance model.path=... data.eval_prompts=hpsv2_bench.jsonl \\
-        eval.scorers.hpsv2.checkpoint=... eval.transformer=runs/flux_dance/<run>/export
+    python -m train.eval experiment=flux_dance model.path=... data.eval_prompts=... <the run's other paths> \\
+        eval.transformer=runs/flux_dance/<run>/export
 
 The weights (``eval.transformer`` or ``resume``) are an export (``<run>/export``: the full transformer
-or a LoRA file), a training checkpoint (``<run>/checkpoints/step_XXXXXXXX``), or a run folder; the path
+or a LoRA file, the EMA the trainer scored when the run kept one; ``<run>/export_raw``: then the trained
+weights without it), a training checkpoint (``<run>/checkpoints/step_XXXXXXXX``), or a run folder; the path
 is checked before any model loads. Pass the same model settings as the training run (a checkpoint of
 a LoRA run needs ``model.lora.*``; the run's ``.hydra/config.yaml`` is checked when present).
 Output, in the evaluated run's ``eval/`` folder (configs/eval.yaml; without a run,
 ``runs/<experiment>/eval_<time>``): ``eval_<what>.json``, ``.scores.jsonl`` and ``.png`` per model
-(``what`` = ``pretrained``, ``step_XXXXXXXX`` or ``export``), and with ``eval.compare_pretrained=true``
+(``what`` = ``pretrained``, ``step_XXXXXXXX``, ``export`` or ``export_raw``), and with ``eval.compare_pretrained=true``
 ``eval_<what>_vs_pretrained.json`` (the paired difference per scorer) and ``.png`` (before/after sheet).
 """
 
@@ -39,15 +40,25 @@ from train.components.build import (
     read_eval_prompts,
 )
 from train.components.checkpoint import CheckpointManager, Weights, find_weights
-from train.components.config import TrainConfig
+from train.components.config import SCORERS_HINT, TrainConfig
 from train.components.errors import CheckpointError, ConfigError
 from train.components.evaluation import EvalResult, before_after, evaluate, paired_difference
 from train.components.stats import standard_error
+from train.components.summary import EXPORT, export_description
 
 setup()
 PROG = "python -m train.eval"
 log = logging.getLogger(__name__)
 STRUCTURE = ("model.name", "model.lora.enabled", "model.lora.rank", "model.lora.alpha")
+
+
+def check_scorers(cfg: TrainConfig) -> None:
+    """An evaluation scores with ``eval.scorers``: without one there is nothing to write (before any model loads)."""
+    if not cfg.eval.scorers:
+        raise ConfigError(
+            f"eval.scorers is empty, so there is nothing to score the images with: add one, e.g. {SCORERS_HINT} "
+            "(docs/rewards.md lists the scorers)"
+        )
 
 
 def target(cfg: TrainConfig) -> Weights | None:
@@ -81,7 +92,12 @@ def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
                 f"{key}={show_value(now)}: pass {key}={show_value(was)}"
             )
     if OmegaConf.select(trained, "grpo.ema_decay", default=0.0):
-        log.info("the run kept an EMA of its weights: this evaluates the trained weights, not the EMA")
+        export = weights.run_dir / EXPORT if weights.run_dir is not None else None
+        log.info(
+            "the run kept an EMA of its weights: a checkpoint's model is the trained weights, not the EMA its "
+            "evaluations scored (%s holds that)",
+            export if export is not None and export.is_dir() else f"a finished run's {EXPORT}/",
+        )
 
 
 def check_checkpoint(weights: Weights) -> None:
@@ -100,7 +116,7 @@ def _line(result: EvalResult) -> str:
     return (
         f"eval {result.tag.removeprefix('eval_')}: "
         + ", ".join(parts)
-        + f" (standard error over {len(result.rows)} prompts)"
+        + f" (standard error over {len(result.rows)} images)"
     )
 
 
@@ -121,12 +137,16 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
     weights = target(config)
     if weights is not None:
         check_training_config(config, weights)
+        held = export_description(weights.path)
+        if held:
+            log.info("%s holds %s", weights.path, held)
     out = Path(config.run_dir)
     records = read_eval_prompts(config)
     results: dict[str, EvalResult] = {}
     with process_group(config.dist.timeout_s) as dist:
         if weights is not None and weights.kind == "checkpoint":
             check_checkpoint(weights)
+        check_scorers(config)  # after the weights' checks, before any model loads
         backbone, predict, device = build_for_eval(config, dist)
         scorers = build_eval_scorers(config, device)
 

@@ -1,0 +1,135 @@
+"""Ctrl+C: the first one finishes the step, writes a checkpoint and stops (as SIGTERM does); a second one
+stops at once, saying what was not saved; copies of one Ctrl+C (the terminal's and torchrun's) count
+once; before training it is one line, not a traceback; under torchrun the same."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from two_ranks import env, torchrun
+
+import train.__main__ as train_command
+import train.trainer as trainer
+from train.cli import run_hydra
+from train.components import build
+from train.distributed import preemption
+
+ROOT = Path(__file__).resolve().parents[2]
+# 5 sampling steps -> 4 trainable transitions = one group of W = 4; one prompt of G = 2 per step.
+FAST = [
+    "experiment=tiny",
+    "sampler.num_steps=5",
+    "grpo.group_size=2",
+    "grpo.prompts_per_rank=1",
+    "grpo.micro_batch=2",
+    "grpo.gradient_accumulation_steps=2",
+    "logging.sample_every=0",
+    "logging.progress_bar=false",
+    "checkpoint.export=false",
+]
+
+
+@pytest.fixture(autouse=True)
+def _repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the tiny experiment's prompt file is relative to the repository root
+
+
+def train(capsys, run_dir: Path, *overrides: str) -> tuple[int, str]:
+    """``python -m train`` in this process: (exit status, stderr and then stdout)."""
+    try:
+        run_hydra(train_command.main, prog=train_command.PROG, argv=[*FAST, *overrides, f"hydra.run.dir={run_dir}"])
+        status = 0
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else 1
+    captured = capsys.readouterr()
+    return status, captured.err + captured.out
+
+
+def ctrl_c_in(monkeypatch, steps: dict[int, int]) -> None:
+    """During training step k, ``steps[k]`` SIGINTs to this process, as a terminal sends Ctrl+C."""
+    real = trainer.train_step
+
+    def step_then_signal(run, k):
+        out = real(run, k)
+        for _ in range(steps.get(k, 0)):
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(trainer, "train_step", step_then_signal)
+
+
+def stopped_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("python -m train: stopped: ")]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def test_first_ctrl_c_checkpoints_and_two_at_once_count_once(tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    """Ctrl+C printed a KeyboardInterrupt traceback and wrote nothing; two SIGINTs within REPEAT_S (the
+    terminal's and torchrun's copies of one Ctrl+C) are one request."""
+    ctrl_c_in(monkeypatch, {1: 2})
+    status, stderr = train(capsys, tmp_path / "run", f"model.path={tiny_flux_dir}", "num_steps=4")
+    line = stopped_line(stderr)
+    assert status == 130 and "Ctrl+C (SIGINT): wrote checkpoint" in line and "after step 2" in line, stderr
+    assert "resume=auto" in line and "Ctrl+C again stops at once" in stderr
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000002"]
+
+
+def test_second_ctrl_c_stops_at_once_naming_the_unsaved_steps(tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(preemption, "REPEAT_S", 0.0)  # the second SIGINT below is the user's second Ctrl+C
+    ctrl_c_in(monkeypatch, {0: 1, 1: 1})
+    real_after = trainer._after_step
+    monkeypatch.setattr(trainer, "_after_step", lambda run, ev, done, p: real_after(run, ev, done, _Never()))
+    overrides = [f"model.path={tiny_flux_dir}", "num_steps=4", "checkpoint.every=1"]
+    status, stderr = train(capsys, tmp_path / "run", *overrides)
+    line = stopped_line(stderr)
+    assert status == 130 and "a second Ctrl+C stopped training step 1 at once" in line, line
+    assert "step 1 was not saved" in line and "step_00000001 (after step 1)" in line, line
+
+
+class _Never:
+    """A stop request nobody asks for: training goes on after the first Ctrl+C, until the second."""
+
+    def requested(self, device) -> int:
+        return 0
+
+
+def test_ctrl_c_before_training_is_one_line(tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    real = build.build_backbone
+
+    def load_then_ctrl_c(*args):
+        backbone = real(*args)
+        os.kill(os.getpid(), signal.SIGINT)
+        return backbone
+
+    monkeypatch.setattr(build, "build_backbone", load_then_ctrl_c)
+    status, stderr = train(capsys, tmp_path / "run", f"model.path={tiny_flux_dir}", "num_steps=2")
+    assert status == 130 and "Ctrl+C during start-up: the command ended there" in stopped_line(stderr)
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_checkpoints_on_both_ranks(tiny_flux_dir, tmp_path):
+    """torchrun's agent gets SIGINT and forwards it to its 2 workers, which finish the step, write one
+    checkpoint and exit (the agent then reports the workers' failure)."""
+    run_dir = tmp_path / "run"
+    args = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=200", f"hydra.run.dir={run_dir}"]
+    agent = subprocess.Popen(
+        torchrun("-m", "train", *args), cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 240
+    while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text().strip():
+        assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()[1][-3000:]
+        time.sleep(0.5)
+    agent.send_signal(signal.SIGINT)
+    _, stderr = agent.communicate(timeout=120)
+    checkpoints = [p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.endswith(".tmp")]
+    assert len(checkpoints) == 1, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("python -m train: stopped: Ctrl+C (SIGINT)")]
+    assert len(lines) == 1 and checkpoints[0] in lines[0], stderr[-3000:]
+    assert "Traceback" not in stderr.split("python -m train: stopped:")[0], stderr[-3000:]
