@@ -2,7 +2,8 @@
 run's peak memory.
 
     OMP_NUM_THREADS=1 python scripts/bench_train.py [--job small|demo] [--rounds 3] [--steps 4]
-        [--kl-beta 0.05] [--runs exact jagg jagg-recompute ablate]
+        [--kl-beta 0.05] [--runs exact jagg jagg-recompute ablate] [--share-group-start on|off ...]
+        [--exact-batched on|off ...]
 
 ``--job small``: the small Flux config (64 px, 8 trainable transitions = 2 groups of W = 4, G = 4,
 micro-batch 1, one optimizer step per training step, jagg_frac 1.0 so every group takes the run's
@@ -10,6 +11,12 @@ path). ``--job demo``: the default job (``python -m train``, the CPU testbed: 64
 one micro-batch, one optimizer step per training step, one group of W = 4) without its evaluations
 and checkpoints.
 Both with the KL penalty of ``--kl-beta`` (full fine-tuning: a frozen copy is the reference; 0 = off).
+
+``--share-group-start`` (``update.share_group_start``, default on) and ``--exact-batched``
+(``update.exact_batched``, default off) take one value or both: every run then runs with each, named
+``<run> share <on|off>`` and ``batched <on|off>``; ``--exact-batched on`` only changes the ``exact`` run
+(both jobs route every group of the other runs to their path, jagg_frac 1.0), so the others run it off.
+The first run with the first values is the baseline of the ratios.
 
 Runs: ``jagg`` reuses the rollout's velocities (``update.reuse_velocities=fresh``, the default),
 ``jagg-recompute`` recomputes them (``off``), ``jagg-stale`` reuses them after optimizer steps too.
@@ -60,6 +67,24 @@ RUNS = {
     "ablate": ["update=ablate"],
 }
 PHASES = ("step", "rollout", "update")
+SWITCHES = {"on": "true", "off": "false"}
+
+
+def variants(runs: list[str], share: list[str], batched: list[str]) -> dict[str, list[str]]:
+    """Each run with each ``--share-group-start`` and ``--exact-batched`` value: name -> overrides."""
+    out = {}
+    for name in runs:
+        for b in batched if name == "exact" else batched[:1]:
+            for on in share:
+                label = (
+                    name + (f" share {on}" if len(share) > 1 else "") + (f" batched {b}" if len(batched) > 1 else "")
+                )
+                out[label] = [
+                    *RUNS[name],
+                    f"update.share_group_start={SWITCHES[on]}",
+                    f"update.exact_batched={SWITCHES[b]}",
+                ]
+    return out
 
 
 def child(out: Path, steps: int, overrides: list[str]) -> None:
@@ -124,37 +149,41 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps per process, the first one dropped")
     parser.add_argument("--kl-beta", type=float, default=0.05, help="grpo.kl_beta (0 = no KL reference)")
     parser.add_argument("--runs", nargs="+", default=["exact", "jagg", "jagg-recompute", "ablate"], choices=list(RUNS))
+    parser.add_argument("--share-group-start", nargs="+", default=["on"], choices=list(SWITCHES))
+    parser.add_argument("--exact-batched", nargs="+", default=["off"], choices=list(SWITCHES))
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args()
     if args.child is not None:
         child(args.child, args.steps, overrides)
         return
     keys = [f"{clock}/{p}" for clock in ("time", "cpu") for p in PHASES]
-    results: dict[str, dict[str, list[float]]] = {name: {k: [] for k in [*keys, "rss"]} for name in args.runs}
+    runs = variants(args.runs, args.share_group_start, args.exact_batched)
+    results: dict[str, dict[str, list[float]]] = {name: {k: [] for k in [*keys, "rss"]} for name in runs}
     kept: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for name in args.runs:
-                run_overrides = [*JOBS[args.job], *RUNS[name], f"grpo.kl_beta={args.kl_beta}"]
-                metrics, rss = run_once(run_overrides, args.steps, Path(tmp) / f"{name}_{r}")
+            for i, (name, overrides) in enumerate(runs.items()):
+                run_overrides = [*JOBS[args.job], *overrides, f"grpo.kl_beta={args.kl_beta}"]
+                metrics, rss = run_once(run_overrides, args.steps, Path(tmp) / f"{i}_{r}")
                 for key in keys:
                     results[name][key] += [m[key] for m in metrics]
                 results[name]["rss"].append(rss)
                 kept[name] = metrics[0].get("memory/velocity_bytes_per_sample", 0) / 1024
     med = {name: {k: statistics.median(v) for k, v in res.items()} for name, res in results.items()}
-    base = med[args.runs[0]]
+    base = med[next(iter(runs))]
     timed = args.rounds * (args.steps - 1)
     print(f"job {args.job}, grpo.kl_beta={args.kl_beta}; median of {timed} steps per run ({args.rounds} processes)")
-    print(f"{'':<16}{'CPU time':>44}{'wall clock':>32}")
-    header = f"{'update s':>10}{'step s':>8}{'update/exact':>14}{'step/exact':>12}"
-    print(f"{'run':<16}{header}{header}{'peak RSS MiB':>14}{'kept v KiB/sample':>19}")
+    width = max(16, *(len(name) + 2 for name in runs))
+    print(f"{'':<{width}}{'CPU time':>44}{'wall clock':>32}")
+    header = f"{'update s':>10}{'step s':>8}{'update/base':>14}{'step/base':>12}"
+    print(f"{'run':<{width}}{header}{header}{'peak RSS MiB':>14}{'kept v KiB/sample':>19}")
     for name, m in med.items():
         row = ""
         for clock in ("cpu", "time"):
             update, step = m[f"{clock}/update"], m[f"{clock}/step"]
             ratios = f"{update / base[f'{clock}/update']:>14.3f}{step / base[f'{clock}/step']:>12.3f}"
             row += f"{update:>10.2f}{step:>8.2f}{ratios}"
-        print(f"{name:<16}{row}{max(results[name]['rss']):>14.0f}{kept[name]:>19.1f}")
+        print(f"{name:<{width}}{row}{max(results[name]['rss']):>14.0f}{kept[name]:>19.1f}")
 
 
 if __name__ == "__main__":
