@@ -379,8 +379,8 @@ def expected_shared_rows(cfg: TrainConfig) -> float:
         per_group: dict[int, list[int]] = {}  # group -> its rows in each micro-batch of the optimizer step
         for first in range(chunk, chunk + g.gradient_accumulation_steps, g.micro_batch):
             for group in range(first // g.group_size, (first + g.micro_batch - 1) // g.group_size + 1):
-                rows = min(first + g.micro_batch, (group + 1) * g.group_size) - max(first, group * g.group_size)
-                per_group.setdefault(group, []).append(rows)
+                num = min(first + g.micro_batch, (group + 1) * g.group_size) - max(first, group * g.group_size)
+                per_group.setdefault(group, []).append(num)
         for rows in per_group.values():  # each micro-batch trains the step with probability p
             saved += p * sum(rows) - (1 - (1 - p) ** len(rows))
     return saved
