@@ -135,8 +135,9 @@ class Backbone(abc.ABC):
 
     @abc.abstractmethod
     def predict(self, z: Tensor, t: Tensor, cond: Conditioning, *, transformer: nn.Module | None = None) -> Tensor:
-        """Velocity v(z, t) [B, ...] float32 for packed latents z [B, ...] and timesteps t [B], by the
-        backbone's transformer or by ``transformer`` (e.g. a frozen reference copy of it)."""
+        """Velocity v(z, t) [B, ...] float32 (float64 from a float64 transformer, as tests run it) for
+        packed latents z [B, ...] and timesteps t [B], by the backbone's transformer or by
+        ``transformer`` (e.g. a frozen reference copy of it)."""
 
     @abc.abstractmethod
     def decode(self, z: Tensor, *, height: int | None = None, width: int | None = None) -> Tensor:

@@ -196,7 +196,7 @@ class FluxBackbone(DiffusersBackbone):
             img_ids=img_ids.flatten(0, 1),
             return_dict=False,
         )[0]
-        return v.float().view_as(z)
+        return v.to(torch.promote_types(v.dtype, torch.float32)).view_as(z)  # a float64 transformer's stays float64
 
     def decode(self, z: Tensor, *, height: int | None = None, width: int | None = None) -> Tensor:
         self.check_image_size(z, height, width)

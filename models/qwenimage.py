@@ -249,7 +249,7 @@ class QwenImageBackbone(DiffusersBackbone):
             img_shapes=[[(1, h2, w2)]] * batch,
             return_dict=False,
         )[0]
-        return v.float().view_as(z)
+        return v.to(torch.promote_types(v.dtype, torch.float32)).view_as(z)  # a float64 transformer's stays float64
 
     def decode(self, z: Tensor, *, height: int | None = None, width: int | None = None) -> Tensor:
         self.check_image_size(z, height, width)

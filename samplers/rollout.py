@@ -19,6 +19,12 @@ inference_mode, so stored latents can later be inputs of a graph with gradients)
 
 The shared initial noise of a group comes from a generator seeded by the group's own seed, so a
 group's G samples start from the same z_0 and differ only by the SDE noise (``group_noise``).
+
+The shared start (``group_size`` > 1: consecutive blocks of G rows share z_0 and the conditioning):
+until a group's first SDE noise its G rows have the same input, so the predictions of the steps up to
+and including the first SDE step (``shared_start_steps``) run one row per group and their v is
+broadcast to the G rows; from the first SDE noise on, rows differ and run as before. The latents and
+log-probs equal those of G rows per call up to float rounding (other batch shapes).
 """
 
 from __future__ import annotations
@@ -62,6 +68,12 @@ def stochastic_flags(num_steps: int, sde: SDE, sde_window: tuple[int, int] | Non
     if not 0 <= start < stop <= num_steps:
         raise ValueError(f"sde_window must satisfy 0 <= start < stop <= num_steps = {num_steps}, got {sde_window}")
     return [start <= k < stop for k in range(num_steps)]
+
+
+def shared_start_steps(flags: Sequence[bool]) -> int:
+    """Steps whose input is the same in every row of a group (``flags``: which steps are SDE): those
+    before the first SDE step and that step itself (all of them for an ODE rollout)."""
+    return flags.index(True) + 1 if any(flags) else len(flags)
 
 
 def trainable_flags(flags: Sequence[bool]) -> list[bool]:
@@ -164,6 +176,7 @@ def rollout(
     keep_velocities: bool = False,
     velocity_dtype: torch.dtype = torch.float32,
     velocity_device: torch.device | str | None = None,
+    group_size: int = 1,
 ) -> Trajectory:
     """Sample B trajectories from ``noise`` [B, ...] (z_0) with ``cond`` (B rows).
 
@@ -173,12 +186,19 @@ def rollout(
     block of B / len(generator) consecutive rows (e.g. per group, so a group's samples do not
     depend on which other groups share the batch); ``keep_velocities`` stores every v(z_k, t_k) in
     ``velocity_dtype`` (the transformer's compute dtype loses nothing: ``predict`` only upcast it) on
-    ``velocity_device`` (default: the latents'; host memory is pinned when the latents are on a GPU).
+    ``velocity_device`` (default: the latents'; host memory is pinned when the latents are on a GPU);
+    ``group_size``: rows come in consecutive blocks of this many that share z_0 and the conditioning,
+    and the steps of the shared start run one row per block (module docstring; 1 = no sharing).
     """
     num_steps, batch, device = sigmas.shape[0] - 1, noise.shape[0], noise.device
     if isinstance(generator, Sequence) and (not generator or batch % len(generator)):
         raise ValueError(f"{len(generator)} SDE-noise generators do not split a batch of {batch} rows evenly")
+    if group_size < 1 or batch % group_size:
+        raise ValueError(f"group_size={group_size} does not split a batch of {batch} rows into whole groups")
     flags = stochastic_flags(num_steps, sde, sde_window)  # python values: the loop reads no tensor
+    shared = shared_start_steps(flags) if group_size > 1 else 0
+    firsts = torch.arange(0, batch, group_size, device=device)  # the first row of each group
+    first_cond = cond.index(firsts) if shared else cond
     stochastic = torch.tensor(flags, dtype=torch.bool)
     if group_ids is None:
         group_ids = torch.arange(batch, device=device)
@@ -193,7 +213,10 @@ def rollout(
     velocities = _velocity_buffer(latents, velocity_dtype, velocity_device) if keep_velocities else None
     for k, is_sde in enumerate(flags):
         z = latents[:, k]
-        v = predict(z, timesteps[k].expand(batch), cond)
+        if k < shared:  # the group's rows have one input: one row per group, broadcast to its G rows
+            v = predict(z[firsts], timesteps[k].expand(len(firsts)), first_cond).repeat_interleave(group_size, 0)
+        else:
+            v = predict(z, timesteps[k].expand(batch), cond)
         if is_sde:
             eps = _sde_noise(generator, z)
             out = step(sde, v, z, sigmas[k], sigmas[k + 1], noise=eps, sigma_guard=sigma_guard)

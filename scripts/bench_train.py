@@ -3,6 +3,7 @@ run's peak memory.
 
     OMP_NUM_THREADS=1 python scripts/bench_train.py [--job small|demo] [--rounds 3] [--steps 4]
         [--kl-beta 0.05] [--runs exact jagg jagg-recompute ablate] [--compile off on]
+        [--share-group-start on|off ...] [--exact-batched on|off ...]
 
 ``--job small``: the small Flux config (64 px, 8 trainable transitions = 2 groups of W = 4, G = 4,
 micro-batch 1, one optimizer step per training step, jagg_frac 1.0 so every group takes the run's
@@ -14,6 +15,12 @@ Both with the KL penalty of ``--kl-beta`` (full fine-tuning: a frozen copy is th
 runs' first step, which compiles, is reported apart: its ``time/compile`` in the first process (a cold
 inductor cache, when nothing compiled these graphs before on this machine) and the median of the
 others (a warm cache), with the graphs compiled per process.
+
+``--share-group-start`` (``update.share_group_start``, default on) and ``--exact-batched``
+(``update.exact_batched``, default off) take one value or both: every run then runs with each, named
+``<run> share <on|off>`` and ``batched <on|off>``; ``--exact-batched on`` only changes the ``exact`` run
+(both jobs route every group of the other runs to their path, jagg_frac 1.0), so the others run it off.
+The first run with the first values is the baseline of the ratios.
 
 Runs: ``jagg`` reuses the rollout's velocities (``update.reuse_velocities=fresh``, the default),
 ``jagg-recompute`` recomputes them (``off``), ``jagg-stale`` reuses them after optimizer steps too.
@@ -64,6 +71,29 @@ RUNS = {
     "ablate": ["update=ablate"],
 }
 PHASES = ("step", "rollout", "update")
+SWITCHES = {"on": "true", "off": "false"}
+
+
+def variants(runs: list[str], share: list[str], batched: list[str], compile_: list[str]) -> dict[str, list[str]]:
+    """Each run with each ``--share-group-start``, ``--exact-batched`` and ``--compile`` value: name -> overrides."""
+    out = {}
+    for name in runs:
+        for b in batched if name == "exact" else batched[:1]:
+            for on in share:
+                for c in compile_:
+                    label = (
+                        name
+                        + (f" share {on}" if len(share) > 1 else "")
+                        + (f" batched {b}" if len(batched) > 1 else "")
+                        + ("+compile" if c == "on" else "")
+                    )
+                    out[label] = [
+                        *RUNS[name],
+                        f"update.share_group_start={SWITCHES[on]}",
+                        f"update.exact_batched={SWITCHES[b]}",
+                        f"model.compile={SWITCHES[c]}",
+                    ]
+    return out
 
 
 def child(out: Path, steps: int, overrides: list[str]) -> None:
@@ -129,22 +159,23 @@ def main() -> None:
     parser.add_argument("--kl-beta", type=float, default=0.05, help="grpo.kl_beta (0 = no KL reference)")
     parser.add_argument("--runs", nargs="+", default=["exact", "jagg", "jagg-recompute", "ablate"], choices=list(RUNS))
     parser.add_argument("--compile", nargs="+", default=["off"], choices=["off", "on"], help="model.compile per run")
+    parser.add_argument("--share-group-start", nargs="+", default=["on"], choices=list(SWITCHES))
+    parser.add_argument("--exact-batched", nargs="+", default=["off"], choices=list(SWITCHES))
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args()
     if args.child is not None:
         child(args.child, args.steps, overrides)
         return
     keys = [f"{clock}/{p}" for clock in ("time", "cpu") for p in PHASES]
-    runs = {f"{name}+compile" if on == "on" else name: [*RUNS[name], f"model.compile={on == 'on'}"]
-            for name in args.runs for on in args.compile}  # fmt: skip
+    runs = variants(args.runs, args.share_group_start, args.exact_batched, args.compile)
     results: dict[str, dict[str, list[float]]] = {name: {k: [] for k in [*keys, "rss"]} for name in runs}
     kept: dict[str, float] = {}
     first_steps: dict[str, list[dict]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for name, run_overrides in runs.items():
+            for i, (name, run_overrides) in enumerate(runs.items()):
                 overrides_ = [*JOBS[args.job], *run_overrides, f"grpo.kl_beta={args.kl_beta}"]
-                metrics, rss = run_once(overrides_, args.steps, Path(tmp) / f"{name}_{r}")
+                metrics, rss = run_once(overrides_, args.steps, Path(tmp) / f"{i}_{r}")
                 first_steps[name].append(metrics[0])
                 for key in keys:
                     results[name][key] += [m[key] for m in metrics[1:]]
@@ -160,16 +191,17 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, list[float]]],
     base = next(iter(med.values()))
     timed = args.rounds * (args.steps - 1)
     print(f"job {args.job}, grpo.kl_beta={args.kl_beta}; median of {timed} steps per run ({args.rounds} processes)")
-    print(f"{'':<24}{'CPU time':>44}{'wall clock':>32}")
+    width = max(16, *(len(name) + 2 for name in med))
+    print(f"{'':<{width}}{'CPU time':>44}{'wall clock':>32}")
     header = f"{'update s':>10}{'step s':>8}{'update/base':>14}{'step/base':>12}"
-    print(f"{'run':<24}{header}{header}{'peak RSS MiB':>14}{'kept v KiB/sample':>19}")
+    print(f"{'run':<{width}}{header}{header}{'peak RSS MiB':>14}{'kept v KiB/sample':>19}")
     for name, m in med.items():
         row = ""
         for clock in ("cpu", "time"):
             update, step = m[f"{clock}/update"], m[f"{clock}/step"]
             ratios = f"{update / base[f'{clock}/update']:>14.3f}{step / base[f'{clock}/step']:>12.3f}"
             row += f"{update:>10.2f}{step:>8.2f}{ratios}"
-        print(f"{name:<24}{row}{max(results[name]['rss']):>14.0f}{kept[name]:>19.1f}")
+        print(f"{name:<{width}}{row}{max(results[name]['rss']):>14.0f}{kept[name]:>19.1f}")
     print(f"base: {next(iter(med))}")
 
 

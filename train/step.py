@@ -7,7 +7,9 @@ On each rank:
   3. decode, score every reward component, combine, and take group advantages;
   4. update: the router (train/algorithm/routing.py) may measure first; then micro-batches through
      train/algorithm/update.py (exact or JAGG per group), one optimizer step per
-     ``gradient_accumulation_steps`` samples, after clipping the global gradient norm.
+     ``gradient_accumulation_steps`` samples, after clipping the global gradient norm. The plans of an
+     optimizer step's micro-batches are drawn first, in order; its shared start (the first trainable
+     step, once per group) runs before them and its backward after them.
 
 The rollout keeps its velocities when the JAGG path can reuse them (``update.reuse_velocities``):
 ``fresh`` hands them to the update until an optimizer step has changed the weights, ``stale`` for the
@@ -28,11 +30,12 @@ from torch import Tensor
 
 from models.base import Backbone, Conditioning, decode_in_chunks
 from rewards.combine import AdvantageFn, NonFiniteRewardError
-from samplers.rollout import Predict, Trajectory, draw_sde_window, group_noise, rollout
+from samplers.rollout import Predict, Trajectory, draw_sde_window, group_noise, rollout, shared_start_steps
 from samplers.schedule import check_timesteps
 from samplers.sde import SDE
 from train.algorithm.grpo import group_advantages
-from train.algorithm.update import UpdateBatch, UpdateStats, update_micro_batch
+from train.algorithm.jagg import Counts
+from train.algorithm.update import UpdateBatch, UpdateStats, shared_start, update_micro_batch
 from train.components.build import Run, policy_predictor, reference_predictor, update_settings
 from train.components.config import ModelConfig, TrainConfig
 from train.components.ema import EMA
@@ -100,7 +103,8 @@ def sample_trajectories(
     velocity_dtype: torch.dtype,
 ) -> Trajectory:
     """The sampler's rollout (no gradients) of ``predict`` with ``cfg.sampler``'s settings from ``noise``
-    [B, ...] and ``cond`` (B rows); the velocities kept in ``velocity_dtype``, in host memory with
+    [B, ...] and ``cond`` (B rows, in groups of G consecutive rows: with ``update.share_group_start`` the
+    shared start runs one row per group); the velocities kept in ``velocity_dtype``, in host memory with
     ``update.offload_velocities``."""
     s = cfg.sampler
     return rollout(
@@ -116,7 +120,20 @@ def sample_trajectories(
         keep_velocities=keep_velocities,
         velocity_dtype=velocity_dtype,
         velocity_device="cpu" if cfg.update.offload_velocities else None,
+        group_size=rollout_group_size(cfg),
     )
+
+
+def rollout_group_size(cfg: TrainConfig) -> int:
+    """The rows that share a start in the rollout: G with ``update.share_group_start``, else 1."""
+    return cfg.grpo.group_size if cfg.update.share_group_start else 1
+
+
+def rollout_shared_rows(cfg: TrainConfig, traj: Trajectory) -> int:
+    """Rows of transformer forwards the rollout's shared start did not run (on this rank)."""
+    size = rollout_group_size(cfg)
+    steps = shared_start_steps(traj.stochastic.tolist()) if size > 1 else 0
+    return steps * (traj.batch_size - traj.batch_size // size)
 
 
 def decode_images(backbone: Backbone, latents: Tensor, model: ModelConfig) -> Tensor:
@@ -209,6 +226,12 @@ def update_batch(run: Run, traj: Trajectory, advantages: Tensor) -> UpdateBatch:
     )
 
 
+def micro_batches(cfg: TrainConfig, first: int) -> list[range]:
+    """The rows of each micro-batch of the optimizer step that starts at row ``first``."""
+    g = cfg.grpo
+    return [range(r, r + g.micro_batch) for r in range(first, first + g.gradient_accumulation_steps, g.micro_batch)]
+
+
 def train_step(run: Run, step: int) -> dict[str, float]:
     """One step (the phases above); the update runs here, micro-batch by micro-batch, so that the call
     path from the trainer to a group's loss stays short (tests/unit/test_update.py counts it)."""
@@ -228,14 +251,19 @@ def train_step(run: Run, step: int) -> dict[str, float]:
                 with timer.phase("probe"):
                     routing = run.router.refresh(step, batch, run.params)
             plan_gen = stream_generator(run.cfg.seed, "update_plan", step)  # same on every rank
-            stats, norms, moved = UpdateStats(), [], False
+            stats = UpdateStats(counts=Counts(shared_start_forward_rows=rollout_shared_rows(run.cfg, traj)))
+            norms, moved = [], False
             for chunk in range(0, traj.batch_size, g.gradient_accumulation_steps):
                 reuse = batch.settings.reuses_velocities and (batch.settings.reuse_velocities == "stale" or not moved)
                 with timer.phase("update"):
-                    for first in range(chunk, chunk + g.gradient_accumulation_steps, g.micro_batch):
-                        rows = torch.arange(first, first + g.micro_batch, device=run.device)
-                        plan = run.router.plan(traj, plan_gen)
-                        stats += update_micro_batch(batch, rows, plan, reuse_velocities=reuse)
+                    micro = micro_batches(run.cfg, chunk)
+                    plans = [run.router.plan(traj, plan_gen) for _ in micro]  # drawn in micro-batch order
+                    start = shared_start(batch, micro, plans)  # this optimizer step's, when rows share it
+                    for rows, plan in zip(micro, plans):
+                        rows_t = torch.arange(rows.start, rows.stop, device=run.device)
+                        stats += update_micro_batch(batch, rows_t, plan, reuse_velocities=reuse, start=start)
+                    if start is not None:
+                        stats += start.backward()
                 with timer.phase("optimizer"):
                     norms.append(optimizer_step(run))
                     moved |= norms[-1][1]  # the kept velocities are no longer those of the current weights

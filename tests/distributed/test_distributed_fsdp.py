@@ -64,12 +64,14 @@ def test_update_paths_gather_as_designed(results: list[dict]) -> None:
     """With n = 5 sharded modules and W = 4: JAGG gathers every module once for the batched no-grad
     middle, once for the batched endpoints' forward and once in their backward (3n), and
     reduce-scatters once (n); the exact path pays a forward and a backward gather and a
-    reduce-scatter per step (2Wn, Wn); the sequential variant two forwards and backwards. Given the
+    reduce-scatter per step (2Wn, Wn), exact_batched one forward and one backward gather and one
+    reduce-scatter for its W steps (2n, n); the sequential variant two forwards and backwards. Given the
     rollout's velocities, the JAGG paths skip the middle's gather: jagg costs what ablate does."""
     n = 5
     for res in results:
         assert res["update_path_collectives"] == {
             "exact": [8 * n, 4 * n],
+            "exact_batched": [2 * n, n],
             "jagg": [3 * n, n],
             "jagg_sequential": [5 * n, 2 * n],
             "ablate": [2 * n, n],

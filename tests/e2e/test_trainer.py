@@ -145,28 +145,44 @@ def test_tiny_run_matches_golden(case, golden_runs):
 
 
 COUNTED = ("count/grad_forwards", "count/nograd_forwards", "count/backward_calls", "count/reused_velocities")
+SHARED = ("count/shared_start_forward_rows", "count/shared_start_grad_rows")
 # 9 sampling steps' v of a 16 x 16 x 4 latent packed into 8 x 8 x 16, float32
 VELOCITY_BYTES = 9 * 8 * 8 * 16 * 4
 
 
 def test_counts_per_update_mode(golden_runs, tiny_flux, tmp_path):
-    """Per step of the golden runs: two micro-batches of 2 rows, each its own optimizer step, and two
-    groups of W = 4 per micro-batch, group 0 routed to the mode (jagg_frac 0.6 of 8 transitions) and
-    group 1 exact (Flow-GRPO-Fast: one group, in its window). Exact runs W forwards and W backward
-    passes per group; jagg and ablate 2 endpoint forwards and 1 backward call, jagg_sequential 2 calls.
-    jagg takes its 2 middle steps from the rollout in the first micro-batch (the weights are the
-    rollout's) and recomputes them without grad in the second (an optimizer step moved the weights:
-    update.reuse_velocities=fresh). Two more runs, every group on jagg: reuse off recomputes every
+    """Per step of the golden runs: two micro-batches of 2 rows (one group), each its own optimizer step,
+    and two groups of W = 4 per micro-batch, group 0 routed to the mode (jagg_frac 0.6 of 8 transitions)
+    and group 1 exact (Flow-GRPO-Fast: one group, in its window). The shared start runs each optimizer
+    step's first trainable step once for the group's 2 rows (1 forward with grad, 1 backward call), so
+    group 0 runs no forward of its step 0. Exact runs W forwards and W backward passes per group (W - 1
+    in group 0); jagg and ablate the endpoint W - 1 forward and 1 backward call in group 0, 2 endpoint
+    forwards and 1 call elsewhere; jagg_sequential one call per endpoint it runs. jagg takes its 2 middle
+    steps from the rollout in the first micro-batch (the weights are the rollout's) and recomputes them
+    without grad in the second (an optimizer step moved the weights: update.reuse_velocities=fresh). Two
+    more runs, every group on jagg, one optimizer step of both micro-batches: reuse off recomputes every
     middle step, stale reuses them after the optimizer step too."""
     counts = {case: tuple(metrics[0][key] for key in COUNTED) for case, metrics in golden_runs.items()}
     assert counts == {
         "dance-exact": (16, 0, 16, 0),
-        "dance-jagg": (12, 2, 10, 2),
+        "dance-jagg": (12, 2, 12, 2),
         "dance-jagg_sequential": (12, 2, 12, 2),
-        "dance-ablate": (12, 0, 10, 0),
-        "flow-jagg": (12, 18, 10, 2),  # and the KL reference: 4 no-grad steps per group and micro-batch
-        "flow_fast-jagg": (4, 2, 2, 2),  # one group of 4 in the SDE window, on jagg (jagg_frac 1)
+        "dance-ablate": (12, 0, 12, 0),
+        "flow-jagg": (12, 18, 12, 2),  # and the KL reference: 4 no-grad steps per group and micro-batch
+        "flow_fast-jagg": (4, 2, 4, 2),  # one group of 4 in the SDE window, on jagg (jagg_frac 1)
     }
+    # rows saved: the rollout's step 0 for 3 of the group's 4 rows (the first SDE step), the KL reference's
+    # and the update's step 0 for 1 of 2 rows per optimizer step
+    shared = {case: tuple(metrics[0][key] for key in SHARED) for case, metrics in golden_runs.items()}
+    assert {case: rows for case, rows in shared.items() if case != "flow_fast-jagg"} == {
+        "dance-exact": (3, 2),
+        "dance-jagg": (3, 2),
+        "dance-jagg_sequential": (3, 2),
+        "dance-ablate": (3, 2),
+        "flow-jagg": (3 + 2, 2),
+    }
+    rollout_rows, update_rows = shared["flow_fast-jagg"]  # the rollout shares steps 0 .. its window's start
+    assert update_rows == 2 and rollout_rows % 3 == 0 and 3 <= rollout_rows <= 3 * 5
     kept = {case: metrics[0].get("memory/velocity_bytes_per_sample") for case, metrics in golden_runs.items()}
     assert kept == {case: None if "exact" in case or "ablate" in case else VELOCITY_BYTES for case in CASES}
     extra = {
@@ -177,8 +193,11 @@ def test_counts_per_update_mode(golden_runs, tiny_flux, tmp_path):
         m = train(tmp_path / name, tiny_flux, ["update=jagg", "update.jagg_frac=1.0", "num_steps=1", *overrides])[0]
         counts[name] = tuple(m[key] for key in COUNTED)
         kept[name] = m.get("memory/velocity_bytes_per_sample")
-    assert (counts["jagg-off"], kept["jagg-off"]) == ((8, 8, 4, 0), None)
-    assert (counts["jagg-stale"], kept["jagg-stale"]) == ((8, 0, 4, 8), VELOCITY_BYTES)
+    assert (counts["jagg-off"], kept["jagg-off"]) == ((7, 8, 5, 0), None)
+    assert (counts["jagg-stale"], kept["jagg-stale"]) == ((8, 0, 6, 8), VELOCITY_BYTES)
+    off = train(tmp_path / "unshared", tiny_flux, ["update=jagg", "num_steps=1", "update.share_group_start=false"])[0]
+    assert tuple(off[key] for key in SHARED) == (0, 0)
+    assert tuple(off[key] for key in COUNTED) == (12, 0, 10, 4)  # endpoint 0 in jagg's batched forward again
 
 
 def test_call_path_from_fit_to_the_sde_step(tiny_flux, tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ from flux_toys import tiny_flux_transformer
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from train.algorithm.jagg import MIDDLE_MODES, UPDATE_MODES, backward_group
+from train.algorithm.jagg import EXACT_BATCHED, MIDDLE_MODES, UPDATE_MODES, backward_group
 from train.components.checkpoint import CheckpointManager, export_model
 from train.components.ema import EMA
 from train.distributed.collectives import (
@@ -158,7 +158,8 @@ def count_update_paths(rank: int, batch: dict[str, torch.Tensor], out: dict) -> 
     with torch.no_grad():  # what the rollout keeps: v of every step at the current weights
         velocities = [predict(z_j, t_j.expand(ROWS_PER_RANK)) for z_j, t_j in zip(z, t)]
     counts = {}
-    for mode, given in [*((m, None) for m in UPDATE_MODES), *((m, velocities) for m in MIDDLE_MODES)]:
+    paths = (*UPDATE_MODES, EXACT_BATCHED)
+    for mode, given in [*((m, None) for m in paths), *((m, velocities) for m in MIDDLE_MODES)]:
         model.zero_grad(set_to_none=True)
         with count_collectives() as c:
             backward_group(mode, predict, lambda j, v: (v.pow(2).mean(), {}), z, t, velocities=given)

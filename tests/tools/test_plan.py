@@ -34,7 +34,7 @@ from train.plan.config import register
 from train.plan.fake import fake_process_group
 from train.plan.frozen import ARCH_ROOT, SCORER_ARCH, build_component, frozen_models, read_json, scorer_module
 from train.plan.report import GIB, format_report
-from train.plan.tracing import expected_groups, traced_run, update_variants
+from train.plan.tracing import expected_groups, expected_shared_rows, traced_run, update_variants
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT_PARTS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
@@ -125,17 +125,48 @@ def test_presets_need_no_paths_and_route_as_the_paper(experiment, groups):
 
 def test_update_calls_follow_velocity_reuse():
     """flux_dance: 96 micro-batches of 1 sample, 3 jagg and 2 exact groups each; fresh velocities serve
-    the first 12 samples (one optimizer step), stale ones all; exact needs none."""
+    the first 12 samples (one optimizer step), stale ones all; exact needs none, and exact_batched
+    (traced for its memory) takes the exact calls when update.exact_batched is on."""
     cfg, _ = config(["experiment=flux_dance"])
     groups = expected_groups(cfg)
     assert update_variants(cfg, groups, kept_velocities=True) == [
         ("exact", False, 192),
+        ("exact_batched", False, 0),
         ("jagg", True, 36),
         ("jagg", False, 252),
     ]
     stale = replace(cfg, update=replace(cfg.update, reuse_velocities="stale"))
-    assert update_variants(stale, groups, kept_velocities=True)[1:] == [("jagg", True, 288)]
-    assert update_variants(cfg, groups, kept_velocities=False)[1:] == [("jagg", False, 288)]
+    assert update_variants(stale, groups, kept_velocities=True)[2:] == [("jagg", True, 288)]
+    assert update_variants(cfg, groups, kept_velocities=False)[2:] == [("jagg", False, 288)]
+    batched = replace(cfg, update=replace(cfg.update, exact_batched=True))
+    assert update_variants(batched, groups, kept_velocities=False)[:2] == [
+        ("exact", False, 0),
+        ("exact_batched", False, 192),
+    ]
+
+
+@pytest.mark.parametrize(
+    "overrides, rows",
+    [
+        ([], 8 * 11),  # 8 optimizer steps of one whole group of 12, each micro-batch training step 0: 11 rows each
+        (["update.share_group_start=false"], 0),
+        (["grpo.gradient_accumulation_steps=4"], 24 * 3),  # 24 optimizer steps of 4 rows of one group
+        (["grpo.micro_batch=4"], 8 * 11),  # micro-batches of 4: the same rows share
+    ],
+)
+def test_expected_shared_rows(overrides, rows):
+    """flux_dance trains every group (timestep_fraction 1): per optimizer step, the rows of a group
+    that train its first step run one row instead of theirs."""
+    cfg, _ = config(["experiment=flux_dance", *overrides])
+    assert expected_shared_rows(cfg) == pytest.approx(rows)
+
+
+def test_expected_shared_rows_over_the_random_pick():
+    """qwenimage_dance: 3 of 5 groups per micro-batch of 1 (p = 0.6), 4 micro-batches of one group per
+    optimizer step: 4 p rows train step 0, and 1 - (1 - p)^4 of them is the shared row."""
+    cfg, _ = config(["experiment=qwenimage_dance"])
+    p = 0.6
+    assert expected_shared_rows(cfg) == pytest.approx(24 * (4 * p - (1 - (1 - p) ** 4)))
 
 
 @pytest.mark.parametrize(
@@ -285,18 +316,22 @@ def test_every_update_call_is_traced_with_its_flops(tiny):
     step here (one exact and one jagg group per micro-batch, the first of 2 micro-batches on the
     rollout's velocities); the rollout runs every one of its 9 steps."""
     cfg, report, _ = tiny
-    assert {u.name for u in report.updates} == PHASES - {"rollout", "decode", "optimizer"}
+    assert {u.name for u in report.updates} == PHASES - {"rollout", "decode", "optimizer"} | {"update exact_batched"}
     assert {u.checkpointing for u in report.updates} == {False, True}
     flops = {u.name: u.flops for u in report.configured_updates()}
     assert flops["update exact"] > flops["update jagg"] > flops["update jagg, rollout velocities"] > 0
     assert {u.name: u.calls_per_step for u in report.configured_updates()} == {
         "update exact": 2,
+        "update exact_batched": 0,  # traced for its memory: update.exact_batched is off
         "update jagg, rollout velocities": 1,
         "update jagg": 1,
     }
     rollout = next(p for p in report.phases if p.name == "rollout")
     middle = flops["update jagg"] - flops["update jagg, rollout velocities"]  # one forward of 2 rows (2 steps of 1)
-    assert rollout.flops == pytest.approx(9 * middle, rel=0.01)  # 9 forwards of 2 rows
+    # 9 forwards of 2 rows, the first (the shared start) of one row: 17 rows, and the row it saves
+    assert rollout.flops == pytest.approx(8.5 * middle, rel=0.01)
+    assert report.shared_rollout_flops == pytest.approx(0.5 * middle, rel=0.01)
+    assert report.shared_update_flops == 0  # micro-batches of 1, each its own optimizer step: nothing shared
 
 
 @pytest.mark.slow

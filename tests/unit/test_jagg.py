@@ -15,6 +15,7 @@ from samplers.sde import SDE, step
 from train.algorithm.groups import prefix_path, route_groups, split_groups
 from train.algorithm.grpo import ppo_step_loss
 from train.algorithm.jagg import (
+    EXACT_BATCHED,
     UPDATE_MODES,
     Counts,
     aggregate,
@@ -131,11 +132,12 @@ def test_each_mode_equals_its_formula_on_nonlinear_network():
 
     expected = {
         "exact": sum(terms),
+        EXACT_BATCHED: sum(terms),
         "jagg": vjp_at(0, s_base) + vjp_at(width - 1, s_corr),
         "jagg_sequential": vjp_at(0, s_base) + vjp_at(width - 1, s_corr),
         "ablate": terms[0] + terms[-1],
     }
-    for mode in UPDATE_MODES:
+    for mode in (*UPDATE_MODES, EXACT_BATCHED):
         got, _ = grads_of(model, mode, z, t, step_loss)
         torch.testing.assert_close(got, expected[mode], rtol=1e-9, atol=1e-12, msg=mode)
     assert (expected["jagg"] - expected["exact"]).abs().max() > 1e-6  # the approximation is not trivial
@@ -163,7 +165,13 @@ def test_gradients_accumulate_across_groups():
 @pytest.mark.filterwarnings("ignore:Full backward hook")
 @pytest.mark.parametrize(
     "mode, grad_fwd, nograd_fwd, calls, backward_steps",
-    [("exact", 5, 0, 5, 5), ("jagg", 2, 3, 1, 2), ("jagg_sequential", 2, 3, 2, 2), ("ablate", 2, 0, 1, 2)],
+    [
+        ("exact", 5, 0, 5, 5),
+        (EXACT_BATCHED, 5, 0, 1, 5),  # the W steps' graph in one backward call
+        ("jagg", 2, 3, 1, 2),
+        ("jagg_sequential", 2, 3, 2, 2),
+        ("ablate", 2, 0, 1, 2),
+    ],
 )
 def test_counters_and_backward_hook(mode, grad_fwd, nograd_fwd, calls, backward_steps):
     torch.manual_seed(4)
@@ -177,6 +185,27 @@ def test_counters_and_backward_hook(mode, grad_fwd, nograd_fwd, calls, backward_
     assert len(rows) == calls
     expected_steps = [0, 4] if mode == "ablate" else [0, 1, 2, 3, 4]
     assert list(stats.losses) == expected_steps
+
+
+@pytest.mark.parametrize("mode", [*UPDATE_MODES, EXACT_BATCHED])
+def test_a_given_start_leaves_step_0_to_the_caller(mode):
+    """With v_0 given (the shared start), a path runs no forward of step 0: its .grad plus the caller's
+    J_0^T start_upstream is the path's gradient, and the step losses are the same."""
+    torch.manual_seed(6)
+    model = MLP()
+    z, t, step_loss = make_group(model, 4)
+    full, full_stats = grads_of(model, mode, z, t, step_loss)
+    model.zero_grad(set_to_none=True)
+    v0 = model(z[0], t[0].expand(B))
+    stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, start=v0.detach())
+    assert stats.start_upstream is not None and stats.start_upstream.shape == v0.shape
+    v0.backward(stats.start_upstream)
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(got, full, rtol=1e-12, atol=1e-14)
+    assert stats.counts.grad_forwards == full_stats.counts.grad_forwards - 1
+    torch.testing.assert_close(torch.stack(list(stats.losses.values())), torch.stack(list(full_stats.losses.values())))
+    with pytest.raises(ValueError, match="start"):
+        backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, start=v0.detach()[:1])
 
 
 def test_losses_and_metrics_are_the_step_losses():

@@ -5,6 +5,8 @@ Jacobian with respect to the parameters and s_j = dL_j/dv_j, taken on a detached
 transformer backward). z_j carries no gradient (the per-step REINFORCE approximation).
 
     exact            sum_j J_j^T s_j                            W forwards with grad, W backwards
+    exact_batched    same as exact                              the W steps in one batched forward
+                                                                with grad, one backward
     jagg             J_0^T s_base + J_{W-1}^T s_corr            W-2 no-grad forwards (one batched
                                                                 call, or none with ``velocities``),
                                                                 both endpoints in one batched
@@ -22,6 +24,14 @@ The middle steps' v_j only feed s_j. ``velocities`` hands them in (the rollout's
 still those that sampled it): jagg and jagg_sequential then run no middle forward at all, and their
 gradient is the recomputing one up to float rounding (the rollout ran other batch shapes).
 
+``exact_batched`` gives exact's gradient from one forward over the W steps with grad and one backward
+(fewer FSDP2 all-gathers: 2n instead of 2Wn for n sharded modules; about W times the activations).
+
+The shared start: when step 0's v comes from elsewhere (``start``, v_0 [B, ...] detached, computed once
+for rows that share their input), a path runs no forward of step 0 and leaves its backward to the
+caller: ``GroupStats.start_upstream`` holds d(sum_j L_j)/dv_0 [B, ...], and the caller's one backward of
+the shared forward gives J_0^T of its sum over the rows that share (train/algorithm/update.py).
+
 Departure from the paper's Algorithm 1: the two endpoints run as one batched forward, so under
 FSDP2 each sharded module is all-gathered once in the forward and once in the backward.
 """
@@ -37,6 +47,7 @@ from torch import Tensor
 from samplers.sde import compute_dtype
 
 UPDATE_MODES = ("exact", "jagg", "jagg_sequential", "ablate")
+EXACT_BATCHED = "exact_batched"  # the exact gradient from one batched forward and one backward (update.exact_batched)
 MIDDLE_MODES = ("jagg", "jagg_sequential")  # the paths that need the middle steps' v, and so can take ``velocities``
 
 BoundPredict = Callable[[Tensor, Tensor], Tensor]  # (z [B, ...], t [B]) -> v [B, ...]: the conditioning is bound
@@ -55,6 +66,9 @@ class Counts:
     nograd_forwards: int = 0
     backward_calls: int = 0
     reused_velocities: int = 0  # middle steps whose v came from ``velocities`` instead of a forward
+    # the shared start's saving (train/algorithm/update.py, samplers/rollout.py), in rows of one step:
+    shared_start_forward_rows: int = 0  # rows of no-grad forwards not run (rollout, KL reference)
+    shared_start_grad_rows: int = 0  # rows of forwards with grad, and of their backward, not run
 
     def __add__(self, other: Counts) -> Counts:
         return Counts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -67,6 +81,7 @@ class GroupStats:
     losses: dict[int, Tensor] = field(default_factory=dict)  # step j -> detached scalar L_j
     metrics: dict[int, Metrics] = field(default_factory=dict)  # step j -> what step_loss reported for it
     counts: Counts = Counts()
+    start_upstream: Tensor | None = None  # with ``start``: d(sum_j L_j)/dv_0 [B, ...], for the caller's backward
 
 
 def interpolation_weights(t: Tensor) -> Tensor:
@@ -113,17 +128,51 @@ def _upstream(j: int, v: Tensor) -> Generator[tuple[int, Tensor], Tensor, Tensor
     return s
 
 
+def _given_start(start: Tensor | None, stats: GroupStats) -> Generator[tuple[int, Tensor], Tensor, Tensor | None]:
+    """s_0 on the given v_0 (``start``), None without one: step 0's forward ran elsewhere."""
+    if start is None:
+        return None
+    s0 = yield from _upstream(0, start)
+    stats.start_upstream = s0
+    return s0
+
+
 def _exact(
-    predict: BoundPredict, z: Sequence[Tensor], t: Tensor, stats: GroupStats, velocities: Sequence[Tensor] | None
+    predict: BoundPredict,
+    z: Sequence[Tensor],
+    t: Tensor,
+    stats: GroupStats,
+    velocities: Sequence[Tensor] | None,
+    start: Tensor | None,
 ) -> Path:
     """Each step's forward with grad and its backward (``velocities`` are not needed)."""
-    for j, (z_j, t_j) in enumerate(zip(z, t)):
-        v = predict(z_j, _rows(t_j, z_j.shape[0]))
+    first = 0 if (yield from _given_start(start, stats)) is None else 1
+    for j in range(first, len(z)):
+        v = predict(z[j], _rows(t[j], z[j].shape[0]))
         stats.counts += Counts(grad_forwards=1)
         loss = yield j, v
         if loss.requires_grad:
             loss.backward()
             stats.counts += Counts(backward_calls=1)
+
+
+def _exact_batched(
+    predict: BoundPredict,
+    z: Sequence[Tensor],
+    t: Tensor,
+    stats: GroupStats,
+    velocities: Sequence[Tensor] | None,
+    start: Tensor | None,
+) -> Path:
+    """exact's gradient sum_j J_j^T s_j from one batched forward with grad over the steps and one backward."""
+    first = 0 if (yield from _given_start(start, stats)) is None else 1
+    v = _forward(predict, z[first:], t[first:])
+    stats.counts += Counts(grad_forwards=len(v))
+    s = []
+    for j, v_j in enumerate(v, start=first):
+        s.append((yield from _upstream(j, v_j)))
+    torch.autograd.backward(v, [s_j.to(v_j.dtype) for s_j, v_j in zip(s, v)])
+    stats.counts += Counts(backward_calls=1)
 
 
 def _middle(
@@ -152,29 +201,48 @@ def _joint_endpoints(
     t: Tensor,
     stats: GroupStats,
     velocities: Sequence[Tensor] | None,
+    start: Tensor | None,
     *,
     correct: bool = True,
 ) -> Path:
-    """jagg (``correct``) and ablate: both endpoints in one batched forward with grad, one backward."""
+    """jagg (``correct``) and ablate: both endpoints in one batched forward with grad, one backward
+    (endpoint W-1 alone when v_0 is given)."""
     s_mid = (yield from _middle(predict, z, t, stats, velocities)) if correct else []
-    v0, v_last = _forward(predict, [z[0], z[-1]], [t[0], t[-1]])
-    stats.counts += Counts(grad_forwards=2)
-    s0 = yield from _upstream(0, v0)
+    if start is None:
+        v0, v_last = _forward(predict, [z[0], z[-1]], [t[0], t[-1]])
+        outs = [v0, v_last]
+    else:
+        (v_last,) = outs = _forward(predict, [z[-1]], [t[-1]])
+    stats.counts += Counts(grad_forwards=len(outs))
+    s0 = yield from _upstream(0, outs[0] if start is None else start)
     s_last = yield from _upstream(len(z) - 1, v_last)
     g0, g_last = aggregate([s0, *s_mid, s_last], t.to(s0.dtype)) if correct else (s0, s_last)
-    torch.autograd.backward([v0, v_last], [g0.to(v0.dtype), g_last.to(v_last.dtype)])
+    if start is not None:
+        stats.start_upstream = g0
+    grads = [g0, g_last] if start is None else [g_last]
+    torch.autograd.backward(outs, [g.to(v.dtype) for g, v in zip(grads, outs)])
     stats.counts += Counts(backward_calls=1)
 
 
 def _ablate(
-    predict: BoundPredict, z: Sequence[Tensor], t: Tensor, stats: GroupStats, velocities: Sequence[Tensor] | None
+    predict: BoundPredict,
+    z: Sequence[Tensor],
+    t: Tensor,
+    stats: GroupStats,
+    velocities: Sequence[Tensor] | None,
+    start: Tensor | None,
 ) -> Path:
     """The endpoints' own s_j only (``velocities`` are not needed)."""
-    return _joint_endpoints(predict, z, t, stats, None, correct=False)
+    return _joint_endpoints(predict, z, t, stats, None, start, correct=False)
 
 
 def _sequential(
-    predict: BoundPredict, z: Sequence[Tensor], t: Tensor, stats: GroupStats, velocities: Sequence[Tensor] | None
+    predict: BoundPredict,
+    z: Sequence[Tensor],
+    t: Tensor,
+    stats: GroupStats,
+    velocities: Sequence[Tensor] | None,
+    start: Tensor | None,
 ) -> Path:
     """The paper's Algorithm 2: at most one endpoint graph alive at a time. Each endpoint's backward
     carries its share of the middle steps (``aggregate`` with the endpoints' own s_j left out)."""
@@ -182,6 +250,9 @@ def _sequential(
     none = torch.zeros(())  # an endpoint's s_j before its forward: zero, as alpha_0 = 0 and 1 - alpha_{W-1} = 0 do
     s_base, s_corr = aggregate([none, *s_mid, none], t)
     for j, partial in ((0, s_base), (len(z) - 1, s_corr)):
+        if j == 0 and start is not None:
+            stats.start_upstream = partial + (yield from _upstream(0, start))
+            continue
         v = predict(z[j], _rows(t[j], z[j].shape[0]))
         stats.counts += Counts(grad_forwards=1)
         s_j = yield from _upstream(j, v)
@@ -189,7 +260,13 @@ def _sequential(
         stats.counts += Counts(backward_calls=1)
 
 
-PATHS = {"exact": _exact, "jagg": _joint_endpoints, "jagg_sequential": _sequential, "ablate": _ablate}
+PATHS = {
+    "exact": _exact,
+    EXACT_BATCHED: _exact_batched,
+    "jagg": _joint_endpoints,
+    "jagg_sequential": _sequential,
+    "ablate": _ablate,
+}
 
 
 def _checked_velocities(velocities: Velocities, z: Sequence[Tensor]) -> list[Tensor]:
@@ -211,26 +288,34 @@ def backward_group(
     t: Tensor,
     *,
     velocities: Velocities | None = None,
+    start: Tensor | None = None,
 ) -> GroupStats:
     """Accumulate into ``.grad`` the gradient of sum_j L_j, (L_j, metrics_j) = step_loss(j, predict(z[j], t_j)),
-    by ``mode``; returns each step's loss and metrics with the counts.
+    by ``mode`` (one of UPDATE_MODES, or EXACT_BATCHED); returns each step's loss and metrics with the counts.
 
     z: W latents [B, ...] (no gradient); t: [W] network-input timesteps, one per step.
     velocities: v_j = predict(z[j], t_j) at the current weights, W tensors [B, ...] or one [W, B, ...]
     (e.g. the rollout's); jagg and jagg_sequential take the middle steps' from them instead of
     running a forward, exact and ablate need none and ignore them.
+    start: v_0 = predict(z[0], t_0) [B, ...] at the current weights, computed by the caller (the shared
+    start): no path runs step 0's forward, and its part of the gradient is left to the caller as
+    ``GroupStats.start_upstream`` (module docstring).
 
     The mode's path (``PATHS``) runs the forwards and backwards; the step loss is called here, on
     each (j, v_j) the path hands over, and its value goes back to the path.
     """
-    if mode not in UPDATE_MODES:
+    if mode not in PATHS:
         raise ValueError(f"update.mode must be one of {UPDATE_MODES}, got {mode!r}")
     if len(z) != t.shape[0] or len(z) < 2:
         raise ValueError(f"a group needs W >= 2 latents and W timesteps, got {len(z)} and {t.shape[0]}")
     z = [z_j.detach() for z_j in z]
     given = _checked_velocities(velocities, z) if velocities is not None and mode in MIDDLE_MODES else None
+    if start is not None:
+        if start.shape != z[0].shape:
+            raise ValueError(f"start (v_0) has shape {tuple(start.shape)}, its latent {tuple(z[0].shape)}")
+        start = start.detach()
     stats = GroupStats()
-    path = PATHS[mode](predict, z, t, stats, given)
+    path = PATHS[mode](predict, z, t, stats, given, start)
     request = next(path, None)
     while request is not None:
         j, v = request

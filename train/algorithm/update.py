@@ -16,6 +16,19 @@ it returns (scaled loss, metrics) and ``backward_group`` hands the metrics back 
 ``UpdateStats`` sums them; its summary is over all ranks (means over every sample, maxima and
 minima where the name says so), so the logged curves do not depend on the number of ranks.
 
+The shared start (``update.share_group_start``): a group's G rows start from one noise with one
+prompt, so at the trajectory's first trainable transition k (the first SDE step) z_k is the same in
+all of them. ``shared_start`` runs that step once per group over the rows of one optimizer step that
+train it (one forward with grad, and the KL reference's no-grad call, on one row per group); each
+micro-batch's group takes its rows' v_k from it, broadcast, computes its per-row step losses on it and
+adds d(loss)/dv_k into the start (``backward_group(..., start=)``); ``SharedStart.backward`` then runs
+one backward: J^T sum_i s_i, the per-row sum by linearity. Only rows of one optimizer step share
+(the weights change between them), and only those whose drawn plan trains step k. Departure: the
+shared forward is its own call before the optimizer step's micro-batches, and its graph (one row per
+group) stays alive until the last of them.
+
+``update.exact_batched``: the groups routed to exact run ``train.algorithm.jagg``'s exact_batched path.
+
 The plan (which groups train, Flow-GRPO-Fast's window) is drawn from a generator shared by all
 ranks, never a per-rank one: under FSDP every rank must run the same sequence of forward and
 backward calls, or the collectives would deadlock.
@@ -25,6 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -34,7 +48,7 @@ from samplers.rollout import Predict, Trajectory
 from samplers.sde import SDE, step
 from train.algorithm.groups import RoutedGroup
 from train.algorithm.grpo import kl_to_reference, ppo_clip_loss, ppo_step_loss, ratio_norm_log_ratio
-from train.algorithm.jagg import MIDDLE_MODES, BoundPredict, Counts, GroupStats, Metrics, backward_group
+from train.algorithm.jagg import EXACT_BATCHED, MIDDLE_MODES, BoundPredict, Counts, GroupStats, Metrics, backward_group
 from train.distributed.collectives import all_reduce_max, all_reduce_sum
 
 
@@ -48,6 +62,9 @@ class UpdateSettings:
     gradient_accumulation_steps: int
     reuse_velocities: str = "fresh"  # fresh | stale | off (train/components/config.py, update.reuse_velocities)
     ratio_norm: bool = False  # GRPO-Guard's normalised log-ratio (grpo.ratio_norm)
+    group_size: int = 1  # G: rows come in consecutive blocks of G that share z_0 and the prompt
+    share_group_start: bool = True  # update.share_group_start: the first trainable step once per group
+    exact_batched: bool = False  # update.exact_batched: the exact groups in one forward and one backward
 
     @property
     def reuses_velocities(self) -> bool:
@@ -242,17 +259,88 @@ def step_loss(
 
 
 @torch.no_grad()
-def reference_velocities(batch: UpdateBatch, rows: Tensor, group: tuple[int, int]) -> list[Tensor] | None:
+def reference_velocities(
+    batch: UpdateBatch, rows: Tensor, group: tuple[int, int], *, start: SharedStart | None = None
+) -> list[Tensor] | None:
     """The KL reference's v of transitions [start, stop) of ``rows``, from one batched call over them
-    (one FSDP gather per module); None when the loss has no KL term (``kl_beta`` = 0)."""
+    (one FSDP gather per module); None when the loss has no KL term (``kl_beta`` = 0). With ``start``
+    (the shared start of the group's first step) that step's v comes from it."""
     if batch.settings.kl_beta <= 0:
         return None
     if batch.reference is None:
         raise ValueError("grpo.kl_beta > 0 needs a reference policy")
-    traj, ks = batch.traj, range(*group)
+    traj, ks = batch.traj, range(group[0] + (start is not None), group[1])
     z = torch.cat([traj.latents[rows, k] for k in ks])
     t = torch.cat([traj.timesteps[k].expand(len(rows)) for k in ks])
-    return list(batch.reference(z, t, _tiled(traj.cond.index(rows), len(z))).split(len(rows)))
+    out = list(batch.reference(z, t, _tiled(traj.cond.index(rows), len(z))).split(len(rows)))
+    return out if start is None else [start.reference_of(rows), *out]
+
+
+@dataclass
+class SharedStart:
+    """The shared transition ``step`` of one optimizer step's rows (module docstring): v and the KL
+    reference's v at it, one row per group, and the upstream gradient its rows add."""
+
+    step: int  # k: the trajectory's first trainable transition
+    slots: Tensor  # [B] long: row i's row of ``v`` (-1: row i does not take it)
+    v: Tensor  # [groups, ...] the policy's v at step k, with grad
+    reference: Tensor | None  # [groups, ...] the KL reference's v at step k; None without a KL term
+    upstream: Tensor  # [groups, ...] sum over the rows of each group of d(loss)/dv_k, in the loss's dtype
+    num_rows: int  # rows that take their v_k from it
+
+    def velocity_of(self, rows: Tensor) -> Tensor:
+        """v_k of ``rows`` [b, ...], detached: each row its group's."""
+        return self.v.detach()[self.slots[rows]]
+
+    def reference_of(self, rows: Tensor) -> Tensor:
+        assert self.reference is not None
+        return self.reference[self.slots[rows]]
+
+    def add(self, rows: Tensor, upstream: Tensor | None) -> None:
+        """Add d(loss)/dv_k of ``rows`` [b, ...] (``GroupStats.start_upstream``) to their groups'."""
+        assert upstream is not None, "a group that took v_k from the shared start reports its upstream"
+        self.upstream.index_add_(0, self.slots[rows], upstream.to(self.upstream.dtype))
+
+    def backward(self) -> UpdateStats:
+        """The one backward of the shared forward (J^T of the summed upstream); its counts."""
+        torch.autograd.backward(self.v, self.upstream.to(self.v.dtype))
+        saved = self.num_rows - self.v.shape[0]
+        counts = Counts(grad_forwards=1, backward_calls=1, shared_start_grad_rows=saved)
+        if self.reference is not None:
+            counts += Counts(nograd_forwards=1, shared_start_forward_rows=saved)
+        return UpdateStats(counts=counts)
+
+
+def shared_start(
+    batch: UpdateBatch, micro_batches: Sequence[range], plans: Sequence[Sequence[RoutedGroup]]
+) -> SharedStart | None:
+    """The shared start of one optimizer step whose micro-batches (rows) train ``plans``: step k's forward
+    with grad on the first row of each group among the rows that train k; None when no two such rows
+    are of one group (G = 1, update.share_group_start=false, or a micro-batch of whole different groups)."""
+    settings, traj = batch.settings, batch.traj
+    size, step = settings.group_size if settings.share_group_start else 1, traj.trainable_steps()[0]
+    rows = [r for micro, plan in zip(micro_batches, plans) if any(g.start == step for g in plan) for r in micro]
+    first_of: dict[int, int] = {}  # group -> its first row that trains step k, in row order
+    for r in rows:
+        first_of.setdefault(r // size, r)
+    if len(first_of) == len(rows):
+        return None
+    slot = {group: i for i, group in enumerate(first_of)}
+    taking = dict.fromkeys(rows)
+    slots = torch.tensor([slot[r // size] if r in taking else -1 for r in range(traj.batch_size)])
+    firsts = list(first_of.values())
+    z = traj.latents[firsts, step]
+    t = traj.timesteps[step].expand(len(firsts))
+    cond = traj.cond.index(firsts)
+    v = batch.predict(z, t, cond)
+    reference = None
+    if settings.kl_beta > 0:
+        if batch.reference is None:
+            raise ValueError("grpo.kl_beta > 0 needs a reference policy")
+        with torch.no_grad():
+            reference = batch.reference(z, t, cond)
+    upstream = torch.zeros(v.shape, dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
+    return SharedStart(step, slots.to(z.device), v, reference, upstream, num_rows=len(rows))
 
 
 def kept_velocities(traj: Trajectory, rows: Tensor, group: tuple[int, int]) -> Tensor:
@@ -263,13 +351,19 @@ def kept_velocities(traj: Trajectory, rows: Tensor, group: tuple[int, int]) -> T
 
 
 def update_micro_batch(
-    batch: UpdateBatch, rows: Tensor, plan: list[RoutedGroup], *, reuse_velocities: bool = False
+    batch: UpdateBatch,
+    rows: Tensor,
+    plan: list[RoutedGroup],
+    *,
+    reuse_velocities: bool = False,
+    start: SharedStart | None = None,
 ) -> UpdateStats:
     """Accumulate into ``.grad`` the gradient of the micro-batch ``rows`` over the planned groups.
 
     ``reuse_velocities``: the weights are those that produced the trajectory's kept velocities (or the
     caller accepts stale ones); the jagg and jagg_sequential groups then take their middle steps' v
-    from them instead of recomputing.
+    from them instead of recomputing. ``start``: the optimizer step's shared start (``shared_start``);
+    the group that begins at its step takes v there from it and leaves that step's backward to it.
     """
     trained = sum(p.stop - p.start for p in plan)
     scale = (len(rows) / batch.settings.gradient_accumulation_steps) / trained
@@ -277,9 +371,16 @@ def update_micro_batch(
     stats = UpdateStats()
     for group in plan:
         span = (group.start, group.stop)
-        loss = step_loss(batch, rows, span, scale=scale, reference=reference_velocities(batch, rows, span))
+        shared = start if start is not None and group.start == start.step else None
+        reference = reference_velocities(batch, rows, span, start=shared)
+        loss = step_loss(batch, rows, span, scale=scale, reference=reference)
         reuse = reuse_velocities and group.mode in MIDDLE_MODES
         given = kept_velocities(batch.traj, rows, span) if reuse else None
-        result = backward_group(group.mode, policy, loss, loss.z, loss.timesteps, velocities=given)
-        stats.add_group(group.mode, result, rows=len(rows), reference_forwards=loss.reference_forwards)
+        path = EXACT_BATCHED if group.mode == "exact" and batch.settings.exact_batched else group.mode
+        v0 = None if shared is None else shared.velocity_of(rows)
+        result = backward_group(path, policy, loss, loss.z, loss.timesteps, velocities=given, start=v0)
+        if shared is not None:
+            shared.add(rows, result.start_upstream)
+        ran = loss.reference_forwards - (shared is not None and reference is not None)
+        stats.add_group(group.mode, result, rows=len(rows), reference_forwards=ran)
     return stats

@@ -665,4 +665,7 @@ def update_settings(cfg: TrainConfig) -> UpdateSettings:
         gradient_accumulation_steps=cfg.grpo.gradient_accumulation_steps,
         reuse_velocities=cfg.update.reuse_velocities,
         ratio_norm=cfg.grpo.ratio_norm,
+        group_size=cfg.grpo.group_size,
+        share_group_start=cfg.update.share_group_start,
+        exact_batched=cfg.update.exact_batched,
     )

@@ -114,6 +114,14 @@ class UpdateConfig:
     # logged as memory/velocity_bytes_per_sample); exact and ablate, or W = 2, keep none.
     reuse_velocities: str = "fresh"  # fresh | stale | off
     offload_velocities: bool = False  # keep the rollout's velocities in host memory (pinned) instead of on the GPU
+    # The shared start: a group's G samples start from one noise with one prompt, so every prediction until the
+    # group's first SDE noise has the same input in its G rows. true: those run one row per group and are
+    # broadcast (the rollout's prefix and first SDE step; in the update the first trainable step, with grad, and
+    # its KL reference, over the rows of one optimizer step), the same numbers up to float rounding; false: G rows.
+    share_group_start: bool = True
+    # The groups routed to exact (in JAGG runs too): true = their W steps in one forward with grad and one
+    # backward (fewer FSDP2 all-gathers, about W times the activation memory); false = one step at a time.
+    exact_batched: bool = False
 
 
 @dataclass

@@ -11,14 +11,16 @@ and ``FlopCounterMode``:
 
     rollout     ``train.step.sample_trajectories``: the sampler's N denoising steps on every sample of
                 the rank, keeping the velocities when the update reuses them; the transformer is
-                traced on the first step (the others run its shapes), its FLOPs counted N times
+                traced on the first step of each shape (the shared start's steps run one row per
+                group), its FLOPs scaled by the rows of every step
     decode      ``train.step.decode_images`` of those samples (the reward models score the images next)
     update      ``train.algorithm.update.update_micro_batch``: one group of W steps of one micro-batch (the GRPO loss,
                 the KL reference's batched call, ``train.algorithm.jagg.backward_group``), once per update path
                 the run routes to (and exact), on the rollout's velocities or recomputing them as the
                 run does, with and without activation checkpointing, while earlier micro-batches'
                 gradients are held; the exact path on 2 of its W steps (each step's graph is freed
-                before the next), its FLOPs scaled to W
+                before the next), its FLOPs scaled to W; exact_batched (its W steps in one forward
+                and one backward, update.exact_batched) for its memory
     optimizer   the global-norm clip, the AdamW step and the EMA (``train.step.step_weights``)
 
 A phase's peak is what the tracker saw (transformer shards, gradients, optimizer state, the KL
@@ -29,6 +31,9 @@ reward models and, when the run evaluates, the evaluation scorers it keeps after
 evaluation. The step's peak is the largest phase. FLOPs per step scale the traced calls: one
 rollout, one decode, the expected number of groups per path per micro-batch (over the random group
 pick and the Flow-GRPO-Fast window), one optimizer step per ``gradient_accumulation_steps`` samples.
+The update's shared start (``update.share_group_start``) takes off the expected rows whose first
+trainable step it runs once per group, at the exact path's FLOPs per step and row; the report gives
+the step with it and without it.
 
 Limits, by construction:
 * Fake tensors trace the CPU kernels' shapes: attention is the CPU flash kernel (output and
@@ -79,7 +84,14 @@ from train.plan.config import PlanRunConfig, register, validate_plan
 from train.plan.fake import fake_process_group, fake_tensors
 from train.plan.frozen import ARCH_ROOT, NOT_READ, frozen_models
 from train.plan.report import PlanReport, format_report
-from train.plan.tracing import expected_groups, text_tokens, trace_other_checkpointing, trace_step, traced_run
+from train.plan.tracing import (
+    expected_groups,
+    expected_shared_rows,
+    text_tokens,
+    trace_other_checkpointing,
+    trace_step,
+    traced_run,
+)
 
 SHIPPED_ARCH = {"flux": "flux1-dev", "qwenimage": "qwen-image"}  # model.name -> folder under configs/arch
 
@@ -152,6 +164,8 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
     for phase in [*traced.phases, *updates]:
         phase.peak_bytes += frozen_bytes
     at = traced.at_step
+    exact = next(u for u in updates if u.mode == "exact" and u.checkpointing == cfg.model.activation_checkpointing)
+    per_row = exact.flops / (cfg.update.window * cfg.grpo.micro_batch)  # one step of one row, with its backward
     return PlanReport(
         experiment=cfg.experiment,
         backbone=cfg.model.name,
@@ -179,6 +193,8 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
         frozen=frozen,
         phases=traced.phases,
         updates=updates,
+        shared_rollout_flops=traced.shared_rollout_flops,
+        shared_update_flops=expected_shared_rows(cfg) * per_row,
         seconds=time.perf_counter() - started,
     )
 

@@ -16,12 +16,14 @@ GIB = 2**30
 class Phase:
     """One traced call on rank 0. Its peak includes the frozen models once ``plan`` adds them."""
 
-    name: str  # rollout | decode | update <mode>[, rollout velocities] | optimizer
+    name: str  # rollout | decode | update <mode>[, rollout velocities] | optimizer (mode: a path or exact_batched)
     peak_bytes: int
     working_bytes: int  # the call's own memory: its peak minus what was live when it started
     activation_bytes: int  # of which activations and backward temporaries, at the peak
     gathered_bytes: int  # of which all-gathered (unsharded) parameters, at the peak
-    flops: int  # of one call; an update's call is one group of W steps of one micro-batch
+    # of one call; an update's call is one group of W steps of one micro-batch, without the shared start
+    # (the rollout's is with it, as it runs: PlanReport.shared_rollout_flops says what it saves)
+    flops: int
     calls_per_step: float  # calls per rank per training step
     checkpointing: bool | None = None  # updates: traced with activation checkpointing
     mode: str | None = None  # updates: the path
@@ -71,6 +73,10 @@ class PlanReport:
     frozen: list[FrozenModel]
     phases: list[Phase]  # rollout, decode, optimizer
     updates: list[Phase]  # per traced path, with and without activation checkpointing
+    # FLOPs per rank per step the shared start (update.share_group_start) saves: the rollout's steps before
+    # the first SDE noise and the update's first trainable step (with its KL reference), run once per group
+    shared_rollout_flops: float = 0.0
+    shared_update_flops: float = 0.0
     seconds: float = 0.0
 
     @property
@@ -96,15 +102,18 @@ class PlanReport:
     def fits(self) -> bool:
         return self.peak.peak_bytes <= self.budget_bytes
 
-    def flops_per_step(self, *, exact: bool = False) -> tuple[float, float]:
-        """(update, whole step) FLOPs per rank: as routed, or with every group on the exact path."""
+    def flops_per_step(self, *, exact: bool = False, shared: bool = True) -> tuple[float, float]:
+        """(update, whole step) FLOPs per rank: as routed, or with every group on the exact path; with the
+        shared start as configured, or (``shared=False``) without it."""
         updates = self.configured_updates()
         if exact:
             calls = sum(u.calls_per_step for u in updates)
             update = calls * next(u.flops for u in updates if u.mode == "exact")
         else:
             update = sum(u.calls_per_step * u.flops for u in updates)
-        return update, update + sum(p.calls_per_step * p.flops for p in self.phases)
+        update -= self.shared_update_flops if shared else 0.0
+        rollout = 0.0 if shared else self.shared_rollout_flops
+        return update, update + rollout + sum(p.calls_per_step * p.flops for p in self.phases)
 
 
 def _gib(num_bytes: float) -> str:
@@ -235,6 +244,13 @@ def _flop_lines(r: PlanReport) -> list[str]:
         f"  {'training step':<{width}} {step / 1e12:>10.1f}   every group exact: {step_exact / 1e12:.1f}"
         f" -> {step_exact / step:.2f}x",
     ]
+    if r.shared_rollout_flops or r.shared_update_flops:
+        _, unshared = r.flops_per_step(shared=False)
+        lines.append(
+            f"  shared start (update.share_group_start) saves {r.shared_rollout_flops / 1e12:.1f} of the rollout and "
+            f"{r.shared_update_flops / 1e12:.1f} of the update: without it the step is {unshared / 1e12:.1f}"
+            f" -> {unshared / step:.3f}x"
+        )
     return lines
 
 

@@ -18,7 +18,7 @@ from models.diffusers_backbone import DiffusersBackbone
 from samplers.rollout import Predict, Trajectory, stochastic_flags, trainable_flags
 from samplers.schedule import shifted_sigmas
 from train.algorithm.groups import RoutedGroup, pick_groups, route_groups
-from train.algorithm.jagg import MIDDLE_MODES, UPDATE_MODES
+from train.algorithm.jagg import EXACT_BATCHED, MIDDLE_MODES, UPDATE_MODES
 from train.algorithm.update import UpdateBatch, update_micro_batch
 from train.components.build import (
     adamw_settings,
@@ -217,29 +217,33 @@ class StepTensors:
 
 
 class TracedOnce:
-    """A predictor that runs its first call and answers each later one with an uninitialized tensor
-    of that call's output shape and dtype (each later call must have the first one's input shape).
+    """A predictor that runs its first call of each input shape and answers each later one with an
+    uninitialized tensor of that call's output shape and dtype.
 
-    The rollout's N steps call the transformer with the same shapes: its first forward traced gives
-    a step's memory and 1/N of the rollout's FLOPs, and the sampler's own loop (trajectory buffers,
-    SDE steps, log-probabilities, kept velocities) still runs every step, at a fraction of the CPU.
+    The rollout's N steps call the transformer with the same shapes (and, with the shared start, its
+    first steps with one row per group): the first forward of each shape traced gives a step's memory,
+    and the rows of all calls (``called_rows``) against the traced ones (``traced_rows``) scale its
+    FLOPs, which are per row. The sampler's own loop (trajectory buffers, SDE steps, log-probabilities,
+    kept velocities) still runs every step, at a fraction of the CPU.
     """
 
     def __init__(self, predict: Predict) -> None:
         self.predict = predict
-        self.first: tuple[torch.Size, torch.Size, torch.dtype] | None = None  # (input shape, output shape, dtype)
+        self.first: dict[torch.Size, tuple[torch.Size, torch.dtype]] = {}  # input shape -> (output shape, dtype)
+        self.traced_rows = self.called_rows = 0
 
     def __call__(self, z: Tensor, t: Tensor, cond: Any) -> Tensor:
-        if self.first is None:
+        self.called_rows += z.shape[0]
+        if z.shape not in self.first:
             v = self.predict(z, t, cond)
-            self.first = (z.shape, v.shape, v.dtype)
+            self.first[z.shape] = (v.shape, v.dtype)
+            self.traced_rows += z.shape[0]
             return v
-        if z.shape != self.first[0]:
-            raise ValueError(f"TracedOnce: a call on {tuple(z.shape)} after one on {tuple(self.first[0])}")
-        return torch.empty(self.first[1], dtype=self.first[2], device=z.device)
+        shape, dtype = self.first[z.shape]
+        return torch.empty(shape, dtype=dtype, device=z.device)
 
 
-def rollout_call(run: TracedRun, tensors: StepTensors) -> Callable[[], None]:
+def rollout_call(run: TracedRun, tensors: StepTensors, predict: TracedOnce) -> Callable[[], None]:
     """The rollout of every sample of the rank (``train.step.sample_trajectories``: the sampler's N
     steps, the transformer traced on the first, ``TracedOnce``) from conditioning and noise shaped as
     ``rollout_phase`` makes them."""
@@ -252,7 +256,7 @@ def rollout_call(run: TracedRun, tensors: StepTensors) -> Callable[[], None]:
         # The schedule's values change no shape: a fixed shift stands in for a dynamic one.
         sigmas = known(lambda: shifted_sigmas(s.num_steps, s.shift if s.shift is not None else 1.0))
         traj = sample_trajectories(
-            TracedOnce(run.policy()),
+            predict,
             cfg,
             cond,
             noise.repeat_interleave(g.group_size, dim=0),
@@ -284,7 +288,8 @@ def decode_call(run: TracedRun, tensors: StepTensors) -> Callable[[], None]:
 
 def update_call(run: TracedRun, tensors: StepTensors, mode: str, *, reuse: bool) -> Callable[[], None]:
     """One group of W steps of one micro-batch through ``train.algorithm.update.update_micro_batch`` (the GRPO loss,
-    the KL reference's batched call, ``backward_group``), on the rollout's velocities when ``reuse``."""
+    the KL reference's batched call, ``backward_group``), on the rollout's velocities when ``reuse``;
+    ``mode`` exact_batched: an exact group with update.exact_batched. Without the shared start."""
     cfg, traj = run.cfg, tensors.traj
     assert traj is not None and tensors.advantages is not None
     batch = UpdateBatch(
@@ -292,10 +297,11 @@ def update_call(run: TracedRun, tensors: StepTensors, mode: str, *, reuse: bool)
         advantages=tensors.advantages,
         predict=run.policy(),
         reference=run.kl_reference(),
-        settings=update_settings(cfg),
+        settings=replace(update_settings(cfg), exact_batched=mode == EXACT_BATCHED),
     )
     start = traj.trainable_steps()[0]
-    group = RoutedGroup(start, start + (EXACT_TRACED_STEPS if mode == "exact" else cfg.update.window), mode)
+    width = EXACT_TRACED_STEPS if mode == "exact" else cfg.update.window
+    group = RoutedGroup(start, start + width, "exact" if mode == EXACT_BATCHED else mode)
     rows = torch.arange(cfg.grpo.micro_batch)
 
     def call() -> None:
@@ -334,8 +340,9 @@ def update_variants(
     cfg: TrainConfig, groups: dict[str, float], *, kept_velocities: bool
 ) -> list[tuple[str, bool, float]]:
     """(path, on the rollout's velocities, calls per rank per step) for each update call the run makes,
-    and exact (the baseline of the speed-up) in any case. ``update.reuse_velocities=fresh`` reuses them
-    until the first optimizer step of the step moves the weights: the first of B / accumulation chunks."""
+    and exact (the baseline of the speed-up) and exact_batched (its memory) in any case.
+    ``update.reuse_velocities=fresh`` reuses them until the first optimizer step of the step moves the
+    weights: the first of B / accumulation chunks."""
     g = cfg.grpo
     samples = g.group_size * g.prompts_per_rank
     micro_batches = samples // g.micro_batch
@@ -349,9 +356,35 @@ def update_variants(
             out.append((mode, True, calls * reused))
             if reused < 1:
                 out.append((mode, False, calls * (1 - reused)))
+        elif mode == "exact":
+            batched = cfg.update.exact_batched
+            out += [(mode, False, 0.0 if batched else calls), (EXACT_BATCHED, False, calls if batched else 0.0)]
         else:
             out.append((mode, False, calls))
     return out
+
+
+def expected_shared_rows(cfg: TrainConfig) -> float:
+    """Rows per rank and step whose first trainable step the shared start runs once per group instead of
+    once per row (``train.algorithm.update.shared_start``): per optimizer step, the rows that train it less
+    the groups among them, expected over the random group pick of each micro-batch."""
+    g, u = cfg.grpo, cfg.update
+    if not u.share_group_start or g.group_size < 2:
+        return 0.0
+    window = first_window(cfg)
+    trainable = trainable_transitions(cfg.sampler, None if window is None else window[0])
+    groups = len(pick_groups(trainable, window=u.window))
+    p = len(pick_groups(trainable, window=u.window, timestep_fraction=u.timestep_fraction)) / groups
+    saved = 0.0
+    for chunk in range(0, g.group_size * g.prompts_per_rank, g.gradient_accumulation_steps):
+        per_group: dict[int, list[int]] = {}  # group -> its rows in each micro-batch of the optimizer step
+        for first in range(chunk, chunk + g.gradient_accumulation_steps, g.micro_batch):
+            for group in range(first // g.group_size, (first + g.micro_batch - 1) // g.group_size + 1):
+                num = min(first + g.micro_batch, (group + 1) * g.group_size) - max(first, group * g.group_size)
+                per_group.setdefault(group, []).append(num)
+        for rows in per_group.values():  # each micro-batch trains the step with probability p
+            saved += p * sum(rows) - (1 - (1 - p) ** len(rows))
+    return saved
 
 
 def trace_updates(run: TracedRun, tensors: StepTensors, groups: dict[str, float]) -> list[Phase]:
@@ -385,6 +418,7 @@ class Traced:
     reference_bytes: int
     ema_bytes: int
     velocity_bytes: int
+    shared_rollout_flops: float  # what the rollout's shared start saves (rows of the steps before the first SDE noise)
     image_tokens: int
 
 
@@ -396,11 +430,14 @@ def trace_step(run: TracedRun, groups: dict[str, float]) -> Traced:
     always = reference_shards(run) + ema_shards(run)
     tensors = StepTensors()
     # the rollout and the decode run after the last optimizer step's zero_grad(set_to_none)
-    rollout = measure(root, opt, always, rollout_call(run, tensors))
+    predict = TracedOnce(run.policy())
+    rollout = measure(root, opt, always, rollout_call(run, tensors, predict))
     assert tensors.traj is not None
     if offloaded and tensors.traj.velocities is not None:  # allocated during the rollout, in host memory
         rollout.peak_bytes -= _storage_bytes([tensors.traj.velocities])
-    rollout.flops *= cfg.sampler.num_steps  # counted: the transformer's first forward (TracedOnce)
+    per_row = rollout.flops / predict.traced_rows  # counted: the first forward of each shape (TracedOnce)
+    rollout.flops = round(per_row * predict.called_rows)
+    shared_rollout_flops = per_row * (cfg.sampler.num_steps * tensors.traj.batch_size - predict.called_rows)
     phases = [to_phase("rollout", rollout, 1)]
     decode = measure(root, opt, always + tensors.resident(offloaded_velocities=offloaded), decode_call(run, tensors))
     phases.append(to_phase("decode", decode, 1))
@@ -422,6 +459,7 @@ def trace_step(run: TracedRun, groups: dict[str, float]) -> Traced:
         reference_bytes=_storage_bytes(reference_shards(run)),
         ema_bytes=_storage_bytes(ema_shards(run)),
         velocity_bytes=0 if offloaded or velocities is None else _storage_bytes([velocities]),
+        shared_rollout_flops=shared_rollout_flops,
         image_tokens=math.prod(cast(DiffusersBackbone, run.backbone).latent_grid(cfg.model.height, cfg.model.width)),
     )
 
