@@ -19,6 +19,7 @@ from train.components.config import TrainConfig
 from train.components.evaluation import EvalResult, _write
 from train.components.evaluator import Evaluator, read_result
 from train.components.logger import RunLogger
+from train.components.perf import Peak
 from train.components.summary import run_summary
 from train.distributed.collectives import DistInfo
 
@@ -56,7 +57,7 @@ def session(tmp_path: Path, *, start: int, heldout: bool = False) -> Evaluator:
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=cpu, is_main=True)
     logger = RunLogger(tmp_path, is_main=True)
     run = SimpleNamespace(
-        cfg=cfg, dist=dist, device=cpu, backbone=None, compute_dtype=torch.float32, ema=None, logger=logger
+        cfg=cfg, dist=dist, device=cpu, backbone=None, compute_dtype=torch.float32, ema=None, logger=logger, flops=None
     )
     evaluator = build_evaluator(run, start=start)  # the parts of a Run it reads
     assert evaluator is not None
@@ -109,7 +110,7 @@ def test_the_held_out_prompts_are_shown_in_the_eval_lines_and_the_summary(tmp_pa
     evaluator(3)
     evaluator.logger.finish()
     assert lines[-1] == f"eval step 3: {SCORER} 0.6050 (step 0: 0.2550); held-out: {SCORER} 0.2050 (step 0: 0.1050)"
-    summary = run_summary(evaluator.cfg, start=0, history=[], seconds=1.0).splitlines()
+    summary = run_summary(evaluator.cfg, start=0, history=[], seconds=1.0, peak=Peak(None, "none")).splitlines()
     assert summary[1].startswith(f"{SCORER}: step 0 0.2550") and "paired difference +0.3500" in summary[1]
     assert summary[2].startswith(f"held-out prompts, {SCORER}: step 0 0.1050") and "+0.1000" in summary[2]
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
