@@ -85,7 +85,9 @@ def test_second_ctrl_c_stops_at_once_naming_the_unsaved_steps(tiny_flux_dir, tmp
     monkeypatch.setattr(preemption, "REPEAT_S", 0.0)  # the second SIGINT below is the user's second Ctrl+C
     ctrl_c_in(monkeypatch, {0: 1, 1: 1})
     real_after = trainer._after_step
-    monkeypatch.setattr(trainer, "_after_step", lambda run, ev, done, p: real_after(run, ev, done, _Never()))
+    monkeypatch.setattr(
+        trainer, "_after_step", lambda run, ev, session, stop, p: real_after(run, ev, session, stop, _Never())
+    )
     overrides = [f"model.path={tiny_flux_dir}", "num_steps=4", "checkpoint.every=1"]
     status, stderr = train(capsys, tmp_path / "run", *overrides)
     line = stopped_line(stderr)

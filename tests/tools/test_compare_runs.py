@@ -376,8 +376,9 @@ def test_experiment_launchers_compose_and_validate(experiment, tmp_path, monkeyp
     result = dry_run(f"{experiment}.sh", "update=ablate", **paths)
     assert result.returncode == 0, result.stderr
     cmd = shlex.split(result.stdout)
-    assert cmd[:4] == ["torchrun", "--standalone", "--nproc_per_node", "8"] and cmd[4:6] == ["-m", "train"]
-    overrides = [arg for arg in cmd[6:] if not arg.startswith("hydra.")]
+    assert cmd[:6] == ["torchrun", "--standalone", "--max-restarts", "3", "--nproc_per_node", "8"]
+    assert cmd[6:8] == ["-m", "train"] and "resume=auto" in cmd
+    overrides = [arg for arg in cmd[8:] if not arg.startswith("hydra.")]
     assert f"experiment={experiment}" in overrides and f"model.path={model}" in overrides
     monkeypatch.chdir(ROOT)
     with initialize_config_module(config_module="configs", version_base=None):
