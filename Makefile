@@ -10,17 +10,22 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-fast lint install
+.PHONY: demo test test-fast test-long lint install
 
 demo: $(VENV)/.installed
 	$(BIN)/python -m train
 
 test: $(VENV)/.installed $(VENV)/.test-extras
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not long" tests
 
 # the inner loop: every test but those marked slow (subprocesses, torchrun, long training)
 test-fast: $(VENV)/.installed $(VENV)/.test-extras
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -m "not slow and not long" tests
+
+# what make test leaves out to keep CI under 20 minutes on 2 cores: the four-process runs (HSDP, the
+# two-node rehearsal) and the compiled-against-eager tests (inductor compiles for minutes)
+test-long: $(VENV)/.installed $(VENV)/.test-extras
+	$(BIN)/python -m pytest -q -m long tests
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from two_ranks import ROOT, env, free_port
 
-pytestmark = pytest.mark.slow  # four processes per run, several runs
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # four processes per run, several runs: make test-long
 
 STEPS = 3  # a checkpoint per step; the faults come after the first, with steps left to run
 TIMEOUT_S = 90  # dist.timeout_s: bounds the surviving node's wait for a lost one, and a loaded start-up's too

@@ -25,7 +25,7 @@ from models.registry import load_backbone
 from train.algorithm.jagg import UPDATE_MODES, backward_group
 from train.distributed.parallelize import parallelize
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # minutes of compiling: make test-long
 
 # the golden dance-jagg run with a KL term, evaluated before and after each step on 3 rows per call
 # (the rollout runs 4, the JAGG endpoints 4 with gradients, the exact steps 2): steps feed the blocks

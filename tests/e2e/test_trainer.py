@@ -430,6 +430,7 @@ def test_two_ranks_log_and_train_as_one_process(tiny_flux, tiny_clip_dir, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.long  # four ranks on 2 cores: make test-long
 def test_hsdp_on_four_ranks_trains_as_one_process(tiny_flux, tiny_clip_dir, tmp_path):
     """4 ranks x 1 prompt, HSDP (2 replicas of 2 shards: dist.replicate_degree=2) and FSDP over all 4,
     against 1 process x 4 prompts; then the HSDP run's checkpoint resumes in one process (DCP
