@@ -385,14 +385,18 @@ MULTI_RANK = {
 ABS_TOL = {"train/loss": 1e-6, "adv/mean": 1e-6}
 
 
+PER_RANK = ("flops/", "count/backward_calls", "count/grad_forwards", "count/nograd_forwards")
+
+
 def assert_same_training(one: Path, many: Path, base: dict[str, torch.Tensor], name: str) -> None:
     """The run in ``many`` (several ranks) logged and exported what the one in ``one`` (one process) did."""
     single = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
     multi = [json.loads(line) for line in (many / "metrics.jsonl").read_text().splitlines()]
     assert len(multi) == len(single) == 2
     for a, b in zip(single, multi):
-        keys = replayed_keys(a, per_rank=("flops/",))
-        assert keys == replayed_keys(b, per_rank=("flops/",)), name
+        # per rank: FLOPs, and the transformer calls, as each rank runs its own shared-start call per optimizer step
+        keys = replayed_keys(a, per_rank=PER_RANK)
+        assert keys == replayed_keys(b, per_rank=PER_RANK), name
         assert a["train/kl"] > 0 or a["step"] == 0, name  # the KL term is live after the first step
         for key in sorted(keys):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=ABS_TOL.get(key, 1e-9)), (name, a["step"], key)

@@ -304,7 +304,7 @@ def test_traced_peaks_match_a_real_gloo_run(tiny):
     of the real kernels' outputs."""
     _, report, real = tiny
     planned = {p.name: p.peak_bytes - report.frozen_bytes for p in report.step_phases()}
-    assert set(planned) == set(real) == PHASES
+    assert set(planned) == set(real) == PHASES | {"update exact_batched"}  # traced for its memory in any case
     for name, value in real.items():
         assert planned[name] == pytest.approx(value, rel=0.01), name
 
