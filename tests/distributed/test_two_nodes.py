@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from small_run import SMALL_RUN
 from two_ranks import ROOT, env, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # four processes per run, several runs: make test-long
@@ -28,13 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.long]  # four processes per run, sev
 STEPS = 3  # a checkpoint per step; the faults come after the first, with steps left to run
 TIMEOUT_S = 90  # dist.timeout_s: bounds the surviving node's wait for a lost one, and a loaded start-up's too
 TINY = [
-    "sampler.num_steps=5",  # one group of W = 4
-    "grpo.group_size=2",
-    "grpo.prompts_per_rank=1",
-    "grpo.micro_batch=2",
-    "grpo.gradient_accumulation_steps=2",
-    "logging.sample_every=0",
-    "logging.progress_bar=false",
+    *SMALL_RUN,
     "logging.eval_every=0",
     f"num_steps={STEPS}",
     "checkpoint.every=1",

@@ -11,27 +11,15 @@ import time
 from pathlib import Path
 
 import pytest
+import small_run
 from two_ranks import env, torchrun
 
-import train.__main__ as train_command
 import train.trainer as trainer
-from train.cli import run_hydra
 from train.components import build
 from train.distributed import preemption
 
 ROOT = Path(__file__).resolve().parents[2]
-# 5 sampling steps -> 4 trainable transitions = one group of W = 4; one prompt of G = 2 per step.
-FAST = [
-    "experiment=tiny",
-    "sampler.num_steps=5",
-    "grpo.group_size=2",
-    "grpo.prompts_per_rank=1",
-    "grpo.micro_batch=2",
-    "grpo.gradient_accumulation_steps=2",
-    "logging.sample_every=0",
-    "logging.progress_bar=false",
-    "checkpoint.export=false",
-]
+FAST = [*small_run.FAST, "checkpoint.export=false"]
 
 
 @pytest.fixture(autouse=True)
@@ -41,13 +29,8 @@ def _repo_root(monkeypatch):
 
 def train(capsys, run_dir: Path, *overrides: str) -> tuple[int, str]:
     """``python -m train`` in this process: (exit status, stderr and then stdout)."""
-    try:
-        run_hydra(train_command.main, prog=train_command.PROG, argv=[*FAST, *overrides, f"hydra.run.dir={run_dir}"])
-        status = 0
-    except SystemExit as stop:
-        status = stop.code if isinstance(stop.code, int) else 1
-    captured = capsys.readouterr()
-    return status, captured.err + captured.out
+    status, stderr, stdout = small_run.command(capsys, run_dir, [*FAST, *overrides], stdout=True)
+    return status, stderr + stdout
 
 
 def ctrl_c_in(monkeypatch, steps: dict[int, int]) -> None:

@@ -1,0 +1,57 @@
+"""The small run the trainer's end-to-end tests train, and how they run a command in this process.
+
+* ``SMALL_RUN``: 5 sampling steps -> 4 trainable transitions = one group of W = 4; one prompt of G = 2
+  per step, no sample grids, no progress bar. ``FAST`` is it on the tiny experiment.
+* ``command(capsys, run_dir, overrides)``: ``python -m <module> overrides`` through the command's own
+  entry (``train.cli.run_hydra``), as its console script runs it: the exit status and what it printed.
+* ``the_error(stderr)``: the command's one error line, with no traceback on stderr.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import train.__main__ as train_command
+from train.cli import run_hydra
+
+SMALL_RUN = [
+    "sampler.num_steps=5",
+    "grpo.group_size=2",
+    "grpo.prompts_per_rank=1",
+    "grpo.micro_batch=2",
+    "grpo.gradient_accumulation_steps=2",
+    "logging.sample_every=0",
+    "logging.progress_bar=false",
+]
+FAST = ["experiment=tiny", *SMALL_RUN]
+
+
+def merged(*lists: list[str]) -> list[str]:
+    """Overrides in order, a later one replacing an earlier one of the same key (Hydra refuses two)."""
+    by_key = {}
+    for override in (o for overrides in lists for o in overrides):
+        by_key[override.split("=")[0].lstrip("+")] = override
+    return list(by_key.values())
+
+
+def command(
+    capsys, run_dir: Path, overrides: list[str], module: ModuleType = train_command, *, stdout: bool = False
+) -> tuple:
+    """Run ``python -m <module> overrides`` in this process as its entry point does: (exit status, stderr),
+    with ``stdout`` (exit status, stderr, stdout)."""
+    try:
+        run_hydra(module.main, prog=module.PROG, argv=[*merged(overrides), f"hydra.run.dir={run_dir}"])
+        status = 0
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else 1
+    captured = capsys.readouterr()
+    return (status, captured.err, captured.out) if stdout else (status, captured.err)
+
+
+def the_error(stderr: str, prog: str = "python -m train") -> str:
+    """The one error line of a command (other lines on stderr are library warnings); no traceback."""
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith(f"{prog}: error: ")]
+    assert len(lines) == 1, stderr
+    return lines[0]
