@@ -99,6 +99,15 @@ def _pad_to(x: Tensor, size: Sequence[int]) -> Tensor:
     return F.pad(x, pad) if any(pad) else x
 
 
+def check_image_size(backbone: str, multiple: int, height: int, width: int) -> None:
+    """ValueError unless height and width are positive multiples of ``multiple`` (``image_multiple``)."""
+    if height % multiple or width % multiple or height <= 0 or width <= 0:
+        raise ValueError(
+            f"{backbone}: image height and width must be positive multiples of {multiple} (the VAE's "
+            f"{multiple // 2} pixels per latent cell times the 2x2 patches), got {height}x{width}"
+        )
+
+
 class Backbone(abc.ABC):
     """One text-to-image flow-matching backbone: frozen text encoders and VAE, a trainable transformer."""
 
@@ -115,6 +124,12 @@ class Backbone(abc.ABC):
         cls, path: str | Path | None, *, dtype: torch.dtype | str, device: torch.device | str, **kwargs: Any
     ) -> Backbone:
         """Load every component from a diffusers folder (or per-component folders in ``kwargs``)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def image_multiple(cls, path: str | Path | None, **kwargs: Any) -> int:
+        """What an image's height and width must be multiples of, read from the folder's configs (no weights
+        load); ``kwargs`` as ``load`` takes them."""
 
     @classmethod
     @abc.abstractmethod

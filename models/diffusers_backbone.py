@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from models.base import Backbone, Conditioning, parse_dtype
+from models.base import Backbone, Conditioning, check_image_size, parse_dtype
 from models.cache import EmbeddingCache
 from models.components import Component, component_folders, load_component, read_config
 from samplers.schedule import dynamic_shift_mu, dynamic_sigmas, shifted_sigmas
@@ -182,10 +182,23 @@ class DiffusersBackbone(Backbone):
 
     # ---- latents and schedule ------------------------------------------------------------------
 
-    @property
+    @classmethod
     @abc.abstractmethod
+    def vae_scale(cls, vae_config: dict[str, Any]) -> int:
+        """Pixels per latent cell along each side, for the VAE of ``vae_config``."""
+
+    @property
     def vae_scale_factor(self) -> int:
         """Pixels per latent cell along each side."""
+        return self.vae_scale(self.configs["vae"])
+
+    @classmethod
+    def image_multiple(cls, path: str | Path | None, **options: Any) -> int:
+        """What an image side must be a multiple of: the VAE's scale (from its config.json; no weights are read)
+        times 2 (the transformer's 2x2 patches). ``options``: model.options (a ``vae=<folder>`` of its own)."""
+        vae = next(c for c in cls.components if c.name == "vae")
+        folder = component_folders(cls.name, [vae], path, options)["vae"]
+        return 2 * cls.vae_scale(read_config(cls.name, vae, folder))
 
     @property
     def latent_channels(self) -> int:
@@ -194,10 +207,7 @@ class DiffusersBackbone(Backbone):
     def latent_grid(self, height: int, width: int) -> tuple[int, int]:
         """(h/2, w/2): the packed token grid of a height x width image."""
         step = 2 * self.vae_scale_factor
-        if height % step or width % step or height <= 0 or width <= 0:
-            raise ValueError(
-                f"{self.name}: image height and width must be positive multiples of {step}, got {height}x{width}"
-            )
+        check_image_size(self.name, step, height, width)
         return height // step, width // step
 
     def check_image_size(self, z: Tensor, height: int | None, width: int | None) -> None:

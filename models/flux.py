@@ -147,9 +147,9 @@ class FluxBackbone(DiffusersBackbone):
             cls.name, "latent channels", entry("transformer", "in_channels"), entry("vae", "latent_channels", 4)
         )
 
-    @property
-    def vae_scale_factor(self) -> int:
-        return 2 ** (len(self.configs["vae"]["block_out_channels"]) - 1)
+    @classmethod
+    def vae_scale(cls, vae_config: dict[str, Any]) -> int:
+        return 2 ** (len(vae_config["block_out_channels"]) - 1)  # one 2x downsampling between levels
 
     def encoding_options(self) -> dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length}

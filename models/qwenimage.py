@@ -195,9 +195,9 @@ class QwenImageBackbone(DiffusersBackbone):
         check_equal(cls.name, "latent channels", entry("transformer", "in_channels"), entry("vae", "z_dim", 4))
         check_equal(cls.name, "output channels", entry("transformer", "out_channels"), entry("vae", "z_dim"))
 
-    @property
-    def vae_scale_factor(self) -> int:
-        return 2 ** len(self.configs["vae"]["temperal_downsample"])
+    @classmethod
+    def vae_scale(cls, vae_config: dict[str, Any]) -> int:
+        return 2 ** len(vae_config["temperal_downsample"])  # one 2x spatial downsampling per level
 
     def encoding_options(self) -> dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length, "template_drop": self.template_drop}

@@ -67,7 +67,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from train.components.config import TrainConfig, register_schema, unknown_setting
@@ -108,10 +108,11 @@ class _Launch:
         return top or parts[0] == ".hydra"
 
     @classmethod
-    def before(cls, folder: Path) -> _Launch:
+    def before(cls, folder: Path, *, within: Path | None = None) -> _Launch:
+        """``folder`` now; ``within``: a folder never to take back (a sweep's, which holds its other jobs)."""
         created = None
         for candidate in (folder, *folder.parents):
-            if candidate.exists():
+            if candidate.exists() or candidate == within:
                 break
             created = candidate
         folders = {p for p in folder.rglob("*") if p.is_dir()} if folder.is_dir() else set()
@@ -163,6 +164,7 @@ class _Progress:
     debug: bool | None = None  # the user's HYDRA_FULL_ERROR while run_hydra sets its own; None = read it
     prog: str = ""  # the command being run (run_hydra's prog)
     launch: _Launch | None = None  # the run folder before Hydra wrote into it (RunFolder)
+    launches: dict[Path, _Launch] = field(default_factory=dict)  # a sweep's: each job's folder before it began
     failed_jobs: list[tuple[str, int]] = field(default_factory=list)  # a sweep's failed jobs and their statuses
     jobs: int = 0  # a sweep's jobs started
 
@@ -185,23 +187,73 @@ class RunFolder(Callback):
             folder = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
         except OmegaConfBaseException:
             return  # Hydra resolves it again in a moment and reports the error its own way
+        problem = self._refusal(folder, config)
+        if problem is not None:
+            raise SystemExit(report_error(problem, _progress.prog))  # Hydra's callbacks swallow Exceptions
         _progress.launch = _Launch.before(folder)
-        problem: Stop | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Every job's folder, before the sweep writes anything: one refused folder refuses the sweep."""
+        jobs = _sweep_jobs(config)
+        if jobs is None:
+            return  # a sweeper plugin of its own: each job's folder is checked when it starts (build.claim_folder)
+        problems = [f"job #{num} ({folder}): {p}" for num, folder, job in jobs if (p := self._refusal(folder, job))]
+        if problems:
+            message = f"the sweep starts none of its {len(jobs)} jobs: {'; '.join(problems)}"
+            raise SystemExit(report_error(ConfigError(message), _progress.prog))
+        sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
+        _progress.launches = {folder: _Launch.before(folder, within=sweep_dir) for _, folder, _ in jobs}
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # the job's folder as it was before the sweep began
+            _progress.launch = _progress.launches.get(Path(config.hydra.runtime.output_dir))
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            _progress.launch = None
+
+    def _refusal(self, folder: Path, config: DictConfig) -> Stop | None:
+        """Why a launch of ``config`` may not write into ``folder`` (unwritable; with ``one_run``, a run held
+        there that the launch neither resumes nor overwrites, or a live owner), or None."""
         if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
-            problem = ConfigError(
+            return ConfigError(
                 f"cannot write the run folder (Permission denied: {folder}); pass a writable hydra.run.dir=<folder>"
             )
-        elif self.one_run:
-            try:
-                overwrite = bool(OmegaConf.select(config, "checkpoint.overwrite", default=False))
-                check_one_run(folder, resume=config.get("resume"), overwrite=overwrite)
-                busy = RunLock(folder).busy() if _rank() == 0 else None  # rank 0 owns the folder
-                problem = UserError(busy) if busy else None
-            except Stop as err:
-                problem = err
-        if problem is not None:
-            _progress.launch = None  # nothing was written: nothing to take back
-            raise SystemExit(report_error(problem, _progress.prog))  # Hydra's callbacks swallow Exceptions
+        if not self.one_run:
+            return None
+        try:
+            overwrite = bool(OmegaConf.select(config, "checkpoint.overwrite", default=False))
+            check_one_run(folder, resume=config.get("resume"), overwrite=overwrite)
+        except Stop as err:
+            return err
+        busy = RunLock(folder).busy() if _rank() == 0 else None  # rank 0 owns the folder
+        return UserError(busy) if busy else None
+
+
+def _sweep_jobs(config: DictConfig) -> list[tuple[int, Path, DictConfig]] | None:
+    """Each job of a sweep of Hydra's basic sweeper: (its number, its folder, its configuration), composed as
+    the launcher composes them; None for another sweeper (its jobs are not known ahead)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if OmegaConf.select(config, "hydra.sweeper._target_") != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
+        return None
+    params = [f"{key}={value}" for key, value in (config.hydra.sweeper.params or {}).items()]
+    overrides = OverridesParser.create().parse_overrides([*params, *config.hydra.overrides.task])
+    OmegaConf.select(config, "hydra.sweep.dir")  # resolved once here: the jobs copy its ${now:} from this cache
+    loader, hydra_config = GlobalHydra.instance().config_loader(), HydraConfig.instance().cfg
+    jobs = []
+    try:
+        for num, job_overrides in enumerate(BasicSweeper.split_arguments(overrides, None)[0]):
+            job = loader.load_sweep_config(config, list(job_overrides))
+            with open_dict(job):
+                job.hydra.job.id = job.hydra.job.num = num
+            HydraConfig.instance().set_config(job)  # for ${hydra:...} in the folder's name, as the launcher does
+            folder = Path(str(job.hydra.sweep.dir), str(job.hydra.sweep.subdir)).absolute()
+            jobs.append((num, folder, job))
+    finally:
+        HydraConfig.instance().cfg = hydra_config
+    return jobs
 
 
 def _sweep_job() -> str | None:
@@ -386,7 +438,7 @@ def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None 
         sys.argv = saved_argv
         raise SystemExit(report_error(ConfigError(problem), prog))
     _progress.task_started, _progress.debug, _progress.prog = False, saved_debug == "1", prog
-    _progress.launch, _progress.failed_jobs, _progress.jobs = None, [], 0
+    _progress.launch, _progress.launches, _progress.failed_jobs, _progress.jobs = None, {}, [], 0
     os.environ[DEBUG_ENV] = "1"  # Hydra re-raises instead of printing its own multi-line report
     try:
         main()
@@ -410,7 +462,7 @@ def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None 
         )
         raise SystemExit(report_error(ConfigError(message), prog)) from None
     finally:
-        sys.argv, _progress.debug, _progress.launch = saved_argv, None, None
+        sys.argv, _progress.debug, _progress.launch, _progress.launches = saved_argv, None, None, {}
         if saved_debug is None:
             os.environ.pop(DEBUG_ENV, None)
         else:

@@ -50,7 +50,7 @@ from train.components.build import (
     process_group,
 )
 from train.components.checkpoint import export_model, state_bytes
-from train.components.config import resume_settings
+from train.components.config import LORA_MODULES, resume_settings
 from train.components.errors import CheckpointError, DiskFull, Interrupted, NotLearning, Preempted, Stop
 from train.components.evaluator import Evaluator
 from train.components.health import Health
@@ -90,7 +90,7 @@ def _save(run: Run, step: int) -> Path:
             model=run.backbone.transformer,
             optimizer=run.optimizer,
             extra=extra,
-            settings=resume_settings(run.cfg),
+            settings={**resume_settings(run.cfg), LORA_MODULES: run.lora_modules},
         )
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from small_run import FAST, command, the_error
 from two_ranks import HELPERS, free_port, run_torchrun
 
 import train.__main__ as train_command
@@ -40,53 +41,15 @@ import train.eval.command as eval_command
 import train.probe.command as probe_command
 import train.trainer as trainer
 from train.cli import run_hydra
+from train.components import build
 from train.components.errors import Preempted
 
 ROOT = Path(__file__).resolve().parents[2]
-# 5 sampling steps -> 4 trainable transitions = one group of W = 4; one prompt of G = 2 per step.
-FAST = [
-    "experiment=tiny",
-    "sampler.num_steps=5",
-    "grpo.group_size=2",
-    "grpo.prompts_per_rank=1",
-    "grpo.micro_batch=2",
-    "grpo.gradient_accumulation_steps=2",
-    "logging.sample_every=0",
-    "logging.progress_bar=false",
-]
 
 
 @pytest.fixture(autouse=True)
 def _repo_root(monkeypatch):
     monkeypatch.chdir(ROOT)  # the tiny experiment's prompt file is relative to the repository root
-
-
-def merged(*lists: list[str]) -> list[str]:
-    """Overrides in order, a later one replacing an earlier one of the same key (Hydra refuses two)."""
-    by_key = {}
-    for override in (o for overrides in lists for o in overrides):
-        by_key[override.split("=")[0].lstrip("+")] = override
-    return list(by_key.values())
-
-
-def command(capsys, run_dir: Path, overrides: list[str], module=train_command, *, stdout: bool = False):
-    """Run ``python -m <module> overrides`` in this process as its entry point does: (exit status, stderr),
-    with ``stdout`` (exit status, stderr, stdout)."""
-    try:
-        run_hydra(module.main, prog=module.PROG, argv=[*merged(overrides), f"hydra.run.dir={run_dir}"])
-        status = 0
-    except SystemExit as stop:
-        status = stop.code if isinstance(stop.code, int) else 1
-    captured = capsys.readouterr()
-    return (status, captured.err, captured.out) if stdout else (status, captured.err)
-
-
-def the_error(stderr: str, prog: str = "python -m train") -> str:
-    """The one error line of a command (other lines on stderr are library warnings); no traceback."""
-    assert "Traceback" not in stderr, stderr
-    lines = [line for line in stderr.splitlines() if line.startswith(f"{prog}: error: ")]
-    assert len(lines) == 1, stderr
-    return lines[0]
 
 
 def files_of(folder: Path) -> dict[str, tuple[int, int, str]]:
@@ -244,7 +207,21 @@ BAD_SETTINGS = {
         ],  # str.format
         r"reward\.components: the value names 'jpeg_compressibility' twice",
     ),
-    "height-not-a-multiple": (["model.height=33"], r"model\.height / model\.width: .*multiples of \d+, got 33x32"),
+    # sizes and files that were read only when the model or a scorer loaded
+    "height-not-a-multiple": (
+        ["model.height=33"],
+        r"model\.height / model\.width: .*multiples of 4 \(the VAE's 2 .*33x32",
+    ),
+    "width-not-a-multiple": (["model.width=30"], r"model\.height / model\.width: .*multiples of 4 .*got 32x30"),
+    "vae-folder": (["+model.options.vae={tmp}"], r"model: flux: component 'vae' is missing: .*config\.json does not"),
+    "reward-file": (
+        ["+reward.components.clipscore.model_path=/nonexistent/clip"],
+        r"reward\.components\.clipscore\.model_path='/nonexistent/clip' does not exist",
+    ),
+    "eval-scorer-file": (
+        ["logging.eval_every=1", "+eval.scorers.clipscore.model_path=/nonexistent/clip"],
+        r"eval\.scorers\.clipscore\.model_path='/nonexistent/clip' does not exist",
+    ),
     "eval-scorer-argument": (
         ["logging.eval_every=1", "+eval.scorers.jpeg_compressibility.qualty=5"],
         r"eval\.scorers\.jpeg_compressibility: .*qualty",
@@ -252,6 +229,11 @@ BAD_SETTINGS = {
     "overwrite-and-resume": (["checkpoint.overwrite=true"], r"checkpoint\.overwrite=true .* resume=auto .*pick one"),
     "allow_changed-unknown": (["checkpoint.allow_changed=[grpo.lr]"], r"checkpoint\.allow_changed: 'grpo\.lr' is not"),
     "max_bad_steps-negative": (["grpo.max_bad_steps=-1"], r"grpo\.max_bad_steps must be >= 0"),
+    "lora-target-empty": (["model.lora.target_modules=['']"], r"model\.lora\.target_modules must be module-name"),
+    "changed-lora-targets": (
+        ["model.lora.target_modules=[attn.to_q]"],
+        r"\(model\.lora\.target_modules \[\] -> \['attn\.to_q'\]\).*allow_changed=\[model\.lora\.target_modules\]",
+    ),
     "changed-seed": (["seed=7"], r"saved with other settings .*\(seed 42 -> 7\).*checkpoint\.allow_changed=\[seed\]"),
     "changed-meaning": (
         ["update.mode=exact", "sampler.eta=0.5", "model.lora.enabled=true"],
@@ -263,8 +245,10 @@ if not torch.cuda.is_available():
 
 
 @pytest.mark.parametrize("case", list(BAD_SETTINGS))
-def test_a_bad_setting_is_one_line_before_anything_loads(case, trained, tiny_flux_dir, tmp_path, capsys):
+def test_a_bad_setting_is_one_line_before_anything_loads(case, trained, tiny_flux_dir, tmp_path, capsys, monkeypatch):
     overrides, expected = BAD_SETTINGS[case]
+    for name in ("load_backbone", "build_scorer"):  # neither the model nor a scorer loads before the error
+        monkeypatch.setattr(build, name, lambda *args, what=name, **kwargs: pytest.fail(f"{what} ran"))
     paths = {
         "tmp": str(tmp_path),
         "latin1": non_utf8(tmp_path),
@@ -769,6 +753,7 @@ def test_a_sweep_runs_its_valid_jobs_and_names_the_failed_one(tiny_flux_dir, tmp
     assert re.search(r"sweep job #0 \(.*sweep/0\): grpo\.lr must be a finite number", lines[0]), lines
     assert re.search(r"1 of the sweep's 2 jobs failed \(#0 \(.*sweep/0\); .*the others ran", lines[1]), lines
     assert [m["step"] for m in metrics(tmp_path / "sweep" / "1")] == [0]
+    assert not (tmp_path / "sweep" / "0").exists()  # the failed job took back the folder it created
 
 
 def test_eval_names_a_truncated_export(trained, tiny_flux_dir, tmp_path, capsys):
@@ -820,3 +805,45 @@ def test_a_read_only_run_folder_is_one_line_before_hydra_writes(trained, tiny_fl
     status, stderr = command(capsys, run_dir, [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "resume=auto"])
     assert status == 2 and re.search(r"cannot write the run folder \(Permission denied: .*run\)", the_error(stderr))
     assert contents(run_dir) == saved
+
+
+def test_a_resume_that_wraps_other_lora_modules_is_one_line(tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    """The same settings, but the backbone's own LoRA targets changed (another version of its adapter): the
+    checkpoint's adapters were saved under other module names, which the recorded list shows."""
+    from models.flux import FluxBackbone
+
+    run_dir = tmp_path / "run"
+    lora = [*FAST, f"model.path={tiny_flux_dir}", "model.lora.enabled=true", "model.lora.rank=2", "num_steps=1"]
+    assert command(capsys, run_dir, [*lora, "checkpoint.export=false"])[0] == 0
+    saved = contents(run_dir)
+    wrapped = len(
+        json.loads((run_dir / "checkpoints" / "step_00000001" / "COMPLETE").read_text())["settings"][
+            "model.lora.modules"
+        ]
+    )
+    monkeypatch.setattr(FluxBackbone, "lora_target_modules", ["attn.to_q"])
+    status, stderr = command(capsys, run_dir, [*lora, "num_steps=2", "resume=auto"])
+    line = the_error(stderr)
+    assert status == 2 and re.search(
+        rf"\(model\.lora\.modules {wrapped} -> \d+ modules wrapped \(no longer: .*attn\.to_k.*; new: none\)\).*"
+        r"allow_changed=\[model\.lora\.modules\]",
+        line,
+    ), line
+    assert contents(run_dir) == saved
+
+
+def test_a_sweep_with_a_folder_that_holds_a_run_starts_none_of_its_jobs(trained, tiny_flux_dir, tmp_path, capsys):
+    """Job #1's folder holds a finished run: the sweep is refused before it writes anything, job #0's
+    folder included, and the run in job #1's folder is unchanged."""
+    sweep = tmp_path / "sweep"
+    held = copy_run(trained, sweep).rename(sweep / "1")
+    saved = contents(held)
+    argv = ["-m", *FAST, f"model.path={tiny_flux_dir}", "num_steps=1", "seed=0,1"]
+    argv += [f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra.job.num}"]
+    with pytest.raises(SystemExit) as stop:
+        run_hydra(train_command.main, prog=train_command.PROG, argv=argv)
+    line = the_error(capsys.readouterr().err)
+    assert stop.value.code == 2, line
+    assert re.search(r"the sweep starts none of its 2 jobs: job #1 \(.*sweep/1\): run_dir=.* already holds a run", line)
+    assert sorted(p.name for p in sweep.iterdir()) == ["1"]  # no multirun.yaml, no folder of job #0
+    assert contents(sweep / "1") == saved

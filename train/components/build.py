@@ -29,8 +29,8 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from models.base import Backbone, Conditioning, parse_dtype
-from models.registry import backbone_names, load_backbone
+from models.base import Backbone, Conditioning, check_image_size, parse_dtype
+from models.registry import backbone_names, get_backbone_class, load_backbone
 from models.tiny import build_tiny
 from rewards.base import SCORER_NAMES, Scorer, build_scorer, scorer_class
 from rewards.combine import RewardCombiner
@@ -38,7 +38,15 @@ from samplers.rollout import Predict
 from train.algorithm.routing import ROUTINGS, AutoRouter, PrefixRouter, Router
 from train.algorithm.update import UpdateSettings
 from train.components.checkpoint import CheckpointManager, Weights
-from train.components.config import TrainConfig, UpdateConfig, changed_settings, validate
+from train.components.config import (
+    LORA_MODULES,
+    TrainConfig,
+    UpdateConfig,
+    changed_refusal,
+    changed_settings,
+    resume_settings,
+    validate,
+)
 from train.components.data import PromptRecord, PromptSampler, read_prompts
 from train.components.ema import EMA
 from train.components.errors import ConfigError, PathError, UserError
@@ -74,6 +82,7 @@ class Run:
     compute_dtype: torch.dtype
     router: Router  # update.routing: which groups train and by which path (train/algorithm/routing.py)
     resume_from: list[Path]  # the checkpoints ``resume`` names that passed the file checks, newest first
+    lora_modules: list[str]  # the full names of the modules LoRA wrapped (recorded with each checkpoint)
     flops: FlopMeter  # the FLOPs of the transformer's calls (train/components/perf.py)
     peak: Peak  # one device's peak rate, for perf/mfu/<phase>
     compiles: CompileWatch | None  # model.compile: what compiling costs, step by step
@@ -215,14 +224,10 @@ def preflight(cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, 
             f"num_steps={max_step}: set num_steps to at least that to train on, or use a new run folder"
         )
     saved = checkpoints.settings_of(found[0]) if found and max_step is not None else None
-    changed = changed_settings(saved, cfg) if saved is not None else []
+    recorded = {key: value for key, value in (saved or {}).items() if key != LORA_MODULES}  # known once LoRA is on
+    changed = changed_settings(recorded, resume_settings(cfg), cfg.checkpoint.allow_changed) if saved else []
     if changed:
-        keys = ",".join(change.split(" ")[0] for change in changed)
-        raise ConfigError(
-            f"resume={cfg.resume}: checkpoint {found[0]} was saved with other settings that change what it means "
-            f"({'; '.join(changed)}): resume with its settings, start a new run folder, or allow them with "
-            f"checkpoint.allow_changed=[{keys}]"
-        )
+        raise changed_refusal(cfg.resume, found[0], changed)
     return found
 
 
@@ -255,8 +260,24 @@ def resolve_device(cfg: TrainConfig, dist: DistInfo) -> torch.device:
     return dist.device
 
 
+def model_folder(cfg: TrainConfig, dist: DistInfo) -> None:
+    """The model's folder, before any model loads: the tiny pipeline built at model.path first if asked
+    (model.build_tiny, rank 0), then model.height and model.width checked against what the backbone
+    samples (a multiple of its VAE's scale times its 2x2 patches, read from the folder's config files)."""
+    if cfg.model.build_tiny is not None:
+        if dist.is_main:
+            with _settings("model.build_tiny"):
+                build_tiny(cfg.model.name, cfg.model.path, size=cfg.model.build_tiny)
+        broadcast_object(None)  # the other ranks wait for the folder
+    m = cfg.model
+    with _settings("model"):  # a component missing from the folder
+        multiple = get_backbone_class(m.name).image_multiple(m.path, **m.options)
+    with _settings("model.height / model.width"):
+        check_image_size(m.name, multiple, m.height, m.width)
+
+
 def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Backbone:
-    """Load every component from the local folder (building the tiny one first if asked).
+    """Load every component from the local folder (``model_folder`` prepared it).
 
     Placement policy for the frozen parts: text encoders and VAE are replicated on every rank in
     the model dtype (they run once per step, without gradients, and sharding them would add
@@ -264,11 +285,6 @@ def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Ba
     ``model.embedding_cache`` the text encoders are not loaded at all. The transformer keeps
     float32 master weights and computes in ``model.dtype`` (FSDP2 mixed precision or autocast).
     """
-    if cfg.model.build_tiny is not None:
-        if dist.is_main:
-            with _settings("model.build_tiny"):
-                build_tiny(cfg.model.name, cfg.model.path, size=cfg.model.build_tiny)
-        broadcast_object(None)  # the other ranks wait for the folder
     with _settings("model"):
         backbone = load_backbone(
             cfg.model.name,
@@ -280,8 +296,6 @@ def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Ba
         )
     if next(backbone.transformer.parameters()).dtype != torch.float32:  # float32 master weights
         backbone.transformer.to(torch.float32)
-    with _settings("model.height / model.width"):  # the sizes the backbone can sample, before the first rollout
-        backbone.initial_noise(1, height=cfg.model.height, width=cfg.model.width)
     problem = non_finite(backbone.transformer)  # they would give a NaN loss and skip every update
     if problem:
         raise ConfigError(
@@ -309,23 +323,44 @@ def non_finite(module: nn.Module) -> str | None:
 
 
 def add_lora(cfg: TrainConfig, backbone: Backbone) -> None:
-    """LoRA adapters of ``model.lora`` on the transformer (the only trainable parameters afterwards)."""
+    """LoRA adapters of ``model.lora`` on the transformer (the only trainable parameters afterwards): on the
+    modules ``model.lora.target_modules`` names, else on the backbone's own ``lora_target_modules``."""
     from peft import LoraConfig  # only LoRA runs pay for importing peft
 
     transformer: Any = backbone.transformer  # a diffusers model: its PEFT mixin adds the adapters
     lora = cfg.model.lora
     # peft draws the adapters from the global RNG, which differs per rank; FSDP2 keeps each rank's
     # shard of its own draw. One stream for every rank gives the same weights on any world size.
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _settings("model.lora.target_modules"):
         torch.manual_seed(stream_seed(cfg.seed, "model_init"))
         transformer.add_adapter(
             LoraConfig(
                 r=lora.rank,
                 lora_alpha=lora.alpha,
                 init_lora_weights=lora.init,  # type: ignore[arg-type]  # a config string; peft checks it
-                target_modules=backbone.lora_target_modules,
+                target_modules=list(lora.target_modules) or backbone.lora_target_modules,
             )
         )
+
+
+def lora_modules(transformer: nn.Module) -> list[str]:
+    """The full names of the modules LoRA wrapped (none for full fine-tuning), before sharding wraps them."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [name for name, module in transformer.named_modules() if isinstance(module, BaseTunerLayer)]
+
+
+def check_lora_modules(
+    cfg: TrainConfig, checkpoints: CheckpointManager, resume_from: list[Path], now: list[str]
+) -> None:
+    """The checkpoint to resume from wrapped the modules LoRA wraps now (unless checkpoint.allow_changed names
+    model.lora.modules): its adapters' weights load by these names."""
+    saved = checkpoints.settings_of(resume_from[0]) if resume_from else None
+    if not saved or LORA_MODULES not in saved:  # nothing to resume, or saved before the modules were recorded
+        return
+    changed = changed_settings({LORA_MODULES: saved[LORA_MODULES]}, {LORA_MODULES: now}, cfg.checkpoint.allow_changed)
+    if changed:
+        raise changed_refusal(cfg.resume, resume_from[0], changed)
 
 
 # FSDP2 warns on every forward with gradients that a sharded block returned a view (diffusers'
@@ -380,26 +415,46 @@ def shard_trainable(
     return [p for p in transformer.parameters() if p.requires_grad], reference
 
 
-def _check_arguments(field_name: str, name: str, kwargs: dict[str, Any]) -> None:
-    """The settings under ``field_name`` are arguments scorer ``name`` takes (nothing is built)."""
+def check_scorer(field_name: str, name: str, kwargs: dict[str, Any]) -> None:
+    """The settings under ``field_name`` are arguments scorer ``name`` takes, and the files and folders among
+    them (the constructor's parameters typed ``Path``) exist; nothing is built."""
+    signature = inspect.signature(scorer_class(name))
     try:
-        inspect.signature(scorer_class(name)).bind(**kwargs)
+        signature.bind(**kwargs)
     except TypeError as err:
         raise ConfigError(f"{field_name}: {err} (the scorer's arguments are in docs/rewards.md)") from None
+    for key, value in kwargs.items():
+        parameter = signature.parameters.get(key)
+        typed_path = parameter is not None and "Path" in str(parameter.annotation)
+        if typed_path and value is not None and not Path(str(value)).expanduser().exists():
+            raise PathError(
+                f"{field_name}.{key}={str(value)!r} does not exist: point it at the scorer's file or folder "
+                "(docs/rewards.md lists them)"
+            )
 
 
-def check_eval_inputs(cfg: TrainConfig) -> None:
-    """What the evaluation reads, checked at start-up rather than at its first run (after training steps):
-    the scorers' arguments and the prompt files (validate() has read them)."""
-    if not cfg.logging.eval_every:
-        return
+def _reward_arguments(component: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in component.items() if key != "weight"}
+
+
+def check_scorer_inputs(cfg: TrainConfig) -> None:
+    """What the scorers read, checked at start-up before any of them (or the model) loads, rather than when
+    each one builds: the rewards' arguments and files, and with an evaluation (logging.eval_every) those of
+    eval.scorers (validate() has read the prompt files)."""
+    for name, component in cfg.reward.components.items():
+        check_scorer(f"reward.components.{name}", name, _reward_arguments(dict(component)))
+    if cfg.logging.eval_every:
+        check_eval_scorers(cfg)
+
+
+def check_eval_scorers(cfg: TrainConfig) -> None:
+    """``check_scorer`` on each of eval.scorers."""
     for name, kwargs in cfg.eval.scorers.items():
-        _check_arguments(f"eval.scorers.{name}", name, dict(kwargs))
+        check_scorer(f"eval.scorers.{name}", name, dict(kwargs))
 
 
 def _scorer(field_name: str, name: str, kwargs: dict[str, Any], device: torch.device) -> Scorer:
-    """Scorer ``name`` built from the settings under ``field_name``, its arguments checked first."""
-    _check_arguments(field_name, name, kwargs)
+    """Scorer ``name`` built from the settings under ``field_name`` (``check_scorer_inputs`` checked them)."""
     with _settings(field_name):
         return build_scorer(name, **kwargs).to(device)
 
@@ -414,7 +469,7 @@ def build_rewards(cfg: TrainConfig, device: torch.device) -> RewardCombiner:
     """Every reward model is replicated on every rank: scoring is data-parallel and frozen."""
     components = {
         name: (
-            _scorer(f"reward.components.{name}", name, {k: v for k, v in comp.items() if k != "weight"}, device),
+            _scorer(f"reward.components.{name}", name, _reward_arguments(comp), device),
             float(comp.get("weight", 1.0)),
         )
         for name, comp in cfg.reward.components.items()
@@ -548,10 +603,14 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
     records = read_prompts(cfg.data.train_prompts)
     if cfg.model.compile and (why := compile_unavailable(device.type)):
         raise ConfigError(f"model.compile=true: {why}; or set model.compile=false")
-    check_eval_inputs(cfg)
+    check_scorer_inputs(cfg)
+    model_folder(cfg, dist)
     rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds
     backbone = build_backbone(cfg, dist, device)
     reference = add_trainable(cfg, backbone)
+    wrapped = lora_modules(backbone.transformer)
+    if training:  # before the checkpoint loads by those names
+        check_lora_modules(cfg, checkpoints, resume_from, wrapped)
     flops = FlopMeter(backbone)  # of the eager model: before checkpointing, compilation and sharding wrap it
     params, reference = shard_trainable(cfg, backbone, reference)
     g = cfg.grpo
@@ -588,6 +647,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
         compute_dtype=parse_dtype(cfg.model.dtype),
         router=build_router(cfg.update),
         resume_from=resume_from,
+        lora_modules=wrapped,
         flops=flops,
         peak=device_peak(cfg.perf.peak_tflops, device),
         compiles=CompileWatch() if cfg.model.compile else None,
@@ -615,6 +675,7 @@ def build_for_eval(cfg: TrainConfig, dist: DistInfo) -> tuple[Backbone, Predict,
     """The pretrained backbone in evaluation mode, its predictor and its device (``load_weights`` then
     puts trained weights in; the predictor follows ``backbone.transformer``)."""
     device = resolve_device(cfg, dist)
+    model_folder(cfg, dist)
     backbone = build_backbone(cfg, dist, device)
     backbone.transformer.eval()
     predict = predictor(backbone, compute_dtype=parse_dtype(cfg.model.dtype), world_size=dist.world_size, device=device)

@@ -39,6 +39,9 @@ ADV_STDS = ("population", "unbiased")  # grpo.adv_std
 # checkpoint.allow_changed names them (a key or a group of keys). The world size and the replicate degree
 # are not among them: a checkpoint reshards.
 RESUME_SETTINGS = ("model.name", "model.path", "model.lora", "seed", "update.mode", "sampler")
+# Recorded with a checkpoint beside the settings: the full names of the modules LoRA wrapped (known once
+# the adapters are added; [] for full fine-tuning), so that other targets are refused as a changed setting.
+LORA_MODULES = "model.lora.modules"
 LORA_INITS = ("gaussian", "olora", "pissa", "orthogonal")  # peft's init_lora_weights that need no extra config
 REUSE_VELOCITIES = ("fresh", "stale", "off")  # update.reuse_velocities
 # An override that adds an evaluation scorer to an empty eval.scorers, as typed on the command line
@@ -52,6 +55,9 @@ class LoraConfig:
     rank: int = 64  # r: rank of each adapter's B A, >= 1
     alpha: int = 128  # scaling: the adapter adds alpha / r * B A, >= 1
     init: str = "gaussian"  # peft init_lora_weights: gaussian | olora | pissa | pissa_niter_<n> | orthogonal
+    # module-name suffixes of the transformer to wrap (peft target_modules); empty: the backbone's own
+    # (lora_target_modules in models/<name>.py). A checkpoint records the modules this wrapped, by full name
+    target_modules: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -280,14 +286,36 @@ def resume_settings(cfg: TrainConfig) -> dict[str, Any]:
     return flat
 
 
-def changed_settings(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
-    """``key saved -> now`` for each recorded setting that ``cfg`` changes, unless checkpoint.allow_changed names it."""
-    now = resume_settings(cfg)
+def _change(key: str, saved: Any, now: Any) -> str:
+    """``key saved -> now``; lists of module names by what differs (hundreds of names on a real model)."""
+    if key != LORA_MODULES or not isinstance(saved, list) or not isinstance(now, list):
+        return f"{key} {saved!r} -> {now!r}"
+    gone, new = [n for n in saved if n not in now], [n for n in now if n not in saved]
+
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "") if names else "none"
+
+    return f"{key} {len(saved)} -> {len(now)} modules wrapped (no longer: {some(gone)}; new: {some(new)})"
+
+
+def changed_settings(saved: dict[str, Any], now: dict[str, Any], allowed: Sequence[str]) -> list[str]:
+    """``key saved -> now`` for each key whose recorded value differs, unless ``allowed`` (checkpoint.allow_changed)
+    names it or a group of keys it belongs to."""
     return [
-        f"{key} {saved.get(key)!r} -> {now.get(key)!r}"
+        _change(key, saved.get(key), now.get(key))
         for key in sorted(saved.keys() | now.keys())
-        if saved.get(key) != now.get(key) and not _covered(key, cfg.checkpoint.allow_changed)
+        if saved.get(key) != now.get(key) and not _covered(key, allowed)
     ]
+
+
+def changed_refusal(resume: str | None, path: Any, changed: list[str]) -> ConfigError:
+    """The one line that refuses to resume checkpoint ``path`` with the ``changed`` settings."""
+    keys = ",".join(change.split(" ")[0] for change in changed)
+    return ConfigError(
+        f"resume={resume}: checkpoint {path} was saved with other settings that change what it means "
+        f"({'; '.join(changed)}): resume with its settings, start a new run folder, or allow them with "
+        f"checkpoint.allow_changed=[{keys}]"
+    )
 
 
 def register_schema(name: str = "train", schema: type = TrainConfig) -> None:
@@ -401,6 +429,10 @@ def _validate_model(m: ModelConfig, known_backbones: tuple[str, ...]) -> None:
     if m.lora.init not in LORA_INITS and not re.fullmatch(r"pissa_niter_\d+", m.lora.init):
         raise ConfigError(
             f"model.lora.init={m.lora.init!r} is not valid; accepted values: {', '.join(LORA_INITS)}, pissa_niter_<n>"
+        )
+    if any(not isinstance(name, str) or not name.strip() for name in m.lora.target_modules):
+        raise ConfigError(
+            f"model.lora.target_modules must be module-name suffixes (e.g. attn.to_q), got {m.lora.target_modules}"
         )
 
 

@@ -34,6 +34,7 @@ from train.cli import reported, run_hydra, setup, show_value
 from train.components.build import (
     build_eval_scorers,
     build_for_eval,
+    check_eval_scorers,
     load_config,
     load_weights,
     process_group,
@@ -147,6 +148,7 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
         if weights is not None and weights.kind == "checkpoint":
             check_checkpoint(weights)
         check_scorers(config)  # after the weights' checks, before any model loads
+        check_eval_scorers(config)
         backbone, predict, device = build_for_eval(config, dist)
         scorers = build_eval_scorers(config, device)
 
