@@ -39,9 +39,10 @@ from train.algorithm.update import UpdateBatch, UpdateStats, shared_start, updat
 from train.components.build import Run, policy_predictor, reference_predictor, update_settings
 from train.components.config import ModelConfig, TrainConfig
 from train.components.ema import EMA
+from train.components.errors import RankFailed, mark_agreed
 from train.components.logger import PhaseTimer
 from train.components.perf import perf_metrics
-from train.distributed.collectives import all_gather_tensor, all_reduce_sum
+from train.distributed.collectives import all_gather_tensor, all_reduce_max
 from train.distributed.parallelize import clip_grad_norm_
 from train.distributed.seeds import stream_generator, stream_seed
 
@@ -165,16 +166,37 @@ class Scored:
     metrics: dict[str, float]
 
 
+OK, NAN_REWARD, FAILED = 0, 1, 2  # a rank's outcome of its own part of the reward phase
+
+
 def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> Scored:
-    images = decode_images(run.backbone, traj.latents[:, -1], run.cfg.model)
-    with torch.no_grad():
-        try:
+    """Decode and score this rank's samples (its own VAE and reward models: no collective), then agree with
+    the other ranks, in one all-reduce, on what each got: a NaN reward anywhere skips the update; an
+    exception on some rank ends the step on every rank at this point (``RankFailed`` on the others), so
+    that they can still checkpoint the steps trained before it together (train/trainer.py)."""
+    outcome, failure, scores, images = OK, None, {}, None
+    try:
+        images = decode_images(run.backbone, traj.latents[:, -1], run.cfg.model)
+        with torch.no_grad():
             scores = run.rewards.score(images, prompts)
-            error = 0.0
-        except NonFiniteRewardError as err:  # it names its scorer; skip the update on every rank
-            log.warning("skipping the update of this step: %s", err)
-            scores, error = {}, 1.0
-    if float(all_reduce_sum(torch.tensor(error, device=images.device))) > 0:
+    except NonFiniteRewardError as err:  # it names its scorer; skip the update on every rank
+        log.warning("skipping the update of this step: %s", err)
+        outcome = NAN_REWARD
+    except Exception as err:  # the other ranks learn of it below, then it is re-raised
+        outcome, failure = FAILED, err
+    outcomes = torch.zeros(run.dist.world_size, device=run.device)
+    outcomes[run.dist.rank] = outcome
+    outcomes = all_reduce_max(outcomes)
+    failed = [rank for rank, value in enumerate(outcomes.tolist()) if value == FAILED]
+    if failure is not None:
+        raise mark_agreed(failure)
+    if failed:
+        raise RankFailed(
+            f"rank {', '.join(map(str, failed))} failed in the reward phase of this step (its error is in its "
+            "own output); this rank stopped with it"
+        )
+    assert images is not None
+    if outcomes.max() == NAN_REWARD:
         return Scored(None, images, None, {"train/skipped_nan_reward": 1.0})
     advantages, _ = run.rewards.advantages(scores, traj.group_ids, advantage_fn(run))
     total = run.rewards.total(scores)

@@ -51,7 +51,7 @@ from train.components.build import (
 )
 from train.components.checkpoint import export_model, state_bytes
 from train.components.config import LORA_MODULES, resume_settings
-from train.components.errors import CheckpointError, DiskFull, Interrupted, NotLearning, Preempted, Stop
+from train.components.errors import CheckpointError, DiskFull, Interrupted, NotLearning, Preempted, ranks_agreed
 from train.components.evaluator import Evaluator
 from train.components.health import Health
 from train.components.logger import Heartbeat, progress_bar
@@ -204,9 +204,9 @@ def _unsaved(run: Run, step: int) -> Interrupted:
 
 def _rescue(run: Run, session: _Session, err: Exception) -> None:
     """Checkpoint the trained steps that an error is about to lose, when that is safe: the weights are those
-    after the last step, and every rank takes part (one process, or an error every rank raised alike)."""
-    alike = isinstance(err, Stop) and err.same_on_every_rank
-    if isinstance(err, DiskFull) or not session.unsaved() or not (run.dist.world_size == 1 or alike):
+    after the last step, and every rank takes part (one process, an error every rank raised alike, or one
+    the ranks learned of together: an exception in some rank's reward phase)."""
+    if isinstance(err, DiskFull) or not session.unsaved() or not (run.dist.world_size == 1 or ranks_agreed(err)):
         return
     try:
         path = _save(run, session.done)

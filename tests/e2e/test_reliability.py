@@ -536,6 +536,22 @@ def test_sigterm_on_one_of_two_ranks(tiny_flux_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_failure_on_one_of_two_ranks_saves_the_steps_before_it(tiny_flux_dir, tmp_path):
+    """Rank 1's reward raises in step 2 (0-based) after two unsaved steps: both ranks stop at the reward phase's
+    check and write step 2's checkpoint together, then fail: rank 1 with its own error, rank 0 naming rank 1."""
+    common = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "checkpoint.every=0", "checkpoint.export=false"]
+    common += [f"run_dir={tmp_path / 'run'}"]
+    cases = {"failed": {"overrides": common, "fail": {"rank": 1, "step": 2}}}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    result = run_torchrun(str(HELPERS / "reliability_worker.py"), str(tmp_path / "cases.json"), timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    outcome = json.loads((tmp_path / "outcome.json").read_text())
+    assert outcome == {"failed": {"0": "RankFailed", "1": "RuntimeError"}}, outcome
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000002"]
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [0, 1]
+
+
+@pytest.mark.slow
 def test_a_stopped_rank_makes_the_other_fail_naming_the_collective(tiny_flux_dir, tmp_path):
     """Two ``python -m train`` processes (gloo); once step 0 is logged, rank 1 is stopped (SIGSTOP). Rank 0
     fails after dist.timeout_s with one line naming the collective and what it was doing."""

@@ -1,9 +1,11 @@
-"""Worker of the 2-rank SIGTERM test of tests/e2e/test_reliability.py: ``torchrun --nproc_per_node 2 THIS CASES``.
+"""Worker of the 2-rank tests of tests/e2e/test_reliability.py: ``torchrun --nproc_per_node 2 THIS CASES``.
 
-CASES is a JSON file {name: {"overrides": [...], "sigterm": {"rank": r, "step": k}}}; the cases train in
-turn in one process group, through the library the trainer's entry point uses. With "sigterm", rank r
-sends itself SIGTERM during training step k, as a scheduler signalling one node would. Rank 0 writes
-``outcome.json`` beside CASES: per case, how each rank's run ended ("done" or the exception's name).
+CASES is a JSON file {name: {"overrides": [...], "sigterm": {"rank": r, "step": k}, "fail": {"rank": r,
+"step": k}}}; the cases train in turn in one process group, through the library the trainer's entry point
+uses. With "sigterm", rank r sends itself SIGTERM during training step k, as a scheduler signalling one
+node would; with "fail", rank r's reward raises a RuntimeError in training step k (a reward server gone).
+Rank 0 writes ``outcome.json`` beside CASES: per case, how each rank's run ended ("done" or the
+exception's name).
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from hydra import compose, initialize_config_module
 import train.trainer as trainer
 from train.components.build import load_config, open_run, process_group
 from train.components.config import register_schema
-from train.components.errors import Preempted
 from train.distributed.collectives import gather_objects
+
+
+def _server_gone(images, prompts):
+    raise RuntimeError("the reward server went away")
 
 
 def main() -> None:
@@ -33,9 +38,11 @@ def main() -> None:
         for name, case in cases.items():
             with initialize_config_module(config_module="configs", version_base=None):
                 cfg = compose(config_name="train", overrides=case["overrides"])
-            sigterm = case.get("sigterm")
+            sigterm, fail = case.get("sigterm"), case.get("fail")
 
-            def step(run, k, sigterm=sigterm):
+            def step(run, k, sigterm=sigterm, fail=fail):
+                if fail and dist.rank == fail["rank"] and k == fail["step"]:
+                    run.rewards.score = _server_gone
                 out = real_step(run, k)
                 if sigterm and dist.rank == sigterm["rank"] and k == sigterm["step"]:
                     os.kill(os.getpid(), signal.SIGTERM)
@@ -46,8 +53,8 @@ def main() -> None:
                 with open_run(load_config(cfg), dist) as run:
                     trainer.fit(run)
                 ended = "done"
-            except Preempted:
-                ended = "Preempted"
+            except Exception as err:  # how the run ended on this rank, by name
+                ended = type(err).__name__
             outcome[name] = dict(enumerate(gather_objects(ended)))
     if dist.is_main:
         (cases_file.parent / "outcome.json").write_text(json.dumps(outcome))

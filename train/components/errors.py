@@ -10,6 +10,9 @@
 * ``Preempted``: SIGTERM or the first Ctrl+C stopped training after writing a checkpoint; exit status
   143 (128 + 15, what a process killed by SIGTERM reports) or 130 (128 + 2, SIGINT), so a scheduler or a
   script does not take the job for finished.
+* ``RankFailed``: another rank raised in a part of a training step that is its own (the reward phase), and
+  the ranks learned of it together (``mark_agreed`` on the failing rank's exception): every rank took part
+  in the checkpoint of the steps trained before it; exit status 1. The failing rank reports its own error.
 * ``Interrupted``: Ctrl+C stopped a command at once (a second one during training, or one before it);
   exit status 130. Its message says what was not saved.
 
@@ -82,3 +85,23 @@ class NotLearning(UserError):
     """Training stopped after ``grpo.max_bad_steps`` steps in a row that could not change the weights."""
 
     same_on_every_rank = True  # decided from metrics every rank shares
+
+
+class RankFailed(Stop):
+    """Another rank failed where the ranks check together (train/step.py's reward phase)."""
+
+
+_AGREED = "ranks_agreed"  # set on the failing rank's own exception once every rank knows of it
+
+
+def mark_agreed(err: Exception) -> Exception:
+    """``err``, marked as known to every rank at the same point of the step (``ranks_agreed``)."""
+    setattr(err, _AGREED, True)
+    return err
+
+
+def ranks_agreed(err: BaseException) -> bool:
+    """Every rank raised at the same point: ``err`` was raised alike everywhere, or the ranks agreed on it
+    (``RankFailed`` on the others, ``mark_agreed`` on the failing rank), so they can still save together."""
+    same = isinstance(err, Stop) and err.same_on_every_rank
+    return same or isinstance(err, RankFailed) or bool(getattr(err, _AGREED, False))
