@@ -20,8 +20,9 @@ share this:
   folder another live process owns and one that cannot be written. A launch refused later, before it
   did any work (a setting, a file, a checkpoint that does not fit), takes back what it wrote: the
   folder it created goes, and in a folder that existed ``.hydra/``, ``config*.yaml`` and the log file
-  are as they were. A sweep's job that fails is reported and the other jobs still run; the sweep then
-  ends with the status of its failed jobs, naming them.
+  are as they were. A sweep (Hydra's basic sweeper) has every job's folder checked so before it writes
+  anything, and is refused whole for one; a sweep's job that fails is reported, takes back its own folder,
+  and the other jobs still run; the sweep then ends with the status of its failed jobs, naming them.
 
 Everything else propagates, so a bug shows its traceback. ``HYDRA_FULL_ERROR=1`` prints the
 traceback of a reported error too. Under torchrun a message that every rank raises alike (a

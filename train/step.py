@@ -17,7 +17,8 @@ whole step. A skipped optimizer step leaves the weights, hence the velocities, v
 checkpointed: a resumed step rolls out again and keeps them anew.
 
 A NaN or inf reward (``rewards.combine.NonFiniteRewardError``) or a non-finite gradient skips the
-update (all ranks together) instead of corrupting the weights.
+update (all ranks together) instead of corrupting the weights; an exception while a rank decodes and scores
+its samples ends the step on every rank at the same point (``reward_phase``).
 """
 
 from __future__ import annotations

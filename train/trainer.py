@@ -22,9 +22,11 @@ the previous checkpoint when the latest is damaged. The last step is always chec
 
 Nothing lost, nothing silent: a step's checkpoint is written before its evaluation; when the loop
 fails after steps that are not saved yet (and the weights are still those after the last of them),
-their checkpoint is written before the error ends the run; every save first checks the disk's free
-space (``DiskFull`` names the disk); ``grpo.max_bad_steps`` steps in a row that cannot change the
-weights end the run with ``NotLearning`` after a checkpoint (train/components/health.py).
+their checkpoint is written before the error ends the run when every rank can take part (one process,
+an error raised alike, or one rank's exception in the reward phase, which the ranks share there:
+train/step.py); every save first checks the disk's free space (``DiskFull`` names the disk);
+``grpo.max_bad_steps`` steps in a row that cannot change the weights end the run with ``NotLearning`` after a
+checkpoint (train/components/health.py).
 """
 
 from __future__ import annotations

@@ -785,6 +785,14 @@ def test_eval_names_a_truncated_export(trained, tiny_flux_dir, tmp_path, capsys)
     assert find_weights(str(run_dir), "eval.transformer").path == run_dir / "checkpoints" / "step_00000002"
 
 
+def test_eval_names_a_missing_scorer_file_before_the_model_loads(tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(build, "load_backbone", lambda *args, **kwargs: pytest.fail("the model loaded"))
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "+eval.scorers.clipscore.model_path=/nonexistent/clip"]
+    status, stderr = command(capsys, tmp_path / "eval", overrides, eval_command)
+    line = the_error(stderr, eval_command.PROG)
+    assert status == 2 and re.search(r"eval\.scorers\.clipscore\.model_path='/nonexistent/clip' does not exist", line)
+
+
 @pytest.mark.parametrize("output", ["folder", "missing-folder"])
 def test_plan_output_is_checked_before_the_trace(output, tmp_path, capsys):
     import train.plan.command as plan_command
