@@ -15,6 +15,7 @@ from torch import nn
 from models import backbone_names, load_backbone, register_backbone
 from models.flux import FluxBackbone
 from models.qwenimage import QwenImageConditioning
+from models.registry import get_backbone_class
 from models.tiny import build_tiny
 from samplers.rollout import ODE, rollout
 from samplers.schedule import shifted_sigmas
@@ -76,6 +77,17 @@ def test_shapes_dtypes_and_bfloat16_compute(name, folders):
         backbone.decode(noise, height=32, width=32)
     with pytest.raises(ValueError, match="multiples of 4"):
         backbone.initial_noise(1, height=30, width=32)
+
+
+@pytest.mark.parametrize("name", backbone_names())
+def test_the_image_multiple_read_from_the_configs_is_what_the_loaded_backbone_samples(name, folders, backbones):
+    """image_multiple reads the VAE's config.json alone; the loaded backbone's smallest image is that size."""
+    multiple = get_backbone_class(name).image_multiple(folders[name])
+    backbone = backbones[name]
+    noise = backbone.initial_noise(1, height=multiple, width=2 * multiple)
+    assert noise.shape[1:3] == (1, 2) and backbone.decode(noise).shape[-2:] == (multiple, 2 * multiple)
+    with pytest.raises(ValueError, match=rf"multiples of {multiple} \(the VAE's {multiple // 2} pixels"):
+        backbone.initial_noise(1, height=multiple + 1, width=multiple)
 
 
 def test_qwenimage_padding_does_not_change_a_prompt(backbones):
