@@ -133,6 +133,11 @@ class Backbone(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
+    def transformer_modules(cls, path: str | Path | None, **kwargs: Any) -> list[str]:
+        """The full names of the transformer's modules, read from the folder's configs (no weights load)."""
+
+    @classmethod
+    @abc.abstractmethod
     def tiny_pipeline(cls, size: str) -> Any:
         """A random diffusers pipeline of this architecture, drawn from torch's global RNG in a fixed
         order, for ``size`` in models/tiny.py's SIZES (tests, CPU demos, benchmarks); ``load`` reads

@@ -229,6 +229,14 @@ BAD_SETTINGS = {
     "overwrite-and-resume": (["checkpoint.overwrite=true"], r"checkpoint\.overwrite=true .* resume=auto .*pick one"),
     "allow_changed-unknown": (["checkpoint.allow_changed=[grpo.lr]"], r"checkpoint\.allow_changed: 'grpo\.lr' is not"),
     "max_bad_steps-negative": (["grpo.max_bad_steps=-1"], r"grpo\.max_bad_steps must be >= 0"),
+    "lora-target-typo": (
+        [
+            "model.lora.enabled=true",
+            "model.lora.target_modules=[attn.to_q,attn.to_qq]",
+            "checkpoint.allow_changed=[model.lora]",
+        ],
+        r"model\.lora\.target_modules: attn\.to_qq name no module of the transformer in ",
+    ),
     "lora-target-empty": (["model.lora.target_modules=['']"], r"model\.lora\.target_modules must be module-name"),
     "changed-lora-targets": (
         ["model.lora.target_modules=[attn.to_q]"],

@@ -90,6 +90,13 @@ def test_the_image_multiple_read_from_the_configs_is_what_the_loaded_backbone_sa
         backbone.initial_noise(1, height=multiple + 1, width=multiple)
 
 
+@pytest.mark.parametrize("name", backbone_names())
+def test_the_transformer_modules_read_from_the_config_are_the_loaded_ones(name, folders, backbones):
+    """Built on the meta device from config.json: the names LoRA's targets are checked against at start-up."""
+    names = get_backbone_class(name).transformer_modules(folders[name])
+    assert names == [n for n, _ in backbones[name].transformer.named_modules()]
+
+
 def test_qwenimage_padding_does_not_change_a_prompt(backbones):
     """A prompt batched with a longer one is zero-padded and masked: its velocity is unchanged."""
     backbone = backbones["qwenimage"]

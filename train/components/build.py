@@ -263,17 +263,28 @@ def resolve_device(cfg: TrainConfig, dist: DistInfo) -> torch.device:
 def model_folder(cfg: TrainConfig, dist: DistInfo) -> None:
     """The model's folder, before any model loads: the tiny pipeline built at model.path first if asked
     (model.build_tiny, rank 0), then model.height and model.width checked against what the backbone
-    samples (a multiple of its VAE's scale times its 2x2 patches, read from the folder's config files)."""
+    samples (a multiple of its VAE's scale times its 2x2 patches), and with LoRA each of its targets against
+    the transformer's module names (peft wraps the modules whose name ends with one), read from the
+    folder's config files."""
     if cfg.model.build_tiny is not None:
         if dist.is_main:
             with _settings("model.build_tiny"):
                 build_tiny(cfg.model.name, cfg.model.path, size=cfg.model.build_tiny)
         broadcast_object(None)  # the other ranks wait for the folder
     m = cfg.model
+    backbone = get_backbone_class(m.name)
     with _settings("model"):  # a component missing from the folder
-        multiple = get_backbone_class(m.name).image_multiple(m.path, **m.options)
+        multiple = backbone.image_multiple(m.path, **m.options)
+        modules = backbone.transformer_modules(m.path, **m.options) if m.lora.enabled else []
     with _settings("model.height / model.width"):
         check_image_size(m.name, multiple, m.height, m.width)
+    targets = list(m.lora.target_modules) or backbone.lora_target_modules
+    unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in modules)]
+    if m.lora.enabled and unmatched:
+        raise ConfigError(
+            f"model.lora.target_modules: {', '.join(unmatched)} name no module of the transformer in "
+            f"{m.path} (a target is a module name or its end, e.g. {modules[-1] if modules else 'attn.to_q'})"
+        )
 
 
 def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Backbone:
