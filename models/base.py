@@ -172,6 +172,11 @@ class Backbone(abc.ABC):
     def to(self, device: torch.device | str) -> Backbone:
         """Move every loaded component to ``device``; returns self."""
 
+    def decoder_units(self) -> list[nn.Module]:
+        """The VAE decoder's modules that ``model.compile`` compiles in place, as it does the transformer's
+        blocks (their names unchanged); none unless the adapter names them."""
+        return []
+
 
 def decode_in_chunks(
     backbone: Backbone, z: Tensor, *, rows: int, height: int | None = None, width: int | None = None

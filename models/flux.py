@@ -205,6 +205,9 @@ class FluxBackbone(DiffusersBackbone):
         image = self.vae.decode(x.to(self.dtype), return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
 
+    def decoder_units(self) -> list[nn.Module]:
+        return [self.vae.decoder]  # AutoencoderKL.decode: post_quant_conv, then this one module
+
 
 # ---- random pipelines (tests, CPU demos, benchmarks, the testbed) ------------------------------------
 

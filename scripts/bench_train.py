@@ -186,7 +186,7 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, results: dict[str, dict[str, list[float]]], kept: dict[str, float]) -> None:
-    """Median update and step per run, as ratios to the first run."""
+    """Median update and step per run, as ratios to the first run, and the spread of its steps' CPU time."""
     med = {name: {k: statistics.median(v) for k, v in res.items()} for name, res in results.items()}
     base = next(iter(med.values()))
     timed = args.rounds * (args.steps - 1)
@@ -194,14 +194,15 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, list[float]]],
     width = max(16, *(len(name) + 2 for name in med))
     print(f"{'':<{width}}{'CPU time':>44}{'wall clock':>32}")
     header = f"{'update s':>10}{'step s':>8}{'update/base':>14}{'step/base':>12}"
-    print(f"{'run':<{width}}{header}{header}{'peak RSS MiB':>14}{'kept v KiB/sample':>19}")
+    print(f"{'run':<{width}}{header}{header}{'peak RSS MiB':>14}{'kept v KiB/sample':>19}{'CPU step min-max s':>20}")
     for name, m in med.items():
         row = ""
         for clock in ("cpu", "time"):
             update, step = m[f"{clock}/update"], m[f"{clock}/step"]
             ratios = f"{update / base[f'{clock}/update']:>14.3f}{step / base[f'{clock}/step']:>12.3f}"
             row += f"{update:>10.2f}{step:>8.2f}{ratios}"
-        print(f"{name:<{width}}{row}{max(results[name]['rss']):>14.0f}{kept[name]:>19.1f}")
+        spread = f"{min(results[name]['cpu/step']):.2f}-{max(results[name]['cpu/step']):.2f}"
+        print(f"{name:<{width}}{row}{max(results[name]['rss']):>14.0f}{kept[name]:>19.1f}{spread:>20}")
     print(f"base: {next(iter(med))}")
 
 

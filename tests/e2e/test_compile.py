@@ -16,14 +16,26 @@ GOLDEN_KEYS), which were measured between two CPUs' float32 kernels.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
-from test_trainer import GOLDEN_KEYS, GOLDEN_RUN, replayed_keys, smooth_reward, train
+from safetensors.torch import load_file
+from test_trainer import (
+    GOLDEN_KEYS,
+    GOLDEN_RUN,
+    MULTI_RANK,
+    SMALL,
+    assert_same_training,
+    replayed_keys,
+    smooth_reward,
+    train,
+)
+from two_ranks import HELPERS, run_torchrun
 
 from models.registry import load_backbone
 from train.algorithm.jagg import UPDATE_MODES, backward_group
-from train.distributed.parallelize import parallelize
+from train.distributed.parallelize import compile_blocks, parallelize
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # minutes of compiling: make test-long
 
@@ -93,9 +105,20 @@ def backbones(tiny_flux_dir):
     eager = load_backbone("flux", tiny_flux_dir, dtype="float32", device="cpu")
     eager.transformer.requires_grad_(True).train()
     compiled = copy.copy(eager)
-    compiled._parts = dict(eager._parts, transformer=copy.deepcopy(eager.transformer))
+    compiled._parts = dict(eager._parts, transformer=copy.deepcopy(eager.transformer), vae=copy.deepcopy(eager.vae))
     parallelize(compiled.transformer, block_classes=compiled.block_classes, param_dtype=torch.float32, compile=True)
+    compile_blocks(compiled.decoder_units())
     return eager, compiled
+
+
+def test_compiled_decoder_matches_eager(backbones):
+    """The VAE decode of 4 latents, then 3 (the dynamic-batch graph), as eager's within rounding."""
+    eager, compiled = backbones
+    z = eager.initial_noise(4, height=32, width=32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for rows in (4, 3):
+            assert relative_error(compiled.decode(z[:rows]), eager.decode(z[:rows])) < 1e-5, rows
+    assert compiled.vae.decoder._compiled_call_impl is not None and eager.vae.decoder._compiled_call_impl is None
 
 
 def test_compiled_velocities_and_every_update_path_match_eager(backbones):
@@ -128,3 +151,23 @@ def test_compiled_velocities_and_every_update_path_match_eager(backbones):
             assert relative_error(g_compiled, g_eager) < 1e-5, (mode, name)
     blocks = [m for m in compiled.transformer.modules() if isinstance(m, compiled.block_classes)]
     assert blocks and all(b._compiled_call_impl is not None for b in blocks)
+
+
+def test_two_compiled_ranks_train_as_one_eager_process(tiny_flux_dir, tiny_clip_dir, tmp_path):
+    """2 gloo ranks x 1 prompt with compiled blocks under FSDP2 against 1 eager process x 2 prompts, two
+    steps of full fine-tuning with KL (the frozen reference compiled too): every logged value and the
+    exported weights agree within the multi-rank test's tolerances (test_trainer.assert_same_training),
+    which hold the compiled blocks' rounding (above) as well as the ranks' reduction order."""
+    name, reward = "full-jagg-flow", smooth_reward(tiny_clip_dir)
+    common = [*MULTI_RANK[name], "num_steps=2", "grpo.kl_beta=0.1", *reward]
+    two = [f"model.path={tiny_flux_dir}", *SMALL, *common, "model.compile=true", f"run_dir={tmp_path / 'two'}"]
+    (tmp_path / "cases.json").write_text(json.dumps({name: two}))
+    result = run_torchrun(str(HELPERS / "trainer_worker.py"), str(tmp_path / "cases.json"), timeout=1800)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+    compiled = training_rows([json.loads(line) for line in rows])
+    assert all(m["count/compilations"] > 0 for m in compiled)  # the ranks did run compiled blocks
+    one = ["grpo.prompts_per_rank=2", "grpo.gradient_accumulation_steps=8"]
+    train(tmp_path / "one", tiny_flux_dir, [*common, *one])
+    base = load_file(tiny_flux_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert_same_training(tmp_path / "one", tmp_path / "two", base, name)

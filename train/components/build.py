@@ -56,7 +56,7 @@ from train.components.perf import CompileWatch, FlopMeter, Peak, device_peak
 from train.components.run_folder import RunLock, check_one_run, clear_run, held_run
 from train.components.summary import eval_tag, heldout_tag
 from train.distributed.collectives import DistInfo, broadcast_object, gather_objects, init_distributed, shutdown
-from train.distributed.parallelize import compile_unavailable, mesh_shape, parallelize
+from train.distributed.parallelize import compile_blocks, compile_unavailable, mesh_shape, parallelize
 from train.distributed.seeds import seed_everything, stream_seed
 
 log = logging.getLogger(__name__)
@@ -624,6 +624,8 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
         check_lora_modules(cfg, checkpoints, resume_from, wrapped)
     flops = FlopMeter(backbone)  # of the eager model: before checkpointing, compilation and sharding wrap it
     params, reference = shard_trainable(cfg, backbone, reference)
+    if cfg.model.compile:
+        compile_blocks(backbone.decoder_units())  # the rollout's and the evaluation's decode
     g = cfg.grpo
     optimizer = torch.optim.AdamW(params, **adamw_settings(cfg))
     lg = cfg.logging

@@ -77,8 +77,9 @@ class ModelConfig:
     decode_batch: int = 0
     activation_checkpointing: bool = False  # recompute each transformer block in backward
     # torch.compile (inductor) each transformer block on its own, for the rollout, the update, the KL reference and
-    # evaluation alike; needs a C++ compiler on CPU, Triton on CUDA (checked at start-up). The first step pays
-    # the compilation (logged as time/compile; inductor's on-disk cache makes a second run start faster)
+    # evaluation alike, and the VAE decoder (Flux's: the decode of rollouts and evaluations); needs a C++ compiler
+    # on CPU, Triton on CUDA (checked at start-up). The first step pays the compilation (logged as time/compile;
+    # inductor's on-disk cache makes a second run start faster)
     compile: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
 

@@ -120,7 +120,8 @@ def compile_unavailable(device_type: str) -> str | None:
 
 
 def compile_blocks(units: Iterable[nn.Module]) -> None:
-    """``torch.compile`` each sharding unit in place (the module docstring says how and why)."""
+    """``torch.compile`` each unit in place: the sharding units, and the VAE decoder's (the module docstring
+    says how and why)."""
     for unit in units:
         unit.compile()
 
