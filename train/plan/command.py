@@ -35,6 +35,14 @@ The update's shared start (``update.share_group_start``) takes off the expected 
 trainable step it runs once per group, at the exact path's FLOPs per step and row; the report gives
 the step with it and without it.
 
+Communication and time (train/plan/comm.py): the transformer forwards of each traced call are counted
+(with gradients: each has one backward), and each forward and backward turned into the bytes rank 0
+sends in FSDP2's all-gathers, reduce-scatters and HSDP's all-reduces, inside its node and across
+nodes (``plan.gpus_per_node``); with the FLOPs at ``plan.mfu`` of the GPU's peak (``perf.peak_tflops``,
+else ``plan.gpu``'s in train/components/perf.py's table) and the links' rates (``plan.intra_node_gbps``,
+``plan.inter_node_gbps``) they give the step's time, and with the run's evaluations (``evaluation``:
+their images sampled at the rollout's FLOPs per row) the run's.
+
 Limits, by construction:
 * Fake tensors trace the CPU kernels' shapes: attention is the CPU flash kernel (output and
   log-sum-exp saved, no L x L matrix), as CUDA's flash and memory-efficient kernels do; any kernel
@@ -44,9 +52,10 @@ Limits, by construction:
 * Every fake tensor lives on one device: the velocities kept in host memory
   (``update.offload_velocities``) are taken out of the GPU peak by their size.
 * Not traced: prompt encoding and reward scoring (their models' weights are counted), logging,
-  evaluation and checkpoints. The rollout runs without a prompt batch (conditioning shaped as
-  ``backbone.encode`` returns it), from the first Flow-GRPO-Fast window, on a fixed-shift schedule;
-  the values of the schedule and of the step's flags are real, every other tensor a shape.
+  evaluation (its cost is estimated from the rollout's) and checkpoints. The rollout runs without a
+  prompt batch (conditioning shaped as ``backbone.encode`` returns it), from the first Flow-GRPO-Fast
+  window, on a fixed-shift schedule; the values of the schedule and of the step's flags are real,
+  every other tensor a shape.
 * What reads a value is left out: the finiteness test of the gradient norm, the update's logged
   metrics (``train.algorithm.update.UpdateStats``).
 * The exact path's trace runs the KL reference's batched call on its 2 traced steps, not W: the
@@ -55,7 +64,7 @@ Limits, by construction:
 The planner's files: this one (the settings as read, the plan, the command), config.py (``plan.*``,
 composed by configs/plan.yaml), fake.py (the fake process group and tensors, the tracker and FLOP
 counter: every private torch name), frozen.py (the replicated models), tracing.py (the run's parts
-and the traced step), report.py (the verdict and the printed report).
+and the traced step), comm.py (communication and time), report.py (the verdict and the printed report).
 """
 
 from __future__ import annotations
@@ -74,17 +83,21 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from models.base import parse_dtype
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.cli import hydra_message, report_error, reported, setup
 from train.components.build import check_mesh, typed_config
 from train.components.config import validate
 from train.components.errors import ConfigError
+from train.components.perf import GPU_PEAK_TFLOPS
+from train.plan.comm import ModelBytes
 from train.plan.config import PlanRunConfig, register, validate_plan
 from train.plan.fake import fake_process_group, fake_tensors
 from train.plan.frozen import ARCH_ROOT, NOT_READ, frozen_models
 from train.plan.report import PlanReport, format_report
 from train.plan.tracing import (
+    evaluation,
     expected_groups,
     expected_shared_rows,
     text_tokens,
@@ -166,6 +179,7 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
     at = traced.at_step
     exact = next(u for u in updates if u.mode == "exact" and u.checkpointing == cfg.model.activation_checkpointing)
     per_row = exact.flops / (cfg.update.window * cfg.grpo.micro_batch)  # one step of one row, with its backward
+    peak, source = assumed_peak(cfg)
     return PlanReport(
         experiment=cfg.experiment,
         backbone=cfg.model.name,
@@ -196,7 +210,26 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
         shared_rollout_flops=traced.shared_rollout_flops,
         shared_update_flops=expected_shared_rows(cfg) * per_row,
         seconds=time.perf_counter() - started,
+        replicate=cfg.dist.replicate_degree,
+        gpus_per_node=cfg.plan.gpus_per_node,
+        model_bytes=ModelBytes(
+            gathered=traced.num_params * parse_dtype(cfg.model.dtype).itemsize, gradients=traced.num_trainable * 4
+        ),
+        peak_tflops=peak,
+        peak_source=source,
+        mfu=cfg.plan.mfu,
+        intra_gbps=cfg.plan.intra_node_gbps,
+        inter_gbps=cfg.plan.inter_node_gbps,
+        num_steps=cfg.num_steps,
+        evaluation=evaluation(cfg, traced.forward_flops_per_row),
     )
+
+
+def assumed_peak(cfg: PlanRunConfig) -> tuple[float, str]:
+    """(TFLOP/s, where it comes from): perf.peak_tflops when set, else plan.gpu's dense bf16 rate."""
+    if cfg.perf.peak_tflops is not None:
+        return cfg.perf.peak_tflops, "perf.peak_tflops"
+    return GPU_PEAK_TFLOPS[cfg.plan.gpu], f"{cfg.plan.gpu} bf16 dense"
 
 
 def main(argv: Sequence[str] | None = None) -> PlanReport:

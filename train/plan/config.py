@@ -8,6 +8,8 @@ from pathlib import Path
 
 from train.components.config import TrainConfig, register_schema
 from train.components.errors import ConfigError
+from train.components.perf import GPU_PEAK_TFLOPS
+from train.plan.comm import INTER_NODE_GBPS, INTRA_NODE_GBPS
 
 
 @dataclass
@@ -23,6 +25,15 @@ class PlanConfig:
     # config files only, no weights). null = model.path when it is given, else configs/arch/<the backbone's model>.
     arch: str | None = None
     output: str | None = None  # also write the report as JSON to this file (null = print only)
+    # The time estimate (train/plan/comm.py): ranks per node (rank r on node r // gpus_per_node); link rates per GPU
+    # and direction, Gb/s: NVLink 4 (H100/H200 SXM, 450 GB/s a direction) inside a node, InfiniBand NDR across nodes
+    gpus_per_node: int = 8
+    intra_node_gbps: float = INTRA_NODE_GBPS
+    inter_node_gbps: float = INTER_NODE_GBPS
+    # the GPU whose dense bf16 peak (train/components/perf.py's table) the compute time assumes; perf.peak_tflops,
+    # when set, replaces it, as for the MFU logging
+    gpu: str = "H100"
+    mfu: float = 0.35  # the model FLOP utilization assumed for the compute time, in (0, 1]
 
 
 @dataclass
@@ -54,7 +65,25 @@ def validate_plan(p: PlanConfig) -> None:
         raise ConfigError(f"plan.world_size must be >= 2 (FSDP2 shards over the ranks), got {p.world_size}")
     if not p.gpu_memory_gib > 0:
         raise ConfigError(f"plan.gpu_memory_gib must be > 0, got {p.gpu_memory_gib}")
+    _check_cluster(p)
     if not 0 <= p.reserved_gib < p.gpu_memory_gib:
         raise ConfigError(
             f"plan.reserved_gib must be in [0, plan.gpu_memory_gib={p.gpu_memory_gib}), got {p.reserved_gib}"
         )
+
+
+def _check_cluster(p: PlanConfig) -> None:
+    if p.gpus_per_node < 1:
+        raise ConfigError(f"plan.gpus_per_node must be >= 1, got {p.gpus_per_node}")
+    if p.world_size > p.gpus_per_node and p.world_size % p.gpus_per_node:
+        raise ConfigError(
+            f"plan.world_size={p.world_size} fills no whole nodes of plan.gpus_per_node={p.gpus_per_node}: "
+            "make it a multiple of it (or at most one node)"
+        )
+    for name in ("intra_node_gbps", "inter_node_gbps"):
+        if not getattr(p, name) > 0:
+            raise ConfigError(f"plan.{name} must be > 0 (Gb/s per GPU and direction), got {getattr(p, name)}")
+    if p.gpu not in GPU_PEAK_TFLOPS:
+        raise ConfigError(f"plan.gpu={p.gpu!r} is not one of {sorted(GPU_PEAK_TFLOPS)}; or set perf.peak_tflops")
+    if not 0 < p.mfu <= 1:
+        raise ConfigError(f"plan.mfu must be in (0, 1], got {p.mfu}")

@@ -3,9 +3,10 @@ changes that would lower the peak."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from train.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
 from train.plan.fake import Measured
 from train.plan.frozen import FrozenModel
 
@@ -25,6 +26,10 @@ class Phase:
     # (the rollout's is with it, as it runs: PlanReport.shared_rollout_flops says what it saves)
     flops: int
     calls_per_step: float  # calls per rank per training step
+    # transformer forwards per call (with and without gradients; the policy's and the KL reference's), and of
+    # them those with gradients, each with its backward
+    forwards: float = 0.0
+    backwards: float = 0.0
     checkpointing: bool | None = None  # updates: traced with activation checkpointing
     mode: str | None = None  # updates: the path
 
@@ -78,6 +83,17 @@ class PlanReport:
     shared_rollout_flops: float = 0.0
     shared_update_flops: float = 0.0
     seconds: float = 0.0
+    # the communication and time estimate (train/plan/comm.py)
+    replicate: int = 1
+    gpus_per_node: int = 8
+    model_bytes: ModelBytes = ModelBytes(0.0, 0.0)
+    peak_tflops: float = 0.0
+    peak_source: str = ""
+    mfu: float = 0.35
+    intra_gbps: float = 0.0
+    inter_gbps: float = 0.0
+    num_steps: int = 0  # training steps of the run
+    evaluation: Evaluation | None = None  # None: the run does not evaluate (logging.eval_every=0)
 
     @property
     def frozen_bytes(self) -> int:
@@ -114,6 +130,64 @@ class PlanReport:
         update -= self.shared_update_flops if shared else 0.0
         rollout = 0.0 if shared else self.shared_rollout_flops
         return update, update + rollout + sum(p.calls_per_step * p.flops for p in self.phases)
+
+    @property
+    def cluster(self) -> Cluster:
+        return Cluster(self.world_size, self.replicate, self.gpus_per_node)
+
+    def traffic(self, phase: Phase) -> Traffic:
+        """What ``phase`` sends per rank per step."""
+        return self.model_bytes.call(self.cluster, phase.forwards, phase.backwards) * phase.calls_per_step
+
+    def update_traffic(self, *, exact: bool = False) -> Traffic:
+        """The update's per rank per step: as routed, or with every group on the exact path."""
+        updates = self.configured_updates()
+        if not exact:
+            return sum((self.traffic(u) for u in updates), Traffic())
+        calls = sum(u.calls_per_step for u in updates)
+        exact_call = next(u for u in updates if u.mode == "exact")
+        return self.model_bytes.call(self.cluster, exact_call.forwards, exact_call.backwards) * calls
+
+    def time_terms(self) -> list[tuple[str, float, Traffic]]:
+        """(part, FLOPs, traffic) per rank per step: the rollout, the update (with the shared start as
+        configured), the optimizer step."""
+        rollout, _, optimizer = self.phases
+        update, _ = self.flops_per_step()
+        return [
+            ("rollout", rollout.flops * rollout.calls_per_step, self.traffic(rollout)),
+            ("update", update, self.update_traffic()),
+            ("optimizer", optimizer.flops * optimizer.calls_per_step, self.traffic(optimizer)),
+        ]
+
+    def seconds_of(self, flops: float, traffic: Traffic) -> float:
+        return phase_seconds(
+            flops, traffic, tflops=self.peak_tflops, mfu=self.mfu, intra=self.intra_gbps, inter=self.inter_gbps
+        )
+
+    def step_seconds(self) -> float:
+        return sum(self.seconds_of(flops, traffic) for _, flops, traffic in self.time_terms())
+
+    def evaluation_seconds(self) -> float:
+        """All the run's evaluations."""
+        e = self.evaluation
+        if e is None:
+            return 0.0
+        traffic = self.model_bytes.call(self.cluster, e.forwards, 0.0)
+        return e.count * self.seconds_of(e.flops, traffic)
+
+    def run_seconds(self) -> float:
+        return self.num_steps * self.step_seconds() + self.evaluation_seconds()
+
+
+@dataclass
+class Evaluation:
+    """One evaluation on one rank (the trainer's, every logging.eval_every steps), and how many the run makes."""
+
+    count: int  # evaluations per run: before training, every eval_every steps, after the last
+    images: int  # images per evaluation, all ranks
+    images_per_rank: int
+    forwards: float  # transformer calls per rank: sampling calls of eval.batch_size images x eval.num_steps
+    flops: float  # per rank: eval.num_steps forwards of each of its images, at the rollout's FLOPs per row
 
 
 def _gib(num_bytes: float) -> str:
@@ -254,6 +328,80 @@ def _flop_lines(r: PlanReport) -> list[str]:
     return lines
 
 
+def _gb(num_bytes: float) -> str:
+    return f"{num_bytes / 1e9:.4g}"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 600 else f"{seconds / 3600:.1f} h"
+
+
+def _comm_lines(r: PlanReport) -> list[str]:
+    c = r.cluster
+    nodes = max(1, r.world_size // r.gpus_per_node)
+    sharding = "FSDP" if r.replicate == 1 else f"HSDP, {r.replicate} replicas of {c.shard_size} ranks"
+    lines = [
+        f"communication per rank per training step, GB sent ({sharding}; {r.world_size} ranks on {nodes} node(s) of "
+        f"{r.gpus_per_node}; ring algorithms: train/plan/comm.py)",
+    ]
+    width = max(len(p.name) for p in r.phases + r.configured_updates())
+    lines.append(f"  {'phase':<{width}}  forwards  backwards  all-gather  reduce-scatter  all-reduce  in node  across")
+    for p in [*r.phases, *r.configured_updates()]:
+        t = r.traffic(p)
+        lines.append(
+            f"  {p.name:<{width}} {p.forwards * p.calls_per_step:>9g} {p.backwards * p.calls_per_step:>10g}"
+            f" {_gb(t.all_gather):>11} {_gb(t.reduce_scatter):>15} {_gb(t.all_reduce):>11}"
+            f" {_gb(t.intra):>8} {_gb(t.inter):>7}"
+        )
+    routed, exact = r.update_traffic(), r.update_traffic(exact=True)
+    lines.append(
+        f"  update as routed sends {_gb(routed.total)} GB, every group exact {_gb(exact.total)} GB: the routing saves "
+        f"{_gb(exact.total - routed.total)} GB ({_gb(exact.inter - routed.inter)} GB of them across nodes)"
+    )
+    return lines
+
+
+def _shape_lines(r: PlanReport) -> list[str]:
+    """The step's communication and time on other cluster shapes: a rank's step is the same on any (its
+    samples are grpo.prompts_per_rank), only its collectives' groups change."""
+    lines = ["the same step on other clusters (per rank; FSDP over every rank, or HSDP with one replica per node)"]
+    for nodes in (1, 2, 8):
+        for replicate in (1, nodes) if nodes > 1 else (1,):
+            shape = replace(r, world_size=nodes * r.gpus_per_node, replicate=replicate)
+            t = sum((shape.traffic(p) for p in shape.phases), shape.update_traffic())
+            name = "FSDP" if replicate == 1 else f"HSDP R={replicate}"
+            lines.append(
+                f"  {nodes} node(s) x {r.gpus_per_node}, {name:<9} in node {_gb(t.intra):>8} GB   across nodes"
+                f" {_gb(t.inter):>8} GB   step {shape.step_seconds():>7.1f} s"
+            )
+    return lines
+
+
+def _time_lines(r: PlanReport) -> list[str]:
+    lines = [
+        f"time estimate per rank: compute at {r.mfu:g} MFU of {r.peak_tflops:g} TFLOP/s ({r.peak_source}), links "
+        f"{r.intra_gbps:g} Gb/s in a node, {r.inter_gbps:g} Gb/s across; a part takes the longer of its compute "
+        "and its communication (overlapped), a step the sum of its parts"
+    ]
+    for name, flops, traffic in r.time_terms():
+        compute = flops / (r.peak_tflops * 1e12 * r.mfu)
+        comm = traffic.seconds(r.intra_gbps, r.inter_gbps)
+        bound = "compute" if compute >= comm else "communication"
+        lines.append(f"  {name:<10} compute {compute:>8.1f} s   communication {comm:>8.1f} s   -> {bound}-bound")
+    step = r.step_seconds()
+    lines.append(f"  training step {step:.1f} s; {r.num_steps} steps {_duration(r.num_steps * step)}")
+    e = r.evaluation
+    if e is not None:
+        lines.append(
+            f"  evaluation: {e.count} x {e.images} images ({e.images_per_rank} per rank, {e.flops / 1e12:.1f} TFLOP"
+            f" each) {_duration(r.evaluation_seconds())}"
+        )
+    lines.append(
+        f"  run: {_duration(r.run_seconds())} (not counted: text encoding, reward scoring, VAE decode, checkpoints)"
+    )
+    return lines
+
+
 def format_report(report: PlanReport) -> str:
     r = report
     groups = ", ".join(f"{mode} {n:g}" for mode, n in sorted(r.groups.items()))
@@ -269,6 +417,12 @@ def format_report(report: PlanReport) -> str:
         *_memory_lines(r),
         "",
         *_flop_lines(r),
+        "",
+        *_comm_lines(r),
+        "",
+        *_time_lines(r),
+        "",
+        *_shape_lines(r),
         "",
     ]
     peak = r.peak

@@ -32,9 +32,9 @@ from train.components.config import TrainConfig, trainable_transitions
 from train.components.ema import EMA
 from train.distributed.parallelize import clip_grad_norm_, local_tensor
 from train.plan.config import PlanRunConfig
-from train.plan.fake import default_dtype, fake_deepcopy, known, measure
+from train.plan.fake import Measured, default_dtype, fake_deepcopy, known, measure
 from train.plan.frozen import build_component, diffusers_backbone_class, read_json
-from train.plan.report import Phase, to_phase
+from train.plan.report import Evaluation, Phase, to_phase
 from train.step import decode_images, sample_trajectories, step_weights
 
 CPU = torch.device("cpu")  # the one device of every fake tensor
@@ -230,10 +230,11 @@ class TracedOnce:
     def __init__(self, predict: Predict) -> None:
         self.predict = predict
         self.first: dict[torch.Size, tuple[torch.Size, torch.dtype]] = {}  # input shape -> (output shape, dtype)
-        self.traced_rows = self.called_rows = 0
+        self.traced_rows = self.called_rows = self.calls = 0
 
     def __call__(self, z: Tensor, t: Tensor, cond: Any) -> Tensor:
         self.called_rows += z.shape[0]
+        self.calls += 1
         if z.shape not in self.first:
             v = self.predict(z, t, cond)
             self.first[z.shape] = (v.shape, v.dtype)
@@ -322,6 +323,32 @@ def optimizer_call(run: TracedRun) -> Callable[[], None]:
     return call
 
 
+@dataclass
+class Forwards:
+    """Transformer forwards a traced call ran (the policy's and the KL reference's), by whether with gradients."""
+
+    with_grad: int = 0
+    without_grad: int = 0
+
+    def count(self, *_: Any) -> None:
+        if torch.is_grad_enabled():
+            self.with_grad += 1
+        else:
+            self.without_grad += 1
+
+
+def measure_counting(run: TracedRun, resident: Sequence[Tensor], call: Callable[[], None]) -> tuple[Measured, Forwards]:
+    """``measure`` of ``call``, with the forwards of the transformer and of the KL reference copy counted."""
+    forwards = Forwards()
+    roots = [m for m in (run.backbone.transformer, run.reference) if m is not None]
+    hooks = [m.register_forward_pre_hook(forwards.count) for m in roots]
+    try:
+        return measure(run.backbone.transformer, run.optimizer, resident, call), forwards
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def _storage_bytes(tensors: Sequence[Tensor]) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
@@ -396,11 +423,15 @@ def trace_updates(run: TracedRun, tensors: StepTensors, groups: dict[str, float]
     resident = tensors.resident(offloaded_velocities=offloaded) + reference_shards(run) + ema_shards(run)
     out = []
     for mode, reuse, calls in update_variants(cfg, groups, kept_velocities=update_settings(cfg).reuses_velocities):
-        m = measure(run.backbone.transformer, run.optimizer, resident, update_call(run, tensors, mode, reuse=reuse))
+        m, forwards = measure_counting(run, resident, update_call(run, tensors, mode, reuse=reuse))
+        backwards = float(forwards.with_grad)  # each graph is backpropagated once
         if mode == "exact":  # its W steps, each freed before the next, traced on EXACT_TRACED_STEPS
             m.flops = round(m.flops * cfg.update.window / EXACT_TRACED_STEPS)
+            backwards *= cfg.update.window / EXACT_TRACED_STEPS
         name = f"update {mode}" + (", rollout velocities" if reuse else "")
-        out.append(to_phase(name, m, calls, checkpointing=cfg.model.activation_checkpointing, mode=mode))
+        calls_of = {"forwards": forwards.without_grad + backwards, "backwards": backwards}
+        checkpointing = cfg.model.activation_checkpointing
+        out.append(to_phase(name, m, calls, checkpointing=checkpointing, mode=mode, **calls_of))
     return out
 
 
@@ -419,6 +450,7 @@ class Traced:
     ema_bytes: int
     velocity_bytes: int
     shared_rollout_flops: float  # what the rollout's shared start saves (rows of the steps before the first SDE noise)
+    forward_flops_per_row: float  # of one transformer forward of one row without gradients (the rollout's)
     image_tokens: int
 
 
@@ -438,7 +470,7 @@ def trace_step(run: TracedRun, groups: dict[str, float]) -> Traced:
     per_row = rollout.flops / predict.traced_rows  # counted: the first forward of each shape (TracedOnce)
     rollout.flops = round(per_row * predict.called_rows)
     shared_rollout_flops = per_row * (cfg.sampler.num_steps * tensors.traj.batch_size - predict.called_rows)
-    phases = [to_phase("rollout", rollout, 1)]
+    phases = [to_phase("rollout", rollout, 1, forwards=predict.calls)]
     decode = measure(root, opt, always + tensors.resident(offloaded_velocities=offloaded), decode_call(run, tensors))
     phases.append(to_phase("decode", decode, 1))
     tensors.advantages = torch.zeros(tensors.traj.batch_size)
@@ -460,6 +492,7 @@ def trace_step(run: TracedRun, groups: dict[str, float]) -> Traced:
         ema_bytes=_storage_bytes(ema_shards(run)),
         velocity_bytes=0 if offloaded or velocities is None else _storage_bytes([velocities]),
         shared_rollout_flops=shared_rollout_flops,
+        forward_flops_per_row=per_row,
         image_tokens=math.prod(cast(DiffusersBackbone, run.backbone).latent_grid(cfg.model.height, cfg.model.width)),
     )
 
@@ -473,3 +506,18 @@ def trace_other_checkpointing(
     run = traced_run(other, arch)
     hold_gradients(run)
     return trace_updates(run, tensors, groups)
+
+
+def evaluation(cfg: PlanRunConfig, forward_flops_per_row: float) -> Evaluation | None:
+    """The run's evaluations (train/trainer.py: before training, every logging.eval_every steps, after the
+    last step) on rank 0: data.num_eval_prompts x eval.samples_per_prompt images, or eval.max_images (the
+    most one may sample) when it takes every prompt of a file the planner does not read."""
+    every, e = cfg.logging.eval_every, cfg.eval
+    if every <= 0:
+        return None
+    count = 1 + cfg.num_steps // every + (cfg.num_steps % every != 0)
+    prompts = cfg.data.num_eval_prompts
+    images = prompts * e.samples_per_prompt if prompts > 0 else e.max_images
+    per_rank = math.ceil(images / cfg.plan.world_size)
+    calls = math.ceil(per_rank / e.batch_size) * e.num_steps
+    return Evaluation(count, images, per_rank, float(calls), per_rank * e.num_steps * forward_flops_per_row)
