@@ -28,8 +28,8 @@ class PlanConfig:
     # The time estimate (train/plan/comm.py): ranks per node (rank r on node r // gpus_per_node); link rates per GPU
     # and direction, Gb/s: NVLink 4 (H100/H200 SXM, 450 GB/s a direction) inside a node, InfiniBand NDR across nodes
     gpus_per_node: int = 8
-    intra_node_gbps: float = INTRA_NODE_GBPS
-    inter_node_gbps: float = INTER_NODE_GBPS
+    intra_node_gbps: float = INTRA_NODE_GBPS  # Gb/s per GPU and direction inside a node (NVLink 4: 3600)
+    inter_node_gbps: float = INTER_NODE_GBPS  # Gb/s per GPU and direction across nodes (InfiniBand NDR: 400)
     # the GPU whose dense bf16 peak (train/components/perf.py's table) the compute time assumes; perf.peak_tflops,
     # when set, replaces it, as for the MFU logging
     gpu: str = "H100"
