@@ -544,6 +544,7 @@ def test_sigterm_on_one_of_two_ranks(tiny_flux_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two torchrun ranks over several steps: make test-long
 def test_a_failure_on_one_of_two_ranks_saves_the_steps_before_it(tiny_flux_dir, tmp_path):
     """Rank 1's reward raises in step 2 (0-based) after two unsaved steps: both ranks stop at the reward phase's
     check and write step 2's checkpoint together, then fail: rank 1 with its own error, rank 0 naming rank 1."""
