@@ -99,7 +99,7 @@ def _pad_to(x: Tensor, size: Sequence[int]) -> Tensor:
     return F.pad(x, pad) if any(pad) else x
 
 
-def check_image_size(backbone: str, multiple: int, height: int, width: int) -> None:
+def check_image_multiple(backbone: str, multiple: int, height: int, width: int) -> None:
     """ValueError unless height and width are positive multiples of ``multiple`` (``image_multiple``)."""
     if height % multiple or width % multiple or height <= 0 or width <= 0:
         raise ValueError(

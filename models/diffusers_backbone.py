@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from models.base import Backbone, Conditioning, check_image_size, parse_dtype
+from models.base import Backbone, Conditioning, check_image_multiple, parse_dtype
 from models.cache import EmbeddingCache
 from models.components import Component, component_folders, load_component, read_config
 from samplers.schedule import dynamic_shift_mu, dynamic_sigmas, shifted_sigmas
@@ -218,7 +218,7 @@ class DiffusersBackbone(Backbone):
     def latent_grid(self, height: int, width: int) -> tuple[int, int]:
         """(h/2, w/2): the packed token grid of a height x width image."""
         step = 2 * self.vae_scale_factor
-        check_image_size(self.name, step, height, width)
+        check_image_multiple(self.name, step, height, width)
         return height // step, width // step
 
     def check_image_size(self, z: Tensor, height: int | None, width: int | None) -> None:

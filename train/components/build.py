@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from models.base import Backbone, Conditioning, check_image_size, parse_dtype
+from models.base import Backbone, Conditioning, check_image_multiple, parse_dtype
 from models.registry import backbone_names, get_backbone_class, load_backbone
 from models.tiny import build_tiny
 from rewards.base import SCORER_NAMES, Scorer, build_scorer, scorer_class
@@ -40,6 +40,7 @@ from train.algorithm.update import UpdateSettings
 from train.components.checkpoint import CheckpointManager, Weights
 from train.components.config import (
     LORA_MODULES,
+    ModelConfig,
     TrainConfig,
     UpdateConfig,
     changed_refusal,
@@ -277,10 +278,11 @@ def model_folder(cfg: TrainConfig, dist: DistInfo) -> None:
         multiple = backbone.image_multiple(m.path, **m.options)
         modules = backbone.transformer_modules(m.path, **m.options) if m.lora.enabled else []
     with _settings("model.height / model.width"):
-        check_image_size(m.name, multiple, m.height, m.width)
-    targets = list(m.lora.target_modules) or backbone.lora_target_modules
-    unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in modules)]
-    if m.lora.enabled and unmatched:
+        check_image_multiple(m.name, multiple, m.height, m.width)
+    if not m.lora.enabled:
+        return
+    unmatched = [t for t in lora_targets(m) if not any(n == t or n.endswith(f".{t}") for n in modules)]
+    if unmatched:
         raise ConfigError(
             f"model.lora.target_modules: {', '.join(unmatched)} name no module of the transformer in "
             f"{m.path} (a target is a module name or its end, e.g. {modules[-1] if modules else 'attn.to_q'})"
@@ -333,6 +335,11 @@ def non_finite(module: nn.Module) -> str | None:
     return None
 
 
+def lora_targets(m: ModelConfig) -> list[str]:
+    """The module-name suffixes LoRA wraps: ``model.lora.target_modules``, else the backbone's own."""
+    return list(m.lora.target_modules) or get_backbone_class(m.name).lora_target_modules
+
+
 def add_lora(cfg: TrainConfig, backbone: Backbone) -> None:
     """LoRA adapters of ``model.lora`` on the transformer (the only trainable parameters afterwards): on the
     modules ``model.lora.target_modules`` names, else on the backbone's own ``lora_target_modules``."""
@@ -349,7 +356,7 @@ def add_lora(cfg: TrainConfig, backbone: Backbone) -> None:
                 r=lora.rank,
                 lora_alpha=lora.alpha,
                 init_lora_weights=lora.init,  # type: ignore[arg-type]  # a config string; peft checks it
-                target_modules=list(lora.target_modules) or backbone.lora_target_modules,
+                target_modules=lora_targets(cfg.model),
             )
         )
 
