@@ -7,8 +7,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 @dataclass
@@ -19,13 +21,19 @@ class CollectiveCounts:
     num_reduce_scatters: int = 0
     num_all_reduces: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
+    # per kind, the bytes of each collective's largest tensor: for FSDP2's flat all-gather (its output) and
+    # reduce-scatter (its input) the unsharded size S
+    all_gather_bytes: int = 0
+    reduce_scatter_bytes: int = 0
 
-    def add(self, name: str) -> None:
+    def add(self, name: str, num_bytes: int = 0) -> None:
         self.by_op[name] = self.by_op.get(name, 0) + 1
         if "allgather" in name or "all_gather" in name:
             self.num_all_gathers += 1
+            self.all_gather_bytes += num_bytes
         elif "reduce_scatter" in name:
             self.num_reduce_scatters += 1
+            self.reduce_scatter_bytes += num_bytes
         elif "allreduce" in name or "all_reduce" in name:
             self.num_all_reduces += 1
 
@@ -45,7 +53,8 @@ class _CollectiveCounter(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor lower itself to plain ops (and collectives) first
         if getattr(func, "namespace", None) in ("c10d", "_c10d_functional"):
-            self.counts.add(func.name())
+            tensors = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, Tensor)]
+            self.counts.add(func.name(), max((t.numel() * t.element_size() for t in tensors), default=0))
         return func(*args, **(kwargs or {}))
 
 

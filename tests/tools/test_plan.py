@@ -17,6 +17,7 @@ import pytest
 import torch
 from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel
 from hydra import compose, initialize_config_module
+from probe_toys import ToyVelocity, toy_trajectory
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor, Shard
 from two_ranks import HELPERS, env, torchrun
@@ -25,8 +26,9 @@ from models.base import decode_in_chunks
 from models.flux import FluxBackbone
 from models.registry import get_backbone_class
 from rewards.base import SCORER_NAMES, FrozenModelScorer, scorer_class
-from train.algorithm.jagg import UPDATE_MODES, backward_group
-from train.components.build import FSDP_VIEW_WARNING
+from train.algorithm.jagg import UPDATE_MODES, Counts, backward_group
+from train.algorithm.update import UpdateBatch, shared_start, update_micro_batch
+from train.components.build import FSDP_VIEW_WARNING, build_router, update_settings
 from train.components.config import register_schema
 from train.distributed.parallelize import parallelize
 from train.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
@@ -35,7 +37,14 @@ from train.plan.config import register
 from train.plan.fake import fake_process_group
 from train.plan.frozen import ARCH_ROOT, SCORER_ARCH, build_component, frozen_models, read_json, scorer_module
 from train.plan.report import GIB, format_report
-from train.plan.tracing import expected_groups, expected_shared_rows, traced_run, update_variants
+from train.plan.tracing import (
+    EXACT_TRACED_STEPS,
+    expected_groups,
+    expected_shared_calls,
+    expected_shared_rows,
+    traced_run,
+    update_variants,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT_PARTS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
@@ -170,6 +179,70 @@ def test_expected_shared_rows_over_the_random_pick():
     assert expected_shared_rows(cfg) == pytest.approx(24 * (4 * p - (1 - (1 - p) ** 4)))
 
 
+def _update_loop_calls(cfg, traj, *, share: bool, seed: int) -> tuple[int, int]:
+    """(transformer forwards, backwards) of one step's update as train/step.py runs it: per optimizer step,
+    the micro-batches' plans drawn in order, the shared start, the micro-batches, its backward."""
+    settings = replace(update_settings(cfg), share_group_start=share)
+    policy, reference, forwards = ToyVelocity(), ToyVelocity(seed=1), []
+    for model in (policy, reference):
+        model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    advantages = torch.linspace(-1, 1, traj.batch_size)
+    batch = UpdateBatch(traj, advantages, predict=policy, reference=reference, settings=settings)
+    router, plan_gen, counts = build_router(cfg.update), torch.Generator().manual_seed(seed), Counts()
+    g = cfg.grpo
+    for chunk in range(0, traj.batch_size, g.gradient_accumulation_steps):
+        firsts = range(chunk, chunk + g.gradient_accumulation_steps, g.micro_batch)
+        micro = [range(r, r + g.micro_batch) for r in firsts]
+        plans = [router.plan(traj, plan_gen) for _ in micro]
+        start = shared_start(batch, micro, plans)
+        for rows, routed in zip(micro, plans):
+            counts += update_micro_batch(batch, torch.arange(rows.start, rows.stop), routed, start=start).counts
+        if start is not None:
+            counts += start.backward().counts
+    return len(forwards), counts.backward_calls  # backward_calls counts calls (its forwards count steps)
+
+
+SHARED_CALL_CASES = {  # overrides of the tiny experiment (8 rows: 2 groups of G = 4; 2 groups of W = 4)
+    "exact, micro-batch 1": ["update.mode=exact", "grpo.micro_batch=1"],
+    "jagg_sequential, KL, accumulation 2": [
+        "update.mode=jagg_sequential", "grpo.micro_batch=1", "grpo.gradient_accumulation_steps=2", "grpo.kl_beta=0.1"
+    ],
+    "exact_batched": ["update.mode=exact", "update.exact_batched=true", "grpo.micro_batch=1"],
+    "jagg and exact, micro-batch 2, one optimizer step": [
+        "update.mode=jagg", "update.jagg_frac=0.5", "grpo.micro_batch=2", "grpo.gradient_accumulation_steps=8"
+    ],
+    "exact, random pick": ["update.mode=exact", "grpo.micro_batch=1", "update.timestep_fraction=0.5"],
+    "jagg_sequential, random pick, KL": [
+        "update.mode=jagg_sequential", "grpo.micro_batch=1", "update.timestep_fraction=0.5", "grpo.kl_beta=0.1",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SHARED_CALL_CASES))
+def test_expected_shared_calls_equal_the_update_loop(case):
+    """The planner's count of what the shared start adds to the update's transformer calls (its own forward,
+    backward and KL reference call per optimizer step that shares, less the step each exact and
+    jagg_sequential micro-batch leaves to it) against the calls the trainer's update loop makes with
+    update.share_group_start on and off on the same draws: equal where every group trains
+    (timestep_fraction 1); where groups are picked at random, the mean over 150 draws within 4 of its
+    standard errors of the expectation (a path counted wrongly is off by about 1 call per micro-batch)."""
+    cfg, _ = config(["experiment=tiny", *SHARED_CALL_CASES[case]])
+    traj = toy_trajectory(ToyVelocity(), batch=cfg.grpo.group_size * cfg.grpo.prompts_per_rank,
+                          num_steps=cfg.sampler.num_steps)  # fmt: skip
+    draws = 1 if cfg.update.timestep_fraction == 1 else 150
+    diffs = torch.zeros(draws, 2, dtype=torch.float64)
+    for seed in range(draws):
+        on = _update_loop_calls(cfg, traj, share=True, seed=seed)
+        off = _update_loop_calls(cfg, traj, share=False, seed=seed)
+        diffs[seed] = torch.tensor(on) - torch.tensor(off)
+    expected = torch.tensor(expected_shared_calls(cfg), dtype=torch.float64)
+    if draws == 1:
+        assert diffs[0].tolist() == expected.tolist()
+    else:
+        error = diffs.std(dim=0) / draws**0.5
+        assert bool((error > 0).all()) and bool(((diffs.mean(dim=0) - expected).abs() < 4 * error).all())
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -297,8 +370,8 @@ PHASES = {"rollout", "decode", "update exact", "update jagg, rollout velocities"
 
 @pytest.fixture(scope="module")
 def tiny(tiny_flux_dir, tmp_path_factory):
-    """(config, the planner's report of TINY, rank 0's traced peaks of the same step on real tensors
-    over 2 gloo processes): tests/helpers/plan_worker.py runs while this process plans."""
+    """(config, the planner's report of TINY, rank 0's traced peaks and collectives of the same step on
+    real tensors over 2 gloo processes): tests/helpers/plan_worker.py runs while this process plans."""
     overrides = [*TINY, f"model.path={tiny_flux_dir}"]
     out = tmp_path_factory.mktemp("real_run")
     worker = subprocess.Popen(
@@ -315,7 +388,8 @@ def tiny(tiny_flux_dir, tmp_path_factory):
     finally:
         stdout, stderr = worker.communicate(timeout=600)
     assert worker.returncode == 0, f"torchrun failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
-    return cfg, report, json.loads((out / "real_peaks.json").read_text())
+    real = {name: json.loads((out / f"real_{name}.json").read_text()) for name in ("peaks", "collectives")}
+    return cfg, report, real
 
 
 @pytest.mark.slow
@@ -353,7 +427,8 @@ def test_traced_peaks_match_a_real_gloo_run(tiny):
     """The same phases on real tensors over 2 gloo processes (tests/helpers/plan_worker.py) give rank 0 the
     same peaks within 1%; measured here: equal to the byte, as fake tensors carry the storage sizes
     of the real kernels' outputs."""
-    _, report, real = tiny
+    _, report, real_run = tiny
+    real = real_run["peaks"]
     # exact_batched is traced for its memory in any case, though this run makes no call of it; the real run
     # traces the configured checkpointing only (the report also holds the other one's updates, of the same names)
     planned = {p.name: p.peak_bytes - report.frozen_bytes for p in [*report.phases, *report.configured_updates()]}
@@ -405,6 +480,32 @@ def test_forwards_and_backwards_follow_the_paths(tiny):
     model = report.model_bytes
     assert model.gathered == report.num_params * 4  # the tiny run computes in float32
     assert model.gradients == report.num_trainable * 4
+
+
+@pytest.mark.slow
+def test_planned_collectives_match_a_real_gloo_run(tiny):
+    """The planner's rule (every forward all-gathers every FSDP module's parameters once, every backward
+    again and reduce-scatters their gradients) against the collectives each traced call issued over 2
+    gloo ranks: as many all-gathers and reduce-scatters, and as many unsharded bytes (FSDP2 pads each
+    parameter's dim 0 to a multiple of the world size: 0.2% more here, measured). The exact path is
+    traced on its first EXACT_TRACED_STEPS steps, the rollout on the first forward of each shape; the
+    optimizer step's gradient norm is an all-reduce."""
+    cfg, report, real_run = tiny
+    real, n = real_run["collectives"]["phases"], real_run["collectives"]["fsdp_modules"]
+    assert n == 3  # the tiny Flux's one double and one single block, and the root
+    model = report.model_bytes
+    rollout = next(p for p in report.phases if p.name == "rollout")
+    assert (rollout.forwards, rollout.backwards) == (cfg.sampler.num_steps, 0)
+    for p in [*report.phases, *report.configured_updates()]:
+        backwards = p.backwards * (EXACT_TRACED_STEPS / cfg.update.window if p.mode == "exact" else 1)
+        forwards = p.forwards - p.backwards + backwards
+        if p is rollout:  # TracedOnce runs the first forward of each shape: the shared start's row, then 2 rows
+            forwards = 2
+        r = real[p.name]
+        assert (r["all_gathers"], r["reduce_scatters"]) == (n * (forwards + backwards), n * backwards), p.name
+        assert r["all_gather_bytes"] == pytest.approx((forwards + backwards) * model.gathered, rel=0.005), p.name
+        assert r["reduce_scatter_bytes"] == pytest.approx(backwards * model.gradients, rel=0.005), p.name
+    assert real["update jagg"]["all_gathers"] < real["update exact"]["all_gathers"]
 
 
 @pytest.mark.slow

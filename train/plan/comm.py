@@ -25,8 +25,10 @@ rank 0's shard group is ranks 0 .. world / R - 1, its replica group 0, world / R
 Calls: the transformer forwards of each traced call are counted as they run (with and without
 gradients; every forward with gradients has one backward: each update path backpropagates each of
 its graphs once, so JAGG's backward of a group of W is one, exact's W). The shared start
-(``update.share_group_start``) is left out of the counts: per optimizer step it adds one forward
-and backward and takes one off each micro-batch that trains its step.
+(``update.share_group_start``) adds, per optimizer step whose rows share, its forward and backward
+(and the KL reference's forward), and takes a forward and a backward off each exact or
+jagg_sequential micro-batch that leaves the step to it (``train.plan.tracing.expected_shared_calls``;
+the batched paths run as many calls on fewer rows).
 
 Time: a phase takes compute = FLOPs / (peak x MFU) and communication = intra bytes / intra-node rate
 + inter bytes / inter-node rate; FSDP2 prefetches the next module's all-gather while a module

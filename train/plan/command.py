@@ -99,6 +99,7 @@ from train.plan.report import PlanReport, format_report
 from train.plan.tracing import (
     evaluation,
     expected_groups,
+    expected_shared_calls,
     expected_shared_rows,
     text_tokens,
     trace_other_checkpointing,
@@ -209,6 +210,8 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
         updates=updates,
         shared_rollout_flops=traced.shared_rollout_flops,
         shared_update_flops=expected_shared_rows(cfg) * per_row,
+        shared_calls=expected_shared_calls(cfg),
+        shared_calls_exact=expected_shared_calls(cfg, "exact"),
         seconds=time.perf_counter() - started,
         replicate=cfg.dist.replicate_degree,
         gpus_per_node=cfg.plan.gpus_per_node,

@@ -82,6 +82,10 @@ class PlanReport:
     # the first SDE noise and the update's first trainable step (with its KL reference), run once per group
     shared_rollout_flops: float = 0.0
     shared_update_flops: float = 0.0
+    # transformer (forwards, backwards) per rank per step the shared start adds to the update's calls (negative:
+    # saves; train.plan.tracing.expected_shared_calls), as routed and with every group exact
+    shared_calls: tuple[float, float] = (0.0, 0.0)
+    shared_calls_exact: tuple[float, float] = (0.0, 0.0)
     seconds: float = 0.0
     # the communication and time estimate (train/plan/comm.py)
     replicate: int = 1
@@ -140,13 +144,20 @@ class PlanReport:
         return self.model_bytes.call(self.cluster, phase.forwards, phase.backwards) * phase.calls_per_step
 
     def update_traffic(self, *, exact: bool = False) -> Traffic:
-        """The update's per rank per step: as routed, or with every group on the exact path."""
+        """The update's per rank per step, with the shared start as configured: as routed, or with every
+        group on the exact path."""
         updates = self.configured_updates()
-        if not exact:
-            return sum((self.traffic(u) for u in updates), Traffic())
-        calls = sum(u.calls_per_step for u in updates)
-        exact_call = next(u for u in updates if u.mode == "exact")
-        return self.model_bytes.call(self.cluster, exact_call.forwards, exact_call.backwards) * calls
+        if exact:
+            calls = sum(u.calls_per_step for u in updates)
+            exact_call = next(u for u in updates if u.mode == "exact")
+            out = self.model_bytes.call(self.cluster, exact_call.forwards, exact_call.backwards) * calls
+        else:
+            out = sum((self.traffic(u) for u in updates), Traffic())
+        return out + self.shared_traffic(exact=exact)
+
+    def shared_traffic(self, *, exact: bool = False) -> Traffic:
+        """What the shared start adds to the update's traffic per rank per step (negative: saves)."""
+        return self.model_bytes.call(self.cluster, *(self.shared_calls_exact if exact else self.shared_calls))
 
     def time_terms(self) -> list[tuple[str, float, Traffic]]:
         """(part, FLOPs, traffic) per rank per step: the rollout, the update (with the shared start as
@@ -352,6 +363,13 @@ def _comm_lines(r: PlanReport) -> list[str]:
             f"  {p.name:<{width}} {p.forwards * p.calls_per_step:>9g} {p.backwards * p.calls_per_step:>10g}"
             f" {_gb(t.all_gather):>11} {_gb(t.reduce_scatter):>15} {_gb(t.all_reduce):>11}"
             f" {_gb(t.intra):>8} {_gb(t.inter):>7}"
+        )
+    if r.shared_calls != (0.0, 0.0):
+        forwards, backwards = r.shared_calls
+        t = r.shared_traffic()
+        lines.append(
+            f"  {'shared start':<{width}} {forwards:>+9.3g} {backwards:>+10.3g} {_gb(t.all_gather):>11}"
+            f" {_gb(t.reduce_scatter):>15} {_gb(t.all_reduce):>11} {_gb(t.intra):>8} {_gb(t.inter):>7}"
         )
     routed, exact = r.update_traffic(), r.update_traffic(exact=True)
     lines.append(

@@ -391,27 +391,99 @@ def update_variants(
     return out
 
 
+def _optimizer_steps(cfg: TrainConfig) -> list[list[dict[int, int]]]:
+    """Per optimizer step of a rank's step, its micro-batches: each the rows it holds of each sample
+    group (G rows that share a start)."""
+    g = cfg.grpo
+    out = []
+    for chunk in range(0, g.group_size * g.prompts_per_rank, g.gradient_accumulation_steps):
+        micro_batches = []
+        for first in range(chunk, chunk + g.gradient_accumulation_steps, g.micro_batch):
+            rows = {}
+            for group in range(first // g.group_size, (first + g.micro_batch - 1) // g.group_size + 1):
+                rows[group] = min(first + g.micro_batch, (group + 1) * g.group_size) - max(first, group * g.group_size)
+            micro_batches.append(rows)
+        out.append(micro_batches)
+    return out
+
+
+def _per_group(micro_batches: list[dict[int, int]]) -> dict[int, list[int]]:
+    """Each sample group's rows in each micro-batch that holds any."""
+    out: dict[int, list[int]] = {}
+    for rows in micro_batches:
+        for group, num in rows.items():
+            out.setdefault(group, []).append(num)
+    return out
+
+
+def _start_step(cfg: TrainConfig, mode: str | None = None) -> tuple[float, str] | None:
+    """(probability that a micro-batch trains the shared step, the path of the group that starts there),
+    None where nothing is shared (update.share_group_start off, G = 1). ``mode`` as in ``expected_groups``."""
+    g, u = cfg.grpo, cfg.update
+    if not u.share_group_start or g.group_size < 2:
+        return None
+    window = first_window(cfg)
+    trainable = trainable_transitions(cfg.sampler, None if window is None else window[0])
+    transitions = cfg.sampler.num_steps - 1
+    groups = route_groups(
+        trainable, window=u.window, mode=mode or u.mode, jagg_frac=u.jagg_frac, num_transitions=transitions
+    )
+    p = len(pick_groups(trainable, window=u.window, timestep_fraction=u.timestep_fraction)) / len(groups)
+    return p, groups[0].mode
+
+
 def expected_shared_rows(cfg: TrainConfig) -> float:
     """Rows per rank and step whose first trainable step the shared start runs once per group instead of
     once per row (``train.algorithm.update.shared_start``): per optimizer step, the rows that train it less
     the groups among them, expected over the random group pick of each micro-batch."""
-    g, u = cfg.grpo, cfg.update
-    if not u.share_group_start or g.group_size < 2:
+    start = _start_step(cfg)
+    if start is None:
         return 0.0
-    window = first_window(cfg)
-    trainable = trainable_transitions(cfg.sampler, None if window is None else window[0])
-    groups = len(pick_groups(trainable, window=u.window))
-    p = len(pick_groups(trainable, window=u.window, timestep_fraction=u.timestep_fraction)) / groups
+    p, _ = start
     saved = 0.0
-    for chunk in range(0, g.group_size * g.prompts_per_rank, g.gradient_accumulation_steps):
-        per_group: dict[int, list[int]] = {}  # group -> its rows in each micro-batch of the optimizer step
-        for first in range(chunk, chunk + g.gradient_accumulation_steps, g.micro_batch):
-            for group in range(first // g.group_size, (first + g.micro_batch - 1) // g.group_size + 1):
-                num = min(first + g.micro_batch, (group + 1) * g.group_size) - max(first, group * g.group_size)
-                per_group.setdefault(group, []).append(num)
-        for rows in per_group.values():  # each micro-batch trains the step with probability p
+    for step in _optimizer_steps(cfg):
+        for rows in _per_group(step).values():  # each micro-batch trains the step with probability p
             saved += p * sum(rows) - (1 - (1 - p) ** len(rows))
     return saved
+
+
+def _shares(rows: list[int], p: float) -> float:
+    """Probability that two or more of a group's rows train the shared step (micro-batches of ``rows``)."""
+    m = len(rows)
+    return 1 - (1 - p) ** m - sum(p * (1 - p) ** (m - 1) for r in rows if r == 1)
+
+
+def expected_shared_calls(cfg: TrainConfig, mode: str | None = None) -> tuple[float, float]:
+    """(transformer forwards, backwards) per rank and step that the shared start adds; negative: saves.
+
+    An optimizer step whose rows share (two rows of one group train the step) runs the shared forward
+    with gradients, its backward and, with a KL term, the reference's no-grad forward of it; each of
+    its micro-batches that trains the step then leaves that step to it: on exact (not batched) and
+    jagg_sequential one forward and one backward fewer, while exact_batched, jagg and ablate run the
+    same batched calls on fewer rows. Expected over the random group pick of each micro-batch (train
+    with probability p each), taking the groups as independent (exact when no micro-batch spans two).
+    ``mode`` as in ``expected_groups``."""
+    start = _start_step(cfg, mode)
+    if start is None:
+        return 0.0, 0.0
+    p, path = start
+    per_micro = 1.0 if path == "jagg_sequential" or (path == "exact" and not cfg.update.exact_batched) else 0.0
+    shared_forwards = 1.0 + (cfg.grpo.kl_beta > 0)
+    forwards = backwards = 0.0
+    for step in _optimizer_steps(cfg):
+        groups = _per_group(step)
+        alone = {g: 1 - _shares(rows, p) for g, rows in groups.items()}  # fewer than two of its rows train it
+        none = math.prod(alone.values())
+        forwards += (1 - none) * shared_forwards
+        backwards += 1 - none
+        for rows in step:  # this micro-batch trains the step (p), and the start is formed
+            unshared = math.prod(
+                0.0 if num >= 2 else (1 - p) ** (len(groups[g]) - 1) for g, num in rows.items()
+            ) * math.prod(a for g, a in alone.items() if g not in rows)
+            taken = p * (1 - unshared) * per_micro
+            forwards -= taken
+            backwards -= taken
+    return forwards, backwards
 
 
 def trace_updates(run: TracedRun, tensors: StepTensors, groups: dict[str, float]) -> list[Phase]:
