@@ -16,7 +16,9 @@
 # MAX_RESTARTS=0 turns it off), and a training launch passes resume=auto (unless you pass a resume=
 # of your own), so a restart continues from the run's latest checkpoint: a crash costs the steps since
 # that checkpoint (checkpoint.every) plus a model load, not the run. A folder holding a run of other
-# settings is still refused.
+# settings is still refused. The launchers export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (unless it is set):
+# the restarted workers then get a fresh store of their own round; sharing the agents' store, they
+# read the dead workers' addresses still in it and gloo failed to connect (measured on 2 nodes).
 # DRY_RUN=1 prints the commands instead of running them; a variable that is not set prints as
 # <NAME>, so the commands can be read before any path exists.
 # Commands run from the repository root: relative paths (RUN_DIR, OUT_DIR, prompts) start there.
@@ -117,6 +119,7 @@ launch() {
         rendezvous=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --rdzv_backend c10d
             --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}")
     fi
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
     # hydra.run.dir is passed explicitly: Hydra's default folder is a timestamp taken per process.
     run_cmd "$TORCHRUN" "${rendezvous[@]}" --max-restarts "${MAX_RESTARTS:-3}" \
         --nproc_per_node "${NPROC_PER_NODE:-$DEFAULT_NPROC}" -m "$module" "experiment=$experiment" \

@@ -1,10 +1,12 @@
 """A two-node rehearsal on one machine: two torchrun agents (``--nnodes 2``, c10d rendezvous on
 127.0.0.1) of 2 gloo processes each, started by scripts/launch/multinode.sh as on a cluster, train
-the tiny experiment as one process does; then a cluster's fault:
+the tiny experiment as one process does; then a cluster's faults:
 
-a node lost (its agent and workers killed), no restarts: the other node fails within
-``dist.timeout_s`` naming the collective, the checkpoints stay, and relaunching both nodes (the
-launcher's ``resume=auto``) ends where the uninterrupted run ends, bit for bit.
+- a node lost (its agent and workers killed), no restarts: the other node fails within
+  ``dist.timeout_s`` naming the collective, the checkpoints stay, and relaunching both nodes (the
+  launcher's ``resume=auto``) ends where the uninterrupted run ends, bit for bit;
+- a worker killed, with ``--max-restarts``: both agents restart their workers, which resume from the
+  last checkpoint, and the run ends as the uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -182,5 +184,19 @@ def test_a_lost_node_fails_the_other_and_a_relaunch_resumes(straight, tiny_flux_
     assert lines and re.search(r"the collective \w+", lines[0]), stderr[-4000:]
     assert (run_dir / "checkpoints" / "step_00000001").is_dir()
     for status, stderr in finish(start_nodes(run_dir, args, restarts=0)):
+        assert status == 0, stderr[-4000:]
+    assert_bit_for_bit(straight, run_dir)
+
+
+def test_a_killed_worker_restarts_both_nodes_and_the_run_ends_whole(straight, tiny_flux_dir, tiny_clip_dir, tmp_path):
+    """With ``--max-restarts``, a worker killed on one node: both agents re-rendezvous and restart their
+    workers, which resume from the last checkpoint (the launcher's ``resume=auto``); the run ends with one
+    metrics row per step, equal to the uninterrupted run's."""
+    run_dir, args = tmp_path / "restarted", overrides(tiny_flux_dir, tiny_clip_dir)
+    nodes = start_nodes(run_dir, args, restarts=1)
+    wait_for_checkpoint(run_dir, 1, nodes)
+    worker = workers_of(agent_of(nodes[1]))[0]
+    os.kill(worker, signal.SIGKILL)
+    for status, stderr in finish(nodes):
         assert status == 0, stderr[-4000:]
     assert_bit_for_bit(straight, run_dir)
