@@ -45,6 +45,7 @@ from train.plan.tracing import (
     traced_run,
     update_variants,
 )
+from train.step import micro_batches
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT_PARTS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
@@ -191,8 +192,7 @@ def _update_loop_calls(cfg, traj, *, share: bool, seed: int) -> tuple[int, int]:
     router, plan_gen, counts = build_router(cfg.update), torch.Generator().manual_seed(seed), Counts()
     g = cfg.grpo
     for chunk in range(0, traj.batch_size, g.gradient_accumulation_steps):
-        firsts = range(chunk, chunk + g.gradient_accumulation_steps, g.micro_batch)
-        micro = [range(r, r + g.micro_batch) for r in firsts]
+        micro = micro_batches(cfg, chunk)
         plans = [router.plan(traj, plan_gen) for _ in micro]
         start = shared_start(batch, micro, plans)
         for rows, routed in zip(micro, plans):

@@ -5,6 +5,7 @@ functions (train.step, train.algorithm.update) run phase by phase under ``measur
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -35,7 +36,7 @@ from train.plan.config import PlanRunConfig
 from train.plan.fake import Measured, default_dtype, fake_deepcopy, known, measure
 from train.plan.frozen import build_component, diffusers_backbone_class, read_json
 from train.plan.report import Evaluation, Phase, to_phase
-from train.step import decode_images, sample_trajectories, step_weights
+from train.step import decode_images, micro_batches, sample_trajectories, step_weights
 
 CPU = torch.device("cpu")  # the one device of every fake tensor
 
@@ -372,11 +373,11 @@ def update_variants(
     weights: the first of B / accumulation chunks."""
     g = cfg.grpo
     samples = g.group_size * g.prompts_per_rank
-    micro_batches = samples // g.micro_batch
+    num_micro_batches = samples // g.micro_batch
     reused = 1.0 if cfg.update.reuse_velocities == "stale" else g.gradient_accumulation_steps / samples
     out = []
     for mode in UPDATE_MODES:
-        calls = micro_batches * groups.get(mode, 0.0)
+        calls = num_micro_batches * groups.get(mode, 0.0)
         if calls == 0 and mode != "exact":
             continue
         if kept_velocities and mode in MIDDLE_MODES:
@@ -395,22 +396,16 @@ def _optimizer_steps(cfg: TrainConfig) -> list[list[dict[int, int]]]:
     """Per optimizer step of a rank's step, its micro-batches: each the rows it holds of each sample
     group (G rows that share a start)."""
     g = cfg.grpo
-    out = []
-    for chunk in range(0, g.group_size * g.prompts_per_rank, g.gradient_accumulation_steps):
-        micro_batches = []
-        for first in range(chunk, chunk + g.gradient_accumulation_steps, g.micro_batch):
-            rows = {}
-            for group in range(first // g.group_size, (first + g.micro_batch - 1) // g.group_size + 1):
-                rows[group] = min(first + g.micro_batch, (group + 1) * g.group_size) - max(first, group * g.group_size)
-            micro_batches.append(rows)
-        out.append(micro_batches)
-    return out
+    return [
+        [dict(Counter(row // g.group_size for row in rows)) for rows in micro_batches(cfg, chunk)]
+        for chunk in range(0, g.group_size * g.prompts_per_rank, g.gradient_accumulation_steps)
+    ]
 
 
-def _per_group(micro_batches: list[dict[int, int]]) -> dict[int, list[int]]:
+def _per_group(micro: list[dict[int, int]]) -> dict[int, list[int]]:
     """Each sample group's rows in each micro-batch that holds any."""
     out: dict[int, list[int]] = {}
-    for rows in micro_batches:
+    for rows in micro:
         for group, num in rows.items():
             out.setdefault(group, []).append(num)
     return out
