@@ -33,7 +33,8 @@ What they compose with:
 * ``setup()``, called at import by every Hydra entry point, registers the typed schema and the
   resolvers below.
 * ``${jagg_fields:}`` (in ``hydra.help.template``, configs/train.yaml): every field of the schema with its
-  current value and the comment that documents it in train/components/config.py, so ``--help`` needs no second copy.
+  current value and its attribute docstring, read from the module of its dataclass, so ``--help`` needs no
+  second copy.
 * ``${jagg_eval_dir:...}`` (configs/eval.yaml): Hydra's folder of ``python -m train.eval``, inside the
   evaluated run, so its config and log sit beside its results.
 * ``ConsoleFormatter`` (configs/hydra/job_logging/console.yaml): INFO lines as they are, other levels
@@ -45,7 +46,6 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
-import io
 import json
 import logging
 import os
@@ -54,7 +54,6 @@ import shutil
 import signal
 import sys
 import threading
-import tokenize
 import traceback
 import typing
 from collections.abc import Callable, Iterator, Sequence
@@ -71,7 +70,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from train.components.config import TrainConfig, register_schema, unknown_setting
+from train.components.config import TrainConfig, register_schema
+from train.components.config_keys import unknown_setting
 from train.components.errors import ConfigError, Interrupted, Stop, UserError
 from train.components.run_folder import LOCK_FILE, RunLock, check_one_run
 
@@ -81,6 +81,8 @@ _COLLECTIVE_FAILURES = (
     (re.compile(r"Timed out|timed out|Timeout"), "timed out after {timeout}"),
     (re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe"), "lost its peer"),
 )
+# OmegaConf's refusal of a value that is no member of an Enum field's class (a choice).
+_ENUM_REFUSAL = re.compile(r"Invalid value '(.*)', expected one of \[(.*)\]")
 # Frames of torch.distributed and of train/distributed/ whose function names say which collective ran.
 _COLLECTIVE_NAMES = re.compile(r"all_gather|all_reduce|reduce_scatter|broadcast|barrier|gather|scatter|all_to_all")
 
@@ -380,6 +382,8 @@ def hydra_message(err: Exception) -> str:
         return f"cannot parse the override {err.override!r}: {str(err).splitlines()[0]} (Hydra's override grammar)"
     full_key = getattr(cause, "full_key", None)
     first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+    if full_key and (choice := _ENUM_REFUSAL.fullmatch(first)):  # an Enum field: as the other choices read
+        return f"{full_key}={choice[1]!r} is not valid; accepted values: {choice[2]}"
     schema = getattr(cause, "object_type", None)
     if "not in" in first and full_key and isinstance(schema, type) and is_dataclass(schema):
         parent, _, key = full_key.rpartition(".")
@@ -479,47 +483,27 @@ class ConsoleFormatter(logging.Formatter):
         return text if record.levelno == logging.INFO else f"{record.levelname}: {text}"
 
 
-def _comments(source: str) -> dict[int, str]:
-    """Line number -> the text of the comment on that line."""
-    found = {}
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            found[token.start[0]] = token.string.lstrip("#").strip()
-    return found
-
-
-@functools.cache  # a module's source is read and tokenized once per process
+@functools.cache  # a module's source is read and parsed once per process
 def _class_docs(module_name: str) -> dict[str, dict[str, str]]:
-    """Class name -> field name -> its documenting comment, for the dataclasses of a module's source.
-
-    A field's comment is the one at the end of its line, else the comment lines right above it.
-    """
-    source = inspect.getsource(sys.modules[module_name])
-    comments = _comments(source)
-    lines = source.splitlines()
+    """Class name -> field name -> its attribute docstring (the string literal right below the field), on one line,
+    for the classes of a module's source."""
     per_class: dict[str, dict[str, str]] = {}
-    for node in ast.parse(source).body:
+    for node in ast.parse(inspect.getsource(sys.modules[module_name])).body:
         if not isinstance(node, ast.ClassDef):
             continue
         docs = per_class.setdefault(node.name, {})
-        for item in node.body:
+        for item, after in zip(node.body, [*node.body[1:], None]):
             if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
                 continue
-            text = comments.get(item.lineno, "")
-            if not text:
-                above: list[str] = []
-                number = item.lineno - 1
-                while number in comments and lines[number - 1].lstrip().startswith("#"):
-                    above.insert(0, comments[number])
-                    number -= 1
-                text = " ".join(above)
-            docs[item.target.id] = text
+            literal = after.value if isinstance(after, ast.Expr) else None
+            text = literal.value if isinstance(literal, ast.Constant) and isinstance(literal.value, str) else ""
+            docs[item.target.id] = " ".join(inspect.cleandoc(text).split())
     return per_class
 
 
 def field_docs(schema: type = TrainConfig) -> dict[str, str]:
-    """Dotted key of every field of ``schema`` (the trainer's, or a command's that extends it) -> its
-    documenting comment in the module that declares it (train/components/config.py for the trainer's)."""
+    """Dotted key of every field of ``schema`` (the trainer's, or a command's that extends it) -> its attribute
+    docstring, read from the module that declares its dataclass (train/components/config.py, samplers/, ...)."""
     out: dict[str, str] = {}
 
     def doc(cls: type, name: str) -> str:

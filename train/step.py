@@ -38,7 +38,7 @@ from train.algorithm.grpo import group_advantages
 from train.algorithm.jagg import Counts
 from train.algorithm.update import UpdateBatch, UpdateStats, shared_start, update_micro_batch
 from train.components.build import Run, policy_predictor, reference_predictor, update_settings
-from train.components.config import ModelConfig, TrainConfig
+from train.components.config import AdvStd, ModelConfig, TrainConfig
 from train.components.ema import EMA
 from train.components.errors import RankFailed, mark_agreed
 from train.components.logger import PhaseTimer
@@ -148,7 +148,7 @@ def advantage_fn(run: Run) -> AdvantageFn:
     g = run.cfg.grpo
 
     def fn(rewards: Tensor, group_ids: Tensor) -> Tensor:
-        unbiased = g.adv_std == "unbiased"
+        unbiased = g.adv_std is AdvStd.unbiased
         global_std = all_gather_tensor(rewards).std(unbiased=unbiased) if g.global_std else None
         return group_advantages(
             rewards, group_ids, eps=g.adv_eps, adv_clip_max=g.adv_clip_max, global_std=global_std, unbiased=unbiased
@@ -224,7 +224,7 @@ def group_spread(scores: Tensor, group_ids: Tensor) -> float:
 
 def optimizer_step(run: Run) -> tuple[float, bool]:
     """Clip the global norm and step; a non-finite norm skips the step. Returns (norm, stepped)."""
-    norm = clip_grad_norm_(run.params, run.cfg.grpo.max_grad_norm)
+    norm = clip_grad_norm_(run.params, run.cfg.optimizer.max_grad_norm)
     finite = bool(torch.isfinite(norm))
     if finite:
         step_weights(run.optimizer, run.ema)
@@ -251,14 +251,14 @@ def update_batch(run: Run, traj: Trajectory, advantages: Tensor) -> UpdateBatch:
 
 def micro_batches(cfg: TrainConfig, first: int) -> list[range]:
     """The rows of each micro-batch of the optimizer step that starts at row ``first``."""
-    g = cfg.grpo
-    return [range(r, r + g.micro_batch) for r in range(first, first + g.gradient_accumulation_steps, g.micro_batch)]
+    b = cfg.batch
+    return [range(r, r + b.micro_batch) for r in range(first, first + b.gradient_accumulation_steps, b.micro_batch)]
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
     """One step (the phases above); the update runs here, micro-batch by micro-batch, so that the call
     path from the trainer to a group's loss stays short (tests/unit/test_update.py counts it)."""
-    g, timer = run.cfg.grpo, PhaseTimer(run.device, run.flops)
+    b, timer = run.cfg.batch, PhaseTimer(run.device, run.flops)
     if run.compiles is not None:
         run.compiles.begin()
     with timer.phase("step"):
@@ -276,7 +276,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             plan_gen = stream_generator(run.cfg.seed, "update_plan", step)  # same on every rank
             stats = UpdateStats(counts=Counts(shared_start_forward_rows=rollout_shared_rows(run.cfg, traj)))
             norms, moved = [], False
-            for chunk in range(0, traj.batch_size, g.gradient_accumulation_steps):
+            for chunk in range(0, traj.batch_size, b.gradient_accumulation_steps):
                 reuse = batch.settings.reuses_velocities and (batch.settings.reuse_velocities == "stale" or not moved)
                 with timer.phase("update"):
                     micro = micro_batches(run.cfg, chunk)

@@ -4,7 +4,7 @@ summary (train/components/summary.py) at the end.
 
 The console (and the run folder's log file) shows a progress bar or, without it, a heartbeat line;
 a line per evaluation; and the summary. Evaluation (train/components/evaluator.py) runs before
-training, every ``logging.eval_every`` steps and after the last step; each one after step 0 also
+training, every ``eval.every`` steps and after the last step; each one after step 0 also
 writes a before/after sheet (``eval/before_after_<tag>.png``) of the same prompts and noise.
 
 Departures from the reference trainers, on purpose: every random draw comes from its own stream
@@ -25,7 +25,7 @@ fails after steps that are not saved yet (and the weights are still those after 
 their checkpoint is written before the error ends the run when every rank can take part (one process,
 an error raised alike, or one rank's exception in the reward phase, which the ranks share there:
 train/step.py); every save first checks the disk's free space (``DiskFull`` names the disk);
-``grpo.max_bad_steps`` steps in a row that cannot change the weights end the run with ``NotLearning`` after a
+``health.max_bad_steps`` steps in a row that cannot change the weights end the run with ``NotLearning`` after a
 checkpoint (train/components/health.py).
 """
 
@@ -52,7 +52,7 @@ from train.components.build import (
     process_group,
 )
 from train.components.checkpoint import export_model, state_bytes
-from train.components.config import LORA_MODULES, resume_settings
+from train.components.config_keys import LORA_MODULES, resume_settings
 from train.components.errors import CheckpointError, DiskFull, Interrupted, NotLearning, Preempted, ranks_agreed
 from train.components.evaluator import Evaluator
 from train.components.health import Health
@@ -99,7 +99,7 @@ def _save(run: Run, step: int) -> Path:
 def export(run: Run, step: int) -> None:
     """``export/``: the weights the evaluations scored (the EMA when kept), and with an EMA ``export_raw/``:
     the trained weights; each with a ``weights.json`` saying which it is."""
-    out, decay, transformer = Path(run.cfg.run_dir), run.cfg.grpo.ema_decay, run.backbone.transformer
+    out, decay, transformer = Path(run.cfg.run_dir), run.cfg.ema.decay, run.backbone.transformer
     exports = [(EXPORT, "ema" if run.ema is not None else "trained")]
     exports += [(RAW_EXPORT, "trained")] if run.ema is not None else []
     for name, weights in exports:
@@ -228,10 +228,9 @@ def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, 
     show_bar = main and cfg.logging.progress_bar
     bar = progress_bar(cfg.num_steps, is_main=show_bar, initial=start)
     heartbeat = Heartbeat(cfg.num_steps, start=start, every_s=cfg.logging.heartbeat_s, enabled=main and not show_bar)
-    g = cfg.grpo
     health = Health(
-        max_bad_steps=g.max_bad_steps,
-        optimizer_steps=g.group_size * g.prompts_per_rank // g.gradient_accumulation_steps,
+        max_bad_steps=cfg.health.max_bad_steps,
+        optimizer_steps=cfg.grpo.group_size * cfg.batch.prompts_per_rank // cfg.batch.gradient_accumulation_steps,
     )
     session = _Session(done=start, saved=start)
     hook = run.optimizer.register_step_post_hook(session.count)

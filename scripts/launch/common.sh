@@ -3,7 +3,7 @@
 #
 #   FLUX_PATH, QWENIMAGE_PATH        local diffusers folders of FLUX.1-dev / Qwen-Image
 #   TRAIN_PROMPTS                    training prompts, one per line (HPDv2 train split)
-#   EVAL_PROMPTS                     evaluation prompts: the HPSv2 benchmark jsonl (data.eval_prompts)
+#   EVAL_PROMPTS                     evaluation prompts: the HPSv2 benchmark jsonl (eval.prompts)
 #   HPS_CKPT                         HPS_v2.1_compressed.pt
 #   CLIP_PATH                        clip-vit-large-patch14 folder (CLIPScore)
 #   PICKSCORE_PATH, PICKSCORE_PROCESSOR   PickScore_v1 and its CLIP-H processor (evaluation)
@@ -85,7 +85,7 @@ experiment_paths() {
     PATH_OVERRIDES=(
         "model.path=${!model_var}"
         "data.train_prompts=$TRAIN_PROMPTS"
-        "data.eval_prompts=$EVAL_PROMPTS"
+        "eval.prompts=$EVAL_PROMPTS"
         "reward.components.hpsv2.checkpoint=$HPS_CKPT"
         "reward.components.clipscore.model_path=$CLIP_PATH"
         "eval.scorers.pickscore.model_path=$PICKSCORE_PATH"

@@ -32,7 +32,7 @@ STEPS = 3  # a checkpoint per step; the faults come after the first, with steps 
 TIMEOUT_S = 90  # dist.timeout_s: bounds the surviving node's wait for a lost one, and a loaded start-up's too
 TINY = [
     *SMALL_RUN,
-    "logging.eval_every=0",
+    "eval.every=0",
     f"num_steps={STEPS}",
     "checkpoint.every=1",
     f"dist.timeout_s={TIMEOUT_S}",
@@ -161,7 +161,7 @@ def test_two_nodes_train_as_one_process(straight, tiny_flux_dir, tiny_clip_dir, 
 
     register_schema()
     one = tmp_path / "one"
-    args = [*overrides(tiny_flux_dir, tiny_clip_dir), "grpo.prompts_per_rank=4", "grpo.gradient_accumulation_steps=8"]
+    args = [*overrides(tiny_flux_dir, tiny_clip_dir), "batch.prompts_per_rank=4", "batch.gradient_accumulation_steps=8"]
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(config_name="train", overrides=["experiment=tiny", *args, f"run_dir={one}"])
     monkeypatch.chdir(ROOT)  # the tiny experiment's prompt file is relative to the repository root

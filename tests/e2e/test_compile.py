@@ -42,8 +42,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.long]  # minutes of compiling: make 
 # the golden dance-jagg run with a KL term, evaluated before and after each step on 3 rows per call
 # (the rollout runs 4, the JAGG endpoints 4 with gradients, the exact steps 2): steps feed the blocks
 # several row counts
-RUN = [*GOLDEN_RUN, "num_steps=3", "grpo.kl_beta=0.1", "logging.eval_every=1", "eval.batch_size=3"]
-RUN += ["eval.num_steps=3", "data.num_eval_prompts=3", "+eval.scorers.jpeg_compressibility={}"]
+RUN = [*GOLDEN_RUN, "num_steps=3", "grpo.kl_beta=0.1", "eval.every=1", "eval.batch_size=3"]
+RUN += ["eval.num_steps=3", "eval.num_prompts=3", "+eval.scorers.jpeg_compressibility={}"]
 
 
 def training_rows(rows: list[dict]) -> list[dict]:
@@ -167,7 +167,7 @@ def test_two_compiled_ranks_train_as_one_eager_process(tiny_flux_dir, tiny_clip_
     rows = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
     compiled = training_rows([json.loads(line) for line in rows])
     assert all(m["count/compilations"] > 0 for m in compiled)  # the ranks did run compiled blocks
-    one = ["grpo.prompts_per_rank=2", "grpo.gradient_accumulation_steps=8"]
+    one = ["batch.prompts_per_rank=2", "batch.gradient_accumulation_steps=8"]
     train(tmp_path / "one", tiny_flux_dir, [*common, *one])
     base = load_file(tiny_flux_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     assert_same_training(tmp_path / "one", tmp_path / "two", base, name)

@@ -13,7 +13,7 @@
   mean is refused; checkpoint files that were mixed up fail their checksums; a full disk is named
   before a save; the steps trained before a failure are saved.
 * Nothing silent: a run that cannot learn (NaN rewards, rewards that cancel, NaN weights) stops after
-  ``grpo.max_bad_steps`` with its checkpoint; a failing job of a sweep does not stop the others.
+  ``health.max_bad_steps`` with its checkpoint; a failing job of a sweep does not stop the others.
 """
 
 from __future__ import annotations
@@ -125,10 +125,10 @@ def utf16(tmp_path: Path) -> str:
 # error must come before anything touches its checkpoints. {tmp} is a folder of the test.
 BAD_SETTINGS = {
     # numbers that trained silently into a wrong result before
-    "max_grad_norm-nan": (["grpo.max_grad_norm=nan"], r"grpo\.max_grad_norm must be a finite number"),
-    "lr-inf": (["grpo.lr=inf"], r"grpo\.lr must be a finite number"),
-    "lr-nan": (["grpo.lr=nan"], r"grpo\.lr must be a finite number"),
-    "lr-zero": (["grpo.lr=0"], r"grpo\.lr must be > 0, got 0"),
+    "max_grad_norm-nan": (["optimizer.max_grad_norm=nan"], r"optimizer\.max_grad_norm must be a finite number"),
+    "lr-inf": (["optimizer.lr=inf"], r"optimizer\.lr must be a finite number"),
+    "lr-nan": (["optimizer.lr=nan"], r"optimizer\.lr must be a finite number"),
+    "lr-zero": (["optimizer.lr=0"], r"optimizer\.lr must be > 0, got 0"),
     "adv_eps-negative": (["grpo.adv_eps=-1"], r"grpo\.adv_eps must be >= 0, got -1"),
     "adv_clip_max-negative": (["grpo.adv_clip_max=-1"], r"grpo\.adv_clip_max must be > 0"),
     "clip_range-nan": (["grpo.clip_range=nan"], r"grpo\.clip_range must be a finite number"),
@@ -140,13 +140,13 @@ BAD_SETTINGS = {
     "noise_level-inf": (["sampler.noise_level=inf"], r"sampler\.noise_level must be a finite number"),
     "checkpoint.every-negative": (["checkpoint.every=-1"], r"checkpoint\.every must be >= 0.*only at the end"),
     "sample_every-negative": (["logging.sample_every=-1"], r"logging\.sample_every must be >= 0"),
-    "eval_every-negative": (["logging.eval_every=-1"], r"logging\.eval_every must be >= 0"),
+    "eval_every-negative": (["eval.every=-1"], r"eval\.every must be >= 0"),
     # the optimizer's settings, which torch checked only after the model loaded
-    "betas-above-one": (["grpo.betas=[1.5,0.999]"], r"grpo\.betas\[0\] must be in \[0, 1\), got 1\.5"),
-    "betas-one-value": (["grpo.betas=[0.9]"], r"grpo\.betas must be two numbers"),
-    "betas-nan": (["grpo.betas=[0.9,nan]"], r"grpo\.betas\[1\] must be a finite number"),
-    "weight_decay-negative": (["grpo.weight_decay=-1"], r"grpo\.weight_decay must be >= 0"),
-    "ema_decay-one": (["grpo.ema_decay=1.0"], r"grpo\.ema_decay must be in \[0, 1\)"),
+    "betas-above-one": (["optimizer.betas=[1.5,0.999]"], r"optimizer\.betas\[0\] must be in \[0, 1\), got 1\.5"),
+    "betas-one-value": (["optimizer.betas=[0.9]"], r"optimizer\.betas must be two numbers"),
+    "betas-nan": (["optimizer.betas=[0.9,nan]"], r"optimizer\.betas\[1\] must be a finite number"),
+    "weight_decay-negative": (["optimizer.weight_decay=-1"], r"optimizer\.weight_decay must be >= 0"),
+    "ema_decay-one": (["ema.decay=1.0"], r"ema\.decay must be in \[0, 1\)"),
     # the rest of the schema, field by field
     "jagg_frac-above-one": (["update.jagg_frac=1.5"], r"update\.jagg_frac must be in \[0, 1\], got 1\.5"),
     "jagg_frac-nan": (["update.jagg_frac=nan"], r"update\.jagg_frac must be a finite number"),
@@ -159,11 +159,11 @@ BAD_SETTINGS = {
         r"update\.offload_velocities=true keeps no velocities",
     ),
     "group_size": (["grpo.group_size=1"], r"grpo\.group_size must be >= 2"),
-    "micro_batch-zero": (["grpo.micro_batch=0"], r"grpo\.micro_batch must be > 0"),
+    "micro_batch-zero": (["batch.micro_batch=0"], r"batch\.micro_batch must be > 0"),
     "sde_window_size-negative": (["sampler.sde_window_size=-1"], r"sampler\.sde_window_size must be >= 0"),
     "sampler.num_steps": (["sampler.num_steps=1"], r"sampler\.num_steps must be >= 2"),
     "keep_last-zero": (["checkpoint.keep_last=0"], r"checkpoint\.keep_last must be > 0"),
-    "num_eval_prompts-negative": (["data.num_eval_prompts=-1"], r"data\.num_eval_prompts must be >= 0"),
+    "num_eval_prompts-negative": (["eval.num_prompts=-1"], r"eval\.num_prompts must be >= 0"),
     "eval.num_steps-zero": (["eval.num_steps=0"], r"eval\.num_steps must be > 0"),
     "samples_per_prompt-zero": (["eval.samples_per_prompt=0"], r"eval\.samples_per_prompt must be > 0"),
     "plan-setting": (["plan.world_size=8"], r"plan is not a setting of TrainConfig"),  # python -m train.plan's
@@ -181,26 +181,26 @@ BAD_SETTINGS = {
     # Hydra's own errors while composing
     "unknown-key": (["sampler.sde_windw=3"], r"sampler\.sde_windw is not a setting.*sde_window_size"),
     "added-key": (["+grpo.clip_rnage=0.1"], r"grpo\.clip_rnage is not a setting.*grpo\.clip_range"),
-    "wrong-type": (["grpo.lr=abc"], r"grpo\.lr: Value 'abc' of type 'str' could not be converted to Float"),
+    "wrong-type": (["optimizer.lr=abc"], r"optimizer\.lr: Value 'abc' of type 'str' could not be converted to Float"),
     "unknown-option": (["update=fast"], r"update=fast is not an option of update; accepted values: ablate"),
-    "unparsable": (["grpo.lr=1=2"], r"cannot parse the override 'grpo\.lr=1=2'"),
+    "unparsable": (["optimizer.lr=1=2"], r"cannot parse the override 'optimizer\.lr=1=2'"),
     "required-path": (["experiment=flux_dance"], r"required settings have no value: .*hpsv2\.checkpoint"),
     # files and paths
     "model-path": (["model.build_tiny=null", "model.path=/nonexistent/flux"], r"model\.path='/nonexistent/flux'"),
     "prompts-missing": (["data.train_prompts=/nonexistent.txt"], r"data\.train_prompts='/nonexistent\.txt' does not"),
     "prompts-folder": (["data.train_prompts={tmp}"], r"data\.train_prompts=.* is a folder"),
     "prompts-latin1": (["data.train_prompts={latin1}"], r"latin1\.txt': line 2 is not UTF-8 \(byte 0xe9 at column 7\)"),
-    "prompts-utf16": (["data.eval_prompts={utf16}"], r"data\.eval_prompts=.*utf16\.txt' is UTF-16"),
+    "prompts-utf16": (["eval.prompts={utf16}"], r"eval\.prompts=.*utf16\.txt' is UTF-16"),
     "resume-missing": (["resume=/nonexistent/step_00000001"], r"resume='/nonexistent/step_00000001': no such"),
     "embedding-cache": (["model.embedding_cache=/nonexistent"], r"model\.embedding_cache='/nonexistent' is not a"),
     "past-num_steps": (["num_steps=1"], r"holds step 2, past num_steps=1"),
     "prompt-null": (
-        ["data.eval_prompts={null_prompt}"],
+        ["eval.prompts={null_prompt}"],
         r"null\.jsonl:2: 'prompt' must be a non-empty string, got null",
     ),
-    "prompt-empty": (["data.eval_prompts={empty_prompt}"], r"empty\.jsonl:1: 'prompt' must be a non-empty string"),
+    "prompt-empty": (["eval.prompts={empty_prompt}"], r"empty\.jsonl:1: 'prompt' must be a non-empty string"),
     "prompt-nul": (["data.train_prompts={nul_prompt}"], r"data\.train_prompts: .*nul\.txt:2 holds a NUL byte"),
-    "category-list": (["data.eval_prompts={list_category}"], r"category\.jsonl:1: 'category' must be a string or null"),
+    "category-list": (["eval.prompts={list_category}"], r"category\.jsonl:1: 'category' must be a string or null"),
     "reward-twice": (
         [
             "reward.components={{jpeg_compressibility: {{weight: 1}}, jpeg_compressibility: {{weight: 2}}}}"
@@ -219,16 +219,19 @@ BAD_SETTINGS = {
         r"reward\.components\.clipscore\.model_path='/nonexistent/clip' does not exist",
     ),
     "eval-scorer-file": (
-        ["logging.eval_every=1", "+eval.scorers.clipscore.model_path=/nonexistent/clip"],
+        ["eval.every=1", "+eval.scorers.clipscore.model_path=/nonexistent/clip"],
         r"eval\.scorers\.clipscore\.model_path='/nonexistent/clip' does not exist",
     ),
     "eval-scorer-argument": (
-        ["logging.eval_every=1", "+eval.scorers.jpeg_compressibility.qualty=5"],
+        ["eval.every=1", "+eval.scorers.jpeg_compressibility.qualty=5"],
         r"eval\.scorers\.jpeg_compressibility: .*qualty",
     ),
     "overwrite-and-resume": (["checkpoint.overwrite=true"], r"checkpoint\.overwrite=true .* resume=auto .*pick one"),
-    "allow_changed-unknown": (["checkpoint.allow_changed=[grpo.lr]"], r"checkpoint\.allow_changed: 'grpo\.lr' is not"),
-    "max_bad_steps-negative": (["grpo.max_bad_steps=-1"], r"grpo\.max_bad_steps must be >= 0"),
+    "allow_changed-unknown": (
+        ["checkpoint.allow_changed=[optimizer.lr]"],
+        r"checkpoint\.allow_changed: 'optimizer\.lr' is not",
+    ),
+    "max_bad_steps-negative": (["health.max_bad_steps=-1"], r"health\.max_bad_steps must be >= 0"),
     "lora-target-typo": (
         [
             "model.lora.enabled=true",
@@ -496,10 +499,10 @@ def test_a_resumed_run_logs_each_step_once(tiny_flux_dir, tmp_path, capsys, monk
         f"model.path={tiny_flux_dir}",
         "num_steps=4",
         "checkpoint.every=2",
-        "logging.eval_every=2",
+        "eval.every=2",
         "+eval.scorers.jpeg_compressibility={}",
         "eval.num_steps=2",
-        "data.num_eval_prompts=2",
+        "eval.num_prompts=2",
     ]
     real = trainer.train_step
 
@@ -623,8 +626,8 @@ def test_overwrite_replaces_the_run(trained, tiny_flux_dir, tmp_path, capsys):
 
 def test_a_refused_launch_leaves_no_folder(tiny_flux_dir, tmp_path, capsys):
     run_dir = tmp_path / "runs" / "new"
-    status, stderr = command(capsys, run_dir, [*FAST, f"model.path={tiny_flux_dir}", "grpo.lr=nan"])
-    assert status == 2 and "grpo.lr" in the_error(stderr)
+    status, stderr = command(capsys, run_dir, [*FAST, f"model.path={tiny_flux_dir}", "optimizer.lr=nan"])
+    assert status == 2 and "optimizer.lr" in the_error(stderr)
     assert not (tmp_path / "runs").exists()  # nor the parent Hydra created for it
 
 
@@ -673,7 +676,7 @@ def nan_rewards(monkeypatch) -> None:
 def test_a_run_that_cannot_learn_stops_after_max_bad_steps(why, tiny_flux_dir, tmp_path, capsys, monkeypatch):
     """Every step skipped (NaN rewards) or with a zero gradient (weights that cancel): after 2 such steps the
     run writes its checkpoint and stops in one line, status 2."""
-    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=4", "checkpoint.every=0", "grpo.max_bad_steps=2"]
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=4", "checkpoint.every=0", "health.max_bad_steps=2"]
     if why == "nan-reward":
         nan_rewards(monkeypatch)
     else:
@@ -681,7 +684,7 @@ def test_a_run_that_cannot_learn_stops_after_max_bad_steps(why, tiny_flux_dir, t
     status, stderr = command(capsys, tmp_path / "run", overrides)
     line = the_error(stderr)
     expected = "a reward was NaN" if why == "nan-reward" else "the gradient was 0"
-    assert status == 2 and re.search(rf"grpo\.max_bad_steps=2: steps 0 to 1 .*{expected}.*step_00000002", line), line
+    assert status == 2 and re.search(rf"health\.max_bad_steps=2: steps 0 to 1 .*{expected}.*step_00000002", line), line
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000002"]
 
 
@@ -768,14 +771,21 @@ def test_the_steps_trained_before_a_failure_are_saved(tiny_flux_dir, tmp_path, c
 
 
 def test_a_sweep_runs_its_valid_jobs_and_names_the_failed_one(tiny_flux_dir, tmp_path, capsys):
-    argv = ["-m", *FAST, f"model.path={tiny_flux_dir}", "num_steps=1", "checkpoint.export=false", "grpo.lr=nan,0.001"]
+    argv = [
+        "-m",
+        *FAST,
+        f"model.path={tiny_flux_dir}",
+        "num_steps=1",
+        "checkpoint.export=false",
+        "optimizer.lr=nan,0.001",
+    ]
     argv += [f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.sweep.subdir=${hydra.job.num}"]
     with pytest.raises(SystemExit) as stop:
         run_hydra(train_command.main, prog=train_command.PROG, argv=argv)
     stderr = capsys.readouterr().err
     assert stop.value.code == 2 and "Traceback" not in stderr
     lines = [line for line in stderr.splitlines() if line.startswith("python -m train: error: ")]
-    assert re.search(r"sweep job #0 \(.*sweep/0\): grpo\.lr must be a finite number", lines[0]), lines
+    assert re.search(r"sweep job #0 \(.*sweep/0\): optimizer\.lr must be a finite number", lines[0]), lines
     assert re.search(r"1 of the sweep's 2 jobs failed \(#0 \(.*sweep/0\); .*the others ran", lines[1]), lines
     assert [m["step"] for m in metrics(tmp_path / "sweep" / "1")] == [0]
     assert not (tmp_path / "sweep" / "0").exists()  # the failed job took back the folder it created

@@ -53,9 +53,9 @@ SMALL = [
     "num_steps=3",
     "sampler.num_steps=9",
     "grpo.group_size=4",
-    "grpo.prompts_per_rank=1",
-    "grpo.micro_batch=2",
-    "grpo.gradient_accumulation_steps=4",
+    "batch.prompts_per_rank=1",
+    "batch.micro_batch=2",
+    "batch.gradient_accumulation_steps=4",
     "logging.progress_bar=false",
     "checkpoint.every=0",
     "update.jagg_frac=0.6",
@@ -72,7 +72,7 @@ def smooth_reward(clip: Path) -> list[str]:
 
 # Two optimizer steps per training step (one per micro-batch of 2): the second micro-batch's ratios
 # differ from one, so the PPO loss and approx_kl are values that can fail, not rounding around zero.
-GOLDEN_RUN = ["grpo.gradient_accumulation_steps=2"]
+GOLDEN_RUN = ["batch.gradient_accumulation_steps=2"]
 CASES = {
     "dance-exact": ["update=exact"],
     "dance-jagg": ["update=jagg"],
@@ -259,8 +259,8 @@ def test_console_lines_last_step_evaluation_and_run_folder(tiny_flux, tmp_path, 
     evaluation after the last step although 3 is no multiple of eval_every, per-prompt scores, the
     before/after sheet and the summary with the paired difference and every folder written."""
     caplog.set_level(logging.INFO)
-    evaluation = ["logging.eval_every=2", "+eval.scorers.jpeg_compressibility={}", "eval.num_steps=4"]
-    overrides = ["data.num_eval_prompts=3", "logging.heartbeat_s=0", "logging.sample_every=3", "checkpoint.every=2"]
+    evaluation = ["eval.every=2", "+eval.scorers.jpeg_compressibility={}", "eval.num_steps=4"]
+    overrides = ["eval.num_prompts=3", "logging.heartbeat_s=0", "logging.sample_every=3", "checkpoint.every=2"]
     metrics = train(tmp_path, tiny_flux, [*evaluation, *overrides])
     assert [m["step"] for m in metrics if "eval/jpeg_compressibility" in m] == [0, 2, 3]
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("train")]
@@ -428,7 +428,7 @@ def test_two_ranks_log_and_train_as_one_process(tiny_flux, tiny_clip_dir, tmp_pa
         assert warning not in result.stderr + result.stdout, warning
     base = load_file(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors")
     for name, extra in MULTI_RANK.items():
-        one = [*extra, "grpo.prompts_per_rank=2", "grpo.gradient_accumulation_steps=8"]
+        one = [*extra, "batch.prompts_per_rank=2", "batch.gradient_accumulation_steps=8"]
         train(tmp_path / "one" / name, tiny_flux, ["num_steps=2", "grpo.kl_beta=0.1", *reward, *one])
         assert_same_training(tmp_path / "one" / name, tmp_path / "two" / name, base, name)
 
@@ -446,7 +446,13 @@ def test_hsdp_on_four_ranks_trains_as_one_process(tiny_flux, tiny_clip_dir, tmp_
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     result = run_torchrun(str(HELPERS / "trainer_worker.py"), str(tmp_path / "cases.json"), timeout=900, nproc=4)
     assert result.returncode == 0, result.stderr[-4000:]
-    one = ["num_steps=2", "grpo.kl_beta=0.1", *reward, "grpo.prompts_per_rank=4", "grpo.gradient_accumulation_steps=16"]
+    one = [
+        "num_steps=2",
+        "grpo.kl_beta=0.1",
+        *reward,
+        "batch.prompts_per_rank=4",
+        "batch.gradient_accumulation_steps=16",
+    ]
     train(tmp_path / "one", tiny_flux, one)
     base = load_file(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors")
     for name in layouts:

@@ -18,9 +18,9 @@ from train.cli import run_hydra
 SMALL_RUN = [
     "sampler.num_steps=5",
     "grpo.group_size=2",
-    "grpo.prompts_per_rank=1",
-    "grpo.micro_batch=2",
-    "grpo.gradient_accumulation_steps=2",
+    "batch.prompts_per_rank=1",
+    "batch.micro_batch=2",
+    "batch.gradient_accumulation_steps=2",
     "logging.sample_every=0",
     "logging.progress_bar=false",
 ]

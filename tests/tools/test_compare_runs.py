@@ -30,17 +30,17 @@ TINY_RUN = [
     "sampler.num_steps=5",
     "update.window=2",
     "grpo.group_size=2",
-    "grpo.prompts_per_rank=1",
-    "grpo.micro_batch=2",
-    "grpo.gradient_accumulation_steps=2",
+    "batch.prompts_per_rank=1",
+    "batch.micro_batch=2",
+    "batch.gradient_accumulation_steps=2",
     "logging.progress_bar=false",
     "logging.sample_every=0",
     "checkpoint.export=false",
-    "logging.eval_every=1",
+    "eval.every=1",
     "+eval.scorers.jpeg_compressibility={}",
     "eval.num_steps=3",
     "eval.batch_size=2",
-    "data.num_eval_prompts=2",
+    "eval.num_prompts=2",
     "logging.wandb_mode=offline",
 ]
 
@@ -306,7 +306,7 @@ def test_arms_are_labelled_by_the_settings_that_differ(tmp_path, capsys):
     b = write_run(tmp_path / "2", evals({0: 0.4, 5: 0.6}), config("jagg", 0, lr=3e-4))
     assert main([str(a), str(b), "--out", str(tmp_path / "cmp")]) == 0
     printed = capsys.readouterr().out
-    assert "- grpo.lr=0.0001: seeds [0]" in printed and "- grpo.lr=0.0003: seeds [0]" in printed
+    assert "- optimizer.lr=0.0001: seeds [0]" in printed and "- optimizer.lr=0.0003: seeds [0]" in printed
     assert "the first arm given" in printed  # no exact arm: the first is the baseline, and it says why
 
 
@@ -403,11 +403,11 @@ def test_testbed_compare_sweeps_modes_and_seeds_then_compares(tmp_path):
     """python -m train -m experiment=testbed_compare: one job per update mode and seed, then the
     Hydra callback writes the comparison over seeds."""
     sweep = tmp_path / "sweep"
-    short = ["update=exact,jagg", "seed=0,1", "num_steps=1", "grpo.prompts_per_rank=1", "grpo.group_size=2"]
-    short += ["grpo.micro_batch=2"]
-    short += ["grpo.gradient_accumulation_steps=2", "data.num_eval_prompts=2", "eval.batch_size=2"]
-    short += ["eval.samples_per_prompt=1", "data.heldout_prompts=null"]
-    short += ["logging.eval_every=1", "logging.sample_every=0", "checkpoint.export=false"]
+    short = ["update=exact,jagg", "seed=0,1", "num_steps=1", "batch.prompts_per_rank=1", "grpo.group_size=2"]
+    short += ["batch.micro_batch=2"]
+    short += ["batch.gradient_accumulation_steps=2", "eval.num_prompts=2", "eval.batch_size=2"]
+    short += ["eval.samples_per_prompt=1", "eval.heldout_prompts=null"]
+    short += ["eval.every=1", "logging.sample_every=0", "checkpoint.export=false"]
     cmd = [sys.executable, "-m", "train", "-m", "experiment=testbed_compare", *short, f"hydra.sweep.dir={sweep}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -37,15 +37,15 @@ EVAL = [
     f"+eval.scorers.{SCORER}={{}}",
     "eval.num_steps=4",
     "eval.batch_size=2",
-    "data.num_eval_prompts=3",
+    "eval.num_prompts=3",
 ]
 TRAIN = [
     "num_steps=2",
     "sampler.num_steps=9",
     "grpo.group_size=4",
-    "grpo.prompts_per_rank=1",
-    "grpo.micro_batch=2",
-    "grpo.gradient_accumulation_steps=4",
+    "batch.prompts_per_rank=1",
+    "batch.micro_batch=2",
+    "batch.gradient_accumulation_steps=4",
     "logging.progress_bar=false",
     "logging.sample_every=0",
     "checkpoint.every=2",
@@ -82,7 +82,7 @@ def test_eval_writes_means_per_category_scores_per_prompt_and_a_grid(tiny_flux_d
     rows = [("a cat", "photo"), ("a dog", "photo"), ("a castle", "paintings"), ("a robot", "anime")]
     rows.append(("a tree", "anime"))
     prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in rows))
-    extra = [f"data.eval_prompts={prompts}", "data.num_eval_prompts=0"]
+    extra = [f"eval.prompts={prompts}", "eval.num_prompts=0"]
     outputs = [evaluate_cli(tiny_flux_dir, tmp_path / name, *extra)["eval_pretrained"] for name in ("a", "b")]
     result = json.loads((tmp_path / "a" / "eval_pretrained.json").read_text())
     assert result == json.loads((tmp_path / "b" / "eval_pretrained.json").read_text())  # fixed seeds
@@ -107,7 +107,7 @@ def test_eval_writes_means_per_category_scores_per_prompt_and_a_grid(tiny_flux_d
 def test_eval_of_a_checkpoint_an_export_and_a_run_folder(tiny_flux_dir, tmp_path):
     """The same protocol as the trainer's evaluation: the checkpoint at step 2 scores what the trainer
     measured after 2 steps, the pretrained model what it measured at step 0, prompt by prompt."""
-    run_dir = train_run(tiny_flux_dir, tmp_path / "run", "logging.eval_every=2")
+    run_dir = train_run(tiny_flux_dir, tmp_path / "run", "eval.every=2")
     checkpoint = run_dir / "checkpoints" / "step_00000002"
     results = evaluate_cli(
         tiny_flux_dir, run_dir / "eval", f"eval.transformer={checkpoint}", "eval.compare_pretrained=true"
@@ -133,13 +133,13 @@ def test_the_export_is_the_ema_the_trainer_scored_and_the_raw_weights_sit_beside
     """With an EMA the trainer evaluated the EMA, but export/ held the raw weights: train.eval of the
     export did not reproduce the run's final score. Now export/ is the EMA, export_raw/ the raw weights
     (as the checkpoint's model), and each export's weights.json says which."""
-    run_dir = train_run(tiny_flux_dir, tmp_path / "run", "logging.eval_every=2", "grpo.ema_decay=0.5")
+    run_dir = train_run(tiny_flux_dir, tmp_path / "run", "eval.every=2", "ema.decay=0.5")
     notes = {name: json.loads((run_dir / name / "weights.json").read_text()) for name in ("export", "export_raw")}
     assert notes["export"]["weights"] == "ema" and notes["export_raw"]["weights"] == "trained"
     summary = _files(
         load_config(compose_config("train", [f"model.path={tiny_flux_dir}", *EVAL, f"run_dir={run_dir}"])), "disabled"
     )
-    assert any("export/" in line and "EMA (grpo.ema_decay=0.5)" in line and "scored" in line for line in summary)
+    assert any("export/" in line and "EMA (ema.decay=0.5)" in line and "scored" in line for line in summary)
     assert any("export_raw/" in line and "not the EMA" in line for line in summary), summary
     trained = scores(run_dir / "eval" / "step_00000002.scores.jsonl")
     evaluate_cli(tiny_flux_dir, tmp_path / "ema", f"eval.transformer={run_dir}")  # a run folder: its export
@@ -166,7 +166,7 @@ def test_eval_command_line_writes_into_the_evaluated_run(tiny_flux_dir, tmp_path
     assert "eval step_00000002: jpeg_compressibility" in (out / "eval.log").read_text()
 
 
-@pytest.mark.parametrize("name, extra", [("eval", []), ("train", ["logging.eval_every=1"])])
+@pytest.mark.parametrize("name, extra", [("eval", []), ("train", ["eval.every=1"])])
 def test_no_scorers_fails_before_loading_with_a_hint_that_works_when_typed(name, extra, tmp_path, monkeypatch):
     """experiment=tiny has no eval.scorers: train.eval sampled, then crashed writing the scores (IndexError);
     the trainer's hint eval.scorers={jpeg_compressibility: {}} failed when typed in a shell."""
@@ -212,7 +212,7 @@ def test_eval_checks_the_weights_before_loading(tiny_flux_dir, tmp_path):
 def test_eval_of_lora_checkpoint_and_export(tiny_flux_dir, tmp_path):
     """A LoRA run's checkpoint loads into adapters of its model.lora settings and scores what its exported
     adapter file does; a command without those settings is told which to pass."""
-    lora = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8", "grpo.lr=0.1"]
+    lora = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8", "optimizer.lr=0.1"]
     run_dir = train_run(tiny_flux_dir, tmp_path / "run", *lora)
     (run_dir / ".hydra").mkdir()
     (run_dir / ".hydra" / "config.yaml").write_text("model:\n  lora:\n    enabled: true\n    rank: 4\n    alpha: 8\n")
@@ -261,7 +261,7 @@ def test_samples_per_prompt_repeats_the_prompt_set_with_new_noise(tmp_path):
     cfg.eval.samples_per_prompt = 3
     records = [r.prompt for r in read_eval_prompts(cfg)]
     assert records == ["a", "b", "c"] * 3
-    cfg.data.num_eval_prompts = 2
+    cfg.eval.num_prompts = 2
     assert [r.prompt for r in read_eval_prompts(cfg)] == ["a", "b"] * 3
 
 
@@ -275,7 +275,7 @@ def test_heldout_prompts_are_read_like_eval_prompts_and_logged_under_held_out(tm
     assert read_heldout_prompts(cfg) == []
     held = tmp_path / "held.txt"
     held.write_text("x\ny\n")
-    cfg.data.heldout_prompts = str(held)
+    cfg.eval.heldout_prompts = str(held)
     assert [r.prompt for r in read_heldout_prompts(cfg)] == ["x", "y", "x", "y"]
     summary = {"shape_alignment": 0.5, "shape_alignment/pairs": 0.25}
     assert _eval_keys(summary, "") == {"eval/shape_alignment": 0.5, "eval/shape_alignment/pairs": 0.25}

@@ -161,8 +161,8 @@ def test_update_calls_follow_velocity_reuse():
     [
         ([], 8 * 11),  # 8 optimizer steps of one whole group of 12, each micro-batch training step 0: 11 rows each
         (["update.share_group_start=false"], 0),
-        (["grpo.gradient_accumulation_steps=4"], 24 * 3),  # 24 optimizer steps of 4 rows of one group
-        (["grpo.micro_batch=4"], 8 * 11),  # micro-batches of 4: the same rows share
+        (["batch.gradient_accumulation_steps=4"], 24 * 3),  # 24 optimizer steps of 4 rows of one group
+        (["batch.micro_batch=4"], 8 * 11),  # micro-batches of 4: the same rows share
     ],
 )
 def test_expected_shared_rows(overrides, rows):
@@ -190,8 +190,7 @@ def _update_loop_calls(cfg, traj, *, share: bool, seed: int) -> tuple[int, int]:
     advantages = torch.linspace(-1, 1, traj.batch_size)
     batch = UpdateBatch(traj, advantages, predict=policy, reference=reference, settings=settings)
     router, plan_gen, counts = build_router(cfg.update), torch.Generator().manual_seed(seed), Counts()
-    g = cfg.grpo
-    for chunk in range(0, traj.batch_size, g.gradient_accumulation_steps):
+    for chunk in range(0, traj.batch_size, cfg.batch.gradient_accumulation_steps):
         micro = micro_batches(cfg, chunk)
         plans = [router.plan(traj, plan_gen) for _ in micro]
         start = shared_start(batch, micro, plans)
@@ -203,17 +202,17 @@ def _update_loop_calls(cfg, traj, *, share: bool, seed: int) -> tuple[int, int]:
 
 
 SHARED_CALL_CASES = {  # overrides of the tiny experiment (8 rows: 2 groups of G = 4; 2 groups of W = 4)
-    "exact, micro-batch 1": ["update.mode=exact", "grpo.micro_batch=1"],
+    "exact, micro-batch 1": ["update.mode=exact", "batch.micro_batch=1"],
     "jagg_sequential, KL, accumulation 2": [
-        "update.mode=jagg_sequential", "grpo.micro_batch=1", "grpo.gradient_accumulation_steps=2", "grpo.kl_beta=0.1"
+        "update.mode=jagg_sequential", "batch.micro_batch=1", "batch.gradient_accumulation_steps=2", "grpo.kl_beta=0.1"
     ],
-    "exact_batched": ["update.mode=exact", "update.exact_batched=true", "grpo.micro_batch=1"],
+    "exact_batched": ["update.mode=exact", "update.exact_batched=true", "batch.micro_batch=1"],
     "jagg and exact, micro-batch 2, one optimizer step": [
-        "update.mode=jagg", "update.jagg_frac=0.5", "grpo.micro_batch=2", "grpo.gradient_accumulation_steps=8"
+        "update.mode=jagg", "update.jagg_frac=0.5", "batch.micro_batch=2", "batch.gradient_accumulation_steps=8"
     ],
-    "exact, random pick": ["update.mode=exact", "grpo.micro_batch=1", "update.timestep_fraction=0.5"],
+    "exact, random pick": ["update.mode=exact", "batch.micro_batch=1", "update.timestep_fraction=0.5"],
     "jagg_sequential, random pick, KL": [
-        "update.mode=jagg_sequential", "grpo.micro_batch=1", "update.timestep_fraction=0.5", "grpo.kl_beta=0.1",
+        "update.mode=jagg_sequential", "batch.micro_batch=1", "update.timestep_fraction=0.5", "grpo.kl_beta=0.1",
     ],
 }  # fmt: skip
 
@@ -227,7 +226,7 @@ def test_expected_shared_calls_equal_the_update_loop(case):
     (timestep_fraction 1); where groups are picked at random, the mean over 150 draws within 4 of its
     standard errors of the expectation (a path counted wrongly is off by about 1 call per micro-batch)."""
     cfg, _ = config(["experiment=tiny", *SHARED_CALL_CASES[case]])
-    traj = toy_trajectory(ToyVelocity(), batch=cfg.grpo.group_size * cfg.grpo.prompts_per_rank,
+    traj = toy_trajectory(ToyVelocity(), batch=cfg.grpo.group_size * cfg.batch.prompts_per_rank,
                           num_steps=cfg.sampler.num_steps)  # fmt: skip
     draws = 1 if cfg.update.timestep_fraction == 1 else 150
     diffs = torch.zeros(draws, 2, dtype=torch.float64)
@@ -357,12 +356,12 @@ TINY = [
     "experiment=tiny",
     "model.build_tiny=null",
     "grpo.group_size=2",
-    "grpo.prompts_per_rank=1",
-    "grpo.micro_batch=1",
-    "grpo.gradient_accumulation_steps=1",  # 2 optimizer steps: the second micro-batch's jagg group recomputes
+    "batch.prompts_per_rank=1",
+    "batch.micro_batch=1",
+    "batch.gradient_accumulation_steps=1",  # 2 optimizer steps: the second micro-batch's jagg group recomputes
     "update.jagg_frac=0.5",  # 2 groups: one jagg, one exact
     "grpo.kl_beta=0.1",  # full fine-tuning with a KL reference copy
-    "grpo.ema_decay=0.9",
+    "ema.decay=0.9",
     "plan.world_size=2",
 ]
 PHASES = {"rollout", "decode", "update exact", "update jagg, rollout velocities", "update jagg", "optimizer"}
@@ -412,7 +411,7 @@ def test_planner_bytes_equal_the_analytic_count(tiny):
 def test_hsdp_shards_over_one_replica(tiny_flux_dir):
     """dist.replicate_degree=2 on 4 ranks: each parameter is sharded over the 2 ranks of a replica, so
     rank 0 holds ceil(dim0 / 2) rows of it, twice what FSDP over all 4 leaves it."""
-    overrides = [*TINY, f"model.path={tiny_flux_dir}", "plan.world_size=4", "grpo.kl_beta=0", "grpo.ema_decay=0"]
+    overrides = [*TINY, f"model.path={tiny_flux_dir}", "plan.world_size=4", "grpo.kl_beta=0", "ema.decay=0"]
     model = build_component(FluxTransformer2DModel, read_json(tiny_flux_dir / "transformer" / "config.json"))
     for replicate, shard in ((2, 2), (1, 4)):
         cfg, given = config([*overrides, f"dist.replicate_degree={replicate}"])

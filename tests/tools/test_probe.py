@@ -163,8 +163,8 @@ PROBE = [
     "experiment=tiny",
     "sampler.num_steps=9",
     "grpo.group_size=2",
-    "grpo.gradient_accumulation_steps=2",
-    "grpo.micro_batch=1",
+    "batch.gradient_accumulation_steps=2",
+    "batch.micro_batch=1",
 ]
 
 
@@ -229,7 +229,7 @@ def test_probe_under_torchrun_fsdp_matches_one_process(tiny_flux_dir, tmp_path, 
     assert (sharded / "probe.log").is_file()  # the console's lines, named after the command
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(
-            config_name="probe", overrides=[*common, f"run_dir={tmp_path / 'one'}", "grpo.prompts_per_rank=2"]
+            config_name="probe", overrides=[*common, f"run_dir={tmp_path / 'one'}", "batch.prompts_per_rank=2"]
         )
     one = run_probe(cfg)
     assert two["world_size"] == 2 and one["world_size"] == 1

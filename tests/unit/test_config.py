@@ -54,7 +54,7 @@ def required_paths(paths) -> list[str]:
     return [
         f"model.path={paths['model']}",
         f"data.train_prompts={paths['prompts']}",
-        f"data.eval_prompts={paths['prompts']}",
+        f"eval.prompts={paths['prompts']}",
         f"reward.components.hpsv2.checkpoint={paths['file']}",
         f"reward.components.clipscore.model_path={paths['model']}",
         f"eval.scorers.pickscore.model_path={paths['model']}",
@@ -72,7 +72,7 @@ def test_default_job_is_the_testbed(tmp_path):
         None,
     )
     assert list(cfg.reward.components) == ["shape_alignment"] and list(cfg.eval.scorers) == ["shape_alignment"]
-    assert cfg.logging.eval_every > 0
+    assert cfg.eval.every > 0
 
 
 @pytest.mark.parametrize("experiment", ["tiny", "testbed_compare", "testbed_probe"])
@@ -95,13 +95,13 @@ def test_paper_experiments_compose_and_validate(experiment, paths, tmp_path):
 
 
 def test_an_evaluation_larger_than_eval_max_images_is_refused(paths, tmp_path):
-    """The presets evaluated on the whole training prompt file (HPDv2's) when data.eval_prompts was unset."""
+    """The presets evaluated on the whole training prompt file (HPDv2's) when eval.prompts was unset."""
     many = tmp_path / "many.txt"
     many.write_text("".join(f"prompt {i}\n" for i in range(40)))
-    overrides = ["experiment=flux_dance", *required_paths(paths), f"data.eval_prompts={many}", "eval.max_images=32"]
+    overrides = ["experiment=flux_dance", *required_paths(paths), f"eval.prompts={many}", "eval.max_images=32"]
     with pytest.raises(ConfigError, match=r"would sample 40 images \(40 prompts .* eval.max_images=32: set data"):
         check(load(overrides, tmp_path))
-    check(load([*overrides, "data.num_eval_prompts=32"], tmp_path))
+    check(load([*overrides, "eval.num_prompts=32"], tmp_path))
     # the demo: 8 captions x 16 noises and 16 held-out x 16
     with pytest.raises(ConfigError, match=r"384 images \(8 prompts .* and 16 held-out, x eval.samples_per_prompt=16"):
         check(load(["eval.max_images=383"], tmp_path))
@@ -186,7 +186,7 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
         (["grpo.ratio_norm=true", "sampler.sde=cps"], ValueError, "grpo.ratio_norm=true.*sampler.sde=cps"),
         (["+reward.components.aesthetic.weight=1"], ValueError, "reward.components.*aesthetic.*hpsv2"),
         (["+reward.components.remote.weight=1"], ValueError, "reward.components.remote.url is not set"),
-        (["grpo.gradient_accumulation_steps=3"], ValueError, "grpo.gradient_accumulation_steps"),
+        (["batch.gradient_accumulation_steps=3"], ValueError, "batch.gradient_accumulation_steps"),
         (["grpo.group_size=1"], ValueError, "grpo.group_size"),
         (["sampler.sde_window_range=[0,12]"], ValueError, "sampler.sde_window_range"),
         (["perf.peak_tflops=0"], ValueError, "perf.peak_tflops must be > 0"),
@@ -267,9 +267,13 @@ def test_every_number_of_the_schema_is_checked(tmp_path):
             setattr(_node(cfg, parent), leaf, value)
             with pytest.raises(ConfigError, match=re.escape(name)):
                 check(cfg)
-    assert {"grpo.max_grad_norm", "sampler.eta", "checkpoint.every", "logging.sample_every", "dist.timeout_s"} <= set(
-        names
-    )
+    assert {
+        "optimizer.max_grad_norm",
+        "sampler.eta",
+        "checkpoint.every",
+        "logging.sample_every",
+        "dist.timeout_s",
+    } <= set(names)
 
 
 def _node(cfg: TrainConfig, dotted: str):

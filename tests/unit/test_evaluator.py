@@ -47,10 +47,10 @@ def session(tmp_path: Path, *, start: int, heldout: bool = False) -> Evaluator:
     prompts.write_text("a red square\na blue circle\n")
     cfg = TrainConfig()
     if heldout:
-        cfg.data.heldout_prompts = str(prompts)
+        cfg.eval.heldout_prompts = str(prompts)
     cfg.run_dir, cfg.num_steps = str(tmp_path), 3
     cfg.data.train_prompts = str(prompts)
-    cfg.logging.eval_every = 2
+    cfg.eval.every = 2
     cfg.eval.scorers = {SCORER: {}}
     cfg.eval.samples_per_prompt = 1
     cpu = torch.device("cpu")
@@ -74,7 +74,7 @@ def test_cadence_is_every_eval_every_steps_and_the_last(tmp_path):
     assert [done for done in range(1, 4) if evaluator.due(done)] == [2, 3]
     cfg = evaluator.cfg
     assert build_evaluator(SimpleNamespace(cfg=cfg), start=cfg.num_steps) is None  # no step left
-    cfg.logging.eval_every = 0
+    cfg.eval.every = 0
     assert build_evaluator(SimpleNamespace(cfg=cfg), start=0) is None
 
 

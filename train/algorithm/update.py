@@ -1,6 +1,6 @@
 """The update stage of one training step: stored transitions -> accumulated policy gradients.
 
-Samples are processed in micro-batches of ``grpo.micro_batch`` rows. For each micro-batch the
+Samples are processed in micro-batches of ``batch.micro_batch`` rows. For each micro-batch the
 trainable transitions are planned into groups of W (train/algorithm/routing.py: which groups train and which
 path each takes) and each group goes through ``train.algorithm.jagg.backward_group`` with the real per-step
 loss

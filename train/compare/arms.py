@@ -496,7 +496,7 @@ def comparison_tables(c: Comparison, *, markdown: bool = False) -> str:
             out += [f"{h}paired difference to {c.baseline.label} on the same seeds (95% interval)"]
             out += [render(paired_table, markdown=markdown), ""]
     if not c.metrics:
-        out += ["no eval/<metric> was logged: enable logging.eval_every to compare rewards", ""]
+        out += ["no eval/<metric> was logged: enable eval.every to compare rewards", ""]
     out += [f"{h}median seconds per step of each phase", render(phase_rows(c), markdown=markdown)]
     return "\n".join(out) + "\n"
 

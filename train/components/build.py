@@ -38,15 +38,14 @@ from samplers.rollout import Predict
 from train.algorithm.routing import ROUTINGS, AutoRouter, PrefixRouter, Router
 from train.algorithm.update import UpdateSettings
 from train.components.checkpoint import CheckpointManager, Weights
-from train.components.config import (
+from train.components.config import Device, ModelConfig, TrainConfig, UpdateConfig, validate
+from train.components.config_keys import (
     LORA_MODULES,
-    ModelConfig,
-    TrainConfig,
-    UpdateConfig,
     changed_refusal,
     changed_settings,
+    moved_settings,
     resume_settings,
-    validate,
+    typed,
 )
 from train.components.data import PromptRecord, PromptSampler, read_prompts
 from train.components.ema import EMA
@@ -101,12 +100,13 @@ def _missing(tree: Any, name: str = "") -> list[str]:
 
 
 def typed_config(cfg: DictConfig) -> TrainConfig:
-    """The composed tree as the typed schema; ConfigError naming a ``???`` or unresolvable setting."""
+    """The composed tree as the typed schema; ConfigError naming a ``???`` or unresolvable setting, or the
+    first field a group's own checks refuse (its dotted key prefixed: train/components/config_keys.py)."""
     missing = _missing(OmegaConf.to_container(cfg, resolve=False))
     if missing:  # the experiment leaves them ??? (local paths the user must give)
         raise ConfigError(f"required settings have no value: {', '.join(missing)}; pass each as <key>=<value>")
     try:
-        return cast(TrainConfig, OmegaConf.to_object(cfg))
+        return cast(TrainConfig, typed(cfg))
     except OmegaConfBaseException as err:  # e.g. an interpolation that does not resolve
         key = getattr(err, "full_key", None)
         raise ConfigError(f"{key}: {str(err).splitlines()[0]}" if key else str(err).splitlines()[0]) from None
@@ -225,6 +225,7 @@ def preflight(cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, 
             f"num_steps={max_step}: set num_steps to at least that to train on, or use a new run folder"
         )
     saved = checkpoints.settings_of(found[0]) if found and max_step is not None else None
+    saved = moved_settings(saved) if saved is not None else None  # an older run's keys under today's names
     recorded = {key: value for key, value in (saved or {}).items() if key != LORA_MODULES}  # known once LoRA is on
     changed = changed_settings(recorded, resume_settings(cfg), cfg.checkpoint.allow_changed) if saved else []
     if changed:
@@ -254,7 +255,7 @@ def _starting_again(checkpoints: CheckpointManager) -> None:
 
 
 def resolve_device(cfg: TrainConfig, dist: DistInfo) -> torch.device:
-    if cfg.device == "cpu" or (cfg.device == "auto" and dist.device.type == "cpu"):
+    if cfg.device is Device.cpu or (cfg.device is Device.auto and dist.device.type == "cpu"):
         return torch.device("cpu")
     if not torch.cuda.is_available():  # validate() refuses device=cuda without CUDA: device=auto found a GPU rank
         raise ConfigError("device=auto: this rank has no CUDA device; use device=cpu")
@@ -457,11 +458,11 @@ def _reward_arguments(component: dict[str, Any]) -> dict[str, Any]:
 
 def check_scorer_inputs(cfg: TrainConfig) -> None:
     """What the scorers read, checked at start-up before any of them (or the model) loads, rather than when
-    each one builds: the rewards' arguments and files, and with an evaluation (logging.eval_every) those of
+    each one builds: the rewards' arguments and files, and with an evaluation (eval.every) those of
     eval.scorers (validate() has read the prompt files)."""
     for name, component in cfg.reward.components.items():
         check_scorer(f"reward.components.{name}", name, _reward_arguments(dict(component)))
-    if cfg.logging.eval_every:
+    if cfg.eval.every:
         check_eval_scorers(cfg)
 
 
@@ -478,9 +479,9 @@ def _scorer(field_name: str, name: str, kwargs: dict[str, Any], device: torch.de
 
 
 def adamw_settings(cfg: TrainConfig) -> dict[str, Any]:
-    """The optimizer's hyperparameters (grpo.lr, grpo.weight_decay, grpo.betas) as AdamW's keywords."""
-    g = cfg.grpo
-    return {"lr": g.lr, "weight_decay": g.weight_decay, "betas": (g.betas[0], g.betas[1])}
+    """The optimizer's hyperparameters (optimizer.lr, optimizer.weight_decay, optimizer.betas) as AdamW's keywords."""
+    o = cfg.optimizer
+    return {"lr": o.lr, "weight_decay": o.weight_decay, "betas": (o.betas[0], o.betas[1])}
 
 
 def build_rewards(cfg: TrainConfig, device: torch.device) -> RewardCombiner:
@@ -503,25 +504,25 @@ def build_eval_scorers(cfg: TrainConfig, device: torch.device) -> dict[str, Scor
 
 
 def read_eval_prompts(cfg: TrainConfig) -> list[PromptRecord]:
-    """``data.eval_prompts`` (or the training prompts), cut to ``data.num_eval_prompts`` when set, each
+    """``eval.prompts`` (or the training prompts), cut to ``eval.num_prompts`` when set, each
     ``eval.samples_per_prompt`` times (item j * n + i is sample j of prompt i: its own noise)."""
-    records = read_prompts(cfg.data.eval_prompts or cfg.data.train_prompts, field_name="data.eval_prompts")
-    return records[: cfg.data.num_eval_prompts or None] * cfg.eval.samples_per_prompt
+    records = read_prompts(cfg.eval.prompts or cfg.data.train_prompts, field_name="eval.prompts")
+    return records[: cfg.eval.num_prompts or None] * cfg.eval.samples_per_prompt
 
 
 def read_heldout_prompts(cfg: TrainConfig) -> list[PromptRecord]:
-    """``data.heldout_prompts`` (none when unset), each ``eval.samples_per_prompt`` times."""
-    if cfg.data.heldout_prompts is None:
+    """``eval.heldout_prompts`` (none when unset), each ``eval.samples_per_prompt`` times."""
+    if cfg.eval.heldout_prompts is None:
         return []
-    return read_prompts(cfg.data.heldout_prompts, field_name="data.heldout_prompts") * cfg.eval.samples_per_prompt
+    return read_prompts(cfg.eval.heldout_prompts, field_name="eval.heldout_prompts") * cfg.eval.samples_per_prompt
 
 
 def build_evaluator(run: Run, *, start: int) -> Evaluator | None:
     """The trainer's evaluation for a session that starts at step ``start``, or None when it would
-    evaluate nothing (logging.eval_every=0, or no step left). A resumed session's rank 0 reads the
+    evaluate nothing (eval.every=0, or no step left). A resumed session's rank 0 reads the
     step-0 result back from the run folder, for its comparisons."""
     cfg = run.cfg
-    if not cfg.logging.eval_every or start == cfg.num_steps:
+    if not cfg.eval.every or start == cfg.num_steps:
         return None
     records, heldout = read_eval_prompts(cfg), read_heldout_prompts(cfg)
     resumed = start > 0 and run.dist.is_main
@@ -605,7 +606,7 @@ def kl_reference(backbone: Backbone, reference: nn.Module | None, policy: Callab
 
 
 def build_ema(params: list[nn.Parameter], decay: float) -> EMA | None:
-    """The EMA of ``params`` (grpo.ema_decay); None when the decay is 0."""
+    """The EMA of ``params`` (ema.decay); None when the decay is 0."""
     return EMA(params, decay) if decay > 0 else None
 
 
@@ -633,7 +634,6 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
     params, reference = shard_trainable(cfg, backbone, reference)
     if cfg.model.compile:
         compile_blocks(backbone.decoder_units())  # the rollout's and the evaluation's decode
-    g = cfg.grpo
     optimizer = torch.optim.AdamW(params, **adamw_settings(cfg))
     lg = cfg.logging
     logger = RunLogger(
@@ -646,7 +646,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
         name=lg.name or f"{cfg.experiment}-{cfg.update.mode}-s{cfg.seed}",
         tags=list(dict.fromkeys([cfg.update.mode, f"seed{cfg.seed}", cfg.sampler.sde, *lg.tags])),
         notes=lg.notes,
-        config=cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg))),
+        config=cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)),
         resumed=bool(resume_from),
     )
     return Run(
@@ -656,10 +656,14 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
         backbone=backbone,
         params=params,
         optimizer=optimizer,
-        ema=build_ema(params, g.ema_decay),
+        ema=build_ema(params, cfg.ema.decay),
         rewards=rewards,
         prompts=PromptSampler(
-            records, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, prompts_per_rank=g.prompts_per_rank
+            records,
+            seed=cfg.seed,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            prompts_per_rank=cfg.batch.prompts_per_rank,
         ),
         checkpoints=checkpoints,
         logger=logger,
@@ -743,7 +747,7 @@ def update_settings(cfg: TrainConfig) -> UpdateSettings:
         timestep_fraction=cfg.update.timestep_fraction,
         clip_range=cfg.grpo.clip_range,
         kl_beta=cfg.grpo.kl_beta,
-        gradient_accumulation_steps=cfg.grpo.gradient_accumulation_steps,
+        gradient_accumulation_steps=cfg.batch.gradient_accumulation_steps,
         reuse_velocities=cfg.update.reuse_velocities,
         ratio_norm=cfg.grpo.ratio_norm,
         group_size=cfg.grpo.group_size,

@@ -82,7 +82,7 @@ class DiskFull(UserError):
 
 
 class NotLearning(UserError):
-    """Training stopped after ``grpo.max_bad_steps`` steps in a row that could not change the weights."""
+    """Training stopped after ``health.max_bad_steps`` steps in a row that could not change the weights."""
 
     same_on_every_rank = True  # decided from metrics every rank shares
 

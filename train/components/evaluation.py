@@ -4,7 +4,7 @@ Prompt i always starts from the noise of the stream (eval.seed, "eval_noise", i)
 depend on the number of ranks or the batch size, and two models evaluated with the same prompts and
 eval.seed saw the same noise: their per-prompt scores pair up. Prompts are dealt round-robin to
 ranks and the scores gathered; the trainer's Evaluator (train/components/evaluator.py) calls
-``evaluate`` every ``logging.eval_every`` steps on all ranks and ``python -m train.eval``
+``evaluate`` every ``eval.every`` steps on all ranks and ``python -m train.eval``
 (train/eval/command.py) once or twice.
 Output in ``<out>`` (``<run_dir>/eval`` for the trainer):
 
@@ -238,7 +238,7 @@ def paired_difference(before: list[dict[str, Any]], after: list[dict[str, Any]],
         raise ValueError(
             f"paired_difference: the two evaluations must score the same prompts with {metric!r} "
             f"({len(a)} and {len(b)} scored, {len(a.keys() & b.keys())} in common): use the same "
-            "data.eval_prompts, data.num_eval_prompts and eval.seed"
+            "eval.prompts, eval.num_prompts and eval.seed"
         )
     keys = sorted(a)
     x, y = [a[k] for k in keys], [b[k] for k in keys]

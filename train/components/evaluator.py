@@ -2,7 +2,7 @@
 with its prompts, scorers and the step-0 result, called after ``step`` training steps on all ranks.
 
 A call runs the protocol of train/components/evaluation.py (with the EMA weights when kept) on the
-evaluation prompts and, when ``data.heldout_prompts`` is set, on those as a second evaluation; logs
+evaluation prompts and, when ``eval.heldout_prompts`` is set, on those as a second evaluation; logs
 ``eval/<metric>[/<category>]`` and ``eval/<metric>/held-out[/<category>]`` at ``step``; then rank 0
 prints the line against step 0 (``eval step 20: shape_alignment 0.5735 (step 0: 0.5862); held-out:
 shape_alignment 0.5401 (step 0: 0.5362)``), sends
@@ -51,13 +51,13 @@ class Evaluator:
     logger: RunLogger
     scorers: dict[str, Scorer]  # eval.scorers
     records: list[PromptRecord]  # the evaluation prompts, eval.samples_per_prompt times each
-    heldout: list[PromptRecord]  # data.heldout_prompts likewise; empty: no held-out evaluation
+    heldout: list[PromptRecord]  # eval.heldout_prompts likewise; empty: no held-out evaluation
     before: EvalResult | None = None  # rank 0: the step-0 result, for the line and the before/after sheets
     heldout_before: dict[str, float] | None = None  # rank 0: the held-out prompts' step-0 means, for the line
 
     def due(self, done: int) -> bool:
-        """After ``done`` steps: every eval_every steps, and after the last step whatever its number."""
-        return done % self.cfg.logging.eval_every == 0 or done == self.cfg.num_steps
+        """After ``done`` steps: every eval.every steps, and after the last step whatever its number."""
+        return done % self.cfg.eval.every == 0 or done == self.cfg.num_steps
 
     def __call__(self, step: int) -> None:
         """Evaluate the policy after ``step`` training steps: log it on all ranks, show it on rank 0."""

@@ -3,7 +3,7 @@
 A step is *bad* when it skipped its update (a NaN or inf reward: ``train/skipped_nan_reward``) or none of
 its optimizer steps moved the weights: each was skipped for a non-finite gradient norm (NaN weights,
 a NaN loss) or the gradient norm was exactly 0 (every advantage 0, e.g. rewards whose weights cancel).
-After ``grpo.max_bad_steps`` bad steps in a row the trainer writes a checkpoint and stops with
+After ``health.max_bad_steps`` bad steps in a row the trainer writes a checkpoint and stops with
 ``NotLearning``. A reward whose scores tie within every group for ``SPREAD_STEPS`` steps in a row
 (``spread/<reward>`` = 0, the largest range of its scores within a group) contributes no advantage:
 a warning names it, once until it spreads again.
@@ -46,9 +46,9 @@ class Health:
         if why and self.max_bad_steps and self.bad_in_a_row >= self.max_bad_steps:
             first = step - self.bad_in_a_row + 1
             return (
-                f"grpo.max_bad_steps={self.max_bad_steps}: steps {first} to {step} could not change the weights "
+                f"health.max_bad_steps={self.max_bad_steps}: steps {first} to {step} could not change the weights "
                 f"(the last: {why}); the run cannot learn: check the rewards (reward.components) and the model "
-                "weights, then resume=auto (grpo.max_bad_steps=0 never stops)"
+                "weights, then resume=auto (health.max_bad_steps=0 never stops)"
             )
         return None
 

@@ -41,7 +41,7 @@ def export_description(folder: Path) -> str | None:
         return None
     meta = json.loads(note.read_text())
     step = f"the weights after step {meta['step']}"
-    what = f"the EMA (grpo.ema_decay={meta['ema_decay']:g}) of {step}" if meta["weights"] == "ema" else step
+    what = f"the EMA (ema.decay={meta['ema_decay']:g}) of {step}" if meta["weights"] == "ema" else step
     scored = "which the trainer's evaluations scored" if meta["scored_by_the_trainer"] else f"not the EMA of {EXPORT}/"
     return f"{what}, {scored}"
 
@@ -56,7 +56,7 @@ def eval_tag(step: int) -> str:
 
 
 def heldout_tag(step: int) -> str:
-    """The trainer's evaluation of the held-out prompts (data.heldout_prompts) after ``step`` steps."""
+    """The trainer's evaluation of the held-out prompts (eval.heldout_prompts) after ``step`` steps."""
     return f"{eval_tag(step)}_{HELD_OUT}"
 
 
@@ -130,11 +130,11 @@ def _rewards(cfg: TrainConfig, history: Sequence[Mapping[str, float]]) -> list[s
     before = eval_dir / f"{eval_tag(0)}.scores.jsonl"
     names = ("step 0", f"step {cfg.num_steps}")
     trained = _paired_lines(eval_dir, (eval_tag(0), eval_tag(cfg.num_steps)), names, "")
-    if cfg.logging.eval_every and trained:
+    if cfg.eval.every and trained:
         tags = (heldout_tag(0), heldout_tag(cfg.num_steps))
         return trained + _paired_lines(eval_dir, tags, names, f"{HELD_OUT} prompts, ")
     rewards = [m["reward/total"] for m in history if not math.isnan(m.get("reward/total", math.nan))]
-    why = "logging.eval_every=0" if not cfg.logging.eval_every else f"no {before.name} to pair with"
+    why = "eval.every=0" if not cfg.eval.every else f"no {before.name} to pair with"
     if len(rewards) < 2:
         return [f"no reward to compare ({why})"]
     return [f"training reward/total: first step {rewards[0]:.4f} -> last step {rewards[-1]:.4f} ({why})"]

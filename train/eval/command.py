@@ -5,7 +5,7 @@ optionally against the pretrained one with the paired difference.
     python -m train.eval eval.transformer=runs/demo/<run>                 # its export, else latest checkpoint
     python -m train.eval eval.transformer=runs/demo/<run>/checkpoints/step_00000030 eval.compare_pretrained=true
     python -m train.eval resume=runs/demo/<run>/checkpoints/step_00000030  # the same as eval.transformer=
-    python -m train.eval experiment=flux_dance model.path=... data.eval_prompts=... <the run's other paths> \\
+    python -m train.eval experiment=flux_dance model.path=... eval.prompts=... <the run's other paths> \\
         eval.transformer=runs/flux_dance/<run>/export
 
 The weights (``eval.transformer`` or ``resume``) are an export (``<run>/export``: the full transformer
@@ -92,7 +92,7 @@ def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
                 f"{weights.path} was trained with {key}={show_value(was)} ({saved}), this command has "
                 f"{key}={show_value(now)}: pass {key}={show_value(was)}"
             )
-    if OmegaConf.select(trained, "grpo.ema_decay", default=0.0):
+    if OmegaConf.select(trained, "ema.decay", default=0.0):
         export = weights.run_dir / EXPORT if weights.run_dir is not None else None
         log.info(
             "the run kept an EMA of its weights: a checkpoint's model is the trained weights, not the EMA its "

@@ -179,7 +179,7 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
         phase.peak_bytes += frozen_bytes
     at = traced.at_step
     exact = next(u for u in updates if u.mode == "exact" and u.checkpointing == cfg.model.activation_checkpointing)
-    per_row = exact.flops / (cfg.update.window * cfg.grpo.micro_batch)  # one step of one row, with its backward
+    per_row = exact.flops / (cfg.update.window * cfg.batch.micro_batch)  # one step of one row, with its backward
     peak, source = assumed_peak(cfg)
     return PlanReport(
         experiment=cfg.experiment,
@@ -194,9 +194,9 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
         checkpointing=cfg.model.activation_checkpointing,
         image_tokens=traced.image_tokens,
         text_tokens=text_tokens(cfg),
-        samples_per_rank=cfg.grpo.group_size * cfg.grpo.prompts_per_rank,
+        samples_per_rank=cfg.grpo.group_size * cfg.batch.prompts_per_rank,
         decode_batch=cfg.model.decode_batch,
-        micro_batch=cfg.grpo.micro_batch,
+        micro_batch=cfg.batch.micro_batch,
         groups=groups,
         param_bytes=at.get("Sharded Param", 0),
         grad_bytes=at.get("Sharded Grad", 0),

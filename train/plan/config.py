@@ -16,29 +16,40 @@ from train.plan.comm import INTER_NODE_GBPS, INTRA_NODE_GBPS
 class PlanConfig:
     """``python -m train.plan``: per-rank memory and FLOPs of one training step, traced on CPU (train/plan/)."""
 
-    world_size: int = 8  # ranks (GPUs) the transformer is sharded over with FSDP2; >= 2
-    gpu_memory_gib: float = 80.0  # memory of one GPU, GiB
-    # GiB per GPU kept out of the budget for what the trace cannot see: the CUDA context, NCCL buffers
-    # and the caching allocator's fragmentation. A run fits when its traced peak <= gpu_memory_gib - reserved_gib.
+    world_size: int = 8
+    """ranks (GPUs) the transformer is sharded over with FSDP2; >= 2"""
+    gpu_memory_gib: float = 80.0
+    """memory of one GPU, GiB"""
     reserved_gib: float = 4.0
-    # Folder of architecture configs in the diffusers layout (<arch>/transformer/config.json, vae/, text encoders;
-    # config files only, no weights). null = model.path when it is given, else configs/arch/<the backbone's model>.
+    """GiB per GPU kept out of the budget for what the trace cannot see: the CUDA context, NCCL buffers and the
+    caching allocator's fragmentation. A run fits when its traced peak <= gpu_memory_gib - reserved_gib.
+    """
     arch: str | None = None
-    output: str | None = None  # also write the report as JSON to this file (null = print only)
-    # The time estimate (train/plan/comm.py): ranks per node (rank r on node r // gpus_per_node); link rates per GPU
-    # and direction, Gb/s: NVLink 4 (H100/H200 SXM, 450 GB/s a direction) inside a node, InfiniBand NDR across nodes
+    """Folder of architecture configs in the diffusers layout (<arch>/transformer/config.json, vae/, text encoders;
+    config files only, no weights). null = model.path when it is given, else configs/arch/<the backbone's model>.
+    """
+    output: str | None = None
+    """also write the report as JSON to this file (null = print only)"""
     gpus_per_node: int = 8
-    intra_node_gbps: float = INTRA_NODE_GBPS  # Gb/s per GPU and direction inside a node (NVLink 4: 3600)
-    inter_node_gbps: float = INTER_NODE_GBPS  # Gb/s per GPU and direction across nodes (InfiniBand NDR: 400)
-    # the GPU whose dense bf16 peak (train/components/perf.py's table) the compute time assumes; perf.peak_tflops,
-    # when set, replaces it, as for the MFU logging
+    """The time estimate (train/plan/comm.py): ranks per node (rank r on node r // gpus_per_node); link rates per GPU
+    and direction, Gb/s: NVLink 4 (H100/H200 SXM, 450 GB/s a direction) inside a node, InfiniBand NDR across nodes
+    """
+    intra_node_gbps: float = INTRA_NODE_GBPS
+    """Gb/s per GPU and direction inside a node (NVLink 4: 3600)"""
+    inter_node_gbps: float = INTER_NODE_GBPS
+    """Gb/s per GPU and direction across nodes (InfiniBand NDR: 400)"""
     gpu: str = "H100"
-    mfu: float = 0.35  # the model FLOP utilization assumed for the compute time, in (0, 1]
+    """the GPU whose dense bf16 peak (train/components/perf.py's table) the compute time assumes; perf.peak_tflops,
+    when set, replaces it, as for the MFU logging
+    """
+    mfu: float = 0.35
+    """the model FLOP utilization assumed for the compute time, in (0, 1]"""
 
 
 @dataclass
 class PlanRunConfig(TrainConfig):
-    plan: PlanConfig = field(default_factory=PlanConfig)  # the planner's own settings
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """the planner's own settings"""
 
 
 def register() -> None:

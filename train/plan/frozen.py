@@ -138,6 +138,6 @@ def scorers_frozen(role: str, scorers: dict[str, dict]) -> list[FrozenModel]:
 def frozen_models(cfg: TrainConfig, arch: Path) -> list[FrozenModel]:
     rewards = {name: {k: v for k, v in comp.items() if k != "weight"} for name, comp in cfg.reward.components.items()}
     out = backbone_frozen(cfg, arch) + scorers_frozen("reward", rewards)
-    if cfg.logging.eval_every:  # built on the first evaluation and kept for the rest of the run
+    if cfg.eval.every:  # built on the first evaluation and kept for the rest of the run
         out += scorers_frozen("eval scorer", dict(cfg.eval.scorers))
     return out

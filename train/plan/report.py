@@ -97,7 +97,7 @@ class PlanReport:
     intra_gbps: float = 0.0
     inter_gbps: float = 0.0
     num_steps: int = 0  # training steps of the run
-    evaluation: Evaluation | None = None  # None: the run does not evaluate (logging.eval_every=0)
+    evaluation: Evaluation | None = None  # None: the run does not evaluate (eval.every=0)
 
     @property
     def frozen_bytes(self) -> int:
@@ -192,9 +192,9 @@ class PlanReport:
 
 @dataclass
 class Evaluation:
-    """One evaluation on one rank (the trainer's, every logging.eval_every steps), and how many the run makes."""
+    """One evaluation on one rank (the trainer's, every eval.every steps), and how many the run makes."""
 
-    count: int  # evaluations per run: before training, every eval_every steps, after the last
+    count: int  # evaluations per run: before training, every eval.every steps, after the last
     images: int  # images per evaluation, all ranks
     images_per_rank: int
     forwards: float  # transformer calls per rank: sampling calls of eval.batch_size images x eval.num_steps
@@ -225,7 +225,7 @@ def _static_savings(report: PlanReport, names: list[str]) -> list[Saving]:
         out.append((change, saved, "estimate; trace it with model.lora.enabled=true"))
     evaluation = sum(m.num_bytes for m in report.frozen if m.role == "eval scorer")
     if evaluation:
-        change = "logging.eval_every=0 (evaluate with python -m train.eval): no evaluation scorers kept"
+        change = "eval.every=0 (evaluate with python -m train.eval): no evaluation scorers kept"
         out.append((change, _everywhere(names, evaluation), "exact"))
     if report.velocity_bytes:
         change = "update.offload_velocities=true: the rollout's velocities in host memory"
@@ -247,7 +247,7 @@ def _working_savings(report: PlanReport) -> list[Saving]:
     if report.micro_batch > 1:
         share = 1 - 1 / report.micro_batch
         saved = {p.name: p.working_bytes * share for p in report.step_phases() if p.name != "decode"}
-        out.append(("grpo.micro_batch=1", saved, "estimate; trace it with grpo.micro_batch=1"))
+        out.append(("batch.micro_batch=1", saved, "estimate; trace it with batch.micro_batch=1"))
     decode = next(p for p in report.phases if p.name == "decode")
     per_call = report.decode_batch if 0 < report.decode_batch < report.samples_per_rank else report.samples_per_rank
     for rows in (16, 8, 4, 2, 1):  # the largest chunk that fits, if one does: working memory ~ images per call
@@ -381,7 +381,7 @@ def _comm_lines(r: PlanReport) -> list[str]:
 
 def _shape_lines(r: PlanReport) -> list[str]:
     """The step's communication and time on other cluster shapes: a rank's step is the same on any (its
-    samples are grpo.prompts_per_rank), only its collectives' groups change."""
+    samples are batch.prompts_per_rank), only its collectives' groups change."""
     lines = ["the same step on other clusters (per rank; FSDP over every rank, or HSDP with one replica per node)"]
     for nodes in (1, 2, 8):
         for replicate in (1, nodes) if nodes > 1 else (1,):

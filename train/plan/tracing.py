@@ -154,7 +154,7 @@ def traced_run(cfg: PlanRunConfig, arch: Path) -> TracedRun:
             module.to_empty(device=CPU)
     params = [p for p in backbone.transformer.parameters() if p.requires_grad]  # to_empty replaced them
     optimizer = LocalShardAdamW(params, **adamw_settings(cfg))
-    run = TracedRun(cfg, backbone, params, optimizer, build_ema(params, cfg.grpo.ema_decay), reference)
+    run = TracedRun(cfg, backbone, params, optimizer, build_ema(params, cfg.ema.decay), reference)
     hold_gradients(run)
     step_weights(run.optimizer, run.ema)  # the moments exist from the first step on
     run.optimizer.zero_grad(set_to_none=True)
@@ -250,11 +250,11 @@ def rollout_call(run: TracedRun, tensors: StepTensors, predict: TracedOnce) -> C
     steps, the transformer traced on the first, ``TracedOnce``) from conditioning and noise shaped as
     ``rollout_phase`` makes them."""
     cfg, backbone = run.cfg, cast(DiffusersBackbone, run.backbone)
-    g, s, window = cfg.grpo, cfg.sampler, first_window(cfg)
+    g, b, s, window = cfg.grpo, cfg.batch, cfg.sampler, first_window(cfg)
 
     def call() -> None:
-        cond = conditioning(backbone, g.prompts_per_rank, text_tokens(cfg)).repeat(g.group_size)
-        noise = backbone.initial_noise(g.prompts_per_rank, height=cfg.model.height, width=cfg.model.width)
+        cond = conditioning(backbone, b.prompts_per_rank, text_tokens(cfg)).repeat(g.group_size)
+        noise = backbone.initial_noise(b.prompts_per_rank, height=cfg.model.height, width=cfg.model.width)
         # The schedule's values change no shape: a fixed shift stands in for a dynamic one.
         sigmas = known(lambda: shifted_sigmas(s.num_steps, s.shift if s.shift is not None else 1.0))
         traj = sample_trajectories(
@@ -263,9 +263,9 @@ def rollout_call(run: TracedRun, tensors: StepTensors, predict: TracedOnce) -> C
             cond,
             noise.repeat_interleave(g.group_size, dim=0),
             sigmas=sigmas,
-            group_ids=torch.arange(g.prompts_per_rank).repeat_interleave(g.group_size),
+            group_ids=torch.arange(b.prompts_per_rank).repeat_interleave(g.group_size),
             sde_window=window,
-            sde_noise=[torch.Generator().manual_seed(i) for i in range(g.prompts_per_rank)],
+            sde_noise=[torch.Generator().manual_seed(i) for i in range(b.prompts_per_rank)],
             keep_velocities=update_settings(cfg).keeps_velocities,
             velocity_dtype=parse_dtype(cfg.model.dtype),
         )
@@ -304,7 +304,7 @@ def update_call(run: TracedRun, tensors: StepTensors, mode: str, *, reuse: bool)
     start = traj.trainable_steps()[0]
     width = EXACT_TRACED_STEPS if mode == "exact" else cfg.update.window
     group = RoutedGroup(start, start + width, "exact" if mode == EXACT_BATCHED else mode)
-    rows = torch.arange(cfg.grpo.micro_batch)
+    rows = torch.arange(cfg.batch.micro_batch)
 
     def call() -> None:
         update_micro_batch(batch, rows, [group], reuse_velocities=reuse)  # its scale changes nothing traced
@@ -317,7 +317,7 @@ def optimizer_call(run: TracedRun) -> Callable[[], None]:
     AdamW step and the EMA, then zero_grad."""
 
     def call() -> None:
-        clip_grad_norm_(run.params, run.cfg.grpo.max_grad_norm)
+        clip_grad_norm_(run.params, run.cfg.optimizer.max_grad_norm)
         step_weights(run.optimizer, run.ema)
         run.optimizer.zero_grad(set_to_none=True)
 
@@ -371,10 +371,10 @@ def update_variants(
     and exact (the baseline of the speed-up) and exact_batched (its memory) in any case.
     ``update.reuse_velocities=fresh`` reuses them until the first optimizer step of the step moves the
     weights: the first of B / accumulation chunks."""
-    g = cfg.grpo
-    samples = g.group_size * g.prompts_per_rank
-    num_micro_batches = samples // g.micro_batch
-    reused = 1.0 if cfg.update.reuse_velocities == "stale" else g.gradient_accumulation_steps / samples
+    b = cfg.batch
+    samples = cfg.grpo.group_size * b.prompts_per_rank
+    num_micro_batches = samples // b.micro_batch
+    reused = 1.0 if cfg.update.reuse_velocities == "stale" else b.gradient_accumulation_steps / samples
     out = []
     for mode in UPDATE_MODES:
         calls = num_micro_batches * groups.get(mode, 0.0)
@@ -395,10 +395,10 @@ def update_variants(
 def _optimizer_steps(cfg: TrainConfig) -> list[list[dict[int, int]]]:
     """Per optimizer step of a rank's step, its micro-batches: each the rows it holds of each sample
     group (G rows that share a start)."""
-    g = cfg.grpo
+    g, b = cfg.grpo, cfg.batch
     return [
         [dict(Counter(row // g.group_size for row in rows)) for rows in micro_batches(cfg, chunk)]
-        for chunk in range(0, g.group_size * g.prompts_per_rank, g.gradient_accumulation_steps)
+        for chunk in range(0, g.group_size * b.prompts_per_rank, b.gradient_accumulation_steps)
     ]
 
 
@@ -523,7 +523,7 @@ class Traced:
 
 def trace_step(run: TracedRun, groups: dict[str, float]) -> Traced:
     """The phases in the order a step runs them, with gradients held where the trainer holds them."""
-    cfg, g = run.cfg, run.cfg.grpo
+    cfg, b = run.cfg, run.cfg.batch
     root, opt = run.backbone.transformer, run.optimizer
     offloaded = cfg.update.offload_velocities
     always = reference_shards(run) + ema_shards(run)
@@ -545,7 +545,9 @@ def trace_step(run: TracedRun, groups: dict[str, float]) -> Traced:
     updates = trace_updates(run, tensors, groups)
     resident = always + tensors.resident(offloaded_velocities=offloaded)
     optimizer = measure(root, opt, resident, optimizer_call(run))
-    phases.append(to_phase("optimizer", optimizer, g.group_size * g.prompts_per_rank / g.gradient_accumulation_steps))
+    phases.append(
+        to_phase("optimizer", optimizer, cfg.grpo.group_size * b.prompts_per_rank / b.gradient_accumulation_steps)
+    )
     velocities = tensors.traj.velocities
     return Traced(
         phases=phases,
@@ -576,14 +578,14 @@ def trace_other_checkpointing(
 
 
 def evaluation(cfg: PlanRunConfig, forward_flops_per_row: float) -> Evaluation | None:
-    """The run's evaluations (train/trainer.py: before training, every logging.eval_every steps, after the
-    last step) on rank 0: data.num_eval_prompts x eval.samples_per_prompt images, or eval.max_images (the
+    """The run's evaluations (train/trainer.py: before training, every eval.every steps, after the
+    last step) on rank 0: eval.num_prompts x eval.samples_per_prompt images, or eval.max_images (the
     most one may sample) when it takes every prompt of a file the planner does not read."""
-    every, e = cfg.logging.eval_every, cfg.eval
+    every, e = cfg.eval.every, cfg.eval
     if every <= 0:
         return None
     count = 1 + cfg.num_steps // every + (cfg.num_steps % every != 0)
-    prompts = cfg.data.num_eval_prompts
+    prompts = cfg.eval.num_prompts
     images = prompts * e.samples_per_prompt if prompts > 0 else e.max_images
     per_rank = math.ceil(images / cfg.plan.world_size)
     calls = math.ceil(per_rank / e.batch_size) * e.num_steps

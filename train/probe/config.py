@@ -13,15 +13,20 @@ from train.components.errors import ConfigError
 class ProbeConfig:
     """``python -m train.probe``: gradient quality of a JAGG path per group (train/probe/command.py)."""
 
-    num_rollouts: int = 20  # K: trajectories measured, all ranks together (the paper: >= 20)
-    mode: str = "jagg"  # the path compared with exact: jagg | jagg_sequential | ablate
-    threshold: float = 0.5  # a group qualifies for the path when its mean cos(g_mode, g_exact) >= threshold
-    output: str | None = None  # JSON report; null = <run_dir>/probe.json
+    num_rollouts: int = 20
+    """K: trajectories measured, all ranks together (the paper: >= 20)"""
+    mode: str = "jagg"
+    """the path compared with exact: jagg | jagg_sequential | ablate"""
+    threshold: float = 0.5
+    """a group qualifies for the path when its mean cos(g_mode, g_exact) >= threshold"""
+    output: str | None = None
+    """JSON report; null = <run_dir>/probe.json"""
 
 
 @dataclass
 class ProbeRunConfig(TrainConfig):
-    probe: ProbeConfig = field(default_factory=ProbeConfig)  # the probe's own settings
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    """the probe's own settings"""
 
 
 def register() -> None:

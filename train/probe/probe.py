@@ -8,7 +8,7 @@ metrics.jsonl), only ``probe.json`` and the table on the console.
 
 With ``update.reuse_velocities=stale`` (and a ``probe.mode`` with middle steps) it also measures what
 staleness costs: on every batch it moves the weights by one optimizer step on the batch (the
-trainer's first step of a training step: the configured paths, one fresh AdamW step at grpo.lr, which
+trainer's first step of a training step: the configured paths, one fresh AdamW step at optimizer.lr, which
 moves every weight by about lr, the largest first step), measures there the path with its middle
 velocities recomputed (fresh) and taken from the rollout (stale), and restores the weights. The
 trainer's later chunks lag further behind (c steps for chunk c); this is the first of them.
@@ -66,7 +66,7 @@ def one_step_later(run: Run, batch: UpdateBatch) -> Iterator[None]:
     configured paths (every group, the prefix rule), the global-norm clip, and a fresh AdamW's first
     step (the run's optimizer state is not touched).
     """
-    cfg, g = run.cfg, run.cfg.grpo
+    cfg, b = run.cfg, run.cfg.batch
     saved = [p.detach().clone() for p in run.params]
     optimizer = torch.optim.AdamW(run.params, **adamw_settings(cfg))
     traj = batch.traj
@@ -77,11 +77,11 @@ def one_step_later(run: Run, batch: UpdateBatch) -> Iterator[None]:
         jagg_frac=cfg.update.jagg_frac,
         num_transitions=traj.num_transitions,
     )
-    rows = min(g.gradient_accumulation_steps, traj.batch_size)
-    for first in range(0, rows, g.micro_batch):
-        micro = torch.arange(first, min(first + g.micro_batch, rows), device=run.device)
+    rows = min(b.gradient_accumulation_steps, traj.batch_size)
+    for first in range(0, rows, b.micro_batch):
+        micro = torch.arange(first, min(first + b.micro_batch, rows), device=run.device)
         update_micro_batch(batch, micro, plan, reuse_velocities=False)
-    clip_grad_norm_(run.params, g.max_grad_norm)
+    clip_grad_norm_(run.params, cfg.optimizer.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     try:
@@ -102,7 +102,7 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
     cfg = run.cfg
     settings = update_settings(cfg)
     predict, reference = policy_predictor(run), reference_predictor(run)
-    per_batch = cfg.grpo.group_size * cfg.grpo.prompts_per_rank * run.dist.world_size
+    per_batch = cfg.grpo.group_size * cfg.batch.prompts_per_rank * run.dist.world_size
     stale = cfg.update.reuse_velocities == "stale" and p.mode in MIDDLE_MODES and cfg.update.window > 2
     samples: Samples = defaultdict(list)
     fresh_after: Samples = defaultdict(list)
@@ -155,9 +155,9 @@ def run_probe(cfg: DictConfig) -> dict[str, Any]:
     config.logging.wandb_mode = "disabled"
     with process_group(config.dist.timeout_s) as dist:
         needed = math.ceil(p.num_rollouts / (config.grpo.group_size * dist.world_size))
-        if needed < config.grpo.prompts_per_rank:  # samples no trajectory would use are not rolled out
+        if needed < config.batch.prompts_per_rank:  # samples no trajectory would use are not rolled out
             log.info("probe: %d prompt(s) per rank per rollout batch cover K = %d", needed, p.num_rollouts)
-            config.grpo.prompts_per_rank = needed
+            config.batch.prompts_per_rank = needed
         with open_run(config, dist, training=False) as run:
             if config.resume is not None:
                 resume(run)
