@@ -3,18 +3,22 @@
 import copy
 import math
 import re
-from dataclasses import fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from models.base import DTYPES, parse_dtype
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
+from train.cli import field_docs, hydra_message
+from train.components.build import typed_config
 from train.components.config import TrainConfig, register_schema, trainable_transitions, validate
+from train.components.config_keys import MOVED, changed_settings, checked, moved_settings, moved_tree, typed
 from train.components.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -41,9 +45,13 @@ def paths(tmp_path):
 
 
 def load(overrides: list[str], tmp_path: Path) -> TrainConfig:
-    with initialize_config_module(config_module="configs", version_base=None):
-        cfg = compose(config_name="train", overrides=[f"run_dir={tmp_path}/run", *overrides])
-    return OmegaConf.to_object(cfg)
+    """The typed config as the commands build it: Hydra's refusals as the one line they print."""
+    try:
+        with initialize_config_module(config_module="configs", version_base=None):
+            cfg = compose(config_name="train", overrides=[f"run_dir={tmp_path}/run", *overrides])
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(hydra_message(err)) from None
+    return typed_config(cfg)
 
 
 def check(cfg: TrainConfig) -> None:
@@ -99,7 +107,9 @@ def test_an_evaluation_larger_than_eval_max_images_is_refused(paths, tmp_path):
     many = tmp_path / "many.txt"
     many.write_text("".join(f"prompt {i}\n" for i in range(40)))
     overrides = ["experiment=flux_dance", *required_paths(paths), f"eval.prompts={many}", "eval.max_images=32"]
-    with pytest.raises(ConfigError, match=r"would sample 40 images \(40 prompts .* eval.max_images=32: set data"):
+    with pytest.raises(
+        ConfigError, match=r"would sample 40 images \(40 prompts .* eval.max_images=32: set eval.num_prompts"
+    ):
         check(load(overrides, tmp_path))
     check(load([*overrides, "eval.num_prompts=32"], tmp_path))
     # the demo: 8 captions x 16 noises and 16 held-out x 16
@@ -186,7 +196,11 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
         (["grpo.ratio_norm=true", "sampler.sde=cps"], ValueError, "grpo.ratio_norm=true.*sampler.sde=cps"),
         (["+reward.components.aesthetic.weight=1"], ValueError, "reward.components.*aesthetic.*hpsv2"),
         (["+reward.components.remote.weight=1"], ValueError, "reward.components.remote.url is not set"),
-        (["batch.gradient_accumulation_steps=3"], ValueError, "batch.gradient_accumulation_steps"),
+        (
+            ["batch.gradient_accumulation_steps=3", "batch.micro_batch=1"],
+            ValueError,
+            "batch.gradient_accumulation_steps=3 must",
+        ),
         (["grpo.group_size=1"], ValueError, "grpo.group_size"),
         (["sampler.sde_window_range=[0,12]"], ValueError, "sampler.sde_window_range"),
         (["perf.peak_tflops=0"], ValueError, "perf.peak_tflops must be > 0"),
@@ -199,9 +213,103 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
     ],
 )
 def test_bad_values_fail_fast(overrides, error, message, tmp_path):
-    cfg = load(overrides, tmp_path)
     with pytest.raises(error, match=message):
-        check(cfg)
+        check(load(overrides, tmp_path))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["optimizer.lr=0"], "optimizer.lr must be > 0, got 0.0"),  # a group's own check, its path prefixed
+        (["optimizer.betas=[0.9,1.0]"], "optimizer.betas[1] must be in [0, 1), got 1.0"),
+        (["ema.decay=1"], "ema.decay must be in [0, 1), got 1.0 (0 = no EMA)"),
+        (["batch.micro_batch=3"], "batch.micro_batch=3 must divide gradient_accumulation_steps=64"),
+        (["experiment=tiny", "eval.every=2"], "eval.every > 0 needs eval.scorers"),
+        (["grpo.adv_std=sample"], "grpo.adv_std='sample' is not valid; accepted values: population, unbiased"),
+        (
+            ["logging.wandb_mode=off"],
+            "logging.wandb_mode='off' is not valid; accepted values: disabled, offline, online",
+        ),
+    ],
+)
+def test_a_group_names_the_full_key_of_its_refused_field(overrides, message, tmp_path):
+    with pytest.raises(ConfigError) as refused:
+        check(load(overrides, tmp_path))
+    assert str(refused.value).startswith(message)
+
+
+@dataclass
+class _Inner:
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"size must be >= 1, got {self.size}")
+
+
+@dataclass
+class _Outer:
+    inner: _Inner = field(default_factory=_Inner)
+    lr: float = 1.0
+
+
+@dataclass
+class _Root:
+    outer: _Outer = field(default_factory=_Outer)
+
+
+def test_a_nested_group_is_named_by_its_whole_path():
+    """OmegaConf.to_object runs __post_init__ but says nothing of where; the typed tree names the whole key."""
+    tree = OmegaConf.merge(OmegaConf.structured(_Root), {"outer": {"inner": {"size": 0}}})
+    with pytest.raises(ValueError, match="^size must be >= 1, got 0$"):
+        OmegaConf.to_object(tree)
+    with pytest.raises(ConfigError, match=r"^outer\.inner\.size must be >= 1, got 0$"):
+        typed(tree)
+    built = typed(OmegaConf.merge(OmegaConf.structured(_Root), {"outer": {"lr": 2.0}}))
+    assert built == _Root(_Outer(_Inner(1), 2.0))
+    built.outer.inner.size = 0  # changed after it was built: the checks run again
+    with pytest.raises(ConfigError, match=r"^outer\.inner\.size must be >= 1"):
+        checked(built)
+
+
+# The keys that moved and no longer exist (update.window stays until the update group renames it).
+GONE = [(old, new) for old, new in MOVED.items() if old not in field_docs()]
+
+
+@pytest.mark.parametrize("old, new", GONE)
+def test_a_moved_key_names_its_new_place(old, new, tmp_path):
+    value = "[0.9,0.99]" if old.endswith("betas") else "null" if old.endswith("prompts") else "1"
+    for override in (f"{old}={value}", f"+{old}={value}"):  # set where it was, or added there
+        with pytest.raises(ConfigError) as refused:
+            load([override], tmp_path)
+        assert str(refused.value) == f"{old} is now {new}"
+    assert len(GONE) >= 13
+
+
+def test_an_older_runs_recorded_settings_read_under_the_new_names():
+    """A checkpoint's recorded settings and a run's config.yaml, as a run before the split wrote them."""
+    recorded = {"update.window": 4, "grpo.betas[0]": 0.9, "seed": 1, "sampler.num_steps": 9}
+    assert moved_settings(recorded) == {
+        "update.segment_length": 4, "optimizer.betas[0]": 0.9, "seed": 1, "sampler.num_steps": 9
+    }  # fmt: skip
+    now = {"update.segment_length": 4, "optimizer.betas[0]": 0.9, "seed": 1, "sampler.num_steps": 9}
+    assert changed_settings(moved_settings(recorded), now, []) == []
+    old = {
+        "grpo": {"group_size": 12, "lr": 1e-5, "ema_decay": 0.9, "max_bad_steps": 3},
+        "data": {"train_prompts": "a.txt", "heldout_prompts": "b.txt"},
+        "logging": {"eval_every": 25},
+        "eval": {"num_steps": 28},
+    }
+    assert moved_tree(old) == {
+        "grpo": {"group_size": 12},
+        "optimizer": {"lr": 1e-5},
+        "ema": {"decay": 0.9},
+        "health": {"max_bad_steps": 3},
+        "data": {"train_prompts": "a.txt"},
+        "eval": {"num_steps": 28, "heldout_prompts": "b.txt", "every": 25},
+        "logging": {},
+    }
+    assert old["grpo"]["lr"] == 1e-5  # the recorded tree itself is left as it was
 
 
 def test_model_dtype_accepts_what_the_backbone_parses(tmp_path):

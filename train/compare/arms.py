@@ -35,6 +35,7 @@ from typing import Any
 
 from train.algorithm.jagg import UPDATE_MODES
 from train.compare.wandb_runs import WandbRun, read_offline, read_offline_file, read_online, run_file
+from train.components.config_keys import moved_settings
 from train.components.stats import Estimate, estimate, median, paired, quantile, trapezoid_mean
 from train.components.summary import HELD_OUT, PHASES
 
@@ -109,12 +110,13 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
-    """The run's resolved configuration: the trainer's ``config.yaml``, else Hydra's; {} if neither."""
+    """The run's resolved configuration: the trainer's ``config.yaml``, else Hydra's; {} if neither. An older run's
+    moved keys are read under their new names, so that it compares with a newer one."""
     for path in (folder / "config.yaml", folder / ".hydra" / "config.yaml"):
         if path.is_file():
             from omegaconf import OmegaConf
 
-            return flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
+            return moved_settings(flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=False)))
     return {}
 
 
@@ -122,7 +124,7 @@ def _from_wandb(run: WandbRun) -> RunMetrics:
     if not run.steps:
         raise ValueError(f"wandb run {run.source} has no logged step")
     steps = {step: _numbers(values) for step, values in run.steps.items()}
-    return RunMetrics(run.source, steps, flatten(run.config), run.name or run.run_id)
+    return RunMetrics(run.source, steps, moved_settings(flatten(run.config)), run.name or run.run_id)
 
 
 def _read_wandb(path: str) -> list[RunMetrics]:

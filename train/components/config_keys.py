@@ -65,8 +65,9 @@ def moved_settings(settings: dict[str, Any]) -> dict[str, Any]:
     return {moved_to(key) or key: value for key, value in settings.items()}
 
 
-def moved_tree(tree: dict[str, Any]) -> dict[str, Any]:
+def moved_tree(tree: Any) -> dict[str, Any]:
     """A nested configuration as an older run wrote it (its config.yaml), with each moved key at its new place."""
+    assert isinstance(tree, dict), f"a configuration is a mapping, got {type(tree).__name__}"
     out = {key: dict(value) if isinstance(value, dict) else value for key, value in tree.items()}
     for old, new in MOVED.items():
         (group, key), (new_group, new_key) = old.split("."), new.split(".")
@@ -132,8 +133,10 @@ def typed(node: DictConfig, path: str = "") -> Any:
     kind = OmegaConf.get_type(node)
     assert kind is not None and is_dataclass(kind), f"{path or 'the root'} is not a structured config"
     init = {f.name for f in fields(kind) if f.init}
-    values, added = {}, {}
+    values = {}
     for key in node:
+        if key not in init:  # added with + although the schema does not declare it (moved, or a typo)
+            raise ConfigError(unknown_setting(f"{path}." if path else "", str(key), kind))
         child = node[key]  # resolves an interpolation
         if isinstance(child, DictConfig) and is_dataclass(OmegaConf.get_type(child)):
             value = typed(child, f"{path}.{key}" if path else str(key))
@@ -141,14 +144,11 @@ def typed(node: DictConfig, path: str = "") -> Any:
             value = OmegaConf.to_container(child, resolve=True)
         else:
             value = child
-        (values if key in init else added)[key] = value
+        values[str(key)] = value
     try:
-        built = kind(**values)
+        return kind(**values)
     except ValueError as err:
         raise config_error(err, path) from None
-    for key, value in added.items():  # a key added with + that the schema does not declare: check_known_keys
-        setattr(built, str(key), value)
-    return built
 
 
 def checked(node: object, path: str = "") -> None:

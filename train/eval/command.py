@@ -42,6 +42,7 @@ from train.components.build import (
 )
 from train.components.checkpoint import CheckpointManager, Weights, find_weights
 from train.components.config import SCORERS_HINT, TrainConfig
+from train.components.config_keys import moved_tree
 from train.components.errors import CheckpointError, ConfigError
 from train.components.evaluation import EvalResult, before_after, evaluate, paired_difference
 from train.components.stats import standard_error
@@ -83,7 +84,8 @@ def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
     saved = weights.run_dir / ".hydra" / "config.yaml" if weights.run_dir is not None else None
     if weights.kind != "checkpoint" or saved is None or not saved.is_file():
         return
-    trained = OmegaConf.load(saved)
+    recorded = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
+    trained = OmegaConf.create(moved_tree(recorded))  # an older run's keys under today's names
     here = OmegaConf.structured(cfg)
     for key in STRUCTURE:
         was, now = OmegaConf.select(trained, key), OmegaConf.select(here, key)
