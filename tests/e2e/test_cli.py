@@ -81,7 +81,7 @@ def test_every_schema_field_is_documented():
     for schema, own in ((ProbeRunConfig, "probe.num_rollouts"), (PlanRunConfig, "plan.world_size")):
         theirs = field_docs(schema)
         assert own in theirs and set(docs) < set(theirs) and all(theirs.values())
-    # a comment above the field counts when its own line has none
+    # a docstring of several lines reads as one
     assert docs["model.options"].startswith("adapter options for models.registry.load_backbone")
 
 

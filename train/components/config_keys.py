@@ -17,6 +17,7 @@ import difflib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, fields, is_dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -178,7 +179,7 @@ def resume_settings(cfg: TrainConfig) -> dict[str, Any]:
             if isinstance(value, dict):
                 walk(value, f"{prefix}{key}.")
             elif covered(f"{prefix}{key}", RESUME_SETTINGS):
-                flat[f"{prefix}{key}"] = value
+                flat[f"{prefix}{key}"] = value.value if isinstance(value, Enum) else value  # as JSON records it
 
     walk(asdict(cfg), "")
     return flat
