@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +44,25 @@ REUSE_VELOCITIES = ("fresh", "stale", "off")  # update.reuse_velocities
 SCORERS_HINT = "+eval.scorers.jpeg_compressibility={}"
 
 
-class AdvStd(StrEnum):
+class Choice(str, Enum):
+    """The choices of a setting: a member's name is what users type (omegaconf refuses any other at compose
+    time), and it reads and formats as that string (enum.StrEnum, which Python 3.10 lacks)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class AdvStd(Choice):
     """grpo.adv_std: the group standard deviation that divides the advantages."""
 
     population = "population"  # Flow-GRPO's, over n
     unbiased = "unbiased"  # DanceGRPO's torch.std, over n - 1
 
 
-class WandbMode(StrEnum):
+class WandbMode(Choice):
     """logging.wandb_mode."""
 
     disabled = "disabled"
@@ -59,7 +70,7 @@ class WandbMode(StrEnum):
     online = "online"
 
 
-class Device(StrEnum):
+class Device(Choice):
     """device: where the transformer, the latents and the rewards live."""
 
     auto = "auto"  # CUDA when the launch has a GPU, else CPU
@@ -634,7 +645,7 @@ def _validate_reward(r: RewardConfig, known_scorers: tuple[str, ...]) -> None:
         raise ConfigError("reward.components: every weight is 0, so every advantage would be 0; give one a weight")
 
 
-def _choice(value: Any, accepted: Sequence[Any], name: str) -> None:
+def _choice(value: Any, accepted: Collection[Any], name: str) -> None:
     if value not in accepted:
         raise ConfigError(f"{name}={value!r} is not valid; accepted values: {', '.join(map(str, accepted))}")
 

@@ -18,14 +18,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, fields, is_dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from train.components.errors import ConfigError
-
-if TYPE_CHECKING:
-    from train.components.config import TrainConfig
 
 # Old key -> new key, for every setting that moved (a key under an old key moves with it).
 MOVED = {
@@ -170,8 +167,8 @@ def covered(key: str, prefixes: Sequence[str]) -> bool:
     return any(key == prefix or key.startswith(prefix + ".") for prefix in prefixes)
 
 
-def resume_settings(cfg: TrainConfig) -> dict[str, Any]:
-    """The ``RESUME_SETTINGS`` of ``cfg``, dotted key -> value (what a checkpoint records)."""
+def resume_settings(cfg: Any) -> dict[str, Any]:
+    """The ``RESUME_SETTINGS`` of ``cfg`` (a TrainConfig), dotted key -> value (what a checkpoint records)."""
     flat: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str) -> None:

@@ -49,6 +49,7 @@ from train.components.build import (
     reference_predictor,
     update_settings,
 )
+from train.components.config import WandbMode
 from train.distributed.parallelize import clip_grad_norm_
 from train.probe.config import ProbeConfig, probe_settings
 from train.step import reward_phase, rollout_phase
@@ -152,7 +153,7 @@ def run_probe(cfg: DictConfig) -> dict[str, Any]:
     """Build as the trainer does, probe, and write the report (rank 0 prints the table)."""
     config = load_config(cfg)
     p = probe_settings(config)
-    config.logging.wandb_mode = "disabled"
+    config.logging.wandb_mode = WandbMode.disabled
     with process_group(config.dist.timeout_s) as dist:
         needed = math.ceil(p.num_rollouts / (config.grpo.group_size * dist.world_size))
         if needed < config.batch.prompts_per_rank:  # samples no trajectory would use are not rolled out
