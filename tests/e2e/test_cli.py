@@ -3,6 +3,7 @@ with every field's documentation, the console scripts, the launchers' DRY_RUN ou
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import string
@@ -101,8 +102,18 @@ def test_console_scripts_point_at_functions():
         assert callable(getattr(import_module(module), function)), target
 
 
+@pytest.fixture
+def root_logger():
+    """Hydra's --help configures the root logger (a handler on this test's captured stdout): put it back after."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
 @pytest.mark.parametrize("script", sorted(console_scripts()))
-def test_every_console_script_answers_help(script, capsys, monkeypatch):
+def test_every_console_script_answers_help(script, capsys, monkeypatch, root_logger):
     """The function an installed program calls (its setup.py entry point, with the program's argv) prints the
     command's help and ends with status 0, as its wrapper script would run it."""
     module, function = console_scripts()[script].split(":")
@@ -117,7 +128,7 @@ def test_every_console_script_answers_help(script, capsys, monkeypatch):
     assert "python -m train" in shown.out.splitlines()[0]  # "jagg-eval (python -m train.eval): ...", argparse's usage
 
 
-def test_plan_answers_help_through_its_entry(capsys):
+def test_plan_answers_help_through_its_entry(capsys, root_logger):
     """jagg-plan composes with Hydra's compose API, which read --help as an override (a parse error); its help
     is Hydra's, filled with the planner's settings and the overrides given beside it."""
     plan_main(["experiment=flux_dance", "-h", "plan.world_size=16"])  # --help: the test above
