@@ -96,7 +96,9 @@ def start_job(fakes: Path, torchrun: str, **env: str) -> subprocess.Popen:
     tool(fakes, "torchrun", 'echo $$ > "$FAKES/torchrun.pid"\n' + torchrun)
     tool(fakes, "scancel", 'echo "scancel $*" >> "$FAKES/events"\npid=$(cat "$FAKES/torchrun.pid")\n'
          'kill -TERM "$pid" "$(cut -d" " -f4 /proc/$pid/stat)"\n')  # fmt: skip
-    full = job_env(fakes, SLURM_JOB_NUM_NODES="1", FAKES=str(fakes), TORCHRUN=str(fakes / "torchrun"), **env)
+    tool(fakes, "squeue", '[[ "$*" == "--noheader --jobs 4242 --format %T" ]] && echo "$JOB_STATE"\n')
+    full = job_env(fakes, SLURM_JOB_NUM_NODES="1", FAKES=str(fakes), TORCHRUN=str(fakes / "torchrun"),
+                   **{"JOB_STATE": "RUNNING", **env})  # fmt: skip
     return subprocess.Popen(["bash", SCRIPT, "demo"], cwd=ROOT, env=full, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
 
@@ -110,9 +112,16 @@ def events(fakes: Path) -> list[str]:
 STOPS = 'trap \'sleep 1; echo "checkpoint written" >> "$FAKES/events"; exit 1\' TERM\nwhile true; do sleep 0.1; done\n'
 
 
-@pytest.mark.parametrize("restarts, requeued", [("0", True), ("20", False)])
-def test_sigterm_reaches_torchrun_once_and_the_stopped_job_is_requeued(fakes, restarts, requeued):
-    job = start_job(fakes, STOPS, SLURM_RESTART_COUNT=restarts)
+@pytest.mark.parametrize(
+    "state, restarts, requeued, why",
+    [
+        ("RUNNING", "0", True, "requeueing job 4242"),  # --signal's notice before the time limit, a preemption
+        ("RUNNING", "20", False, "not requeued: job 4242 ran 20 times (MAX_REQUEUES)"),
+        ("COMPLETING", "0", False, "not requeued: job 4242 was COMPLETING (cancelled)"),  # scancel
+    ],
+)
+def test_sigterm_reaches_torchrun_once_and_the_stopped_job_is_requeued(fakes, state, restarts, requeued, why):
+    job = start_job(fakes, STOPS, SLURM_RESTART_COUNT=restarts, JOB_STATE=state)
     deadline = time.monotonic() + 60
     while not (fakes / "torchrun.pid").exists():
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()
@@ -125,7 +134,7 @@ def test_sigterm_reaches_torchrun_once_and_the_stopped_job_is_requeued(fakes, re
     assert job.returncode == 1, err
     requeue = ["scontrol requeue 4242"] if requeued else []
     assert events(fakes) == ["scancel --signal=TERM 4242", "checkpoint written", *requeue]
-    assert ("not requeued: job 4242 ran 20 times (MAX_REQUEUES)" in err) is not requeued
+    assert why in err
 
 
 def test_a_job_that_ends_by_itself_is_not_requeued(fakes):
