@@ -31,9 +31,16 @@ from torch import Tensor
 
 from models.base import Backbone, Conditioning, decode_in_chunks
 from rewards.combine import AdvantageFn, NonFiniteRewardError
-from samplers.rollout import Predict, Trajectory, draw_sde_window, group_noise, rollout, shared_start_steps
+from samplers.rollout import (
+    KeptVelocities,
+    Predict,
+    Trajectory,
+    draw_sde_window,
+    group_noise,
+    rollout,
+    shared_start_steps,
+)
 from samplers.schedule import check_timesteps
-from samplers.sde import SDE
 from train.algorithm.grpo import group_advantages
 from train.algorithm.jagg import Counts
 from train.algorithm.update import UpdateBatch, UpdateStats, shared_start, update_micro_batch
@@ -108,21 +115,18 @@ def sample_trajectories(
     [B, ...] and ``cond`` (B rows, in groups of G consecutive rows: with ``update.share_group_start`` the
     shared start runs one row per group); the velocities kept in ``velocity_dtype``, in host memory with
     ``update.offload_velocities``."""
-    s = cfg.sampler
+    velocities = KeptVelocities(velocity_dtype, "cpu" if cfg.update.offload_velocities else None)
     return rollout(
         predict,
         cond,
         noise,
+        cfg.sampler,
         sigmas=sigmas,
-        sde=SDE(s.sde, eta=s.eta, noise_level=s.noise_level),
         sde_window=sde_window,
-        quantize_timesteps=s.quantize_timesteps,
         generator=sde_noise,
         group_ids=group_ids,
-        keep_velocities=keep_velocities,
-        velocity_dtype=velocity_dtype,
-        velocity_device="cpu" if cfg.update.offload_velocities else None,
         group_size=rollout_group_size(cfg),
+        velocities=velocities if keep_velocities else None,
     )
 
 
