@@ -295,7 +295,7 @@ class DiffusersBackbone(Backbone):
             if missing:
                 raise ValueError(
                     f"{self.name}: text encoders {missing} are not loaded (skipped or freed); "
-                    "pass model.embedding_cache or load them"
+                    "pass embedding_cache or load them"
                 )
             with torch.no_grad():
                 cond = self.encode_text(list(prompts))

@@ -17,24 +17,24 @@ from samplers.sde import SDE, SDEKind, member
 @dataclass
 class SamplerConfig:
     sde: SDEKind = SDEKind.dance
-    """Transition kind: dance (constant eta) | flow (noise_level) | cps (noise_level); ode samples
-    deterministically (evaluation), which leaves nothing to train."""
+    """transition kind: dance (constant eta) | flow (noise_level) | cps (noise_level) | ode"""
     num_steps: int = 21
-    """Denoising steps N per rollout; the last transition is never trained."""
+    """denoising steps N per rollout; the last transition is never trained"""
     shift: float | None = 3.0
-    """Fixed timestep shift, > 0; null = the backbone's own (dynamic) schedule."""
+    """fixed timestep shift, > 0; null = the backbone's own (dynamic) schedule"""
     eta: float = 0.3
-    """dance: diffusion coefficient g (constant), > 0."""
+    """dance: diffusion coefficient g (constant), > 0"""
     noise_level: float = 0.7
     """flow: g = noise_level * sqrt(sigma / (1 - sigma)), > 0; cps: sigma_t = sigma' sin(noise_level pi / 2),
-    in (0, 1]."""
+    in (0, 1]"""
     quantize_timesteps: QuantizeTimesteps = QuantizeTimesteps.none
     """t fed to the transformer: none = sigma; float64 = floor(1000 sigma) / 1000 of our float64 schedule;
-    dance = int(1000 sigma) / 1000 of DanceGRPO's float32 schedule (needs a fixed shift; samplers/schedule.py)."""
+    dance = int(1000 sigma) / 1000 of DanceGRPO's float32 schedule (needs a fixed shift; samplers/schedule.py)
+    none | float64 | dance"""
     sde_window_size: int = 0
-    """Flow-GRPO-Fast: >0 = SDE only on this many consecutive steps, ODE elsewhere."""
+    """Flow-GRPO-Fast: >0 = SDE only on this many consecutive steps, ODE elsewhere"""
     sde_window_range: list[int] = field(default_factory=lambda: [0, 12])
-    """[lo, hi): window start in [lo, hi - size]."""
+    """[lo, hi): window start in [lo, hi - size]"""
 
     def __post_init__(self) -> None:
         self.sde = member(SDEKind, self.sde, "sde")

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from models.base import Backbone, Conditioning, decode_in_chunks
+from models.config import ModelConfig
 from rewards.combine import AdvantageFn, NonFiniteRewardError
 from samplers.rollout import (
     KeptVelocities,
@@ -45,9 +46,9 @@ from train.algorithm.grpo import group_advantages
 from train.algorithm.jagg import Counts
 from train.algorithm.update import UpdateBatch, UpdateStats, shared_start, update_micro_batch
 from train.components.build import Run, policy_predictor, reference_predictor, update_settings
-from train.components.config import ModelConfig, TrainConfig
+from train.components.config import TrainConfig
 from train.components.ema import EMA
-from train.components.errors import RankFailed, mark_agreed
+from train.components.errors import RankFailed, config_key, mark_agreed
 from train.components.logger import PhaseTimer
 from train.components.perf import perf_metrics
 from train.distributed.collectives import all_gather_tensor, all_reduce_max
@@ -76,7 +77,8 @@ def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -
             generator=stream_generator(cfg.seed, "sde_window", step),  # same on every rank
         )
     sigmas = backbone.sigmas(s.num_steps, height=h, width=w, shift=s.shift)
-    check_timesteps(sigmas, quantize=s.quantize_timesteps)
+    with config_key("sampler"):
+        check_timesteps(sigmas, quantize=s.quantize_timesteps)
     # SDE noise per group, from (seed, group id): the same samples however groups spread over ranks.
     sde_noise = [stream_generator(cfg.seed, "sde_noise", gid, device) for gid in batch.group_ids]
     keep = update_settings(cfg).keeps_velocities if keep_velocities is None else keep_velocities

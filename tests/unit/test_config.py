@@ -8,12 +8,15 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from models.base import DTYPES, parse_dtype
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
+from train.cli import hydra_message
+from train.components.build import typed_config
 from train.components.config import TrainConfig, register_schema, trainable_transitions, validate
 from train.components.errors import ConfigError
 
@@ -41,9 +44,10 @@ def paths(tmp_path):
 
 
 def load(overrides: list[str], tmp_path: Path) -> TrainConfig:
+    """The typed config as the commands build it: each group's own checks run, naming its key."""
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(config_name="train", overrides=[f"run_dir={tmp_path}/run", *overrides])
-    return OmegaConf.to_object(cfg)
+    return typed_config(cfg)
 
 
 def check(cfg: TrainConfig) -> None:
@@ -177,11 +181,14 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
         (["update.mode=fast"], ValueError, "update.mode='fast'.*exact, jagg, jagg_sequential, ablate"),
         (["update.reuse_velocities=always"], ValueError, "update.reuse_velocities='always'.*fresh, stale, off"),
         (["update.reuse_velocities=off", "update.offload_velocities=true"], ValueError, "update.offload_velocities"),
-        (["sampler.sde=euler"], ValueError, "sampler.sde='euler'.*dance, flow, cps"),
+        (["sampler.sde=ode"], ValueError, "sampler.sde=ode samples no transition to train: pick dance, flow or cps"),
         (["sampler.sde=cps", "sampler.noise_level=1.2"], ValueError, r"sampler.noise_level must be in \(0, 1\]"),
         (["sampler.sde=cps", "sampler.noise_level=0"], ValueError, r"sampler.noise_level must be in \(0, 1\]"),
-        (["sampler.quantize_timesteps=true"], ValueError, "sampler.quantize_timesteps.*none, float64, dance"),
-        (["sampler.quantize_timesteps=dance", "sampler.shift=null"], ValueError, "sampler.shift"),
+        (
+            ["sampler.quantize_timesteps=dance", "sampler.shift=null"],
+            ValueError,
+            "sampler.quantize_timesteps=dance.*shift",
+        ),
         (["grpo.adv_std=sample"], ValueError, "grpo.adv_std.*population, unbiased"),
         (["grpo.ratio_norm=true", "sampler.sde=cps"], ValueError, "grpo.ratio_norm=true.*sampler.sde=cps"),
         (["+reward.components.aesthetic.weight=1"], ValueError, "reward.components.*aesthetic.*hpsv2"),
@@ -199,18 +206,37 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
     ],
 )
 def test_bad_values_fail_fast(overrides, error, message, tmp_path):
-    cfg = load(overrides, tmp_path)
     with pytest.raises(error, match=message):
-        check(cfg)
+        check(load(overrides, tmp_path))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("sampler.sde=euler", r"sampler\.sde: Invalid value 'euler', expected one of \[dance, flow, cps, ode\]"),
+        (  # YAML reads true as a boolean
+            "sampler.quantize_timesteps=true",
+            r"sampler\.quantize_timesteps: Invalid value 'True', expected one of \[none, float64, dance\]",
+        ),
+        ("reward.combine=max", r"reward\.combine: Invalid value 'max', expected one of \[sum, advantage\]"),
+        ("model.build_tiny=huge", r"model\.build_tiny: Invalid value 'huge', expected one of \[tiny, small\]"),
+    ],
+)
+def test_bad_choices_fail_at_compose(override, message, tmp_path):
+    """A choice is an Enum: composing refuses a value that names no member, naming the key and the members."""
+    with pytest.raises(HydraException) as caught:
+        load([override], tmp_path)
+    assert re.search(message, hydra_message(caught.value))
 
 
 def test_model_dtype_accepts_what_the_backbone_parses(tmp_path):
     """model.dtype is validated against models.base.DTYPES, the names parse_dtype reads."""
     for name in DTYPES:
         check(load([f"model.dtype={name}"], tmp_path))
-    with pytest.raises(ValueError, match=r"model\.dtype='bf32'.*float32, fp32, bfloat16, bf16"):
-        check(load(["model.dtype=bf32"], tmp_path))
-    with pytest.raises(ValueError, match="model.dtype must be one of"):
+    with pytest.raises(HydraException) as caught:
+        load(["model.dtype=bf32"], tmp_path)
+    assert re.search(r"model\.dtype: .*'bf32'.*float32, fp32, bfloat16, bf16", hydra_message(caught.value))
+    with pytest.raises(ValueError, match="dtype must be one of"):
         parse_dtype("bf32")
 
 
