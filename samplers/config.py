@@ -17,7 +17,8 @@ from samplers.sde import SDE, SDEKind, member
 @dataclass
 class SamplerConfig:
     sde: SDEKind = SDEKind.dance
-    """transition kind: dance (constant eta) | flow (noise_level) | cps (noise_level) | ode"""
+    """transition kind: dance (constant eta) | flow (noise_level) | cps (noise_level); ode (deterministic, for
+    evaluation) leaves nothing to train"""
     num_steps: int = 21
     """denoising steps N per rollout; the last transition is never trained"""
     shift: float | None = 3.0
@@ -29,8 +30,7 @@ class SamplerConfig:
     in (0, 1]"""
     quantize_timesteps: QuantizeTimesteps = QuantizeTimesteps.none
     """t fed to the transformer: none = sigma; float64 = floor(1000 sigma) / 1000 of our float64 schedule;
-    dance = int(1000 sigma) / 1000 of DanceGRPO's float32 schedule (needs a fixed shift; samplers/schedule.py)
-    none | float64 | dance"""
+    dance = int(1000 sigma) / 1000 of DanceGRPO's float32 schedule (needs a fixed shift; samplers/schedule.py)"""
     sde_window_size: int = 0
     """Flow-GRPO-Fast: >0 = SDE only on this many consecutive steps, ODE elsewhere"""
     sde_window_range: list[int] = field(default_factory=lambda: [0, 12])

@@ -180,13 +180,13 @@ def test_component_override_and_option_validation(folders, tmp_path):
     assert backbone.folders["vae"] == vae_copy and backbone.guidance == 2.0
     with pytest.raises(ValueError, match=r"unknown model option\(s\) \['guidanse'\].*guidance"):
         load_backbone("flux", folders["flux"], dtype="float32", guidanse=2.0)
-    with pytest.raises(ValueError, match="model.dtype must be one of"):
+    with pytest.raises(ValueError, match="dtype must be one of"):
         load_backbone("flux", folders["flux"], dtype="float8")
 
 
 def test_registry(folders):
     assert {"flux", "qwenimage"} <= set(backbone_names())
-    with pytest.raises(ValueError, match="model.name must be one of"):
+    with pytest.raises(ValueError, match="name must be one of"):
         load_backbone("sd3", folders["flux"])
     with pytest.raises(ValueError, match="registered twice"):
         register_backbone("flux")(type("OtherFlux", (FluxBackbone,), {}))
