@@ -16,7 +16,6 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -24,10 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from samplers.choices import Choice
+
 C = TypeVar("C", bound="Conditioning")
 
 
-class DType(StrEnum):
+class DType(Choice):
     """The spellings of the dtypes a transformer or a scorer may run in (``DTYPES``)."""
 
     float32 = "float32"

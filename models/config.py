@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from models.base import DType
+from samplers.choices import Choice, member
 from samplers.config import check_range
-from samplers.sde import member
 
 # peft's init_lora_weights that need no extra config; pissa_niter_<n> too
 LORA_INITS = ("gaussian", "olora", "pissa", "orthogonal")
 
 
-class TinySize(StrEnum):
+class TinySize(Choice):
     """The random offline pipelines ``models.tiny.build_tiny`` builds (its module docstring)."""
 
     tiny = "tiny"

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from rewards.base import Scorer
 from rewards.config import CombineMode, check_weight
-from samplers.sde import member
+from samplers.choices import member
 
 AdvantageFn = Callable[[Tensor, Tensor], Tensor]  # (rewards [B], group_ids [B]) -> advantages [B]
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from rewards.base import SCORER_NAMES
-from samplers.sde import member
+from samplers.choices import Choice, member
 
 
-class CombineMode(StrEnum):
+class CombineMode(Choice):
     """How the components make one reward (rewards/combine.py)."""
 
     sum = "sum"

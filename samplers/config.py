@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from samplers.choices import member
 from samplers.schedule import QuantizeTimesteps
-from samplers.sde import SDE, SDEKind, member
+from samplers.sde import SDE, SDEKind
 
 
 @dataclass

@@ -17,13 +17,12 @@ Two schedules:
 from __future__ import annotations
 
 import math
-from enum import StrEnum
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from samplers.sde import member
+from samplers.choices import Choice, member
 
 
 def shifted_sigmas(num_steps: int, shift: float) -> Tensor:
@@ -69,7 +68,7 @@ def dynamic_sigmas(num_steps: int, mu: float, *, shift_terminal: float | None = 
     return torch.cat([sigmas, torch.zeros(1, dtype=sigmas.dtype)])
 
 
-class QuantizeTimesteps(StrEnum):
+class QuantizeTimesteps(Choice):
     """The timestep fed to the transformer (``network_timesteps``)."""
 
     none = "none"

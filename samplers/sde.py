@@ -32,28 +32,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 from torch import Tensor
 
+from samplers.choices import Choice, member
 
-class SDEKind(StrEnum):
+
+class SDEKind(Choice):
     """The transition a step takes (module docstring)."""
 
     dance = "dance"
     flow = "flow"
     cps = "cps"
     ode = "ode"
-
-
-def member(enum: type[StrEnum], value: object, name: str) -> StrEnum:
-    """``value`` as a member of ``enum`` (a member, or the string that names one); ValueError naming ``name``."""
-    try:
-        return enum(value)
-    except ValueError:
-        accepted = ", ".join(m.value for m in enum)
-        raise ValueError(f"{name}={value!r} is not valid; accepted values: {accepted}") from None
 
 
 @dataclass(frozen=True)

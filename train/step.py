@@ -76,8 +76,8 @@ def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -
             window_range=(lo, hi),
             generator=stream_generator(cfg.seed, "sde_window", step),  # same on every rank
         )
-    sigmas = backbone.sigmas(s.num_steps, height=h, width=w, shift=s.shift)
-    with config_key("sampler"):
+    with config_key("sampler", ["shift"]):
+        sigmas = backbone.sigmas(s.num_steps, height=h, width=w, shift=s.shift)
         check_timesteps(sigmas, quantize=s.quantize_timesteps)
     # SDE noise per group, from (seed, group id): the same samples however groups spread over ranks.
     sde_noise = [stream_generator(cfg.seed, "sde_noise", gid, device) for gid in batch.group_ids]

@@ -117,9 +117,9 @@ def _to_object(node: DictConfig, key: str = "") -> Any:
     """``node`` as its dataclass, each nested config built (and checked by its ``__post_init__``) on its own
     first, so that the ValueError of a check names the key of its config (``sampler.num_steps must be ...``)."""
     for name in node:
-        child = node[name]
+        child = node[str(name)]
         if isinstance(child, DictConfig) and is_dataclass(OmegaConf.get_type(child)):
-            _to_object(child, f"{key}{name}.")
+            _to_object(child, f"{key}{name!s}.")
     schema = OmegaConf.get_type(node)
     with config_key(key.rstrip("."), [f.name for f in fields(schema)] if is_dataclass(schema) else ()):
         return OmegaConf.to_object(node)

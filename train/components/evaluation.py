@@ -46,6 +46,7 @@ from samplers.rollout import Predict, group_noise, rollout
 from samplers.sde import SDEKind
 from train.components.config import TrainConfig
 from train.components.data import PromptRecord
+from train.components.errors import config_key
 from train.components.logger import format_seconds
 from train.components.stats import standard_error
 from train.distributed.collectives import DistInfo, all_gather_tensor
@@ -78,7 +79,8 @@ def _sample(
     h, w = cfg.model.height, cfg.model.width
     seeds = [stream_seed(cfg.eval.seed, "eval_noise", i) for i in indices]
     noise = group_noise(backbone.initial_noise, seeds, group_size=1, height=h, width=w, device=device)
-    sigmas = backbone.sigmas(cfg.eval.num_steps, height=h, width=w, shift=cfg.sampler.shift)
+    with config_key("sampler", ["shift"]):
+        sigmas = backbone.sigmas(cfg.eval.num_steps, height=h, width=w, shift=cfg.sampler.shift)
     ode = replace(cfg.sampler, sde=SDEKind.ode)
     traj = rollout(predict, backbone.encode(prompts), noise, ode, sigmas=sigmas)
     return backbone.decode(traj.latents[:, -1], height=h, width=w)
