@@ -197,6 +197,8 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
         (["grpo.group_size=1"], ValueError, "grpo.group_size"),
         (["sampler.sde_window_range=[0,12]"], ValueError, "sampler.sde_window_range"),
         (["perf.peak_tflops=0"], ValueError, "perf.peak_tflops must be > 0"),
+        (["model.lora.rank=0"], ValueError, r"^model\.lora\.rank must be > 0, got 0$"),  # a nested group's own key
+        (["model.decode_batch=-1"], ValueError, r"^model\.decode_batch must be >= 0, got -1 \(0 = every sample"),
         (
             ["model.build_tiny=null", "model.path=/nonexistent/flux"],
             FileNotFoundError,
