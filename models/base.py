@@ -23,7 +23,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from samplers.choices import Choice
+
 C = TypeVar("C", bound="Conditioning")
+
+
+class DType(Choice):
+    """The spellings of the dtypes a transformer or a scorer may run in (``DTYPES``)."""
+
+    float32 = "float32"
+    fp32 = "fp32"
+    bfloat16 = "bfloat16"
+    bf16 = "bf16"
+    float16 = "float16"
+    fp16 = "fp16"
+
 
 # config spellings of the dtypes a transformer or a scorer may run in
 DTYPES = {
@@ -36,13 +50,12 @@ DTYPES = {
 }
 
 
-def parse_dtype(dtype: torch.dtype | str, *, field: str = "model.dtype") -> torch.dtype:
-    """A torch dtype from itself or from a config string (``"bfloat16"``, ``"bf16"``, ...); an
-    unknown string is an error naming ``field``."""
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from itself or from a config string (``"bfloat16"``, ``"bf16"``, ...)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"{field} must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {str(dtype)!r}")
     return DTYPES[dtype]
 
 

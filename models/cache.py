@@ -43,12 +43,12 @@ class EmbeddingCache:
         index_path = self.path / INDEX
         if not index_path.is_file():
             raise FileNotFoundError(
-                f"model.embedding_cache: {index_path} does not exist; write the cache with "
+                f"embedding_cache: {index_path} does not exist; write the cache with "
                 "scripts/precompute_embeddings.py or fix the path"
             )
         index = json.loads(index_path.read_text())
         if index.get("format") != FORMAT:
-            raise ValueError(f"model.embedding_cache: {self.path} has format {index.get('format')}, expected {FORMAT}")
+            raise ValueError(f"embedding_cache: {self.path} has format {index.get('format')}, expected {FORMAT}")
         self.signature: dict[str, Any] = index["signature"]
         self._rows = {prompt: (row, shard) for row, (prompt, shard) in enumerate(index["prompts"])}
         self._shards: dict[int, Any] = {}
@@ -67,7 +67,7 @@ class EmbeddingCache:
         if diff:
             details = ", ".join(f"{k}: cache has {c!r}, model has {m!r}" for k, (c, m) in diff.items())
             raise ValueError(
-                f"model.embedding_cache: {self.path} was written for another text encoding ({details}); "
+                f"embedding_cache: {self.path} was written for another text encoding ({details}); "
                 "rewrite it with scripts/precompute_embeddings.py for this model"
             )
 
@@ -81,7 +81,7 @@ class EmbeddingCache:
         missing = [p for p in prompts if p not in self._rows]
         if missing:
             raise ValueError(
-                f"model.embedding_cache: {len(missing)} prompt(s) are not in {self.path}, e.g. {missing[0]!r}; "
+                f"embedding_cache: {len(missing)} prompt(s) are not in {self.path}, e.g. {missing[0]!r}; "
                 "rerun scripts/precompute_embeddings.py on the prompt file used for training"
             )
         rows = []

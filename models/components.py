@@ -65,7 +65,8 @@ def component_folders(
             folders[comp.name] = Path(root) / comp.name
         else:
             raise ValueError(
-                f"{backbone}: no folder for component {comp.name!r}: pass model.path or {comp.name}=<folder>"
+                f"{backbone}: no folder for component {comp.name!r}: pass the pipeline folder (path) or "
+                f"{comp.name}=<folder>"
             )
     return folders
 
@@ -75,15 +76,15 @@ def read_config(backbone: str, comp: Component, folder: Path) -> dict[str, Any]:
     path = folder / comp.config_file
     if not path.is_file():
         raise FileNotFoundError(
-            f"{backbone}: component {comp.name!r} is missing: {path} does not exist. Point model.path at a "
-            f"complete diffusers folder or pass {comp.name}=<folder holding {comp.config_file}>"
+            f"{backbone}: component {comp.name!r} is missing: {path} does not exist. Point the pipeline folder "
+            f"(path) at a complete diffusers folder or pass {comp.name}=<folder holding {comp.config_file}>"
         )
     config = json.loads(path.read_text())
     found = _recorded_classes(config)
     if found and not set(found) & set(comp.class_names):
         raise ValueError(
             f"{backbone}: component {comp.name!r} at {folder} is a {found[0]}, expected one of "
-            f"{list(comp.class_names)}; check model.path or the {comp.name}= override"
+            f"{list(comp.class_names)}; check the pipeline folder (path) or the {comp.name}= override"
         )
     return config
 

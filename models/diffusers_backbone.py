@@ -254,7 +254,7 @@ class DiffusersBackbone(Backbone):
             raise ValueError(
                 f"{self.name}: the scheduler at {self.folders['scheduler']} is not a dynamic exponential-shift "
                 f"FlowMatchEulerDiscreteScheduler ({unsupported or 'use_dynamic_shifting/time_shift_type'}); "
-                "pass sampler.shift to use a fixed-shift schedule"
+                "pass shift to use a fixed-shift schedule"
             )
         h2, w2 = self.latent_grid(height, width)
         mu = dynamic_shift_mu(
@@ -295,7 +295,7 @@ class DiffusersBackbone(Backbone):
             if missing:
                 raise ValueError(
                     f"{self.name}: text encoders {missing} are not loaded (skipped or freed); "
-                    "pass model.embedding_cache or load them"
+                    "pass embedding_cache or load them"
                 )
             with torch.no_grad():
                 cond = self.encode_text(list(prompts))

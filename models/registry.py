@@ -53,7 +53,7 @@ def backbone_names() -> list[str]:
 def get_backbone_class(name: str) -> type[Backbone]:
     _discover()
     if name not in _BACKBONES:
-        raise ValueError(f"model.name must be one of {sorted(_BACKBONES)}, got {name!r}")
+        raise ValueError(f"name must be one of {sorted(_BACKBONES)}, got {name!r}")
     return _BACKBONES[name]
 
 

@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from models.components import quiet_progress_bars
+from models.config import TinySize
 from models.registry import get_backbone_class
 
-SIZES = ("tiny", "small")
+SIZES = tuple(size.value for size in TinySize)
 MARKER = "tiny_build.json"
 IMAGE_SIZE = {"tiny": 32, "small": 64}  # pixels per side of the images each size is built for
 

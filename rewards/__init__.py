@@ -5,6 +5,7 @@ Model weights are read from local paths only (docs/rewards.md lists the expected
 """
 
 from rewards.base import SCORER_NAMES, Scorer, build_scorer
-from rewards.combine import COMBINE_MODES, RewardCombiner
+from rewards.combine import RewardCombiner
+from rewards.config import CombineMode, RewardConfig
 
-__all__ = ["COMBINE_MODES", "SCORER_NAMES", "RewardCombiner", "Scorer", "build_scorer"]
+__all__ = ["SCORER_NAMES", "CombineMode", "RewardCombiner", "RewardConfig", "Scorer", "build_scorer"]

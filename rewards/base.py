@@ -66,7 +66,7 @@ class FrozenModelScorer(Scorer):
     """A scorer built around one frozen ``nn.Module`` held in ``self.model``."""
 
     def __init__(self, model: nn.Module, *, device: torch.device | str, dtype: torch.dtype | str) -> None:
-        self.dtype = parse_dtype(dtype, field=f"reward.components.{self.name}.dtype")
+        self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
         # a third-party model (open_clip, transformers): its own attributes, which nn.Module's typing hides
         self.model: Any = freeze(model).to(device=self.device, dtype=self.dtype)
@@ -103,14 +103,13 @@ def check_inputs(images: Tensor, prompts: Sequence[str], *, scorer: str) -> None
 
 
 def require_path(path: str | Path, *, field: str, expected: str, is_dir: bool = False) -> Path:
-    """``path`` as a Path, or FileNotFoundError naming the file, the config field and what belongs there."""
+    """``path`` as a Path, or FileNotFoundError naming the argument ``field``, the file and what belongs there."""
     resolved = Path(path).expanduser()
     present = resolved.is_dir() if is_dir else resolved.is_file()
     if not present:
         kind = "directory" if is_dir else "file"
         raise FileNotFoundError(
-            f"{field}: {kind} {str(resolved)!r} does not exist; expected {expected}. "
-            f"Set {field}=<path> (see docs/rewards.md)"
+            f"{field}: {kind} {str(resolved)!r} does not exist; expected {expected} (see docs/rewards.md)"
         )
     return resolved
 
@@ -121,8 +120,7 @@ def require_any_file(directory: Path, names: Sequence[str], *, field: str, expec
         if (directory / name).is_file():
             return directory / name
     raise FileNotFoundError(
-        f"{field}: {str(directory)!r} holds none of {list(names)}; expected {expected}. "
-        f"Set {field}=<path> (see docs/rewards.md)"
+        f"{field}: {str(directory)!r} holds none of {list(names)}; expected {expected} (see docs/rewards.md)"
     )
 
 

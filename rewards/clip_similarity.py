@@ -86,8 +86,7 @@ class CLIPSimilarityScorer(FrozenModelScorer):
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str = torch.float32,
     ) -> None:
-        prefix = f"reward.components.{self.name}"
-        model_field, processor_field = f"{prefix}.model_path", f"{prefix}.processor_path"
+        model_field, processor_field = "model_path", "processor_path"
         model_dir = require_path(model_path, field=model_field, expected="a CLIPModel directory", is_dir=True)
         require_any_file(
             model_dir, ("config.json",), field=model_field, expected="a CLIPModel saved with save_pretrained"

@@ -16,15 +16,15 @@ advantages; the trainer skips such a step, while any other error of a scorer sto
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from rewards.base import Scorer
+from rewards.config import CombineMode, check_weight
+from samplers.choices import member
 
-COMBINE_MODES = ("sum", "advantage")
 AdvantageFn = Callable[[Tensor, Tensor], Tensor]  # (rewards [B], group_ids [B]) -> advantages [B]
 
 
@@ -35,16 +35,15 @@ class NonFiniteRewardError(ValueError):
 class RewardCombiner:
     """``components`` maps a component name to (scorer, weight)."""
 
-    def __init__(self, components: Mapping[str, tuple[Scorer, float]], *, mode: str = "sum") -> None:
-        if mode not in COMBINE_MODES:
-            raise ValueError(f"reward.combine must be one of {COMBINE_MODES}, got {mode!r}")
+    def __init__(
+        self, components: Mapping[str, tuple[Scorer, float]], *, mode: CombineMode | str = CombineMode.sum
+    ) -> None:
+        self.mode = member(CombineMode, mode, "mode")
         if not components:
-            raise ValueError("reward.components is empty; name at least one reward with a weight")
+            raise ValueError("components is empty; name at least one reward with a weight")
         for name, (_, weight) in components.items():
-            if not math.isfinite(weight):
-                raise ValueError(f"reward.components.{name}.weight must be a finite number, got {weight}")
+            check_weight(name, weight)
         self.components = dict(components)
-        self.mode = mode
 
     @property
     def weights(self) -> dict[str, float]:
@@ -72,12 +71,12 @@ class RewardCombiner:
         mode="advantage": parts are the per-component advantages ``advantage_fn(s_k, group_ids)``
         and total is the advantage."""
         parts = self._checked(scores)
-        if self.mode == "sum":
+        if self.mode is CombineMode.sum:
             if group_ids is not None or advantage_fn is not None:
-                raise ValueError("reward.combine='sum' returns rewards; group_ids and advantage_fn are not used")
+                raise ValueError("mode=sum returns rewards; group_ids and advantage_fn are not used")
         else:
             if group_ids is None or advantage_fn is None:
-                raise ValueError("reward.combine='advantage' needs group_ids and advantage_fn")
+                raise ValueError("mode=advantage needs group_ids and advantage_fn")
             parts = {name: advantage_fn(score, group_ids) for name, score in parts.items()}
         return self._weighted_sum(parts), parts
 
@@ -96,7 +95,7 @@ class RewardCombiner:
         self, scores: Mapping[str, Tensor], group_ids: Tensor, advantage_fn: AdvantageFn
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Advantages [B] in either mode (A(sum_k w_k s_k) or sum_k w_k A(s_k)), and the parts of ``combine``."""
-        if self.mode == "advantage":
+        if self.mode is CombineMode.advantage:
             return self.combine(scores, group_ids=group_ids, advantage_fn=advantage_fn)
         reward, parts = self.combine(scores)
         return advantage_fn(reward, group_ids), parts

@@ -40,9 +40,7 @@ class JPEGIncompressibilityScorer(Scorer):
 
     def __init__(self, *, quality: int = 95) -> None:
         if not 1 <= quality <= 95:
-            raise ValueError(
-                f"reward.components.{self.name}.quality must be in [1, 95] (PIL's useful range), got {quality}"
-            )
+            raise ValueError(f"quality must be in [1, 95] (PIL's useful range), got {quality}")
         self.quality = quality
 
     def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:

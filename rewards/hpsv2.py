@@ -28,8 +28,6 @@ from torch import Tensor
 from rewards.base import FrozenModelScorer, require_path, unique_prompts
 from rewards.preprocess import normalize, resize_longest_and_pad
 
-CHECKPOINT_FIELD = "reward.components.hpsv2.checkpoint"
-
 
 class HPSv2Scorer(FrozenModelScorer):
     """HPSv2.1 from a local checkpoint. ``arch`` is an open_clip model name or a path to an open_clip
@@ -45,7 +43,7 @@ class HPSv2Scorer(FrozenModelScorer):
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str = torch.float32,
     ) -> None:
-        path = require_path(checkpoint, field=CHECKPOINT_FIELD, expected="HPS_v2.1_compressed.pt ({'state_dict': ...})")
+        path = require_path(checkpoint, field="checkpoint", expected="HPS_v2.1_compressed.pt ({'state_dict': ...})")
         model_name = register_arch(arch)
         super().__init__(load_open_clip(model_name, path), device=device, dtype=dtype)
         self.image_size = _square_side(self.model.visual.image_size, model_name)
@@ -64,13 +62,11 @@ class HPSv2Scorer(FrozenModelScorer):
 def register_arch(arch: str) -> str:
     """The open_clip model name for ``arch``; a ``*.json`` path is registered with open_clip first."""
     if arch.endswith(".json"):
-        config = require_path(arch, field="reward.components.hpsv2.arch", expected="an open_clip model config JSON")
+        config = require_path(arch, field="arch", expected="an open_clip model config JSON")
         open_clip.add_model_config(config)
         return config.stem
     if arch not in open_clip.list_models():
-        raise ValueError(
-            f"reward.components.hpsv2.arch={arch!r} is not an open_clip model name or a *.json model config"
-        )
+        raise ValueError(f"arch={arch!r} is not an open_clip model name or a *.json model config")
     return arch
 
 
@@ -87,5 +83,5 @@ def load_open_clip(model_name: str, checkpoint: Path) -> torch.nn.Module:
 def _square_side(image_size: int | Sequence[int], model_name: str) -> int:
     sides = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
     if sides[0] != sides[1]:
-        raise ValueError(f"reward.components.hpsv2.arch={model_name!r} has a non-square image size {sides}")
+        raise ValueError(f"arch={model_name!r} has a non-square image size {sides}")
     return int(sides[0])

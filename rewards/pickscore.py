@@ -41,7 +41,7 @@ class PickScoreScorer(CLIPSimilarityScorer):
         dtype: torch.dtype | str = torch.float32,
     ) -> None:
         if scale not in SCALES:
-            raise ValueError(f"reward.components.pickscore.scale={scale!r} is not valid; accepted values: {SCALES}")
+            raise ValueError(f"scale={scale!r} is not valid; accepted values: {', '.join(SCALES)}")
         super().__init__(model_path, processor_path, device=device, dtype=dtype)
         self.scale = scale
 

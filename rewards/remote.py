@@ -104,9 +104,9 @@ class RemoteScorer(Scorer):
 
     def __init__(self, url: str, *, timeout_s: float = 60.0, retries: int = 2) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"reward.components.remote.url must be an http(s) URL, got {url!r}")
+            raise ValueError(f"url must be an http(s) URL, got {url!r}")
         if not timeout_s > 0 or retries < 0:
-            raise ValueError("reward.components.remote needs timeout_s > 0 and retries >= 0")
+            raise ValueError(f"timeout_s must be > 0 and retries >= 0, got {timeout_s} and {retries}")
         self.url, self.timeout_s, self.retries = url.rstrip("/"), float(timeout_s), int(retries)
         self.client = httpx.Client(timeout=self.timeout_s, headers=auth_headers())
         try:

@@ -36,11 +36,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from samplers.config import SamplerConfig
 from samplers.schedule import network_timesteps
-from samplers.sde import SDE, StepOutput, step
+from samplers.sde import SDE, SDEKind, StepOutput, step
 
 Predict = Callable[[Tensor, Tensor, Any], Tensor]  # (z [B, ...], t [B], cond with B rows) -> v [B, ...]
-ODE = SDE(kind="ode")
+ODE = SDE(kind=SDEKind.ode)
 
 
 def draw_sde_window(
@@ -51,8 +52,8 @@ def draw_sde_window(
     lo, hi = window_range
     if size < 1 or lo < 0 or lo + size > hi or hi > num_steps:
         raise ValueError(
-            f"sampler.sde_window_range={tuple(window_range)} with sde_window_size={size} needs "
-            f"0 <= lo, lo + size <= hi <= num_steps = {num_steps}"
+            f"window_range={tuple(window_range)} with size={size} needs 0 <= lo, lo + size <= hi <= "
+            f"num_steps = {num_steps}"
         )
     start = lo + int(torch.randint(hi - size - lo + 1, (1,), generator=generator))
     return start, start + size
@@ -91,7 +92,7 @@ class Trajectory:
     log_probs: Tensor  # [B, N] float32 log p(z_{k+1} | z_k) at sampling time; 0 at ODE steps
     stochastic: Tensor  # [N] bool (CPU): step k is an SDE step
     trainable: Tensor  # [N] bool (CPU): stochastic and not the last transition
-    velocities: Tensor | None  # [B, N, ...] v(z_k, t_k) when kept, in ``velocity_dtype``, maybe on the host
+    velocities: Tensor | None  # [B, N, ...] v(z_k, t_k) when kept (``KeptVelocities``), maybe on the host
     cond: Any  # the Conditioning the rollout used, B rows
     group_ids: Tensor  # [B] id of each row's group (rows of one group share z_0)
     sde: SDE  # the transition taken at stochastic steps
@@ -154,11 +155,76 @@ def _sde_noise(generator: torch.Generator | Sequence[torch.Generator] | None, z:
     return torch.cat([torch.randn(shape, generator=g, device=z.device, dtype=torch.float32) for g in generator])
 
 
-def _velocity_buffer(latents: Tensor, dtype: torch.dtype, device: torch.device | str | None) -> Tensor:
-    """[B, N, ...] for the kept velocities; pinned when it is host memory for a GPU rollout."""
-    device = latents.device if device is None else torch.device(device)
-    pin = device.type == "cpu" and latents.device.type == "cuda"
-    return torch.empty(latents[:, 1:].shape, dtype=dtype, device=device, pin_memory=pin)
+@dataclass(frozen=True)
+class KeptVelocities:
+    """Where a rollout keeps every v(z_k, t_k): in ``dtype`` (the transformer's compute dtype loses nothing,
+    ``predict`` only upcast it) on ``device`` (None: the latents'; host memory is pinned when the latents are
+    on a GPU)."""
+
+    dtype: torch.dtype = torch.float32
+    device: torch.device | str | None = None
+
+    def buffer(self, latents: Tensor) -> Tensor:
+        """[B, N, ...] for the velocities of the trajectories ``latents`` [B, N+1, ...]."""
+        device = latents.device if self.device is None else torch.device(self.device)
+        pin = device.type == "cpu" and latents.device.type == "cuda"
+        return torch.empty(latents[:, 1:].shape, dtype=self.dtype, device=device, pin_memory=pin)
+
+
+def _check_rows(
+    batch: int, generator: torch.Generator | Sequence[torch.Generator] | None, group_size: int, group_ids: Tensor | None
+) -> None:
+    """The SDE-noise generators and the groups split the ``batch`` rows evenly; ``group_ids`` is [B]."""
+    if isinstance(generator, Sequence) and (not generator or batch % len(generator)):
+        raise ValueError(f"{len(generator)} SDE-noise generators do not split a batch of {batch} rows evenly")
+    if group_size < 1 or batch % group_size:
+        raise ValueError(f"group_size={group_size} does not split a batch of {batch} rows into whole groups")
+    if group_ids is not None and group_ids.shape != (batch,):
+        raise ValueError(f"group_ids must be [B] = [{batch}], got {tuple(group_ids.shape)}")
+
+
+def _empty_trajectory(
+    noise: Tensor, cond: Any, flags: list[bool], sampler: SamplerConfig, sigmas: Tensor, group_ids: Tensor | None
+) -> Trajectory:
+    """The trajectories of ``noise`` (z_0) before the first step: the latents and log-probs to fill."""
+    num_steps, batch, device = len(flags), noise.shape[0], noise.device
+    sigma_guard = float(sigmas[1])  # read before moving: no device sync
+    latents = torch.empty((batch, num_steps + 1, *noise.shape[1:]), device=device, dtype=torch.float32)
+    latents[:, 0] = noise
+    return Trajectory(
+        latents=latents,
+        timesteps=network_timesteps(sigmas, quantize=sampler.quantize_timesteps).to(device, torch.float32),
+        sigmas=sigmas.to(device),
+        log_probs=torch.zeros(batch, num_steps, device=device, dtype=torch.float32),
+        stochastic=torch.tensor(flags, dtype=torch.bool),
+        trainable=torch.tensor(trainable_flags(flags), dtype=torch.bool),
+        velocities=None,
+        cond=cond,
+        group_ids=torch.arange(batch, device=device) if group_ids is None else group_ids,
+        sde=sampler.transition,
+        sigma_guard=sigma_guard,
+    )
+
+
+def _take_step(
+    traj: Trajectory,
+    k: int,
+    v: Tensor,
+    *,
+    is_sde: bool,
+    generator: torch.Generator | Sequence[torch.Generator] | None,
+) -> None:
+    """Transition k of ``traj`` with velocity ``v``: z_{k+1}, its log-prob and the kept v written in place."""
+    z, sigma, sigma_next = traj.latents[:, k], traj.sigmas[k], traj.sigmas[k + 1]
+    if is_sde:
+        out = step(traj.sde, v, z, sigma, sigma_next, noise=_sde_noise(generator, z), sigma_guard=traj.sigma_guard)
+    else:
+        out = step(ODE, v, z, sigma, sigma_next)
+    traj.latents[:, k + 1] = out.next_z
+    if out.log_prob is not None:
+        traj.log_probs[:, k] = out.log_prob
+    if traj.velocities is not None:  # asynchronous into pinned host memory; later copies are stream-ordered
+        traj.velocities[:, k].copy_(v, non_blocking=traj.velocities.is_pinned())
 
 
 @torch.no_grad()
@@ -166,80 +232,43 @@ def rollout(
     predict: Predict,
     cond: Any,
     noise: Tensor,
+    sampler: SamplerConfig,
     *,
     sigmas: Tensor,
-    sde: SDE,
     sde_window: tuple[int, int] | None = None,
-    group_ids: Tensor | None = None,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
-    quantize_timesteps: str = "none",
-    keep_velocities: bool = False,
-    velocity_dtype: torch.dtype = torch.float32,
-    velocity_device: torch.device | str | None = None,
+    group_ids: Tensor | None = None,
     group_size: int = 1,
+    velocities: KeptVelocities | None = None,
 ) -> Trajectory:
     """Sample B trajectories from ``noise`` [B, ...] (z_0) with ``cond`` (B rows).
 
-    ``sigmas`` [N+1] fix the schedule; ``sde`` is taken at every step, or only in ``sde_window``
-    = (start, stop) with ODE steps elsewhere; ``group_ids`` [B] default to one group per row;
-    ``generator`` (on the latents' device) draws the SDE noise: one for the batch, or one per
-    block of B / len(generator) consecutive rows (e.g. per group, so a group's samples do not
-    depend on which other groups share the batch); ``keep_velocities`` stores every v(z_k, t_k) in
-    ``velocity_dtype`` (the transformer's compute dtype loses nothing: ``predict`` only upcast it) on
-    ``velocity_device`` (default: the latents'; host memory is pinned when the latents are on a GPU);
-    ``group_size``: rows come in consecutive blocks of this many that share z_0 and the conditioning,
-    and the steps of the shared start run one row per block (module docstring; 1 = no sharing).
+    ``sampler`` gives the transition (``sampler.transition``) and the network timesteps
+    (``sampler.quantize_timesteps``); ``sigmas`` [N+1] fix the schedule; the transition is taken at every
+    step, or only in ``sde_window`` = (start, stop) with ODE steps elsewhere; ``generator`` (on the latents'
+    device) draws the SDE noise: one for the batch, or one per block of B / len(generator) consecutive rows
+    (e.g. per group, so a group's samples do not depend on which other groups share the batch);
+    ``group_ids`` [B] default to one group per row; ``group_size``: rows come in consecutive blocks of this
+    many that share z_0 and the conditioning, and the steps of the shared start run one row per block
+    (module docstring; 1 = no sharing); ``velocities``: keep every v(z_k, t_k) there (None: keep none).
     """
-    num_steps, batch, device = sigmas.shape[0] - 1, noise.shape[0], noise.device
-    if isinstance(generator, Sequence) and (not generator or batch % len(generator)):
-        raise ValueError(f"{len(generator)} SDE-noise generators do not split a batch of {batch} rows evenly")
-    if group_size < 1 or batch % group_size:
-        raise ValueError(f"group_size={group_size} does not split a batch of {batch} rows into whole groups")
-    flags = stochastic_flags(num_steps, sde, sde_window)  # python values: the loop reads no tensor
+    batch = noise.shape[0]
+    _check_rows(batch, generator, group_size, group_ids)
+    flags = stochastic_flags(sigmas.shape[0] - 1, sampler.transition, sde_window)  # python values: no tensor read
+    traj = _empty_trajectory(noise, cond, flags, sampler, sigmas, group_ids)
+    if velocities is not None:
+        traj = replace(traj, velocities=velocities.buffer(traj.latents))
     shared = shared_start_steps(flags) if group_size > 1 else 0
-    firsts = torch.arange(0, batch, group_size, device=device)  # the first row of each group
+    firsts = torch.arange(0, batch, group_size, device=noise.device)  # the first row of each group
     first_cond = cond.index(firsts) if shared else cond
-    stochastic = torch.tensor(flags, dtype=torch.bool)
-    if group_ids is None:
-        group_ids = torch.arange(batch, device=device)
-    if group_ids.shape != (batch,):
-        raise ValueError(f"group_ids must be [B] = [{batch}], got {tuple(group_ids.shape)}")
-    sigma_guard = float(sigmas[1])  # read before moving: no device sync
-    timesteps = network_timesteps(sigmas, quantize=quantize_timesteps).to(device, torch.float32)
-    sigmas = sigmas.to(device)
-    latents = torch.empty((batch, num_steps + 1, *noise.shape[1:]), device=device, dtype=torch.float32)
-    latents[:, 0] = noise
-    log_probs = torch.zeros(batch, num_steps, device=device, dtype=torch.float32)
-    velocities = _velocity_buffer(latents, velocity_dtype, velocity_device) if keep_velocities else None
     for k, is_sde in enumerate(flags):
-        z = latents[:, k]
+        z, t = traj.latents[:, k], traj.timesteps[k]
         if k < shared:  # the group's rows have one input: one row per group, broadcast to its G rows
-            v = predict(z[firsts], timesteps[k].expand(len(firsts)), first_cond).repeat_interleave(group_size, 0)
+            v = predict(z[firsts], t.expand(len(firsts)), first_cond).repeat_interleave(group_size, 0)
         else:
-            v = predict(z, timesteps[k].expand(batch), cond)
-        if is_sde:
-            eps = _sde_noise(generator, z)
-            out = step(sde, v, z, sigmas[k], sigmas[k + 1], noise=eps, sigma_guard=sigma_guard)
-        else:
-            out = step(ODE, v, z, sigmas[k], sigmas[k + 1])
-        latents[:, k + 1] = out.next_z
-        if out.log_prob is not None:
-            log_probs[:, k] = out.log_prob
-        if velocities is not None:  # asynchronous into pinned host memory; later copies are stream-ordered
-            velocities[:, k].copy_(v, non_blocking=velocities.is_pinned())
-    return Trajectory(
-        latents=latents,
-        timesteps=timesteps,
-        sigmas=sigmas,
-        log_probs=log_probs,
-        stochastic=stochastic,
-        trainable=torch.tensor(trainable_flags(flags), dtype=torch.bool),
-        velocities=velocities,
-        cond=cond,
-        group_ids=group_ids,
-        sde=sde,
-        sigma_guard=sigma_guard,
-    )
+            v = predict(z, t.expand(batch), cond)
+        _take_step(traj, k, v, is_sde=is_sde, generator=generator)
+    return traj
 
 
 def transition(traj: Trajectory, k: int, v: Tensor, rows: Tensor | Sequence[int] | None = None) -> StepOutput:

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from samplers.choices import Choice, member
+
 
 def shifted_sigmas(num_steps: int, shift: float) -> Tensor:
     """sigmas [num_steps + 1] of the fixed-shift schedule, float64, from 1 down to exactly 0."""
@@ -66,7 +68,12 @@ def dynamic_sigmas(num_steps: int, mu: float, *, shift_terminal: float | None = 
     return torch.cat([sigmas, torch.zeros(1, dtype=sigmas.dtype)])
 
 
-QUANTIZE_MODES = ("none", "float64", "dance")  # sampler.quantize_timesteps
+class QuantizeTimesteps(Choice):
+    """The timestep fed to the transformer (``network_timesteps``)."""
+
+    none = "none"
+    float64 = "float64"
+    dance = "dance"
 
 
 def dance_float32_sigmas(sigmas: Tensor) -> Tensor:
@@ -86,13 +93,13 @@ def dance_float32_sigmas(sigmas: Tensor) -> Tensor:
         sigma1, sigma_last = float(sigmas[1]), float(sigmas[num_steps - 1])
         shift = sigma1 * (1.0 - u1) / (u1 * (1.0 - sigma1))
         if abs(shift * u_last / (1.0 + (shift - 1.0) * u_last) - sigma_last) > 1e-9:
-            raise ValueError("sampler.quantize_timesteps=dance needs a fixed-shift schedule: set sampler.shift")
+            raise ValueError("quantize=dance needs a fixed-shift schedule (DanceGRPO has no other)")
     u = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
     s = torch.tensor(shift, dtype=torch.float32)
     return (s * u) / (1.0 + (s - 1.0) * u)
 
 
-def network_timesteps(sigmas: Tensor, *, quantize: str = "none") -> Tensor:
+def network_timesteps(sigmas: Tensor, *, quantize: QuantizeTimesteps | str = QuantizeTimesteps.none) -> Tensor:
     """The timestep fed to the transformer at each of the N steps (sigmas[:-1]).
 
     ``none``: sigma itself. ``float64``: floor(1000 sigma) / 1000 of our float64 schedule.
@@ -100,22 +107,21 @@ def network_timesteps(sigmas: Tensor, *, quantize: str = "none") -> Tensor:
     the two differ only where sigma is an exact multiple of 1/1000. The SDE itself always uses our
     exact sigmas, so rollout and training see the same inputs and the ratio is unaffected.
     """
-    if quantize not in QUANTIZE_MODES:
-        raise ValueError(f"sampler.quantize_timesteps={quantize!r} is not valid; accepted values: {QUANTIZE_MODES}")
-    if quantize == "dance":
+    quantize = member(QuantizeTimesteps, quantize, "quantize")
+    if quantize is QuantizeTimesteps.dance:
         return torch.floor(dance_float32_sigmas(sigmas)[:-1] * 1000.0).to(sigmas.dtype) / 1000.0
     t = sigmas[:-1].clone()
-    if quantize == "float64":
+    if quantize is QuantizeTimesteps.float64:
         t = torch.floor(t * 1000.0) / 1000.0
     return t
 
 
-def check_timesteps(sigmas: Tensor, *, quantize: str = "none") -> None:
+def check_timesteps(sigmas: Tensor, *, quantize: QuantizeTimesteps | str = QuantizeTimesteps.none) -> None:
     """Refuse a schedule whose network timesteps do not strictly decrease: JAGG's interpolation
     weights divide by the timestep span of a group, which two equal timesteps could make 0."""
     t = network_timesteps(sigmas, quantize=quantize)
     if not bool((t[1:] < t[:-1]).all()):
         raise ValueError(
-            "the network timesteps must strictly decrease: sampler.quantize_timesteps maps two of the "
-            f"{t.shape[0]} steps to one timestep (use fewer sampler.num_steps)"
+            f"the network timesteps must strictly decrease, but quantize={quantize} maps two of the "
+            f"{t.shape[0]} steps to one timestep: use fewer steps"
         )

@@ -36,29 +36,37 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-SDE_KINDS = ("dance", "flow", "cps", "ode")
+from samplers.choices import Choice, member
+
+
+class SDEKind(Choice):
+    """The transition a step takes (module docstring)."""
+
+    dance = "dance"
+    flow = "flow"
+    cps = "cps"
+    ode = "ode"
 
 
 @dataclass(frozen=True)
 class SDE:
     """Which transition to take. ``eta`` is read by ``dance``, ``noise_level`` by ``flow`` and ``cps``."""
 
-    kind: str = "dance"
+    kind: SDEKind = SDEKind.dance
     eta: float = 0.3
     noise_level: float = 0.7
 
     def __post_init__(self) -> None:
-        if self.kind not in SDE_KINDS:
-            raise ValueError(f"sampler.sde must be one of {SDE_KINDS}, got {self.kind!r}")
-        if self.kind == "cps" and not 0 < self.noise_level <= 1:
+        object.__setattr__(self, "kind", member(SDEKind, self.kind, "kind"))
+        if self.kind is SDEKind.cps and not 0 < self.noise_level <= 1:
             # sigma_t = sigma' sin(noise_level pi / 2) must stay in (0, sigma'] for sqrt(sigma'^2 - sigma_t^2)
-            raise ValueError(f"sampler.noise_level must be in (0, 1] for sampler.sde=cps, got {self.noise_level}")
+            raise ValueError(f"noise_level must be in (0, 1] for cps, got {self.noise_level}")
         if self.eta < 0 or self.noise_level < 0:
-            raise ValueError("sampler.eta and sampler.noise_level must be >= 0")
+            raise ValueError(f"eta and noise_level must be >= 0, got {self.eta} and {self.noise_level}")
 
     @property
     def stochastic(self) -> bool:
-        return self.kind != "ode"
+        return self.kind is not SDEKind.ode
 
 
 @dataclass(frozen=True)
@@ -85,9 +93,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def diffusion_coeff(sde: SDE, sigma: Tensor, sigma_guard: Tensor | float | None) -> Tensor:
     """g(sigma) of the chosen SDE, same shape as ``sigma``."""
-    if sde.kind == "dance":
+    if sde.kind is SDEKind.dance:
         return torch.full_like(sigma, sde.eta)
-    if sde.kind == "flow":
+    if sde.kind is SDEKind.flow:
         if sigma_guard is None:
             # Checked only where it costs no device sync; the rollout always passes the guard.
             if sigma.device.type == "cpu" and bool((sigma >= 1.0).any()):
@@ -126,13 +134,13 @@ def step(
     v, z = v.to(dtype), z.to(dtype)
     sig, sig_next = _rows(sigma, z), _rows(sigma_next, z)
     dt = sig_next - sig
-    if sde.kind == "ode":
+    if sde.kind is SDEKind.ode:
         mean = z + v * dt
         out = mean if next_z is None else next_z.to(dtype)
         zero = torch.zeros(z.shape[0], dtype=dtype, device=z.device)
         return StepOutput(out, mean, zero, zero, None)
 
-    if sde.kind == "cps":
+    if sde.kind is SDEKind.cps:
         return _cps_step(sde, v, z, sig, sig_next, next_z=next_z, noise=noise, generator=generator)
     g = diffusion_coeff(sde, sig, sigma_guard)
     x1_hat = z + (1.0 - sig) * v

@@ -20,8 +20,9 @@ import torch
 
 from models import backbone_names, load_backbone
 from models.tiny import IMAGE_SIZE, SIZES, build_tiny
-from samplers.rollout import group_noise, rollout
-from samplers.sde import SDE
+from samplers.config import SamplerConfig
+from samplers.rollout import KeptVelocities, group_noise, rollout
+from samplers.sde import SDEKind
 
 PROMPTS = ["a photo of a cat", "a red dog on the grass", "a bowl of fruit", "a mountain lake at sunset"]
 
@@ -57,10 +58,10 @@ def bench(name: str, size: str, folder: Path, args: argparse.Namespace) -> list[
             backbone.predict,
             cond,
             noise,
+            SamplerConfig(sde=SDEKind.dance, eta=0.3),
             sigmas=sigmas,
-            sde=SDE("dance", eta=0.3),
             generator=torch.Generator().manual_seed(seed),
-            keep_velocities=keep,
+            velocities=KeptVelocities() if keep else None,
         )
 
     rows = []

@@ -34,8 +34,9 @@ from models.diffusers_backbone import pack_latents
 from models.flux import FluxBackbone, FluxConditioning, random_pipeline, t5_tokenizer
 from models.registry import load_backbone
 from rewards.shapes import COLOURS, POSITIONS, SHAPES, SIZES
+from samplers.config import SamplerConfig
 from samplers.rollout import rollout
-from samplers.sde import SDE
+from samplers.sde import SDEKind
 
 MARKER = "testbed_build.json"
 TEXT_WIDTH = 64  # CLIP and T5 hidden size (= the transformer's joint and pooled projection dims)
@@ -228,5 +229,5 @@ def sample(
     generator = torch.Generator().manual_seed(seed)
     noise = backbone.initial_noise(len(prompts), height=32, width=32, generator=generator)
     sigmas = backbone.sigmas(num_steps, height=32, width=32, shift=shift)
-    traj = rollout(backbone.predict, backbone.encode(prompts), noise, sigmas=sigmas, sde=SDE(kind="ode"))
+    traj = rollout(backbone.predict, backbone.encode(prompts), noise, SamplerConfig(sde=SDEKind.ode), sigmas=sigmas)
     return backbone.decode(traj.latents[:, -1])

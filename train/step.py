@@ -30,17 +30,25 @@ import torch
 from torch import Tensor
 
 from models.base import Backbone, Conditioning, decode_in_chunks
+from models.config import ModelConfig
 from rewards.combine import AdvantageFn, NonFiniteRewardError
-from samplers.rollout import Predict, Trajectory, draw_sde_window, group_noise, rollout, shared_start_steps
+from samplers.rollout import (
+    KeptVelocities,
+    Predict,
+    Trajectory,
+    draw_sde_window,
+    group_noise,
+    rollout,
+    shared_start_steps,
+)
 from samplers.schedule import check_timesteps
-from samplers.sde import SDE
 from train.algorithm.grpo import group_advantages
 from train.algorithm.jagg import Counts
 from train.algorithm.update import UpdateBatch, UpdateStats, shared_start, update_micro_batch
 from train.components.build import Run, policy_predictor, reference_predictor, update_settings
-from train.components.config import AdvStd, ModelConfig, TrainConfig
+from train.components.config import AdvStd, TrainConfig
 from train.components.ema import EMA
-from train.components.errors import RankFailed, mark_agreed
+from train.components.errors import RankFailed, config_key, mark_agreed
 from train.components.logger import PhaseTimer
 from train.components.perf import perf_metrics
 from train.distributed.collectives import all_gather_tensor, all_reduce_max
@@ -68,8 +76,9 @@ def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -
             window_range=(lo, hi),
             generator=stream_generator(cfg.seed, "sde_window", step),  # same on every rank
         )
-    sigmas = backbone.sigmas(s.num_steps, height=h, width=w, shift=s.shift)
-    check_timesteps(sigmas, quantize=s.quantize_timesteps)
+    with config_key("sampler", ["shift"]):
+        sigmas = backbone.sigmas(s.num_steps, height=h, width=w, shift=s.shift)
+        check_timesteps(sigmas, quantize=s.quantize_timesteps)
     # SDE noise per group, from (seed, group id): the same samples however groups spread over ranks.
     sde_noise = [stream_generator(cfg.seed, "sde_noise", gid, device) for gid in batch.group_ids]
     keep = update_settings(cfg).keeps_velocities if keep_velocities is None else keep_velocities
@@ -108,21 +117,18 @@ def sample_trajectories(
     [B, ...] and ``cond`` (B rows, in groups of G consecutive rows: with ``update.share_group_start`` the
     shared start runs one row per group); the velocities kept in ``velocity_dtype``, in host memory with
     ``update.offload_velocities``."""
-    s = cfg.sampler
+    velocities = KeptVelocities(velocity_dtype, "cpu" if cfg.update.offload_velocities else None)
     return rollout(
         predict,
         cond,
         noise,
+        cfg.sampler,
         sigmas=sigmas,
-        sde=SDE(s.sde, eta=s.eta, noise_level=s.noise_level),
         sde_window=sde_window,
-        quantize_timesteps=s.quantize_timesteps,
         generator=sde_noise,
         group_ids=group_ids,
-        keep_velocities=keep_velocities,
-        velocity_dtype=velocity_dtype,
-        velocity_device="cpu" if cfg.update.offload_velocities else None,
         group_size=rollout_group_size(cfg),
+        velocities=velocities if keep_velocities else None,
     )
 
 

@@ -8,9 +8,10 @@ import torch
 from torch import Tensor, nn
 
 from models.base import Conditioning
-from samplers.rollout import Trajectory, rollout
+from samplers.config import SamplerConfig
+from samplers.rollout import KeptVelocities, Trajectory, rollout
 from samplers.schedule import shifted_sigmas
-from samplers.sde import SDE
+from samplers.sde import SDEKind
 from train.algorithm.update import UpdateBatch, UpdateSettings
 
 DIM = 8
@@ -54,10 +55,10 @@ def toy_trajectory(
             model,
             ToyCond(torch.zeros(batch, 1)),
             noise,
+            SamplerConfig(sde=SDEKind(sde), num_steps=num_steps, eta=0.3, noise_level=0.7),
             sigmas=shifted_sigmas(num_steps, 3.0),
-            sde=SDE(sde, eta=0.3, noise_level=0.7),
             generator=torch.Generator().manual_seed(2),
-            keep_velocities=keep_velocities,
+            velocities=KeptVelocities() if keep_velocities else None,
         )
 
 

@@ -265,7 +265,7 @@ def test_interpolation_weights_and_aggregate():
 def test_timesteps_that_repeat_are_refused():
     """A group's alpha divides by t_0 - t_{W-1}: the rollout refuses a schedule with a repeated timestep."""
     check_timesteps(shifted_sigmas(20, 3.0), quantize="float64")
-    with pytest.raises(ValueError, match="quantize_timesteps"):
+    with pytest.raises(ValueError, match="strictly decrease, but quantize=float64 maps two"):
         check_timesteps(torch.tensor([1.0, 0.5004, 0.5001, 0.0]), quantize="float64")
 
 

@@ -17,7 +17,8 @@ from models.flux import FluxBackbone
 from models.qwenimage import QwenImageConditioning
 from models.registry import get_backbone_class
 from models.tiny import build_tiny
-from samplers.rollout import ODE, rollout
+from samplers.config import SamplerConfig
+from samplers.rollout import rollout
 from samplers.schedule import shifted_sigmas
 
 PROMPTS = ["a photo of a cat", "a red dog with a blue hat on the grass"]
@@ -51,7 +52,7 @@ def test_ode_rollout_and_decode_match_the_diffusers_pipeline(name, folders, back
     }
     noise = backbone.initial_noise(len(PROMPTS), height=32, width=32, generator=torch.Generator().manual_seed(0))
     sigmas = backbone.sigmas(4, height=32, width=32)
-    traj = rollout(backbone.predict, backbone.encode(PROMPTS), noise, sigmas=sigmas, sde=ODE)
+    traj = rollout(backbone.predict, backbone.encode(PROMPTS), noise, SamplerConfig(sde="ode"), sigmas=sigmas)
     final = traj.latents[:, -1]
     torch.testing.assert_close(final.flatten(1, 2), expected["latent"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(backbone.decode(final, height=32, width=32), expected["pt"], rtol=1e-5, atol=1e-5)
@@ -179,13 +180,13 @@ def test_component_override_and_option_validation(folders, tmp_path):
     assert backbone.folders["vae"] == vae_copy and backbone.guidance == 2.0
     with pytest.raises(ValueError, match=r"unknown model option\(s\) \['guidanse'\].*guidance"):
         load_backbone("flux", folders["flux"], dtype="float32", guidanse=2.0)
-    with pytest.raises(ValueError, match="model.dtype must be one of"):
+    with pytest.raises(ValueError, match="dtype must be one of"):
         load_backbone("flux", folders["flux"], dtype="float8")
 
 
 def test_registry(folders):
     assert {"flux", "qwenimage"} <= set(backbone_names())
-    with pytest.raises(ValueError, match="model.name must be one of"):
+    with pytest.raises(ValueError, match="name must be one of"):
         load_backbone("sd3", folders["flux"])
     with pytest.raises(ValueError, match="registered twice"):
         register_backbone("flux")(type("OtherFlux", (FluxBackbone,), {}))

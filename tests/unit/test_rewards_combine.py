@@ -95,7 +95,7 @@ def test_nan_score_is_an_error_naming_the_scorer() -> None:
 
 
 def test_combiner_rejects_bad_settings() -> None:
-    with pytest.raises(ValueError, match="reward.combine"):
+    with pytest.raises(ValueError, match="mode='mean' is not valid; accepted values: sum, advantage"):
         _combiner("mean")
     with pytest.raises(ValueError, match="group_ids and advantage_fn"):
         _combiner("advantage").combine({"hps": torch.ones(4), "clip": torch.ones(4)})
@@ -103,7 +103,7 @@ def test_combiner_rejects_bad_settings() -> None:
         _combiner("sum").combine({"hps": torch.ones(4), "clip": torch.ones(4)}, advantage_fn=_hand_advantages)
     with pytest.raises(ValueError, match="expected"):
         _combiner("sum").combine({"hps": torch.ones(4)})
-    with pytest.raises(ValueError, match=r"reward\.components\.x\.weight"):
+    with pytest.raises(ValueError, match=r"components\.x\.weight must be a finite number"):
         RewardCombiner({"x": (FixedScorer("x", [1.0]), float("nan"))})
 
 
@@ -125,7 +125,7 @@ def test_registry_builds_by_name_and_lists_names_on_error() -> None:
 
 
 def test_registry_passes_paths_through_to_file_checks(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"reward\.components\.hpsv2\.checkpoint"):
+    with pytest.raises(FileNotFoundError, match=r"checkpoint: file .*HPS_v2\.1_compressed\.pt' does not exist"):
         build_scorer("hpsv2", checkpoint=tmp_path / "HPS_v2.1_compressed.pt")
 
 

@@ -3,18 +3,26 @@ and the JAGG update paths on real (tiny) backbones."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import Tensor
 
 from models import backbone_names, load_backbone
 from models.flux import FluxConditioning
-from samplers.rollout import ODE, draw_sde_window, group_noise, rollout, stochastic_flags, transition
-from samplers.sde import SDE, step
+from samplers.config import SamplerConfig
+from samplers.rollout import ODE, KeptVelocities, draw_sde_window, group_noise, rollout, stochastic_flags, transition
+from samplers.sde import step
 from train.algorithm.grpo import ppo_step_loss
 from train.algorithm.jagg import backward_group
 
-SDES = {"dance": SDE("dance", eta=0.3), "flow": SDE("flow", noise_level=0.7), "cps": SDE("cps", noise_level=0.8)}
+SDES = {
+    "dance": SamplerConfig(sde="dance", eta=0.3),
+    "flow": SamplerConfig(sde="flow", noise_level=0.7),
+    "cps": SamplerConfig(sde="cps", noise_level=0.8),
+}
+ODE_SAMPLER = SamplerConfig(sde="ode")
 
 
 @pytest.fixture(scope="module")
@@ -22,16 +30,16 @@ def backbones(tiny_dir):
     return {name: load_backbone(name, tiny_dir(name), dtype="float32") for name in backbone_names()}
 
 
-def _sample(backbone, sde: SDE, *, num_steps: int = 6, group_size: int = 2, seed: int = 0, **kwargs):
+def _sample(backbone, sampler: SamplerConfig, *, num_steps: int = 6, group_size: int = 2, seed: int = 0, **kwargs):
     prompts = ["a photo of a cat", "a red dog on the grass"]
     cond = backbone.encode(prompts).repeat(group_size)
     noise = group_noise(backbone.initial_noise, [11, 12], group_size=group_size, height=32, width=32)
-    shift = 3.0 if sde.kind == "dance" else None  # DanceGRPO's fixed shift; Flow-GRPO: the model's own
+    shift = 3.0 if sampler.sde == "dance" else None  # DanceGRPO's fixed shift; Flow-GRPO: the model's own
     sigmas = backbone.sigmas(num_steps, height=32, width=32, shift=shift)
     group_ids = torch.tensor([11, 12]).repeat_interleave(group_size)
     generator = torch.Generator().manual_seed(seed)
     return rollout(
-        backbone.predict, cond, noise, sigmas=sigmas, sde=sde, group_ids=group_ids, generator=generator, **kwargs
+        backbone.predict, cond, noise, sampler, sigmas=sigmas, group_ids=group_ids, generator=generator, **kwargs
     )
 
 
@@ -41,7 +49,8 @@ def test_recomputed_log_probs_give_ratio_one(name, kind, backbones):
     """Same weights, stored float32 latents: every transition re-scores to its sampling log-prob,
     also when recomputed on a different split of rows (as a training micro-batch would)."""
     backbone = backbones[name]
-    traj = _sample(backbone, SDES[kind], quantize_timesteps="float64" if kind == "dance" else "none")
+    quantize = "float64" if kind == "dance" else "none"
+    traj = _sample(backbone, replace(SDES[kind], quantize_timesteps=quantize))
     assert traj.log_probs.dtype == torch.float32 and traj.latents.dtype == torch.float32
     assert traj.trainable.tolist() == [True] * 5 + [False]  # the last transition never trains
     for k in range(traj.num_steps):
@@ -85,8 +94,8 @@ def test_one_batched_call_per_step_quantized_t_and_kept_velocities():
     sigmas = torch.tensor([1.0, 0.7777, 0.3333, 0.0], dtype=torch.float64)
     noise = torch.randn(5, 2, 2, 4, generator=torch.Generator().manual_seed(0))
     traj = rollout(
-        _linear_predict(calls), None, noise, sigmas=sigmas, sde=SDES["dance"], quantize_timesteps="float64",
-        keep_velocities=True, generator=torch.Generator().manual_seed(1),
+        _linear_predict(calls), None, noise, replace(SDES["dance"], quantize_timesteps="float64"), sigmas=sigmas,
+        velocities=KeptVelocities(), generator=torch.Generator().manual_seed(1),
     )  # fmt: skip
     assert [b for b, _ in calls] == [5, 5, 5]
     torch.testing.assert_close(traj.timesteps, torch.tensor([1.0, 0.777, 0.333]))
@@ -94,7 +103,7 @@ def test_one_batched_call_per_step_quantized_t_and_kept_velocities():
     for k in range(3):
         expected_v = 0.5 * traj.latents[:, k] - traj.timesteps[k]
         torch.testing.assert_close(traj.velocities[:, k], expected_v)
-    no_v = rollout(_linear_predict([]), None, noise, sigmas=sigmas, sde=SDES["dance"])
+    no_v = rollout(_linear_predict([]), None, noise, SDES["dance"], sigmas=sigmas)
     assert no_v.velocities is None and no_v.group_ids.tolist() == [0, 1, 2, 3, 4]
 
 
@@ -102,7 +111,7 @@ def test_sde_window_steps_and_ode_elsewhere():
     sigmas = torch.linspace(1.0, 0.0, 9, dtype=torch.float64)
     noise = torch.randn(3, 2, 2, 4, generator=torch.Generator().manual_seed(0))
     cond = FluxConditioning(prompt_embeds=torch.arange(3.0).view(3, 1, 1), pooled=torch.zeros(3, 2))
-    traj = rollout(_linear_predict([]), cond, noise, sigmas=sigmas, sde=SDES["flow"], sde_window=(2, 5))
+    traj = rollout(_linear_predict([]), cond, noise, SDES["flow"], sigmas=sigmas, sde_window=(2, 5))
     assert traj.stochastic.tolist() == [False, False, True, True, True, False, False, False]
     assert traj.trainable_steps() == [2, 3, 4]
     assert (traj.log_probs[:, [0, 1, 5, 6, 7]] == 0).all() and (traj.log_probs[:, 2:5] != 0).all()
@@ -125,10 +134,10 @@ def test_draw_sde_window_covers_its_range():
     starts = {draw_sde_window(10, size=2, window_range=(1, 6), generator=generator)[0] for _ in range(200)}
     assert starts == {1, 2, 3, 4}  # start in [lo, hi - size]
     assert draw_sde_window(10, size=3, window_range=(4, 7)) == (4, 7)
-    with pytest.raises(ValueError, match="sde_window_range"):
+    with pytest.raises(ValueError, match="window_range"):
         draw_sde_window(10, size=4, window_range=(0, 3))
     with pytest.raises(ValueError, match="sde_window"):
-        rollout(_linear_predict([]), None, torch.zeros(1, 1, 1, 4), sigmas=torch.linspace(1, 0, 4), sde=SDES["flow"],
+        rollout(_linear_predict([]), None, torch.zeros(1, 1, 1, 4), SDES["flow"], sigmas=torch.linspace(1, 0, 4),
                 sde_window=(2, 5))  # fmt: skip
 
 
@@ -189,7 +198,7 @@ def test_rollout_velocities_give_the_recomputed_gradient(name, mode, backbones):
     micro-batch of 2 rows over W - 2 = 2 steps in one call. The same weights give the same v up to the
     float32 rounding of other batch shapes, so the gradients agree to 1e-5 relative."""
     backbone = backbones[name]
-    traj = _sample(backbone, SDES["dance"], num_steps=6, keep_velocities=True)
+    traj = _sample(backbone, SDES["dance"], num_steps=6, velocities=KeptVelocities())
     micro = traj.index([1, 2])
     recomputed = _jagg_grads(backbone, micro, mode, 0, 4)
     reused = _jagg_grads(backbone, micro, mode, 0, 4, reuse=True)
@@ -208,8 +217,9 @@ def test_kept_velocities_in_the_model_dtype_and_on_the_host():
 
     sigmas = torch.tensor([1.0, 0.6, 0.2, 0.0])
     noise = torch.randn(4, 2, 2, 4, generator=torch.Generator().manual_seed(0))
-    kwargs = dict(sigmas=sigmas, sde=SDES["dance"], generator=torch.Generator().manual_seed(1), keep_velocities=True)
-    traj = rollout(bf16_predict, None, noise, velocity_dtype=torch.bfloat16, velocity_device="cpu", **kwargs)
+    velocities = KeptVelocities(torch.bfloat16, "cpu")
+    traj = rollout(bf16_predict, None, noise, SDES["dance"], sigmas=sigmas, generator=torch.Generator().manual_seed(1),
+                   velocities=velocities)  # fmt: skip
     assert traj.velocities.dtype == torch.bfloat16 and traj.velocities.shape == (4, 3, 2, 2, 4)
     for k in range(3):
         torch.testing.assert_close(
@@ -232,8 +242,8 @@ def test_rollout_never_reads_device_values(name, kind, tiny_dir):
     noise = torch.empty(2, 8, 8, 16, device="meta")
     sigmas = backbone.sigmas(3, height=32, width=32)
     group_ids = torch.arange(2, device="meta")
-    traj = rollout(backbone.predict, cond, noise, sigmas=sigmas, sde=SDES.get(kind, ODE), group_ids=group_ids,
-                   keep_velocities=True)  # fmt: skip
+    traj = rollout(backbone.predict, cond, noise, SDES.get(kind, ODE_SAMPLER), sigmas=sigmas, group_ids=group_ids,
+                   velocities=KeptVelocities())  # fmt: skip
     assert traj.latents.device.type == "meta" and traj.latents.shape == (2, 4, 8, 8, 16)
 
 
@@ -245,7 +255,7 @@ def test_per_group_generators_make_a_group_independent_of_its_batch():
 
     def sample(rows: list[int], seeds: list[int]):
         gens = [torch.Generator().manual_seed(s) for s in seeds]
-        return rollout(_linear_predict([]), None, noise[rows], sigmas=sigmas, sde=SDES["dance"], generator=gens)
+        return rollout(_linear_predict([]), None, noise[rows], SDES["dance"], sigmas=sigmas, generator=gens)
 
     both, alone = sample([0, 1, 2, 3], [7, 8]), sample([2, 3], [8])
     torch.testing.assert_close(both.latents[2:], alone.latents)

@@ -8,8 +8,9 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from models import flux, qwenimage
-from samplers.schedule import dynamic_shift_mu, dynamic_sigmas, network_timesteps, shifted_sigmas
-from samplers.sde import SDE, gaussian_log_prob, step
+from samplers.config import SamplerConfig
+from samplers.schedule import QuantizeTimesteps, dynamic_shift_mu, dynamic_sigmas, network_timesteps, shifted_sigmas
+from samplers.sde import SDE, SDEKind, gaussian_log_prob, step
 
 pytestmark = pytest.mark.usefixtures("float64")
 DANCE, FLOW, ODE = SDE("dance", eta=0.3), SDE("flow", noise_level=0.7), SDE("ode")
@@ -106,7 +107,7 @@ def test_gaussian_log_prob_per_row_std():
 
 
 def test_invalid_sde_kind():
-    with pytest.raises(ValueError, match="sampler.sde"):
+    with pytest.raises(ValueError, match="kind='euler' is not valid; accepted values: dance, flow, cps, ode"):
         SDE("euler")
 
 
@@ -138,7 +139,7 @@ def test_network_timesteps_quantized():
     sig = torch.tensor([1.0, 0.8765, 0.1234, 0.0])
     torch.testing.assert_close(network_timesteps(sig), sig[:-1])
     torch.testing.assert_close(network_timesteps(sig, quantize="float64"), torch.tensor([1.0, 0.876, 0.123]))
-    with pytest.raises(ValueError, match="quantize_timesteps"):
+    with pytest.raises(ValueError, match="quantize='true' is not valid; accepted values: none, float64, dance"):
         network_timesteps(sig, quantize="true")
 
 
@@ -165,7 +166,7 @@ def test_dance_and_float64_part_at_exact_thousandths():
 
 
 def test_dance_timesteps_need_a_fixed_shift():
-    with pytest.raises(ValueError, match="sampler.shift"):
+    with pytest.raises(ValueError, match="quantize=dance needs a fixed-shift schedule"):
         network_timesteps(dynamic_sigmas(8, 0.8), quantize="dance")
 
 
@@ -223,5 +224,31 @@ def test_cps_rescored_step_and_ratio():
 
 @pytest.mark.parametrize("noise_level", [0.0, 1.5, -0.1])
 def test_cps_noise_level_outside_zero_one_is_rejected(noise_level):
-    with pytest.raises(ValueError, match=r"sampler.noise_level must be in \(0, 1\] for sampler.sde=cps"):
+    with pytest.raises(ValueError, match=r"noise_level must be in \(0, 1\] for cps"):
         SDE("cps", noise_level=noise_level)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"num_steps": 1}, r"^num_steps must be >= 2 \(the last transition is never trained\), got 1$"),
+        ({"sde": "euler"}, r"^sde='euler' is not valid; accepted values: dance, flow, cps, ode$"),
+        ({"eta": 0.0}, r"^eta must be > 0, got 0.0$"),
+        ({"sde": "flow", "noise_level": 0.0}, r"^noise_level must be > 0, got 0.0$"),
+        ({"sde": "cps", "noise_level": 1.5}, r"^noise_level must be in \(0, 1\], got 1.5 for sde=cps$"),
+        ({"shift": float("nan")}, r"^shift must be a finite number > 0, got nan$"),
+        ({"quantize_timesteps": "dance", "shift": None}, r"^quantize_timesteps=dance needs .*: set shift$"),
+        ({"sde_window_size": 4, "sde_window_range": [0, 21]}, r"^sde_window_range=\[0, 21\] must satisfy"),
+    ],
+)
+def test_sampler_config_names_its_own_fields(settings, message):
+    """The sampler's settings check themselves in their own words (no trainer key: the trainer adds it)."""
+    with pytest.raises(ValueError, match=message):
+        SamplerConfig(**settings)
+
+
+def test_sampler_config_reads_the_strings_users_type():
+    sampler = SamplerConfig(sde="cps", noise_level=0.8, quantize_timesteps="float64")
+    assert sampler.sde is SDEKind.cps and sampler.quantize_timesteps is QuantizeTimesteps.float64
+    assert f"{sampler.sde}" == "cps" and str(sampler.quantize_timesteps) == "float64"  # formats as typed
+    assert sampler.transition == SDE("cps", eta=0.3, noise_level=0.8)

@@ -18,14 +18,18 @@ from probe_toys import ToyCond, ToyVelocity, toy_batch, toy_settings, toy_trajec
 from torch import Tensor, nn
 
 from models import load_backbone
+from samplers.config import SamplerConfig
 from samplers.rollout import group_noise, rollout, shared_start_steps, stochastic_flags
 from samplers.schedule import shifted_sigmas
-from samplers.sde import SDE
 from train.algorithm.routing import PrefixRouter
 from train.algorithm.update import UpdateBatch, UpdateSettings, UpdateStats, shared_start, update_micro_batch
 
 G, NUM_GROUPS = 4, 2
-SDES = {"dance": SDE("dance", eta=0.3), "flow": SDE("flow", noise_level=0.7), "cps": SDE("cps", noise_level=0.8)}
+SDES = {
+    "dance": SamplerConfig(sde="dance", eta=0.3),
+    "flow": SamplerConfig(sde="flow", noise_level=0.7),
+    "cps": SamplerConfig(sde="cps", noise_level=0.8),
+}
 
 
 def _recording(predict, calls: list[int]):
@@ -36,7 +40,9 @@ def _recording(predict, calls: list[int]):
     return recorded
 
 
-def _sample(backbone, sde: SDE, *, num_steps: int, window: tuple[int, int] | None, group_size: int, calls=None):
+def _sample(
+    backbone, sampler: SamplerConfig, *, num_steps: int, window: tuple[int, int] | None, group_size: int, calls=None
+):
     """Two groups of G rows from their group noise; the rollout shares their start in blocks of ``group_size``."""
     cond = backbone.encode(["a photo of a cat", "a red dog on the grass"]).repeat(G)
     noise = group_noise(backbone.initial_noise, [11, 12], group_size=G, height=32, width=32)
@@ -44,7 +50,7 @@ def _sample(backbone, sde: SDE, *, num_steps: int, window: tuple[int, int] | Non
     generators = [torch.Generator().manual_seed(seed) for seed in (5, 6)]  # one per group, as the trainer draws
     predict = backbone.predict if calls is None else _recording(backbone.predict, calls)
     return rollout(
-        predict, cond, noise, sigmas=sigmas, sde=sde, sde_window=window, generator=generators, group_size=group_size
+        predict, cond, noise, sampler, sigmas=sigmas, sde_window=window, generator=generators, group_size=group_size
     )
 
 
@@ -69,7 +75,7 @@ def test_rollout_with_shared_start_equals_g_rows(name, kind, window, backbones):
     calls: list[int] = []
     shared = _sample(backbone, sde, num_steps=8, window=window, group_size=G, calls=calls)
     alone = _sample(backbone, sde, num_steps=8, window=window, group_size=1)
-    steps = shared_start_steps(stochastic_flags(8, sde, window))
+    steps = shared_start_steps(stochastic_flags(8, sde.transition, window))
     assert calls == [NUM_GROUPS] * steps + [NUM_GROUPS * G] * (8 - steps)
     # float32: 1e-7 relative per transformer call, carried over 8 steps of latents of order 1
     torch.testing.assert_close(shared.latents, alone.latents, rtol=1e-5, atol=1e-5)
@@ -80,7 +86,7 @@ def test_rollout_with_shared_start_equals_g_rows(name, kind, window, backbones):
 
 def test_rollout_refuses_a_batch_that_is_not_whole_groups():
     with pytest.raises(ValueError, match="group_size=3 does not split a batch of 4 rows"):
-        rollout(lambda z, t, c: z, None, torch.zeros(4, 2), sigmas=torch.linspace(1, 0, 3), sde=SDES["dance"],
+        rollout(lambda z, t, c: z, None, torch.zeros(4, 2), SDES["dance"], sigmas=torch.linspace(1, 0, 3),
                 group_size=3)  # fmt: skip
 
 
@@ -180,7 +186,7 @@ def test_update_gradient_with_shared_start_equals_without_in_float64(case, mode)
     cond = ToyCond(torch.zeros(NUM_GROUPS * G, 1))
     generators = [torch.Generator().manual_seed(seed) for seed in (5, 6)]
     sigmas = shifted_sigmas(num_steps, 3.0)
-    traj = rollout(model, cond, noise, sigmas=sigmas, sde=SDES[kind], sde_window=window, generator=generators,
+    traj = rollout(model, cond, noise, SDES[kind], sigmas=sigmas, sde_window=window, generator=generators,
                    group_size=G)  # fmt: skip
     error = _compare(model, list(model.parameters()), traj, _settings(mode, case), micro_batch=micro_batch,
                      reference=frozen)  # fmt: skip

@@ -346,7 +346,7 @@ def shared_start(
 def kept_velocities(traj: Trajectory, rows: Tensor, group: tuple[int, int]) -> Tensor:
     """[W, rows, ...] the rollout's v of transitions [start, stop) of ``rows`` (maybe on the host)."""
     if traj.velocities is None:
-        raise ValueError("the rollout kept no velocities to reuse (rollout(..., keep_velocities=True))")
+        raise ValueError("the rollout kept no velocities to reuse (rollout(..., velocities=KeptVelocities()))")
     return traj.velocities[rows.to(traj.velocities.device), group[0] : group[1]].transpose(0, 1)
 
 

@@ -17,7 +17,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, cast
 
@@ -49,7 +49,7 @@ from train.components.config_keys import (
 )
 from train.components.data import PromptRecord, PromptSampler, read_prompts
 from train.components.ema import EMA
-from train.components.errors import ConfigError, PathError, UserError
+from train.components.errors import ConfigError, PathError, UserError, config_key
 from train.components.evaluator import Evaluator, read_result, read_summary
 from train.components.logger import RunLogger
 from train.components.perf import CompileWatch, FlopMeter, Peak, device_peak
@@ -60,6 +60,7 @@ from train.distributed.parallelize import compile_blocks, compile_unavailable, m
 from train.distributed.seeds import seed_everything, stream_seed
 
 log = logging.getLogger(__name__)
+MODEL_FIELDS = [f.name for f in fields(ModelConfig)]  # the words of the model's own messages (config_key)
 FIRST_FILES_BYTES = 16 << 20  # free space a new run needs before its model loads (config, logs, metrics)
 
 
@@ -137,21 +138,6 @@ def process_group(timeout_s: float | None = None) -> Iterator[DistInfo]:
         yield dist
     finally:
         shutdown()
-
-
-@contextmanager
-def _settings(field_name: str) -> Iterator[None]:
-    """A ValueError or FileNotFoundError raised while building from ``field_name``'s values is about them.
-
-    The adapters and scorers check their arguments and name the file or option that is wrong;
-    here that becomes the user error it is (its traceback stays on the exception's cause).
-    """
-    try:
-        yield
-    except FileNotFoundError as err:
-        raise PathError(f"{field_name}: {err}") from err
-    except ValueError as err:
-        raise ConfigError(f"{field_name}: {err}") from err
 
 
 def _unwritable(run_dir: Path) -> str | None:
@@ -270,15 +256,15 @@ def model_folder(cfg: TrainConfig, dist: DistInfo) -> None:
     folder's config files."""
     if cfg.model.build_tiny is not None:
         if dist.is_main:
-            with _settings("model.build_tiny"):
+            with config_key("model.build_tiny"):
                 build_tiny(cfg.model.name, cfg.model.path, size=cfg.model.build_tiny)
         broadcast_object(None)  # the other ranks wait for the folder
     m = cfg.model
     backbone = get_backbone_class(m.name)
-    with _settings("model"):  # a component missing from the folder
+    with config_key("model", MODEL_FIELDS):  # a component missing from the folder
         multiple = backbone.image_multiple(m.path, **m.options)
         modules = backbone.transformer_modules(m.path, **m.options) if m.lora.enabled else []
-    with _settings("model.height / model.width"):
+    with config_key("model.height / model.width"):
         check_image_multiple(m.name, multiple, m.height, m.width)
     if not m.lora.enabled:
         return
@@ -299,7 +285,7 @@ def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Ba
     ``model.embedding_cache`` the text encoders are not loaded at all. The transformer keeps
     float32 master weights and computes in ``model.dtype`` (FSDP2 mixed precision or autocast).
     """
-    with _settings("model"):
+    with config_key("model", MODEL_FIELDS):
         backbone = load_backbone(
             cfg.model.name,
             cfg.model.path,
@@ -350,7 +336,7 @@ def add_lora(cfg: TrainConfig, backbone: Backbone) -> None:
     lora = cfg.model.lora
     # peft draws the adapters from the global RNG, which differs per rank; FSDP2 keeps each rank's
     # shard of its own draw. One stream for every rank gives the same weights on any world size.
-    with torch.random.fork_rng(devices=[]), _settings("model.lora.target_modules"):
+    with torch.random.fork_rng(devices=[]), config_key("model.lora.target_modules"):
         torch.manual_seed(stream_seed(cfg.seed, "model_init"))
         transformer.add_adapter(
             LoraConfig(
@@ -474,7 +460,7 @@ def check_eval_scorers(cfg: TrainConfig) -> None:
 
 def _scorer(field_name: str, name: str, kwargs: dict[str, Any], device: torch.device) -> Scorer:
     """Scorer ``name`` built from the settings under ``field_name`` (``check_scorer_inputs`` checked them)."""
-    with _settings(field_name):
+    with config_key(field_name, inspect.signature(scorer_class(name)).parameters):
         return build_scorer(name, **kwargs).to(device)
 
 
@@ -493,7 +479,8 @@ def build_rewards(cfg: TrainConfig, device: torch.device) -> RewardCombiner:
         )
         for name, comp in cfg.reward.components.items()
     }
-    return RewardCombiner(components, mode=cfg.reward.combine)
+    with config_key("reward", ["components"]):
+        return RewardCombiner(components, mode=cfg.reward.combine)
 
 
 def build_eval_scorers(cfg: TrainConfig, device: torch.device) -> dict[str, Scorer]:

@@ -15,10 +15,8 @@ as one line.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +24,11 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from models.base import DTYPES
-from rewards.combine import COMBINE_MODES
-from samplers.schedule import QUANTIZE_MODES
-from samplers.sde import SDE_KINDS
+from models.config import ModelConfig
+from rewards.config import RewardConfig
+from samplers.choices import Choice
+from samplers.config import SamplerConfig
+from samplers.sde import SDEKind
 from train.algorithm.groups import split_groups
 from train.algorithm.jagg import UPDATE_MODES
 from train.algorithm.routing import ROUTINGS
@@ -37,22 +36,10 @@ from train.components.config_keys import RESUME_SETTINGS, check_finite, check_kn
 from train.components.data import read_prompts
 from train.components.errors import ConfigError, PathError
 
-LORA_INITS = ("gaussian", "olora", "pissa", "orthogonal")  # peft's init_lora_weights that need no extra config
 REUSE_VELOCITIES = ("fresh", "stale", "off")  # update.reuse_velocities
 # An override that adds an evaluation scorer to an empty eval.scorers, as typed on the command line
 # (``eval.scorers={jpeg_compressibility: {}}`` needs quotes in a shell; ``+`` adds the key to the typed dict).
 SCORERS_HINT = "+eval.scorers.jpeg_compressibility={}"
-
-
-class Choice(str, Enum):
-    """The choices of a setting: a member's name is what users type (omegaconf refuses any other at compose
-    time), and it reads and formats as that string (enum.StrEnum, which Python 3.10 lacks)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
 
 
 class AdvStd(Choice):
@@ -115,82 +102,6 @@ def _non_negative(value: float, name: str, why: str = "") -> None:
 
 
 @dataclass
-class LoraConfig:
-    enabled: bool = False
-    """train LoRA adapters instead of every transformer weight"""
-    rank: int = 64
-    """r: rank of each adapter's B A, >= 1"""
-    alpha: int = 128
-    """scaling: the adapter adds alpha / r * B A, >= 1"""
-    init: str = "gaussian"
-    """peft init_lora_weights: gaussian | olora | pissa | pissa_niter_<n> | orthogonal"""
-    target_modules: list[str] = field(default_factory=list)
-    """module-name suffixes of the transformer to wrap (peft target_modules); empty: the backbone's own
-    (lora_target_modules in models/<name>.py). A checkpoint records the modules this wrapped, by full name
-    """
-
-
-@dataclass
-class ModelConfig:
-    name: str = "flux"
-    """backbone registry key: flux | qwenimage (models/registry.py)"""
-    path: str = MISSING
-    """local diffusers pipeline folder (no hub downloads)"""
-    build_tiny: str | None = None
-    """"tiny" | "small": build a random offline pipeline at `path` if absent (CPU demos)"""
-    dtype: str = "float32"
-    """transformer parameter/compute dtype: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)"""
-    height: int = 32
-    """image height in pixels"""
-    width: int = 32
-    """image width in pixels"""
-    options: dict = field(default_factory=dict)
-    """adapter options for models.registry.load_backbone: Flux guidance / max_sequence_length (text tokens per
-    prompt; longer prompts are truncated with a warning), per-component folders (e.g. vae: /path)
-    """
-    embedding_cache: str | None = None
-    """cache folder written by scripts/precompute_embeddings.py"""
-    decode_batch: int = 0
-    """images per VAE decode call when the rollout is scored (per rank); 0 = every sample of the step in one call.
-    Decoding many 720x720 images at once dominates the step's memory (0.9 GiB per image for FLUX.1-dev's VAE).
-    """
-    activation_checkpointing: bool = False
-    """recompute each transformer block in backward"""
-    compile: bool = False
-    """torch.compile (inductor) each transformer block on its own, for the rollout, the update, the KL reference and
-    evaluation alike, and the VAE decoder (Flux's: the decode of rollouts and evaluations); needs a C++ compiler
-    on CPU, Triton on CUDA (checked at start-up). The first step pays the compilation (logged as time/compile;
-    inductor's on-disk cache makes a second run start faster)
-    """
-    lora: LoraConfig = field(default_factory=LoraConfig)
-
-
-@dataclass
-class SamplerConfig:
-    sde: str = "dance"
-    """transition kind: dance (constant eta) | flow (noise_level) | cps (noise_level) | ode"""
-    num_steps: int = 21
-    """denoising steps N per rollout; the last transition is never trained"""
-    shift: float | None = 3.0
-    """fixed timestep shift, > 0; null = the backbone's own (dynamic) schedule"""
-    eta: float = 0.3
-    """dance: diffusion coefficient g (constant), > 0"""
-    noise_level: float = 0.7
-    """flow: g = noise_level * sqrt(sigma / (1 - sigma)), > 0; cps: sigma_t = sigma' sin(noise_level pi / 2), in (0,
-    1]
-    """
-    quantize_timesteps: str = "none"
-    """t fed to the transformer: none = sigma; float64 = floor(1000 sigma) / 1000 of our float64 schedule; dance =
-    int(1000 sigma) / 1000 of DanceGRPO's float32 schedule (needs a fixed shift; samplers/schedule.py) none |
-    float64 | dance
-    """
-    sde_window_size: int = 0
-    """Flow-GRPO-Fast: >0 = SDE only on this many consecutive steps, ODE elsewhere"""
-    sde_window_range: list[int] = field(default_factory=lambda: [0, 12])
-    """[lo, hi): window start in [lo, hi - size]"""
-
-
-@dataclass
 class UpdateConfig:
     mode: str = "jagg"
     """exact | jagg | jagg_sequential | ablate"""
@@ -231,17 +142,6 @@ class UpdateConfig:
     exact_batched: bool = False
     """The groups routed to exact (in JAGG runs too): true = their W steps in one forward with grad and one backward
     (fewer FSDP2 all-gathers, about W times the activation memory); false = one step at a time.
-    """
-
-
-@dataclass
-class RewardConfig:
-    combine: str = "sum"
-    """sum: weighted sum of raw scores; advantage: weighted sum of per-reward advantages"""
-    components: dict = field(default_factory=dict)
-    """scorer registry key (hpsv2 | clipscore | pickscore | jpeg_compressibility | ...) -> {weight: float (default
-    1), <the scorer's arguments, e.g. checkpoint: /path>} (docs/rewards.md). Untyped so that
-    `+reward.components.pickscore.weight=0.5` can add a component from the command line.
     """
 
 
@@ -551,59 +451,12 @@ def register_schema(name: str = "train", schema: type = TrainConfig) -> None:
 def trainable_transitions(sampler: SamplerConfig, window_start: int | None = None) -> list[int]:
     """Trainable transitions of a rollout: the SDE steps, without the last (ignored) transition."""
     last = sampler.num_steps - 1
-    if sampler.sde == "ode":
+    if sampler.sde is SDEKind.ode:
         return []
     if sampler.sde_window_size <= 0:
         return list(range(last))
     start = sampler.sde_window_range[0] if window_start is None else window_start
     return [k for k in range(start, start + sampler.sde_window_size) if k < last]
-
-
-def _validate_model(m: ModelConfig, known_backbones: tuple[str, ...]) -> None:
-    _choice(m.name, known_backbones, "model.name")
-    _choice(m.dtype, DTYPES, "model.dtype")
-    if m.build_tiny is not None:
-        _choice(m.build_tiny, ("tiny", "small"), "model.build_tiny")
-    _positive(m.height, "model.height")
-    _positive(m.width, "model.width")
-    _non_negative(m.decode_batch, "model.decode_batch", " (0 = every sample of the step in one call)")
-    _positive(m.lora.rank, "model.lora.rank")
-    _positive(m.lora.alpha, "model.lora.alpha")
-    if m.lora.init not in LORA_INITS and not re.fullmatch(r"pissa_niter_\d+", m.lora.init):
-        raise ConfigError(
-            f"model.lora.init={m.lora.init!r} is not valid; accepted values: {', '.join(LORA_INITS)}, pissa_niter_<n>"
-        )
-    if any(not isinstance(name, str) or not name.strip() for name in m.lora.target_modules):
-        raise ConfigError(
-            f"model.lora.target_modules must be module-name suffixes (e.g. attn.to_q), got {m.lora.target_modules}"
-        )
-
-
-def _validate_sampler(s: SamplerConfig) -> None:
-    _choice(s.sde, tuple(kind for kind in SDE_KINDS if kind != "ode"), "sampler.sde")
-    if s.num_steps < 2:
-        raise ConfigError(f"sampler.num_steps must be >= 2 (the last transition is never trained), got {s.num_steps}")
-    if s.shift is not None:
-        _positive(s.shift, "sampler.shift")
-    _choice(s.quantize_timesteps, QUANTIZE_MODES, "sampler.quantize_timesteps")
-    if s.quantize_timesteps == "dance" and s.shift is None:
-        raise ConfigError("sampler.quantize_timesteps=dance needs DanceGRPO's fixed-shift schedule: set sampler.shift")
-    # A diffusion coefficient of 0 makes every SDE step deterministic: no log-probability to train on.
-    (_positive if s.sde == "dance" else _non_negative)(s.eta, "sampler.eta")
-    if s.sde == "cps":
-        _in_range(s.noise_level, "sampler.noise_level", low=0, high=1, low_open=True, why=" for sampler.sde=cps")
-    else:
-        (_positive if s.sde == "flow" else _non_negative)(s.noise_level, "sampler.noise_level")
-    _non_negative(s.sde_window_size, "sampler.sde_window_size", " (0 = SDE on every step)")
-    if len(s.sde_window_range) != 2:
-        raise ConfigError(f"sampler.sde_window_range must be [lo, hi], got {list(s.sde_window_range)}")
-    if s.sde_window_size > 0:
-        lo, hi = s.sde_window_range
-        if not (0 <= lo and lo + s.sde_window_size <= hi <= s.num_steps - 1):
-            raise ConfigError(
-                f"sampler.sde_window_range={list(s.sde_window_range)} must satisfy 0 <= lo and "
-                f"lo + sde_window_size ({s.sde_window_size}) <= hi <= num_steps - 1 ({s.num_steps - 1})"
-            )
 
 
 def _validate_update(u: UpdateConfig) -> None:
@@ -624,25 +477,14 @@ def _validate_update(u: UpdateConfig) -> None:
         raise ConfigError("update.routing=auto routes between update.mode and exact: pick update.mode=jagg")
 
 
-def _validate_reward(r: RewardConfig, known_scorers: tuple[str, ...]) -> None:
-    _choice(r.combine, COMBINE_MODES, "reward.combine")
-    if not r.components:
+def _validate_training(cfg: TrainConfig, known_backbones: tuple[str, ...]) -> None:
+    """What training needs beyond each group's own checks: a backbone the registry knows, a reward, a sampler
+    with transitions to train."""
+    _choice(cfg.model.name, known_backbones, "model.name")
+    if not cfg.reward.components:
         raise ConfigError("reward.components is empty: name at least one scorer, e.g. reward=jpeg")
-    weights = []
-    for name, comp in r.components.items():
-        _choice(name, known_scorers, "reward.components (scorer name)")
-        weight = comp.get("weight", 1.0) if isinstance(comp, dict) else None
-        if not isinstance(weight, int | float) or isinstance(weight, bool):
-            raise ConfigError(f"reward.components.{name} must be {{weight: <number>, <scorer arguments>}}, got {comp}")
-        _in_range(weight, f"reward.components.{name}.weight")
-        if name == "remote" and not comp.get("url"):
-            raise ConfigError(
-                "reward.components.remote.url is not set: give the reward server's address, e.g. "
-                "http://127.0.0.1:8100 (scripts/reward_server.py)"
-            )
-        weights.append(weight)
-    if not any(weights):
-        raise ConfigError("reward.components: every weight is 0, so every advantage would be 0; give one a weight")
+    if cfg.sampler.sde is SDEKind.ode:
+        raise ConfigError("sampler.sde=ode samples no transition to train: pick dance, flow or cps")
 
 
 def _choice(value: Any, accepted: Collection[Any], name: str) -> None:
@@ -659,7 +501,7 @@ def _check_across(cfg: TrainConfig) -> None:
         raise ConfigError(f"batch.gradient_accumulation_steps={steps} must divide the samples {per_step}")
     if cfg.update.routing == "auto" and cfg.update.auto_rollouts > samples:
         raise ConfigError(f"update.auto_rollouts={cfg.update.auto_rollouts} exceeds the samples {per_step}")
-    if cfg.grpo.ratio_norm and cfg.sampler.sde == "cps":
+    if cfg.grpo.ratio_norm and cfg.sampler.sde is SDEKind.cps:
         raise ConfigError(
             "grpo.ratio_norm=true normalises a Gaussian log-prob, which sampler.sde=cps does not have: "
             "use sampler.sde=flow or dance, or grpo.ratio_norm=false"
@@ -723,11 +565,9 @@ def validate(
     check_known_keys(cfg, "")
     check_finite(cfg, "")
     checked(cfg)
+    _validate_training(cfg, known_backbones)
     try:
-        _validate_model(cfg.model, known_backbones)
-        _validate_sampler(cfg.sampler)
         _validate_update(cfg.update)
-        _validate_reward(cfg.reward, known_scorers)
     except ValueError as err:
         raise config_error(err, "") from None
     for name in cfg.eval.scorers:

@@ -21,6 +21,10 @@ Any other exception is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
 
 class Stop(Exception):
     """Ends a command with one line on stderr and ``exit_code``."""
@@ -89,6 +93,31 @@ class NotLearning(UserError):
 
 class RankFailed(Stop):
     """Another rank failed where the ranks check together (train/step.py's reward phase)."""
+
+
+def prefixed(key: str, message: str, names: Iterable[str] = ()) -> str:
+    """``message`` about the settings under ``key``, naming it: ``key.message`` when the message starts with one
+    of ``names`` (the fields or arguments those settings fill: ``num_steps must be >= 2`` ->
+    ``sampler.num_steps must be >= 2``), else ``key: message``; ``message`` alone for the root (``key`` "")."""
+    if not key:
+        return message
+    first = re.match(r"[A-Za-z_]\w*", message)
+    return f"{key}.{message}" if first and first.group() in set(names) else f"{key}: {message}"
+
+
+@contextmanager
+def config_key(key: str, names: Iterable[str] = ()) -> Iterator[None]:
+    """A ValueError or FileNotFoundError raised inside is about the settings under ``key`` (a config group, or
+    the arguments a library class was built from): it becomes the ConfigError or PathError it is, its message
+    ``prefixed`` by the key (the original stays the cause). A UserError already names its key and passes."""
+    try:
+        yield
+    except UserError:
+        raise
+    except FileNotFoundError as err:
+        raise PathError(prefixed(key, str(err), names)) from err
+    except ValueError as err:
+        raise ConfigError(prefixed(key, str(err), names)) from err
 
 
 _AGREED = "ranks_agreed"  # set on the failing rank's own exception once every rank knows of it

@@ -31,7 +31,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +43,10 @@ from models.base import Backbone
 from rewards.base import Scorer
 from rewards.summary import MIN_TILE, before_after_sheet, image_grid, overall, summarize
 from samplers.rollout import Predict, group_noise, rollout
-from samplers.sde import SDE
+from samplers.sde import SDEKind
 from train.components.config import TrainConfig
 from train.components.data import PromptRecord
+from train.components.errors import config_key
 from train.components.logger import format_seconds
 from train.components.stats import standard_error
 from train.distributed.collectives import DistInfo, all_gather_tensor
@@ -78,15 +79,10 @@ def _sample(
     h, w = cfg.model.height, cfg.model.width
     seeds = [stream_seed(cfg.eval.seed, "eval_noise", i) for i in indices]
     noise = group_noise(backbone.initial_noise, seeds, group_size=1, height=h, width=w, device=device)
-    sigmas = backbone.sigmas(cfg.eval.num_steps, height=h, width=w, shift=cfg.sampler.shift)
-    traj = rollout(
-        predict,
-        backbone.encode(prompts),
-        noise,
-        sigmas=sigmas,
-        sde=SDE("ode"),
-        quantize_timesteps=cfg.sampler.quantize_timesteps,
-    )
+    with config_key("sampler", ["shift"]):
+        sigmas = backbone.sigmas(cfg.eval.num_steps, height=h, width=w, shift=cfg.sampler.shift)
+    ode = replace(cfg.sampler, sde=SDEKind.ode)
+    traj = rollout(predict, backbone.encode(prompts), noise, ode, sigmas=sigmas)
     return backbone.decode(traj.latents[:, -1], height=h, width=w)
 
 

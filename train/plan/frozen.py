@@ -20,7 +20,7 @@ from models.diffusers_backbone import DiffusersBackbone
 from models.registry import get_backbone_class
 from rewards.base import FrozenModelScorer, scorer_class
 from train.components.config import TrainConfig
-from train.components.errors import ConfigError
+from train.components.errors import ConfigError, config_key
 
 ARCH_ROOT = Path(configs.__file__).resolve().parent / "arch"
 
@@ -130,7 +130,8 @@ def scorers_frozen(role: str, scorers: dict[str, dict]) -> list[FrozenModel]:
     for name, args in scorers.items():
         module = scorer_module(name, args)
         if module is not None:
-            dtype = parse_dtype(args.get("dtype", _default(name, "dtype")), field=f"{role}.{name}.dtype")
+            with config_key(f"{role}.{name}", ["dtype"]):
+                dtype = parse_dtype(args.get("dtype", _default(name, "dtype")))
             out.append(_frozen(role, name, module, dtype))
     return out
 

@@ -1,0 +1,59 @@
+"""The reward's settings: which scorers, with which weights and arguments, combined how.
+
+``RewardConfig`` checks itself when it is built and names the field that is wrong in its own words
+(``components.remote.url is not set ...``); whoever reads it from a larger configuration adds the path
+of the group in front. An empty ``components`` is the default a preset fills: whoever needs a reward
+refuses it (``RewardCombiner``, the trainer's validation). Whether a scorer's arguments fit it, and its
+files exist, is the scorer's to say.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from rewards.base import SCORER_NAMES
+from samplers.choices import Choice, member
+
+
+class CombineMode(Choice):
+    """How the components make one reward (rewards/combine.py)."""
+
+    sum = "sum"
+    advantage = "advantage"
+
+
+@dataclass
+class RewardConfig:
+    combine: CombineMode = CombineMode.sum
+    """sum: weighted sum of raw scores; advantage: weighted sum of per-reward advantages"""
+    components: dict = field(default_factory=dict)
+    """scorer registry key (hpsv2 | clipscore | pickscore | jpeg_compressibility | ...) -> {weight: float
+    (default 1), <the scorer's arguments, e.g. checkpoint: /path>} (docs/rewards.md). Untyped so that
+    `+reward.components.pickscore.weight=0.5` can add a component from the command line."""
+
+    def __post_init__(self) -> None:
+        self.combine = member(CombineMode, self.combine, "combine")
+        for name, component in self.components.items():
+            if name not in SCORER_NAMES:
+                raise ValueError(f"components.{name} is not a scorer; accepted names: {', '.join(SCORER_NAMES)}")
+            weight = component.get("weight", 1.0) if isinstance(component, Mapping) else None
+            if not isinstance(weight, int | float) or isinstance(weight, bool):
+                raise ValueError(f"components.{name} must be {{weight: <number>, <scorer arguments>}}, got {component}")
+            if name == "remote" and not component.get("url"):
+                raise ValueError(
+                    "components.remote.url is not set: give the reward server's address, e.g. "
+                    "http://127.0.0.1:8100 (scripts/reward_server.py)"
+                )
+        weights = {name: component.get("weight", 1.0) for name, component in self.components.items()}
+        for name, weight in weights.items():
+            check_weight(name, weight)
+        if weights and not any(weights.values()):
+            raise ValueError("components: every weight is 0, so every advantage would be 0; give one a weight")
+
+
+def check_weight(name: str, weight: float) -> None:
+    """The weight of component ``name`` is a finite number."""
+    if not math.isfinite(weight):
+        raise ValueError(f"components.{name}.weight must be a finite number, got {weight}")

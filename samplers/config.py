@@ -1,0 +1,102 @@
+"""The sampler's settings: which transition the rollout takes, on which schedule, and where.
+
+``SamplerConfig`` checks its own ranges when it is built and names the field that is wrong in its
+own words (``num_steps must be >= 2 ...``); whoever reads it from a larger configuration adds the
+path of the group in front.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from samplers.choices import member
+from samplers.schedule import QuantizeTimesteps
+from samplers.sde import SDE, SDEKind
+
+
+@dataclass
+class SamplerConfig:
+    sde: SDEKind = SDEKind.dance
+    """transition kind: dance (constant eta) | flow (noise_level) | cps (noise_level); ode (deterministic, for
+    evaluation) leaves nothing to train"""
+    num_steps: int = 21
+    """denoising steps N per rollout; the last transition is never trained"""
+    shift: float | None = 3.0
+    """fixed timestep shift, > 0; null = the backbone's own (dynamic) schedule"""
+    eta: float = 0.3
+    """dance: diffusion coefficient g (constant), > 0"""
+    noise_level: float = 0.7
+    """flow: g = noise_level * sqrt(sigma / (1 - sigma)), > 0; cps: sigma_t = sigma' sin(noise_level pi / 2),
+    in (0, 1]"""
+    quantize_timesteps: QuantizeTimesteps = QuantizeTimesteps.none
+    """t fed to the transformer: none = sigma; float64 = floor(1000 sigma) / 1000 of our float64 schedule;
+    dance = int(1000 sigma) / 1000 of DanceGRPO's float32 schedule (needs a fixed shift; samplers/schedule.py)"""
+    sde_window_size: int = 0
+    """Flow-GRPO-Fast: >0 = SDE only on this many consecutive steps, ODE elsewhere"""
+    sde_window_range: list[int] = field(default_factory=lambda: [0, 12])
+    """[lo, hi): window start in [lo, hi - size]"""
+
+    def __post_init__(self) -> None:
+        self.sde = member(SDEKind, self.sde, "sde")
+        self.quantize_timesteps = member(QuantizeTimesteps, self.quantize_timesteps, "quantize_timesteps")
+        if self.num_steps < 2:
+            raise ValueError(f"num_steps must be >= 2 (the last transition is never trained), got {self.num_steps}")
+        if self.shift is not None:
+            check_range(self.shift, "shift", low=0, low_open=True)
+        if self.quantize_timesteps is QuantizeTimesteps.dance and self.shift is None:
+            raise ValueError("quantize_timesteps=dance needs DanceGRPO's fixed-shift schedule: set shift")
+        self._check_transition()
+        self._check_window()
+
+    def _check_transition(self) -> None:
+        # A diffusion coefficient of 0 makes every SDE step deterministic: no log-probability to train on.
+        check_range(self.eta, "eta", low=0, low_open=self.sde is SDEKind.dance)
+        if self.sde is SDEKind.cps:
+            check_range(self.noise_level, "noise_level", low=0, high=1, low_open=True, why=" for sde=cps")
+        else:
+            check_range(self.noise_level, "noise_level", low=0, low_open=self.sde is SDEKind.flow)
+
+    def _check_window(self) -> None:
+        check_range(self.sde_window_size, "sde_window_size", low=0, why=" (0 = SDE on every step)")
+        if len(self.sde_window_range) != 2:
+            raise ValueError(f"sde_window_range must be [lo, hi], got {list(self.sde_window_range)}")
+        lo, hi = self.sde_window_range
+        if self.sde_window_size > 0 and not (0 <= lo and lo + self.sde_window_size <= hi <= self.num_steps - 1):
+            raise ValueError(
+                f"sde_window_range={list(self.sde_window_range)} must satisfy 0 <= lo and "
+                f"lo + sde_window_size ({self.sde_window_size}) <= hi <= num_steps - 1 ({self.num_steps - 1})"
+            )
+
+    @property
+    def transition(self) -> SDE:
+        """The transition of the SDE steps."""
+        return SDE(self.sde, eta=self.eta, noise_level=self.noise_level)
+
+
+def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    if high is None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    if low is None:
+        return f"{'<' if high_open else '<='} {high:g}"
+    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+def check_range(
+    value: float,
+    name: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    why: str = "",
+) -> None:
+    """ValueError unless ``value`` is finite and within its bounds (an open end excludes the bound itself);
+    the message starts with ``name`` and ends with ``why``."""
+    ok = math.isfinite(value)
+    ok = ok and (low is None or (value > low if low_open else value >= low))
+    ok = ok and (high is None or (value < high if high_open else value <= high))
+    if not ok:
+        finite = "" if math.isfinite(value) else "a finite number "
+        raise ValueError(f"{name} must be {finite}{_bounds(low, high, low_open, high_open)}, got {value}{why}")
