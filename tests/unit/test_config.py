@@ -340,9 +340,10 @@ def test_model_dtype_accepts_what_the_backbone_parses(tmp_path):
     """model.dtype is validated against models.base.DTYPES, the names parse_dtype reads."""
     for name in DTYPES:
         check(load([f"model.dtype={name}"], tmp_path))
-    with pytest.raises(HydraException) as caught:
+    with pytest.raises(
+        ConfigError, match=r"^model\.dtype='bf32' is not valid; accepted values: float32, fp32, bfloat16, bf16"
+    ):
         load(["model.dtype=bf32"], tmp_path)
-    assert re.search(r"model\.dtype: .*'bf32'.*float32, fp32, bfloat16, bf16", hydra_message(caught.value))
     with pytest.raises(ValueError, match="dtype must be one of"):
         parse_dtype("bf32")
 
