@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 JOBS = {
     "small": [
         "experiment=tiny", "model.path=.cache/small_flux", "model.build_tiny=small", "model.height=64",
-        "model.width=64", "sampler.num_steps=9", "update.window=4", "update.jagg_frac=1.0", "grpo.group_size=4",
+        "model.width=64", "sampler.num_steps=9", "update.segment_length=4", "update.jagg_frac=1.0", "grpo.group_size=4",
         "grpo.prompts_per_rank=1", "grpo.micro_batch=1", "grpo.gradient_accumulation_steps=4",
         "checkpoint.every=0", "checkpoint.export=false", "logging.progress_bar=false", "logging.sample_every=0",
     ],

@@ -31,7 +31,7 @@ from models.flux import TINY, tiny_transformer
 from samplers.schedule import shifted_sigmas
 from samplers.sde import SDE, step
 from train.algorithm.grpo import ppo_step_loss
-from train.algorithm.jagg import MIDDLE_MODES, UPDATE_MODES, backward_group
+from train.algorithm.jagg import MIDDLE_MODES, UPDATE_MODES, backward_segment
 
 IMAGE_TOKENS, TEXT_TOKENS = 256, 32
 TEXT_WIDTH, LATENT_WIDTH = int(TINY["small"]["text_width"]), 4 * int(TINY["small"]["latent_channels"])  # packed 2x2
@@ -138,7 +138,7 @@ def main() -> None:
         for name, (mode, given) in runs.items():
             model.zero_grad(set_to_none=True)
             with Clocks() as clocks:
-                backward_group(mode, predict, step_loss, z, t, velocities=given)
+                backward_segment(mode, predict, step_loss, z, t, velocities=given)
             grads[name] = gradient(model)
             if rep:
                 wall[name].append(clocks.wall)

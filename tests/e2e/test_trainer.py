@@ -130,7 +130,7 @@ def test_tiny_run_matches_golden(case, golden_runs):
     assert [m["step"] for m in metrics] == [0, 1, 2]
     values = {key: [m[key] for m in metrics] for key in GOLDEN_KEYS}
     mode = case.split("-")[1]
-    routed = metrics[0].get(f"count/groups_{mode}", 0)
+    routed = metrics[0].get(f"count/segments_{mode}", 0)
     assert routed > 0, f"no group took the {mode} path"
     golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
     if os.environ.get("UPDATE_GOLDEN"):
@@ -202,7 +202,7 @@ def test_counts_per_update_mode(golden_runs, tiny_flux, tmp_path):
 
 def test_call_path_from_fit_to_the_sde_step(tiny_flux, tmp_path, monkeypatch):
     """At most 7 frames from ``fit`` to the SDE step that scores a group's transition, both ends
-    counted (fit -> _train -> train_step -> update_micro_batch -> backward_group -> StepLoss.__call__
+    counted (fit -> _train -> train_step -> update_micro_batch -> backward_segment -> StepLoss.__call__
     -> samplers.sde.step), for a jagg and an exact group. The stand-in for the SDE step counts
     itself and walks up to fit's frame."""
     depths: dict[str, int] = {}
@@ -211,7 +211,7 @@ def test_call_path_from_fit_to_the_sde_step(tiny_flux, tmp_path, monkeypatch):
         frame, names = inspect.currentframe(), []
         while frame is not None and frame.f_code.co_name != "fit":
             names.append(frame.f_code.co_name)
-            if frame.f_code.co_name == "backward_group":
+            if frame.f_code.co_name == "backward_segment":
                 mode = frame.f_locals["mode"]
             frame = frame.f_back
         assert frame is not None, f"the SDE step was not called from fit: {names}"

@@ -26,7 +26,7 @@ from models.base import decode_in_chunks
 from models.flux import FluxBackbone
 from models.registry import get_backbone_class
 from rewards.base import SCORER_NAMES, FrozenModelScorer, scorer_class
-from train.algorithm.jagg import UPDATE_MODES, Counts, backward_group
+from train.algorithm.jagg import UPDATE_MODES, Counts, backward_segment
 from train.algorithm.update import UpdateBatch, shared_start, update_micro_batch
 from train.components.build import FSDP_VIEW_WARNING, build_router, update_settings
 from train.components.config import register_schema
@@ -182,20 +182,20 @@ def test_expected_shared_rows_over_the_random_pick():
 
 def _update_loop_calls(cfg, traj, *, share: bool, seed: int) -> tuple[int, int]:
     """(transformer forwards, backwards) of one step's update as train/step.py runs it: per optimizer step,
-    the micro-batches' plans drawn in order, the shared start, the micro-batches, its backward."""
+    the micro-batches' routes drawn in order, the shared start, the micro-batches, its backward."""
     settings = replace(update_settings(cfg), share_group_start=share)
     policy, reference, forwards = ToyVelocity(), ToyVelocity(seed=1), []
     for model in (policy, reference):
         model.register_forward_pre_hook(lambda *_: forwards.append(1))
     advantages = torch.linspace(-1, 1, traj.batch_size)
     batch = UpdateBatch(traj, advantages, predict=policy, reference=reference, settings=settings)
-    router, plan_gen, counts = build_router(cfg.update), torch.Generator().manual_seed(seed), Counts()
+    router, route_gen, counts = build_router(cfg.update), torch.Generator().manual_seed(seed), Counts()
     g = cfg.grpo
     for chunk in range(0, traj.batch_size, g.gradient_accumulation_steps):
         micro = micro_batches(cfg, chunk)
-        plans = [router.plan(traj, plan_gen) for _ in micro]
-        start = shared_start(batch, micro, plans)
-        for rows, routed in zip(micro, plans):
+        routes = [router.route(traj, route_gen) for _ in micro]
+        start = shared_start(batch, micro, routes)
+        for rows, routed in zip(micro, routes):
             counts += update_micro_batch(batch, torch.arange(rows.start, rows.stop), routed, start=start).counts
         if start is not None:
             counts += start.backward().counts
@@ -371,7 +371,7 @@ PHASES = {"rollout", "decode", "update exact", "update jagg, rollout velocities"
 @pytest.fixture(scope="module")
 def tiny(tiny_flux_dir, tmp_path_factory):
     """(config, the planner's report of TINY, rank 0's traced peaks and collectives of the same step on
-    real tensors over 2 gloo processes): tests/helpers/plan_worker.py runs while this process plans."""
+    real tensors over 2 gloo processes): tests/helpers/plan_worker.py runs while this process routes."""
     overrides = [*TINY, f"model.path={tiny_flux_dir}"]
     out = tmp_path_factory.mktemp("real_run")
     worker = subprocess.Popen(
@@ -468,7 +468,7 @@ def test_forwards_and_backwards_follow_the_paths(tiny):
     batched call; jagg one batched endpoint forward and one backward, the middle steps' no-grad forward
     unless the rollout's velocities serve, and the reference call; so jagg's update sends fewer bytes."""
     cfg, report, _ = tiny
-    w = cfg.update.window
+    w = cfg.update.segment_length
     calls = {u.name: (u.forwards, u.backwards) for u in report.configured_updates()}
     assert calls["update exact"] == (w + 1, w)
     assert calls["update jagg, rollout velocities"] == (2, 1)
@@ -497,7 +497,7 @@ def test_planned_collectives_match_a_real_gloo_run(tiny):
     rollout = next(p for p in report.phases if p.name == "rollout")
     assert (rollout.forwards, rollout.backwards) == (cfg.sampler.num_steps, 0)
     for p in [*report.phases, *report.configured_updates()]:
-        backwards = p.backwards * (EXACT_TRACED_STEPS / cfg.update.window if p.mode == "exact" else 1)
+        backwards = p.backwards * (EXACT_TRACED_STEPS / cfg.update.segment_length if p.mode == "exact" else 1)
         forwards = p.forwards - p.backwards + backwards
         if p is rollout:  # TracedOnce runs the first forward of each shape: the shared start's row, then 2 rows
             forwards = 2
@@ -572,7 +572,7 @@ def test_no_path_writes_into_the_views_single_blocks_return(tiny_flux_dir):
             for block in backbone.transformer.single_transformer_blocks:
                 block.register_forward_hook(partial(record_versions, outputs))
             for mode in UPDATE_MODES:
-                backward_group(mode, policy, lambda j, v: (v.pow(2).mean(), {}), z, torch.linspace(1.0, 0.4, 4))
+                backward_segment(mode, policy, lambda j, v: (v.pow(2).mean(), {}), z, torch.linspace(1.0, 0.4, 4))
         assert outputs and all(t._version == version for t, version in outputs)
 
 

@@ -1,4 +1,4 @@
-"""The gradient-quality probe (train/algorithm/probe.py, train/probe/probe.py): exactness where Theorem 1 holds, the
+"""The gradient-quality probe (train/algorithm/quality.py, train/probe/probe.py): exactness where Theorem 1 holds, the
 jagg_frac rule on hand-made numbers, the Hydra entry point on the tiny Flux backbone, and torchrun + FSDP2."""
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from hydra import compose, initialize_config_module
 from probe_toys import ADVANTAGES, ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from two_ranks import run_torchrun
 
-from train.algorithm.groups import prefix_path
-from train.algorithm.probe import (
-    GroupQuality,
+from train.algorithm.segments import prefix_path
+from train.algorithm.quality import (
+    SegmentQuality,
     format_table,
     global_dots,
     measure_staleness,
     measure_trajectories,
     probe_report,
     recommend_jagg_frac,
-    summarize_groups,
+    summarize_segments,
 )
 from train.components.config import register_schema
 from train.probe.config import register
@@ -33,12 +33,12 @@ register_schema()
 register()
 
 
-def probe(model, traj, settings, *, advantages=ADVANTAGES, reference=None) -> list[GroupQuality]:
+def probe(model, traj, settings, *, advantages=ADVANTAGES, reference=None) -> list[SegmentQuality]:
     params = list(model.parameters())
     batch = toy_batch(model, traj, settings, advantages=advantages, reference=reference)
     samples = measure_trajectories(batch, params, num_rollouts=traj.batch_size, mode=settings.mode)
     assert all(p.grad is None for p in params), "the probe left gradients behind"
-    return summarize_groups(samples, traj.timesteps)
+    return summarize_segments(samples, traj.timesteps)
 
 
 @pytest.mark.parametrize("sde, kl_beta", [("dance", 0.0), ("flow", 0.0), ("dance", 0.1)])
@@ -80,12 +80,12 @@ def test_zero_advantage_trajectory_has_no_cosine():
     assert [g.num_samples for g in groups] == [3, 3, 3]
 
 
-def staleness(model, traj) -> tuple[list[GroupQuality], list[GroupQuality]]:
+def staleness(model, traj) -> tuple[list[SegmentQuality], list[SegmentQuality]]:
     params = list(model.parameters())
     batch = toy_batch(model, traj, toy_settings())
     fresh, stale = measure_staleness(batch, params, num_rollouts=traj.batch_size)
     assert all(p.grad is None for p in params), "the probe left gradients behind"
-    return summarize_groups(fresh, traj.timesteps), summarize_groups(stale, traj.timesteps)
+    return summarize_segments(fresh, traj.timesteps), summarize_segments(stale, traj.timesteps)
 
 
 def test_stale_velocities_cost_cosine_only_once_the_weights_moved():
@@ -124,8 +124,8 @@ def test_global_dots_in_one_process():
     assert global_dots(a, b) == pytest.approx((14.0, 5.25, -1.5))
 
 
-def quality(cos: float, start: int, window: int = 4) -> GroupQuality:
-    return GroupQuality(start, start + window, 1.0, 0.9, cos=(cos,), rho=(1.0,))
+def quality(cos: float, start: int, window: int = 4) -> SegmentQuality:
+    return SegmentQuality(start, start + window, 1.0, 0.9, cos=(cos,), rho=(1.0,))
 
 
 def test_recommendation_follows_the_threshold_rule():

@@ -86,7 +86,7 @@ def test_paper_experiments_compose_and_validate(experiment, paths, tmp_path):
     check(cfg)
     assert set(cfg.reward.components) == {"hpsv2", "clipscore"}
     assert cfg.eval.scorers["hpsv2"]["checkpoint"] == str(paths["file"])  # interpolated from the reward
-    assert cfg.grpo.group_size == 12 and cfg.sampler.num_steps == 21 and cfg.update.window == 4
+    assert cfg.grpo.group_size == 12 and cfg.sampler.num_steps == 21 and cfg.update.segment_length == 4
     # each recipe's own conventions (docs/recipes.md)
     dance = experiment.endswith("_dance")
     assert cfg.grpo.adv_std == ("unbiased" if dance else "population")
@@ -142,7 +142,7 @@ def stand_ins(missing: list[str], paths) -> list[str]:
 def test_group_options_compose(group, option, paths, tmp_path):
     overrides = [f"{group}={option}"]
     if option == "cps_fast":  # flow_grpo's 6 steps as shipped; its 3-step window needs a JAGG window of 3
-        overrides += ["update.window=3", "sampler.sde_window_range=[0,3]", "sampler.sde_window_size=3"]
+        overrides += ["update.segment_length=3", "sampler.sde_window_range=[0,3]", "sampler.sde_window_size=3"]
     elif group == "sampler":  # the demo's 9 steps; Fast needs a window inside the 8 trainable transitions
         overrides += ["sampler.num_steps=9"] + (
             ["sampler.sde_window_range=[0,8]", "sampler.sde_window_size=4"] if option == "flow_fast" else []
@@ -171,8 +171,8 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
 @pytest.mark.parametrize(
     "overrides, error, message",
     [
-        (["update.window=3"], ValueError, "update.window=3"),
-        (["update.window=1"], ValueError, "update.window"),
+        (["update.segment_length=3"], ValueError, "update.segment_length=3"),
+        (["update.segment_length=1"], ValueError, "update.segment_length"),
         (["update.jagg_frac=1.5"], ValueError, "update.jagg_frac"),
         (["update.mode=fast"], ValueError, "update.mode='fast'.*exact, jagg, jagg_sequential, ablate"),
         (["update.reuse_velocities=always"], ValueError, "update.reuse_velocities='always'.*fresh, stale, off"),

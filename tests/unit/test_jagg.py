@@ -1,7 +1,7 @@
 """The four update paths against independently computed gradients, in float64.
 
 Each test builds the real per-step GRPO loss of a group (SDE log-prob of a stored transition, PPO
-clip) and compares ``backward_group``'s accumulated ``.grad`` with a formula evaluated with
+clip) and compares ``backward_segment``'s accumulated ``.grad`` with a formula evaluated with
 ``torch.func`` Jacobians, never with the code under test.
 """
 
@@ -12,14 +12,14 @@ from torch.func import functional_call, jacrev
 
 from samplers.schedule import check_timesteps, shifted_sigmas
 from samplers.sde import SDE, step
-from train.algorithm.groups import prefix_path, route_groups, split_groups
+from train.algorithm.segments import prefix_path, route_segments, split_segments
 from train.algorithm.grpo import ppo_step_loss
 from train.algorithm.jagg import (
     EXACT_BATCHED,
     UPDATE_MODES,
     Counts,
     aggregate,
-    backward_group,
+    backward_segment,
     interpolation_weights,
 )
 
@@ -78,7 +78,7 @@ def make_group(model, width, *, start=4, affine_path=False, seed=0, clip_range=1
 
 def grads_of(model, mode, z, t, step_loss):
     model.zero_grad(set_to_none=True)
-    stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t)
+    stats = backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t)
     return torch.cat([p.grad.flatten() for p in model.parameters()]), stats
 
 
@@ -158,7 +158,7 @@ def test_gradients_accumulate_across_groups():
     model = MLP()
     z, t, step_loss = make_group(model, 4)
     once, _ = grads_of(model, "jagg", z, t, step_loss)
-    backward_group("jagg", lambda zz, tt: model(zz, tt), step_loss, z, t)
+    backward_segment("jagg", lambda zz, tt: model(zz, tt), step_loss, z, t)
     torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), 2 * once)
 
 
@@ -197,7 +197,7 @@ def test_a_given_start_leaves_step_0_to_the_caller(mode):
     full, full_stats = grads_of(model, mode, z, t, step_loss)
     model.zero_grad(set_to_none=True)
     v0 = model(z[0], t[0].expand(B))
-    stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, start=v0.detach())
+    stats = backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, start=v0.detach())
     assert stats.start_upstream is not None and stats.start_upstream.shape == v0.shape
     v0.backward(stats.start_upstream)
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -205,7 +205,7 @@ def test_a_given_start_leaves_step_0_to_the_caller(mode):
     assert stats.counts.grad_forwards == full_stats.counts.grad_forwards - 1
     torch.testing.assert_close(torch.stack(list(stats.losses.values())), torch.stack(list(full_stats.losses.values())))
     with pytest.raises(ValueError, match="start"):
-        backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, start=v0.detach()[:1])
+        backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, start=v0.detach()[:1])
 
 
 def test_losses_and_metrics_are_the_step_losses():
@@ -289,7 +289,7 @@ def test_given_velocities_replace_the_middle_forwards(mode):
     for given in (velocities, torch.stack(velocities)):
         rows.clear()
         model.zero_grad(set_to_none=True)
-        stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=given)
+        stats = backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=given)
         got = torch.cat([p.grad.flatten() for p in model.parameters()])
         torch.testing.assert_close(got, recomputed, rtol=1e-12, atol=1e-14)
         counts = stats.counts
@@ -322,7 +322,7 @@ def test_given_velocities_enter_through_s_j():
     expected = vjp_at(0, s_base) + vjp_at(width - 1, s_corr)
     for mode in ("jagg", "jagg_sequential"):
         model.zero_grad(set_to_none=True)
-        backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=given)
+        backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=given)
         got = torch.cat([p.grad.flatten() for p in model.parameters()])
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12, msg=mode)
     recomputed, _ = grads_of(model, "jagg", z, t, step_loss)
@@ -337,7 +337,7 @@ def test_exact_and_ablate_ignore_velocities():
     for mode in ("exact", "ablate"):
         plain, _ = grads_of(model, mode, z, t, step_loss)
         model.zero_grad(set_to_none=True)
-        stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=junk)
+        stats = backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=junk)
         assert torch.equal(torch.cat([p.grad.flatten() for p in model.parameters()]), plain), mode
         assert stats.counts.reused_velocities == 0
 
@@ -354,31 +354,31 @@ def test_velocities_of_the_wrong_shape(velocities, message):
     model = MLP()
     z, t, step_loss = make_group(model, 4)
     with pytest.raises(ValueError, match=message):
-        backward_group("jagg", lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=velocities(z))
+        backward_segment("jagg", lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=velocities(z))
 
 
 def test_unknown_mode():
     with pytest.raises(ValueError, match="update.mode"):
-        backward_group("fast", lambda z, t: z, lambda j, v: v.sum(), [torch.zeros(1, 1)] * 2, torch.tensor([1.0, 0.5]))
+        backward_segment("fast", lambda z, t: z, lambda j, v: v.sum(), [torch.zeros(1, 1)] * 2, torch.tensor([1.0, 0.5]))
 
 
 def test_routing_worked_examples():
     # 21 sampling steps, last ignored: M = 20, W = 4, jagg_frac = 0.6 -> round(12) = 12.
-    plan = route_groups(range(20), window=4, mode="jagg", jagg_frac=0.6, num_transitions=20)
+    plan = route_segments(range(20), window=4, mode="jagg", jagg_frac=0.6, num_transitions=20)
     assert [(p.start, p.mode) for p in plan] == [(0, "jagg"), (4, "jagg"), (8, "jagg"), (12, "exact"), (16, "exact")]
     # Flow-GRPO-Fast window of transitions 4..11 and jagg_frac = 0.4 -> round(8) = 8.
-    plan = route_groups(range(4, 12), window=4, mode="jagg", jagg_frac=0.4, num_transitions=20)
+    plan = route_segments(range(4, 12), window=4, mode="jagg", jagg_frac=0.4, num_transitions=20)
     assert [(p.start, p.stop, p.mode) for p in plan] == [(4, 8, "jagg"), (8, 12, "exact")]
     # The exact mode never routes to JAGG; jagg_frac = 1 routes everything.
     for mode, window in (("exact", 4), ("ablate", 5)):
-        plan = route_groups(range(20), window=window, mode=mode, jagg_frac=1.0, num_transitions=20)
+        plan = route_segments(range(20), window=window, mode=mode, jagg_frac=1.0, num_transitions=20)
         assert {p.mode for p in plan} == {mode}
 
 
 def test_timestep_fraction_picks_groups_reproducibly():
     kw = dict(window=4, mode="jagg", jagg_frac=0.6, num_transitions=20, timestep_fraction=0.6)
-    a = route_groups(range(20), generator=torch.Generator().manual_seed(0), **kw)
-    b = route_groups(range(20), generator=torch.Generator().manual_seed(0), **kw)
+    a = route_segments(range(20), generator=torch.Generator().manual_seed(0), **kw)
+    b = route_segments(range(20), generator=torch.Generator().manual_seed(0), **kw)
     assert a == b and len(a) == 3  # int(5 * 0.6) groups
     assert [p.start for p in a] == sorted(p.start for p in a)  # high noise first
     for p in a:
@@ -399,10 +399,10 @@ def test_timestep_fraction_picks_groups_reproducibly():
 def test_impossible_plans(kwargs, field):
     args = dict(window=4, mode="jagg", jagg_frac=0.6, num_transitions=20) | kwargs
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        route_groups(range(20), **args)
+        route_segments(range(20), **args)
 
 
-def test_split_groups_over_runs():
-    assert split_groups([0, 1, 4, 5, 6, 7], 2) == [(0, 2), (4, 6), (6, 8)]
+def test_split_segments_over_runs():
+    assert split_segments([0, 1, 4, 5, 6, 7], 2) == [(0, 2), (4, 6), (6, 8)]
     with pytest.raises(ValueError, match="trainable"):
-        split_groups([], 4)
+        split_segments([], 4)

@@ -48,23 +48,23 @@ def test_routing_changes_when_the_cosine_crosses_the_threshold():
     assert metrics["routing/cos_08_12"] < 0.95 and metrics["routing/jagg_08_12"] == 0.0
     assert metrics["routing/rule_jagg_frac"] == pytest.approx(8 / 12, abs=1e-4)  # M = 12 trainable transitions
 
-    plan = router.plan(toy_trajectory(model), generator=None)
-    assert [(p.start, p.mode) for p in plan] == [(0, "jagg"), (4, "jagg"), (8, "exact")]
+    route = router.route(toy_trajectory(model), generator=None)
+    assert [(p.start, p.mode) for p in route] == [(0, "jagg"), (4, "jagg"), (8, "exact")]
 
 
 def test_groups_the_probe_did_not_see_take_the_exact_path():
     router = auto_router()
     router.modes = {(0, 4): "jagg"}
-    plan = router.plan(toy_trajectory(ToyVelocity()), generator=None)
-    assert [p.mode for p in plan] == ["jagg", "exact", "exact"]
+    route = router.route(toy_trajectory(ToyVelocity()), generator=None)
+    assert [p.mode for p in route] == ["jagg", "exact", "exact"]
 
 
 def test_prefix_router_is_the_jagg_frac_rule():
     """M = 12 trainable transitions, W = 4, jagg_frac 0.7 -> round(8.4) = 8: groups 0 and 4 take jagg."""
     router = PrefixRouter(mode="jagg", window=4, timestep_fraction=1.0, jagg_frac=0.7)
     assert not router.due(0) and router.refresh(0, None, []) == {}  # measures nothing, needs no batch
-    plan = router.plan(toy_trajectory(ToyVelocity()), generator=None)
-    assert [(p.start, p.stop, p.mode) for p in plan] == [(0, 4, "jagg"), (4, 8, "jagg"), (8, 12, "exact")]
+    route = router.route(toy_trajectory(ToyVelocity()), generator=None)
+    assert [(p.start, p.stop, p.mode) for p in route] == [(0, 4, "jagg"), (4, 8, "jagg"), (8, 12, "exact")]
 
 
 def compose_cfg(overrides: list[str]) -> TrainConfig:
@@ -126,7 +126,7 @@ def test_trainer_routes_by_the_probe(threshold, path, tiny_flux_dir, tmp_path, m
     with initialize_config_module(config_module="configs", version_base=None):
         run(compose(config_name="train", overrides=overrides))
     (m,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert m[f"count/groups_{path}"] == 2 and "count/groups_" + ("exact" if path == "jagg" else "jagg") not in m
+    assert m[f"count/segments_{path}"] == 2 and "count/segments_" + ("exact" if path == "jagg" else "jagg") not in m
     for key in ("00_04", "04_08"):
         assert -1.0 <= m[f"routing/cos_{key}"] <= 1.0 and m[f"routing/rho_{key}"] > 0
         assert m[f"routing/jagg_{key}"] == float(path == "jagg")

@@ -27,9 +27,8 @@ from models.base import DTYPES
 from rewards.combine import COMBINE_MODES
 from samplers.schedule import QUANTIZE_MODES
 from samplers.sde import SDE_KINDS
-from train.algorithm.groups import split_groups
-from train.algorithm.jagg import UPDATE_MODES
-from train.algorithm.routing import ROUTINGS
+from train.algorithm.segments import split_segments
+from train.algorithm.update_config import Routing, UpdateConfig
 from train.components.data import read_prompts
 from train.components.errors import ConfigError, PathError
 from train.components.logger import WANDB_MODES
@@ -43,7 +42,6 @@ RESUME_SETTINGS = ("model.name", "model.path", "model.lora", "seed", "update.mod
 # the adapters are added; [] for full fine-tuning), so that other targets are refused as a changed setting.
 LORA_MODULES = "model.lora.modules"
 LORA_INITS = ("gaussian", "olora", "pissa", "orthogonal")  # peft's init_lora_weights that need no extra config
-REUSE_VELOCITIES = ("fresh", "stale", "off")  # update.reuse_velocities
 # An override that adds an evaluation scorer to an empty eval.scorers, as typed on the command line
 # (``eval.scorers={jpeg_compressibility: {}}`` needs quotes in a shell; ``+`` adds the key to the typed dict).
 SCORERS_HINT = "+eval.scorers.jpeg_compressibility={}"
@@ -97,38 +95,6 @@ class SamplerConfig:
     quantize_timesteps: str = "none"  # none | float64 | dance
     sde_window_size: int = 0  # Flow-GRPO-Fast: >0 = SDE only on this many consecutive steps, ODE elsewhere
     sde_window_range: list[int] = field(default_factory=lambda: [0, 12])  # [lo, hi): window start in [lo, hi - size]
-
-
-@dataclass
-class UpdateConfig:
-    mode: str = "jagg"  # exact | jagg | jagg_sequential | ablate
-    window: int = 4  # W: consecutive transitions per group
-    # Which groups take the `mode` path (train/algorithm/routing.py). prefix: those ending at or before
-    # round(jagg_frac * M), M the trainable transitions; the rest are exact. auto: every auto_every steps
-    # a probe measures cos(g_mode, g_exact) per group on the current policy and a group takes the
-    # `mode` path when its mean cosine >= auto_threshold.
-    routing: str = "prefix"  # prefix | auto
-    jagg_frac: float = 0.6  # routing=prefix: share of the trajectory, in [0, 1], routed to the `mode` path
-    timestep_fraction: float = 1.0  # share of groups trained per sample (DanceGRPO draws them at random)
-    auto_every: int = 10  # routing=auto: training steps between probes (the first step always probes)
-    auto_threshold: float = 0.5  # routing=auto: minimum mean cosine for the `mode` path (the paper's 0.5)
-    auto_rollouts: int = 4  # routing=auto: trajectories per probe, all ranks together (<= G * prompts_per_rank)
-    # The middle steps of a jagg / jagg_sequential group need v_j only for s_j = dL_j/dv_j, and the rollout computed
-    # them. fresh: the rollout keeps its velocities and the update uses them while the weights are those that
-    # sampled (until the first optimizer step of the training step), then recomputes them; stale: uses them after
-    # optimizer steps too (an approximation: python -m train.probe reports its cosine); off: keeps none
-    # and always recomputes. Kept velocities cost N * (latent elements) * (model.dtype bytes) per sample (per rank;
-    # logged as memory/velocity_bytes_per_sample); exact and ablate, or W = 2, keep none.
-    reuse_velocities: str = "fresh"  # fresh | stale | off
-    offload_velocities: bool = False  # keep the rollout's velocities in host memory (pinned) instead of on the GPU
-    # The shared start: a group's G samples start from one noise with one prompt, so every prediction until the
-    # group's first SDE noise has the same input in its G rows. true: those run one row per group and are
-    # broadcast (the rollout's prefix and first SDE step; in the update the first trainable step, with grad, and
-    # its KL reference, over the rows of one optimizer step), the same numbers up to float rounding; false: G rows.
-    share_group_start: bool = True
-    # The groups routed to exact (in JAGG runs too): true = their W steps in one forward with grad and one
-    # backward (fewer FSDP2 all-gathers, about W times the activation memory); false = one step at a time.
-    exact_batched: bool = False
 
 
 @dataclass
@@ -498,28 +464,13 @@ def _validate_grpo(g: GRPOConfig) -> None:
 
 
 def _validate_update(u: UpdateConfig, g: GRPOConfig) -> None:
-    _choice(u.mode, UPDATE_MODES, "update.mode")
-    _choice(u.routing, ROUTINGS, "update.routing")
-    _choice(u.reuse_velocities, REUSE_VELOCITIES, "update.reuse_velocities")
-    if u.offload_velocities and u.reuse_velocities == "off":
+    """The update's rule across groups (its own ranges are UpdateConfig's checks)."""
+    rows = g.group_size * g.prompts_per_rank
+    if u.routing is Routing.auto and u.auto_rollouts > rows:
         raise ConfigError(
-            "update.offload_velocities=true keeps no velocities with update.reuse_velocities=off: "
-            "pick update.reuse_velocities=fresh or stale, or update.offload_velocities=false"
+            f"update.auto_rollouts={u.auto_rollouts} exceeds the samples per rank per step "
+            f"(group_size * prompts_per_rank = {rows})"
         )
-    _in_range(u.timestep_fraction, "update.timestep_fraction", low=0, high=1, low_open=True)
-    _in_range(u.jagg_frac, "update.jagg_frac", low=0, high=1)
-    _in_range(u.auto_threshold, "update.auto_threshold", low=-1, high=1, why=" (a cosine)")
-    _positive(u.auto_every, "update.auto_every")
-    _positive(u.auto_rollouts, "update.auto_rollouts")
-    if u.routing == "auto":
-        if u.mode == "exact":
-            raise ConfigError("update.routing=auto routes between update.mode and exact: pick update.mode=jagg")
-        rows = g.group_size * g.prompts_per_rank
-        if u.auto_rollouts > rows:
-            raise ConfigError(
-                f"update.auto_rollouts={u.auto_rollouts} exceeds the samples per rank per step "
-                f"(group_size * prompts_per_rank = {rows})"
-            )
 
 
 def _validate_reward(r: RewardConfig, known_scorers: tuple[str, ...]) -> None:
@@ -642,7 +593,7 @@ def validate(
     _validate_reward(cfg.reward, known_scorers)
     _validate_run(cfg, known_scorers)
     try:
-        split_groups(trainable_transitions(cfg.sampler), cfg.update.window)
+        split_segments(trainable_transitions(cfg.sampler), cfg.update.segment_length)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if check_files:

@@ -15,7 +15,7 @@ and ``FlopCounterMode``:
                 group), its FLOPs scaled by the rows of every step
     decode      ``train.step.decode_images`` of those samples (the reward models score the images next)
     update      ``train.algorithm.update.update_micro_batch``: one group of W steps of one micro-batch (the GRPO loss,
-                the KL reference's batched call, ``train.algorithm.jagg.backward_group``), once per update path
+                the KL reference's batched call, ``train.algorithm.jagg.backward_segment``), once per update path
                 the run routes to (and exact), on the rollout's velocities or recomputing them as the
                 run does, with and without activation checkpointing, while earlier micro-batches'
                 gradients are held; the exact path on 2 of its W steps (each step's graph is freed
@@ -179,7 +179,7 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
         phase.peak_bytes += frozen_bytes
     at = traced.at_step
     exact = next(u for u in updates if u.mode == "exact" and u.checkpointing == cfg.model.activation_checkpointing)
-    per_row = exact.flops / (cfg.update.window * cfg.grpo.micro_batch)  # one step of one row, with its backward
+    per_row = exact.flops / (cfg.update.segment_length * cfg.grpo.micro_batch)  # one step of one row, with its backward
     peak, source = assumed_peak(cfg)
     return PlanReport(
         experiment=cfg.experiment,

@@ -18,16 +18,16 @@ from models.base import Conditioning, parse_dtype
 from models.diffusers_backbone import DiffusersBackbone
 from samplers.rollout import Predict, Trajectory, stochastic_flags, trainable_flags
 from samplers.schedule import shifted_sigmas
-from train.algorithm.groups import RoutedGroup, pick_groups, route_groups
-from train.algorithm.jagg import EXACT_BATCHED, MIDDLE_MODES, UPDATE_MODES
+from train.algorithm.jagg import EXACT_BATCHED, UPDATE_MODES
+from train.algorithm.segments import RoutedSegment, pick_segments, route_segments
 from train.algorithm.update import UpdateBatch, update_micro_batch
+from train.algorithm.update_config import MIDDLE_MODES
 from train.components.build import (
     adamw_settings,
     build_ema,
     kl_reference,
     predictor,
     setup_trainable,
-    update_settings,
 )
 from train.components.config import TrainConfig, trainable_transitions
 from train.components.ema import EMA
@@ -56,10 +56,10 @@ def expected_groups(cfg: TrainConfig, mode: str | None = None) -> dict[str, floa
     counts: dict[str, float] = {}
     for start in starts:
         trainable = trainable_transitions(s, start)
-        every = route_groups(
-            trainable, window=u.window, mode=mode or u.mode, jagg_frac=u.jagg_frac, num_transitions=s.num_steps - 1
+        every = route_segments(
+            trainable, length=u.segment_length, mode=mode or u.mode, jagg_frac=u.jagg_frac, num_transitions=s.num_steps - 1
         )
-        picked = len(pick_groups(trainable, window=u.window, timestep_fraction=u.timestep_fraction))
+        picked = len(pick_segments(trainable, length=u.segment_length, timestep_fraction=u.timestep_fraction))
         for group in every:  # a uniform random subset: each group is picked with probability picked / len
             counts[group.mode] = counts.get(group.mode, 0.0) + picked / len(every) / len(starts)
     return counts
@@ -266,7 +266,7 @@ def rollout_call(run: TracedRun, tensors: StepTensors, predict: TracedOnce) -> C
             group_ids=torch.arange(g.prompts_per_rank).repeat_interleave(g.group_size),
             sde_window=window,
             sde_noise=[torch.Generator().manual_seed(i) for i in range(g.prompts_per_rank)],
-            keep_velocities=update_settings(cfg).keeps_velocities,
+            keep_velocities=cfg.update.keeps_velocities(ratio_norm=cfg.grpo.ratio_norm),
             velocity_dtype=parse_dtype(cfg.model.dtype),
         )
         flags = stochastic_flags(s.num_steps, traj.sde, window)  # readable, for transition() and the plan
@@ -290,7 +290,7 @@ def decode_call(run: TracedRun, tensors: StepTensors) -> Callable[[], None]:
 
 def update_call(run: TracedRun, tensors: StepTensors, mode: str, *, reuse: bool) -> Callable[[], None]:
     """One group of W steps of one micro-batch through ``train.algorithm.update.update_micro_batch`` (the GRPO loss,
-    the KL reference's batched call, ``backward_group``), on the rollout's velocities when ``reuse``;
+    the KL reference's batched call, ``backward_segment``), on the rollout's velocities when ``reuse``;
     ``mode`` exact_batched: an exact group with update.exact_batched. Without the shared start."""
     cfg, traj = run.cfg, tensors.traj
     assert traj is not None and tensors.advantages is not None
@@ -299,11 +299,13 @@ def update_call(run: TracedRun, tensors: StepTensors, mode: str, *, reuse: bool)
         advantages=tensors.advantages,
         predict=run.policy(),
         reference=run.kl_reference(),
-        settings=replace(update_settings(cfg), exact_batched=mode == EXACT_BATCHED),
+        config=replace(cfg.update, exact_batched=mode == EXACT_BATCHED),
+        grpo=cfg.grpo,
+        gradient_accumulation_steps=cfg.grpo.gradient_accumulation_steps,
     )
     start = traj.trainable_steps()[0]
-    width = EXACT_TRACED_STEPS if mode == "exact" else cfg.update.window
-    group = RoutedGroup(start, start + width, "exact" if mode == EXACT_BATCHED else mode)
+    width = EXACT_TRACED_STEPS if mode == "exact" else cfg.update.segment_length
+    group = RoutedSegment(start, start + width, "exact" if mode == EXACT_BATCHED else mode)
     rows = torch.arange(cfg.grpo.micro_batch)
 
     def call() -> None:
@@ -420,10 +422,10 @@ def _start_step(cfg: TrainConfig, mode: str | None = None) -> tuple[float, str] 
     window = first_window(cfg)
     trainable = trainable_transitions(cfg.sampler, None if window is None else window[0])
     transitions = cfg.sampler.num_steps - 1
-    groups = route_groups(
-        trainable, window=u.window, mode=mode or u.mode, jagg_frac=u.jagg_frac, num_transitions=transitions
+    groups = route_segments(
+        trainable, length=u.segment_length, mode=mode or u.mode, jagg_frac=u.jagg_frac, num_transitions=transitions
     )
-    p = len(pick_groups(trainable, window=u.window, timestep_fraction=u.timestep_fraction)) / len(groups)
+    p = len(pick_segments(trainable, length=u.segment_length, timestep_fraction=u.timestep_fraction)) / len(groups)
     return p, groups[0].mode
 
 
@@ -489,12 +491,12 @@ def trace_updates(run: TracedRun, tensors: StepTensors, groups: dict[str, float]
     offloaded = cfg.update.offload_velocities
     resident = tensors.resident(offloaded_velocities=offloaded) + reference_shards(run) + ema_shards(run)
     out = []
-    for mode, reuse, calls in update_variants(cfg, groups, kept_velocities=update_settings(cfg).reuses_velocities):
+    for mode, reuse, calls in update_variants(cfg, groups, kept_velocities=cfg.update.reuses_velocities):
         m, forwards = measure_counting(run, resident, update_call(run, tensors, mode, reuse=reuse))
         backwards = float(forwards.with_grad)  # each graph is backpropagated once
         if mode == "exact":  # its W steps, each freed before the next, traced on EXACT_TRACED_STEPS
-            m.flops = round(m.flops * cfg.update.window / EXACT_TRACED_STEPS)
-            backwards *= cfg.update.window / EXACT_TRACED_STEPS
+            m.flops = round(m.flops * cfg.update.segment_length / EXACT_TRACED_STEPS)
+            backwards *= cfg.update.segment_length / EXACT_TRACED_STEPS
         name = f"update {mode}" + (", rollout velocities" if reuse else "")
         calls_of = {"forwards": forwards.without_grad + backwards, "backwards": backwards}
         checkpointing = cfg.model.activation_checkpointing
