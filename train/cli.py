@@ -492,7 +492,8 @@ def _comments(source: str) -> dict[int, str]:
 def _class_docs(module_name: str) -> dict[str, dict[str, str]]:
     """Class name -> field name -> its documenting comment, for the dataclasses of a module's source.
 
-    A field's comment is the one at the end of its line, else the comment lines right above it.
+    A field's documentation is its attribute docstring (the string right below it), else the comment at the
+    end of its line, else the comment lines right above it.
     """
     source = inspect.getsource(sys.modules[module_name])
     comments = _comments(source)
@@ -502,8 +503,11 @@ def _class_docs(module_name: str) -> dict[str, dict[str, str]]:
         if not isinstance(node, ast.ClassDef):
             continue
         docs = per_class.setdefault(node.name, {})
-        for item in node.body:
+        for item, after in zip(node.body, [*node.body[1:], None]):
             if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
+                continue
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                docs[item.target.id] = " ".join(after.value.value.split())  # the field's attribute docstring
                 continue
             text = comments.get(item.lineno, "")
             if not text:

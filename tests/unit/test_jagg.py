@@ -1,6 +1,6 @@
 """The four update paths against independently computed gradients, in float64.
 
-Each test builds the real per-step GRPO loss of a group (SDE log-prob of a stored transition, PPO
+Each test builds the real per-step GRPO loss of a segment (SDE log-prob of a stored transition, PPO
 clip) and compares ``backward_segment``'s accumulated ``.grad`` with a formula evaluated with
 ``torch.func`` Jacobians, never with the code under test.
 """
@@ -52,8 +52,8 @@ class MLP(nn.Module):
         return self.net(torch.cat([z, t[:, None]], dim=1))
 
 
-def make_group(model, width, *, start=4, affine_path=False, seed=0, clip_range=10.0, advantages=None):
-    """z [W] latents, t [W] timesteps and the GRPO step_loss(j, v) -> (loss, metrics) of a group of transitions."""
+def make_segment(model, width, *, start=4, affine_path=False, seed=0, clip_range=10.0, advantages=None):
+    """z [W] latents, t [W] timesteps and the GRPO step_loss(j, v) -> (loss, metrics) of a segment of transitions."""
     g = torch.Generator().manual_seed(seed)
     sigmas = shifted_sigmas(20, 3.0)[start : start + width + 1]  # non-uniform (shift 3)
     t = sigmas[:-1].clone()
@@ -99,13 +99,13 @@ def jacobian_terms(model, z, t, step_loss):
 def test_theorem_1_jagg_exact_for_linear_velocity(width):
     torch.manual_seed(0)
     model = LinearInZT()
-    z, t, step_loss = make_group(model, width, affine_path=True)
+    z, t, step_loss = make_segment(model, width, affine_path=True)
     exact, _ = grads_of(model, "exact", z, t, step_loss)
     for mode in ("jagg", "jagg_sequential"):
         approx, _ = grads_of(model, mode, z, t, step_loss)
         torch.testing.assert_close(approx, exact, rtol=1e-10, atol=1e-12)
     # The premise matters: off the affine path JAGG is only an approximation.
-    z_off, t_off, loss_off = make_group(model, width, affine_path=False, seed=1)
+    z_off, t_off, loss_off = make_segment(model, width, affine_path=False, seed=1)
     exact_off, _ = grads_of(model, "exact", z_off, t_off, loss_off)
     jagg_off, _ = grads_of(model, "jagg", z_off, t_off, loss_off)
     assert (jagg_off - exact_off).abs().max() > 1e-4
@@ -114,7 +114,7 @@ def test_theorem_1_jagg_exact_for_linear_velocity(width):
 def test_each_mode_equals_its_formula_on_nonlinear_network():
     torch.manual_seed(1)
     model, width = MLP(), 4
-    z, t, step_loss = make_group(model, width)
+    z, t, step_loss = make_segment(model, width)
     terms = jacobian_terms(model, z, t, step_loss)
     # J_0^T s_base + J_{W-1}^T s_corr: the s_j enter through their endpoint Jacobians.
     alpha = interpolation_weights(t)
@@ -143,20 +143,20 @@ def test_each_mode_equals_its_formula_on_nonlinear_network():
     assert (expected["jagg"] - expected["exact"]).abs().max() > 1e-6  # the approximation is not trivial
 
 
-def test_window_two_all_modes_agree():
+def test_segment_length_two_all_modes_agree():
     torch.manual_seed(2)
     model = MLP()
-    z, t, step_loss = make_group(model, 2)
+    z, t, step_loss = make_segment(model, 2)
     exact, _ = grads_of(model, "exact", z, t, step_loss)
     for mode in ("jagg", "jagg_sequential", "ablate"):
         got, _ = grads_of(model, mode, z, t, step_loss)
         torch.testing.assert_close(got, exact, rtol=1e-10, atol=1e-12)
 
 
-def test_gradients_accumulate_across_groups():
+def test_gradients_accumulate_across_segments():
     torch.manual_seed(3)
     model = MLP()
-    z, t, step_loss = make_group(model, 4)
+    z, t, step_loss = make_segment(model, 4)
     once, _ = grads_of(model, "jagg", z, t, step_loss)
     backward_segment("jagg", lambda zz, tt: model(zz, tt), step_loss, z, t)
     torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), 2 * once)
@@ -176,7 +176,7 @@ def test_gradients_accumulate_across_groups():
 def test_counters_and_backward_hook(mode, grad_fwd, nograd_fwd, calls, backward_steps):
     torch.manual_seed(4)
     model = MLP()
-    z, t, step_loss = make_group(model, 5)
+    z, t, step_loss = make_segment(model, 5)
     rows = []
     model.register_full_backward_hook(lambda m, gin, gout: rows.append(gout[0].shape[0]))
     _, stats = grads_of(model, mode, z, t, step_loss)
@@ -193,7 +193,7 @@ def test_a_given_start_leaves_step_0_to_the_caller(mode):
     J_0^T start_upstream is the path's gradient, and the step losses are the same."""
     torch.manual_seed(6)
     model = MLP()
-    z, t, step_loss = make_group(model, 4)
+    z, t, step_loss = make_segment(model, 4)
     full, full_stats = grads_of(model, mode, z, t, step_loss)
     model.zero_grad(set_to_none=True)
     v0 = model(z[0], t[0].expand(B))
@@ -211,7 +211,7 @@ def test_a_given_start_leaves_step_0_to_the_caller(mode):
 def test_losses_and_metrics_are_the_step_losses():
     torch.manual_seed(5)
     model = MLP()
-    z, t, step_loss = make_group(model, 4)
+    z, t, step_loss = make_segment(model, 4)
     _, exact = grads_of(model, "exact", z, t, step_loss)
     _, jagg = grads_of(model, "jagg", z, t, step_loss)
     for j in range(4):
@@ -220,14 +220,15 @@ def test_losses_and_metrics_are_the_step_losses():
         torch.testing.assert_close(exact.losses[j], loss.detach())
         assert exact.metrics[j].keys() == jagg.metrics[j].keys() == metrics.keys()  # handed back as values
         for name, value in metrics.items():
-            torch.testing.assert_close(jagg.metrics[j][name], value)
+            assert jagg.metrics[j][name].reduce is value.reduce
+            torch.testing.assert_close(jagg.metrics[j][name].value, value.value)
 
 
 def test_clipped_step_contributes_exactly_zero():
     torch.manual_seed(6)
     model = MLP()
     width = 4
-    z, t, base_loss = make_group(model, width, clip_range=0.2, advantages=torch.ones(B))
+    z, t, base_loss = make_segment(model, width, clip_range=0.2, advantages=torch.ones(B))
 
     def clipped_loss(j, v):  # step 1 with a ratio far above 1 + eps and A > 0: clipped in every row
         if j != 1:
@@ -246,7 +247,7 @@ def test_clipped_step_contributes_exactly_zero():
 def test_zero_advantage_gives_zero_gradient():
     torch.manual_seed(7)
     model = MLP()
-    z, t, step_loss = make_group(model, 4, advantages=torch.zeros(B))
+    z, t, step_loss = make_segment(model, 4, advantages=torch.zeros(B))
     for mode in UPDATE_MODES:
         got, _ = grads_of(model, mode, z, t, step_loss)
         assert torch.equal(got, torch.zeros_like(got)), mode
@@ -263,7 +264,7 @@ def test_interpolation_weights_and_aggregate():
 
 
 def test_timesteps_that_repeat_are_refused():
-    """A group's alpha divides by t_0 - t_{W-1}: the rollout refuses a schedule with a repeated timestep."""
+    """A segment's alpha divides by t_0 - t_{W-1}: the rollout refuses a schedule with a repeated timestep."""
     check_timesteps(shifted_sigmas(20, 3.0), quantize="float64")
     with pytest.raises(ValueError, match="quantize_timesteps"):
         check_timesteps(torch.tensor([1.0, 0.5004, 0.5001, 0.0]), quantize="float64")
@@ -281,7 +282,7 @@ def test_given_velocities_replace_the_middle_forwards(mode):
     recomputing them, and the transformer runs only the endpoints (forward and backward)."""
     torch.manual_seed(8)
     model, width = MLP(), 5
-    z, t, step_loss = make_group(model, width)
+    z, t, step_loss = make_segment(model, width)
     recomputed, _ = grads_of(model, mode, z, t, step_loss)
     velocities = _velocities(model, z, t)
     rows = []
@@ -303,7 +304,7 @@ def test_given_velocities_enter_through_s_j():
     endpoints' s_j at the model's own v, which carry the Jacobians), from torch.func Jacobians."""
     torch.manual_seed(9)
     model, width = MLP(), 4
-    z, t, step_loss = make_group(model, width)
+    z, t, step_loss = make_segment(model, width)
     own = _velocities(model, z, t)
     given = [v + 0.3 * torch.randn_like(v) for v in own]  # e.g. from weights before an optimizer step
     params = {k: p.detach() for k, p in model.named_parameters()}
@@ -332,7 +333,7 @@ def test_given_velocities_enter_through_s_j():
 def test_exact_and_ablate_ignore_velocities():
     torch.manual_seed(10)
     model = MLP()
-    z, t, step_loss = make_group(model, 4)
+    z, t, step_loss = make_segment(model, 4)
     junk = [torch.full_like(z_j, 1e3) for z_j in z]
     for mode in ("exact", "ablate"):
         plain, _ = grads_of(model, mode, z, t, step_loss)
@@ -352,7 +353,7 @@ def test_exact_and_ablate_ignore_velocities():
 )
 def test_velocities_of_the_wrong_shape(velocities, message):
     model = MLP()
-    z, t, step_loss = make_group(model, 4)
+    z, t, step_loss = make_segment(model, 4)
     with pytest.raises(ValueError, match=message):
         backward_segment("jagg", lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=velocities(z))
 
@@ -364,22 +365,22 @@ def test_unknown_mode():
 
 def test_routing_worked_examples():
     # 21 sampling steps, last ignored: M = 20, W = 4, jagg_frac = 0.6 -> round(12) = 12.
-    plan = route_segments(range(20), window=4, mode="jagg", jagg_frac=0.6, num_transitions=20)
-    assert [(p.start, p.mode) for p in plan] == [(0, "jagg"), (4, "jagg"), (8, "jagg"), (12, "exact"), (16, "exact")]
+    route = route_segments(range(20), length=4, mode="jagg", jagg_frac=0.6, num_transitions=20)
+    assert [(p.start, p.mode) for p in route] == [(0, "jagg"), (4, "jagg"), (8, "jagg"), (12, "exact"), (16, "exact")]
     # Flow-GRPO-Fast window of transitions 4..11 and jagg_frac = 0.4 -> round(8) = 8.
-    plan = route_segments(range(4, 12), window=4, mode="jagg", jagg_frac=0.4, num_transitions=20)
-    assert [(p.start, p.stop, p.mode) for p in plan] == [(4, 8, "jagg"), (8, 12, "exact")]
+    route = route_segments(range(4, 12), length=4, mode="jagg", jagg_frac=0.4, num_transitions=20)
+    assert [(p.start, p.stop, p.mode) for p in route] == [(4, 8, "jagg"), (8, 12, "exact")]
     # The exact mode never routes to JAGG; jagg_frac = 1 routes everything.
-    for mode, window in (("exact", 4), ("ablate", 5)):
-        plan = route_segments(range(20), window=window, mode=mode, jagg_frac=1.0, num_transitions=20)
-        assert {p.mode for p in plan} == {mode}
+    for mode, length in (("exact", 4), ("ablate", 5)):
+        route = route_segments(range(20), length=length, mode=mode, jagg_frac=1.0, num_transitions=20)
+        assert {p.mode for p in route} == {mode}
 
 
-def test_timestep_fraction_picks_groups_reproducibly():
-    kw = dict(window=4, mode="jagg", jagg_frac=0.6, num_transitions=20, timestep_fraction=0.6)
+def test_timestep_fraction_picks_segments_reproducibly():
+    kw = dict(length=4, mode="jagg", jagg_frac=0.6, num_transitions=20, timestep_fraction=0.6)
     a = route_segments(range(20), generator=torch.Generator().manual_seed(0), **kw)
     b = route_segments(range(20), generator=torch.Generator().manual_seed(0), **kw)
-    assert a == b and len(a) == 3  # int(5 * 0.6) groups
+    assert a == b and len(a) == 3  # int(5 * 0.6) segments
     assert [p.start for p in a] == sorted(p.start for p in a)  # high noise first
     for p in a:
         assert p.mode == prefix_path(p.start, p.stop, mode="jagg", jagg_frac=0.6, num_transitions=20)
@@ -388,16 +389,16 @@ def test_timestep_fraction_picks_groups_reproducibly():
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(window=1), "update.window"),
-        (dict(window=3), "update.window"),  # 20 steps do not split into groups of 3
+        (dict(length=1), "update.segment_length"),
+        (dict(length=3), "update.segment_length"),  # 20 steps do not split into segments of 3
         (dict(jagg_frac=1.5), "update.jagg_frac"),
         (dict(jagg_frac=-0.1), "update.jagg_frac"),
         (dict(timestep_fraction=0.0), "update.timestep_fraction"),
         (dict(mode="sum"), "update.mode"),
     ],
 )
-def test_impossible_plans(kwargs, field):
-    args = dict(window=4, mode="jagg", jagg_frac=0.6, num_transitions=20) | kwargs
+def test_impossible_routes(kwargs, field):
+    args = dict(length=4, mode="jagg", jagg_frac=0.6, num_transitions=20) | kwargs
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         route_segments(range(20), **args)
 

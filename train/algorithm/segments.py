@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from train.algorithm.jagg import UPDATE_MODES
 from train.algorithm.update_config import UpdateMode
 
 Segment = tuple[int, int]  # transitions [start, stop)
@@ -61,6 +62,8 @@ def prefix_path(start: int, stop: int, *, mode: UpdateMode, jagg_frac: float, nu
     minus the ignored last one), so jagg_frac picks the same high-noise region whatever window
     of the trajectory is trained.
     """
+    if mode not in UPDATE_MODES:
+        raise ValueError(f"update.mode must be one of {UPDATE_MODES}, got {mode!r}")
     mode = UpdateMode(mode)
     if not 0.0 <= jagg_frac <= 1.0:
         raise ValueError(f"update.jagg_frac must be in [0, 1], got {jagg_frac}")

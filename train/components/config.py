@@ -464,7 +464,11 @@ def _validate_grpo(g: GRPOConfig) -> None:
 
 
 def _validate_update(u: UpdateConfig, g: GRPOConfig) -> None:
-    """The update's rule across groups (its own ranges are UpdateConfig's checks)."""
+    """The update's rule across groups, and its own checks again (for a field set after construction)."""
+    try:
+        u.__post_init__()
+    except ValueError as err:
+        raise ConfigError(f"update.{err}") from None
     rows = g.group_size * g.prompts_per_rank
     if u.routing is Routing.auto and u.auto_rollouts > rows:
         raise ConfigError(
