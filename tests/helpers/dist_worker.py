@@ -142,7 +142,7 @@ def count_pass(rank: int, batch: dict[str, torch.Tensor], ref_grads: list[torch.
 
 
 def count_update_paths(rank: int, batch: dict[str, torch.Tensor], out: dict) -> None:
-    """Collectives of one group of W = 4 steps through train.algorithm.jagg.backward_segment per mode."""
+    """Collectives of one segment of W = 4 steps through train.algorithm.jagg.backward_segment per mode."""
     model = parallelize(build_model(), block_classes=BLOCKS, param_dtype=torch.float32)
     local = rows_of(batch, rank)
     cond = {k: v for k, v in local.items() if k not in ("hidden_states", "timestep")}

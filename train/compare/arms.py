@@ -75,8 +75,29 @@ class RunMetrics:
         return {step: values[key] for step, values in sorted(self.steps.items()) if key in values}
 
 
+# Names a run logged before they were renamed, read as today's, so that runs of either age compare
+# (README, changes): a metric's old prefix -> its new one, and a setting's old key -> its new one.
+RENAMED_METRICS = {"count/groups_": "count/segments_"}  # the JAGG unit of W transitions is a segment
+RENAMED_SETTINGS = {"update.window": "update.segment_length"}
+
+
+def current_metric(name: str) -> str:
+    """Today's name of a logged metric (``count/groups_jagg`` -> ``count/segments_jagg``)."""
+    for old, new in RENAMED_METRICS.items():
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def current_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """A flattened configuration with today's keys."""
+    return {RENAMED_SETTINGS.get(key, key): value for key, value in config.items()}
+
+
 def _numbers(record: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    return {
+        current_metric(k): float(v) for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
 
 
 def read_metrics_file(path: Path) -> dict[int, dict[str, float]]:
@@ -114,7 +135,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
         if path.is_file():
             from omegaconf import OmegaConf
 
-            return flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
+            return current_settings(flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=False)))
     return {}
 
 
@@ -122,7 +143,7 @@ def _from_wandb(run: WandbRun) -> RunMetrics:
     if not run.steps:
         raise ValueError(f"wandb run {run.source} has no logged step")
     steps = {step: _numbers(values) for step, values in run.steps.items()}
-    return RunMetrics(run.source, steps, flatten(run.config), run.name or run.run_id)
+    return RunMetrics(run.source, steps, current_settings(flatten(run.config)), run.name or run.run_id)
 
 
 def _read_wandb(path: str) -> list[RunMetrics]:
