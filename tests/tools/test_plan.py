@@ -28,7 +28,7 @@ from models.registry import get_backbone_class
 from rewards.base import SCORER_NAMES, FrozenModelScorer, scorer_class
 from train.algorithm.jagg import UPDATE_MODES, Counts, backward_segment
 from train.algorithm.update import UpdateBatch, shared_start, update_micro_batch
-from train.components.build import FSDP_VIEW_WARNING, build_router, update_settings
+from train.components.build import FSDP_VIEW_WARNING, build_router
 from train.components.config import register_schema
 from train.distributed.parallelize import parallelize
 from train.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
@@ -183,14 +183,13 @@ def test_expected_shared_rows_over_the_random_pick():
 def _update_loop_calls(cfg, traj, *, share: bool, seed: int) -> tuple[int, int]:
     """(transformer forwards, backwards) of one step's update as train/step.py runs it: per optimizer step,
     the micro-batches' routes drawn in order, the shared start, the micro-batches, its backward."""
-    settings = replace(update_settings(cfg), share_group_start=share)
     policy, reference, forwards = ToyVelocity(), ToyVelocity(seed=1), []
     for model in (policy, reference):
         model.register_forward_pre_hook(lambda *_: forwards.append(1))
     advantages = torch.linspace(-1, 1, traj.batch_size)
-    batch = UpdateBatch(traj, advantages, predict=policy, reference=reference, settings=settings)
+    config, g = replace(cfg.update, share_group_start=share), cfg.grpo
+    batch = UpdateBatch(traj, advantages, policy, reference, config, g, g.gradient_accumulation_steps)
     router, route_gen, counts = build_router(cfg.update), torch.Generator().manual_seed(seed), Counts()
-    g = cfg.grpo
     for chunk in range(0, traj.batch_size, g.gradient_accumulation_steps):
         micro = micro_batches(cfg, chunk)
         routes = [router.route(traj, route_gen) for _ in micro]
@@ -202,7 +201,7 @@ def _update_loop_calls(cfg, traj, *, share: bool, seed: int) -> tuple[int, int]:
     return len(forwards), counts.backward_calls  # backward_calls counts calls (its forwards count steps)
 
 
-SHARED_CALL_CASES = {  # overrides of the tiny experiment (8 rows: 2 groups of G = 4; 2 groups of W = 4)
+SHARED_CALL_CASES = {  # overrides of the tiny experiment (8 rows: 2 groups of G = 4; 2 segments of W = 4)
     "exact, micro-batch 1": ["update.mode=exact", "grpo.micro_batch=1"],
     "jagg_sequential, KL, accumulation 2": [
         "update.mode=jagg_sequential", "grpo.micro_batch=1", "grpo.gradient_accumulation_steps=2", "grpo.kl_beta=0.1"
