@@ -506,7 +506,11 @@ def _class_docs(module_name: str) -> dict[str, dict[str, str]]:
         for item, after in zip(node.body, [*node.body[1:], None]):
             if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
                 continue
-            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+            if (
+                isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 docs[item.target.id] = " ".join(after.value.value.split())  # the field's attribute docstring
                 continue
             text = comments.get(item.lineno, "")

@@ -317,7 +317,9 @@ def test_runs_logged_under_the_old_names_read_as_todays(tmp_path, capsys):
     new_config = config("jagg", 1).replace("  mode: jagg\n", "  mode: jagg\n  segment_length: 4\n")
     old_counts = {"count/groups_jagg": 3, "count/groups_exact": 2}
     old = write_run(tmp_path / "old", [{**step(0, 0.1, 1, 1), **old_counts}], old_config)
-    new = write_run(tmp_path / "new", [{**step(0, 0.2, 1, 1), "count/segments_jagg": 3, "count/segments_exact": 2}], new_config)
+    new = write_run(
+        tmp_path / "new", [{**step(0, 0.2, 1, 1), "count/segments_jagg": 3, "count/segments_exact": 2}], new_config
+    )
     runs = [load_run(old), load_run(new)]
     assert runs[0].steps[0] == {**runs[1].steps[0], "reward/hpsv2": 0.1}
     assert runs[0].config["update.segment_length"] == 4 and "update.window" not in runs[0].config

@@ -109,7 +109,11 @@ def test_stale_velocities_cost_cosine_only_once_the_weights_moved():
 def test_staleness_columns_in_the_report():
     segments = [quality(0.9, 0), quality(0.8, 4)]
     rep = probe_report(
-        segments, mode="jagg", threshold=0.5, num_transitions=8, staleness=(segments, [quality(0.7, 0), quality(0.6, 4)])
+        segments,
+        mode="jagg",
+        threshold=0.5,
+        num_transitions=8,
+        staleness=(segments, [quality(0.7, 0), quality(0.6, 4)]),
     )
     assert rep["segments"][1]["after_step"]["stale"]["cos_mean"] == 0.6
     assert rep["segments"][1]["after_step"]["fresh"]["cos_mean"] == 0.8

@@ -12,7 +12,6 @@ from torch.func import functional_call, jacrev
 
 from samplers.schedule import check_timesteps, shifted_sigmas
 from samplers.sde import SDE, step
-from train.algorithm.segments import prefix_path, route_segments, split_segments
 from train.algorithm.grpo import ppo_step_loss
 from train.algorithm.jagg import (
     EXACT_BATCHED,
@@ -22,6 +21,7 @@ from train.algorithm.jagg import (
     backward_segment,
     interpolation_weights,
 )
+from train.algorithm.segments import prefix_path, route_segments, split_segments
 
 pytestmark = pytest.mark.usefixtures("float64")
 B, D = 3, 6
@@ -360,7 +360,9 @@ def test_velocities_of_the_wrong_shape(velocities, message):
 
 def test_unknown_mode():
     with pytest.raises(ValueError, match="update.mode"):
-        backward_segment("fast", lambda z, t: z, lambda j, v: v.sum(), [torch.zeros(1, 1)] * 2, torch.tensor([1.0, 0.5]))
+        backward_segment(
+            "fast", lambda z, t: z, lambda j, v: v.sum(), [torch.zeros(1, 1)] * 2, torch.tensor([1.0, 0.5])
+        )
 
 
 def test_routing_worked_examples():

@@ -15,7 +15,8 @@ nonzero g_exact counts as cos = 0, rho = 0.
 
 The rule (the paper's): a segment qualifies when its mean cos >= threshold (0.5). The recommended
 jagg_frac is the end of the run of qualifying segments that starts at the highest-noise segment, over M
-(the trajectory's trainable transitions), so ``train.algorithm.segments.prefix_path`` sends exactly that run to the path.
+(the trajectory's trainable transitions), so ``train.algorithm.segments.prefix_path`` sends exactly that
+run to the path.
 The paper then sets 0.6 for Flux where this rule gives 0.8, to stay clear of a high-variance segment;
 the report carries the standard deviations for such a judgement.
 
@@ -23,8 +24,9 @@ torchrun + FSDP2: trajectory m is row m // R of rank m % R and is measured in a 
 FSDP's collectives need every rank to run the same forwards and backwards, so each rank runs the
 segment on its own row m // R, but only the owner's loss has weight 1 (the others weight 0): the
 reduce-scattered gradient is the owner's gradient / R, and cos and rho do not see the factor. Dot
-products are over the full gradient: the local shards' products summed over ranks by
-the caller's ``Ranks.dots`` (the trainer's: ``train.distributed.parallelize.global_dots``, as ``clip_grad_norm_`` does), accumulated in float64.
+products are over the full gradient: the local shards' products summed over ranks by the caller's
+``Ranks.dots`` (the trainer's: ``train.distributed.parallelize.global_dots``, as ``clip_grad_norm_``
+does), accumulated in float64.
 
 Staleness (``update.reuse_velocities=stale``): after an optimizer step the rollout's velocities are
 no longer the policy's. ``measure_staleness`` compares with g_exact both the fresh g_mode (middle
@@ -197,7 +199,9 @@ class SegmentQuality:
         return _mean_std(self.rho)[1]
 
 
-def summarize_segments(samples: Mapping[Segment, Sequence[tuple[float, float]]], timesteps: Tensor) -> list[SegmentQuality]:
+def summarize_segments(
+    samples: Mapping[Segment, Sequence[tuple[float, float]]], timesteps: Tensor
+) -> list[SegmentQuality]:
     """One ``SegmentQuality`` per segment, high noise first; ``timesteps`` [N] are the trajectory's t."""
     t = timesteps.detach().float().cpu().tolist()
     return [

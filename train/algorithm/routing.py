@@ -157,4 +157,3 @@ class AutoRouter(Router):
             generator=generator,
         )
         return [RoutedSegment(a, b, self.modes.get((a, b), UpdateMode.exact)) for a, b in segments]
-

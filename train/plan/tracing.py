@@ -57,7 +57,11 @@ def expected_groups(cfg: TrainConfig, mode: str | None = None) -> dict[str, floa
     for start in starts:
         trainable = trainable_transitions(s, start)
         every = route_segments(
-            trainable, length=u.segment_length, mode=mode or u.mode, jagg_frac=u.jagg_frac, num_transitions=s.num_steps - 1
+            trainable,
+            length=u.segment_length,
+            mode=mode or u.mode,
+            jagg_frac=u.jagg_frac,
+            num_transitions=s.num_steps - 1,
         )
         picked = len(pick_segments(trainable, length=u.segment_length, timestep_fraction=u.timestep_fraction))
         for group in every:  # a uniform random subset: each group is picked with probability picked / len
