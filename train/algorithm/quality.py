@@ -280,7 +280,9 @@ def probe_report(
                 "rho_std": _finite(g.rho_std),
                 "num_samples": g.num_samples,
                 "qualifies": bool(g.cos_mean >= threshold),
-                "path": prefix_path(g.start, g.stop, mode=mode, jagg_frac=frac, num_transitions=num_transitions),
+                "path": prefix_path(
+                    g.start, g.stop, mode=UpdateMode(mode), jagg_frac=frac, num_transitions=num_transitions
+                ),
                 "cos": list(g.cos),
                 "rho": list(g.rho),
             }

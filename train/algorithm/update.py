@@ -110,9 +110,9 @@ class UpdateStats:
         self._settle()
         other._settle()
         out = UpdateStats(counts=self.counts + other.counts)
-        for name in [*self.stats, *other.stats]:
-            mine, theirs = self.stats.get(name), other.stats.get(name)
-            out.stats[name] = mine + theirs if mine is not None and theirs is not None else mine or theirs
+        out.stats = dict(self.stats)
+        for name, stat in other.stats.items():
+            out.stats[name] = out.stats[name] + stat if name in out.stats else stat
         for mode in [*self.segments, *other.segments]:
             out.segments[mode] = self.segments.get(mode, 0) + other.segments.get(mode, 0)
         return out

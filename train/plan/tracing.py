@@ -21,7 +21,7 @@ from samplers.schedule import shifted_sigmas
 from train.algorithm.jagg import EXACT_BATCHED, UPDATE_MODES
 from train.algorithm.segments import RoutedSegment, pick_segments, route_segments
 from train.algorithm.update import UpdateBatch, update_micro_batch
-from train.algorithm.update_config import MIDDLE_MODES
+from train.algorithm.update_config import MIDDLE_MODES, UpdateMode
 from train.components.build import (
     adamw_settings,
     build_ema,
@@ -59,7 +59,7 @@ def expected_groups(cfg: TrainConfig, mode: str | None = None) -> dict[str, floa
         every = route_segments(
             trainable,
             length=u.segment_length,
-            mode=mode or u.mode,
+            mode=UpdateMode(mode or u.mode),
             jagg_frac=u.jagg_frac,
             num_transitions=s.num_steps - 1,
         )
@@ -309,7 +309,7 @@ def update_call(run: TracedRun, tensors: StepTensors, mode: str, *, reuse: bool)
     )
     start = traj.trainable_steps()[0]
     width = EXACT_TRACED_STEPS if mode == "exact" else cfg.update.segment_length
-    group = RoutedSegment(start, start + width, "exact" if mode == EXACT_BATCHED else mode)
+    group = RoutedSegment(start, start + width, UpdateMode("exact" if mode == EXACT_BATCHED else mode))
     rows = torch.arange(cfg.grpo.micro_batch)
 
     def call() -> None:
@@ -427,7 +427,11 @@ def _start_step(cfg: TrainConfig, mode: str | None = None) -> tuple[float, str] 
     trainable = trainable_transitions(cfg.sampler, None if window is None else window[0])
     transitions = cfg.sampler.num_steps - 1
     groups = route_segments(
-        trainable, length=u.segment_length, mode=mode or u.mode, jagg_frac=u.jagg_frac, num_transitions=transitions
+        trainable,
+        length=u.segment_length,
+        mode=UpdateMode(mode or u.mode),
+        jagg_frac=u.jagg_frac,
+        num_transitions=transitions,
     )
     p = len(pick_segments(trainable, length=u.segment_length, timestep_fraction=u.timestep_fraction)) / len(groups)
     return p, groups[0].mode
