@@ -31,7 +31,8 @@ from flux_toys import tiny_flux_transformer
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from train.algorithm.jagg import EXACT_BATCHED, MIDDLE_MODES, UPDATE_MODES, backward_segment
+from train.algorithm.jagg import EXACT_BATCHED, UPDATE_MODES, backward_segment
+from train.algorithm.update_config import MIDDLE_MODES
 from train.components.checkpoint import CheckpointManager, export_model
 from train.components.ema import EMA
 from train.distributed.collectives import (
