@@ -39,7 +39,7 @@ from train.plan.frozen import ARCH_ROOT, SCORER_ARCH, build_component, frozen_mo
 from train.plan.report import GIB, format_report
 from train.plan.tracing import (
     EXACT_TRACED_STEPS,
-    expected_groups,
+    expected_segments,
     expected_shared_calls,
     expected_shared_rows,
     traced_run,
@@ -119,38 +119,38 @@ def test_every_scorer_has_a_known_architecture():
 
 
 @pytest.mark.parametrize(
-    "experiment, groups",
+    "experiment, segments",
     [
-        ("flux_dance", {"jagg": 3, "exact": 2}),  # 5 groups, jagg_frac 0.6 of M = 20: those ending <= 12
+        ("flux_dance", {"jagg": 3, "exact": 2}),  # 5 segments, jagg_frac 0.6 of M = 20: those ending <= 12
         ("qwenimage_dance", {"jagg": 1.8, "exact": 1.2}),  # 3 of those 5, drawn at random (timestep_fraction 0.6)
-        ("flux_flow_fast", {"jagg": 2, "exact": 1}),  # SDE window 0..11, jagg_frac 0.4: groups ending <= 8
+        ("flux_flow_fast", {"jagg": 2, "exact": 1}),  # SDE window 0..11, jagg_frac 0.4: segments ending <= 8
         ("qwenimage_flow_fast", {"jagg": 1, "exact": 1}),  # SDE window 4..11
     ],
 )
-def test_presets_need_no_paths_and_route_as_the_paper(experiment, groups):
+def test_presets_need_no_paths_and_route_as_the_paper(experiment, segments):
     cfg, model_path_given = config([f"experiment={experiment}"])
     assert not model_path_given
-    assert expected_groups(cfg) == pytest.approx(groups)
-    assert expected_groups(cfg, "exact") == pytest.approx({"exact": sum(groups.values())})
+    assert expected_segments(cfg) == pytest.approx(segments)
+    assert expected_segments(cfg, "exact") == pytest.approx({"exact": sum(segments.values())})
 
 
 def test_update_calls_follow_velocity_reuse():
-    """flux_dance: 96 micro-batches of 1 sample, 3 jagg and 2 exact groups each; fresh velocities serve
+    """flux_dance: 96 micro-batches of 1 sample, 3 jagg and 2 exact segments each; fresh velocities serve
     the first 12 samples (one optimizer step), stale ones all; exact needs none, and exact_batched
     (traced for its memory) takes the exact calls when update.exact_batched is on."""
     cfg, _ = config(["experiment=flux_dance"])
-    groups = expected_groups(cfg)
-    assert update_variants(cfg, groups, kept_velocities=True) == [
+    segments = expected_segments(cfg)
+    assert update_variants(cfg, segments, kept_velocities=True) == [
         ("exact", False, 192),
         ("exact_batched", False, 0),
         ("jagg", True, 36),
         ("jagg", False, 252),
     ]
     stale = replace(cfg, update=replace(cfg.update, reuse_velocities="stale"))
-    assert update_variants(stale, groups, kept_velocities=True)[2:] == [("jagg", True, 288)]
-    assert update_variants(cfg, groups, kept_velocities=False)[2:] == [("jagg", False, 288)]
+    assert update_variants(stale, segments, kept_velocities=True)[2:] == [("jagg", True, 288)]
+    assert update_variants(cfg, segments, kept_velocities=False)[2:] == [("jagg", False, 288)]
     batched = replace(cfg, update=replace(cfg.update, exact_batched=True))
-    assert update_variants(batched, groups, kept_velocities=False)[:2] == [
+    assert update_variants(batched, segments, kept_velocities=False)[:2] == [
         ("exact", False, 0),
         ("exact_batched", False, 192),
     ]
@@ -166,14 +166,14 @@ def test_update_calls_follow_velocity_reuse():
     ],
 )
 def test_expected_shared_rows(overrides, rows):
-    """flux_dance trains every group (timestep_fraction 1): per optimizer step, the rows of a group
+    """flux_dance trains every segment (timestep_fraction 1): per optimizer step, the rows of a group
     that train its first step run one row instead of theirs."""
     cfg, _ = config(["experiment=flux_dance", *overrides])
     assert expected_shared_rows(cfg) == pytest.approx(rows)
 
 
 def test_expected_shared_rows_over_the_random_pick():
-    """qwenimage_dance: 3 of 5 groups per micro-batch of 1 (p = 0.6), 4 micro-batches of one group per
+    """qwenimage_dance: 3 of 5 segments per micro-batch of 1 (p = 0.6), 4 micro-batches of one group per
     optimizer step: 4 p rows train step 0, and 1 - (1 - p)^4 of them is the shared row."""
     cfg, _ = config(["experiment=qwenimage_dance"])
     p = 0.6
@@ -222,8 +222,8 @@ def test_expected_shared_calls_equal_the_update_loop(case):
     """The planner's count of what the shared start adds to the update's transformer calls (its own forward,
     backward and KL reference call per optimizer step that shares, less the step each exact and
     jagg_sequential micro-batch leaves to it) against the calls the trainer's update loop makes with
-    update.share_group_start on and off on the same draws: equal where every group trains
-    (timestep_fraction 1); where groups are picked at random, the mean over 150 draws within 4 of its
+    update.share_group_start on and off on the same draws: equal where every segment trains
+    (timestep_fraction 1); where segments are picked at random, the mean over 150 draws within 4 of its
     standard errors of the expectation (a path counted wrongly is off by about 1 call per micro-batch)."""
     cfg, _ = config(["experiment=tiny", *SHARED_CALL_CASES[case]])
     traj = toy_trajectory(ToyVelocity(), batch=cfg.grpo.group_size * cfg.grpo.prompts_per_rank,
@@ -358,8 +358,8 @@ TINY = [
     "grpo.group_size=2",
     "grpo.prompts_per_rank=1",
     "grpo.micro_batch=1",
-    "grpo.gradient_accumulation_steps=1",  # 2 optimizer steps: the second micro-batch's jagg group recomputes
-    "update.jagg_frac=0.5",  # 2 groups: one jagg, one exact
+    "grpo.gradient_accumulation_steps=1",  # 2 optimizer steps: the second micro-batch's jagg segment recomputes
+    "update.jagg_frac=0.5",  # 2 segments: one jagg, one exact
     "grpo.kl_beta=0.1",  # full fine-tuning with a KL reference copy
     "grpo.ema_decay=0.9",
     "plan.world_size=2",
@@ -440,7 +440,7 @@ def test_traced_peaks_match_a_real_gloo_run(tiny):
 def test_every_update_call_is_traced_with_its_flops(tiny):
     """The KL reference's batched call over W steps and W policy forwards (exact) > the middle
     forward and both endpoints (jagg) > the endpoints alone on the rollout's velocities; each once per
-    step here (one exact and one jagg group per micro-batch, the first of 2 micro-batches on the
+    step here (one exact and one jagg segment per micro-batch, the first of 2 micro-batches on the
     rollout's velocities); the rollout runs every one of its 9 steps."""
     cfg, report, _ = tiny
     assert {u.name for u in report.updates} == PHASES - {"rollout", "decode", "optimizer"} | {"update exact_batched"}
