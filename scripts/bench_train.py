@@ -5,10 +5,10 @@ run's peak memory.
         [--kl-beta 0.05] [--runs exact jagg jagg-recompute ablate] [--compile off on]
         [--share-group-start on|off ...] [--exact-batched on|off ...]
 
-``--job small``: the small Flux config (64 px, 8 trainable transitions = 2 groups of W = 4, G = 4,
-micro-batch 1, one optimizer step per training step, jagg_frac 1.0 so every group takes the run's
+``--job small``: the small Flux config (64 px, 8 trainable transitions = 2 segments of W = 4, G = 4,
+micro-batch 1, one optimizer step per training step, jagg_frac 1.0 so every segment takes the run's
 path). ``--job demo``: the default job (``python -m train``, the CPU testbed: 64 samples per step in
-one micro-batch, one optimizer step per training step, one group of W = 4) without its evaluations
+one micro-batch, one optimizer step per training step, one segment of W = 4) without its evaluations
 and checkpoints.
 Both with the KL penalty of ``--kl-beta`` (full fine-tuning: a frozen copy is the reference; 0 = off).
 ``--compile off on``: every run eager and with ``model.compile=true`` (``<run>+compile``); the compiled
@@ -19,7 +19,7 @@ others (a warm cache), with the graphs compiled per process.
 ``--share-group-start`` (``update.share_group_start``, default on) and ``--exact-batched``
 (``update.exact_batched``, default off) take one value or both: every run then runs with each, named
 ``<run> share <on|off>`` and ``batched <on|off>``; ``--exact-batched on`` only changes the ``exact`` run
-(both jobs route every group of the other runs to their path, jagg_frac 1.0), so the others run it off.
+(both jobs route every segment of the other runs to their path, jagg_frac 1.0), so the others run it off.
 The first run with the first values is the baseline of the ratios.
 
 Runs: ``jagg`` reuses the rollout's velocities (``update.reuse_velocities=fresh``, the default),
@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 JOBS = {
     "small": [
         "experiment=tiny", "model.path=.cache/small_flux", "model.build_tiny=small", "model.height=64",
-        "model.width=64", "sampler.num_steps=9", "update.window=4", "update.jagg_frac=1.0", "grpo.group_size=4",
+        "model.width=64", "sampler.num_steps=9", "update.segment_length=4", "update.jagg_frac=1.0", "grpo.group_size=4",
         "batch.prompts_per_rank=1", "batch.micro_batch=1", "batch.gradient_accumulation_steps=4",
         "checkpoint.every=0", "checkpoint.export=false", "logging.progress_bar=false", "logging.sample_every=0",
     ],

@@ -1,6 +1,6 @@
-"""Time one group's update for every mode on the small Flux transformer of models/flux.py (CPU).
+"""Time one segment's update for every mode on the small Flux transformer of models/flux.py (CPU).
 
-    python scripts/bench_update.py [--reps 7] [--window 4] [--batch 1] [--rollout-batch 4]
+    python scripts/bench_update.py [--reps 7] [--segment-length 4] [--batch 1] [--rollout-batch 4]
 
 Modes run alternately (exact, jagg, jagg_sequential, ablate, jagg + rollout v, ..., exact, ...) so
 drift in the machine hits all of them alike; each is reported as the median over repetitions of its
@@ -10,12 +10,12 @@ run with OMP_NUM_THREADS=1 for it to be the work done), relative to exact, next 
 the real GRPO step loss (DanceGRPO SDE log-prob of a stored transition, PPO clip).
 
 "+ rollout v" hands the JAGG paths the velocities a rollout computed: one call per step over
-``--rollout-batch`` rows, of which the group's ``--batch`` rows are the first, as the trainer's
+``--rollout-batch`` rows, of which the segment's ``--batch`` rows are the first, as the trainer's
 rollout runs the whole batch and the update a micro-batch of it; the gradient on them is compared
 with the recomputing path's (relative difference of the flattened gradients).
 
 A KL penalty adds the reference's no-grad forwards of the W steps to every mode alike (the update
-stage runs them as one batched call per group); they are timed in the same rounds, one batched call
+stage runs them as one batched call per segment); they are timed in the same rounds, one batched call
 and W calls, and the ratios are shown again with the batched call added to each mode.
 """
 
@@ -31,7 +31,9 @@ from models.flux import TINY, tiny_transformer
 from samplers.schedule import shifted_sigmas
 from samplers.sde import SDE, step
 from train.algorithm.grpo import ppo_step_loss
-from train.algorithm.jagg import MIDDLE_MODES, UPDATE_MODES, backward_group
+from train.algorithm.jagg import UPDATE_MODES, backward_segment
+from train.algorithm.metrics import Metric
+from train.algorithm.update_config import MIDDLE_MODES
 
 IMAGE_TOKENS, TEXT_TOKENS = 256, 32
 TEXT_WIDTH, LATENT_WIDTH = int(TINY["small"]["text_width"]), 4 * int(TINY["small"]["latent_channels"])  # packed 2x2
@@ -66,9 +68,9 @@ def build(batch: int):
     return model, predict
 
 
-def make_group(predict, batch: int, width: int, rollout_batch: int):
-    """z, t, step_loss of one group of ``batch`` rows, and the velocities a rollout of ``rollout_batch``
-    rows (the group's first) computed for them."""
+def make_segment(predict, batch: int, width: int, rollout_batch: int):
+    """z, t, step_loss of one segment of ``batch`` rows, and the velocities a rollout of ``rollout_batch``
+    rows (the segment's first) computed for them."""
     sde = SDE("dance", eta=0.3)
     sigmas = shifted_sigmas(20, 3.0)[: width + 1].float()
     t = sigmas[:-1].clone()
@@ -79,7 +81,7 @@ def make_group(predict, batch: int, width: int, rollout_batch: int):
         velocities = [predict(z_j, t_j.expand(rollout_batch))[:batch] for z_j, t_j in zip(z_rollout, t)]
         outs = [step(sde, velocities[j], z[j], sigmas[j], sigmas[j + 1]) for j in range(width)]
 
-    def step_loss(j: int, v: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def step_loss(j: int, v: torch.Tensor) -> tuple[torch.Tensor, dict[str, Metric]]:
         logp = step(sde, v, z[j], sigmas[j], sigmas[j + 1], next_z=outs[j].next_z).log_prob
         return ppo_step_loss(logp, outs[j].log_prob, adv, clip_range=0.1)
 
@@ -119,17 +121,19 @@ def gradient(model) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--window", type=int, default=4)
+    parser.add_argument("--segment-length", type=int, default=4)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rollout-batch", type=int, default=4, help="rows of the rollout that computed the v")
     args = parser.parse_args()
     model, predict = build(args.batch)
-    z, t, step_loss, velocities = make_group(predict, args.batch, args.window, max(args.rollout_batch, args.batch))
+    z, t, step_loss, velocities = make_segment(
+        predict, args.batch, args.segment_length, max(args.rollout_batch, args.batch)
+    )
     runs = {mode: (mode, None) for mode in UPDATE_MODES}
     runs |= {f"{mode} + rollout v": (mode, velocities) for mode in MIDDLE_MODES}
     references = {
         "one batched call": lambda: predict(torch.cat(z), torch.cat([t_j.expand(args.batch) for t_j in t])),
-        f"{args.window} calls": lambda: [predict(z_j, t_j.expand(args.batch)) for z_j, t_j in zip(z, t)],
+        f"{args.segment_length} calls": lambda: [predict(z_j, t_j.expand(args.batch)) for z_j, t_j in zip(z, t)],
     }
     wall: dict[str, list[float]] = {name: [] for name in [*runs, *references]}
     cpu: dict[str, list[float]] = {name: [] for name in [*runs, *references]}
@@ -138,7 +142,7 @@ def main() -> None:
         for name, (mode, given) in runs.items():
             model.zero_grad(set_to_none=True)
             with Clocks() as clocks:
-                backward_group(mode, predict, step_loss, z, t, velocities=given)
+                backward_segment(mode, predict, step_loss, z, t, velocities=given)
             grads[name] = gradient(model)
             if rep:
                 wall[name].append(clocks.wall)
@@ -150,7 +154,7 @@ def main() -> None:
                 wall[name].append(clocks.wall)
                 cpu[name].append(clocks.cpu)
     f, b = time_forward_backward(model, predict, z, t, args.reps)
-    w = args.window
+    w = args.segment_length
     print(
         f"small Flux, {IMAGE_TOKENS} image + {TEXT_TOKENS} text tokens, W={w}, batch={args.batch} "
         f"(rollout {args.rollout_batch}), float32, {torch.get_num_threads()} threads, median of {args.reps}"

@@ -6,8 +6,8 @@ On each rank:
   2. roll out the N-step trajectory without gradients (SDE or Flow-GRPO-Fast window);
   3. decode, score every reward component, combine, and take group advantages;
   4. update: the router (train/algorithm/routing.py) may measure first; then micro-batches through
-     train/algorithm/update.py (exact or JAGG per group), one optimizer step per
-     ``gradient_accumulation_steps`` samples, after clipping the global gradient norm. The plans of an
+     train/algorithm/update.py (exact or JAGG per segment), one optimizer step per
+     ``gradient_accumulation_steps`` samples, after clipping the global gradient norm. The routes of an
      optimizer step's micro-batches are drawn first, in order; its shared start (the first trainable
      step, once per group) runs before them and its backward after them.
 
@@ -24,6 +24,7 @@ its samples ends the step on every rank at the same point (``reward_phase``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -44,15 +45,17 @@ from samplers.rollout import (
 from samplers.schedule import check_timesteps
 from train.algorithm.grpo import group_advantages
 from train.algorithm.jagg import Counts
+from train.algorithm.metrics import Reduce, Stat
 from train.algorithm.update import UpdateBatch, UpdateStats, shared_start, update_micro_batch
-from train.components.build import Run, policy_predictor, reference_predictor, update_settings
+from train.algorithm.update_config import ReuseVelocities
+from train.components.build import Run, policy_predictor, reference_predictor
 from train.components.config import AdvStd, TrainConfig
 from train.components.ema import EMA
 from train.components.errors import RankFailed, config_key, mark_agreed
 from train.components.logger import PhaseTimer
 from train.components.perf import perf_metrics
-from train.distributed.collectives import all_gather_tensor, all_reduce_max
-from train.distributed.parallelize import clip_grad_norm_
+from train.distributed.collectives import all_gather_tensor, all_reduce_max, all_reduce_sum
+from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
 from train.distributed.seeds import stream_generator, stream_seed
 
 log = logging.getLogger(__name__)
@@ -81,7 +84,7 @@ def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -
         check_timesteps(sigmas, quantize=s.quantize_timesteps)
     # SDE noise per group, from (seed, group id): the same samples however groups spread over ranks.
     sde_noise = [stream_generator(cfg.seed, "sde_noise", gid, device) for gid in batch.group_ids]
-    keep = update_settings(cfg).keeps_velocities if keep_velocities is None else keep_velocities
+    keep = cfg.update.keeps_velocities(ratio_norm=cfg.grpo.ratio_norm) if keep_velocities is None else keep_velocities
     with torch.no_grad():
         cond = backbone.encode(batch.prompts).repeat(size)
     traj = sample_trajectories(
@@ -134,7 +137,7 @@ def sample_trajectories(
 
 def rollout_group_size(cfg: TrainConfig) -> int:
     """The rows that share a start in the rollout: G with ``update.share_group_start``, else 1."""
-    return cfg.grpo.group_size if cfg.update.share_group_start else 1
+    return cfg.update.shared_rows(cfg.grpo.group_size)
 
 
 def rollout_shared_rows(cfg: TrainConfig, traj: Trajectory) -> int:
@@ -251,7 +254,9 @@ def update_batch(run: Run, traj: Trajectory, advantages: Tensor) -> UpdateBatch:
         advantages=advantages,
         predict=policy_predictor(run),
         reference=reference_predictor(run),
-        settings=update_settings(run.cfg),
+        config=run.cfg.update,
+        grpo=run.cfg.grpo,
+        gradient_accumulation_steps=run.cfg.batch.gradient_accumulation_steps,
     )
 
 
@@ -263,7 +268,7 @@ def micro_batches(cfg: TrainConfig, first: int) -> list[range]:
 
 def train_step(run: Run, step: int) -> dict[str, float]:
     """One step (the phases above); the update runs here, micro-batch by micro-batch, so that the call
-    path from the trainer to a group's loss stays short (tests/unit/test_update.py counts it)."""
+    path from the trainer to a segment's loss stays short."""
     b, timer = run.cfg.batch, PhaseTimer(run.device, run.flops)
     if run.compiles is not None:
         run.compiles.begin()
@@ -278,25 +283,26 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             routing: dict[str, float] = {}
             if run.router.due(step):  # it measures on the step's own rollout, before any gradient exists
                 with timer.phase("probe"):
-                    routing = run.router.refresh(step, batch, run.params)
-            plan_gen = stream_generator(run.cfg.seed, "update_plan", step)  # same on every rank
+                    routing = run.router.refresh(step, batch, run.params, ranks=ProcessRanks())
+            route_gen = stream_generator(run.cfg.seed, "update_plan", step)  # same on every rank
             stats = UpdateStats(counts=Counts(shared_start_forward_rows=rollout_shared_rows(run.cfg, traj)))
             norms, moved = [], False
             for chunk in range(0, traj.batch_size, b.gradient_accumulation_steps):
-                reuse = batch.settings.reuses_velocities and (batch.settings.reuse_velocities == "stale" or not moved)
+                stale = batch.config.reuse_velocities is ReuseVelocities.stale
+                reuse = batch.config.reuses_velocities and (stale or not moved)
                 with timer.phase("update"):
                     micro = micro_batches(run.cfg, chunk)
-                    plans = [run.router.plan(traj, plan_gen) for _ in micro]  # drawn in micro-batch order
-                    start = shared_start(batch, micro, plans)  # this optimizer step's, when rows share it
-                    for rows, plan in zip(micro, plans):
+                    routes = [run.router.route(traj, route_gen) for _ in micro]  # drawn in micro-batch order
+                    start = shared_start(batch, micro, routes)  # this optimizer step's, when rows share it
+                    for rows, route in zip(micro, routes):
                         rows_t = torch.arange(rows.start, rows.stop, device=run.device)
-                        stats += update_micro_batch(batch, rows_t, plan, reuse_velocities=reuse, start=start)
+                        stats += update_micro_batch(batch, rows_t, route, reuse_velocities=reuse, start=start)
                     if start is not None:
                         stats += start.backward()
                 with timer.phase("optimizer"):
                     norms.append(optimizer_step(run))
                     moved |= norms[-1][1]  # the kept velocities are no longer those of the current weights
-            metrics |= stats.summary(run.device) | routing | optimizer_metrics(run, norms)
+            metrics |= reduce_over_ranks(stats.metrics(), run.device) | routing | optimizer_metrics(run, norms)
     metrics |= timer.pop()
     metrics |= perf_metrics(metrics, run.peak)
     if run.compiles is not None:
@@ -308,6 +314,25 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     if every and (step + 1) % every == 0:
         log_samples(run, scored, prompts, step)
     return metrics
+
+
+def reduce_over_ranks(stats: Mapping[str, Stat], device: torch.device) -> dict[str, float]:
+    """The logged values of this rank's ``stats``, each reduced over all ranks by its own ``Reduce`` (two
+    collectives, on ``device``; every rank passes the same names, as every rank routes alike). A mean is
+    its summed weighted values over its summed weight; a sum (a counter) stays an integer."""
+    summed = [name for name, stat in stats.items() if stat.reduce in (Reduce.sum, Reduce.mean)]
+    extremes = [name for name, stat in stats.items() if stat.reduce in (Reduce.max, Reduce.min)]
+    sign = {Reduce.max: 1.0, Reduce.min: -1.0}  # a minimum is the maximum of the negated values
+    totals = [*(stats[name].value for name in summed), *(stats[name].weight for name in summed)]
+    sums = all_reduce_sum(torch.tensor(totals, dtype=torch.float64, device=device)).tolist()
+    signed = [sign[stats[name].reduce] * stats[name].value for name in extremes]
+    largest = all_reduce_max(torch.tensor(signed, dtype=torch.float64, device=device)).tolist()
+    out: dict[str, float] = {}
+    for i, name in enumerate(summed):
+        total, weight = sums[i], sums[len(summed) + i]
+        out[name] = total / max(weight, 1.0) if stats[name].reduce is Reduce.mean else int(total)
+    out |= {name: sign[stats[name].reduce] * value for name, value in zip(extremes, largest)}
+    return {name: out[name] for name in stats}
 
 
 def optimizer_metrics(run: Run, steps: list[tuple[float, bool]]) -> dict[str, float]:

@@ -41,7 +41,7 @@ def test_console_lines_are_also_in_the_run_log(tiny_flux_dir, tmp_path):
     trainer printed)."""
     run_dir = tmp_path / "run"
     args = ["experiment=tiny", f"model.path={tiny_flux_dir}", "num_steps=1", "sampler.num_steps=5",
-            "update.window=2", "grpo.group_size=2", "batch.prompts_per_rank=1", "batch.micro_batch=2",
+            "update.segment_length=2", "grpo.group_size=2", "batch.prompts_per_rank=1", "batch.micro_batch=2",
             "batch.gradient_accumulation_steps=2", "eval.every=1", "+eval.scorers.jpeg_compressibility={}",
             "eval.num_steps=2", "eval.num_prompts=2", "logging.progress_bar=false", "checkpoint.export=false",
             f"hydra.run.dir={run_dir}"]  # fmt: skip

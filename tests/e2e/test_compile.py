@@ -34,7 +34,7 @@ from test_trainer import (
 from two_ranks import HELPERS, run_torchrun
 
 from models.registry import load_backbone
-from train.algorithm.jagg import UPDATE_MODES, backward_group
+from train.algorithm.jagg import UPDATE_MODES, backward_segment
 from train.distributed.parallelize import compile_blocks, parallelize
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # minutes of compiling: make test-long
@@ -144,7 +144,7 @@ def test_compiled_velocities_and_every_update_path_match_eager(backbones):
             def step_loss(j, v):
                 return ((v - target[j]) ** 2).mean(), {}
 
-            backward_group(mode, predict, step_loss, z, t)
+            backward_segment(mode, predict, step_loss, z, t)
             grads.append({n: p.grad.clone() for n, p in backbone.transformer.named_parameters()})
         for name, g_eager in grads[0].items():
             g_compiled = grads[1][name.replace("._checkpoint_wrapped_module", "")]

@@ -152,7 +152,7 @@ BAD_SETTINGS = {
     "jagg_frac-nan": (["update.jagg_frac=nan"], r"update\.jagg_frac must be a finite number"),
     "timestep_fraction-zero": (["update.timestep_fraction=0"], r"update\.timestep_fraction must be in \(0, 1\]"),
     "auto_threshold": (["update.auto_threshold=2"], r"update\.auto_threshold must be in \[-1, 1\]"),
-    "window": (["update.window=3"], r"update\.window=3 does not split"),
+    "segment_length": (["update.segment_length=3"], r"update\.segment_length=3 does not split"),
     "reuse_velocities": (["update.reuse_velocities=always"], r"update\.reuse_velocities='always' is not valid"),
     "offload-without-reuse": (
         ["update.offload_velocities=true", "update.reuse_velocities=off"],

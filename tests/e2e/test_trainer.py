@@ -22,8 +22,6 @@ from safetensors.torch import load_file
 from two_ranks import HELPERS, run_torchrun
 
 from models.registry import load_backbone
-from samplers.sde import step
-from train.algorithm import update
 from train.components.build import load_config, setup_trainable
 from train.components.config import register_schema
 from train.distributed.seeds import seed_everything
@@ -46,7 +44,7 @@ GOLDEN_KEYS = {
 }
 register_schema()
 
-# 9 sampling steps -> 8 trainable transitions -> 2 groups of W = 4; 1 prompt x G = 4 samples per
+# 9 sampling steps -> 8 trainable transitions -> 2 segments of W = 4; 1 prompt x G = 4 samples per
 # step, two micro-batches of 2, one optimizer step per step (the golden runs: two, GOLDEN_RUN).
 SMALL = [
     "experiment=tiny",
@@ -130,8 +128,8 @@ def test_tiny_run_matches_golden(case, golden_runs):
     assert [m["step"] for m in metrics] == [0, 1, 2]
     values = {key: [m[key] for m in metrics] for key in GOLDEN_KEYS}
     mode = case.split("-")[1]
-    routed = metrics[0].get(f"count/groups_{mode}", 0)
-    assert routed > 0, f"no group took the {mode} path"
+    routed = metrics[0].get(f"count/segments_{mode}", 0)
+    assert routed > 0, f"no segment took the {mode} path"
     golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
     if os.environ.get("UPDATE_GOLDEN"):
         golden[case] = values
@@ -152,15 +150,15 @@ VELOCITY_BYTES = 9 * 8 * 8 * 16 * 4
 
 def test_counts_per_update_mode(golden_runs, tiny_flux, tmp_path):
     """Per step of the golden runs: two micro-batches of 2 rows (one group), each its own optimizer step,
-    and two groups of W = 4 per micro-batch, group 0 routed to the mode (jagg_frac 0.6 of 8 transitions)
-    and group 1 exact (Flow-GRPO-Fast: one group, in its window). The shared start runs each optimizer
+    and two segments of W = 4 per micro-batch, segment 0 routed to the mode (jagg_frac 0.6 of 8 transitions)
+    and segment 1 exact (Flow-GRPO-Fast: one segment, in its window). The shared start runs each optimizer
     step's first trainable step once for the group's 2 rows (1 forward with grad, 1 backward call), so
-    group 0 runs no forward of its step 0. Exact runs W forwards and W backward passes per group (W - 1
-    in group 0); jagg and ablate the endpoint W - 1 forward and 1 backward call in group 0, 2 endpoint
+    segment 0 runs no forward of its step 0. Exact runs W forwards and W backward passes per segment (W - 1
+    in segment 0); jagg and ablate the endpoint W - 1 forward and 1 backward call in segment 0, 2 endpoint
     forwards and 1 call elsewhere; jagg_sequential one call per endpoint it runs. jagg takes its 2 middle
     steps from the rollout in the first micro-batch (the weights are the rollout's) and recomputes them
     without grad in the second (an optimizer step moved the weights: update.reuse_velocities=fresh). Two
-    more runs, every group on jagg, one optimizer step of both micro-batches: reuse off recomputes every
+    more runs, every segment on jagg, one optimizer step of both micro-batches: reuse off recomputes every
     middle step, stale reuses them after the optimizer step too."""
     counts = {case: tuple(metrics[0][key] for key in COUNTED) for case, metrics in golden_runs.items()}
     assert counts == {
@@ -168,8 +166,8 @@ def test_counts_per_update_mode(golden_runs, tiny_flux, tmp_path):
         "dance-jagg": (12, 2, 12, 2),
         "dance-jagg_sequential": (12, 2, 12, 2),
         "dance-ablate": (12, 0, 12, 0),
-        "flow-jagg": (12, 18, 12, 2),  # and the KL reference: 4 no-grad steps per group and micro-batch
-        "flow_fast-jagg": (4, 2, 4, 2),  # one group of 4 in the SDE window, on jagg (jagg_frac 1)
+        "flow-jagg": (12, 18, 12, 2),  # and the KL reference: 4 no-grad steps per segment and micro-batch
+        "flow_fast-jagg": (4, 2, 4, 2),  # one segment of 4 in the SDE window, on jagg (jagg_frac 1)
     }
     # rows saved: the rollout's step 0 for 3 of the group's 4 rows (the first SDE step), the KL reference's
     # and the update's step 0 for 1 of 2 rows per optimizer step
@@ -200,34 +198,45 @@ def test_counts_per_update_mode(golden_runs, tiny_flux, tmp_path):
     assert tuple(off[key] for key in COUNTED) == (12, 0, 10, 4)  # endpoint 0 in jagg's batched forward again
 
 
-def test_call_path_from_fit_to_the_sde_step(tiny_flux, tmp_path, monkeypatch):
-    """At most 7 frames from ``fit`` to the SDE step that scores a group's transition, both ends
-    counted (fit -> _train -> train_step -> update_micro_batch -> backward_group -> StepLoss.__call__
-    -> samplers.sde.step), for a jagg and an exact group. The stand-in for the SDE step counts
-    itself and walks up to fit's frame."""
-    depths: dict[str, int] = {}
+def test_the_update_calls_no_builder(tiny_flux, tmp_path, monkeypatch):
+    """What a segment's loss needs is built before the update runs: while a micro-batch trains its
+    segments (a jagg and an exact one here), no function of the builders' module runs, so no predictor,
+    router or setting is built again per segment or micro-batch."""
+    import train.step as step_module
+    from train.components import build
 
-    def counted_step(*args, **kwargs):
-        frame, names = inspect.currentframe(), []
-        while frame is not None and frame.f_code.co_name != "fit":
-            names.append(frame.f_code.co_name)
-            if frame.f_code.co_name == "backward_group":
-                mode = frame.f_locals["mode"]
-            frame = frame.f_back
-        assert frame is not None, f"the SDE step was not called from fit: {names}"
-        depths[mode] = max(depths.get(mode, 0), len(names) + 1)
-        return step(*args, **kwargs)
+    training, called = [], []
+    for name, fn in list(vars(build).items()):
+        if inspect.isfunction(fn) and fn.__module__ == build.__name__:
 
-    monkeypatch.setattr(update, "step", counted_step)
-    train(tmp_path / "run", tiny_flux, ["update=jagg", "num_steps=1"])  # jagg_frac 0.6: a jagg and an exact group
-    assert depths == {"jagg": 7, "exact": 7}, depths  # 12 and 11 before the update path was shortened
+            def spy(*args, _fn=fn, _name=name, **kwargs):
+                if training:
+                    called.append(_name)
+                return _fn(*args, **kwargs)
+
+            monkeypatch.setattr(build, name, spy)
+            if getattr(step_module, name, None) is fn:
+                monkeypatch.setattr(step_module, name, spy)
+    update_micro_batch = step_module.update_micro_batch
+
+    def in_the_update(*args, **kwargs):
+        training.append(True)
+        try:
+            return update_micro_batch(*args, **kwargs)
+        finally:
+            training.pop()
+
+    monkeypatch.setattr(step_module, "update_micro_batch", in_the_update)
+    metrics = train(tmp_path / "run", tiny_flux, ["update=jagg", "num_steps=1"])  # jagg_frac 0.6: jagg and exact
+    assert metrics[0]["count/segments_jagg"] > 0 and metrics[0]["count/segments_exact"] > 0
+    assert called == []
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
     [
-        [],  # jagg on the first group, reusing the rollout's velocities (one optimizer step per step)
+        [],  # jagg on the first segment, reusing the rollout's velocities (one optimizer step per step)
         ["update.reuse_velocities=fresh", *GOLDEN_RUN],  # reused, then recomputed after a step
         ["update.reuse_velocities=stale", *GOLDEN_RUN],
     ],

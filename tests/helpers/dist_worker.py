@@ -31,7 +31,8 @@ from flux_toys import tiny_flux_transformer
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from train.algorithm.jagg import EXACT_BATCHED, MIDDLE_MODES, UPDATE_MODES, backward_group
+from train.algorithm.jagg import EXACT_BATCHED, UPDATE_MODES, backward_segment
+from train.algorithm.update_config import MIDDLE_MODES
 from train.components.checkpoint import CheckpointManager, export_model
 from train.components.ema import EMA
 from train.distributed.collectives import (
@@ -142,7 +143,7 @@ def count_pass(rank: int, batch: dict[str, torch.Tensor], ref_grads: list[torch.
 
 
 def count_update_paths(rank: int, batch: dict[str, torch.Tensor], out: dict) -> None:
-    """Collectives of one group of W = 4 steps through train.algorithm.jagg.backward_group per mode."""
+    """Collectives of one segment of W = 4 steps through train.algorithm.jagg.backward_segment per mode."""
     model = parallelize(build_model(), block_classes=BLOCKS, param_dtype=torch.float32)
     local = rows_of(batch, rank)
     cond = {k: v for k, v in local.items() if k not in ("hidden_states", "timestep")}
@@ -162,7 +163,7 @@ def count_update_paths(rank: int, batch: dict[str, torch.Tensor], out: dict) -> 
     for mode, given in [*((m, None) for m in paths), *((m, velocities) for m in MIDDLE_MODES)]:
         model.zero_grad(set_to_none=True)
         with count_collectives() as c:
-            backward_group(mode, predict, lambda j, v: (v.pow(2).mean(), {}), z, t, velocities=given)
+            backward_segment(mode, predict, lambda j, v: (v.pow(2).mean(), {}), z, t, velocities=given)
         counts[mode if given is None else f"{mode}+velocities"] = [c.num_all_gathers, c.num_reduce_scatters]
     out["update_path_collectives"] = counts
 

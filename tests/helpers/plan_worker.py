@@ -24,7 +24,7 @@ from train.components.config import register_schema
 from train.distributed.collectives import init_distributed, shutdown
 from train.plan.command import arch_folder, plan_config
 from train.plan.config import register
-from train.plan.tracing import expected_groups, trace_step, traced_run
+from train.plan.tracing import expected_segments, trace_step, traced_run
 
 
 class PhaseCollectives:
@@ -74,7 +74,7 @@ def main(out: Path, overrides: list[str]) -> None:
             warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING)
             run = traced_run(cfg, arch_folder(cfg, model_path_given))
             with PhaseCollectives() as collectives:
-                traced = trace_step(run, expected_groups(cfg))
+                traced = trace_step(run, expected_segments(cfg))
         peaks = {p.name: p.peak_bytes for p in traced.phases + traced.updates}
         modules = sum(isinstance(m, FSDPModule) for m in run.backbone.transformer.modules())
         if dist.is_main:

@@ -12,7 +12,8 @@ from samplers.config import SamplerConfig
 from samplers.rollout import KeptVelocities, Trajectory, rollout
 from samplers.schedule import shifted_sigmas
 from samplers.sde import SDEKind
-from train.algorithm.update import UpdateBatch, UpdateSettings
+from train.algorithm.update import UpdateBatch
+from train.algorithm.update_config import UpdateConfig
 
 DIM = 8
 
@@ -62,18 +63,39 @@ def toy_trajectory(
         )
 
 
+@dataclass(frozen=True)
+class ToySettings:
+    """The update's settings of a toy run: its ``UpdateConfig`` fields, and the GRPO settings the update
+    reads (``train.algorithm.update.GRPOSettings``: this object serves as them)."""
+
+    mode: str = "jagg"
+    segment_length: int = 4
+    timestep_fraction: float = 1.0
+    reuse_velocities: str = "fresh"
+    share_group_start: bool = True
+    exact_batched: bool = False
+    group_size: int = 1
+    clip_range: float = 0.1
+    kl_beta: float = 0.0
+    ratio_norm: bool = False
+    gradient_accumulation_steps: int = 1
+
+    @property
+    def config(self) -> UpdateConfig:
+        return UpdateConfig(
+            mode=self.mode,
+            segment_length=self.segment_length,
+            timestep_fraction=self.timestep_fraction,
+            reuse_velocities=self.reuse_velocities,
+            share_group_start=self.share_group_start,
+            exact_batched=self.exact_batched,
+        )
+
+
 def toy_settings(
-    *, mode: str = "jagg", window: int = 4, kl_beta: float = 0.0, reuse_velocities: str = "fresh"
-) -> UpdateSettings:
-    return UpdateSettings(
-        mode=mode,
-        window=window,
-        timestep_fraction=1.0,
-        clip_range=0.1,
-        kl_beta=kl_beta,
-        gradient_accumulation_steps=1,
-        reuse_velocities=reuse_velocities,
-    )
+    *, mode: str = "jagg", segment_length: int = 4, kl_beta: float = 0.0, reuse_velocities: str = "fresh"
+) -> ToySettings:
+    return ToySettings(mode=mode, segment_length=segment_length, kl_beta=kl_beta, reuse_velocities=reuse_velocities)
 
 
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.7, -1.2])
@@ -82,9 +104,17 @@ ADVANTAGES = torch.tensor([1.0, -0.5, 0.7, -1.2])
 def toy_batch(
     model: nn.Module,
     traj: Trajectory,
-    settings: UpdateSettings,
+    settings: ToySettings,
     *,
     advantages: Tensor = ADVANTAGES,
     reference: nn.Module | None = None,
 ) -> UpdateBatch:
-    return UpdateBatch(traj, advantages, predict=model, reference=reference, settings=settings)
+    return UpdateBatch(
+        traj,
+        advantages,
+        predict=model,
+        reference=reference,
+        config=settings.config,
+        grpo=settings,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+    )

@@ -26,9 +26,9 @@ from models.base import decode_in_chunks
 from models.flux import FluxBackbone
 from models.registry import get_backbone_class
 from rewards.base import SCORER_NAMES, FrozenModelScorer, scorer_class
-from train.algorithm.jagg import UPDATE_MODES, Counts, backward_group
+from train.algorithm.jagg import UPDATE_MODES, Counts, backward_segment
 from train.algorithm.update import UpdateBatch, shared_start, update_micro_batch
-from train.components.build import FSDP_VIEW_WARNING, build_router, update_settings
+from train.components.build import FSDP_VIEW_WARNING, build_router
 from train.components.config import register_schema
 from train.distributed.parallelize import parallelize
 from train.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
@@ -39,7 +39,7 @@ from train.plan.frozen import ARCH_ROOT, SCORER_ARCH, build_component, frozen_mo
 from train.plan.report import GIB, format_report
 from train.plan.tracing import (
     EXACT_TRACED_STEPS,
-    expected_groups,
+    expected_segments,
     expected_shared_calls,
     expected_shared_rows,
     traced_run,
@@ -119,38 +119,38 @@ def test_every_scorer_has_a_known_architecture():
 
 
 @pytest.mark.parametrize(
-    "experiment, groups",
+    "experiment, segments",
     [
-        ("flux_dance", {"jagg": 3, "exact": 2}),  # 5 groups, jagg_frac 0.6 of M = 20: those ending <= 12
+        ("flux_dance", {"jagg": 3, "exact": 2}),  # 5 segments, jagg_frac 0.6 of M = 20: those ending <= 12
         ("qwenimage_dance", {"jagg": 1.8, "exact": 1.2}),  # 3 of those 5, drawn at random (timestep_fraction 0.6)
-        ("flux_flow_fast", {"jagg": 2, "exact": 1}),  # SDE window 0..11, jagg_frac 0.4: groups ending <= 8
+        ("flux_flow_fast", {"jagg": 2, "exact": 1}),  # SDE window 0..11, jagg_frac 0.4: segments ending <= 8
         ("qwenimage_flow_fast", {"jagg": 1, "exact": 1}),  # SDE window 4..11
     ],
 )
-def test_presets_need_no_paths_and_route_as_the_paper(experiment, groups):
+def test_presets_need_no_paths_and_route_as_the_paper(experiment, segments):
     cfg, model_path_given = config([f"experiment={experiment}"])
     assert not model_path_given
-    assert expected_groups(cfg) == pytest.approx(groups)
-    assert expected_groups(cfg, "exact") == pytest.approx({"exact": sum(groups.values())})
+    assert expected_segments(cfg) == pytest.approx(segments)
+    assert expected_segments(cfg, "exact") == pytest.approx({"exact": sum(segments.values())})
 
 
 def test_update_calls_follow_velocity_reuse():
-    """flux_dance: 96 micro-batches of 1 sample, 3 jagg and 2 exact groups each; fresh velocities serve
+    """flux_dance: 96 micro-batches of 1 sample, 3 jagg and 2 exact segments each; fresh velocities serve
     the first 12 samples (one optimizer step), stale ones all; exact needs none, and exact_batched
     (traced for its memory) takes the exact calls when update.exact_batched is on."""
     cfg, _ = config(["experiment=flux_dance"])
-    groups = expected_groups(cfg)
-    assert update_variants(cfg, groups, kept_velocities=True) == [
+    segments = expected_segments(cfg)
+    assert update_variants(cfg, segments, kept_velocities=True) == [
         ("exact", False, 192),
         ("exact_batched", False, 0),
         ("jagg", True, 36),
         ("jagg", False, 252),
     ]
     stale = replace(cfg, update=replace(cfg.update, reuse_velocities="stale"))
-    assert update_variants(stale, groups, kept_velocities=True)[2:] == [("jagg", True, 288)]
-    assert update_variants(cfg, groups, kept_velocities=False)[2:] == [("jagg", False, 288)]
+    assert update_variants(stale, segments, kept_velocities=True)[2:] == [("jagg", True, 288)]
+    assert update_variants(cfg, segments, kept_velocities=False)[2:] == [("jagg", False, 288)]
     batched = replace(cfg, update=replace(cfg.update, exact_batched=True))
-    assert update_variants(batched, groups, kept_velocities=False)[:2] == [
+    assert update_variants(batched, segments, kept_velocities=False)[:2] == [
         ("exact", False, 0),
         ("exact_batched", False, 192),
     ]
@@ -166,14 +166,14 @@ def test_update_calls_follow_velocity_reuse():
     ],
 )
 def test_expected_shared_rows(overrides, rows):
-    """flux_dance trains every group (timestep_fraction 1): per optimizer step, the rows of a group
+    """flux_dance trains every segment (timestep_fraction 1): per optimizer step, the rows of a group
     that train its first step run one row instead of theirs."""
     cfg, _ = config(["experiment=flux_dance", *overrides])
     assert expected_shared_rows(cfg) == pytest.approx(rows)
 
 
 def test_expected_shared_rows_over_the_random_pick():
-    """qwenimage_dance: 3 of 5 groups per micro-batch of 1 (p = 0.6), 4 micro-batches of one group per
+    """qwenimage_dance: 3 of 5 segments per micro-batch of 1 (p = 0.6), 4 micro-batches of one group per
     optimizer step: 4 p rows train step 0, and 1 - (1 - p)^4 of them is the shared row."""
     cfg, _ = config(["experiment=qwenimage_dance"])
     p = 0.6
@@ -182,26 +182,26 @@ def test_expected_shared_rows_over_the_random_pick():
 
 def _update_loop_calls(cfg, traj, *, share: bool, seed: int) -> tuple[int, int]:
     """(transformer forwards, backwards) of one step's update as train/step.py runs it: per optimizer step,
-    the micro-batches' plans drawn in order, the shared start, the micro-batches, its backward."""
-    settings = replace(update_settings(cfg), share_group_start=share)
+    the micro-batches' routes drawn in order, the shared start, the micro-batches, its backward."""
     policy, reference, forwards = ToyVelocity(), ToyVelocity(seed=1), []
     for model in (policy, reference):
         model.register_forward_pre_hook(lambda *_: forwards.append(1))
     advantages = torch.linspace(-1, 1, traj.batch_size)
-    batch = UpdateBatch(traj, advantages, predict=policy, reference=reference, settings=settings)
-    router, plan_gen, counts = build_router(cfg.update), torch.Generator().manual_seed(seed), Counts()
+    config, g = replace(cfg.update, share_group_start=share), cfg.grpo
+    batch = UpdateBatch(traj, advantages, policy, reference, config, g, cfg.batch.gradient_accumulation_steps)
+    router, route_gen, counts = build_router(cfg.update), torch.Generator().manual_seed(seed), Counts()
     for chunk in range(0, traj.batch_size, cfg.batch.gradient_accumulation_steps):
         micro = micro_batches(cfg, chunk)
-        plans = [router.plan(traj, plan_gen) for _ in micro]
-        start = shared_start(batch, micro, plans)
-        for rows, routed in zip(micro, plans):
+        routes = [router.route(traj, route_gen) for _ in micro]
+        start = shared_start(batch, micro, routes)
+        for rows, routed in zip(micro, routes):
             counts += update_micro_batch(batch, torch.arange(rows.start, rows.stop), routed, start=start).counts
         if start is not None:
             counts += start.backward().counts
     return len(forwards), counts.backward_calls  # backward_calls counts calls (its forwards count steps)
 
 
-SHARED_CALL_CASES = {  # overrides of the tiny experiment (8 rows: 2 groups of G = 4; 2 groups of W = 4)
+SHARED_CALL_CASES = {  # overrides of the tiny experiment (8 rows: 2 groups of G = 4; 2 segments of W = 4)
     "exact, micro-batch 1": ["update.mode=exact", "batch.micro_batch=1"],
     "jagg_sequential, KL, accumulation 2": [
         "update.mode=jagg_sequential", "batch.micro_batch=1", "batch.gradient_accumulation_steps=2", "grpo.kl_beta=0.1"
@@ -222,8 +222,8 @@ def test_expected_shared_calls_equal_the_update_loop(case):
     """The planner's count of what the shared start adds to the update's transformer calls (its own forward,
     backward and KL reference call per optimizer step that shares, less the step each exact and
     jagg_sequential micro-batch leaves to it) against the calls the trainer's update loop makes with
-    update.share_group_start on and off on the same draws: equal where every group trains
-    (timestep_fraction 1); where groups are picked at random, the mean over 150 draws within 4 of its
+    update.share_group_start on and off on the same draws: equal where every segment trains
+    (timestep_fraction 1); where segments are picked at random, the mean over 150 draws within 4 of its
     standard errors of the expectation (a path counted wrongly is off by about 1 call per micro-batch)."""
     cfg, _ = config(["experiment=tiny", *SHARED_CALL_CASES[case]])
     traj = toy_trajectory(ToyVelocity(), batch=cfg.grpo.group_size * cfg.batch.prompts_per_rank,
@@ -358,8 +358,8 @@ TINY = [
     "grpo.group_size=2",
     "batch.prompts_per_rank=1",
     "batch.micro_batch=1",
-    "batch.gradient_accumulation_steps=1",  # 2 optimizer steps: the second micro-batch's jagg group recomputes
-    "update.jagg_frac=0.5",  # 2 groups: one jagg, one exact
+    "batch.gradient_accumulation_steps=1",  # 2 optimizer steps: the second micro-batch's jagg segment recomputes
+    "update.jagg_frac=0.5",  # 2 segments: one jagg, one exact
     "grpo.kl_beta=0.1",  # full fine-tuning with a KL reference copy
     "ema.decay=0.9",
     "plan.world_size=2",
@@ -370,7 +370,7 @@ PHASES = {"rollout", "decode", "update exact", "update jagg, rollout velocities"
 @pytest.fixture(scope="module")
 def tiny(tiny_flux_dir, tmp_path_factory):
     """(config, the planner's report of TINY, rank 0's traced peaks and collectives of the same step on
-    real tensors over 2 gloo processes): tests/helpers/plan_worker.py runs while this process plans."""
+    real tensors over 2 gloo processes): tests/helpers/plan_worker.py runs while this process routes."""
     overrides = [*TINY, f"model.path={tiny_flux_dir}"]
     out = tmp_path_factory.mktemp("real_run")
     worker = subprocess.Popen(
@@ -440,7 +440,7 @@ def test_traced_peaks_match_a_real_gloo_run(tiny):
 def test_every_update_call_is_traced_with_its_flops(tiny):
     """The KL reference's batched call over W steps and W policy forwards (exact) > the middle
     forward and both endpoints (jagg) > the endpoints alone on the rollout's velocities; each once per
-    step here (one exact and one jagg group per micro-batch, the first of 2 micro-batches on the
+    step here (one exact and one jagg segment per micro-batch, the first of 2 micro-batches on the
     rollout's velocities); the rollout runs every one of its 9 steps."""
     cfg, report, _ = tiny
     assert {u.name for u in report.updates} == PHASES - {"rollout", "decode", "optimizer"} | {"update exact_batched"}
@@ -467,7 +467,7 @@ def test_forwards_and_backwards_follow_the_paths(tiny):
     batched call; jagg one batched endpoint forward and one backward, the middle steps' no-grad forward
     unless the rollout's velocities serve, and the reference call; so jagg's update sends fewer bytes."""
     cfg, report, _ = tiny
-    w = cfg.update.window
+    w = cfg.update.segment_length
     calls = {u.name: (u.forwards, u.backwards) for u in report.configured_updates()}
     assert calls["update exact"] == (w + 1, w)
     assert calls["update jagg, rollout velocities"] == (2, 1)
@@ -496,7 +496,7 @@ def test_planned_collectives_match_a_real_gloo_run(tiny):
     rollout = next(p for p in report.phases if p.name == "rollout")
     assert (rollout.forwards, rollout.backwards) == (cfg.sampler.num_steps, 0)
     for p in [*report.phases, *report.configured_updates()]:
-        backwards = p.backwards * (EXACT_TRACED_STEPS / cfg.update.window if p.mode == "exact" else 1)
+        backwards = p.backwards * (EXACT_TRACED_STEPS / cfg.update.segment_length if p.mode == "exact" else 1)
         forwards = p.forwards - p.backwards + backwards
         if p is rollout:  # TracedOnce runs the first forward of each shape: the shared start's row, then 2 rows
             forwards = 2
@@ -571,7 +571,7 @@ def test_no_path_writes_into_the_views_single_blocks_return(tiny_flux_dir):
             for block in backbone.transformer.single_transformer_blocks:
                 block.register_forward_hook(partial(record_versions, outputs))
             for mode in UPDATE_MODES:
-                backward_group(mode, policy, lambda j, v: (v.pow(2).mean(), {}), z, torch.linspace(1.0, 0.4, 4))
+                backward_segment(mode, policy, lambda j, v: (v.pow(2).mean(), {}), z, torch.linspace(1.0, 0.4, 4))
         assert outputs and all(t._version == version for t, version in outputs)
 
 

@@ -1,4 +1,4 @@
-"""The gradient-quality probe (train/algorithm/probe.py, train/probe/probe.py): exactness where Theorem 1 holds, the
+"""The gradient-quality probe (train/algorithm/quality.py, train/probe/probe.py): exactness where Theorem 1 holds, the
 jagg_frac rule on hand-made numbers, the Hydra entry point on the tiny Flux backbone, and torchrun + FSDP2."""
 
 from __future__ import annotations
@@ -14,43 +14,44 @@ from hydra import compose, initialize_config_module
 from probe_toys import ADVANTAGES, ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from two_ranks import run_torchrun
 
-from train.algorithm.groups import prefix_path
-from train.algorithm.probe import (
-    GroupQuality,
+from train.algorithm.quality import (
+    SegmentQuality,
     format_table,
-    global_dots,
     measure_staleness,
     measure_trajectories,
     probe_report,
     recommend_jagg_frac,
-    summarize_groups,
+    summarize_segments,
 )
+from train.algorithm.segments import prefix_path
 from train.components.config import register_schema
+from train.distributed.parallelize import ProcessRanks, global_dots
 from train.probe.config import register
 
 ROOT = Path(__file__).resolve().parents[2]
 register_schema()
 register()
+RANKS = ProcessRanks()  # one process: the measurement's reductions are local
 
 
-def probe(model, traj, settings, *, advantages=ADVANTAGES, reference=None) -> list[GroupQuality]:
+def probe(model, traj, settings, *, advantages=ADVANTAGES, reference=None) -> list[SegmentQuality]:
     params = list(model.parameters())
     batch = toy_batch(model, traj, settings, advantages=advantages, reference=reference)
-    samples = measure_trajectories(batch, params, num_rollouts=traj.batch_size, mode=settings.mode)
+    samples = measure_trajectories(batch, params, num_rollouts=traj.batch_size, mode=settings.mode, ranks=RANKS)
     assert all(p.grad is None for p in params), "the probe left gradients behind"
-    return summarize_groups(samples, traj.timesteps)
+    return summarize_segments(samples, traj.timesteps)
 
 
 @pytest.mark.parametrize("sde, kl_beta", [("dance", 0.0), ("flow", 0.0), ("dance", 0.1)])
 def test_affine_in_t_model_gives_cosine_and_ratio_one(sde, kl_beta):
     """v = A z + b t + c: J_j = [t_j I, I] is the t-interpolation of the endpoint Jacobians, so the
-    JAGG gradient equals the exact one on every group, whatever the trajectory and the loss."""
+    JAGG gradient equals the exact one on every segment, whatever the trajectory and the loss."""
     model = ToyVelocity()
     traj = toy_trajectory(model, sde=sde)
     reference = ToyVelocity(seed=1) if kl_beta else None  # a different policy: the KL term has a gradient
-    groups = probe(model, traj, toy_settings(kl_beta=kl_beta), reference=reference)
-    assert [(g.start, g.stop) for g in groups] == [(0, 4), (4, 8), (8, 12)]
-    for g in groups:
+    segments = probe(model, traj, toy_settings(kl_beta=kl_beta), reference=reference)
+    assert [(g.start, g.stop) for g in segments] == [(0, 4), (4, 8), (8, 12)]
+    for g in segments:
         assert g.num_samples == 4
         assert g.cos_mean == pytest.approx(1.0, abs=1e-5) and g.cos_std < 1e-5
         assert g.rho_mean == pytest.approx(1.0, abs=1e-5) and g.rho_std < 1e-5
@@ -59,33 +60,33 @@ def test_affine_in_t_model_gives_cosine_and_ratio_one(sde, kl_beta):
 def test_ablate_is_not_exact_on_the_same_model():
     """The probe can tell: ablate drops the middle steps' signal, so it misses the exact gradient."""
     model = ToyVelocity()
-    groups = probe(model, toy_trajectory(model), toy_settings(mode="ablate"))
-    for g in groups:
+    segments = probe(model, toy_trajectory(model), toy_settings(mode="ablate"))
+    for g in segments:
         assert g.cos_mean < 0.999 or abs(g.rho_mean - 1.0) > 1e-2, (g.start, g.cos_mean, g.rho_mean)
 
 
-def test_nonlinear_model_lowers_cosine_of_low_noise_group_only():
-    model = ToyVelocity(gamma=10.0)  # oscillates in t below t = 0.5: only the last group sees it
-    groups = probe(model, toy_trajectory(model), toy_settings())
-    assert groups[0].cos_mean == pytest.approx(1.0, abs=1e-5)
-    assert groups[1].cos_mean == pytest.approx(1.0, abs=1e-5)
-    assert groups[2].cos_mean < 0.95
+def test_nonlinear_model_lowers_cosine_of_low_noise_segment_only():
+    model = ToyVelocity(gamma=10.0)  # oscillates in t below t = 0.5: only the last segment sees it
+    segments = probe(model, toy_trajectory(model), toy_settings())
+    assert segments[0].cos_mean == pytest.approx(1.0, abs=1e-5)
+    assert segments[1].cos_mean == pytest.approx(1.0, abs=1e-5)
+    assert segments[2].cos_mean < 0.95
 
 
 def test_zero_advantage_trajectory_has_no_cosine():
     model = ToyVelocity()
     advantages = ADVANTAGES.clone()
     advantages[1] = 0.0  # its loss, hence both gradients, are zero at ratio 1
-    groups = probe(model, toy_trajectory(model), toy_settings(), advantages=advantages)
-    assert [g.num_samples for g in groups] == [3, 3, 3]
+    segments = probe(model, toy_trajectory(model), toy_settings(), advantages=advantages)
+    assert [g.num_samples for g in segments] == [3, 3, 3]
 
 
-def staleness(model, traj) -> tuple[list[GroupQuality], list[GroupQuality]]:
+def staleness(model, traj) -> tuple[list[SegmentQuality], list[SegmentQuality]]:
     params = list(model.parameters())
     batch = toy_batch(model, traj, toy_settings())
-    fresh, stale = measure_staleness(batch, params, num_rollouts=traj.batch_size)
+    fresh, stale = measure_staleness(batch, params, num_rollouts=traj.batch_size, ranks=RANKS)
     assert all(p.grad is None for p in params), "the probe left gradients behind"
-    return summarize_groups(fresh, traj.timesteps), summarize_groups(stale, traj.timesteps)
+    return summarize_segments(fresh, traj.timesteps), summarize_segments(stale, traj.timesteps)
 
 
 def test_stale_velocities_cost_cosine_only_once_the_weights_moved():
@@ -106,15 +107,19 @@ def test_stale_velocities_cost_cosine_only_once_the_weights_moved():
 
 
 def test_staleness_columns_in_the_report():
-    groups = [quality(0.9, 0), quality(0.8, 4)]
+    segments = [quality(0.9, 0), quality(0.8, 4)]
     rep = probe_report(
-        groups, mode="jagg", threshold=0.5, num_transitions=8, staleness=(groups, [quality(0.7, 0), quality(0.6, 4)])
+        segments,
+        mode="jagg",
+        threshold=0.5,
+        num_transitions=8,
+        staleness=(segments, [quality(0.7, 0), quality(0.6, 4)]),
     )
-    assert rep["groups"][1]["after_step"]["stale"]["cos_mean"] == 0.6
-    assert rep["groups"][1]["after_step"]["fresh"]["cos_mean"] == 0.8
+    assert rep["segments"][1]["after_step"]["stale"]["cos_mean"] == 0.6
+    assert rep["segments"][1]["after_step"]["fresh"]["cos_mean"] == 0.8
     table = format_table(rep)
     assert "stale, 1 step" in table and "0.600 ± 0.000" in table.splitlines()[2]
-    assert "stale" not in format_table(probe_report(groups, mode="jagg", threshold=0.5, num_transitions=8))
+    assert "stale" not in format_table(probe_report(segments, mode="jagg", threshold=0.5, num_transitions=8))
 
 
 def test_global_dots_in_one_process():
@@ -124,32 +129,32 @@ def test_global_dots_in_one_process():
     assert global_dots(a, b) == pytest.approx((14.0, 5.25, -1.5))
 
 
-def quality(cos: float, start: int, window: int = 4) -> GroupQuality:
-    return GroupQuality(start, start + window, 1.0, 0.9, cos=(cos,), rho=(1.0,))
+def quality(cos: float, start: int, length: int = 4) -> SegmentQuality:
+    return SegmentQuality(start, start + length, 1.0, 0.9, cos=(cos,), rho=(1.0,))
 
 
 def test_recommendation_follows_the_threshold_rule():
-    # The paper's Table 5 (20 transitions, W = 4): Flux's groups 0-3 pass 0.5 -> 16 / 20; QwenImage's 0-2 -> 0.6.
+    # The paper's Table 5 (20 transitions, W = 4): Flux's segments 0-3 pass 0.5 -> 16 / 20; QwenImage's 0-2 -> 0.6.
     flux = [quality(c, 4 * i) for i, c in enumerate([0.85, 0.77, 0.74, 0.63, 0.41])]
     qwen = [quality(c, 4 * i) for i, c in enumerate([0.79, 0.64, 0.58, 0.45, 0.22])]
     assert recommend_jagg_frac(flux, threshold=0.5, num_transitions=20) == 0.8
     assert recommend_jagg_frac(qwen, threshold=0.5, num_transitions=20) == 0.6
     assert recommend_jagg_frac(flux, threshold=0.75, num_transitions=20) == 0.4  # the threshold is a parameter
     assert recommend_jagg_frac(flux, threshold=0.9, num_transitions=20) == 0.0
-    # Only the run from the highest noise counts: a passing group after a failing one stays exact.
+    # Only the run from the highest noise counts: a passing segment after a failing one stays exact.
     gap = [quality(c, 4 * i) for i, c in enumerate([0.9, 0.3, 0.9])]
     assert recommend_jagg_frac(gap, threshold=0.5, num_transitions=12) == pytest.approx(4 / 12, abs=1e-4)
-    # A group without samples (NaN mean) does not qualify.
+    # A segment without samples (NaN mean) does not qualify.
     assert recommend_jagg_frac([quality(math.nan, 0), quality(0.9, 4)], threshold=0.5, num_transitions=8) == 0.0
 
 
-def test_recommendation_routes_exactly_the_qualifying_groups():
-    # A Flow-GRPO-Fast window of transitions 4..11 (M = 20): the group 4..7 passes, 8..11 does not.
-    groups = [quality(0.7, 4), quality(0.4, 8)]
-    rep = probe_report(groups, mode="jagg", threshold=0.5, num_transitions=20)
+def test_recommendation_routes_exactly_the_qualifying_segments():
+    # A Flow-GRPO-Fast window of transitions 4..11 (M = 20): the segment 4..7 passes, 8..11 does not.
+    segments = [quality(0.7, 4), quality(0.4, 8)]
+    rep = probe_report(segments, mode="jagg", threshold=0.5, num_transitions=20)
     assert rep["recommended_jagg_frac"] == 0.4
-    assert [g["path"] for g in rep["groups"]] == ["jagg", "exact"]
-    for g in rep["groups"]:
+    assert [g["path"] for g in rep["segments"]] == ["jagg", "exact"]
+    for g in rep["segments"]:
         assert g["path"] == prefix_path(g["start"], g["stop"], mode="jagg", jagg_frac=0.4, num_transitions=20)
 
 
@@ -158,7 +163,7 @@ def _repo_root(monkeypatch):
     monkeypatch.chdir(ROOT)  # the demo's prompt file is relative to the repository root
 
 
-# 9 sampling steps -> 8 trainable transitions -> 2 groups of W = 4; G = 2 samples per prompt.
+# 9 sampling steps -> 8 trainable transitions -> 2 segments of W = 4; G = 2 samples per prompt.
 PROBE = [
     "experiment=tiny",
     "sampler.num_steps=9",
@@ -178,11 +183,11 @@ def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, caplog, _repo_root):
         cfg = compose(config_name="probe", overrides=[*overrides, f"probe.output={out}"])
     rep = run_probe(cfg)
     assert json.loads(out.read_text()) == json.loads(json.dumps(rep))
-    assert [(g["start"], g["stop"]) for g in rep["groups"]] == [(0, 4), (4, 8)]
-    for g in rep["groups"]:
+    assert [(g["start"], g["stop"]) for g in rep["segments"]] == [(0, 4), (4, 8)]
+    for g in rep["segments"]:
         assert g["num_samples"] == 3 and len(g["cos"]) == 3
         assert -1.0 <= g["cos_mean"] <= 1.0 and g["rho_mean"] > 0
-    assert rep["recommended_jagg_frac"] in (0.0, 0.5, 1.0)  # a whole number of the 2 groups of M = 8
+    assert rep["recommended_jagg_frac"] in (0.0, 0.5, 1.0)  # a whole number of the 2 segments of M = 8
     printed = caplog.text
     assert printed.count("\n") >= 4 and "recommended update.jagg_frac=" in printed
     assert format_table(rep) in printed
@@ -206,7 +211,7 @@ def test_probe_measures_stale_velocities_and_restores_the_weights(tiny_flux_dir,
         rep = run_probe_on(run, config.probe)
         assert all(torch.equal(p, b) for p, b in zip(run.params, before))
         assert all(p.grad is None for p in run.params) and not run.optimizer.state
-    for g in rep["groups"]:
+    for g in rep["segments"]:
         after = g["after_step"]
         assert after["fresh"]["num_samples"] == after["stale"]["num_samples"] == 2
         # the tiny model at lr 3e-3: fresh JAGG stays close to exact, the lagging velocities cost more
@@ -233,7 +238,7 @@ def test_probe_under_torchrun_fsdp_matches_one_process(tiny_flux_dir, tmp_path, 
         )
     one = run_probe(cfg)
     assert two["world_size"] == 2 and one["world_size"] == 1
-    for a, b in zip(two["groups"], one["groups"], strict=True):
+    for a, b in zip(two["segments"], one["segments"], strict=True):
         assert (a["start"], a["num_samples"]) == (b["start"], b["num_samples"]) and a["num_samples"] == 4
         assert sorted(a["cos"]) == pytest.approx(sorted(b["cos"]), abs=1e-4)
         assert sorted(a["rho"]) == pytest.approx(sorted(b["rho"]), abs=1e-4)

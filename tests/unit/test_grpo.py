@@ -7,6 +7,7 @@ import torch
 
 from samplers.sde import SDE, step
 from train.algorithm.grpo import group_advantages, kl_to_reference, ppo_step_loss, ratio_norm_log_ratio
+from train.algorithm.metrics import Reduce
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -78,9 +79,18 @@ def test_ratio_is_one_and_loss_is_minus_advantage_on_policy():
     new = step(sde, v.clone(), z, 0.6, 0.5, next_z=old.next_z)
     adv = torch.tensor([1.0, -2.0, 0.5, 0.0])
     loss, metrics = ppo_step_loss(new.log_prob, old.log_prob, adv, clip_range=1e-4)
-    assert metrics["ratio_max"] == 1.0 and metrics["ratio_min"] == 1.0  # exactly, not approximately
+    assert metrics["ratio_max"].value == 1.0 and metrics["ratio_min"].value == 1.0  # exactly, not approximately
     torch.testing.assert_close(loss, -adv.mean())
-    assert metrics["clip_frac"] == 0.0 and metrics["approx_kl"] == 0.0
+    assert metrics["clip_frac"].value == 0.0 and metrics["approx_kl"].value == 0.0
+    # each metric says how it combines over steps and ranks: extremes as extremes, the rest as means
+    reduces = {name: metric.reduce for name, metric in metrics.items()}
+    assert reduces == {
+        "clip_frac": Reduce.mean,
+        "approx_kl": Reduce.mean,
+        "ratio_mean": Reduce.mean,
+        "ratio_max": Reduce.max,
+        "ratio_min": Reduce.min,
+    }
 
 
 def test_clipped_rows_give_zero_gradient():
@@ -93,7 +103,7 @@ def test_clipped_rows_give_zero_gradient():
     loss, metrics = ppo_step_loss(logp, old, adv, clip_range=0.2)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([0.0, 0.0, -1.0 / 3]))
-    torch.testing.assert_close(metrics["clip_frac"], torch.tensor(2.0 / 3, dtype=torch.float32))
+    torch.testing.assert_close(metrics["clip_frac"].value, torch.tensor(2.0 / 3, dtype=torch.float32))
 
 
 def test_zero_advantage_zero_gradient():

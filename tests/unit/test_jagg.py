@@ -1,7 +1,7 @@
 """The four update paths against independently computed gradients, in float64.
 
-Each test builds the real per-step GRPO loss of a group (SDE log-prob of a stored transition, PPO
-clip) and compares ``backward_group``'s accumulated ``.grad`` with a formula evaluated with
+Each test builds the real per-step GRPO loss of a segment (SDE log-prob of a stored transition, PPO
+clip) and compares ``backward_segment``'s accumulated ``.grad`` with a formula evaluated with
 ``torch.func`` Jacobians, never with the code under test.
 """
 
@@ -12,16 +12,16 @@ from torch.func import functional_call, jacrev
 
 from samplers.schedule import check_timesteps, shifted_sigmas
 from samplers.sde import SDE, step
-from train.algorithm.groups import prefix_path, route_groups, split_groups
 from train.algorithm.grpo import ppo_step_loss
 from train.algorithm.jagg import (
     EXACT_BATCHED,
     UPDATE_MODES,
     Counts,
     aggregate,
-    backward_group,
+    backward_segment,
     interpolation_weights,
 )
+from train.algorithm.segments import prefix_path, route_segments, split_segments
 
 pytestmark = pytest.mark.usefixtures("float64")
 B, D = 3, 6
@@ -52,8 +52,8 @@ class MLP(nn.Module):
         return self.net(torch.cat([z, t[:, None]], dim=1))
 
 
-def make_group(model, width, *, start=4, affine_path=False, seed=0, clip_range=10.0, advantages=None):
-    """z [W] latents, t [W] timesteps and the GRPO step_loss(j, v) -> (loss, metrics) of a group of transitions."""
+def make_segment(model, width, *, start=4, affine_path=False, seed=0, clip_range=10.0, advantages=None):
+    """z [W] latents, t [W] timesteps and the GRPO step_loss(j, v) -> (loss, metrics) of a segment of transitions."""
     g = torch.Generator().manual_seed(seed)
     sigmas = shifted_sigmas(20, 3.0)[start : start + width + 1]  # non-uniform (shift 3)
     t = sigmas[:-1].clone()
@@ -78,7 +78,7 @@ def make_group(model, width, *, start=4, affine_path=False, seed=0, clip_range=1
 
 def grads_of(model, mode, z, t, step_loss):
     model.zero_grad(set_to_none=True)
-    stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t)
+    stats = backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t)
     return torch.cat([p.grad.flatten() for p in model.parameters()]), stats
 
 
@@ -99,13 +99,13 @@ def jacobian_terms(model, z, t, step_loss):
 def test_theorem_1_jagg_exact_for_linear_velocity(width):
     torch.manual_seed(0)
     model = LinearInZT()
-    z, t, step_loss = make_group(model, width, affine_path=True)
+    z, t, step_loss = make_segment(model, width, affine_path=True)
     exact, _ = grads_of(model, "exact", z, t, step_loss)
     for mode in ("jagg", "jagg_sequential"):
         approx, _ = grads_of(model, mode, z, t, step_loss)
         torch.testing.assert_close(approx, exact, rtol=1e-10, atol=1e-12)
     # The premise matters: off the affine path JAGG is only an approximation.
-    z_off, t_off, loss_off = make_group(model, width, affine_path=False, seed=1)
+    z_off, t_off, loss_off = make_segment(model, width, affine_path=False, seed=1)
     exact_off, _ = grads_of(model, "exact", z_off, t_off, loss_off)
     jagg_off, _ = grads_of(model, "jagg", z_off, t_off, loss_off)
     assert (jagg_off - exact_off).abs().max() > 1e-4
@@ -114,7 +114,7 @@ def test_theorem_1_jagg_exact_for_linear_velocity(width):
 def test_each_mode_equals_its_formula_on_nonlinear_network():
     torch.manual_seed(1)
     model, width = MLP(), 4
-    z, t, step_loss = make_group(model, width)
+    z, t, step_loss = make_segment(model, width)
     terms = jacobian_terms(model, z, t, step_loss)
     # J_0^T s_base + J_{W-1}^T s_corr: the s_j enter through their endpoint Jacobians.
     alpha = interpolation_weights(t)
@@ -143,22 +143,22 @@ def test_each_mode_equals_its_formula_on_nonlinear_network():
     assert (expected["jagg"] - expected["exact"]).abs().max() > 1e-6  # the approximation is not trivial
 
 
-def test_window_two_all_modes_agree():
+def test_segment_length_two_all_modes_agree():
     torch.manual_seed(2)
     model = MLP()
-    z, t, step_loss = make_group(model, 2)
+    z, t, step_loss = make_segment(model, 2)
     exact, _ = grads_of(model, "exact", z, t, step_loss)
     for mode in ("jagg", "jagg_sequential", "ablate"):
         got, _ = grads_of(model, mode, z, t, step_loss)
         torch.testing.assert_close(got, exact, rtol=1e-10, atol=1e-12)
 
 
-def test_gradients_accumulate_across_groups():
+def test_gradients_accumulate_across_segments():
     torch.manual_seed(3)
     model = MLP()
-    z, t, step_loss = make_group(model, 4)
+    z, t, step_loss = make_segment(model, 4)
     once, _ = grads_of(model, "jagg", z, t, step_loss)
-    backward_group("jagg", lambda zz, tt: model(zz, tt), step_loss, z, t)
+    backward_segment("jagg", lambda zz, tt: model(zz, tt), step_loss, z, t)
     torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), 2 * once)
 
 
@@ -176,7 +176,7 @@ def test_gradients_accumulate_across_groups():
 def test_counters_and_backward_hook(mode, grad_fwd, nograd_fwd, calls, backward_steps):
     torch.manual_seed(4)
     model = MLP()
-    z, t, step_loss = make_group(model, 5)
+    z, t, step_loss = make_segment(model, 5)
     rows = []
     model.register_full_backward_hook(lambda m, gin, gout: rows.append(gout[0].shape[0]))
     _, stats = grads_of(model, mode, z, t, step_loss)
@@ -193,11 +193,11 @@ def test_a_given_start_leaves_step_0_to_the_caller(mode):
     J_0^T start_upstream is the path's gradient, and the step losses are the same."""
     torch.manual_seed(6)
     model = MLP()
-    z, t, step_loss = make_group(model, 4)
+    z, t, step_loss = make_segment(model, 4)
     full, full_stats = grads_of(model, mode, z, t, step_loss)
     model.zero_grad(set_to_none=True)
     v0 = model(z[0], t[0].expand(B))
-    stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, start=v0.detach())
+    stats = backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, start=v0.detach())
     assert stats.start_upstream is not None and stats.start_upstream.shape == v0.shape
     v0.backward(stats.start_upstream)
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -205,13 +205,13 @@ def test_a_given_start_leaves_step_0_to_the_caller(mode):
     assert stats.counts.grad_forwards == full_stats.counts.grad_forwards - 1
     torch.testing.assert_close(torch.stack(list(stats.losses.values())), torch.stack(list(full_stats.losses.values())))
     with pytest.raises(ValueError, match="start"):
-        backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, start=v0.detach()[:1])
+        backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, start=v0.detach()[:1])
 
 
 def test_losses_and_metrics_are_the_step_losses():
     torch.manual_seed(5)
     model = MLP()
-    z, t, step_loss = make_group(model, 4)
+    z, t, step_loss = make_segment(model, 4)
     _, exact = grads_of(model, "exact", z, t, step_loss)
     _, jagg = grads_of(model, "jagg", z, t, step_loss)
     for j in range(4):
@@ -220,14 +220,15 @@ def test_losses_and_metrics_are_the_step_losses():
         torch.testing.assert_close(exact.losses[j], loss.detach())
         assert exact.metrics[j].keys() == jagg.metrics[j].keys() == metrics.keys()  # handed back as values
         for name, value in metrics.items():
-            torch.testing.assert_close(jagg.metrics[j][name], value)
+            assert jagg.metrics[j][name].reduce is value.reduce
+            torch.testing.assert_close(jagg.metrics[j][name].value, value.value)
 
 
 def test_clipped_step_contributes_exactly_zero():
     torch.manual_seed(6)
     model = MLP()
     width = 4
-    z, t, base_loss = make_group(model, width, clip_range=0.2, advantages=torch.ones(B))
+    z, t, base_loss = make_segment(model, width, clip_range=0.2, advantages=torch.ones(B))
 
     def clipped_loss(j, v):  # step 1 with a ratio far above 1 + eps and A > 0: clipped in every row
         if j != 1:
@@ -246,7 +247,7 @@ def test_clipped_step_contributes_exactly_zero():
 def test_zero_advantage_gives_zero_gradient():
     torch.manual_seed(7)
     model = MLP()
-    z, t, step_loss = make_group(model, 4, advantages=torch.zeros(B))
+    z, t, step_loss = make_segment(model, 4, advantages=torch.zeros(B))
     for mode in UPDATE_MODES:
         got, _ = grads_of(model, mode, z, t, step_loss)
         assert torch.equal(got, torch.zeros_like(got)), mode
@@ -263,7 +264,7 @@ def test_interpolation_weights_and_aggregate():
 
 
 def test_timesteps_that_repeat_are_refused():
-    """A group's alpha divides by t_0 - t_{W-1}: the rollout refuses a schedule with a repeated timestep."""
+    """A segment's alpha divides by t_0 - t_{W-1}: the rollout refuses a schedule with a repeated timestep."""
     check_timesteps(shifted_sigmas(20, 3.0), quantize="float64")
     with pytest.raises(ValueError, match="strictly decrease, but quantize=float64 maps two"):
         check_timesteps(torch.tensor([1.0, 0.5004, 0.5001, 0.0]), quantize="float64")
@@ -281,7 +282,7 @@ def test_given_velocities_replace_the_middle_forwards(mode):
     recomputing them, and the transformer runs only the endpoints (forward and backward)."""
     torch.manual_seed(8)
     model, width = MLP(), 5
-    z, t, step_loss = make_group(model, width)
+    z, t, step_loss = make_segment(model, width)
     recomputed, _ = grads_of(model, mode, z, t, step_loss)
     velocities = _velocities(model, z, t)
     rows = []
@@ -289,7 +290,7 @@ def test_given_velocities_replace_the_middle_forwards(mode):
     for given in (velocities, torch.stack(velocities)):
         rows.clear()
         model.zero_grad(set_to_none=True)
-        stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=given)
+        stats = backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=given)
         got = torch.cat([p.grad.flatten() for p in model.parameters()])
         torch.testing.assert_close(got, recomputed, rtol=1e-12, atol=1e-14)
         counts = stats.counts
@@ -303,7 +304,7 @@ def test_given_velocities_enter_through_s_j():
     endpoints' s_j at the model's own v, which carry the Jacobians), from torch.func Jacobians."""
     torch.manual_seed(9)
     model, width = MLP(), 4
-    z, t, step_loss = make_group(model, width)
+    z, t, step_loss = make_segment(model, width)
     own = _velocities(model, z, t)
     given = [v + 0.3 * torch.randn_like(v) for v in own]  # e.g. from weights before an optimizer step
     params = {k: p.detach() for k, p in model.named_parameters()}
@@ -322,7 +323,7 @@ def test_given_velocities_enter_through_s_j():
     expected = vjp_at(0, s_base) + vjp_at(width - 1, s_corr)
     for mode in ("jagg", "jagg_sequential"):
         model.zero_grad(set_to_none=True)
-        backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=given)
+        backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=given)
         got = torch.cat([p.grad.flatten() for p in model.parameters()])
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12, msg=mode)
     recomputed, _ = grads_of(model, "jagg", z, t, step_loss)
@@ -332,12 +333,12 @@ def test_given_velocities_enter_through_s_j():
 def test_exact_and_ablate_ignore_velocities():
     torch.manual_seed(10)
     model = MLP()
-    z, t, step_loss = make_group(model, 4)
+    z, t, step_loss = make_segment(model, 4)
     junk = [torch.full_like(z_j, 1e3) for z_j in z]
     for mode in ("exact", "ablate"):
         plain, _ = grads_of(model, mode, z, t, step_loss)
         model.zero_grad(set_to_none=True)
-        stats = backward_group(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=junk)
+        stats = backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=junk)
         assert torch.equal(torch.cat([p.grad.flatten() for p in model.parameters()]), plain), mode
         assert stats.counts.reused_velocities == 0
 
@@ -352,34 +353,36 @@ def test_exact_and_ablate_ignore_velocities():
 )
 def test_velocities_of_the_wrong_shape(velocities, message):
     model = MLP()
-    z, t, step_loss = make_group(model, 4)
+    z, t, step_loss = make_segment(model, 4)
     with pytest.raises(ValueError, match=message):
-        backward_group("jagg", lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=velocities(z))
+        backward_segment("jagg", lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=velocities(z))
 
 
 def test_unknown_mode():
     with pytest.raises(ValueError, match="update.mode"):
-        backward_group("fast", lambda z, t: z, lambda j, v: v.sum(), [torch.zeros(1, 1)] * 2, torch.tensor([1.0, 0.5]))
+        backward_segment(
+            "fast", lambda z, t: z, lambda j, v: v.sum(), [torch.zeros(1, 1)] * 2, torch.tensor([1.0, 0.5])
+        )
 
 
 def test_routing_worked_examples():
     # 21 sampling steps, last ignored: M = 20, W = 4, jagg_frac = 0.6 -> round(12) = 12.
-    plan = route_groups(range(20), window=4, mode="jagg", jagg_frac=0.6, num_transitions=20)
-    assert [(p.start, p.mode) for p in plan] == [(0, "jagg"), (4, "jagg"), (8, "jagg"), (12, "exact"), (16, "exact")]
+    route = route_segments(range(20), length=4, mode="jagg", jagg_frac=0.6, num_transitions=20)
+    assert [(p.start, p.mode) for p in route] == [(0, "jagg"), (4, "jagg"), (8, "jagg"), (12, "exact"), (16, "exact")]
     # Flow-GRPO-Fast window of transitions 4..11 and jagg_frac = 0.4 -> round(8) = 8.
-    plan = route_groups(range(4, 12), window=4, mode="jagg", jagg_frac=0.4, num_transitions=20)
-    assert [(p.start, p.stop, p.mode) for p in plan] == [(4, 8, "jagg"), (8, 12, "exact")]
+    route = route_segments(range(4, 12), length=4, mode="jagg", jagg_frac=0.4, num_transitions=20)
+    assert [(p.start, p.stop, p.mode) for p in route] == [(4, 8, "jagg"), (8, 12, "exact")]
     # The exact mode never routes to JAGG; jagg_frac = 1 routes everything.
-    for mode, window in (("exact", 4), ("ablate", 5)):
-        plan = route_groups(range(20), window=window, mode=mode, jagg_frac=1.0, num_transitions=20)
-        assert {p.mode for p in plan} == {mode}
+    for mode, length in (("exact", 4), ("ablate", 5)):
+        route = route_segments(range(20), length=length, mode=mode, jagg_frac=1.0, num_transitions=20)
+        assert {p.mode for p in route} == {mode}
 
 
-def test_timestep_fraction_picks_groups_reproducibly():
-    kw = dict(window=4, mode="jagg", jagg_frac=0.6, num_transitions=20, timestep_fraction=0.6)
-    a = route_groups(range(20), generator=torch.Generator().manual_seed(0), **kw)
-    b = route_groups(range(20), generator=torch.Generator().manual_seed(0), **kw)
-    assert a == b and len(a) == 3  # int(5 * 0.6) groups
+def test_timestep_fraction_picks_segments_reproducibly():
+    kw = dict(length=4, mode="jagg", jagg_frac=0.6, num_transitions=20, timestep_fraction=0.6)
+    a = route_segments(range(20), generator=torch.Generator().manual_seed(0), **kw)
+    b = route_segments(range(20), generator=torch.Generator().manual_seed(0), **kw)
+    assert a == b and len(a) == 3  # int(5 * 0.6) segments
     assert [p.start for p in a] == sorted(p.start for p in a)  # high noise first
     for p in a:
         assert p.mode == prefix_path(p.start, p.stop, mode="jagg", jagg_frac=0.6, num_transitions=20)
@@ -388,21 +391,21 @@ def test_timestep_fraction_picks_groups_reproducibly():
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(window=1), "update.window"),
-        (dict(window=3), "update.window"),  # 20 steps do not split into groups of 3
+        (dict(length=1), "update.segment_length"),
+        (dict(length=3), "update.segment_length"),  # 20 steps do not split into segments of 3
         (dict(jagg_frac=1.5), "update.jagg_frac"),
         (dict(jagg_frac=-0.1), "update.jagg_frac"),
         (dict(timestep_fraction=0.0), "update.timestep_fraction"),
         (dict(mode="sum"), "update.mode"),
     ],
 )
-def test_impossible_plans(kwargs, field):
-    args = dict(window=4, mode="jagg", jagg_frac=0.6, num_transitions=20) | kwargs
+def test_impossible_routes(kwargs, field):
+    args = dict(length=4, mode="jagg", jagg_frac=0.6, num_transitions=20) | kwargs
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        route_groups(range(20), **args)
+        route_segments(range(20), **args)
 
 
-def test_split_groups_over_runs():
-    assert split_groups([0, 1, 4, 5, 6, 7], 2) == [(0, 2), (4, 6), (6, 8)]
+def test_split_segments_over_runs():
+    assert split_segments([0, 1, 4, 5, 6, 7], 2) == [(0, 2), (4, 6), (6, 8)]
     with pytest.raises(ValueError, match="trainable"):
-        split_groups([], 4)
+        split_segments([], 4)

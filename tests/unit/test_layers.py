@@ -140,3 +140,19 @@ def test_no_core_module_mentions_the_planner():
         if "plan" not in p.relative_to(ROOT).parts[1:2] and "train.plan" in p.read_text()
     ]
     assert mentions == []
+
+
+def test_the_algorithm_is_pure_tensor_code():
+    """train/algorithm/ imports nothing of train/ outside itself and nothing of torch.distributed: it runs
+    no collective. Its metrics carry their reductions and the trainer's step reduces them over ranks; a
+    measurement over ranks (the probe, the auto router) takes the caller's reductions."""
+    files = sorted((ROOT / "train" / "algorithm").rglob("*.py"))
+    assert files
+    for path in files:
+        bad = {
+            m
+            for m in imported_modules(path)
+            if (m.startswith("train.") and not m.startswith("train.algorithm"))
+            or m.startswith(("torch.distributed", "hydra", "omegaconf", "wandb"))
+        }
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"

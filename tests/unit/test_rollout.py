@@ -15,7 +15,7 @@ from samplers.config import SamplerConfig
 from samplers.rollout import ODE, KeptVelocities, draw_sde_window, group_noise, rollout, stochastic_flags, transition
 from samplers.sde import step
 from train.algorithm.grpo import ppo_step_loss
-from train.algorithm.jagg import backward_group
+from train.algorithm.jagg import backward_segment
 
 SDES = {
     "dance": SamplerConfig(sde="dance", eta=0.3),
@@ -164,7 +164,7 @@ def _jagg_grads(backbone, traj, mode: str, start: int, width: int, *, reuse: boo
         return ppo_step_loss(log_prob, traj.log_probs[:, ks[j]], advantages, clip_range=0.2)
 
     z = [traj.latents[:, k] for k in ks]
-    backward_group(mode, predict, step_loss, z, traj.timesteps[ks], velocities=velocities)
+    backward_segment(mode, predict, step_loss, z, traj.timesteps[ks], velocities=velocities)
     grads = _grads(transformer)
     transformer.zero_grad(set_to_none=True)
     transformer.requires_grad_(False)

@@ -16,22 +16,26 @@ from rewards.base import SCORER_NAMES
 from train.algorithm.routing import AutoRouter, PrefixRouter
 from train.components.build import build_router
 from train.components.config import TrainConfig, register_schema, validate
+from train.distributed.parallelize import ProcessRanks
 
 ROOT = Path(__file__).resolve().parents[2]
 register_schema()
 
 
 def auto_router(*, every: int = 2, threshold: float = 0.95) -> AutoRouter:
-    return AutoRouter(mode="jagg", window=4, timestep_fraction=1.0, every=every, threshold=threshold, num_rollouts=4)
+    return AutoRouter(
+        mode="jagg", segment_length=4, timestep_fraction=1.0, every=every, threshold=threshold, num_rollouts=4
+    )
 
 
 def refresh(router: AutoRouter, step: int, model: ToyVelocity) -> dict[str, float]:
     traj = toy_trajectory(model)  # rolled out by the current policy: the ratio is 1
-    return router.refresh(step, toy_batch(model, traj, toy_settings()), list(model.parameters()))
+    batch = toy_batch(model, traj, toy_settings())
+    return router.refresh(step, batch, list(model.parameters()), ranks=ProcessRanks())
 
 
 def test_routing_changes_when_the_cosine_crosses_the_threshold():
-    model = ToyVelocity(gamma=0.0)  # linear in t: every group measures cos = 1
+    model = ToyVelocity(gamma=0.0)  # linear in t: every segment measures cos = 1
     router = auto_router()
     assert router.due(0)
     metrics = refresh(router, 0, model)
@@ -39,7 +43,7 @@ def test_routing_changes_when_the_cosine_crosses_the_threshold():
     assert metrics["routing/cos_08_12"] == pytest.approx(1.0, abs=1e-5) and metrics["routing/jagg_08_12"] == 1.0
     assert metrics["routing/rule_jagg_frac"] == 1.0
 
-    model.gamma = 10.0  # the low-noise group (t < 0.5) turns strongly nonlinear
+    model.gamma = 10.0  # the low-noise segment (t < 0.5) turns strongly nonlinear
     assert not router.due(1)
     assert refresh(router, 1, model) == {}  # not due: the table holds
     assert set(router.modes.values()) == {"jagg"}
@@ -48,23 +52,23 @@ def test_routing_changes_when_the_cosine_crosses_the_threshold():
     assert metrics["routing/cos_08_12"] < 0.95 and metrics["routing/jagg_08_12"] == 0.0
     assert metrics["routing/rule_jagg_frac"] == pytest.approx(8 / 12, abs=1e-4)  # M = 12 trainable transitions
 
-    plan = router.plan(toy_trajectory(model), generator=None)
-    assert [(p.start, p.mode) for p in plan] == [(0, "jagg"), (4, "jagg"), (8, "exact")]
+    route = router.route(toy_trajectory(model), generator=None)
+    assert [(p.start, p.mode) for p in route] == [(0, "jagg"), (4, "jagg"), (8, "exact")]
 
 
-def test_groups_the_probe_did_not_see_take_the_exact_path():
+def test_segments_the_probe_did_not_see_take_the_exact_path():
     router = auto_router()
     router.modes = {(0, 4): "jagg"}
-    plan = router.plan(toy_trajectory(ToyVelocity()), generator=None)
-    assert [p.mode for p in plan] == ["jagg", "exact", "exact"]
+    route = router.route(toy_trajectory(ToyVelocity()), generator=None)
+    assert [p.mode for p in route] == ["jagg", "exact", "exact"]
 
 
 def test_prefix_router_is_the_jagg_frac_rule():
-    """M = 12 trainable transitions, W = 4, jagg_frac 0.7 -> round(8.4) = 8: groups 0 and 4 take jagg."""
-    router = PrefixRouter(mode="jagg", window=4, timestep_fraction=1.0, jagg_frac=0.7)
-    assert not router.due(0) and router.refresh(0, None, []) == {}  # measures nothing, needs no batch
-    plan = router.plan(toy_trajectory(ToyVelocity()), generator=None)
-    assert [(p.start, p.stop, p.mode) for p in plan] == [(0, 4, "jagg"), (4, 8, "jagg"), (8, 12, "exact")]
+    """M = 12 trainable transitions, W = 4, jagg_frac 0.7 -> round(8.4) = 8: segments 0 and 4 take jagg."""
+    router = PrefixRouter(mode="jagg", segment_length=4, timestep_fraction=1.0, jagg_frac=0.7)
+    assert not router.due(0) and router.refresh(0, None, [], ranks=ProcessRanks()) == {}  # measures nothing
+    route = router.route(toy_trajectory(ToyVelocity()), generator=None)
+    assert [(p.start, p.stop, p.mode) for p in route] == [(0, 4, "jagg"), (4, 8, "jagg"), (8, 12, "exact")]
 
 
 def compose_cfg(overrides: list[str]) -> TrainConfig:
@@ -74,19 +78,19 @@ def compose_cfg(overrides: list[str]) -> TrainConfig:
 
 
 @pytest.mark.parametrize(
-    "overrides, match",
+    "overrides, error, match",
     [
-        (["update.routing=fast"], "update.routing='fast'.*prefix, auto"),
-        (["update.jagg_frac=1.5"], "update.jagg_frac"),
-        (["update.routing=auto", "update=exact"], "update.mode"),
-        (["update.routing=auto", "update.auto_rollouts=100"], "update.auto_rollouts"),
-        (["update.routing=auto", "update.auto_every=0"], "update.auto_every"),
+        (["update.routing=fast"], ConfigCompositionException, "update.routing=fast"),  # not a Routing
+        (["update.jagg_frac=1.5"], ValueError, "jagg_frac must be in"),
+        (["update.routing=auto", "update=exact"], ValueError, "routing=auto routes between mode and exact"),
+        (["update.routing=auto", "update.auto_rollouts=100"], ValueError, "update.auto_rollouts"),
+        (["update.routing=auto", "update.auto_every=0"], ValueError, "auto_every must be >= 1"),
     ],
 )
-def test_bad_auto_settings_fail_validation(overrides, match, tmp_path, monkeypatch):
+def test_bad_auto_settings_fail_validation(overrides, error, match, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    cfg = compose_cfg([f"run_dir={tmp_path}", *overrides])
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
+        cfg = compose_cfg([f"run_dir={tmp_path}", *overrides])
         validate(cfg, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()))
 
 
@@ -126,7 +130,7 @@ def test_trainer_routes_by_the_probe(threshold, path, tiny_flux_dir, tmp_path, m
     with initialize_config_module(config_module="configs", version_base=None):
         run(compose(config_name="train", overrides=overrides))
     (m,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert m[f"count/groups_{path}"] == 2 and "count/groups_" + ("exact" if path == "jagg" else "jagg") not in m
+    assert m[f"count/segments_{path}"] == 2 and "count/segments_" + ("exact" if path == "jagg" else "jagg") not in m
     for key in ("00_04", "04_08"):
         assert -1.0 <= m[f"routing/cos_{key}"] <= 1.0 and m[f"routing/rho_{key}"] > 0
         assert m[f"routing/jagg_{key}"] == float(path == "jagg")

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from probe_toys import ToyCond, ToyVelocity, toy_batch, toy_settings, toy_trajectory
+from probe_toys import ToyCond, ToySettings, ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from torch import Tensor, nn
 
 from models import load_backbone
@@ -22,7 +22,7 @@ from samplers.config import SamplerConfig
 from samplers.rollout import group_noise, rollout, shared_start_steps, stochastic_flags
 from samplers.schedule import shifted_sigmas
 from train.algorithm.routing import PrefixRouter
-from train.algorithm.update import UpdateBatch, UpdateSettings, UpdateStats, shared_start, update_micro_batch
+from train.algorithm.update import UpdateStats, shared_start, update_micro_batch
 
 G, NUM_GROUPS = 4, 2
 SDES = {
@@ -100,25 +100,27 @@ def _float64(backbone):
     return copied
 
 
-def _gradient(predict, params, traj, settings: UpdateSettings, *, micro_batch: int, reference):
-    """The update of the trajectory as train/step.py runs it: per optimizer step, the micro-batches' plans
+def _gradient(predict, params, traj, settings: ToySettings, *, micro_batch: int, reference):
+    """The update of the trajectory as train/step.py runs it: per optimizer step, the micro-batches' routes
     drawn in order, the shared start (when rows share it), the micro-batches, its backward."""
     for p in params:
         p.grad = None
     advantages = torch.linspace(-1.0, 1.2, traj.batch_size, dtype=torch.float64)
-    batch = UpdateBatch(traj, advantages, predict=predict, reference=reference, settings=settings)
-    router = PrefixRouter(mode=settings.mode, window=4, timestep_fraction=settings.timestep_fraction, jagg_frac=1.0)
-    plan_gen, stats, accumulation = (
+    batch = toy_batch(predict, traj, settings, advantages=advantages, reference=reference)
+    router = PrefixRouter(
+        mode=settings.mode, segment_length=4, timestep_fraction=settings.timestep_fraction, jagg_frac=1.0
+    )
+    route_gen, stats, accumulation = (
         torch.Generator().manual_seed(3),
         UpdateStats(),
         settings.gradient_accumulation_steps,
     )
     for chunk in range(0, traj.batch_size, accumulation):
         micro = [range(r, r + micro_batch) for r in range(chunk, chunk + accumulation, micro_batch)]
-        plans = [router.plan(traj, plan_gen) for _ in micro]
-        start = shared_start(batch, micro, plans)
-        for rows, plan in zip(micro, plans):
-            stats += update_micro_batch(batch, torch.arange(rows.start, rows.stop), plan, start=start)
+        routes = [router.route(traj, route_gen) for _ in micro]
+        start = shared_start(batch, micro, routes)
+        for rows, route in zip(micro, routes):
+            stats += update_micro_batch(batch, torch.arange(rows.start, rows.stop), route, start=start)
         if start is not None:
             stats += start.backward()
     return torch.cat([p.grad.flatten() for p in params if p.grad is not None]), stats.counts
@@ -126,7 +128,7 @@ def _gradient(predict, params, traj, settings: UpdateSettings, *, micro_batch: i
 
 MODES = ["exact", "exact_batched", "jagg", "jagg_sequential", "ablate"]
 # (SDE, sampling steps, Flow-GRPO-Fast window, micro_batch, gradient_accumulation_steps, timestep_fraction,
-# kl_beta): 8 trainable transitions (2 groups of W = 4) but for the window of 4 that starts at step 2
+# kl_beta): 8 trainable transitions (2 segments of W = 4) but for the window of 4 that starts at step 2
 CASES = {
     "dance-mb1": ("dance", 9, None, 1, G, 1.0, 0.1),
     "flow-window-mbG": ("flow", 8, (2, 6), G, G, 1.0, 0.0),
@@ -134,11 +136,11 @@ CASES = {
 }
 
 
-def _settings(mode: str, case: str) -> UpdateSettings:
+def _settings(mode: str, case: str) -> ToySettings:
     *_, accumulation, fraction, kl_beta = CASES[case]
-    return UpdateSettings(
+    return ToySettings(
         mode="exact" if mode == "exact_batched" else mode,
-        window=4,
+        segment_length=4,
         timestep_fraction=fraction,
         clip_range=0.2,
         kl_beta=kl_beta,
@@ -179,7 +181,7 @@ class ToyNet(nn.Module):
 def test_update_gradient_with_shared_start_equals_without_in_float64(case, mode):
     """Float64: the gradient with the shared start equals the one of G rows per call to 1e-12 relative,
     for every path, the three SDE kinds, windows that start after step 0, micro-batches of 1 and G and
-    optimizer steps of fewer rows than G (with groups drawn at random per micro-batch)."""
+    optimizer steps of fewer rows than G (with segments drawn at random per micro-batch)."""
     kind, num_steps, window, micro_batch, *_ = CASES[case]
     model, frozen = ToyNet(), ToyNet(seed=1).requires_grad_(False)
     noise = torch.randn(NUM_GROUPS, 8, generator=torch.Generator().manual_seed(1)).repeat_interleave(G, 0)
@@ -225,11 +227,12 @@ def test_no_start_is_shared_when_no_two_rows_of_a_group_train_it_together():
     model = ToyVelocity()
     settings = replace(toy_settings(), group_size=2)
     batch = toy_batch(model, toy_trajectory(model), settings)
-    plan = PrefixRouter(mode="jagg", window=4, timestep_fraction=1.0, jagg_frac=1.0).plan(batch.traj, None)
-    assert shared_start(batch, [range(0, 1)], [plan]) is None
-    assert shared_start(batch, [range(0, 1), range(2, 3)], [plan, plan]) is None  # rows of two groups
-    start = shared_start(batch, [range(0, 1), range(1, 2)], [plan, plan])
+    router = PrefixRouter(mode="jagg", segment_length=4, timestep_fraction=1.0, jagg_frac=1.0)
+    route = router.route(batch.traj, None)
+    assert shared_start(batch, [range(0, 1)], [route]) is None
+    assert shared_start(batch, [range(0, 1), range(2, 3)], [route, route]) is None  # rows of two groups
+    start = shared_start(batch, [range(0, 1), range(1, 2)], [route, route])
     assert start is not None and start.v.shape[0] == 1 and start.num_rows == 2
-    assert shared_start(batch, [range(0, 1), range(1, 2)], [plan, plan[1:]]) is None  # row 1 skips step 0
-    off = replace(batch, settings=replace(settings, share_group_start=False))
-    assert shared_start(off, [range(0, 2)], [plan]) is None
+    assert shared_start(batch, [range(0, 1), range(1, 2)], [route, route[1:]]) is None  # row 1 skips step 0
+    off = toy_batch(model, batch.traj, replace(settings, share_group_start=False))
+    assert shared_start(off, [range(0, 2)], [route]) is None

@@ -11,9 +11,10 @@ from probe_toys import ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from torch import Tensor
 
 from samplers.rollout import transition
-from train.algorithm.groups import RoutedGroup
 from train.algorithm.grpo import kl_to_reference
+from train.algorithm.segments import RoutedSegment
 from train.algorithm.update import reference_velocities, step_loss, update_micro_batch
+from train.algorithm.update_config import UpdateConfig
 
 ROWS = torch.tensor([1, 3])
 
@@ -30,8 +31,8 @@ class Recording(ToyVelocity):
         return super().forward(z, t, cond)
 
 
-def test_kl_reference_is_one_batched_call_per_group():
-    """The reference's v of the group's W steps come from one call over W x rows rows, and each step's
+def test_kl_reference_is_one_batched_call_per_segment():
+    """The reference's v of the segment's W steps come from one call over W x rows rows, and each step's
     KL term equals the one of a reference evaluated at that step alone."""
     model, reference = ToyVelocity(), Recording(seed=1)
     traj = toy_trajectory(model)
@@ -48,27 +49,27 @@ def test_kl_reference_is_one_batched_call_per_group():
         )
         expected = kl_to_reference(out.mean, ref_out.mean, out.diffusion)
         assert expected > 0
-        torch.testing.assert_close(loss(j, v)[1]["kl"], expected.detach())
+        torch.testing.assert_close(loss(j, v)[1]["kl"].value, expected.detach())
 
 
-def _micro_batch_grads(model, traj, settings, plan, *, reuse: bool):
+def _micro_batch_grads(model, traj, settings, route, *, reuse: bool):
     model.zero_grad(set_to_none=True)
-    stats = update_micro_batch(toy_batch(model, traj, settings), ROWS, plan, reuse_velocities=reuse)
+    stats = update_micro_batch(toy_batch(model, traj, settings), ROWS, route, reuse_velocities=reuse)
     return torch.cat([p.grad.flatten() for p in model.parameters()]), stats
 
 
 def test_micro_batch_on_kept_velocities():
-    """The jagg groups take their middle steps from the rollout (same gradient as recomputing, no
-    middle forward); the exact group runs as always."""
+    """The jagg segments take their middle steps from the rollout (same gradient as recomputing, no
+    middle forward); the exact segment runs as always."""
     model = Recording(gamma=10.0)
     traj = toy_trajectory(model, keep_velocities=True)
-    plan = [RoutedGroup(0, 4, "jagg"), RoutedGroup(4, 8, "jagg_sequential"), RoutedGroup(8, 12, "exact")]
+    route = [RoutedSegment(0, 4, "jagg"), RoutedSegment(4, 8, "jagg_sequential"), RoutedSegment(8, 12, "exact")]
     settings = toy_settings()
     model.calls.clear()
-    recomputed, recomputing = _micro_batch_grads(model, traj, settings, plan, reuse=False)
+    recomputed, recomputing = _micro_batch_grads(model, traj, settings, route, reuse=False)
     recomputing_calls = list(model.calls)
     model.calls.clear()
-    reused, stats = _micro_batch_grads(model, traj, settings, plan, reuse=True)
+    reused, stats = _micro_batch_grads(model, traj, settings, route, reuse=True)
     # float32: the rollout's v of 4 rows and the recomputed v of 2 rows agree to rounding
     assert float((reused - recomputed).norm() / recomputed.norm()) < 1e-6
     assert (stats.counts.reused_velocities, recomputing.counts.reused_velocities) == (4, 0)
@@ -81,11 +82,11 @@ def test_micro_batch_on_kept_velocities():
 def test_reuse_needs_kept_velocities():
     model = ToyVelocity()
     with pytest.raises(ValueError, match="keep_velocities"):
-        _micro_batch_grads(model, toy_trajectory(model), toy_settings(), [RoutedGroup(0, 4, "jagg")], reuse=True)
+        _micro_batch_grads(model, toy_trajectory(model), toy_settings(), [RoutedSegment(0, 4, "jagg")], reuse=True)
 
 
 @pytest.mark.parametrize(
-    "mode, window, reuse, keeps",
+    "mode, length, reuse, keeps",
     [
         ("jagg", 4, "fresh", True),
         ("jagg_sequential", 4, "stale", True),
@@ -95,12 +96,11 @@ def test_reuse_needs_kept_velocities():
         ("ablate", 4, "stale", False),
     ],
 )
-def test_which_runs_keep_velocities(mode, window, reuse, keeps):
-    settings = toy_settings(mode=mode, window=window, reuse_velocities=reuse)
-    assert settings.keeps_velocities is settings.reuses_velocities is keeps
+def test_which_runs_keep_velocities(mode, length, reuse, keeps):
+    config = UpdateConfig(mode=mode, segment_length=length, reuse_velocities=reuse)
+    assert config.keeps_velocities(ratio_norm=False) is config.reuses_velocities is keeps
     # GRPO-Guard reads the sampling weights' v from the rollout on every path, and reuses none for it
-    guarded = replace(settings, ratio_norm=True)
-    assert guarded.keeps_velocities and guarded.reuses_velocities is keeps
+    assert config.keeps_velocities(ratio_norm=True) and config.reuses_velocities is keeps
 
 
 def in_float64(net):
@@ -116,10 +116,10 @@ def test_ratio_norm_on_policy_scales_each_steps_gradient_by_its_std():
     plain_settings = toy_settings()
     guarded = toy_batch(model, traj, replace(plain_settings, ratio_norm=True))
     plain = toy_batch(model, traj, plain_settings)
-    group = (4, 8)
-    guarded_loss = step_loss(guarded, ROWS, group, scale=1.0, reference=None)
-    plain_loss = step_loss(plain, ROWS, group, scale=1.0, reference=None)
-    for j, k in enumerate(range(*group)):
+    segment = (4, 8)
+    guarded_loss = step_loss(guarded, ROWS, segment, scale=1.0, reference=None)
+    plain_loss = step_loss(plain, ROWS, segment, scale=1.0, reference=None)
+    for j, k in enumerate(range(*segment)):
         grads = []
         for loss in (guarded_loss, plain_loss):
             v = traj.velocities[ROWS, k].double().requires_grad_()
@@ -145,7 +145,7 @@ def test_ratio_norm_through_jagg_is_exact_where_theorem_1_holds(sde):
     grads = {}
     for mode in ("exact", "jagg"):
         model.zero_grad(set_to_none=True)
-        update_micro_batch(toy_batch(in_float64(model), traj, settings), ROWS, [RoutedGroup(4, 8, mode)])
+        update_micro_batch(toy_batch(in_float64(model), traj, settings), ROWS, [RoutedSegment(4, 8, mode)])
         grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert grads["exact"].abs().max() > 0
     torch.testing.assert_close(grads["jagg"], grads["exact"], rtol=1e-10, atol=1e-14)
@@ -153,7 +153,7 @@ def test_ratio_norm_through_jagg_is_exact_where_theorem_1_holds(sde):
 
 @pytest.mark.parametrize("kl_beta, ratio_norm", [(0.0, False), (0.1, False), (0.0, True)])
 def test_micro_batches_of_1_2_and_g_give_one_gradient(kl_beta, ratio_norm):
-    """With every group trained (timestep_fraction 1), the accumulated gradient of the G rows does not
+    """With every segment trained (timestep_fraction 1), the accumulated gradient of the G rows does not
     depend on how they are split into micro-batches: each micro-batch's loss is scaled by
     (rows / gradient_accumulation_steps) / trained transitions. GRPO-Guard's mean std is over a
     micro-batch's rows of one step, which share their std: no split changes it. Float64, so only
@@ -163,13 +163,41 @@ def test_micro_batches_of_1_2_and_g_give_one_gradient(kl_beta, ratio_norm):
     rows = traj.batch_size
     settings = replace(toy_settings(kl_beta=kl_beta), gradient_accumulation_steps=rows, ratio_norm=ratio_norm)
     batch = toy_batch(in_float64(model), traj, settings, reference=in_float64(reference))
-    plan = [RoutedGroup(0, 4, "jagg"), RoutedGroup(4, 8, "jagg_sequential"), RoutedGroup(8, 12, "exact")]
+    route = [RoutedSegment(0, 4, "jagg"), RoutedSegment(4, 8, "jagg_sequential"), RoutedSegment(8, 12, "exact")]
     grads = []
     for micro in (1, 2, rows):
         model.zero_grad(set_to_none=True)
         for first in range(0, rows, micro):
-            update_micro_batch(batch, torch.arange(first, first + micro), plan)
+            update_micro_batch(batch, torch.arange(first, first + micro), route)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert grads[0].abs().max() > 0
     for other in grads[1:]:
         torch.testing.assert_close(other, grads[0], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "mode, exact_batched, calls",
+    [("jagg", False, 1), ("ablate", False, 1), ("jagg_sequential", False, 2), ("exact", False, 4), ("exact", True, 1)],
+)
+def test_a_segments_gradient_comes_from_its_paths_backward_calls(mode, exact_batched, calls, monkeypatch):
+    """A segment of W = 4 runs as many autograd backward calls as its path says (jagg: one, for both
+    endpoints together; exact: one per step), and the update's count is the calls it made. Where the
+    paper's Theorem 1 holds (gamma = 0: a Jacobian affine in t and free of z), jagg's one call gives
+    exact's gradient (jagg_sequential's middle weights are float32: to its rounding)."""
+    model = ToyVelocity().double()
+    traj = toy_trajectory(in_float64(model))
+    made = []
+    backward = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: (made.append(1), backward(*a, **k))[1])
+    grads = {}
+    for path in dict.fromkeys((mode, "exact")):
+        made.clear()
+        model.zero_grad(set_to_none=True)
+        settings = replace(toy_settings(mode=path), exact_batched=exact_batched and path == mode)
+        stats = update_micro_batch(toy_batch(in_float64(model), traj, settings), ROWS, [RoutedSegment(4, 8, path)])
+        grads[path] = torch.cat([p.grad.flatten() for p in model.parameters()])
+        if path == mode:
+            assert len(made) == stats.counts.backward_calls == calls
+    assert grads["exact"].abs().max() > 0
+    if mode != "ablate":  # ablate drops the middle steps: another gradient
+        torch.testing.assert_close(grads[mode], grads["exact"], rtol=1e-6, atol=1e-12)

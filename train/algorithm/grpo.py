@@ -39,6 +39,8 @@ import math
 import torch
 from torch import Tensor
 
+from train.algorithm.metrics import Metric, Reduce
+
 
 def group_advantages(
     rewards: Tensor,
@@ -79,16 +81,17 @@ def ppo_step_loss(
     advantages: Tensor,
     *,
     clip_range: float,
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> tuple[Tensor, dict[str, Metric]]:
     """PPO-clipped loss of one denoising step. All inputs [B]; returns (scalar loss, metrics).
 
-    Metrics (detached scalars): clip_frac (rows whose ratio left [1 - eps, 1 + eps]),
-    approx_kl = 0.5 mean (logp - logp_old)^2, ratio_mean, ratio_max, ratio_min.
+    Metrics (detached scalars, each with its reduction over steps and ranks): clip_frac (rows whose
+    ratio left [1 - eps, 1 + eps]), approx_kl = 0.5 mean (logp - logp_old)^2, ratio_mean (means),
+    ratio_max (a maximum), ratio_min (a minimum).
     """
     return ppo_clip_loss(log_prob - old_log_prob, advantages, clip_range=clip_range)
 
 
-def ppo_clip_loss(log_ratio: Tensor, advantages: Tensor, *, clip_range: float) -> tuple[Tensor, dict[str, Tensor]]:
+def ppo_clip_loss(log_ratio: Tensor, advantages: Tensor, *, clip_range: float) -> tuple[Tensor, dict[str, Metric]]:
     """``ppo_step_loss`` on a given log-ratio [B] (GRPO-Guard's normalised one, or logp - logp_old)."""
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -96,11 +99,11 @@ def ppo_clip_loss(log_ratio: Tensor, advantages: Tensor, *, clip_range: float) -
     loss = torch.maximum(unclipped, clipped).mean()
     with torch.no_grad():
         metrics = {
-            "clip_frac": ((ratio - 1.0).abs() > clip_range).float().mean(),
-            "approx_kl": 0.5 * (log_ratio**2).mean(),
-            "ratio_mean": ratio.mean(),
-            "ratio_max": ratio.max(),
-            "ratio_min": ratio.min(),
+            "clip_frac": Metric(((ratio - 1.0).abs() > clip_range).float().mean()),
+            "approx_kl": Metric(0.5 * (log_ratio**2).mean()),
+            "ratio_mean": Metric(ratio.mean()),
+            "ratio_max": Metric(ratio.max(), Reduce.max),
+            "ratio_min": Metric(ratio.min(), Reduce.min),
         }
     return loss, metrics
 

@@ -1,6 +1,6 @@
-"""The update paths of one group of W consecutive denoising steps (``backward_group``).
+"""The update paths of one segment of W consecutive denoising steps (``backward_segment``).
 
-For step j of a group, L_j(v_j) is the per-step loss, v_j = model(z_j, t_j) the velocity, J_j its
+For step j of a segment, L_j(v_j) is the per-step loss, v_j = model(z_j, t_j) the velocity, J_j its
 Jacobian with respect to the parameters and s_j = dL_j/dv_j, taken on a detached copy of v_j (no
 transformer backward). z_j carries no gradient (the per-step REINFORCE approximation).
 
@@ -29,7 +29,7 @@ gradient is the recomputing one up to float rounding (the rollout ran other batc
 
 The shared start: when step 0's v comes from elsewhere (``start``, v_0 [B, ...] detached, computed once
 for rows that share their input), a path runs no forward of step 0 and leaves its backward to the
-caller: ``GroupStats.start_upstream`` holds d(sum_j L_j)/dv_0 [B, ...], and the caller's one backward of
+caller: ``SegmentStats.start_upstream`` holds d(sum_j L_j)/dv_0 [B, ...], and the caller's one backward of
 the shared forward gives J_0^T of its sum over the rows that share (train/algorithm/update.py).
 
 Departure from the paper's Algorithm 1: the two endpoints run as one batched forward, so under
@@ -45,16 +45,17 @@ import torch
 from torch import Tensor
 
 from samplers.sde import compute_dtype
+from train.algorithm.metrics import Metric
+from train.algorithm.update_config import MIDDLE_MODES, UpdateMode
 
-UPDATE_MODES = ("exact", "jagg", "jagg_sequential", "ablate")
+UPDATE_MODES = tuple(mode.value for mode in UpdateMode)
 EXACT_BATCHED = "exact_batched"  # the exact gradient from one batched forward and one backward (update.exact_batched)
-MIDDLE_MODES = ("jagg", "jagg_sequential")  # the paths that need the middle steps' v, and so can take ``velocities``
 
 BoundPredict = Callable[[Tensor, Tensor], Tensor]  # (z [B, ...], t [B]) -> v [B, ...]: the conditioning is bound
-Metrics = dict[str, Tensor]  # name -> detached scalar
+Metrics = dict[str, Metric]  # name -> a detached scalar and its reduction
 Velocities = Sequence[Tensor] | Tensor  # W tensors [B, ...], or one [W, B, ...]: v_j at the current weights
 LossFn = Callable[[int, Tensor], tuple[Tensor, Metrics]]  # (j, v_j [B, ...]) -> (scalar loss of step j, metrics)
-# A path: yields (j, v_j) for each step it evaluates and receives L_j back (backward_group calls the loss).
+# A path: yields (j, v_j) for each step it evaluates and receives L_j back (backward_segment calls the loss).
 Path = Generator[tuple[int, Tensor], Tensor, None]
 
 
@@ -75,8 +76,8 @@ class Counts:
 
 
 @dataclass
-class GroupStats:
-    """What one ``backward_group`` call did."""
+class SegmentStats:
+    """What one ``backward_segment`` call did."""
 
     losses: dict[int, Tensor] = field(default_factory=dict)  # step j -> detached scalar L_j
     metrics: dict[int, Metrics] = field(default_factory=dict)  # step j -> what step_loss reported for it
@@ -87,8 +88,8 @@ class GroupStats:
 def interpolation_weights(t: Tensor) -> Tensor:
     """alpha_j = (t_0 - t_j) / (t_0 - t_{W-1}) for the W network-input timesteps t [W].
 
-    Reads no value: a group whose first and last timesteps are equal (alpha undefined) cannot be
-    drawn, as ``split_groups`` cuts groups from distinct transitions of a decreasing schedule."""
+    Reads no value: a segment whose first and last timesteps are equal (alpha undefined) cannot be
+    drawn, as ``split_segments`` cuts segments from distinct transitions of a decreasing schedule."""
     if t.ndim != 1 or t.shape[0] < 2:
         raise ValueError(f"t must be [W] with W >= 2, got shape {tuple(t.shape)}")
     return (t[0] - t) / (t[0] - t[-1])
@@ -128,7 +129,7 @@ def _upstream(j: int, v: Tensor) -> Generator[tuple[int, Tensor], Tensor, Tensor
     return s
 
 
-def _given_start(start: Tensor | None, stats: GroupStats) -> Generator[tuple[int, Tensor], Tensor, Tensor | None]:
+def _given_start(start: Tensor | None, stats: SegmentStats) -> Generator[tuple[int, Tensor], Tensor, Tensor | None]:
     """s_0 on the given v_0 (``start``), None without one: step 0's forward ran elsewhere."""
     if start is None:
         return None
@@ -141,7 +142,7 @@ def _exact(
     predict: BoundPredict,
     z: Sequence[Tensor],
     t: Tensor,
-    stats: GroupStats,
+    stats: SegmentStats,
     velocities: Sequence[Tensor] | None,
     start: Tensor | None,
 ) -> Path:
@@ -160,7 +161,7 @@ def _exact_batched(
     predict: BoundPredict,
     z: Sequence[Tensor],
     t: Tensor,
-    stats: GroupStats,
+    stats: SegmentStats,
     velocities: Sequence[Tensor] | None,
     start: Tensor | None,
 ) -> Path:
@@ -176,7 +177,7 @@ def _exact_batched(
 
 
 def _middle(
-    predict: BoundPredict, z: Sequence[Tensor], t: Tensor, stats: GroupStats, velocities: Sequence[Tensor] | None
+    predict: BoundPredict, z: Sequence[Tensor], t: Tensor, stats: SegmentStats, velocities: Sequence[Tensor] | None
 ) -> Generator[tuple[int, Tensor], Tensor, list[Tensor]]:
     """s_j of the W-2 middle steps: on the given velocities, or from one batched no-grad forward."""
     width = len(z)
@@ -199,7 +200,7 @@ def _joint_endpoints(
     predict: BoundPredict,
     z: Sequence[Tensor],
     t: Tensor,
-    stats: GroupStats,
+    stats: SegmentStats,
     velocities: Sequence[Tensor] | None,
     start: Tensor | None,
     *,
@@ -228,7 +229,7 @@ def _ablate(
     predict: BoundPredict,
     z: Sequence[Tensor],
     t: Tensor,
-    stats: GroupStats,
+    stats: SegmentStats,
     velocities: Sequence[Tensor] | None,
     start: Tensor | None,
 ) -> Path:
@@ -240,7 +241,7 @@ def _sequential(
     predict: BoundPredict,
     z: Sequence[Tensor],
     t: Tensor,
-    stats: GroupStats,
+    stats: SegmentStats,
     velocities: Sequence[Tensor] | None,
     start: Tensor | None,
 ) -> Path:
@@ -261,18 +262,18 @@ def _sequential(
 
 
 PATHS = {
-    "exact": _exact,
+    UpdateMode.exact: _exact,
     EXACT_BATCHED: _exact_batched,
-    "jagg": _joint_endpoints,
-    "jagg_sequential": _sequential,
-    "ablate": _ablate,
+    UpdateMode.jagg: _joint_endpoints,
+    UpdateMode.jagg_sequential: _sequential,
+    UpdateMode.ablate: _ablate,
 }
 
 
 def _checked_velocities(velocities: Velocities, z: Sequence[Tensor]) -> list[Tensor]:
     """The W given velocities, detached, each checked to be shaped like its z_j (on any device)."""
     if len(velocities) != len(z):
-        raise ValueError(f"velocities must hold one v per step of the group ({len(z)}), got {len(velocities)}")
+        raise ValueError(f"velocities must hold one v per step of the segment ({len(z)}), got {len(velocities)}")
     out = [v_j.detach() for v_j in velocities]
     for j, (v_j, z_j) in enumerate(zip(out, z)):
         if v_j.shape != z_j.shape:
@@ -280,7 +281,7 @@ def _checked_velocities(velocities: Velocities, z: Sequence[Tensor]) -> list[Ten
     return out
 
 
-def backward_group(
+def backward_segment(
     mode: str,
     predict: BoundPredict,
     step_loss: LossFn,
@@ -289,7 +290,7 @@ def backward_group(
     *,
     velocities: Velocities | None = None,
     start: Tensor | None = None,
-) -> GroupStats:
+) -> SegmentStats:
     """Accumulate into ``.grad`` the gradient of sum_j L_j, (L_j, metrics_j) = step_loss(j, predict(z[j], t_j)),
     by ``mode`` (one of UPDATE_MODES, or EXACT_BATCHED); returns each step's loss and metrics with the counts.
 
@@ -299,7 +300,7 @@ def backward_group(
     running a forward, exact and ablate need none and ignore them.
     start: v_0 = predict(z[0], t_0) [B, ...] at the current weights, computed by the caller (the shared
     start): no path runs step 0's forward, and its part of the gradient is left to the caller as
-    ``GroupStats.start_upstream`` (module docstring).
+    ``SegmentStats.start_upstream`` (module docstring).
 
     The mode's path (``PATHS``) runs the forwards and backwards; the step loss is called here, on
     each (j, v_j) the path hands over, and its value goes back to the path.
@@ -307,14 +308,14 @@ def backward_group(
     if mode not in PATHS:
         raise ValueError(f"update.mode must be one of {UPDATE_MODES}, got {mode!r}")
     if len(z) != t.shape[0] or len(z) < 2:
-        raise ValueError(f"a group needs W >= 2 latents and W timesteps, got {len(z)} and {t.shape[0]}")
+        raise ValueError(f"a segment needs W >= 2 latents and W timesteps, got {len(z)} and {t.shape[0]}")
     z = [z_j.detach() for z_j in z]
     given = _checked_velocities(velocities, z) if velocities is not None and mode in MIDDLE_MODES else None
     if start is not None:
         if start.shape != z[0].shape:
             raise ValueError(f"start (v_0) has shape {tuple(start.shape)}, its latent {tuple(z[0].shape)}")
         start = start.detach()
-    stats = GroupStats()
+    stats = SegmentStats()
     path = PATHS[mode](predict, z, t, stats, given, start)
     request = next(path, None)
     while request is not None:

@@ -1,165 +1,131 @@
 """The update stage of one training step: stored transitions -> accumulated policy gradients.
 
 Samples are processed in micro-batches of ``batch.micro_batch`` rows. For each micro-batch the
-trainable transitions are planned into groups of W (train/algorithm/routing.py: which groups train and which
-path each takes) and each group goes through ``train.algorithm.jagg.backward_group`` with the real per-step
-loss
+trainable transitions are routed into segments of W (train/algorithm/routing.py: which segments train and
+which path each takes) and each segment goes through ``train.algorithm.jagg.backward_segment`` with the
+real per-step loss
 
     L_k = PPO-clip(logp_theta(z_{k+1} | z_k), logp_old, A) + kl_beta * KL(mean_theta || mean_ref),
 
 scaled by (rows / gradient_accumulation_steps) / (trained transitions), so that one optimizer
 step sees the mean over its samples and their trained transitions. The KL reference runs one
-batched no-grad call per group, over its W steps. A jagg or jagg_sequential group takes its middle
+batched no-grad call per segment, over its W steps. A jagg or jagg_sequential segment takes its middle
 steps' velocities from the rollout when the caller says they are still valid
 (``update.reuse_velocities``, train/step.py) instead of recomputing them. The step loss is a value:
-it returns (scaled loss, metrics) and ``backward_group`` hands the metrics back per step, where
-``UpdateStats`` sums them; its summary is over all ranks (means over every sample, maxima and
-minima where the name says so), so the logged curves do not depend on the number of ranks.
+it returns (scaled loss, metrics) and ``backward_segment`` hands the metrics back per step, where
+``UpdateStats`` sums them, each by its own reduction (train/algorithm/metrics.py); the trainer's step
+reduces them over ranks, so the logged curves do not depend on the number of ranks.
 
 The shared start (``update.share_group_start``): a group's G rows start from one noise with one
 prompt, so at the trajectory's first trainable transition k (the first SDE step) z_k is the same in
 all of them. ``shared_start`` runs that step once per group over the rows of one optimizer step that
 train it (one forward with grad, and the KL reference's no-grad call, on one row per group); each
-micro-batch's group takes its rows' v_k from it, broadcast, computes its per-row step losses on it and
-adds d(loss)/dv_k into the start (``backward_group(..., start=)``); ``SharedStart.backward`` then runs
+micro-batch's segment takes its rows' v_k from it, broadcast, computes its per-row step losses on it and
+adds d(loss)/dv_k into the start (``backward_segment(..., start=)``); ``SharedStart.backward`` then runs
 one backward: J^T sum_i s_i, the per-row sum by linearity. Only rows of one optimizer step share
-(the weights change between them), and only those whose drawn plan trains step k. Departure: the
+(the weights change between them), and only those whose drawn route trains step k. Departure: the
 shared forward is its own call before the optimizer step's micro-batches, and its graph (one row per
 group) stays alive until the last of them.
 
-``update.exact_batched``: the groups routed to exact run ``train.algorithm.jagg``'s exact_batched path.
+``update.exact_batched``: the segments routed to exact run ``train.algorithm.jagg``'s exact_batched path.
 
-The plan (which groups train, Flow-GRPO-Fast's window) is drawn from a generator shared by all
+The route (which segments train, Flow-GRPO-Fast's window) is drawn from a generator shared by all
 ranks, never a per-rank one: under FSDP every rank must run the same sequence of forward and
 backward calls, or the collectives would deadlock.
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from samplers.rollout import Predict, Trajectory
 from samplers.sde import SDE, step
-from train.algorithm.groups import RoutedGroup
 from train.algorithm.grpo import kl_to_reference, ppo_clip_loss, ppo_step_loss, ratio_norm_log_ratio
-from train.algorithm.jagg import EXACT_BATCHED, MIDDLE_MODES, BoundPredict, Counts, GroupStats, Metrics, backward_group
-from train.distributed.collectives import all_reduce_max, all_reduce_sum
+from train.algorithm.jagg import EXACT_BATCHED, BoundPredict, Counts, Metrics, SegmentStats, backward_segment
+from train.algorithm.metrics import Metric, Reduce, Stat
+from train.algorithm.segments import RoutedSegment
+from train.algorithm.update_config import MIDDLE_MODES, UpdateConfig, UpdateMode
 
 
-@dataclass(frozen=True)
-class UpdateSettings:
-    mode: str  # the JAGG path of a routed group: exact | jagg | jagg_sequential | ablate
-    window: int  # W
-    timestep_fraction: float
+class GRPOSettings(Protocol):
+    """What the update reads of the algorithm's ``grpo`` settings (the config's ``grpo`` group)."""
+
+    group_size: int  # G: rows come in consecutive blocks of G that share z_0 and the prompt
     clip_range: float
     kl_beta: float
-    gradient_accumulation_steps: int
-    reuse_velocities: str = "fresh"  # fresh | stale | off (train/components/config.py, update.reuse_velocities)
-    ratio_norm: bool = False  # GRPO-Guard's normalised log-ratio (grpo.ratio_norm)
-    group_size: int = 1  # G: rows come in consecutive blocks of G that share z_0 and the prompt
-    share_group_start: bool = True  # update.share_group_start: the first trainable step once per group
-    exact_batched: bool = False  # update.exact_batched: the exact groups in one forward and one backward
-
-    @property
-    def reuses_velocities(self) -> bool:
-        """Whether the middle steps take the rollout's velocities: only a path with them (W > 2)."""
-        return self.reuse_velocities != "off" and self.mode in MIDDLE_MODES and self.window > 2
-
-    @property
-    def keeps_velocities(self) -> bool:
-        """Whether the rollout keeps its velocities: to reuse them, or as the sampling weights' v that
-        GRPO-Guard's normalisation compares the current transition mean with."""
-        return self.reuses_velocities or self.ratio_norm
+    ratio_norm: bool  # GRPO-Guard's normalised log-ratio
 
 
 @dataclass(frozen=True)
 class UpdateBatch:
-    """A step's rollout with its advantages, and the policies that train on it."""
+    """A step's rollout with its advantages, the policies that train on it, and the update's settings."""
 
     traj: Trajectory
     advantages: Tensor  # [B], one per row of traj
     predict: Predict  # the policy being trained: (z, t, cond) -> v
-    reference: Predict | None  # the KL reference; needed when settings.kl_beta > 0
-    settings: UpdateSettings
+    reference: Predict | None  # the KL reference; needed when grpo.kl_beta > 0
+    config: UpdateConfig
+    grpo: GRPOSettings
+    gradient_accumulation_steps: int  # samples per rank per optimizer step
 
 
 @dataclass
 class UpdateStats:
-    """What one rank's update stage computed; ``summary`` reduces it over all ranks. Stats add.
+    """What one rank's update stage computed. Stats add; ``metrics`` gives them as ``Stat``s that the
+    trainer's step reduces over ranks (each metric by its own ``Reduce``).
 
-    A step metric m of a micro-batch of b rows enters its sum as b * m and b enters the row count, so
-    a logged mean is over every sample of every rank; a metric named ``*_max`` (``*_min``) logs the
-    largest (smallest) value of any step on any rank. The ``count/*`` counters are totals over ranks.
+    A step metric m of a micro-batch of b rows enters its mean as b * m with weight b, so a logged mean is
+    over every sample (of every rank, once reduced); a ``max`` (``min``) metric is the largest (smallest)
+    value of any step. The ``count/*`` counters are totals.
     """
 
-    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # sum of rows * value
-    maxima: dict[str, float] = field(default_factory=dict)  # the *_max metrics
-    minima: dict[str, float] = field(default_factory=dict)  # the *_min metrics
-    num_rows: int = 0  # rows of every evaluated step: the denominator of the means
+    stats: dict[str, Stat] = field(default_factory=dict)  # settled step metrics
     counts: Counts = Counts()
-    groups: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    # (rows, metrics) of the steps added since the metrics were last read: ``add_group`` reads no
-    # tensor, so a caller that never adds or summarizes the stats syncs nothing (and a fake tensor traces)
+    segments: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # segments per path
+    # (rows, metrics) of the steps added since the metrics were last read: ``add_segment`` reads no
+    # tensor, so a caller that never adds or reads the stats syncs nothing (and a fake tensor traces)
     pending: list[tuple[int, Metrics]] = field(default_factory=list)
 
-    def add_group(self, mode: str, result: GroupStats, *, rows: int, reference_forwards: int = 0) -> None:
-        """Count one ``backward_group`` call over ``rows`` rows and add the metrics of every step it evaluated."""
+    def add_segment(self, mode: str, result: SegmentStats, *, rows: int, reference_forwards: int = 0) -> None:
+        """Count one ``backward_segment`` call over ``rows`` rows and add the metrics of every step it evaluated."""
         self.pending += [(rows, metrics) for metrics in result.metrics.values()]
-        self.num_rows += rows * len(result.metrics)
         self.counts += result.counts + Counts(nograd_forwards=reference_forwards)
-        self.groups[mode] += 1
+        self.segments[str(mode)] += 1
 
     def _settle(self) -> None:
-        """Read the pending metrics into the sums and extremes, in the order they were added."""
+        """Read the pending metrics into the stats, in the order they were added."""
         for rows, metrics in self.pending:
-            for name, value in metrics.items():
-                self._add(name, float(value), rows)
+            for name, metric in metrics.items():
+                stat = Stat.of(metric, rows)
+                self.stats[name] = self.stats[name] + stat if name in self.stats else stat
         self.pending = []
-
-    def _add(self, name: str, value: float, rows: int) -> None:
-        if name.endswith("_max"):
-            self.maxima[name] = max(self.maxima.get(name, -math.inf), value)
-        elif name.endswith("_min"):
-            self.minima[name] = min(self.minima.get(name, math.inf), value)
-        else:
-            self.sums[name] += rows * value
 
     def __add__(self, other: UpdateStats) -> UpdateStats:
         self._settle()
         other._settle()
-        out = UpdateStats(num_rows=self.num_rows + other.num_rows, counts=self.counts + other.counts)
-        for name in [*self.sums, *other.sums]:
-            out.sums[name] = self.sums.get(name, 0.0) + other.sums.get(name, 0.0)
-        for mode in [*self.groups, *other.groups]:
-            out.groups[mode] = self.groups.get(mode, 0) + other.groups.get(mode, 0)
-        for name in [*self.maxima, *other.maxima]:
-            out.maxima[name] = max(self.maxima.get(name, -math.inf), other.maxima.get(name, -math.inf))
-        for name in [*self.minima, *other.minima]:
-            out.minima[name] = min(self.minima.get(name, math.inf), other.minima.get(name, math.inf))
+        out = UpdateStats(counts=self.counts + other.counts)
+        out.stats = dict(self.stats)
+        for name, stat in other.stats.items():
+            out.stats[name] = out.stats[name] + stat if name in out.stats else stat
+        for mode in [*self.segments, *other.segments]:
+            out.segments[mode] = self.segments.get(mode, 0) + other.segments.get(mode, 0)
         return out
 
-    def summary(self, device: torch.device) -> dict[str, float]:
-        """The logged metrics, over all ranks (two collectives; every rank must call it with the same
-        metric names, as every rank runs the same plan). ``device`` holds the reduced tensors."""
+    def metrics(self) -> dict[str, Stat]:
+        """The logged metrics of this rank, by name: ``train/<step metric>``, ``count/<counter>`` and
+        ``count/segments_<path>`` (every rank must hold the same names, as every rank routes alike)."""
         self._settle()
-        counters = {f"count/{name}": value for name, value in asdict(self.counts).items()}
-        counters |= {f"count/groups_{mode}": num for mode, num in sorted(self.groups.items())}
-        mean_names, max_names, min_names = sorted(self.sums), sorted(self.maxima), sorted(self.minima)
-        totals = [*(self.sums[n] for n in mean_names), *counters.values(), self.num_rows]
-        summed = all_reduce_sum(torch.tensor(totals, dtype=torch.float64, device=device)).tolist()
-        extremes = [*(self.maxima[n] for n in max_names), *(-self.minima[n] for n in min_names)]
-        largest = all_reduce_max(torch.tensor(extremes, dtype=torch.float64, device=device)).tolist()
-        num_rows = max(summed[-1], 1.0)
-        out = {f"train/{name}": total / num_rows for name, total in zip(mean_names, summed)}
-        out |= {f"train/{name}": value for name, value in zip(max_names, largest)}
-        out |= {f"train/{name}": -value for name, value in zip(min_names, largest[len(max_names) :])}
-        out |= {name: int(total) for name, total in zip(counters, summed[len(mean_names) :])}
+        order = {Reduce.mean: 0, Reduce.sum: 0, Reduce.max: 1, Reduce.min: 2}  # means, then maxima, then minima
+        ranked = sorted(self.stats.items(), key=lambda item: (order[item[1].reduce], item[0]))
+        out = {f"train/{name}": stat for name, stat in ranked}
+        out |= {f"count/{name}": Stat.count(value) for name, value in asdict(self.counts).items()}
+        out |= {f"count/segments_{mode}": Stat.count(num) for mode, num in sorted(self.segments.items())}
         return out
 
 
@@ -185,7 +151,7 @@ class StepLoss:
 
     L_j = PPO-clip(logp_theta(z_{j+1} | z_j), logp_old, A) + kl_beta * KL(mean_theta || mean_ref).
     Returns (scale * L_j, metrics): ``loss`` (L_j before scaling), ``kl`` with a KL term, and
-    ``ppo_step_loss``'s. ``latents[:-1]`` and ``timesteps`` are the group's inputs of the policy. With
+    ``ppo_step_loss``'s. ``latents[:-1]`` and ``timesteps`` are the segment's inputs of the policy. With
     ``sampled`` (the rollout's v of the W steps) the PPO ratio is GRPO-Guard's normalised one
     (``ratio_norm_log_ratio``), its mean std taken over the micro-batch's rows of step j.
     """
@@ -228,17 +194,17 @@ class StepLoss:
             ref = step(self.sde, self.reference[j], z, sigma, sigma_next, next_z=next_z, sigma_guard=self.sigma_guard)
             kl = kl_to_reference(out.mean, ref.mean, out.diffusion)
             loss = loss + self.kl_beta * kl
-            metrics = {**metrics, "kl": kl.detach()}
-        return loss * self.scale, {"loss": loss.detach(), **metrics}
+            metrics = {**metrics, "kl": Metric(kl.detach())}
+        return loss * self.scale, {"loss": Metric(loss.detach()), **metrics}
 
 
 def step_loss(
-    batch: UpdateBatch, rows: Tensor, group: tuple[int, int], *, scale: float, reference: list[Tensor] | None
+    batch: UpdateBatch, rows: Tensor, segment: tuple[int, int], *, scale: float, reference: list[Tensor] | None
 ) -> StepLoss:
     """The ``StepLoss`` of transitions [start, stop) of ``rows``; ``reference``: the KL reference's v of
     these steps (``reference_velocities``), None without a KL term."""
-    traj, settings = batch.traj, batch.settings
-    start, stop = group
+    traj, grpo = batch.traj, batch.grpo
+    start, stop = segment
     for k in range(start, stop):
         if not bool(traj.stochastic[k]):
             raise ValueError(f"transition {k} is an ODE step; it has no log-probability to train on")
@@ -251,25 +217,25 @@ def step_loss(
         old_log_probs=traj.log_probs[rows, start:stop],
         advantages=batch.advantages[rows],
         reference=reference,
-        sampled=kept_velocities(traj, rows, group) if settings.ratio_norm else None,
-        clip_range=settings.clip_range,
-        kl_beta=settings.kl_beta,
+        sampled=kept_velocities(traj, rows, segment) if grpo.ratio_norm else None,
+        clip_range=grpo.clip_range,
+        kl_beta=grpo.kl_beta,
         scale=scale,
     )
 
 
 @torch.no_grad()
 def reference_velocities(
-    batch: UpdateBatch, rows: Tensor, group: tuple[int, int], *, start: SharedStart | None = None
+    batch: UpdateBatch, rows: Tensor, segment: tuple[int, int], *, start: SharedStart | None = None
 ) -> list[Tensor] | None:
     """The KL reference's v of transitions [start, stop) of ``rows``, from one batched call over them
     (one FSDP gather per module); None when the loss has no KL term (``kl_beta`` = 0). With ``start``
-    (the shared start of the group's first step) that step's v comes from it."""
-    if batch.settings.kl_beta <= 0:
+    (the shared start of the segment's first step) that step's v comes from it."""
+    if batch.grpo.kl_beta <= 0:
         return None
     if batch.reference is None:
         raise ValueError("grpo.kl_beta > 0 needs a reference policy")
-    traj, ks = batch.traj, range(group[0] + (start is not None), group[1])
+    traj, ks = batch.traj, range(segment[0] + (start is not None), segment[1])
     z = torch.cat([traj.latents[rows, k] for k in ks])
     t = torch.cat([traj.timesteps[k].expand(len(rows)) for k in ks])
     out = list(batch.reference(z, t, _tiled(traj.cond.index(rows), len(z))).split(len(rows)))
@@ -297,8 +263,8 @@ class SharedStart:
         return self.reference[self.slots[rows]]
 
     def add(self, rows: Tensor, upstream: Tensor | None) -> None:
-        """Add d(loss)/dv_k of ``rows`` [b, ...] (``GroupStats.start_upstream``) to their groups'."""
-        assert upstream is not None, "a group that took v_k from the shared start reports its upstream"
+        """Add d(loss)/dv_k of ``rows`` [b, ...] (``SegmentStats.start_upstream``) to their groups'."""
+        assert upstream is not None, "a segment that took v_k from the shared start reports its upstream"
         self.upstream.index_add_(0, self.slots[rows], upstream.to(self.upstream.dtype))
 
     def backward(self) -> UpdateStats:
@@ -312,14 +278,14 @@ class SharedStart:
 
 
 def shared_start(
-    batch: UpdateBatch, micro_batches: Sequence[range], plans: Sequence[Sequence[RoutedGroup]]
+    batch: UpdateBatch, micro_batches: Sequence[range], routes: Sequence[Sequence[RoutedSegment]]
 ) -> SharedStart | None:
-    """The shared start of one optimizer step whose micro-batches (rows) train ``plans``: step k's forward
+    """The shared start of one optimizer step whose micro-batches (rows) train ``routes``: step k's forward
     with grad on the first row of each group among the rows that train k; None when no two such rows
     are of one group (G = 1, update.share_group_start=false, or a micro-batch of whole different groups)."""
-    settings, traj = batch.settings, batch.traj
-    size, step = settings.group_size if settings.share_group_start else 1, traj.trainable_steps()[0]
-    rows = [r for micro, plan in zip(micro_batches, plans) if any(g.start == step for g in plan) for r in micro]
+    traj = batch.traj
+    size, step = batch.config.shared_rows(batch.grpo.group_size), traj.trainable_steps()[0]
+    rows = [r for micro, route in zip(micro_batches, routes) if any(s.start == step for s in route) for r in micro]
     first_of: dict[int, int] = {}  # group -> its first row that trains step k, in row order
     for r in rows:
         first_of.setdefault(r // size, r)
@@ -334,7 +300,7 @@ def shared_start(
     cond = traj.cond.index(firsts)
     v = batch.predict(z, t, cond)
     reference = None
-    if settings.kl_beta > 0:
+    if batch.grpo.kl_beta > 0:
         if batch.reference is None:
             raise ValueError("grpo.kl_beta > 0 needs a reference policy")
         with torch.no_grad():
@@ -343,44 +309,45 @@ def shared_start(
     return SharedStart(step, slots.to(z.device), v, reference, upstream, num_rows=len(rows))
 
 
-def kept_velocities(traj: Trajectory, rows: Tensor, group: tuple[int, int]) -> Tensor:
+def kept_velocities(traj: Trajectory, rows: Tensor, segment: tuple[int, int]) -> Tensor:
     """[W, rows, ...] the rollout's v of transitions [start, stop) of ``rows`` (maybe on the host)."""
     if traj.velocities is None:
         raise ValueError("the rollout kept no velocities to reuse (rollout(..., velocities=KeptVelocities()))")
-    return traj.velocities[rows.to(traj.velocities.device), group[0] : group[1]].transpose(0, 1)
+    return traj.velocities[rows.to(traj.velocities.device), segment[0] : segment[1]].transpose(0, 1)
 
 
 def update_micro_batch(
     batch: UpdateBatch,
     rows: Tensor,
-    plan: list[RoutedGroup],
+    route: list[RoutedSegment],
     *,
     reuse_velocities: bool = False,
     start: SharedStart | None = None,
 ) -> UpdateStats:
-    """Accumulate into ``.grad`` the gradient of the micro-batch ``rows`` over the planned groups.
+    """Accumulate into ``.grad`` the gradient of the micro-batch ``rows`` over the routed segments.
 
     ``reuse_velocities``: the weights are those that produced the trajectory's kept velocities (or the
-    caller accepts stale ones); the jagg and jagg_sequential groups then take their middle steps' v
+    caller accepts stale ones); the jagg and jagg_sequential segments then take their middle steps' v
     from them instead of recomputing. ``start``: the optimizer step's shared start (``shared_start``);
-    the group that begins at its step takes v there from it and leaves that step's backward to it.
+    the segment that begins at its step takes v there from it and leaves that step's backward to it.
     """
-    trained = sum(p.stop - p.start for p in plan)
-    scale = (len(rows) / batch.settings.gradient_accumulation_steps) / trained
+    trained = sum(s.stop - s.start for s in route)
+    scale = (len(rows) / batch.gradient_accumulation_steps) / trained
     policy = bind(batch.predict, batch.traj.cond.index(rows))
     stats = UpdateStats()
-    for group in plan:
-        span = (group.start, group.stop)
-        shared = start if start is not None and group.start == start.step else None
+    for segment in route:
+        span = (segment.start, segment.stop)
+        shared = start if start is not None and segment.start == start.step else None
         reference = reference_velocities(batch, rows, span, start=shared)
         loss = step_loss(batch, rows, span, scale=scale, reference=reference)
-        reuse = reuse_velocities and group.mode in MIDDLE_MODES
+        reuse = reuse_velocities and segment.mode in MIDDLE_MODES
         given = kept_velocities(batch.traj, rows, span) if reuse else None
-        path = EXACT_BATCHED if group.mode == "exact" and batch.settings.exact_batched else group.mode
+        exact_batched = segment.mode == UpdateMode.exact and batch.config.exact_batched
+        path = EXACT_BATCHED if exact_batched else segment.mode
         v0 = None if shared is None else shared.velocity_of(rows)
-        result = backward_group(path, policy, loss, loss.z, loss.timesteps, velocities=given, start=v0)
+        result = backward_segment(path, policy, loss, loss.z, loss.timesteps, velocities=given, start=v0)
         if shared is not None:
             shared.add(rows, result.start_upstream)
         ran = loss.reference_forwards - (shared is not None and reference is not None)
-        stats.add_group(group.mode, result, rows=len(rows), reference_forwards=ran)
+        stats.add_segment(segment.mode, result, rows=len(rows), reference_forwards=ran)
     return stats

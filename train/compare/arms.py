@@ -76,8 +76,23 @@ class RunMetrics:
         return {step: values[key] for step, values in sorted(self.steps.items()) if key in values}
 
 
+# Names a run logged before they were renamed, read as today's, so that runs of either age compare
+# (README, changes): a metric's old prefix -> its new one (settings: train/components/config_keys.py).
+RENAMED_METRICS = {"count/groups_": "count/segments_"}  # the JAGG unit of W transitions is a segment
+
+
+def current_metric(name: str) -> str:
+    """Today's name of a logged metric (``count/groups_jagg`` -> ``count/segments_jagg``)."""
+    for old, new in RENAMED_METRICS.items():
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
 def _numbers(record: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    return {
+        current_metric(k): float(v) for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
 
 
 def read_metrics_file(path: Path) -> dict[int, dict[str, float]]:

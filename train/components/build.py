@@ -35,8 +35,8 @@ from models.tiny import build_tiny
 from rewards.base import SCORER_NAMES, Scorer, build_scorer, scorer_class
 from rewards.combine import RewardCombiner
 from samplers.rollout import Predict
-from train.algorithm.routing import ROUTINGS, AutoRouter, PrefixRouter, Router
-from train.algorithm.update import UpdateSettings
+from train.algorithm.routing import AutoRouter, PrefixRouter, Router
+from train.algorithm.update_config import Routing
 from train.components.checkpoint import CheckpointManager, Weights
 from train.components.config import Device, ModelConfig, TrainConfig, UpdateConfig, validate
 from train.components.config_keys import (
@@ -81,7 +81,7 @@ class Run:
     logger: RunLogger
     reference: nn.Module | None  # frozen copy for the KL term of full fine-tuning; None with LoRA or no KL
     compute_dtype: torch.dtype
-    router: Router  # update.routing: which groups train and by which path (train/algorithm/routing.py)
+    router: Router  # update.routing: which segments train and by which path (train/algorithm/routing.py)
     resume_from: list[Path]  # the checkpoints ``resume`` names that passed the file checks, newest first
     lora_modules: list[str]  # the full names of the modules LoRA wrapped (recorded with each checkpoint)
     flops: FlopMeter  # the FLOPs of the transformer's calls (train/components/perf.py)
@@ -712,32 +712,15 @@ def load_weights(cfg: TrainConfig, backbone: Backbone, weights: Weights, device:
 def build_router(update: UpdateConfig) -> Router:
     """The router ``update.routing`` names."""
     u = update
-    if u.routing == "auto":
+    if u.routing is Routing.auto:
         return AutoRouter(
             mode=u.mode,
-            window=u.window,
+            segment_length=u.segment_length,
             timestep_fraction=u.timestep_fraction,
             every=u.auto_every,
             threshold=u.auto_threshold,
             num_rollouts=u.auto_rollouts,
         )
-    if u.routing == "prefix":
-        return PrefixRouter(mode=u.mode, window=u.window, timestep_fraction=u.timestep_fraction, jagg_frac=u.jagg_frac)
-    raise ValueError(f"update.routing={u.routing!r} is not valid; accepted values: {', '.join(ROUTINGS)}")
-
-
-def update_settings(cfg: TrainConfig) -> UpdateSettings:
-    """The update stage's settings (train/algorithm/update.py) of a run's configuration."""
-    return UpdateSettings(
-        mode=cfg.update.mode,
-        window=cfg.update.window,
-        timestep_fraction=cfg.update.timestep_fraction,
-        clip_range=cfg.grpo.clip_range,
-        kl_beta=cfg.grpo.kl_beta,
-        gradient_accumulation_steps=cfg.batch.gradient_accumulation_steps,
-        reuse_velocities=cfg.update.reuse_velocities,
-        ratio_norm=cfg.grpo.ratio_norm,
-        group_size=cfg.grpo.group_size,
-        share_group_start=cfg.update.share_group_start,
-        exact_batched=cfg.update.exact_batched,
+    return PrefixRouter(
+        mode=u.mode, segment_length=u.segment_length, timestep_fraction=u.timestep_fraction, jagg_frac=u.jagg_frac
     )

@@ -29,14 +29,12 @@ from rewards.config import RewardConfig
 from samplers.choices import Choice
 from samplers.config import SamplerConfig
 from samplers.sde import SDEKind
-from train.algorithm.groups import split_groups
-from train.algorithm.jagg import UPDATE_MODES
-from train.algorithm.routing import ROUTINGS
-from train.components.config_keys import RESUME_SETTINGS, check_finite, check_known_keys, checked, config_error, covered
+from train.algorithm.segments import split_segments
+from train.algorithm.update_config import Routing, UpdateConfig
+from train.components.config_keys import RESUME_SETTINGS, check_finite, check_known_keys, checked, covered
 from train.components.data import read_prompts
 from train.components.errors import ConfigError, PathError
 
-REUSE_VELOCITIES = ("fresh", "stale", "off")  # update.reuse_velocities
 # An override that adds an evaluation scorer to an empty eval.scorers, as typed on the command line
 # (``eval.scorers={jpeg_compressibility: {}}`` needs quotes in a shell; ``+`` adds the key to the typed dict).
 SCORERS_HINT = "+eval.scorers.jpeg_compressibility={}"
@@ -99,50 +97,6 @@ def _positive(value: float, name: str, why: str = "") -> None:
 
 def _non_negative(value: float, name: str, why: str = "") -> None:
     _in_range(value, name, low=0, why=why)
-
-
-@dataclass
-class UpdateConfig:
-    mode: str = "jagg"
-    """exact | jagg | jagg_sequential | ablate"""
-    window: int = 4
-    """W: consecutive transitions per group"""
-    routing: str = "prefix"
-    """Which groups take the `mode` path (train/algorithm/routing.py). prefix: those ending at or before
-    round(jagg_frac * M), M the trainable transitions; the rest are exact. auto: every auto_every steps a probe
-    measures cos(g_mode, g_exact) per group on the current policy and a group takes the `mode` path when its mean
-    cosine >= auto_threshold. prefix | auto
-    """
-    jagg_frac: float = 0.6
-    """routing=prefix: share of the trajectory, in [0, 1], routed to the `mode` path"""
-    timestep_fraction: float = 1.0
-    """share of groups trained per sample (DanceGRPO draws them at random)"""
-    auto_every: int = 10
-    """routing=auto: training steps between probes (the first step always probes)"""
-    auto_threshold: float = 0.5
-    """routing=auto: minimum mean cosine for the `mode` path (the paper's 0.5)"""
-    auto_rollouts: int = 4
-    """routing=auto: trajectories per probe, all ranks together (<= G * prompts_per_rank)"""
-    reuse_velocities: str = "fresh"
-    """The middle steps of a jagg / jagg_sequential group need v_j only for s_j = dL_j/dv_j, and the rollout computed
-    them. fresh: the rollout keeps its velocities and the update uses them while the weights are those that
-    sampled (until the first optimizer step of the training step), then recomputes them; stale: uses them after
-    optimizer steps too (an approximation: python -m train.probe reports its cosine); off: keeps none and always
-    recomputes. Kept velocities cost N * (latent elements) * (model.dtype bytes) per sample (per rank; logged as
-    memory/velocity_bytes_per_sample); exact and ablate, or W = 2, keep none. fresh | stale | off
-    """
-    offload_velocities: bool = False
-    """keep the rollout's velocities in host memory (pinned) instead of on the GPU"""
-    share_group_start: bool = True
-    """The shared start: a group's G samples start from one noise with one prompt, so every prediction until the
-    group's first SDE noise has the same input in its G rows. true: those run one row per group and are broadcast
-    (the rollout's prefix and first SDE step; in the update the first trainable step, with grad, and its KL
-    reference, over the rows of one optimizer step), the same numbers up to float rounding; false: G rows.
-    """
-    exact_batched: bool = False
-    """The groups routed to exact (in JAGG runs too): true = their W steps in one forward with grad and one backward
-    (fewer FSDP2 all-gathers, about W times the activation memory); false = one step at a time.
-    """
 
 
 @dataclass
@@ -459,24 +413,6 @@ def trainable_transitions(sampler: SamplerConfig, window_start: int | None = Non
     return [k for k in range(start, start + sampler.sde_window_size) if k < last]
 
 
-def _validate_update(u: UpdateConfig) -> None:
-    _choice(u.mode, UPDATE_MODES, "update.mode")
-    _choice(u.routing, ROUTINGS, "update.routing")
-    _choice(u.reuse_velocities, REUSE_VELOCITIES, "update.reuse_velocities")
-    if u.offload_velocities and u.reuse_velocities == "off":
-        raise ConfigError(
-            "update.offload_velocities=true keeps no velocities with update.reuse_velocities=off: "
-            "pick update.reuse_velocities=fresh or stale, or update.offload_velocities=false"
-        )
-    _in_range(u.timestep_fraction, "update.timestep_fraction", low=0, high=1, low_open=True)
-    _in_range(u.jagg_frac, "update.jagg_frac", low=0, high=1)
-    _in_range(u.auto_threshold, "update.auto_threshold", low=-1, high=1, why=" (a cosine)")
-    _positive(u.auto_every, "update.auto_every")
-    _positive(u.auto_rollouts, "update.auto_rollouts")
-    if u.routing == "auto" and u.mode == "exact":
-        raise ConfigError("update.routing=auto routes between update.mode and exact: pick update.mode=jagg")
-
-
 def _validate_training(cfg: TrainConfig, known_backbones: tuple[str, ...]) -> None:
     """What training needs beyond each group's own checks: a backbone the registry knows, a reward, a sampler
     with transitions to train."""
@@ -499,7 +435,7 @@ def _check_across(cfg: TrainConfig) -> None:
     if samples % cfg.batch.gradient_accumulation_steps:
         steps = cfg.batch.gradient_accumulation_steps
         raise ConfigError(f"batch.gradient_accumulation_steps={steps} must divide the samples {per_step}")
-    if cfg.update.routing == "auto" and cfg.update.auto_rollouts > samples:
+    if cfg.update.routing is Routing.auto and cfg.update.auto_rollouts > samples:
         raise ConfigError(f"update.auto_rollouts={cfg.update.auto_rollouts} exceeds the samples {per_step}")
     if cfg.grpo.ratio_norm and cfg.sampler.sde is SDEKind.cps:
         raise ConfigError(
@@ -511,7 +447,7 @@ def _check_across(cfg: TrainConfig) -> None:
             f"checkpoint.overwrite=true starts the run in run_dir again, resume={cfg.resume} continues one: pick one"
         )
     try:
-        split_groups(trainable_transitions(cfg.sampler), cfg.update.window)
+        split_segments(trainable_transitions(cfg.sampler), cfg.update.segment_length)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
@@ -566,10 +502,6 @@ def validate(
     check_finite(cfg, "")
     checked(cfg)
     _validate_training(cfg, known_backbones)
-    try:
-        _validate_update(cfg.update)
-    except ValueError as err:
-        raise config_error(err, "") from None
     for name in cfg.eval.scorers:
         _choice(name, known_scorers, "eval.scorers (scorer name)")
     _check_across(cfg)

@@ -32,9 +32,9 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
-from train.distributed.collectives import all_reduce_sum, get_world_size, is_distributed
+from train.distributed.collectives import all_reduce_sum, broadcast_object, get_rank, get_world_size, is_distributed
 
 
 def _wrap_blocks(model: nn.Module, block_classes: tuple[type, ...], checkpointing: bool) -> list[nn.Module]:
@@ -232,3 +232,50 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> Tens
     for g in grads:
         local_tensor(g).mul_(coef.to(g.dtype))
     return total
+
+
+@torch.no_grad()
+def global_dots(a: Sequence[Tensor | None], b: Sequence[Tensor | None]) -> tuple[float, float, float]:
+    """(<a, a>, <b, b>, <a, b>) of two gradients given per parameter (None = zero), over all ranks.
+
+    Each parameter's three local products are summed over ranks by ``sum_over_shards`` (a DTensor
+    counts once per distinct shard, a plain tensor once), in float64. Every rank must call it.
+    """
+    if len(a) != len(b):
+        raise ValueError(f"the two gradients have {len(a)} and {len(b)} parameters")
+    terms = []
+    for x, y in zip(a, b):
+        ref = x if x is not None else y
+        if ref is None:
+            continue
+        zero = torch.zeros_like(local_tensor(ref).flatten().float())
+        xl = local_tensor(x).flatten().float() if x is not None else zero
+        yl = local_tensor(y).flatten().float() if y is not None else zero
+        terms.append((ref, torch.stack([xl @ xl, yl @ yl, xl @ yl]).double()))
+    device = local_tensor(terms[0][0]).device if terms else torch.device("cpu")
+    aa, bb, ab = sum_over_shards(terms, zero=torch.zeros(3, dtype=torch.float64, device=device)).tolist()
+    return aa, bb, ab
+
+
+T = TypeVar("T")
+
+
+class ProcessRanks:
+    """This process among the ranks, and the cross-rank reductions the algorithm's measurements use
+    (``train.algorithm.quality.Ranks``): the gradient-quality probe and the auto router get it from their
+    caller, so that train/algorithm/ runs no collective of its own."""
+
+    @property
+    def rank(self) -> int:
+        return get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return get_world_size()
+
+    def dots(self, a: Sequence[Tensor | None], b: Sequence[Tensor | None]) -> tuple[float, float, float]:
+        return global_dots(a, b)
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's ``obj`` on every rank."""
+        return broadcast_object(obj)

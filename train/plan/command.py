@@ -14,8 +14,8 @@ and ``FlopCounterMode``:
                 traced on the first step of each shape (the shared start's steps run one row per
                 group), its FLOPs scaled by the rows of every step
     decode      ``train.step.decode_images`` of those samples (the reward models score the images next)
-    update      ``train.algorithm.update.update_micro_batch``: one group of W steps of one micro-batch (the GRPO loss,
-                the KL reference's batched call, ``train.algorithm.jagg.backward_group``), once per update path
+    update      ``train.algorithm.update.update_micro_batch``: one segment of W steps of one micro-batch (the GRPO loss,
+                the KL reference's batched call, ``train.algorithm.jagg.backward_segment``), once per update path
                 the run routes to (and exact), on the rollout's velocities or recomputing them as the
                 run does, with and without activation checkpointing, while earlier micro-batches'
                 gradients are held; the exact path on 2 of its W steps (each step's graph is freed
@@ -29,7 +29,7 @@ activations, all-gathered blocks and temporaries) plus the frozen models that ev
 replicates, counted from their configs: text encoders (none with ``model.embedding_cache``), VAE,
 reward models and, when the run evaluates, the evaluation scorers it keeps after the first
 evaluation. The step's peak is the largest phase. FLOPs per step scale the traced calls: one
-rollout, one decode, the expected number of groups per path per micro-batch (over the random group
+rollout, one decode, the expected number of segments per path per micro-batch (over the random segment
 pick and the Flow-GRPO-Fast window), one optimizer step per ``gradient_accumulation_steps`` samples.
 The update's shared start (``update.share_group_start``) takes off the expected rows whose first
 trainable step it runs once per group, at the exact path's FLOPs per step and row; the report gives
@@ -99,7 +99,7 @@ from train.plan.frozen import ARCH_ROOT, NOT_READ, frozen_models
 from train.plan.report import PlanReport, format_report
 from train.plan.tracing import (
     evaluation,
-    expected_groups,
+    expected_segments,
     expected_shared_calls,
     expected_shared_rows,
     text_tokens,
@@ -129,7 +129,7 @@ def plan_config(cfg: DictConfig) -> tuple[PlanRunConfig, bool]:
     validate_plan(config.plan)
     if config.update.routing != "prefix":
         raise ConfigError(
-            f"update.routing={config.update.routing} routes each group by a cosine measured during the run, which "
+            f"update.routing={config.update.routing} routes each segment by a cosine measured during the run, which "
             "a plan cannot know: plan with update.routing=prefix and a share, e.g. update.jagg_frac=0.6 (the paper's)"
         )
     return config, model_path_given
@@ -170,18 +170,20 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
     check_mesh(cfg, cfg.plan.world_size)
     arch = arch_folder(cfg, model_path_given)
     frozen = frozen_models(cfg, arch)
-    groups = expected_groups(cfg)
+    segments = expected_segments(cfg)
     # setup_trainable filters FSDP2's warning about blocks that return views (train/components/build.py),
     # for the duration of the trace
     with fake_process_group(cfg.plan.world_size, cfg.dist.replicate_degree), fake_tensors(), warnings.catch_warnings():
-        traced = trace_step(traced_run(cfg, arch), groups)
-        updates = traced.updates + trace_other_checkpointing(cfg, arch, traced.tensors, groups)
+        traced = trace_step(traced_run(cfg, arch), segments)
+        updates = traced.updates + trace_other_checkpointing(cfg, arch, traced.tensors, segments)
     frozen_bytes = sum(m.num_bytes for m in frozen)
     for phase in [*traced.phases, *updates]:
         phase.peak_bytes += frozen_bytes
     at = traced.at_step
     exact = next(u for u in updates if u.mode == "exact" and u.checkpointing == cfg.model.activation_checkpointing)
-    per_row = exact.flops / (cfg.update.window * cfg.batch.micro_batch)  # one step of one row, with its backward
+    per_row = exact.flops / (
+        cfg.update.segment_length * cfg.batch.micro_batch
+    )  # one step of one row, with its backward
     peak, source = assumed_peak(cfg)
     return PlanReport(
         experiment=cfg.experiment,
@@ -199,7 +201,7 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
         samples_per_rank=cfg.grpo.group_size * cfg.batch.prompts_per_rank,
         decode_batch=cfg.model.decode_batch,
         micro_batch=cfg.batch.micro_batch,
-        groups=groups,
+        segments=segments,
         param_bytes=at.get("Sharded Param", 0),
         grad_bytes=at.get("Sharded Grad", 0),
         optimizer_bytes=at.get("OptState", 0),

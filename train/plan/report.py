@@ -22,7 +22,7 @@ class Phase:
     working_bytes: int  # the call's own memory: its peak minus what was live when it started
     activation_bytes: int  # of which activations and backward temporaries, at the peak
     gathered_bytes: int  # of which all-gathered (unsharded) parameters, at the peak
-    # of one call; an update's call is one group of W steps of one micro-batch, without the shared start
+    # of one call; an update's call is one segment of W steps of one micro-batch, without the shared start
     # (the rollout's is with it, as it runs: PlanReport.shared_rollout_flops says what it saves)
     flops: int
     calls_per_step: float  # calls per rank per training step
@@ -67,7 +67,7 @@ class PlanReport:
     samples_per_rank: int
     decode_batch: int
     micro_batch: int
-    groups: dict[str, float]  # expected groups per micro-batch, per update path
+    segments: dict[str, float]  # expected segments per micro-batch, per update path
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
@@ -83,7 +83,7 @@ class PlanReport:
     shared_rollout_flops: float = 0.0
     shared_update_flops: float = 0.0
     # transformer (forwards, backwards) per rank per step the shared start adds to the update's calls (negative:
-    # saves; train.plan.tracing.expected_shared_calls), as routed and with every group exact
+    # saves; train.plan.tracing.expected_shared_calls), as routed and with every segment exact
     shared_calls: tuple[float, float] = (0.0, 0.0)
     shared_calls_exact: tuple[float, float] = (0.0, 0.0)
     seconds: float = 0.0
@@ -123,7 +123,7 @@ class PlanReport:
         return self.peak.peak_bytes <= self.budget_bytes
 
     def flops_per_step(self, *, exact: bool = False, shared: bool = True) -> tuple[float, float]:
-        """(update, whole step) FLOPs per rank: as routed, or with every group on the exact path; with the
+        """(update, whole step) FLOPs per rank: as routed, or with every segment on the exact path; with the
         shared start as configured, or (``shared=False``) without it."""
         updates = self.configured_updates()
         if exact:
@@ -145,7 +145,7 @@ class PlanReport:
 
     def update_traffic(self, *, exact: bool = False) -> Traffic:
         """The update's per rank per step, with the shared start as configured: as routed, or with every
-        group on the exact path."""
+        segment on the exact path."""
         updates = self.configured_updates()
         if exact:
             calls = sum(u.calls_per_step for u in updates)
@@ -240,7 +240,7 @@ def _working_savings(report: PlanReport) -> list[Saving]:
         other = {u.name: u for u in report.updates if u.checkpointing}
         saved = {name: float(u.peak_bytes - other[name].peak_bytes) for name, u in current.items()}
         out.append(("model.activation_checkpointing=true", saved, "traced"))
-    if report.groups.get("jagg", 0) > 0:
+    if report.segments.get("jagg", 0) > 0:
         saved = {name: u.activation_bytes / 2 for name, u in current.items() if u.mode == "jagg"}
         change = "update.mode=jagg_sequential: one endpoint graph alive instead of two"
         out.append((change, saved, "estimate; trace it with update.mode=jagg_sequential"))
@@ -324,9 +324,9 @@ def _flop_lines(r: PlanReport) -> list[str]:
     update, step = r.flops_per_step()
     update_exact, step_exact = r.flops_per_step(exact=True)
     lines += [
-        f"  {'update as routed':<{width}} {update / 1e12:>10.1f}   every group exact: {update_exact / 1e12:.1f}"
+        f"  {'update as routed':<{width}} {update / 1e12:>10.1f}   every segment exact: {update_exact / 1e12:.1f}"
         f" -> {update_exact / update:.2f}x fewer FLOPs: that speed-up at equal throughput",
-        f"  {'training step':<{width}} {step / 1e12:>10.1f}   every group exact: {step_exact / 1e12:.1f}"
+        f"  {'training step':<{width}} {step / 1e12:>10.1f}   every segment exact: {step_exact / 1e12:.1f}"
         f" -> {step_exact / step:.2f}x",
     ]
     if r.shared_rollout_flops or r.shared_update_flops:
@@ -373,8 +373,8 @@ def _comm_lines(r: PlanReport) -> list[str]:
         )
     routed, exact = r.update_traffic(), r.update_traffic(exact=True)
     lines.append(
-        f"  update as routed sends {_gb(routed.total)} GB, every group exact {_gb(exact.total)} GB: the routing saves "
-        f"{_gb(exact.total - routed.total)} GB ({_gb(exact.inter - routed.inter)} GB of them across nodes)"
+        f"  update as routed sends {_gb(routed.total)} GB, every segment exact {_gb(exact.total)} GB: the routing "
+        f"saves {_gb(exact.total - routed.total)} GB ({_gb(exact.inter - routed.inter)} GB of them across nodes)"
     )
     return lines
 
@@ -422,7 +422,7 @@ def _time_lines(r: PlanReport) -> list[str]:
 
 def format_report(report: PlanReport) -> str:
     r = report
-    groups = ", ".join(f"{mode} {n:g}" for mode, n in sorted(r.groups.items()))
+    segments = ", ".join(f"{mode} {n:g}" for mode, n in sorted(r.segments.items()))
     what = "LoRA" if r.lora else "full fine-tuning"
     checkpointing = "on" if r.checkpointing else "off"
     lines = [
@@ -430,7 +430,7 @@ def format_report(report: PlanReport) -> str:
         f"  {r.world_size} ranks x {r.gpu_memory_gib:g} GiB; transformer {r.num_params / 1e9:.2f} B parameters, "
         f"{what} ({r.num_trainable / 1e9:.3f} B trained), activation checkpointing {checkpointing}",
         f"  {r.samples_per_rank} samples per rank per step, {r.image_tokens} image + {r.text_tokens} text tokens each; "
-        f"micro-batch {r.micro_batch}, groups per micro-batch: {groups}",
+        f"micro-batch {r.micro_batch}, segments per micro-batch: {segments}",
         "",
         *_memory_lines(r),
         "",

@@ -18,16 +18,16 @@ from models.base import Conditioning, parse_dtype
 from models.diffusers_backbone import DiffusersBackbone
 from samplers.rollout import Predict, Trajectory, stochastic_flags, trainable_flags
 from samplers.schedule import shifted_sigmas
-from train.algorithm.groups import RoutedGroup, pick_groups, route_groups
-from train.algorithm.jagg import EXACT_BATCHED, MIDDLE_MODES, UPDATE_MODES
+from train.algorithm.jagg import EXACT_BATCHED, UPDATE_MODES
+from train.algorithm.segments import RoutedSegment, pick_segments, route_segments
 from train.algorithm.update import UpdateBatch, update_micro_batch
+from train.algorithm.update_config import MIDDLE_MODES, UpdateMode
 from train.components.build import (
     adamw_settings,
     build_ema,
     kl_reference,
     predictor,
     setup_trainable,
-    update_settings,
 )
 from train.components.config import TrainConfig, trainable_transitions
 from train.components.ema import EMA
@@ -44,8 +44,8 @@ CPU = torch.device("cpu")  # the one device of every fake tensor
 EXACT_TRACED_STEPS = 2  # the exact path's steps are alike and run one after another: two show its peak
 
 
-def expected_groups(cfg: TrainConfig, mode: str | None = None) -> dict[str, float]:
-    """Expected groups per micro-batch of each update path, over the random group pick
+def expected_segments(cfg: TrainConfig, mode: str | None = None) -> dict[str, float]:
+    """Expected segments per micro-batch of each update path, over the random segment pick
     (update.timestep_fraction) and the Flow-GRPO-Fast window start (uniform in its range).
     ``mode`` replaces update.mode (``"exact"``: the run without JAGG)."""
     s, u = cfg.sampler, cfg.update
@@ -56,12 +56,16 @@ def expected_groups(cfg: TrainConfig, mode: str | None = None) -> dict[str, floa
     counts: dict[str, float] = {}
     for start in starts:
         trainable = trainable_transitions(s, start)
-        every = route_groups(
-            trainable, window=u.window, mode=mode or u.mode, jagg_frac=u.jagg_frac, num_transitions=s.num_steps - 1
+        every = route_segments(
+            trainable,
+            length=u.segment_length,
+            mode=UpdateMode(mode or u.mode),
+            jagg_frac=u.jagg_frac,
+            num_transitions=s.num_steps - 1,
         )
-        picked = len(pick_groups(trainable, window=u.window, timestep_fraction=u.timestep_fraction))
-        for group in every:  # a uniform random subset: each group is picked with probability picked / len
-            counts[group.mode] = counts.get(group.mode, 0.0) + picked / len(every) / len(starts)
+        picked = len(pick_segments(trainable, length=u.segment_length, timestep_fraction=u.timestep_fraction))
+        for segment in every:  # a uniform random subset: each segment is picked with probability picked / len
+            counts[segment.mode] = counts.get(segment.mode, 0.0) + picked / len(every) / len(starts)
     return counts
 
 
@@ -266,7 +270,7 @@ def rollout_call(run: TracedRun, tensors: StepTensors, predict: TracedOnce) -> C
             group_ids=torch.arange(b.prompts_per_rank).repeat_interleave(g.group_size),
             sde_window=window,
             sde_noise=[torch.Generator().manual_seed(i) for i in range(b.prompts_per_rank)],
-            keep_velocities=update_settings(cfg).keeps_velocities,
+            keep_velocities=cfg.update.keeps_velocities(ratio_norm=cfg.grpo.ratio_norm),
             velocity_dtype=parse_dtype(cfg.model.dtype),
         )
         flags = stochastic_flags(s.num_steps, traj.sde, window)  # readable, for transition() and the plan
@@ -289,9 +293,9 @@ def decode_call(run: TracedRun, tensors: StepTensors) -> Callable[[], None]:
 
 
 def update_call(run: TracedRun, tensors: StepTensors, mode: str, *, reuse: bool) -> Callable[[], None]:
-    """One group of W steps of one micro-batch through ``train.algorithm.update.update_micro_batch`` (the GRPO loss,
-    the KL reference's batched call, ``backward_group``), on the rollout's velocities when ``reuse``;
-    ``mode`` exact_batched: an exact group with update.exact_batched. Without the shared start."""
+    """One segment of W steps of one micro-batch through ``train.algorithm.update.update_micro_batch`` (the GRPO loss,
+    the KL reference's batched call, ``backward_segment``), on the rollout's velocities when ``reuse``;
+    ``mode`` exact_batched: an exact segment with update.exact_batched. Without the shared start."""
     cfg, traj = run.cfg, tensors.traj
     assert traj is not None and tensors.advantages is not None
     batch = UpdateBatch(
@@ -299,15 +303,17 @@ def update_call(run: TracedRun, tensors: StepTensors, mode: str, *, reuse: bool)
         advantages=tensors.advantages,
         predict=run.policy(),
         reference=run.kl_reference(),
-        settings=replace(update_settings(cfg), exact_batched=mode == EXACT_BATCHED),
+        config=replace(cfg.update, exact_batched=mode == EXACT_BATCHED),
+        grpo=cfg.grpo,
+        gradient_accumulation_steps=cfg.batch.gradient_accumulation_steps,
     )
     start = traj.trainable_steps()[0]
-    width = EXACT_TRACED_STEPS if mode == "exact" else cfg.update.window
-    group = RoutedGroup(start, start + width, "exact" if mode == EXACT_BATCHED else mode)
+    width = EXACT_TRACED_STEPS if mode == "exact" else cfg.update.segment_length
+    segment = RoutedSegment(start, start + width, UpdateMode("exact" if mode == EXACT_BATCHED else mode))
     rows = torch.arange(cfg.batch.micro_batch)
 
     def call() -> None:
-        update_micro_batch(batch, rows, [group], reuse_velocities=reuse)  # its scale changes nothing traced
+        update_micro_batch(batch, rows, [segment], reuse_velocities=reuse)  # its scale changes nothing traced
 
     return call
 
@@ -365,7 +371,7 @@ def ema_shards(run: TracedRun) -> list[Tensor]:
 
 
 def update_variants(
-    cfg: TrainConfig, groups: dict[str, float], *, kept_velocities: bool
+    cfg: TrainConfig, segments: dict[str, float], *, kept_velocities: bool
 ) -> list[tuple[str, bool, float]]:
     """(path, on the rollout's velocities, calls per rank per step) for each update call the run makes,
     and exact (the baseline of the speed-up) and exact_batched (its memory) in any case.
@@ -377,7 +383,7 @@ def update_variants(
     reused = 1.0 if cfg.update.reuse_velocities == "stale" else b.gradient_accumulation_steps / samples
     out = []
     for mode in UPDATE_MODES:
-        calls = num_micro_batches * groups.get(mode, 0.0)
+        calls = num_micro_batches * segments.get(mode, 0.0)
         if calls == 0 and mode != "exact":
             continue
         if kept_velocities and mode in MIDDLE_MODES:
@@ -412,25 +418,29 @@ def _per_group(micro: list[dict[int, int]]) -> dict[int, list[int]]:
 
 
 def _start_step(cfg: TrainConfig, mode: str | None = None) -> tuple[float, str] | None:
-    """(probability that a micro-batch trains the shared step, the path of the group that starts there),
-    None where nothing is shared (update.share_group_start off, G = 1). ``mode`` as in ``expected_groups``."""
+    """(probability that a micro-batch trains the shared step, the path of the segment that starts there),
+    None where nothing is shared (update.share_group_start off, G = 1). ``mode`` as in ``expected_segments``."""
     g, u = cfg.grpo, cfg.update
     if not u.share_group_start or g.group_size < 2:
         return None
     window = first_window(cfg)
     trainable = trainable_transitions(cfg.sampler, None if window is None else window[0])
     transitions = cfg.sampler.num_steps - 1
-    groups = route_groups(
-        trainable, window=u.window, mode=mode or u.mode, jagg_frac=u.jagg_frac, num_transitions=transitions
+    segments = route_segments(
+        trainable,
+        length=u.segment_length,
+        mode=UpdateMode(mode or u.mode),
+        jagg_frac=u.jagg_frac,
+        num_transitions=transitions,
     )
-    p = len(pick_groups(trainable, window=u.window, timestep_fraction=u.timestep_fraction)) / len(groups)
-    return p, groups[0].mode
+    p = len(pick_segments(trainable, length=u.segment_length, timestep_fraction=u.timestep_fraction)) / len(segments)
+    return p, segments[0].mode
 
 
 def expected_shared_rows(cfg: TrainConfig) -> float:
     """Rows per rank and step whose first trainable step the shared start runs once per group instead of
     once per row (``train.algorithm.update.shared_start``): per optimizer step, the rows that train it less
-    the groups among them, expected over the random group pick of each micro-batch."""
+    the groups among them, expected over the random segment pick of each micro-batch."""
     start = _start_step(cfg)
     if start is None:
         return 0.0
@@ -455,9 +465,9 @@ def expected_shared_calls(cfg: TrainConfig, mode: str | None = None) -> tuple[fl
     with gradients, its backward and, with a KL term, the reference's no-grad forward of it; each of
     its micro-batches that trains the step then leaves that step to it: on exact (not batched) and
     jagg_sequential one forward and one backward fewer, while exact_batched, jagg and ablate run the
-    same batched calls on fewer rows. Expected over the random group pick of each micro-batch (train
+    same batched calls on fewer rows. Expected over the random segment pick of each micro-batch (train
     with probability p each), taking the groups as independent (exact when no micro-batch spans two).
-    ``mode`` as in ``expected_groups``."""
+    ``mode`` as in ``expected_segments``."""
     start = _start_step(cfg, mode)
     if start is None:
         return 0.0, 0.0
@@ -481,20 +491,20 @@ def expected_shared_calls(cfg: TrainConfig, mode: str | None = None) -> tuple[fl
     return forwards, backwards
 
 
-def trace_updates(run: TracedRun, tensors: StepTensors, groups: dict[str, float]) -> list[Phase]:
-    """Every update call of the run (``update_variants``) on one group of one micro-batch, with the
+def trace_updates(run: TracedRun, tensors: StepTensors, segments: dict[str, float]) -> list[Phase]:
+    """Every update call of the run (``update_variants``) on one segment of one micro-batch, with the
     run's activation checkpointing and gradients held."""
     cfg = run.cfg
     assert tensors.traj is not None
     offloaded = cfg.update.offload_velocities
     resident = tensors.resident(offloaded_velocities=offloaded) + reference_shards(run) + ema_shards(run)
     out = []
-    for mode, reuse, calls in update_variants(cfg, groups, kept_velocities=update_settings(cfg).reuses_velocities):
+    for mode, reuse, calls in update_variants(cfg, segments, kept_velocities=cfg.update.reuses_velocities):
         m, forwards = measure_counting(run, resident, update_call(run, tensors, mode, reuse=reuse))
         backwards = float(forwards.with_grad)  # each graph is backpropagated once
         if mode == "exact":  # its W steps, each freed before the next, traced on EXACT_TRACED_STEPS
-            m.flops = round(m.flops * cfg.update.window / EXACT_TRACED_STEPS)
-            backwards *= cfg.update.window / EXACT_TRACED_STEPS
+            m.flops = round(m.flops * cfg.update.segment_length / EXACT_TRACED_STEPS)
+            backwards *= cfg.update.segment_length / EXACT_TRACED_STEPS
         name = f"update {mode}" + (", rollout velocities" if reuse else "")
         calls_of = {"forwards": forwards.without_grad + backwards, "backwards": backwards}
         checkpointing = cfg.model.activation_checkpointing
@@ -521,7 +531,7 @@ class Traced:
     image_tokens: int
 
 
-def trace_step(run: TracedRun, groups: dict[str, float]) -> Traced:
+def trace_step(run: TracedRun, segments: dict[str, float]) -> Traced:
     """The phases in the order a step runs them, with gradients held where the trainer holds them."""
     cfg, b = run.cfg, run.cfg.batch
     root, opt = run.backbone.transformer, run.optimizer
@@ -542,7 +552,7 @@ def trace_step(run: TracedRun, groups: dict[str, float]) -> Traced:
     phases.append(to_phase("decode", decode, 1))
     tensors.advantages = torch.zeros(tensors.traj.batch_size)
     hold_gradients(run)
-    updates = trace_updates(run, tensors, groups)
+    updates = trace_updates(run, tensors, segments)
     resident = always + tensors.resident(offloaded_velocities=offloaded)
     optimizer = measure(root, opt, resident, optimizer_call(run))
     phases.append(
@@ -567,14 +577,14 @@ def trace_step(run: TracedRun, groups: dict[str, float]) -> Traced:
 
 
 def trace_other_checkpointing(
-    cfg: PlanRunConfig, arch: Path, tensors: StepTensors, groups: dict[str, float]
+    cfg: PlanRunConfig, arch: Path, tensors: StepTensors, segments: dict[str, float]
 ) -> list[Phase]:
     """The update traces with activation checkpointing flipped, on the same step's tensors (a second
     model: checkpointing wraps the blocks before FSDP2 shards them)."""
     other = replace(cfg, model=replace(cfg.model, activation_checkpointing=not cfg.model.activation_checkpointing))
     run = traced_run(other, arch)
     hold_gradients(run)
-    return trace_updates(run, tensors, groups)
+    return trace_updates(run, tensors, segments)
 
 
 def evaluation(cfg: PlanRunConfig, forward_flops_per_row: float) -> Evaluation | None:

@@ -1,5 +1,5 @@
 """The gradient-quality probe of a configured run (the paper's Appendix E): roll out batches with the
-trainer's phases and measure (train/algorithm/probe.py) until K trajectories had a gradient; the report.
+trainer's phases and measure (train/algorithm/quality.py) until K trajectories had a gradient; the report.
 
 ``python -m train.probe`` (train/probe/command.py) runs ``run_probe``: it builds as the trainer
 does, with wandb off and only as many prompts per rank as K trajectories need; with
@@ -28,17 +28,17 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from train.algorithm.groups import route_groups
-from train.algorithm.jagg import MIDDLE_MODES
-from train.algorithm.probe import (
+from train.algorithm.quality import (
     Samples,
     format_table,
     measure_staleness,
     measure_trajectories,
     probe_report,
-    summarize_groups,
+    summarize_segments,
 )
+from train.algorithm.segments import route_segments
 from train.algorithm.update import UpdateBatch, update_micro_batch
+from train.algorithm.update_config import MIDDLE_MODES, ReuseVelocities
 from train.components.build import (
     Run,
     adamw_settings,
@@ -47,10 +47,9 @@ from train.components.build import (
     policy_predictor,
     process_group,
     reference_predictor,
-    update_settings,
 )
 from train.components.config import WandbMode
-from train.distributed.parallelize import clip_grad_norm_
+from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
 from train.probe.config import ProbeConfig, probe_settings
 from train.step import reward_phase, rollout_phase
 from train.trainer import resume
@@ -64,16 +63,16 @@ def one_step_later(run: Run, batch: UpdateBatch) -> Iterator[None]:
     """The weights after one optimizer step on ``batch`` for the duration of the block, then restored.
 
     The step: the first ``gradient_accumulation_steps`` samples (or all there are) through the
-    configured paths (every group, the prefix rule), the global-norm clip, and a fresh AdamW's first
+    configured paths (every segment, the prefix rule), the global-norm clip, and a fresh AdamW's first
     step (the run's optimizer state is not touched).
     """
     cfg, b = run.cfg, run.cfg.batch
     saved = [p.detach().clone() for p in run.params]
     optimizer = torch.optim.AdamW(run.params, **adamw_settings(cfg))
     traj = batch.traj
-    plan = route_groups(
+    route = route_segments(
         traj.trainable_steps(),
-        window=cfg.update.window,
+        length=cfg.update.segment_length,
         mode=cfg.update.mode,
         jagg_frac=cfg.update.jagg_frac,
         num_transitions=traj.num_transitions,
@@ -81,7 +80,7 @@ def one_step_later(run: Run, batch: UpdateBatch) -> Iterator[None]:
     rows = min(b.gradient_accumulation_steps, traj.batch_size)
     for first in range(0, rows, b.micro_batch):
         micro = torch.arange(first, min(first + b.micro_batch, rows), device=run.device)
-        update_micro_batch(batch, micro, plan, reuse_velocities=False)
+        update_micro_batch(batch, micro, route, reuse_velocities=False)
     clip_grad_norm_(run.params, cfg.optimizer.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -101,30 +100,32 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
     many batches as K needs.
     """
     cfg = run.cfg
-    settings = update_settings(cfg)
     predict, reference = policy_predictor(run), reference_predictor(run)
     per_batch = cfg.grpo.group_size * cfg.batch.prompts_per_rank * run.dist.world_size
-    stale = cfg.update.reuse_velocities == "stale" and p.mode in MIDDLE_MODES and cfg.update.window > 2
+    u, ranks = cfg.update, ProcessRanks()
+    stale = u.reuse_velocities is ReuseVelocities.stale and p.mode in MIDDLE_MODES and u.segment_length > 2
     samples: Samples = defaultdict(list)
     fresh_after: Samples = defaultdict(list)
     stale_after: Samples = defaultdict(list)
     traj, done = None, 0
     max_batches = MAX_BATCHES_PER_K * math.ceil(p.num_rollouts / per_batch)
     for batch in range(max_batches):
-        traj, prompts = rollout_phase(run, batch, keep_velocities=stale or settings.ratio_norm)
+        traj, prompts = rollout_phase(run, batch, keep_velocities=stale or cfg.grpo.ratio_norm)
         advantages = reward_phase(run, traj, prompts).advantages
         if advantages is None:  # a NaN reward (reward_phase warned); this batch is not measured
             continue
         count = min(per_batch, p.num_rollouts - done)
-        update = UpdateBatch(traj, advantages, predict=predict, reference=reference, settings=settings)
-        for group, values in measure_trajectories(update, run.params, num_rollouts=count, mode=p.mode).items():
-            samples[group] += values
+        accumulation = cfg.batch.gradient_accumulation_steps
+        update = UpdateBatch(traj, advantages, predict, reference, u, cfg.grpo, accumulation)
+        measured = measure_trajectories(update, run.params, num_rollouts=count, mode=p.mode, ranks=ranks)
+        for segment, values in measured.items():
+            samples[segment] += values
         if stale:
             with one_step_later(run, update):
-                fresh, old = measure_staleness(update, run.params, num_rollouts=count, mode=p.mode)
-            for group in fresh:
-                fresh_after[group] += fresh[group]
-                stale_after[group] += old[group]
+                fresh, old = measure_staleness(update, run.params, num_rollouts=count, mode=p.mode, ranks=ranks)
+            for segment in fresh:
+                fresh_after[segment] += fresh[segment]
+                stale_after[segment] += old[segment]
         done = min((len(v) for v in samples.values()), default=0)
         if done >= p.num_rollouts:
             break
@@ -133,16 +134,16 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
     assert traj is not None  # validate() keeps probe.num_rollouts >= 1, so a batch was drawn
     staleness = None
     if stale:
-        staleness = (summarize_groups(fresh_after, traj.timesteps), summarize_groups(stale_after, traj.timesteps))
+        staleness = (summarize_segments(fresh_after, traj.timesteps), summarize_segments(stale_after, traj.timesteps))
     return probe_report(
-        summarize_groups(samples, traj.timesteps),
+        summarize_segments(samples, traj.timesteps),
         mode=p.mode,
         threshold=p.threshold,
         num_transitions=traj.num_transitions,
         staleness=staleness,
         experiment=cfg.experiment,
         model=cfg.model.name,
-        window=cfg.update.window,
+        segment_length=cfg.update.segment_length,
         sampler=cfg.sampler.sde,
         num_rollouts=p.num_rollouts,
         world_size=run.dist.world_size,

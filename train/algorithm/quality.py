@@ -1,30 +1,32 @@
-"""Gradient quality of a JAGG path per group (the paper's Appendix E, Table 5), and the jagg_frac it gives.
+"""Gradient quality of a JAGG path per segment (the paper's Appendix E, Table 5), and the jagg_frac it gives.
 
 The measurement behind ``python -m train.probe`` (train/probe/probe.py) and ``update.routing=auto``
-(train/algorithm/routing.py). For one trajectory and one group of W transitions [start, stop), with the update
+(train/algorithm/routing.py). For one trajectory and one segment of W transitions [start, stop), with the update
 stage's own per-step GRPO loss (``train.algorithm.update.StepLoss``: PPO clip + KL, on the rollout's advantage):
 
-    g_exact = sum_j J_j^T s_j                        backward_group("exact")
-    g_mode                                           backward_group(mode), mode = jagg by default
+    g_exact = sum_j J_j^T s_j                        backward_segment("exact")
+    g_mode                                           backward_segment(mode), mode = jagg by default
     cos = <g_mode, g_exact> / (|g_mode| |g_exact|)   rho = |g_mode| / |g_exact|
 
-over every trainable parameter. A group reports the mean and the sample standard deviation (n - 1)
+over every trainable parameter. A segment reports the mean and the sample standard deviation (n - 1)
 of cos and rho over K trajectories. A trajectory whose exact gradient is zero (zero advantage) has no
-cosine and is left out of that group (``num_samples`` counts the others); a zero g_mode against a
+cosine and is left out of that segment (``num_samples`` counts the others); a zero g_mode against a
 nonzero g_exact counts as cos = 0, rho = 0.
 
-The rule (the paper's): a group qualifies when its mean cos >= threshold (0.5). The recommended
-jagg_frac is the end of the run of qualifying groups that starts at the highest-noise group, over M
-(the trajectory's trainable transitions), so ``train.algorithm.groups.prefix_path`` sends exactly that run to the path.
-The paper then sets 0.6 for Flux where this rule gives 0.8, to stay clear of a high-variance group;
+The rule (the paper's): a segment qualifies when its mean cos >= threshold (0.5). The recommended
+jagg_frac is the end of the run of qualifying segments that starts at the highest-noise segment, over M
+(the trajectory's trainable transitions), so ``train.algorithm.segments.prefix_path`` sends exactly that
+run to the path.
+The paper then sets 0.6 for Flux where this rule gives 0.8, to stay clear of a high-variance segment;
 the report carries the standard deviations for such a judgement.
 
 torchrun + FSDP2: trajectory m is row m // R of rank m % R and is measured in a turn of all ranks.
 FSDP's collectives need every rank to run the same forwards and backwards, so each rank runs the
-group on its own row m // R, but only the owner's loss has weight 1 (the others weight 0): the
+segment on its own row m // R, but only the owner's loss has weight 1 (the others weight 0): the
 reduce-scattered gradient is the owner's gradient / R, and cos and rho do not see the factor. Dot
-products are over the full gradient: the local shards' products summed over ranks by
-``train.distributed.sum_over_shards`` (as ``clip_grad_norm_`` does), accumulated in float64.
+products are over the full gradient: the local shards' products summed over ranks by the caller's
+``Ranks.dots`` (the trainer's: ``train.distributed.parallelize.global_dots``, as ``clip_grad_norm_``
+does), accumulated in float64.
 
 Staleness (``update.reuse_velocities=stale``): after an optimizer step the rollout's velocities are
 no longer the policy's. ``measure_staleness`` compares with g_exact both the fresh g_mode (middle
@@ -40,43 +42,40 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from train.algorithm.groups import Group, prefix_path, split_groups
-from train.algorithm.jagg import BoundPredict, backward_group
+from train.algorithm.jagg import BoundPredict, backward_segment
+from train.algorithm.segments import Segment, prefix_path, split_segments
 from train.algorithm.update import StepLoss, UpdateBatch, bind, kept_velocities, reference_velocities, step_loss
-from train.distributed.collectives import get_rank, get_world_size
-from train.distributed.parallelize import local_tensor, sum_over_shards
+from train.algorithm.update_config import UpdateMode
 
-MIN_ROLLOUTS = 10  # fewer trajectories per group: the report says its spread and recommendation are rough
+MIN_ROLLOUTS = 10  # fewer trajectories per segment: the report says its spread and recommendation are rough
 
-Samples = dict[Group, list[tuple[float, float]]]  # group -> (cos, rho) per measured trajectory
+Samples = dict[Segment, list[tuple[float, float]]]  # segment -> (cos, rho) per measured trajectory
+T = TypeVar("T")
 
 
-@torch.no_grad()
-def global_dots(a: Sequence[Tensor | None], b: Sequence[Tensor | None]) -> tuple[float, float, float]:
-    """(<a, a>, <b, b>, <a, b>) of two gradients given per parameter (None = zero), over all ranks.
+class Ranks(Protocol):
+    """This process among the ranks, and the cross-rank reductions a measurement needs, given by the
+    caller (the trainer passes ``train.distributed.parallelize.ProcessRanks``): the algorithm runs no
+    collective of its own."""
 
-    Each parameter's three local products are summed over ranks by ``sum_over_shards`` (a DTensor
-    counts once per distinct shard, a plain tensor once), in float64.
-    """
-    if len(a) != len(b):
-        raise ValueError(f"the two gradients have {len(a)} and {len(b)} parameters")
-    terms = []
-    for x, y in zip(a, b):
-        ref = x if x is not None else y
-        if ref is None:
-            continue
-        zero = torch.zeros_like(local_tensor(ref).flatten().float())
-        xl = local_tensor(x).flatten().float() if x is not None else zero
-        yl = local_tensor(y).flatten().float() if y is not None else zero
-        terms.append((ref, torch.stack([xl @ xl, yl @ yl, xl @ yl]).double()))
-    device = local_tensor(terms[0][0]).device if terms else torch.device("cpu")
-    aa, bb, ab = sum_over_shards(terms, zero=torch.zeros(3, dtype=torch.float64, device=device)).tolist()
-    return aa, bb, ab
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def dots(self, a: Sequence[Tensor | None], b: Sequence[Tensor | None]) -> tuple[float, float, float]:
+        """(<a, a>, <b, b>, <a, b>) of two gradients given per parameter (None = zero), over all ranks."""
+        ...
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's ``obj`` on every rank."""
+        ...
 
 
 def _clear(params: Sequence[nn.Parameter]) -> None:
@@ -90,16 +89,17 @@ def compare_to_exact(
     kept: Tensor | None,
     params: Sequence[nn.Parameter],
     paths: Sequence[tuple[str, bool]],
+    ranks: Ranks,
 ) -> list[tuple[float, float]] | None:
-    """(cos, rho) against the exact gradient of one group (``loss``'s), per (mode, on the ``kept``
-    velocities) path; None when g_exact = 0."""
-    backward_group("exact", policy, loss, loss.z, loss.timesteps)
+    """(cos, rho) against the exact gradient of one segment (``loss``'s), per (mode, on the ``kept``
+    velocities) path; None when g_exact = 0. The dot products are over all ranks (``ranks.dots``)."""
+    backward_segment(UpdateMode.exact, policy, loss, loss.z, loss.timesteps)
     exact = [None if p.grad is None else p.grad.detach().clone() for p in params]
     _clear(params)
     out = []
     for mode, reuse in paths:
-        backward_group(mode, policy, loss, loss.z, loss.timesteps, velocities=kept if reuse else None)
-        ee, mm, em = global_dots(exact, [p.grad for p in params])
+        backward_segment(mode, policy, loss, loss.z, loss.timesteps, velocities=kept if reuse else None)
+        ee, mm, em = ranks.dots(exact, [p.grad for p in params])
         _clear(params)
         if ee == 0:
             return None
@@ -108,46 +108,53 @@ def compare_to_exact(
 
 
 def _measure(
-    batch: UpdateBatch, params: Sequence[nn.Parameter], *, num_rollouts: int, paths: Sequence[tuple[str, bool]]
+    batch: UpdateBatch,
+    params: Sequence[nn.Parameter],
+    *,
+    num_rollouts: int,
+    paths: Sequence[tuple[str, bool]],
+    ranks: Ranks,
 ) -> list[Samples]:
     """One ``Samples`` per path of ``compare_to_exact``, for trajectories 0 .. num_rollouts - 1.
 
     Trajectory m is row m // R of rank m % R (R ranks; every rank passes its own ``batch``).
     """
-    world, rank = get_world_size(), get_rank()
+    world, rank = ranks.world_size, ranks.rank
     traj = batch.traj
     if num_rollouts > world * traj.batch_size:
         raise ValueError(f"asked for {num_rollouts} trajectories; the batch holds {traj.batch_size} per rank x {world}")
     assert all(p.grad is None for p in params), "the probe needs empty gradients (zero_grad(set_to_none=True))"
     reuse = any(on_kept for _, on_kept in paths)
-    groups = split_groups(traj.trainable_steps(), batch.settings.window)
-    samples: list[Samples] = [{group: [] for group in groups} for _ in paths]
+    segments = split_segments(traj.trainable_steps(), batch.config.segment_length)
+    samples: list[Samples] = [{segment: [] for segment in segments} for _ in paths]
     for m in range(num_rollouts):
         rows = torch.tensor([m // world], device=batch.advantages.device)
         weight = 1.0 if rank == m % world else 0.0
         policy = bind(batch.predict, traj.cond.index(rows))
-        for group in groups:
-            loss = step_loss(batch, rows, group, scale=weight, reference=reference_velocities(batch, rows, group))
-            kept = kept_velocities(traj, rows, group) if reuse else None
-            result = compare_to_exact(policy, loss, kept, params, paths)
+        for segment in segments:
+            reference = reference_velocities(batch, rows, segment)
+            loss = step_loss(batch, rows, segment, scale=weight, reference=reference)
+            kept = kept_velocities(traj, rows, segment) if reuse else None
+            result = compare_to_exact(policy, loss, kept, params, paths, ranks)
             for per_path, value in zip(samples, result or []):
-                per_path[group].append(value)
+                per_path[segment].append(value)
     return samples
 
 
 def measure_trajectories(
-    batch: UpdateBatch, params: Sequence[nn.Parameter], *, num_rollouts: int, mode: str = "jagg"
+    batch: UpdateBatch, params: Sequence[nn.Parameter], *, num_rollouts: int, ranks: Ranks, mode: str = "jagg"
 ) -> Samples:
-    """(cos, rho) of ``mode`` per group of ``batch.settings.window`` for trajectories 0 .. num_rollouts - 1."""
-    return _measure(batch, params, num_rollouts=num_rollouts, paths=[(mode, False)])[0]
+    """(cos, rho) of ``mode`` per segment of ``batch.config.segment_length`` for trajectories 0 .. num_rollouts - 1."""
+    return _measure(batch, params, num_rollouts=num_rollouts, paths=[(mode, False)], ranks=ranks)[0]
 
 
 def measure_staleness(
-    batch: UpdateBatch, params: Sequence[nn.Parameter], *, num_rollouts: int, mode: str = "jagg"
+    batch: UpdateBatch, params: Sequence[nn.Parameter], *, num_rollouts: int, ranks: Ranks, mode: str = "jagg"
 ) -> tuple[Samples, Samples]:
-    """(fresh, stale): (cos, rho) per group of ``mode`` recomputing its middle velocities, and of ``mode``
+    """(fresh, stale): (cos, rho) per segment of ``mode`` recomputing its middle velocities, and of ``mode``
     on the trajectory's kept velocities, both against the exact gradient at the current weights."""
-    fresh, stale = _measure(batch, params, num_rollouts=num_rollouts, paths=[(mode, False), (mode, True)])
+    paths = [(mode, False), (mode, True)]
+    fresh, stale = _measure(batch, params, num_rollouts=num_rollouts, paths=paths, ranks=ranks)
     return fresh, stale
 
 
@@ -161,12 +168,12 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 @dataclass(frozen=True)
-class GroupQuality:
-    """Measured quality of one group of transitions [start, stop), over its trajectories."""
+class SegmentQuality:
+    """Measured quality of one segment of transitions [start, stop), over its trajectories."""
 
     start: int
     stop: int
-    t_first: float  # network-input timestep of the group's first step (high noise = near 1)
+    t_first: float  # network-input timestep of the segment's first step (high noise = near 1)
     t_last: float  # of its last step
     cos: tuple[float, ...]  # cos(g_mode, g_exact), one per measured trajectory
     rho: tuple[float, ...]  # |g_mode| / |g_exact|, one per measured trajectory
@@ -192,11 +199,13 @@ class GroupQuality:
         return _mean_std(self.rho)[1]
 
 
-def summarize_groups(samples: Mapping[Group, Sequence[tuple[float, float]]], timesteps: Tensor) -> list[GroupQuality]:
-    """One ``GroupQuality`` per group, high noise first; ``timesteps`` [N] are the trajectory's t."""
+def summarize_segments(
+    samples: Mapping[Segment, Sequence[tuple[float, float]]], timesteps: Tensor
+) -> list[SegmentQuality]:
+    """One ``SegmentQuality`` per segment, high noise first; ``timesteps`` [N] are the trajectory's t."""
     t = timesteps.detach().float().cpu().tolist()
     return [
-        GroupQuality(
+        SegmentQuality(
             start=a,
             stop=b,
             t_first=t[a],
@@ -208,30 +217,30 @@ def summarize_groups(samples: Mapping[Group, Sequence[tuple[float, float]]], tim
     ]
 
 
-def recommend_jagg_frac(groups: Sequence[GroupQuality], *, threshold: float, num_transitions: int) -> float:
-    """The paper's rule: stop of the last group of the qualifying run from the highest noise, over M.
+def recommend_jagg_frac(segments: Sequence[SegmentQuality], *, threshold: float, num_transitions: int) -> float:
+    """The paper's rule: stop of the last segment of the qualifying run from the highest noise, over M.
 
-    A group qualifies when its mean cosine is >= ``threshold`` (a group without samples does not).
+    A segment qualifies when its mean cosine is >= ``threshold`` (a segment without samples does not).
     """
     if num_transitions < 1:
         raise ValueError(f"num_transitions must be >= 1, got {num_transitions}")
     stop = 0
-    for group in sorted(groups, key=lambda g: g.start):
-        if not group.cos_mean >= threshold:  # also stops at NaN (no sample)
+    for segment in sorted(segments, key=lambda g: g.start):
+        if not segment.cos_mean >= threshold:  # also stops at NaN (no sample)
             break
-        stop = max(stop, group.stop)
+        stop = max(stop, segment.stop)
     return round(stop / num_transitions, 4)
 
 
 def _finite(value: float) -> float | None:
-    return None if math.isnan(value) else value  # JSON null: a group without samples
+    return None if math.isnan(value) else value  # JSON null: a segment without samples
 
 
 def _pm(mean: float | None, std: float | None, width: int) -> str:
     return f"{'-':>{width}}{'':8}" if mean is None else f"{mean:>{width}.3f} ± {std:.3f}"
 
 
-def _statistics(g: GroupQuality) -> dict[str, Any]:
+def _statistics(g: SegmentQuality) -> dict[str, Any]:
     return {
         "cos_mean": _finite(g.cos_mean),
         "cos_std": _finite(g.cos_std),
@@ -242,25 +251,25 @@ def _statistics(g: GroupQuality) -> dict[str, Any]:
 
 
 def probe_report(
-    groups: Sequence[GroupQuality],
+    segments: Sequence[SegmentQuality],
     *,
     mode: str,
     threshold: float,
     num_transitions: int,
-    staleness: tuple[Sequence[GroupQuality], Sequence[GroupQuality]] | None = None,
+    staleness: tuple[Sequence[SegmentQuality], Sequence[SegmentQuality]] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """The JSON report: the recommendation, and per group its statistics, samples and path under it.
+    """The JSON report: the recommendation, and per segment its statistics, samples and path under it.
 
-    ``staleness``: (fresh, stale) per group after an optimizer step (``measure_staleness``); each group
+    ``staleness``: (fresh, stale) per segment after an optimizer step (``measure_staleness``); each segment
     then reports both under ``after_step``.
     """
-    frac = recommend_jagg_frac(groups, threshold=threshold, num_transitions=num_transitions)
+    frac = recommend_jagg_frac(segments, threshold=threshold, num_transitions=num_transitions)
     rows: list[dict[str, Any]] = []
-    for index, g in enumerate(groups):
+    for index, g in enumerate(segments):
         rows.append(
             {
-                "group": index,
+                "segment": index,
                 "start": g.start,
                 "stop": g.stop,
                 "t_first": g.t_first,
@@ -271,7 +280,9 @@ def probe_report(
                 "rho_std": _finite(g.rho_std),
                 "num_samples": g.num_samples,
                 "qualifies": bool(g.cos_mean >= threshold),
-                "path": prefix_path(g.start, g.stop, mode=mode, jagg_frac=frac, num_transitions=num_transitions),
+                "path": prefix_path(
+                    g.start, g.stop, mode=UpdateMode(mode), jagg_frac=frac, num_transitions=num_transitions
+                ),
                 "cos": list(g.cos),
                 "rho": list(g.rho),
             }
@@ -285,7 +296,7 @@ def probe_report(
         "num_transitions": num_transitions,
         "recommended_jagg_frac": frac,
         **extra,
-        "groups": rows,
+        "segments": rows,
     }
 
 
@@ -293,11 +304,11 @@ def format_table(rep: Mapping[str, Any]) -> str:
     """Table 5 of the paper as text, the recommendation (and the staleness columns when measured), and
     what the columns mean."""
     mode = rep["mode"]
-    stale = all("after_step" in g for g in rep["groups"]) and bool(rep["groups"])
-    header = f"{'group':>5}  {'steps':>7}  {'t':>11}  {f'cos(g_{mode}, g_exact)':>24}  {'rho':>15}  {'n':>3}  path"
+    stale = all("after_step" in g for g in rep["segments"]) and bool(rep["segments"])
+    header = f"{'segment':>7}  {'steps':>7}  {'t':>11}  {f'cos(g_{mode}, g_exact)':>24}  {'rho':>15}  {'n':>3}  path"
     if stale:
         header += f"  {'fresh, 1 step':>22}  {'stale, 1 step':>22}"
-    lines = [header, *(_table_row(g, stale) for g in rep["groups"])]
+    lines = [header, *(_table_row(g, stale) for g in rep["segments"])]
     lines.append(
         f"* mean cos >= {rep['threshold']}: recommended update.jagg_frac={rep['recommended_jagg_frac']} "
         f"(M = {rep['num_transitions']} trainable transitions)"
@@ -308,7 +319,7 @@ def format_table(rep: Mapping[str, Any]) -> str:
 def _table_row(g: Mapping[str, Any], stale: bool) -> str:
     mark = "*" if g["qualifies"] else " "
     line = (
-        f"{g['group']:>5}  {g['start']:>3}-{g['stop'] - 1:<3}  {g['t_first']:.3f}-{g['t_last']:.3f}  "
+        f"{g['segment']:>7}  {g['start']:>3}-{g['stop'] - 1:<3}  {g['t_first']:.3f}-{g['t_last']:.3f}  "
         f"{_pm(g['cos_mean'], g['cos_std'], 14)}{mark}  {_pm(g['rho_mean'], g['rho_std'], 7)}  "
         f"{g['num_samples']:>3}  {g['path']:<5}"
     )
@@ -322,17 +333,17 @@ def _legend(rep: Mapping[str, Any], stale: bool) -> list[str]:
     """What the columns mean, and a note when too few trajectories were measured."""
     mode = rep["mode"]
     lines = [
-        "steps: the group's transitions; t: its first and last network-input timestep (1 = pure noise)",
-        f"cos: cosine between the group's gradient by the {mode} path and the exact one (1 = same direction);",
+        "steps: the segment's transitions; t: its first and last network-input timestep (1 = pure noise)",
+        f"cos: cosine between the segment's gradient by the {mode} path and the exact one (1 = same direction);",
         f"rho: |g_{mode}| / |g_exact| (1 = same length); both mean ± standard deviation over n trajectories",
-        "path: where the recommended jagg_frac routes the group",
+        "path: where the recommended jagg_frac routes the segment",
     ]
     if stale:
         lines.append(
             f"after one optimizer step on the rollout: cos(g_{mode}, g_exact) with the middle velocities "
             "recomputed (fresh) and taken from the rollout (stale, update.reuse_velocities=stale)"
         )
-    fewest = min((g["num_samples"] for g in rep["groups"]), default=0)
+    fewest = min((g["num_samples"] for g in rep["segments"]), default=0)
     if fewest < MIN_ROLLOUTS:
         lines.append(
             f"note: n = {fewest} trajectories is too few for the ± and the recommendation to mean much "

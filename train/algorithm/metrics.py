@@ -1,0 +1,70 @@
+"""Metrics that say how they combine: over the steps of an update, and over ranks.
+
+A step's loss reports ``Metric``s (a detached scalar and its ``Reduce``); the update stage sums them
+into ``Stat``s, which add (a mean keeps its weighted sum and its weight). The trainer's step reduces
+the stats over ranks (train/step.py, ``reduce_over_ranks``): the algorithm runs no collective.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from torch import Tensor
+
+
+class Reduce(str, Enum):
+    """How values of one metric combine (over steps, micro-batches and ranks)."""
+
+    sum = "sum"  # a total (counters)
+    mean = "mean"  # weighted by the rows each value stands for
+    max = "max"
+    min = "min"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One step's value of a metric (a detached scalar, read only when the stats are) and its reduction."""
+
+    value: Tensor | float
+    reduce: Reduce = Reduce.mean
+
+
+@dataclass(frozen=True)
+class Stat:
+    """A metric accumulated over steps: a sum, a weighted sum and its weight (``mean``), or an extreme."""
+
+    reduce: Reduce
+    value: float  # sum: the total; mean: sum of weight * value; max / min: the extreme
+    weight: float = 0.0  # mean: the total weight (rows) behind ``value``
+
+    @classmethod
+    def of(cls, metric: Metric, rows: int) -> Stat:
+        """One step's ``metric`` over ``rows`` rows."""
+        value = float(metric.value)
+        if metric.reduce is Reduce.mean:
+            return cls(Reduce.mean, rows * value, rows)
+        return cls(metric.reduce, value)
+
+    @classmethod
+    def count(cls, total: float) -> Stat:
+        return cls(Reduce.sum, total)
+
+    def __add__(self, other: Stat) -> Stat:
+        if other.reduce is not self.reduce:
+            raise ValueError(f"cannot add a {other.reduce} stat to a {self.reduce} one")
+        if self.reduce is Reduce.max:
+            return Stat(Reduce.max, max(self.value, other.value))
+        if self.reduce is Reduce.min:
+            return Stat(Reduce.min, min(self.value, other.value))
+        return Stat(self.reduce, self.value + other.value, self.weight + other.weight)
+
+
+def identity(reduce: Reduce) -> Stat:
+    """The stat that adds nothing (what a rank without a value contributes)."""
+    value = {Reduce.max: -math.inf, Reduce.min: math.inf}.get(reduce, 0.0)
+    return Stat(reduce, value)

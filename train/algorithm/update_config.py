@@ -1,0 +1,130 @@
+"""The update stage's settings (the ``update`` group of the config): the object the update code reads.
+
+The GRPO loss's own settings (clip range, KL weight, RatioNorm, the group size G) belong to the
+algorithm's ``grpo`` group; the update stage takes that object beside this one
+(``train.algorithm.update.UpdateBatch``) instead of copies of its fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class UpdateMode(str, Enum):
+    """The path a routed segment takes (train/algorithm/jagg.py)."""
+
+    exact = "exact"
+    jagg = "jagg"
+    jagg_sequential = "jagg_sequential"
+    ablate = "ablate"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Routing(str, Enum):
+    """Which segments take ``update.mode`` (train/algorithm/routing.py)."""
+
+    prefix = "prefix"
+    auto = "auto"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ReuseVelocities(str, Enum):
+    """Whether the middle steps of a jagg segment take the rollout's velocities."""
+
+    fresh = "fresh"
+    stale = "stale"
+    off = "off"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+MIDDLE_MODES = (UpdateMode.jagg, UpdateMode.jagg_sequential)  # the paths that need the middle steps' v
+
+
+@dataclass
+class UpdateConfig:
+    mode: UpdateMode = UpdateMode.jagg
+    """The path of the segments routed to JAGG: exact | jagg | jagg_sequential | ablate."""
+    segment_length: int = 4
+    """W: consecutive transitions per segment, >= 2 (JAGG needs two endpoints)."""
+    routing: Routing = Routing.prefix
+    """Which segments take the `mode` path. prefix: those ending at or before round(jagg_frac * M), M the
+    trainable transitions; the rest are exact. auto: every auto_every steps a probe measures cos(g_mode,
+    g_exact) per segment on the current policy and a segment takes the `mode` path when its mean cosine >=
+    auto_threshold."""
+    jagg_frac: float = 0.6
+    """routing=prefix: share of the trajectory, in [0, 1], routed to the `mode` path."""
+    timestep_fraction: float = 1.0
+    """Share of segments trained per sample, in (0, 1] (DanceGRPO draws them at random)."""
+    auto_every: int = 10
+    """routing=auto: training steps between probes, >= 1 (the first step always probes)."""
+    auto_threshold: float = 0.5
+    """routing=auto: minimum mean cosine for the `mode` path, in [-1, 1] (the paper's 0.5)."""
+    auto_rollouts: int = 4
+    """routing=auto: trajectories per probe, all ranks together, >= 1 (<= G * prompts_per_rank)."""
+    reuse_velocities: ReuseVelocities = ReuseVelocities.fresh
+    """The middle steps of a jagg / jagg_sequential segment need v_j only for s_j = dL_j/dv_j, and the rollout
+    computed them. fresh: the rollout keeps its velocities and the update uses them while the weights are
+    those that sampled (until the first optimizer step of the training step), then recomputes them; stale:
+    uses them after optimizer steps too (an approximation: python -m train.probe reports its cosine); off:
+    keeps none and always recomputes. Kept velocities cost N * (latent elements) * (model.dtype bytes) per
+    sample (per rank; logged as memory/velocity_bytes_per_sample); exact and ablate, or W = 2, keep none."""
+    offload_velocities: bool = False
+    """Keep the rollout's velocities in host memory (pinned) instead of on the GPU."""
+    share_group_start: bool = True
+    """The shared start: a group's G samples start from one noise with one prompt, so every prediction until
+    the group's first SDE noise has the same input in its G rows. true: those run one row per group and are
+    broadcast (the rollout's prefix and first SDE step; in the update the first trainable step, with grad,
+    and its KL reference, over the rows of one optimizer step), the same numbers up to float rounding;
+    false: G rows."""
+    exact_batched: bool = False
+    """The segments routed to exact (in JAGG runs too): true = their W steps in one forward with grad and one
+    backward (fewer FSDP2 all-gathers, about W times the activation memory); false = one step at a time."""
+
+    def __post_init__(self) -> None:
+        # the members, also when constructed from strings (tests, scripts): code compares with ``is``
+        self.mode, self.routing = UpdateMode(self.mode), Routing(self.routing)
+        self.reuse_velocities = ReuseVelocities(self.reuse_velocities)
+        if self.segment_length < 2:
+            raise ValueError(f"segment_length must be >= 2 (JAGG needs two endpoints), got {self.segment_length}")
+        _in_range("jagg_frac", self.jagg_frac, 0.0, 1.0)
+        if not 0.0 < self.timestep_fraction <= 1.0:
+            raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+        _in_range("auto_threshold", self.auto_threshold, -1.0, 1.0, " (a cosine)")
+        for name in ("auto_every", "auto_rollouts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.offload_velocities and self.reuse_velocities is ReuseVelocities.off:
+            raise ValueError(
+                "offload_velocities=true keeps no velocities with reuse_velocities=off: "
+                "pick reuse_velocities=fresh or stale, or offload_velocities=false"
+            )
+        if self.routing is Routing.auto and self.mode is UpdateMode.exact:
+            raise ValueError("routing=auto routes between mode and exact: pick mode=jagg")
+
+    @property
+    def reuses_velocities(self) -> bool:
+        """Whether the middle steps take the rollout's velocities: only a path with them (W > 2)."""
+        return (
+            self.reuse_velocities is not ReuseVelocities.off and self.mode in MIDDLE_MODES and self.segment_length > 2
+        )
+
+    def keeps_velocities(self, *, ratio_norm: bool) -> bool:
+        """Whether the rollout keeps its velocities: to reuse them, or (``ratio_norm``, GRPO-Guard's
+        normalisation) as the sampling weights' v that the current transition mean is compared with."""
+        return self.reuses_velocities or ratio_norm
+
+    def shared_rows(self, group_size: int) -> int:
+        """The rows that share a start (rollout and update): G with ``share_group_start``, else 1."""
+        return group_size if self.share_group_start else 1
+
+
+def _in_range(name: str, value: float, low: float, high: float, why: str = "") -> None:
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}]{why}, got {value}")
