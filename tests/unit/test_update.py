@@ -81,7 +81,7 @@ def test_micro_batch_on_kept_velocities():
 
 def test_reuse_needs_kept_velocities():
     model = ToyVelocity()
-    with pytest.raises(ValueError, match="keep_velocities"):
+    with pytest.raises(ValueError, match="kept no velocities"):
         _micro_batch_grads(model, toy_trajectory(model), toy_settings(), [RoutedSegment(0, 4, "jagg")], reuse=True)
 
 
