@@ -1,7 +1,7 @@
 """One training step, phase by phase: rollout -> decode and score -> advantages -> update -> optimizer.
 
 On each rank:
-  1. draw ``prompts_per_rank`` prompts (train/components/data.py); each is a group of G samples on this rank
+  1. draw ``prompts_per_rank`` prompts (train/run/prompts.py); each is a group of G samples on this rank
      that starts from one initial noise drawn from the stream (seed, "initial_noise", group id);
   2. roll out the N-step trajectory without gradients (SDE or Flow-GRPO-Fast window);
   3. decode, score every reward component, combine, and take group advantages;
@@ -37,15 +37,15 @@ from samplers.sde import SDE
 from train.algorithm.grpo import group_advantages
 from train.algorithm.jagg import Counts
 from train.algorithm.update import UpdateBatch, UpdateStats, shared_start, update_micro_batch
-from train.components.build import Run, policy_predictor, reference_predictor, update_settings
 from train.components.config import ModelConfig, TrainConfig
-from train.components.ema import EMA
-from train.components.errors import RankFailed, mark_agreed
-from train.components.logger import PhaseTimer
-from train.components.perf import perf_metrics
 from train.distributed.collectives import all_gather_tensor, all_reduce_max
 from train.distributed.parallelize import clip_grad_norm_
 from train.distributed.seeds import stream_generator, stream_seed
+from train.observe.logger import PhaseTimer
+from train.observe.perf import perf_metrics
+from train.optim.ema import EMA
+from train.run.build import Run, policy_predictor, reference_predictor, update_settings
+from train.run.errors import RankFailed, mark_agreed
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> Scored:
 
 def group_spread(scores: Tensor, group_ids: Tensor) -> float:
     """The largest range (max - min) of ``scores`` [B] within a group, over the groups of every rank: 0 when
-    every group ties, so the reward adds no advantage (train/components/health.py warns)."""
+    every group ties, so the reward adds no advantage (train/observe/health.py warns)."""
     everyone, ids = all_gather_tensor(scores.float()), all_gather_tensor(group_ids)
     return max(float(everyone[ids == gid].max() - everyone[ids == gid].min()) for gid in ids.unique())
 

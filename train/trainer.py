@@ -1,9 +1,9 @@
 """The GRPO training loop: resume, then train steps (train/step.py), evaluation and checkpoints on
 their own cadences, the export (the weights the evaluations scored: the EMA when kept), and the
-summary (train/components/summary.py) at the end.
+summary (train/evaluation/summary.py) at the end.
 
 The console (and the run folder's log file) shows a progress bar or, without it, a heartbeat line;
-a line per evaluation; and the summary. Evaluation (train/components/evaluator.py) runs before
+a line per evaluation; and the summary. Evaluation (train/evaluation/evaluator.py) runs before
 training, every ``logging.eval_every`` steps and after the last step; each one after step 0 also
 writes a before/after sheet (``eval/before_after_<tag>.png``) of the same prompts and noise.
 
@@ -26,7 +26,7 @@ their checkpoint is written before the error ends the run when every rank can ta
 an error raised alike, or one rank's exception in the reward phase, which the ranks share there:
 train/step.py); every save first checks the disk's free space (``DiskFull`` names the disk);
 ``grpo.max_bad_steps`` steps in a row that cannot change the weights end the run with ``NotLearning`` after a
-checkpoint (train/components/health.py).
+checkpoint (train/observe/health.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,15 @@ from typing import Any
 from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from train.components.build import (
+from train.checkpoint.manager import export_model, state_bytes
+from train.components.config import LORA_MODULES, resume_settings
+from train.distributed.collectives import activity, broadcast_object
+from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInterrupt, stop_requests
+from train.evaluation.evaluator import Evaluator
+from train.evaluation.summary import EXPORT, RAW_EXPORT, run_summary, write_export_note
+from train.observe.health import Health
+from train.observe.logger import Heartbeat, progress_bar
+from train.run.build import (
     Run,
     adamw_settings,
     build_evaluator,
@@ -51,15 +59,7 @@ from train.components.build import (
     open_run,
     process_group,
 )
-from train.components.checkpoint import export_model, state_bytes
-from train.components.config import LORA_MODULES, resume_settings
-from train.components.errors import CheckpointError, DiskFull, Interrupted, NotLearning, Preempted, ranks_agreed
-from train.components.evaluator import Evaluator
-from train.components.health import Health
-from train.components.logger import Heartbeat, progress_bar
-from train.components.summary import EXPORT, RAW_EXPORT, run_summary, write_export_note
-from train.distributed.collectives import activity, broadcast_object
-from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInterrupt, stop_requests
+from train.run.errors import CheckpointError, DiskFull, Interrupted, NotLearning, Preempted, ranks_agreed
 from train.step import train_step
 
 log = logging.getLogger(__name__)

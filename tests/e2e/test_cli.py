@@ -17,9 +17,9 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from train.cli import field_docs, setup
-from train.plan.config import PlanRunConfig
-from train.probe.config import ProbeRunConfig
-from train.probe.config import register as register_probe
+from train.plan.plan_config import PlanRunConfig
+from train.probe.probe_config import ProbeRunConfig
+from train.probe.probe_config import register as register_probe
 
 setup()
 register_probe()

@@ -15,8 +15,8 @@ import small_run
 from two_ranks import env, torchrun
 
 import train.trainer as trainer
-from train.components import build
 from train.distributed import preemption
+from train.run import build
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = [*small_run.FAST, "checkpoint.export=false"]

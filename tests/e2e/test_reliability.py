@@ -41,8 +41,8 @@ import train.eval.command as eval_command
 import train.probe.command as probe_command
 import train.trainer as trainer
 from train.cli import run_hydra
-from train.components import build
-from train.components.errors import Preempted
+from train.run import build
+from train.run.errors import Preempted
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -686,7 +686,7 @@ def test_a_run_that_cannot_learn_stops_after_max_bad_steps(why, tiny_flux_dir, t
 
 
 def test_a_reward_without_spread_is_named(tiny_flux_dir, tmp_path, capsys, monkeypatch):
-    from train.components import health
+    from train.observe import health
 
     warnings = []
     monkeypatch.setattr(health.log, "warning", lambda message, *args: warnings.append(message % args))
@@ -721,7 +721,7 @@ def test_nan_weights_in_the_model_are_one_line(tiny_flux_dir, tmp_path, capsys):
 def test_a_full_disk_is_one_line_and_keeps_the_checkpoints(when, trained, tiny_flux_dir, tmp_path, capsys, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from train.components import checkpoint
+    from train.checkpoint import manager as checkpoint
 
     run_dir = copy_run(trained, tmp_path)
     before = files_of(run_dir / "checkpoints")
@@ -789,7 +789,7 @@ def test_eval_names_a_truncated_export(trained, tiny_flux_dir, tmp_path, capsys)
     line = the_error(stderr, eval_command.PROG)
     assert status == 2 and re.search(r"eval\.transformer=.*export'.*diffusion_pytorch_model\.safetensors cannot", line)
     # the run folder itself: its checkpoint stands in for the damaged export
-    from train.components.checkpoint import find_weights
+    from train.checkpoint.manager import find_weights
 
     assert find_weights(str(run_dir), "eval.transformer").path == run_dir / "checkpoints" / "step_00000002"
 

@@ -24,9 +24,9 @@ from two_ranks import HELPERS, run_torchrun
 from models.registry import load_backbone
 from samplers.sde import step
 from train.algorithm import update
-from train.components.build import load_config, setup_trainable
 from train.components.config import register_schema
 from train.distributed.seeds import seed_everything
+from train.run.build import load_config, setup_trainable
 from train.trainer import run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -32,8 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from train.algorithm.jagg import EXACT_BATCHED, MIDDLE_MODES, UPDATE_MODES, backward_group
-from train.components.checkpoint import CheckpointManager, export_model
-from train.components.ema import EMA
+from train.checkpoint.manager import CheckpointManager, export_model
 from train.distributed.collectives import (
     all_gather_tensor,
     all_reduce_sum,
@@ -44,6 +43,7 @@ from train.distributed.collectives import (
 )
 from train.distributed.parallelize import clip_grad_norm_, parallelize
 from train.distributed.seeds import seed_everything
+from train.optim.ema import EMA
 
 BLOCKS = (FluxTransformerBlock, FluxSingleTransformerBlock)
 ROWS_PER_RANK = 2

@@ -19,9 +19,9 @@ from pathlib import Path
 from hydra import compose, initialize_config_module
 
 import train.trainer as trainer
-from train.components.build import load_config, open_run, process_group
 from train.components.config import register_schema
 from train.distributed.collectives import gather_objects
+from train.run.build import load_config, open_run, process_group
 
 
 def _server_gone(images, prompts):

@@ -15,7 +15,7 @@ from models.base import DTYPES, parse_dtype
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.components.config import TrainConfig, register_schema, trainable_transitions, validate
-from train.components.errors import ConfigError
+from train.run.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))

@@ -13,15 +13,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import train.components.evaluator as evaluator_module
-from train.components.build import build_evaluator
+import train.evaluation.evaluator as evaluator_module
 from train.components.config import TrainConfig
-from train.components.evaluation import EvalResult, _write
-from train.components.evaluator import Evaluator, read_result
-from train.components.logger import RunLogger
-from train.components.perf import Peak
-from train.components.summary import run_summary
 from train.distributed.collectives import DistInfo
+from train.evaluation.evaluator import Evaluator, read_result
+from train.evaluation.protocol import EvalResult, _write
+from train.evaluation.summary import run_summary
+from train.observe.logger import RunLogger
+from train.observe.perf import Peak
+from train.run.build import build_evaluator
 
 SCORER = "jpeg_compressibility"
 # the made-up mean score of each evaluation

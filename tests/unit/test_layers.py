@@ -3,7 +3,8 @@ train/ the sub-packages form layers (README, Layout):
 
     commands (train.cli, train.eval, train.probe, train.compare, train.plan, train.__main__)
       -> the trainer (train.trainer, train.step)
-        -> run components (train.components)
+        -> run parts (train.run, train.checkpoint, train.evaluation, train.observe, train.optim,
+           and the configuration schema train.components)
           -> the algorithm (train.algorithm)
             -> distribution (train.distributed)
 
@@ -21,7 +22,7 @@ FORBIDDEN = ("train", "torch.distributed", "hydra", "omegaconf", "wandb")
 LAYERS = [
     {"train.distributed"},
     {"train.algorithm"},
-    {"train.components"},
+    {"train.components", "train.run", "train.checkpoint", "train.evaluation", "train.observe", "train.optim"},
     {"train.trainer", "train.step"},
     {"train.cli", "train.eval", "train.probe", "train.compare", "train.plan", "train.__main__", "train.grad_quality"},
 ]
@@ -105,7 +106,7 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 def test_train_layers_import_downwards_only():
     graph = train_import_graph()
-    assert {"train.components.build", "train.trainer", "train.step", "train.algorithm.jagg"} <= set(graph)
+    assert {"train.run.build", "train.trainer", "train.step", "train.algorithm.jagg"} <= set(graph)
     assert upward_imports(graph) == []
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
     # the commands are rooms of their own: none imports another's package (the trainer's `python -m

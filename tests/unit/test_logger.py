@@ -16,8 +16,8 @@ from PIL import Image
 
 from rewards.summary import MIN_TILE, _font, _wrap, image_grid
 from train.components.config import TrainConfig
-from train.components.logger import WANDB_ID_FILE, Heartbeat, PhaseTimer, RunLogger, format_seconds, progress_bar
-from train.components.summary import _files
+from train.evaluation.summary import _files
+from train.observe.logger import WANDB_ID_FILE, Heartbeat, PhaseTimer, RunLogger, format_seconds, progress_bar
 
 
 def read_lines(run_dir) -> list[dict]:

@@ -1,4 +1,4 @@
-"""One run per folder and the run folder's lock (train/components/run_folder.py), with a clock of the test's own."""
+"""One run per folder and the run folder's lock (train/run/folder.py), with a clock of the test's own."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from train.components.errors import ConfigError
-from train.components.run_folder import LOCK_FILE, FolderInUse, RunLock, check_one_run, clear_run, held_run
+from train.run.errors import ConfigError
+from train.run.folder import LOCK_FILE, FolderInUse, RunLock, check_one_run, clear_run, held_run
 
 
 class Clock:

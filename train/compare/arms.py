@@ -11,7 +11,7 @@ folder names. A sweep folder stands for every run folder (and offline wandb run 
 it; folders without a metrics file (``compare/``) or with an empty one (a
 probe's) are skipped and named.
 
-Per arm, over its seeds (train/components/stats.py):
+Per arm, over its seeds (train/observe/stats.py):
   * for each evaluation metric ``eval/<name>`` (the ODE evaluation with fixed noise, so step 0
     is the frozen control): the value at each evaluation step, the final value (the last
     evaluation step every run of the arm reached), its gain over step 0, and the area under the
@@ -35,8 +35,8 @@ from typing import Any
 
 from train.algorithm.jagg import UPDATE_MODES
 from train.compare.wandb_runs import WandbRun, read_offline, read_offline_file, read_online, run_file
-from train.components.stats import Estimate, estimate, median, paired, quantile, trapezoid_mean
-from train.components.summary import HELD_OUT, PHASES
+from train.evaluation.summary import HELD_OUT, PHASES
+from train.observe.stats import Estimate, estimate, median, paired, quantile, trapezoid_mean
 
 WANDB_PREFIX = "wandb:"
 # The training curves plotted from metrics.jsonl (training_curves.png), with their axis labels.

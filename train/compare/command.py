@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from train.cli import report_error
 from train.compare.arms import build_comparison, comparison_tables, plot, summary
-from train.components.errors import UserError
+from train.run.errors import UserError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

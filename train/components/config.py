@@ -5,7 +5,7 @@ fills these dataclasses (Hydra's ConfigStore registers them as option ``train`` 
 group, the first entry of ``configs/train.yaml``'s defaults list), so a misspelled key or a wrong type fails at compose
 time. ``validate`` then rejects impossible combinations before any model is loaded: every float
 must be finite and in its range, every count >= 0 (>= 1 where 0 would mean nothing), every file
-must exist and read as UTF-8. It raises ConfigError or PathError (train/components/errors.py), which the
+must exist and read as UTF-8. It raises ConfigError or PathError (train/run/errors.py), which the
 commands print as one line.
 """
 
@@ -30,9 +30,9 @@ from samplers.sde import SDE_KINDS
 from train.algorithm.groups import split_groups
 from train.algorithm.jagg import UPDATE_MODES
 from train.algorithm.routing import ROUTINGS
-from train.components.data import read_prompts
-from train.components.errors import ConfigError, PathError
-from train.components.logger import WANDB_MODES
+from train.observe.logger import WANDB_MODES
+from train.run.errors import ConfigError, PathError
+from train.run.prompts import read_prompts
 
 ADV_STDS = ("population", "unbiased")  # grpo.adv_std
 # Settings that change what a checkpoint's weights or the run's history mean: a resumed run keeps them unless
@@ -231,7 +231,7 @@ class EvalConfig:
 @dataclass
 class PerfConfig:
     # peak TFLOP/s of one device, the denominator of perf/mfu/<phase>; null = the device's: the table of
-    # train/components/perf.py on a GPU (A100, H100, H200, B200 bf16 dense), on CPU this machine's float32
+    # train/observe/perf.py on a GPU (A100, H100, H200, B200 bf16 dense), on CPU this machine's float32
     # matmul rate measured once at start-up; > 0
     peak_tflops: float | None = None
 

@@ -1,4 +1,4 @@
-"""``python -m train.eval`` (``jagg-eval``): the evaluation protocol of train/components/evaluation.py on a model,
+"""``python -m train.eval`` (``jagg-eval``): the evaluation protocol of train/evaluation/protocol.py on a model,
 optionally against the pretrained one with the paired difference.
 
     python -m train.eval                                                  # the pretrained testbed model
@@ -30,8 +30,13 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from rewards.summary import overall
+from train.checkpoint.manager import CheckpointManager, Weights, find_weights
 from train.cli import reported, run_hydra, setup, show_value
-from train.components.build import (
+from train.components.config import SCORERS_HINT, TrainConfig
+from train.evaluation.protocol import EvalResult, before_after, evaluate, paired_difference
+from train.evaluation.summary import EXPORT, export_description
+from train.observe.stats import standard_error
+from train.run.build import (
     build_eval_scorers,
     build_for_eval,
     check_eval_scorers,
@@ -40,12 +45,7 @@ from train.components.build import (
     process_group,
     read_eval_prompts,
 )
-from train.components.checkpoint import CheckpointManager, Weights, find_weights
-from train.components.config import SCORERS_HINT, TrainConfig
-from train.components.errors import CheckpointError, ConfigError
-from train.components.evaluation import EvalResult, before_after, evaluate, paired_difference
-from train.components.stats import standard_error
-from train.components.summary import EXPORT, export_description
+from train.run.errors import CheckpointError, ConfigError
 
 setup()
 PROG = "python -m train.eval"

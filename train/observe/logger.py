@@ -47,7 +47,7 @@ from tqdm import tqdm
 from rewards.summary import MIN_TILE, image_grid
 
 if TYPE_CHECKING:
-    from train.components.perf import FlopMeter
+    from train.observe.perf import FlopMeter
 
 WANDB_MODES = ("disabled", "offline", "online")  # logging.wandb_mode
 WANDB_ID_FILE = "wandb_run_id"

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from train.components.errors import ConfigError, UserError
+from train.run.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
 LOCK_FILE = "LOCK"

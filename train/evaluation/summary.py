@@ -5,7 +5,7 @@
 The summary gives the evaluation reward before -> after, of the held-out prompts too, with standard
 errors over prompts and the paired difference (from the per-prompt score files, so it holds across a
 resume), the median time per step and per phase, the achieved TFLOP/s and MFU per phase
-(train/components/perf.py), what compiling cost (model.compile), and where everything was written, with
+(train/observe/perf.py), what compiling cost (model.compile), and where everything was written, with
 what each export holds (its ``weights.json``: the EMA the evaluations scored in ``export/``, the trained
 weights in ``export_raw/``).
 """
@@ -19,10 +19,10 @@ from pathlib import Path
 
 from rewards.summary import overall
 from train.components.config import TrainConfig
-from train.components.evaluation import paired_difference, read_scores
-from train.components.logger import format_seconds
-from train.components.perf import Peak
-from train.components.stats import median
+from train.evaluation.protocol import paired_difference, read_scores
+from train.observe.logger import format_seconds
+from train.observe.perf import Peak
+from train.observe.stats import median
 
 EXPORT, RAW_EXPORT = "export", "export_raw"  # <run>/export: the weights the trainer scored; export_raw: without EMA
 EXPORT_NOTE = "weights.json"  # in an export folder: which weights it holds ({"weights": "ema" | "trained", ...})

@@ -79,8 +79,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from train.components.errors import CheckpointError, DiskFull, PathError
-from train.components.summary import EXPORT, RAW_EXPORT
 from train.distributed.collectives import (
     barrier,
     broadcast_object,
@@ -89,6 +87,8 @@ from train.distributed.collectives import (
     get_world_size,
     is_distributed,
 )
+from train.evaluation.summary import EXPORT, RAW_EXPORT
+from train.run.errors import CheckpointError, DiskFull, PathError
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")

@@ -39,7 +39,9 @@ from train.algorithm.probe import (
     summarize_groups,
 )
 from train.algorithm.update import UpdateBatch, update_micro_batch
-from train.components.build import (
+from train.distributed.parallelize import clip_grad_norm_
+from train.probe.probe_config import ProbeConfig, probe_settings
+from train.run.build import (
     Run,
     adamw_settings,
     load_config,
@@ -49,8 +51,6 @@ from train.components.build import (
     reference_predictor,
     update_settings,
 )
-from train.distributed.parallelize import clip_grad_norm_
-from train.probe.config import ProbeConfig, probe_settings
 from train.step import reward_phase, rollout_phase
 from train.trainer import resume
 

@@ -3,7 +3,7 @@
 Prompt i always starts from the noise of the stream (eval.seed, "eval_noise", i), so scores do not
 depend on the number of ranks or the batch size, and two models evaluated with the same prompts and
 eval.seed saw the same noise: their per-prompt scores pair up. Prompts are dealt round-robin to
-ranks and the scores gathered; the trainer's Evaluator (train/components/evaluator.py) calls
+ranks and the scores gathered; the trainer's Evaluator (train/evaluation/evaluator.py) calls
 ``evaluate`` every ``logging.eval_every`` steps on all ranks and ``python -m train.eval``
 (train/eval/command.py) once or twice.
 Output in ``<out>`` (``<run_dir>/eval`` for the trainer):
@@ -45,11 +45,11 @@ from rewards.summary import MIN_TILE, before_after_sheet, image_grid, overall, s
 from samplers.rollout import Predict, group_noise, rollout
 from samplers.sde import SDE
 from train.components.config import TrainConfig
-from train.components.data import PromptRecord
-from train.components.logger import format_seconds
-from train.components.stats import standard_error
 from train.distributed.collectives import DistInfo, all_gather_tensor
 from train.distributed.seeds import stream_seed
+from train.observe.logger import format_seconds
+from train.observe.stats import standard_error
+from train.run.prompts import PromptRecord
 
 log = logging.getLogger(__name__)
 PROGRESS_S = 10.0  # seconds between an evaluation's progress lines (the demo's first evaluation takes ~25 s)

@@ -3,7 +3,7 @@
 ``build_run`` assembles the run state (``Run``) in a fixed order: seeds, the shared run folder, the
 rewards (a wrong reward path fails in seconds, before the transformer loads), the backbone, the
 trainable parameters and the KL reference (then sharding), the optimizer, the logger and the router.
-``build_evaluator`` gives the trainer its evaluation (train/components/evaluator.py).
+``build_evaluator`` gives the trainer its evaluation (train/evaluation/evaluator.py).
 ``predictor`` turns a backbone (or a reference transformer) into the ``predict(z, t, cond)`` that the
 rollout, the update and the evaluation call.
 """
@@ -37,7 +37,7 @@ from rewards.combine import RewardCombiner
 from samplers.rollout import Predict
 from train.algorithm.routing import ROUTINGS, AutoRouter, PrefixRouter, Router
 from train.algorithm.update import UpdateSettings
-from train.components.checkpoint import CheckpointManager, Weights
+from train.checkpoint.manager import CheckpointManager, Weights
 from train.components.config import (
     LORA_MODULES,
     ModelConfig,
@@ -48,17 +48,17 @@ from train.components.config import (
     resume_settings,
     validate,
 )
-from train.components.data import PromptRecord, PromptSampler, read_prompts
-from train.components.ema import EMA
-from train.components.errors import ConfigError, PathError, UserError
-from train.components.evaluator import Evaluator, read_result, read_summary
-from train.components.logger import RunLogger
-from train.components.perf import CompileWatch, FlopMeter, Peak, device_peak
-from train.components.run_folder import RunLock, check_one_run, clear_run, held_run
-from train.components.summary import eval_tag, heldout_tag
 from train.distributed.collectives import DistInfo, broadcast_object, gather_objects, init_distributed, shutdown
 from train.distributed.parallelize import compile_blocks, compile_unavailable, mesh_shape, parallelize
 from train.distributed.seeds import seed_everything, stream_seed
+from train.evaluation.evaluator import Evaluator, read_result, read_summary
+from train.evaluation.summary import eval_tag, heldout_tag
+from train.observe.logger import RunLogger
+from train.observe.perf import CompileWatch, FlopMeter, Peak, device_peak
+from train.optim.ema import EMA
+from train.run.errors import ConfigError, PathError, UserError
+from train.run.folder import RunLock, check_one_run, clear_run, held_run
+from train.run.prompts import PromptRecord, PromptSampler, read_prompts
 
 log = logging.getLogger(__name__)
 FIRST_FILES_BYTES = 16 << 20  # free space a new run needs before its model loads (config, logs, metrics)
@@ -84,7 +84,7 @@ class Run:
     router: Router  # update.routing: which groups train and by which path (train/algorithm/routing.py)
     resume_from: list[Path]  # the checkpoints ``resume`` names that passed the file checks, newest first
     lora_modules: list[str]  # the full names of the modules LoRA wrapped (recorded with each checkpoint)
-    flops: FlopMeter  # the FLOPs of the transformer's calls (train/components/perf.py)
+    flops: FlopMeter  # the FLOPs of the transformer's calls (train/observe/perf.py)
     peak: Peak  # one device's peak rate, for perf/mfu/<phase>
     compiles: CompileWatch | None  # model.compile: what compiling costs, step by step
 
@@ -188,7 +188,7 @@ def claim_folder(cfg: TrainConfig, dist: DistInfo, *, training: bool) -> RunLock
 
     Rank 0 writes the run folder: it must be writable, a training run may not start in a folder that
     holds a run unless it resumes or overwrites it, and no other live process may hold its lock
-    (train/components/run_folder.py). Rank 0 tries; every rank gets the verdict.
+    (train/run/folder.py). Rank 0 tries; every rank gets the verdict.
     """
     lock, refusal = None, None
     if dist.is_main:

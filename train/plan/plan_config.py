@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from train.components.config import TrainConfig, register_schema
-from train.components.errors import ConfigError
-from train.components.perf import GPU_PEAK_TFLOPS
+from train.observe.perf import GPU_PEAK_TFLOPS
 from train.plan.comm import INTER_NODE_GBPS, INTRA_NODE_GBPS
+from train.run.errors import ConfigError
 
 
 @dataclass
@@ -30,7 +30,7 @@ class PlanConfig:
     gpus_per_node: int = 8
     intra_node_gbps: float = INTRA_NODE_GBPS  # Gb/s per GPU and direction inside a node (NVLink 4: 3600)
     inter_node_gbps: float = INTER_NODE_GBPS  # Gb/s per GPU and direction across nodes (InfiniBand NDR: 400)
-    # the GPU whose dense bf16 peak (train/components/perf.py's table) the compute time assumes; perf.peak_tflops,
+    # the GPU whose dense bf16 peak (train/observe/perf.py's table) the compute time assumes; perf.peak_tflops,
     # when set, replaces it, as for the MFU logging
     gpu: str = "H100"
     mfu: float = 0.35  # the model FLOP utilization assumed for the compute time, in (0, 1]

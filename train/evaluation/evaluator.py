@@ -1,7 +1,7 @@
-"""The trainer's evaluation: an ``Evaluator`` built once (train/components/build.py:build_evaluator)
+"""The trainer's evaluation: an ``Evaluator`` built once (train/run/build.py:build_evaluator)
 with its prompts, scorers and the step-0 result, called after ``step`` training steps on all ranks.
 
-A call runs the protocol of train/components/evaluation.py (with the EMA weights when kept) on the
+A call runs the protocol of train/evaluation/protocol.py (with the EMA weights when kept) on the
 evaluation prompts and, when ``data.heldout_prompts`` is set, on those as a second evaluation; logs
 ``eval/<metric>[/<category>]`` and ``eval/<metric>/held-out[/<category>]`` at ``step``; then rank 0
 prints the line against step 0 (``eval step 20: shape_alignment 0.5735 (step 0: 0.5862); held-out:
@@ -28,12 +28,12 @@ from rewards.base import Scorer
 from rewards.summary import overall
 from samplers.rollout import Predict
 from train.components.config import TrainConfig
-from train.components.data import PromptRecord
-from train.components.ema import EMA
-from train.components.evaluation import EvalResult, before_after, evaluate, read_scores
-from train.components.logger import RunLogger
-from train.components.summary import HELD_OUT, eval_line, eval_tag, heldout_tag
 from train.distributed.collectives import DistInfo
+from train.evaluation.protocol import EvalResult, before_after, evaluate, read_scores
+from train.evaluation.summary import HELD_OUT, eval_line, eval_tag, heldout_tag
+from train.observe.logger import RunLogger
+from train.optim.ema import EMA
+from train.run.prompts import PromptRecord
 
 log = logging.getLogger(__name__)
 
