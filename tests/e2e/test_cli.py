@@ -96,18 +96,6 @@ def test_console_scripts_point_at_functions():
 
 
 @pytest.mark.slow
-def test_the_renamed_probe_command_names_its_new_name():
-    done = subprocess.run(
-        [sys.executable, "-m", "train.grad_quality", "probe.num_rollouts=2"],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 2
-    assert done.stderr.splitlines() == [
-        "python -m train.grad_quality: renamed to python -m train.probe (console script jagg-probe)"
-    ]
-
-
-@pytest.mark.slow
 def test_sweep_subfolders_are_short():
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(config_name="train", overrides=["update=exact", "seed=3"], return_hydra_config=True)

@@ -24,7 +24,7 @@ LAYERS = [
     {"train.algorithm"},
     {"train.components", "train.run", "train.checkpoint", "train.evaluation", "train.observe", "train.optim"},
     {"train.trainer", "train.step"},
-    {"train.cli", "train.eval", "train.probe", "train.compare", "train.plan", "train.__main__", "train.grad_quality"},
+    {"train.cli", "train.eval", "train.probe", "train.compare", "train.plan", "train.__main__"},
 ]
 
 
