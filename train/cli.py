@@ -73,7 +73,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from train.components.config import TrainConfig, register_schema, unknown_setting
 from train.run.errors import ConfigError, Interrupted, Stop, UserError
-from train.run.folder import LOCK_FILE, RunLock, check_one_run
+from train.run.folder import RunLock, check_one_run
+from train.run.layout import LOCK_FILE, RunLayout
 
 DEBUG_ENV = "HYDRA_FULL_ERROR"  # Hydra's own switch for full tracebacks; it shows ours too
 # What gloo raises when a peer does not answer within the timeout or has gone away.
@@ -197,7 +198,7 @@ class RunFolder(Callback):
         """Every job's folder, before the sweep writes anything: one refused folder refuses the sweep."""
         jobs = _sweep_jobs(config)
         if jobs is None:
-            return  # a sweeper plugin of its own: each job's folder is checked when it starts (build.claim_folder)
+            return  # a sweeper plugin of its own: each job's folder is checked when it starts (preflight.claim_folder)
         problems = [f"job #{num} ({folder}): {p}" for num, folder, job in jobs if (p := self._refusal(folder, job))]
         if problems:
             message = f"the sweep starts none of its {len(jobs)} jobs: {'; '.join(problems)}"
@@ -575,13 +576,13 @@ def eval_output_dir(transformer: str | None, resume: str | None, default: str) -
     value = transformer or (resume if resume != "auto" else None)
     if not value:
         return default
-    from train.checkpoint.manager import find_weights  # torch and diffusers: only when a path is given
+    from train.checkpoint.export import find_weights  # torch and diffusers: only when a path is given
 
     try:
         run = find_weights(value, "eval.transformer").run_dir
     except FileNotFoundError:
         return default
-    return str(run / "eval") if run is not None else default
+    return str(RunLayout(run).eval) if run is not None else default
 
 
 def setup() -> None:

@@ -32,7 +32,7 @@ from train.plan.command import plan_config
 from train.plan.plan_config import register as register_plan
 from train.probe.probe_config import probe_settings
 from train.probe.probe_config import register as register_probe
-from train.run.build import typed_config
+from train.run.start import typed_config
 
 setup()
 register_probe()

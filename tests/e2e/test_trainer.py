@@ -26,7 +26,8 @@ from samplers.sde import step
 from train.algorithm import update
 from train.components.config import register_schema
 from train.distributed.seeds import seed_everything
-from train.run.build import load_config, setup_trainable
+from train.model.build import setup_trainable
+from train.run.start import load_config
 from train.trainer import run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -32,7 +32,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from train.algorithm.jagg import EXACT_BATCHED, MIDDLE_MODES, UPDATE_MODES, backward_group
-from train.checkpoint.manager import CheckpointManager, export_model
+from train.checkpoint.export import export_model
+from train.checkpoint.manager import CheckpointManager
 from train.distributed.collectives import (
     all_gather_tensor,
     all_reduce_sum,

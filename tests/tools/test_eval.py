@@ -16,7 +16,7 @@ import torch
 from hydra import compose, initialize_config_module
 from PIL import Image
 
-from train.checkpoint.manager import find_weights
+from train.checkpoint.export import find_weights
 from train.components.config import SCORERS_HINT
 from train.eval import command as eval_module
 from train.eval.command import check_scorers, eval_command, target
@@ -24,8 +24,8 @@ from train.evaluation import protocol as evaluation
 from train.evaluation.protocol import _first_occurrences, paired_difference, read_scores
 from train.evaluation.summary import _files
 from train.observe.stats import standard_error
-from train.run.build import load_config
 from train.run.errors import ConfigError
+from train.run.start import load_config
 from train.trainer import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -252,7 +252,7 @@ def test_samples_per_prompt_repeats_the_prompt_set_with_new_noise(tmp_path):
     # Item j * n + i is sample j of prompt i: sample 0 of every prompt keeps the index (and so the
     # noise, drawn from (eval.seed, "eval_noise", index)) it has with one sample per prompt.
     from train.components.config import TrainConfig
-    from train.run.build import read_eval_prompts
+    from train.evaluation.build import read_eval_prompts
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("a\nb\nc\n")
@@ -267,8 +267,8 @@ def test_samples_per_prompt_repeats_the_prompt_set_with_new_noise(tmp_path):
 
 def test_heldout_prompts_are_read_like_eval_prompts_and_logged_under_held_out(tmp_path):
     from train.components.config import TrainConfig
+    from train.evaluation.build import read_heldout_prompts
     from train.evaluation.evaluator import _eval_keys
-    from train.run.build import read_heldout_prompts
 
     cfg = TrainConfig()
     cfg.eval.samples_per_prompt = 2

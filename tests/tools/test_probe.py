@@ -195,17 +195,18 @@ def test_probe_measures_stale_velocities_and_restores_the_weights(tiny_flux_dir,
     """update.reuse_velocities=stale: the report carries fresh and stale cosines after one optimizer
     step; the probe's step is undone (the run's weights and optimizer are as built)."""
     from train.probe.session import probe as run_probe_on
-    from train.run.build import load_config, open_run, process_group
+    from train.run.build import open_run
+    from train.run.start import load_config, process_group
 
     overrides = [f"run_dir={tmp_path}", f"model.path={tiny_flux_dir}", *PROBE, "probe.num_rollouts=2"]
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(config_name="probe", overrides=[*overrides, "update.reuse_velocities=stale"])
     config = load_config(cfg)
     with process_group() as dist, open_run(config, dist) as run:
-        before = [p.detach().clone() for p in run.params]
+        before = [p.detach().clone() for p in run.model.params]
         rep = run_probe_on(run, config.probe)
-        assert all(torch.equal(p, b) for p, b in zip(run.params, before))
-        assert all(p.grad is None for p in run.params) and not run.optimizer.state
+        assert all(torch.equal(p, b) for p, b in zip(run.model.params, before))
+        assert all(p.grad is None for p in run.model.params) and not run.optim.optimizer.state
     for g in rep["groups"]:
         after = g["after_step"]
         assert after["fresh"]["num_samples"] == after["stale"]["num_samples"] == 2

@@ -17,7 +17,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
 import train.checkpoint.manager as checkpoint
-from train.checkpoint.manager import CheckpointManager, export_model
+from train.checkpoint.export import export_model
+from train.checkpoint.manager import CheckpointManager
 from train.distributed.parallelize import parallelize
 from train.optim.ema import EMA
 from train.run.errors import CheckpointError

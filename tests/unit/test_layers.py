@@ -3,8 +3,8 @@ train/ the sub-packages form layers (README, Layout):
 
     commands (train.cli, train.eval, train.probe, train.compare, train.plan, train.__main__)
       -> the trainer (train.trainer, train.step)
-        -> run parts (train.run, train.checkpoint, train.evaluation, train.observe, train.optim,
-           and the configuration schema train.components)
+        -> run parts (train.run, train.model, train.optim, train.checkpoint, train.evaluation,
+           train.observe, and the configuration schema train.components)
           -> the algorithm (train.algorithm)
             -> distribution (train.distributed)
 
@@ -22,7 +22,17 @@ FORBIDDEN = ("train", "torch.distributed", "hydra", "omegaconf", "wandb")
 LAYERS = [
     {"train.distributed"},
     {"train.algorithm"},
-    {"train.components", "train.run", "train.checkpoint", "train.evaluation", "train.observe", "train.optim"},
+    # the run parts: the schema, a run and its folder, the model side, optimization, checkpoints,
+    # evaluation, what a run shows of itself
+    {
+        "train.components",
+        "train.run",
+        "train.model",
+        "train.optim",
+        "train.checkpoint",
+        "train.evaluation",
+        "train.observe",
+    },
     {"train.trainer", "train.step"},
     {"train.cli", "train.eval", "train.probe", "train.compare", "train.plan", "train.__main__"},
 ]
@@ -141,3 +151,10 @@ def test_no_core_module_mentions_the_planner():
         if "plan" not in p.relative_to(ROOT).parts[1:2] and "train.plan" in p.read_text()
     ]
     assert mentions == []
+
+
+def test_a_step_uses_parts_built_at_start_up():
+    """Build once, use many: the step reads the run's parts and imports no builder."""
+    graph = train_import_graph()
+    builders = sorted(m for m in graph["train.step"] if m.rsplit(".", 1)[-1] == "build")
+    assert builders == []

@@ -17,7 +17,8 @@ from PIL import Image
 from rewards.summary import MIN_TILE, _font, _wrap, image_grid
 from train.components.config import TrainConfig
 from train.evaluation.summary import _files
-from train.observe.logger import WANDB_ID_FILE, Heartbeat, PhaseTimer, RunLogger, format_seconds, progress_bar
+from train.observe.logger import Heartbeat, PhaseTimer, RunLogger, format_seconds, progress_bar
+from train.run.layout import RunLayout
 
 
 def read_lines(run_dir) -> list[dict]:
@@ -173,13 +174,13 @@ def test_a_later_session_continues_the_wandb_run_and_the_wall_clock(tmp_path, mo
     first = RunLogger(tmp_path, is_main=True, wandb_mode="offline", project="p", entity="team", notes="why")
     first.log({"loss": 1.0}, step=0)
     first.finish()
-    run_id = (tmp_path / WANDB_ID_FILE).read_text().strip()
+    run_id = RunLayout(tmp_path).wandb_run_id.read_text().strip()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     (tmp_path / "metrics.jsonl").write_text("\n".join([*lines, '{"step": 1, "wall_time": 100.0}', '{"step": 2, "wa']))
     second = RunLogger(tmp_path, is_main=True, wandb_mode="offline", project="p")
     second.log({"loss": 2.0}, step=2)
     second.finish()
-    assert (tmp_path / WANDB_ID_FILE).read_text().strip() == run_id
+    assert RunLayout(tmp_path).wandb_run_id.read_text().strip() == run_id
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(f"-{run_id}" in r.name for r in runs)  # offline-run-<time>-<id>[-1]
     assert read_lines_tolerant(tmp_path)[-1]["wall_time"] >= 100.0  # the cut line is skipped

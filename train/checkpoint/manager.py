@@ -1,4 +1,4 @@
-"""Resumable checkpoints (torch.distributed.checkpoint) and the export of the trained transformer.
+"""Resumable checkpoints (torch.distributed.checkpoint); the export is train/checkpoint/export.py.
 
 Layout of ``run_dir/checkpoints/step_00000040/``:
 
@@ -33,12 +33,6 @@ is reported and the previous complete one is used.
 
 In a single process there is no process group: DCP is called with ``no_dist=True`` (it would
 otherwise guess the same; its warning is silenced) and ``get_state_dict`` works on the unsharded model.
-
-``export_model`` gathers the full (unsharded) state dict to rank 0's CPU and writes the
-transformer as diffusers ``save_pretrained`` output (loadable with ``from_pretrained``), a LoRA
-injected with diffusers' ``add_adapter`` as ``pytorch_lora_weights.safetensors`` (keys prefixed
-with the pipeline component, loadable with ``pipe.load_lora_weights`` or
-``transformer.load_lora_adapter``), or a ``peft.PeftModel`` as a PEFT adapter folder.
 """
 
 from __future__ import annotations
@@ -53,29 +47,20 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from diffusers import ModelMixin
-from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
-from peft import PeftModel
-from peft.utils import get_peft_model_state_dict
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -87,8 +72,8 @@ from train.distributed.collectives import (
     get_world_size,
     is_distributed,
 )
-from train.evaluation.summary import EXPORT, RAW_EXPORT
-from train.run.errors import CheckpointError, DiskFull, PathError
+from train.run.errors import CheckpointError, DiskFull
+from train.run.layout import RunLayout
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -268,7 +253,7 @@ class CheckpointManager:
     def __init__(self, run_dir: str | Path, *, keep_last: int = 3) -> None:
         if keep_last < 1:
             raise ValueError(f"checkpoint keep_last must be >= 1, got {keep_last}")
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = RunLayout(run_dir).checkpoints
         self.keep_last = keep_last
 
     def path_for(self, step: int) -> Path:
@@ -570,130 +555,3 @@ def _load_error(path: Path, err: CheckpointException) -> CheckpointError:
         "a zeroed, overwritten or cut file)",
         damaged=True,
     )
-
-
-def export_model(
-    model: nn.Module,
-    out_dir: str | Path,
-    *,
-    dtype: torch.dtype | None = None,
-    adapter_name: str | None = None,
-    lora_prefix: str = "transformer",
-) -> Path:
-    """Write the trained transformer, or only its LoRA adapter, to ``out_dir`` (a collective).
-
-    dtype: cast the exported tensors (None keeps the training dtype). adapter_name: which LoRA
-    adapter to write when the model holds several. lora_prefix: the pipeline component the LoRA
-    keys are prefixed with (diffusers-injected adapters only).
-    """
-    if not isinstance(model, (ModelMixin, PeftModel)):
-        raise ValueError(
-            f"export_model: {type(model).__name__} is neither a diffusers ModelMixin nor a peft "
-            "PeftModel; only those have a loadable on-disk format"
-        )
-    # Full tensors are gathered on every rank but kept only on rank 0 (cpu_offload), in CPU memory.
-    full: dict[str, Any] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    out = Path(out_dir)
-    if get_rank() == 0:
-        if dtype is not None:
-            full = {key: value.to(dtype) for key, value in full.items()}
-        if isinstance(model, PeftModel):
-            model.save_pretrained(str(out), state_dict=full)
-        elif getattr(model, "peft_config", None):
-            _export_diffusers_lora(model, full, out, adapter_name, lora_prefix)
-        else:
-            _export_full(model, full, out)
-    barrier()
-    return out
-
-
-def _export_full(model: ModelMixin, state: dict[str, Tensor], out: Path) -> None:
-    """save_pretrained of an unsharded copy built on the meta device from the model's config.
-
-    FSDP2 swaps the model's class for a generated subclass; the copy uses the original class, so
-    config.json names the real class.
-    """
-    cls: Any = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
-    with torch.device("meta"):
-        copy = cls.from_config(model.config)  # type: ignore[attr-defined]  # ModelMixin's ConfigMixin
-    copy.load_state_dict(state, strict=True, assign=True)
-    copy.save_pretrained(out)
-
-
-def _export_diffusers_lora(
-    model: Any, state: dict[str, Tensor], out: Path, adapter_name: str | None, prefix: str
-) -> None:
-    """The file diffusers' ``save_lora_adapter`` writes, from the gathered state and with a prefix."""
-    names = list(model.peft_config)
-    if adapter_name is None:
-        if len(names) != 1:
-            raise ValueError(f"export_model: the model holds adapters {names}; pass adapter_name")
-        adapter_name = names[0]
-    if adapter_name not in names:
-        raise ValueError(f"export_model: adapter_name={adapter_name!r} not in the model's adapters {names}")
-    lora = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter_name)
-    config = model.peft_config[adapter_name].to_dict()
-    config = {key: sorted(value) if isinstance(value, set) else value for key, value in config.items()}
-    # Like a pipeline's save_lora_weights: tensor keys and adapter-config keys carry the component prefix.
-    tag = f"{prefix}." if prefix else ""
-    tensors = {f"{tag}{key}": value.contiguous() for key, value in lora.items()}
-    packed = {f"{tag}{key}": value for key, value in config.items()}
-    metadata = {"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True)}
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / LORA_WEIGHT_NAME_SAFE), metadata=metadata)
-
-
-@dataclass(frozen=True)
-class Weights:
-    """Trained weights that ``python -m train.eval`` can load, found from a path on its command line."""
-
-    kind: str  # "checkpoint" (a step_XXXXXXXX folder), "export" (save_pretrained) or "lora_export"
-    path: Path
-    run_dir: Path | None  # the run folder that wrote them (holds metrics.jsonl or .hydra/), when recognisable
-    tag: str  # names the evaluation's files: "step_00000060", "export" or "export_raw"
-
-
-def _run_folder(path: Path) -> Path | None:
-    return path if (path / "metrics.jsonl").is_file() or (path / ".hydra").is_dir() else None
-
-
-def _export_problem(folder: Path) -> str | None:
-    """What is wrong with the safetensors files of an export (a copy cut short, a damaged header), or None."""
-    for file in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(file), "pt") as weights:
-                weights.keys()
-        except Exception as err:  # safetensors raises its own error type for any unreadable header
-            return f"{file.name} cannot be read ({str(err).splitlines()[0][:80]})"
-    return None
-
-
-def find_weights(value: str, field: str) -> Weights:
-    """What ``value`` (``eval.transformer`` or ``resume``) points at: an export, a checkpoint, or a run folder
-    (its export, else its latest complete checkpoint). Raises PathError naming ``field`` and the fix."""
-    path = Path(value)
-    accepted = "an export folder (<run>/export), a checkpoint folder (<run>/checkpoints/step_XXXXXXXX) or a run folder"
-    if not path.exists():
-        raise PathError(f"{field}={value!r} does not exist; pass {accepted}")
-    if is_complete(path):
-        run = _run_folder(path.parent.parent) if path.parent.name == "checkpoints" else None
-        return Weights("checkpoint", path, run, path.name)
-    if (path / "config.json").is_file() or (path / LORA_WEIGHT_NAME_SAFE).is_file():
-        kind = "export" if (path / "config.json").is_file() else "lora_export"
-        if problem := _export_problem(path):
-            raise PathError(f"{field}={value!r}: the export {problem}; export again, or pass a checkpoint folder")
-        return Weights(kind, path, _run_folder(path.parent), RAW_EXPORT if path.name == RAW_EXPORT else EXPORT)
-    if path.parent.name == "checkpoints" or path.name.endswith(".tmp"):
-        raise PathError(
-            f"{field}={value!r} is not a complete checkpoint (no COMPLETE marker: its save was interrupted); "
-            f"pick another folder of {path.parent}"
-        )
-    latest = CheckpointManager(path).latest()
-    if (path / EXPORT).is_dir():
-        problem = _export_problem(path / EXPORT)
-        if problem is None or latest is None:
-            return find_weights(str(path / EXPORT), field)
-        log.warning("%s=%s: its export %s; using its latest checkpoint %s", field, value, problem, latest.name)
-    if latest is not None:
-        return find_weights(str(latest), field)
-    raise PathError(f"{field}={value!r} holds no trained weights; pass {accepted}")

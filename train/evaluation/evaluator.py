@@ -1,4 +1,4 @@
-"""The trainer's evaluation: an ``Evaluator`` built once (train/run/build.py:build_evaluator)
+"""The trainer's evaluation: an ``Evaluator`` built once (train/evaluation/build.py:build_evaluator)
 with its prompts, scorers and the step-0 result, called after ``step`` training steps on all ranks.
 
 A call runs the protocol of train/evaluation/protocol.py (with the EMA weights when kept) on the
@@ -33,6 +33,7 @@ from train.evaluation.protocol import EvalResult, before_after, evaluate, read_s
 from train.evaluation.summary import HELD_OUT, eval_line, eval_tag, heldout_tag
 from train.observe.logger import RunLogger
 from train.optim.ema import EMA
+from train.run.layout import RunLayout
 from train.run.prompts import PromptRecord
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class Evaluator:
 
     def _show(self, result: EvalResult, heldout: dict[str, float] | None, step: int) -> None:
         """The console line, the grid on wandb and the sheet against step 0 (which step 0 itself keeps)."""
-        folder = Path(self.cfg.run_dir) / "eval"
+        folder = RunLayout(self.cfg.run_dir).eval
         if step == 0:
             self.before, self.heldout_before = result, heldout
             save_grid(result, folder)

@@ -49,6 +49,7 @@ from train.distributed.collectives import DistInfo, all_gather_tensor
 from train.distributed.seeds import stream_seed
 from train.observe.logger import format_seconds
 from train.observe.stats import standard_error
+from train.run.layout import RunLayout
 from train.run.prompts import PromptRecord
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ def evaluate(
     result.rows = sorted(rows, key=lambda row: row["index"])
     count = min(cfg.eval.grid_size, len(grid_indices))
     result.images, result.indices = torch.cat(grid)[:count], grid_indices[:count]
-    _write(result, records, out or Path(cfg.run_dir) / "eval")
+    _write(result, records, out or RunLayout(cfg.run_dir).eval)
     return result
 
 

@@ -4,7 +4,7 @@ Nothing is allocated and no weight is read. The transformer is built from its ar
 (``configs/arch/<model>/transformer/config.json``, or ``model.path``'s) under torch's
 ``FakeTensorMode``, which gives every tensor its shape, dtype and device but no storage, on a fake
 process group of ``plan.world_size`` ranks. The trainer's own code then sets the run up and runs one
-step on rank 0: ``train.run.build.setup_trainable`` (LoRA or full fine-tuning, the KL reference,
+step on rank 0: ``train.model.build.setup_trainable`` (LoRA or full fine-tuning, the KL reference,
 activation checkpointing, FSDP2 through ``train.distributed.parallelize``), AdamW with the run's
 settings, the EMA; then, each call traced under ``FSDPMemTracker`` (what lives in memory, and when)
 and ``FlopCounterMode``:
@@ -104,8 +104,9 @@ from train.plan.tracing import (
     trace_step,
     traced_run,
 )
-from train.run.build import check_mesh, typed_config
 from train.run.errors import ConfigError
+from train.run.preflight import check_mesh
+from train.run.start import typed_config
 
 SHIPPED_ARCH = {"flux": "flux1-dev", "qwenimage": "qwen-image"}  # model.name -> folder under configs/arch
 
@@ -169,7 +170,7 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
     arch = arch_folder(cfg, model_path_given)
     frozen = frozen_models(cfg, arch)
     groups = expected_groups(cfg)
-    # setup_trainable filters FSDP2's warning about blocks that return views (train/run/build.py),
+    # setup_trainable filters FSDP2's warning about blocks that return views (train/model/build.py),
     # for the duration of the trace
     with fake_process_group(cfg.plan.world_size, cfg.dist.replicate_degree), fake_tensors(), warnings.catch_warnings():
         traced = trace_step(traced_run(cfg, arch), groups)

@@ -1,5 +1,5 @@
 """One training step of the run traced on fake tensors: the run's parts built by the trainer's own
-code (train.run.build.setup_trainable, FSDP2, AdamW, the EMA) and the trainer's own step
+code (train.model.build.setup_trainable, FSDP2, AdamW, the EMA) and the trainer's own step
 functions (train.step, train.algorithm.update) run phase by phase under ``measure``."""
 
 from __future__ import annotations
@@ -23,19 +23,15 @@ from train.algorithm.jagg import EXACT_BATCHED, MIDDLE_MODES, UPDATE_MODES
 from train.algorithm.update import UpdateBatch, update_micro_batch
 from train.components.config import TrainConfig, trainable_transitions
 from train.distributed.parallelize import clip_grad_norm_, local_tensor
+from train.model.build import setup_trainable
+from train.model.predict import kl_reference, predictor
+from train.optim.build import adamw_settings, build_ema
 from train.optim.ema import EMA
 from train.plan.fake import Measured, default_dtype, fake_deepcopy, known, measure
 from train.plan.frozen import build_component, diffusers_backbone_class, read_json
 from train.plan.plan_config import PlanRunConfig
 from train.plan.report import Evaluation, Phase, to_phase
-from train.run.build import (
-    adamw_settings,
-    build_ema,
-    kl_reference,
-    predictor,
-    setup_trainable,
-    update_settings,
-)
+from train.run.build import update_settings
 from train.step import decode_images, micro_batches, sample_trajectories, step_weights
 
 CPU = torch.device("cpu")  # the one device of every fake tensor
@@ -66,7 +62,7 @@ def expected_groups(cfg: TrainConfig, mode: str | None = None) -> dict[str, floa
 
 
 class LocalShardAdamW(torch.optim.AdamW):
-    """The trainer's AdamW (``train.run.build.adamw_settings``) stepping each rank's local shards.
+    """The trainer's AdamW (``train.optim.build.adamw_settings``) stepping each rank's local shards.
 
     DTensor runs an optimizer's foreach kernels on the local shards; the planner runs them there
     directly, because DTensor's sharding propagation of foreach ops over a thousand parameters costs
@@ -142,7 +138,7 @@ class TracedRun:
 
 def traced_run(cfg: PlanRunConfig, arch: Path) -> TracedRun:
     """The run's parts on fake tensors, built by the trainer's own code where it loads no weights:
-    ``train.run.build.setup_trainable`` (LoRA or full fine-tuning, the KL reference, activation
+    ``train.model.build.setup_trainable`` (LoRA or full fine-tuning, the KL reference, activation
     checkpointing, FSDP2 through ``parallelize``), AdamW with the run's settings and its state as after
     a first step, the EMA."""
     backbone = meta_backbone(cfg, arch)

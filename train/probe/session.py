@@ -40,17 +40,12 @@ from train.algorithm.probe import (
 )
 from train.algorithm.update import UpdateBatch, update_micro_batch
 from train.distributed.parallelize import clip_grad_norm_
+from train.optim.build import adamw_settings
 from train.probe.probe_config import ProbeConfig, probe_settings
-from train.run.build import (
-    Run,
-    adamw_settings,
-    load_config,
-    open_run,
-    policy_predictor,
-    process_group,
-    reference_predictor,
-    update_settings,
-)
+from train.run.build import open_run
+from train.run.layout import RunLayout
+from train.run.parts import Run
+from train.run.start import load_config, process_group
 from train.step import reward_phase, rollout_phase
 from train.trainer import resume
 
@@ -67,8 +62,8 @@ def one_step_later(run: Run, batch: UpdateBatch) -> Iterator[None]:
     step (the run's optimizer state is not touched).
     """
     cfg, g = run.cfg, run.cfg.grpo
-    saved = [p.detach().clone() for p in run.params]
-    optimizer = torch.optim.AdamW(run.params, **adamw_settings(cfg))
+    saved = [p.detach().clone() for p in run.model.params]
+    optimizer = torch.optim.AdamW(run.model.params, **adamw_settings(cfg))
     traj = batch.traj
     plan = route_groups(
         traj.trainable_steps(),
@@ -81,14 +76,14 @@ def one_step_later(run: Run, batch: UpdateBatch) -> Iterator[None]:
     for first in range(0, rows, g.micro_batch):
         micro = torch.arange(first, min(first + g.micro_batch, rows), device=run.device)
         update_micro_batch(batch, micro, plan, reuse_velocities=False)
-    clip_grad_norm_(run.params, g.max_grad_norm)
+    clip_grad_norm_(run.model.params, g.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     try:
         yield
     finally:
         with torch.no_grad():
-            for p, value in zip(run.params, saved):
+            for p, value in zip(run.model.params, saved):
                 p.copy_(value)
 
 
@@ -100,8 +95,8 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
     many batches as K needs.
     """
     cfg = run.cfg
-    settings = update_settings(cfg)
-    predict, reference = policy_predictor(run), reference_predictor(run)
+    settings = run.optim.update
+    predict, reference = run.model.policy, run.model.kl_reference
     per_batch = cfg.grpo.group_size * cfg.grpo.prompts_per_rank * run.dist.world_size
     stale = cfg.update.reuse_velocities == "stale" and p.mode in MIDDLE_MODES and cfg.update.window > 2
     samples: Samples = defaultdict(list)
@@ -116,11 +111,11 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
             continue
         count = min(per_batch, p.num_rollouts - done)
         update = UpdateBatch(traj, advantages, predict=predict, reference=reference, settings=settings)
-        for group, values in measure_trajectories(update, run.params, num_rollouts=count, mode=p.mode).items():
+        for group, values in measure_trajectories(update, run.model.params, num_rollouts=count, mode=p.mode).items():
             samples[group] += values
         if stale:
             with one_step_later(run, update):
-                fresh, old = measure_staleness(update, run.params, num_rollouts=count, mode=p.mode)
+                fresh, old = measure_staleness(update, run.model.params, num_rollouts=count, mode=p.mode)
             for group in fresh:
                 fresh_after[group] += fresh[group]
                 stale_after[group] += old[group]
@@ -163,7 +158,7 @@ def run_probe(cfg: DictConfig) -> dict[str, Any]:
                 resume(run)
             rep = probe(run, p)
         if dist.is_main:
-            out = Path(p.output or Path(config.run_dir) / "probe.json")
+            out = Path(p.output or RunLayout(config.run_dir).probe)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(rep, indent=2) + "\n")
             log.info("%s\nreport: %s", format_table(rep), out)

@@ -21,6 +21,9 @@ Any other exception is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class Stop(Exception):
     """Ends a command with one line on stderr and ``exit_code``."""
@@ -105,3 +108,18 @@ def ranks_agreed(err: BaseException) -> bool:
     (``RankFailed`` on the others, ``mark_agreed`` on the failing rank), so they can still save together."""
     same = isinstance(err, Stop) and err.same_on_every_rank
     return same or isinstance(err, RankFailed) or bool(getattr(err, _AGREED, False))
+
+
+@contextmanager
+def settings_errors(field_name: str) -> Iterator[None]:
+    """A ValueError or FileNotFoundError raised while building from ``field_name``'s values is about them.
+
+    The adapters and scorers check their arguments and name the file or option that is wrong;
+    here that becomes the user error it is (its traceback stays on the exception's cause).
+    """
+    try:
+        yield
+    except FileNotFoundError as err:
+        raise PathError(f"{field_name}: {err}") from err
+    except ValueError as err:
+        raise ConfigError(f"{field_name}: {err}") from err
