@@ -44,7 +44,8 @@ from torch.optim import Optimizer
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from train.checkpoint.export import export_model, write_export_note
-from train.checkpoint.manager import CheckpointManager, state_bytes
+from train.checkpoint.files import state_bytes
+from train.checkpoint.manager import CheckpointManager
 from train.components.config import LORA_MODULES, TrainConfig, resume_settings
 from train.distributed.collectives import activity, broadcast_object
 from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInterrupt, stop_requests

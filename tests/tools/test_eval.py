@@ -21,8 +21,8 @@ from train.components.config import SCORERS_HINT
 from train.eval import command as eval_module
 from train.eval.command import check_scorers, eval_command, target
 from train.evaluation import protocol as evaluation
-from train.evaluation.protocol import _first_occurrences, paired_difference, read_scores
-from train.evaluation.summary import _files
+from train.evaluation.protocol import first_occurrences, paired_difference, read_scores
+from train.evaluation.summary import files_section
 from train.observe.stats import standard_error
 from train.run.errors import ConfigError
 from train.run.start import load_config
@@ -136,7 +136,7 @@ def test_the_export_is_the_ema_the_trainer_scored_and_the_raw_weights_sit_beside
     run_dir = train_run(tiny_flux_dir, tmp_path / "run", "logging.eval_every=2", "grpo.ema_decay=0.5")
     notes = {name: json.loads((run_dir / name / "weights.json").read_text()) for name in ("export", "export_raw")}
     assert notes["export"]["weights"] == "ema" and notes["export_raw"]["weights"] == "trained"
-    summary = _files(
+    summary = files_section(
         load_config(compose_config("train", [f"model.path={tiny_flux_dir}", *EVAL, f"run_dir={run_dir}"])), "disabled"
     )
     assert any("export/" in line and "EMA (grpo.ema_decay=0.5)" in line and "scored" in line for line in summary)
@@ -244,7 +244,7 @@ def test_paired_difference_by_hand():
 def test_padding_rows_are_dropped_after_gather():
     # 2 ranks, 5 prompts: rank 0 scored prompts 0, 2, 4; rank 1 scored 1, 3 and padded with 3.
     owners = torch.tensor([0, 2, 4, 1, 3, 3])
-    keep = _first_occurrences(owners)
+    keep = first_occurrences(owners)
     assert owners[keep].tolist() == [0, 2, 4, 1, 3]
 
 
@@ -268,7 +268,7 @@ def test_samples_per_prompt_repeats_the_prompt_set_with_new_noise(tmp_path):
 def test_heldout_prompts_are_read_like_eval_prompts_and_logged_under_held_out(tmp_path):
     from train.components.config import TrainConfig
     from train.evaluation.build import read_heldout_prompts
-    from train.evaluation.evaluator import _eval_keys
+    from train.evaluation.evaluator import logged_metrics
 
     cfg = TrainConfig()
     cfg.eval.samples_per_prompt = 2
@@ -278,8 +278,8 @@ def test_heldout_prompts_are_read_like_eval_prompts_and_logged_under_held_out(tm
     cfg.data.heldout_prompts = str(held)
     assert [r.prompt for r in read_heldout_prompts(cfg)] == ["x", "y", "x", "y"]
     summary = {"shape_alignment": 0.5, "shape_alignment/pairs": 0.25}
-    assert _eval_keys(summary, "") == {"eval/shape_alignment": 0.5, "eval/shape_alignment/pairs": 0.25}
-    assert _eval_keys(summary, "/held-out") == {
+    assert logged_metrics(summary, "") == {"eval/shape_alignment": 0.5, "eval/shape_alignment/pairs": 0.25}
+    assert logged_metrics(summary, "/held-out") == {
         "eval/shape_alignment/held-out": 0.5,
         "eval/shape_alignment/held-out/pairs": 0.25,
     }

@@ -18,10 +18,11 @@ from train.components.config import TrainConfig
 from train.distributed.collectives import DistInfo
 from train.evaluation.build import build_evaluator
 from train.evaluation.evaluator import Evaluator, read_result
-from train.evaluation.protocol import EvalResult, _write
+from train.evaluation.protocol import EvalResult, write_result
 from train.evaluation.summary import run_summary
 from train.observe.logger import RunLogger
 from train.observe.perf import Peak
+from train.run.layout import RunLayout
 
 SCORER = "jpeg_compressibility"
 # the made-up mean score of each evaluation
@@ -37,7 +38,7 @@ def fake_evaluate(backbone, predict, scorers, records, cfg, dist, *, device, tag
     ]
     mean = sum(row[SCORER] for row in rows) / len(rows)
     result = EvalResult(tag, {SCORER: mean}, rows, torch.rand(len(rows), 3, 8, 8), list(range(len(rows))))
-    _write(result, records, Path(cfg.run_dir) / "eval")
+    write_result(result, records, RunLayout(cfg.run_dir).eval)
     return result
 
 

@@ -16,7 +16,7 @@ from PIL import Image
 
 from rewards.summary import MIN_TILE, _font, _wrap, image_grid
 from train.components.config import TrainConfig
-from train.evaluation.summary import _files
+from train.evaluation.summary import files_section
 from train.observe.logger import Heartbeat, PhaseTimer, RunLogger, format_seconds, progress_bar
 from train.run.layout import RunLayout
 
@@ -164,7 +164,7 @@ def test_wandb_offline_writes_into_run_dir(tmp_path, monkeypatch) -> None:
     # the end-of-run summary says how to upload it
     cfg = TrainConfig()
     cfg.run_dir = str(tmp_path)
-    assert f"upload it later: wandb sync {runs[0]}" in "\n".join(_files(cfg, "offline"))
+    assert f"upload it later: wandb sync {runs[0]}" in "\n".join(files_section(cfg, "offline"))
 
 
 def test_a_later_session_continues_the_wandb_run_and_the_wall_clock(tmp_path, monkeypatch) -> None:
@@ -248,8 +248,8 @@ def test_rewind_drops_the_rows_a_resumed_run_replays(tmp_path) -> None:
     logger = RunLogger(tmp_path, is_main=True)
     for step, metrics in [(0, {"eval/r": 1}), (0, {"loss": 1}), (1, {"loss": 2}), (2, {"eval/r": 3}), (2, {"loss": 4})]:
         logger.log(metrics, step)
-    logger._file.write('{"step": 3, "lo')  # the crash
-    logger._file.flush()
+    with logger.metrics_path.open("a", encoding="utf-8") as file:
+        file.write('{"step": 3, "lo')  # the crash: a line cut short
     assert logger.rewind(2) == 2
     logger.log({"loss": 5}, 2)
     logger.finish()

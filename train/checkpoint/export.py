@@ -31,7 +31,8 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from train.checkpoint.manager import CheckpointManager, is_complete
+from train.checkpoint.files import is_complete
+from train.checkpoint.manager import CheckpointManager
 from train.distributed.collectives import barrier, get_rank
 from train.run.errors import PathError
 from train.run.layout import CHECKPOINTS, EXPORT, RAW_EXPORT, RunLayout

@@ -37,8 +37,6 @@ otherwise guess the same; its warning is silenced) and ``get_state_dict`` works 
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import logging
 import random
@@ -53,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -64,6 +62,17 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from train.checkpoint.files import (
+    MARKER,
+    checksum_problem,
+    checksums,
+    free_bytes,
+    gb,
+    is_complete,
+    is_no_space,
+    mount_point,
+    read_marker,
+)
 from train.distributed.collectives import (
     barrier,
     broadcast_object,
@@ -77,101 +86,7 @@ from train.run.layout import RunLayout
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-_MARKER = "COMPLETE"
 _RANK_FILE_KEYS = {"step", "world_size", "extra", "rng", "sharded_extra_keys"}
-_CHUNK = 8 << 20  # bytes per read while hashing
-
-
-def is_complete(path: str | Path) -> bool:
-    """Whether ``path`` is a checkpoint whose save finished (it holds the COMPLETE marker)."""
-    return (Path(path) / _MARKER).is_file()
-
-
-def _marker(path: Path) -> dict[str, Any]:
-    """``{"step", "world_size"}`` from the marker of a checkpoint that passed ``problem``."""
-    return json.loads((path / _MARKER).read_text())
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _my_share(names: list[str]) -> list[str]:
-    """The files of a sorted listing this rank hashes: every world-size-th, from its rank on."""
-    return names[get_rank() :: get_world_size()]
-
-
-def _checksums(folder: Path) -> dict[str, dict[str, Any]]:
-    """name -> {"size", "sha256"} of every file in ``folder``, the ranks sharing the work (a collective)."""
-    names = broadcast_object(sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != _MARKER))
-    mine = {
-        name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)} for name in _my_share(names)
-    }
-    return {name: info for part in gather_objects(mine) for name, info in part.items()}
-
-
-def _checksum_problem(path: Path, files: dict[str, dict[str, Any]]) -> str | None:
-    """The first of this rank's share of ``files`` that is missing or differs from what was recorded."""
-    for name in _my_share(sorted(files)):
-        file, recorded = path / name, files[name]
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != recorded["size"]:
-            return f"{name} has {file.stat().st_size} bytes, {recorded['size']} when it was saved"
-        if _sha256(file) != recorded["sha256"]:
-            return (
-                f"{name} does not match the checksum recorded when it was saved (a file of another checkpoint, "
-                "or changed since)"
-            )
-    return None
-
-
-def _mount_point(path: Path) -> Path:
-    """The mount point of the file system that holds ``path`` (an existing folder)."""
-    device = path.stat().st_dev
-    while path.parent != path and path.parent.stat().st_dev == device:
-        path = path.parent
-    return path
-
-
-def free_bytes(path: Path) -> int:
-    """Free bytes of the file system of ``path`` (or of its nearest existing parent)."""
-    while not path.exists():
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
-
-
-_NO_SPACE = re.compile(r"No space left|unexpected pos|Errno 28|disk quota", re.IGNORECASE)
-
-
-def _is_no_space(err: BaseException) -> bool:
-    return (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or bool(_NO_SPACE.search(str(err)))
-
-
-def state_bytes(model: nn.Module, optimizer: Optimizer | None) -> int:
-    """About the bytes of a checkpoint of ``model`` and ``optimizer``, all ranks together (a collective).
-
-    An optimizer that has not stepped yet holds no state: AdamW's two moments per trainable weight are counted.
-    """
-
-    def local(t: Tensor) -> int:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.numel() * t.element_size()
-
-    total = sum(local(t) for t in model.state_dict().values() if isinstance(t, Tensor))
-    if optimizer is not None:
-        moments = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, Tensor)]
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        total += sum(local(t) for t in moments) if moments else 2 * sum(local(p) for p in params)
-    return int(sum(gather_objects(total)))
 
 
 def _rank_file(saved_world: int) -> str:
@@ -326,11 +241,11 @@ class CheckpointManager:
 
     def step_of(self, path: Path) -> int:
         """The step a checkpoint holds, from its marker (``problem`` found nothing wrong with it)."""
-        return int(_marker(path)["step"])
+        return int(read_marker(path)["step"])
 
     def settings_of(self, path: Path) -> dict[str, Any] | None:
         """The settings recorded with a checkpoint (None: saved before they were recorded)."""
-        settings = _marker(path).get("settings")
+        settings = read_marker(path).get("settings")
         return settings if isinstance(settings, dict) else None
 
     def size_of(self, path: Path) -> int:
@@ -344,7 +259,7 @@ class CheckpointManager:
         if get_rank() == 0:
             free = free_bytes(self.root)
             if free < needed * 1.05:
-                problem = self._disk_full(f"has {_gb(free)} free, {what} needs about {_gb(needed)}")
+                problem = self._disk_full(f"has {gb(free)} free, {what} needs about {gb(needed)}")
         problem = broadcast_object(problem)
         if problem:
             raise DiskFull(problem)
@@ -354,27 +269,27 @@ class CheckpointManager:
         while not folder.exists():
             folder = folder.parent
         return (
-            f"the disk of {self.root} (the file system mounted at {_mount_point(folder)}) {why}: free space "
+            f"the disk of {self.root} (the file system mounted at {mount_point(folder)}) {why}: free space "
             "there or move the run; the checkpoints already written are intact, and resume=auto continues"
         )
 
     def _local_problem(self, path: Path) -> str | None:
         if not path.is_dir():
             return "it is not a folder"
-        marker = path / _MARKER
+        marker = path / MARKER
         if not marker.is_file():
-            return f"it has no {_MARKER} marker (an interrupted save, or not a checkpoint folder)"
+            return f"it has no {MARKER} marker (an interrupted save, or not a checkpoint folder)"
         text = marker.read_bytes()[: 1 << 20]  # a few kB as written; a huge file is not a marker
         try:
             info = json.loads(text)
             step, world = info["step"], info["world_size"]
         except (ValueError, KeyError, TypeError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            return f"its {_MARKER} marker is not the JSON the trainer writes ({text[:40]!r})"
+            return f"its {MARKER} marker is not the JSON the trainer writes ({text[:40]!r})"
         if not isinstance(step, int) or not isinstance(world, int) or world < 1:
-            return f"its {_MARKER} marker holds step={step!r}, world_size={world!r}; expected integers"
+            return f"its {MARKER} marker holds step={step!r}, world_size={world!r}; expected integers"
         match = _STEP_DIR.match(path.name)
         if match and int(match.group(1)) != step:
-            return f"its {_MARKER} marker says step {step}, its folder name step {int(match.group(1))}"
+            return f"its {MARKER} marker says step {step}, its folder name step {int(match.group(1))}"
         if get_rank() == 0:
             problem = self._shard_problem(path)
             if problem:
@@ -390,7 +305,7 @@ class CheckpointManager:
         if not isinstance(local, dict) or not _RANK_FILE_KEYS <= set(local) or local["step"] != step:
             return f"{name} is not the rank file of step {step}"
         files = info.get("files")
-        return _checksum_problem(path, files) if isinstance(files, dict) else None
+        return checksum_problem(path, files) if isinstance(files, dict) else None
 
     @staticmethod
     def _shard_problem(path: Path) -> str | None:
@@ -446,15 +361,15 @@ class CheckpointManager:
                 dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
             torch.save(local, tmp / f"rank{get_rank()}.pt")
         except (OSError, RuntimeError, CheckpointException) as err:
-            if not _is_no_space(err):
+            if not is_no_space(err):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoints stay the latest
             raise DiskFull(self._disk_full(f"filled up while it took the checkpoint of step {step}")) from None
         barrier()
-        files = _checksums(tmp)
+        files = checksums(tmp)
         if get_rank() == 0:
             marker = {"step": step, "world_size": get_world_size(), "settings": settings, "files": files}
-            (tmp / _MARKER).write_text(json.dumps(marker))
+            (tmp / MARKER).write_text(json.dumps(marker))
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
@@ -480,7 +395,7 @@ class CheckpointManager:
         """
         path = Path(path)
         if not is_complete(path):
-            raise CheckpointError(f"{path} is not a complete checkpoint (no {_MARKER} file)", damaged=True)
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} file)", damaged=True)
         local = self._read_rank_file(path)
         sharded_template, _ = _split_extra(extra_template or {})
         missing = set(local["sharded_extra_keys"]) - _flat_keys(sharded_template)
@@ -504,7 +419,7 @@ class CheckpointManager:
         return _merge(local["extra"], state.get("extra", {}))
 
     def _read_rank_file(self, path: Path) -> dict[str, Any]:
-        saved_world = _marker(path)["world_size"]
+        saved_world = read_marker(path)["world_size"]
         resharded = saved_world != get_world_size()
         # weights_only=False: the file is written by save() above and holds numpy RNG state.
         local = torch.load(path / _rank_file(saved_world), weights_only=False)

@@ -63,10 +63,10 @@ class Evaluator:
     def __call__(self, step: int) -> None:
         """Evaluate the policy after ``step`` training steps: log it on all ranks, show it on rank 0."""
         result = self._evaluate(self.records, eval_tag(step))
-        metrics = _eval_keys(result.summary, "")
+        metrics = logged_metrics(result.summary, "")
         heldout = self._evaluate(self.heldout, heldout_tag(step)).summary if self.heldout else None
         if heldout is not None:
-            metrics |= _eval_keys(heldout, f"/{HELD_OUT}")
+            metrics |= logged_metrics(heldout, f"/{HELD_OUT}")
         self.logger.log(metrics, step)
         if self.dist.is_main:
             self._show(result, heldout, step)
@@ -98,7 +98,7 @@ class Evaluator:
             self.logger.log_wandb_images("eval/before_after", path, [f"step 0 | step {step}: {metric}"], step)
 
 
-def _eval_keys(summary: dict[str, float], suffix: str) -> dict[str, float]:
+def logged_metrics(summary: dict[str, float], suffix: str) -> dict[str, float]:
     """eval/<metric><suffix>[/<category>] for a summary's <metric>[/<category>] keys."""
     keyed = {}
     for key, value in summary.items():

@@ -139,7 +139,7 @@ def evaluate(
         progress(min((first + len(idx)) * dist.world_size, len(records)))
     # Every rank scored per_rank prompts (padded by repeating its last one): gather, then drop pads.
     owner = all_gather_tensor(torch.tensor([mine[min(i, len(mine) - 1)] for i in range(per_rank)]))
-    keep = _first_occurrences(owner)
+    keep = first_occurrences(owner)
     gathered = {name: all_gather_tensor(torch.cat(vals))[keep] for name, vals in scores.items()}
     order = owner[keep].tolist()
     categories = [records[i].category for i in order]
@@ -162,11 +162,11 @@ def evaluate(
     result.rows = sorted(rows, key=lambda row: row["index"])
     count = min(cfg.eval.grid_size, len(grid_indices))
     result.images, result.indices = torch.cat(grid)[:count], grid_indices[:count]
-    _write(result, records, out or RunLayout(cfg.run_dir).eval)
+    write_result(result, records, out or RunLayout(cfg.run_dir).eval)
     return result
 
 
-def _write(result: EvalResult, records: list[PromptRecord], out: Path) -> None:
+def write_result(result: EvalResult, records: list[PromptRecord], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     means = list(overall(result.summary))
     errors = {f"{name}_se": standard_error([row[name] for row in result.rows]) for name in means}
@@ -250,7 +250,8 @@ def paired_difference(before: list[dict[str, Any]], after: list[dict[str, Any]],
     )
 
 
-def _first_occurrences(ids: Tensor) -> Tensor:
+def first_occurrences(ids: Tensor) -> Tensor:
+    """The positions of each value's first occurrence in ``ids`` [N], in order (a gather's padding rows go)."""
     seen, keep = set(), []
     for position, value in enumerate(ids.tolist()):
         if value not in seen:

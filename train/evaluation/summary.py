@@ -123,7 +123,8 @@ def _listing(folder: Path, pattern: str) -> list[str]:
     return sorted(p.name for p in folder.glob(pattern)) if folder.is_dir() else []
 
 
-def _files(cfg: TrainConfig, wandb_mode: str) -> list[str]:
+def files_section(cfg: TrainConfig, wandb_mode: str) -> list[str]:
+    """The summary's lines of what the run folder holds (what each file is, how to use it)."""
     layout = RunLayout(cfg.run_dir)
     run = layout.root
     lines = [f"run folder: {run}", f"  {layout.metrics.name}   every logged step (python -m train.compare reads it)"]
@@ -163,5 +164,5 @@ def run_summary(
     lines += _rewards(cfg, history)
     lines.append(_timing(history))
     lines += _perf(history, peak)
-    lines += _files(cfg, cfg.logging.wandb_mode)
+    lines += files_section(cfg, cfg.logging.wandb_mode)
     return "\n".join(lines)
