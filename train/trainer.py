@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
+from torch import nn
 from torch.optim import Optimizer
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -56,8 +57,10 @@ from train.model.build import non_finite
 from train.observe.health import Health
 from train.observe.logger import Heartbeat, progress_bar
 from train.optim.build import adamw_settings
+from train.optim.ema import EMA
 from train.run.build import open_run
 from train.run.errors import CheckpointError, DiskFull, Interrupted, NotLearning, Preempted, ranks_agreed
+from train.run.layout import RunLayout
 from train.run.parts import Run
 from train.run.start import load_config, process_group
 from train.step import train_step
@@ -72,13 +75,12 @@ def run(cfg: DictConfig) -> None:
         fit(state)
 
 
-def _needed_bytes(run: Run) -> int:
+def _needed_bytes(checkpoints: CheckpointManager, model: nn.Module, optimizer: Optimizer) -> int:
     """About the size of the run's next checkpoint: its latest one's, else an estimate from the state (a collective)."""
-    checkpoints = run.io.checkpoints
     latest = broadcast_object(checkpoints.latest())
     if latest is not None:
         return checkpoints.size_of(latest)
-    return state_bytes(run.model.backbone.transformer, run.optim.optimizer)
+    return state_bytes(model, optimizer)
 
 
 def _save(run: Run, step: int) -> Path:
@@ -88,7 +90,8 @@ def _save(run: Run, step: int) -> Path:
     if ema is not None:
         extra["ema"] = ema.state_dict()
     with activity(f"the checkpoint save after step {step}"):
-        checkpoints.check_space(_needed_bytes(run), f"the checkpoint of step {step}")
+        needed = _needed_bytes(checkpoints, run.model.backbone.transformer, run.optim.optimizer)
+        checkpoints.check_space(needed, f"the checkpoint of step {step}")
         return checkpoints.save(
             step,
             model=run.model.backbone.transformer,
@@ -98,18 +101,18 @@ def _save(run: Run, step: int) -> Path:
         )
 
 
-def export(run: Run, step: int) -> None:
+def export(
+    transformer: nn.Module, ema: EMA | None, layout: RunLayout, *, step: int, ema_decay: float, is_main: bool
+) -> None:
     """``export/``: the weights the evaluations scored (the EMA when kept), and with an EMA ``export_raw/``:
-    the trained weights; each with a ``weights.json`` saying which it is."""
-    layout, ema = run.io.layout, run.optim.ema
-    decay, transformer = run.cfg.grpo.ema_decay, run.model.backbone.transformer
+    the trained weights; each with a ``weights.json`` saying which it is (the main rank writes it)."""
     exports = [(layout.export, "ema" if ema is not None else "trained")]
     exports += [(layout.export_raw, "trained")] if ema is not None else []
     for folder, weights in exports:
         with ema.swapped() if weights == "ema" and ema is not None else nullcontext():
             export_model(transformer, folder)
-        if run.dist.is_main:
-            write_export_note(folder, weights=weights, step=step, ema_decay=decay)
+        if is_main:
+            write_export_note(folder, weights=weights, step=step, ema_decay=ema_decay)
 
 
 def _configured_optimizer(optimizer: Optimizer, cfg: TrainConfig) -> None:
@@ -269,7 +272,8 @@ def fit(run: Run) -> None:
     began = time.perf_counter()
     start = resume(run)
     if start < cfg.num_steps:  # a full disk shows now, not after the steps before the first checkpoint
-        run.io.checkpoints.check_space(_needed_bytes(run), "a checkpoint of this run")
+        needed = _needed_bytes(run.io.checkpoints, run.model.backbone.transformer, run.optim.optimizer)
+        run.io.checkpoints.check_space(needed, "a checkpoint of this run")
     if cfg.resume is not None:
         run.io.logger.rewind(start)  # a resumed run logs every step once: rows of the steps it replays go
     if start == cfg.num_steps:
@@ -291,7 +295,14 @@ def fit(run: Run) -> None:
     history = _train(run, evaluator, start)
     if cfg.checkpoint.export:
         with activity("the export"):
-            export(run, cfg.num_steps)
+            export(
+                run.model.backbone.transformer,
+                run.optim.ema,
+                run.io.layout,
+                step=cfg.num_steps,
+                ema_decay=cfg.grpo.ema_decay,
+                is_main=run.dist.is_main,
+            )
     if run.dist.is_main:
         seconds = time.perf_counter() - began
         log.info(run_summary(cfg, start=start, history=history, seconds=seconds, peak=run.perf.peak))

@@ -39,6 +39,7 @@ from train.algorithm.probe import (
     summarize_groups,
 )
 from train.algorithm.update import UpdateBatch, update_micro_batch
+from train.components.config import TrainConfig
 from train.distributed.parallelize import clip_grad_norm_
 from train.optim.build import adamw_settings
 from train.probe.probe_config import ProbeConfig, probe_settings
@@ -54,16 +55,18 @@ MAX_BATCHES_PER_K = 10
 
 
 @contextmanager
-def one_step_later(run: Run, batch: UpdateBatch) -> Iterator[None]:
+def one_step_later(
+    params: list[torch.nn.Parameter], cfg: TrainConfig, batch: UpdateBatch, device: torch.device
+) -> Iterator[None]:
     """The weights after one optimizer step on ``batch`` for the duration of the block, then restored.
 
     The step: the first ``gradient_accumulation_steps`` samples (or all there are) through the
     configured paths (every group, the prefix rule), the global-norm clip, and a fresh AdamW's first
     step (the run's optimizer state is not touched).
     """
-    cfg, g = run.cfg, run.cfg.grpo
-    saved = [p.detach().clone() for p in run.model.params]
-    optimizer = torch.optim.AdamW(run.model.params, **adamw_settings(cfg))
+    g = cfg.grpo
+    saved = [p.detach().clone() for p in params]
+    optimizer = torch.optim.AdamW(params, **adamw_settings(cfg))
     traj = batch.traj
     plan = route_groups(
         traj.trainable_steps(),
@@ -74,16 +77,16 @@ def one_step_later(run: Run, batch: UpdateBatch) -> Iterator[None]:
     )
     rows = min(g.gradient_accumulation_steps, traj.batch_size)
     for first in range(0, rows, g.micro_batch):
-        micro = torch.arange(first, min(first + g.micro_batch, rows), device=run.device)
+        micro = torch.arange(first, min(first + g.micro_batch, rows), device=device)
         update_micro_batch(batch, micro, plan, reuse_velocities=False)
-    clip_grad_norm_(run.model.params, g.max_grad_norm)
+    clip_grad_norm_(params, g.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     try:
         yield
     finally:
         with torch.no_grad():
-            for p, value in zip(run.model.params, saved):
+            for p, value in zip(params, saved):
                 p.copy_(value)
 
 
@@ -114,7 +117,7 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
         for group, values in measure_trajectories(update, run.model.params, num_rollouts=count, mode=p.mode).items():
             samples[group] += values
         if stale:
-            with one_step_later(run, update):
+            with one_step_later(run.model.params, cfg, update, run.device):
                 fresh, old = measure_staleness(update, run.model.params, num_rollouts=count, mode=p.mode)
             for group in fresh:
                 fresh_after[group] += fresh[group]
