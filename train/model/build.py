@@ -22,10 +22,12 @@ from train.checkpoint.export import Weights
 from train.checkpoint.manager import CheckpointManager
 from train.components.config import LORA_MODULES, ModelConfig, TrainConfig, changed_refusal, changed_settings
 from train.distributed.collectives import DistInfo, broadcast_object, gather_objects
-from train.distributed.parallelize import parallelize
+from train.distributed.parallelize import compile_blocks, parallelize
 from train.distributed.seeds import stream_seed
-from train.model.predict import predictor
+from train.model.predict import predictor, predictors
+from train.observe.perf import FlopMeter
 from train.run.errors import ConfigError, settings_errors
+from train.run.parts import ModelParts
 from train.run.preflight import resolve_device
 
 
@@ -199,6 +201,40 @@ def shard_trainable(
                 compile=cfg.model.compile,
             )
     return [p for p in transformer.parameters() if p.requires_grad], reference
+
+
+def build_model(
+    cfg: TrainConfig,
+    dist: DistInfo,
+    device: torch.device,
+    *,
+    lora_checkpoint: tuple[CheckpointManager, list[Path]] | None = None,
+) -> tuple[ModelParts, FlopMeter]:
+    """The model parts of a run (``model_folder`` prepared the folder): the backbone, LoRA or full
+    fine-tuning and the KL reference, sharding, the compiled decode, and the predictors, each call counted
+    by the returned FLOP meter. ``lora_checkpoint``: the checkpoints and the ones to resume from, whose
+    LoRA modules must be those wrapped now (``check_lora_modules``), checked before anything loads them."""
+    backbone = build_backbone(cfg, dist, device)
+    reference = add_trainable(cfg, backbone)
+    wrapped = lora_modules(backbone.transformer)
+    if lora_checkpoint is not None:  # before the checkpoint loads by those names
+        check_lora_modules(cfg, *lora_checkpoint, wrapped)
+    flops = FlopMeter(backbone)  # of the eager model: before checkpointing, compilation and sharding wrap it
+    params, reference = shard_trainable(cfg, backbone, reference)
+    if cfg.model.compile:
+        compile_blocks(backbone.decoder_units())  # the rollout's and the evaluation's decode
+    compute_dtype = parse_dtype(cfg.model.dtype)
+    policy, kl = predictors(
+        backbone,
+        reference,
+        kl=cfg.grpo.kl_beta != 0,
+        compute_dtype=compute_dtype,
+        world_size=dist.world_size,
+        device=device,
+        flops=flops,
+    )
+    model = ModelParts(backbone, params, reference, compute_dtype, wrapped, policy=policy, kl_reference=kl)
+    return model, flops
 
 
 def build_for_eval(cfg: TrainConfig, dist: DistInfo) -> tuple[Backbone, Predict, torch.device]:

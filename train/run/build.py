@@ -16,29 +16,20 @@ from typing import Any, cast
 import torch
 from omegaconf import OmegaConf
 
-from models.base import parse_dtype
 from train.algorithm.routing import ROUTINGS, AutoRouter, PrefixRouter, Router
 from train.algorithm.update import UpdateSettings
 from train.checkpoint.manager import CheckpointManager
 from train.components.config import TrainConfig, UpdateConfig
 from train.distributed.collectives import DistInfo, broadcast_object
-from train.distributed.parallelize import compile_blocks, compile_unavailable
+from train.distributed.parallelize import compile_unavailable
 from train.distributed.seeds import seed_everything
-from train.model.build import (
-    add_trainable,
-    build_backbone,
-    check_lora_modules,
-    lora_modules,
-    model_folder,
-    shard_trainable,
-)
-from train.model.predict import predictors
+from train.model.build import build_model, model_folder
 from train.observe.logger import RunLogger
-from train.observe.perf import CompileWatch, FlopMeter, device_peak
+from train.observe.perf import CompileWatch, device_peak
 from train.optim.build import adamw_settings, build_ema
 from train.run.errors import ConfigError
 from train.run.layout import RunLayout
-from train.run.parts import DataParts, IOParts, ModelParts, OptimParts, PerfParts, Run
+from train.run.parts import DataParts, IOParts, OptimParts, PerfParts, Run
 from train.run.preflight import check_mesh, claim_folder, preflight, resolve_device
 from train.run.prompts import PromptSampler, read_prompts
 from train.run.scorers import build_rewards, check_scorer_inputs
@@ -77,29 +68,12 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
     check_scorer_inputs(cfg)
     model_folder(cfg, dist)
     rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds
-    backbone = build_backbone(cfg, dist, device)
-    reference = add_trainable(cfg, backbone)
-    wrapped = lora_modules(backbone.transformer)
-    if training:  # before the checkpoint loads by those names
-        check_lora_modules(cfg, checkpoints, resume_from, wrapped)
-    flops = FlopMeter(backbone)  # of the eager model: before checkpointing, compilation and sharding wrap it
-    params, reference = shard_trainable(cfg, backbone, reference)
-    if cfg.model.compile:
-        compile_blocks(backbone.decoder_units())  # the rollout's and the evaluation's decode
+    # the checkpoint must have wrapped the modules LoRA wraps now: its weights load by their names
+    lora_checkpoint = (checkpoints, resume_from) if training else None
+    model, flops = build_model(cfg, dist, device, lora_checkpoint=lora_checkpoint)
     g = cfg.grpo
-    optimizer = torch.optim.AdamW(params, **adamw_settings(cfg))
+    optimizer = torch.optim.AdamW(model.params, **adamw_settings(cfg))
     logger = build_logger(cfg, dist, resumed=bool(resume_from))
-    compute_dtype = parse_dtype(cfg.model.dtype)
-    policy, kl = predictors(
-        backbone,
-        reference,
-        kl=cfg.grpo.kl_beta != 0,
-        compute_dtype=compute_dtype,
-        world_size=dist.world_size,
-        device=device,
-        flops=flops,
-    )
-    model = ModelParts(backbone, params, reference, compute_dtype, wrapped, policy=policy, kl_reference=kl)
     prompts = PromptSampler(
         records, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, prompts_per_rank=g.prompts_per_rank
     )
@@ -110,7 +84,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
         model=model,
         optim=OptimParts(
             optimizer=optimizer,
-            ema=build_ema(params, g.ema_decay),
+            ema=build_ema(model.params, g.ema_decay),
             router=build_router(cfg.update),
             update=update_settings(cfg),
         ),
