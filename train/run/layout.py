@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 EXPORT, RAW_EXPORT = "export", "export_raw"  # the folder names of the two exports (a Weights tag too)
@@ -26,14 +25,20 @@ EVAL = "eval"
 LOCK_FILE = "LOCK"
 
 
-@dataclass(frozen=True)
 class RunLayout:
     """The paths of a run folder ``root``; nothing is created or read."""
 
-    root: Path
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "root", Path(self.root))  # a str is welcome too
+    def __repr__(self) -> str:
+        return f"RunLayout({str(self.root)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunLayout) and other.root == self.root
+
+    def __hash__(self) -> int:
+        return hash(self.root)
 
     @property
     def config(self) -> Path:
