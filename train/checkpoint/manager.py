@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import re
 import shutil
 import warnings
@@ -48,18 +47,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from train.checkpoint.files import (
@@ -73,6 +68,7 @@ from train.checkpoint.files import (
     mount_point,
     read_marker,
 )
+from train.checkpoint.state import flat_keys, merge_trees, rng_state, set_rng_state, split_extra, train_state
 from train.distributed.collectives import (
     barrier,
     broadcast_object,
@@ -94,72 +90,12 @@ def _rank_file(saved_world: int) -> str:
     return f"rank{get_rank()}.pt" if saved_world == get_world_size() else "rank0.pt"
 
 
-def _split_extra(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split a nested dict into (DTensor leaves, everything else), both keeping the nesting."""
-    sharded: dict[str, Any] = {}
-    local: dict[str, Any] = {}
-    for key, value in tree.items():
-        if not isinstance(key, str):
-            raise ValueError(f"checkpoint extra: keys must be strings, got {key!r}")
-        if isinstance(value, dict):
-            sub_sharded, sub_local = _split_extra(value)
-            if sub_sharded:
-                sharded[key] = sub_sharded
-            if sub_local or not sub_sharded:
-                local[key] = sub_local
-        elif isinstance(value, DTensor):
-            sharded[key] = value
-        else:
-            local[key] = value
-    return sharded, local
-
-
-def _merge(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in other.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def _flat_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
-    keys: set[str] = set()
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        keys |= _flat_keys(value, path + ".") if isinstance(value, dict) else {path}
-    return keys
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 @contextmanager
 def _single_process_ok() -> Iterator[None]:
     """Silence DCP's "assuming ... a single process" warning: that is our explicit no_dist choice."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
-
-
-def _train_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
-    if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_state, optim_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optim": optim_state}
 
 
 class CheckpointManager:
@@ -339,14 +275,14 @@ class CheckpointManager:
         """Write a checkpoint of step ``step`` on every rank (a collective); return its folder.
 
         ``settings``: what the weights mean (recorded in the marker, compared on resume)."""
-        rng = _rng_state()
+        rng = rng_state()
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
         if get_rank() == 0:
             self._prepare()
         barrier()
-        sharded_extra, local_extra = _split_extra(extra)
-        state = _train_state(model, optimizer)
+        sharded_extra, local_extra = split_extra(extra)
+        state = train_state(model, optimizer)
         if sharded_extra:
             state["extra"] = sharded_extra
         local = {
@@ -354,7 +290,7 @@ class CheckpointManager:
             "world_size": get_world_size(),
             "extra": local_extra,
             "rng": rng,
-            "sharded_extra_keys": sorted(_flat_keys(sharded_extra)),
+            "sharded_extra_keys": sorted(flat_keys(sharded_extra)),
         }
         try:
             with _single_process_ok():
@@ -397,14 +333,14 @@ class CheckpointManager:
         if not is_complete(path):
             raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} file)", damaged=True)
         local = self._read_rank_file(path)
-        sharded_template, _ = _split_extra(extra_template or {})
-        missing = set(local["sharded_extra_keys"]) - _flat_keys(sharded_template)
+        sharded_template, _ = split_extra(extra_template or {})
+        missing = set(local["sharded_extra_keys"]) - flat_keys(sharded_template)
         if missing:
             raise ValueError(
                 f"checkpoint {path} holds sharded extra entries {sorted(missing)}: pass "
                 "extra_template with DTensors of the same shape, e.g. {'ema': ema.state_dict()}"
             )
-        state = _train_state(model, optimizer)
+        state = train_state(model, optimizer)
         if local["sharded_extra_keys"]:
             state["extra"] = sharded_template
         try:
@@ -416,7 +352,7 @@ class CheckpointManager:
             set_model_state_dict(model, state["model"])
         else:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        return _merge(local["extra"], state.get("extra", {}))
+        return merge_trees(local["extra"], state.get("extra", {}))
 
     def _read_rank_file(self, path: Path) -> dict[str, Any]:
         saved_world = read_marker(path)["world_size"]
@@ -431,7 +367,7 @@ class CheckpointManager:
                 stacklevel=3,
             )
         else:
-            _set_rng_state(local["rng"])
+            set_rng_state(local["rng"])
         return local
 
     def _prepare(self) -> None:
