@@ -3,6 +3,7 @@ from setuptools import find_packages, setup
 setup(
     name="jagg-grpo",
     version="0.1.0",
+    license="Apache-2.0",
     description="GRPO for flow-matching text-to-image transformers, with JAGG group gradients",
     python_requires=">=3.10",
     packages=find_packages(include=["train*", "models*", "rewards*", "samplers*", "configs*", "testbed*"]),

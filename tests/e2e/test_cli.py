@@ -3,6 +3,7 @@ with every field's documentation, the console scripts, the launchers' DRY_RUN ou
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import string
@@ -17,6 +18,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from train.cli import field_docs, setup
+from train.plan.command import main as plan_main
 from train.plan.plan_config import PlanRunConfig
 from train.probe.probe_config import ProbeRunConfig
 from train.probe.probe_config import register as register_probe
@@ -85,14 +87,66 @@ def test_every_schema_field_is_documented():
     assert docs["model.options"].startswith("adapter options for models.registry.load_backbone")
 
 
-def test_console_scripts_point_at_functions():
+def console_scripts() -> dict[str, str]:
+    """setup.py's console scripts: program name -> ``module:function``."""
     with mock.patch("setuptools.setup") as setup:
         runpy.run_path(str(ROOT / "setup.py"))
-    scripts = dict(item.split("=") for item in setup.call_args.kwargs["entry_points"]["console_scripts"])
+    return dict(item.split("=") for item in setup.call_args.kwargs["entry_points"]["console_scripts"])
+
+
+def test_console_scripts_point_at_functions():
+    scripts = console_scripts()
     assert set(scripts) == {"jagg-train", "jagg-eval", "jagg-compare", "jagg-probe", "jagg-plan"}
     for target in scripts.values():
         module, function = target.split(":")
         assert callable(getattr(import_module(module), function)), target
+
+
+@pytest.fixture
+def root_logger():
+    """Hydra's --help configures the root logger (a handler on this test's captured stdout): put it back after."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.mark.parametrize("script", sorted(console_scripts()))
+def test_every_console_script_answers_help(script, capsys, monkeypatch, root_logger):
+    """The function an installed program calls (its setup.py entry point, with the program's argv) prints the
+    command's help and ends with status 0, as its wrapper script would run it."""
+    module, function = console_scripts()[script].split(":")
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    try:
+        status = getattr(import_module(module), function)()
+    except SystemExit as end:
+        status = end.code
+    shown = capsys.readouterr()
+    assert status in (0, None), shown.err
+    assert "error" not in shown.err
+    assert "python -m train" in shown.out.splitlines()[0]  # "jagg-eval (python -m train.eval): ...", argparse's usage
+
+
+def test_plan_answers_help_through_its_entry(capsys, root_logger):
+    """jagg-plan composes with Hydra's compose API, which read --help as an override (a parse error); its help
+    is Hydra's, filled with the planner's settings and the overrides given beside it."""
+    plan_main(["experiment=flux_dance", "-h", "plan.world_size=16"])  # --help: the test above
+    shown = capsys.readouterr().out
+    assert shown.startswith("jagg-plan (python -m train.plan): per-rank memory")
+    assert "plan.world_size = 16" in shown and "experiment = flux_dance" in shown
+    assert "update: ablate, exact, jagg" in shown  # the groups, as Hydra lists them
+    plan_main(["--hydra-help"])
+    assert "== Flags ==" in capsys.readouterr().out
+    for argv, line in (
+        (["--help", "update=nope"], "update=nope is not an option of update"),
+        (["--cfg", "job"], "--cfg: of Hydra's flags the planner takes --help, -h, --hydra-help only"),
+    ):
+        with pytest.raises(SystemExit) as end:
+            plan_main(argv)
+        assert end.value.code == 2
+        (printed,) = capsys.readouterr().err.splitlines()
+        assert printed.startswith(f"python -m train.plan: error: {line}")
 
 
 @pytest.mark.slow

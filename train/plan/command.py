@@ -79,6 +79,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -112,6 +113,7 @@ SHIPPED_ARCH = {"flux": "flux1-dev", "qwenimage": "qwen-image"}  # model.name ->
 
 
 PROG = "python -m train.plan"
+HELP_FLAGS = ("--help", "-h", "--hydra-help")  # Hydra's flags the planner answers (it takes no other)
 
 
 def plan_config(cfg: DictConfig) -> tuple[PlanRunConfig, bool]:
@@ -236,13 +238,35 @@ def assumed_peak(cfg: PlanRunConfig) -> tuple[float, str]:
     return GPU_PEAK_TFLOPS[cfg.plan.gpu], f"{cfg.plan.gpu} bf16 dense"
 
 
-def main(argv: Sequence[str] | None = None) -> PlanReport:
-    """``python -m train.plan [overrides]``: print the plan (and write it to plan.output as JSON). A wrong
-    setting ends the command with one line (train/cli.py), as every command of the trainer does."""
+def print_help(flag: str, overrides: list[str]) -> None:
+    """What ``@hydra.main`` prints for ``--help`` (``-h``) or ``--hydra-help``. The planner composes with Hydra's
+    compose API, whose overrides take no flags (it read ``--help`` as an override it could not parse), so it
+    asks Hydra for the text itself: hydra.help of configs/plan.yaml, filled with the planner's settings."""
+    from hydra._internal.utils import get_args_parser
+
+    with initialize_config_module(config_module="configs", version_base=None):
+        hydra = GlobalHydra.instance().hydra
+        assert hydra is not None
+        parser = get_args_parser()
+        show = hydra.hydra_help if flag == "--hydra-help" else hydra.app_help
+        show(config_name="plan", args_parser=parser, args=parser.parse_args(overrides))
+
+
+def main(argv: Sequence[str] | None = None) -> PlanReport | None:
+    """``python -m train.plan [overrides]``: print the plan (and write it to plan.output as JSON); with
+    ``--help``, the settings instead. A wrong setting ends the command with one line (train/cli.py), as
+    every command of the trainer does."""
     setup()
     register()
     overrides = list(sys.argv[1:] if argv is None else argv)
+    help_flag = next((arg for arg in overrides if arg in HELP_FLAGS), None)
+    if flag := next((arg for arg in overrides if arg.startswith("-") and arg not in HELP_FLAGS), None):
+        message = f"{flag}: of Hydra's flags the planner takes {', '.join(HELP_FLAGS)} only; the rest are overrides"
+        raise SystemExit(report_error(ConfigError(message), PROG))
     try:
+        if help_flag is not None:
+            print_help(help_flag, [arg for arg in overrides if arg not in HELP_FLAGS])
+            return None
         with initialize_config_module(config_module="configs", version_base=None):
             composed = compose(config_name="plan", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as err:
