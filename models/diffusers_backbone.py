@@ -13,6 +13,7 @@ linear in the token count L = h/2 * w/2, optional terminal stretch, then a final
 from __future__ import annotations
 
 import abc
+import copy
 import inspect
 import warnings
 from collections.abc import Collection, Mapping
@@ -153,6 +154,13 @@ class DiffusersBackbone(Backbone):
                 "load the backbone without skipping it"
             )
         return self._parts[name]
+
+    def with_parts(self, **modules: Any) -> DiffusersBackbone:
+        """A shallow copy of the backbone with ``modules`` in place of its components of those names (the
+        other components shared with this one)."""
+        copied = copy.copy(self)
+        copied._parts = {**self._parts, **modules}
+        return copied
 
     @property
     def transformer(self) -> nn.Module:

@@ -103,9 +103,10 @@ def child(out: Path, steps: int, overrides: list[str]) -> None:
     from hydra import compose, initialize_config_module
 
     import train.step
-    from train.components.build import load_config, open_run, process_group
     from train.components.config import register_schema
-    from train.components.logger import PhaseTimer
+    from train.observe.logger import PhaseTimer
+    from train.run.build import open_run
+    from train.run.start import load_config, process_group
 
     class TwoClockTimer(PhaseTimer):
         """The trainer's phase timer that also sums the process's CPU time per phase."""

@@ -8,7 +8,7 @@ share this:
 * ``run_hydra(main, prog=...)`` runs a ``@hydra.main`` function. Hydra's own errors while it composes
   the settings (an unknown key, a value of the wrong type, an unknown option of a group, an override
   it cannot parse) and a run folder it cannot create become one line and exit status 2.
-* ``reported(prog)`` wraps the body of the task: a ``Stop`` (train/components/errors.py: a setting, a path, a
+* ``reported(prog)`` wraps the body of the task: a ``Stop`` (train/run/errors.py: a setting, a path, a
   file, a checkpoint, SIGTERM) prints ``<prog>: error: <message>`` and exits with its status (2 for a
   user error); a collective that timed out or lost a peer prints which one, from where, and exits 1;
   Ctrl+C prints what the command was doing and exits 130 (the training loop handles it itself:
@@ -16,7 +16,7 @@ share this:
 * ``report_error(err, prog)`` prints the line and returns the status, for commands that return it.
 * ``RunFolder``, a Hydra callback (``hydra.callbacks.run_folder`` in configs/train.yaml), looks at the
   run folder before Hydra creates it or writes its ``.hydra/`` and log file there: a folder that holds a
-  run (train/components/run_folder.py) is refused unless the launch resumes or overwrites it, as are a
+  run (train/run/folder.py) is refused unless the launch resumes or overwrites it, as are a
   folder another live process owns and one that cannot be written. A launch refused later, before it
   did any work (a setting, a file, a checkpoint that does not fit), takes back what it wrote: the
   folder it created goes, and in a folder that existed ``.hydra/``, ``config*.yaml`` and the log file
@@ -72,8 +72,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from train.components.config import TrainConfig, register_schema
 from train.components.config_keys import unknown_setting
-from train.components.errors import ConfigError, Interrupted, Stop, UserError
-from train.components.run_folder import LOCK_FILE, RunLock, check_one_run
+from train.run.errors import ConfigError, Interrupted, Stop, UserError
+from train.run.folder import RunLock, check_one_run
+from train.run.layout import LOCK_FILE, RunLayout
 
 DEBUG_ENV = "HYDRA_FULL_ERROR"  # Hydra's own switch for full tracebacks; it shows ours too
 # What gloo raises when a peer does not answer within the timeout or has gone away.
@@ -199,7 +200,7 @@ class RunFolder(Callback):
         """Every job's folder, before the sweep writes anything: one refused folder refuses the sweep."""
         jobs = _sweep_jobs(config)
         if jobs is None:
-            return  # a sweeper plugin of its own: each job's folder is checked when it starts (build.claim_folder)
+            return  # a sweeper plugin of its own: each job's folder is checked when it starts (preflight.claim_folder)
         problems = [f"job #{num} ({folder}): {p}" for num, folder, job in jobs if (p := self._refusal(folder, job))]
         if problems:
             message = f"the sweep starts none of its {len(jobs)} jobs: {'; '.join(problems)}"
@@ -559,13 +560,13 @@ def eval_output_dir(transformer: str | None, resume: str | None, default: str) -
     value = transformer or (resume if resume != "auto" else None)
     if not value:
         return default
-    from train.components.checkpoint import find_weights  # torch and diffusers: only when a path is given
+    from train.checkpoint.export import find_weights  # torch and diffusers: only when a path is given
 
     try:
         run = find_weights(value, "eval.transformer").run_dir
     except FileNotFoundError:
         return default
-    return str(run / "eval") if run is not None else default
+    return str(RunLayout(run).eval) if run is not None else default
 
 
 def setup() -> None:

@@ -1,7 +1,7 @@
 """One training step, phase by phase: rollout -> decode and score -> advantages -> update -> optimizer.
 
 On each rank:
-  1. draw ``prompts_per_rank`` prompts (train/components/data.py); each is a group of G samples on this rank
+  1. draw ``prompts_per_rank`` prompts (train/run/prompts.py); each is a group of G samples on this rank
      that starts from one initial noise drawn from the stream (seed, "initial_noise", group id);
   2. roll out the N-step trajectory without gradients (SDE or Flow-GRPO-Fast window);
   3. decode, score every reward component, combine, and take group advantages;
@@ -48,15 +48,15 @@ from train.algorithm.jagg import Counts
 from train.algorithm.metrics import Reduce, Stat
 from train.algorithm.update import UpdateBatch, UpdateStats, shared_start, update_micro_batch
 from train.algorithm.update_config import ReuseVelocities
-from train.components.build import Run, policy_predictor, reference_predictor
-from train.components.config import AdvStd, TrainConfig
-from train.components.ema import EMA
-from train.components.errors import RankFailed, config_key, mark_agreed
-from train.components.logger import PhaseTimer
-from train.components.perf import perf_metrics
+from train.components.config import AdvStd, GRPOConfig, TrainConfig
 from train.distributed.collectives import all_gather_tensor, all_reduce_max, all_reduce_sum
 from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
 from train.distributed.seeds import stream_generator, stream_seed
+from train.observe.logger import PhaseTimer, RunLogger
+from train.observe.perf import perf_metrics
+from train.optim.ema import EMA
+from train.run.errors import RankFailed, config_key, mark_agreed
+from train.run.parts import ModelParts, Run
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,8 @@ log = logging.getLogger(__name__)
 def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -> tuple[Trajectory, list[str]]:
     """The step's rollout and its prompts; it keeps its velocities when ``keep_velocities`` says so,
     by default when the update can reuse them."""
-    cfg, backbone, device = run.cfg, run.backbone, run.device
-    batch = run.prompts.batch(step)
+    cfg, backbone, device = run.cfg, run.model.backbone, run.device
+    batch = run.data.prompts.batch(step)
     size, s = cfg.grpo.group_size, cfg.sampler
     seeds = [stream_seed(cfg.seed, "initial_noise", gid) for gid in batch.group_ids]
     h, w = cfg.model.height, cfg.model.width
@@ -88,7 +88,7 @@ def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -
     with torch.no_grad():
         cond = backbone.encode(batch.prompts).repeat(size)
     traj = sample_trajectories(
-        policy_predictor(run),
+        run.model.policy,
         cfg,
         cond,
         noise,
@@ -97,7 +97,7 @@ def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -
         sde_window=window,
         sde_noise=sde_noise,
         keep_velocities=keep,
-        velocity_dtype=run.compute_dtype,  # the transformer's output precision: nothing is lost
+        velocity_dtype=run.model.compute_dtype,  # the transformer's output precision: nothing is lost
     )
     prompts = [p for p in batch.prompts for _ in range(size)]
     return traj, prompts
@@ -153,8 +153,8 @@ def decode_images(backbone: Backbone, latents: Tensor, model: ModelConfig) -> Te
         return decode_in_chunks(backbone, latents, rows=model.decode_batch, height=model.height, width=model.width)
 
 
-def advantage_fn(run: Run) -> AdvantageFn:
-    g = run.cfg.grpo
+def advantage_fn(g: GRPOConfig) -> AdvantageFn:
+    """Group advantages with ``grpo``'s settings (a global std all-gathers the step's rewards)."""
 
     def fn(rewards: Tensor, group_ids: Tensor) -> Tensor:
         unbiased = g.adv_std is AdvStd.unbiased
@@ -186,9 +186,9 @@ def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> Scored:
     that they can still checkpoint the steps trained before it together (train/trainer.py)."""
     outcome, failure, scores, images = OK, None, {}, None
     try:
-        images = decode_images(run.backbone, traj.latents[:, -1], run.cfg.model)
+        images = decode_images(run.model.backbone, traj.latents[:, -1], run.cfg.model)
         with torch.no_grad():
-            scores = run.rewards.score(images, prompts)
+            scores = run.data.rewards.score(images, prompts)
     except NonFiniteRewardError as err:  # it names its scorer; skip the update on every rank
         log.warning("skipping the update of this step: %s", err)
         outcome = NAN_REWARD
@@ -208,8 +208,8 @@ def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> Scored:
     assert images is not None
     if outcomes.max() == NAN_REWARD:
         return Scored(None, images, None, {"train/skipped_nan_reward": 1.0})
-    advantages, _ = run.rewards.advantages(scores, traj.group_ids, advantage_fn(run))
-    total = run.rewards.total(scores)
+    advantages, _ = run.data.rewards.advantages(scores, traj.group_ids, advantage_fn(run.cfg.grpo))
+    total = run.data.rewards.total(scores)
     # every rank holds as many samples: the gathered tensors are the whole step's
     metrics = {f"reward/{name}": float(all_gather_tensor(s).mean()) for name, s in scores.items()}
     metrics |= {f"spread/{name}": group_spread(s, traj.group_ids) for name, s in scores.items()}
@@ -226,18 +226,20 @@ def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> Scored:
 
 def group_spread(scores: Tensor, group_ids: Tensor) -> float:
     """The largest range (max - min) of ``scores`` [B] within a group, over the groups of every rank: 0 when
-    every group ties, so the reward adds no advantage (train/components/health.py warns)."""
+    every group ties, so the reward adds no advantage (train/observe/health.py warns)."""
     everyone, ids = all_gather_tensor(scores.float()), all_gather_tensor(group_ids)
     return max(float(everyone[ids == gid].max() - everyone[ids == gid].min()) for gid in ids.unique())
 
 
-def optimizer_step(run: Run) -> tuple[float, bool]:
+def optimizer_step(
+    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, ema: EMA | None, *, max_grad_norm: float
+) -> tuple[float, bool]:
     """Clip the global norm and step; a non-finite norm skips the step. Returns (norm, stepped)."""
-    norm = clip_grad_norm_(run.params, run.cfg.optimizer.max_grad_norm)
+    norm = clip_grad_norm_(params, max_grad_norm)
     finite = bool(torch.isfinite(norm))
     if finite:
-        step_weights(run.optimizer, run.ema)
-    run.optimizer.zero_grad(set_to_none=True)
+        step_weights(optimizer, ema)
+    optimizer.zero_grad(set_to_none=True)
     return float(norm), finite
 
 
@@ -248,15 +250,16 @@ def step_weights(optimizer: torch.optim.Optimizer, ema: EMA | None) -> None:
         ema.update()
 
 
-def update_batch(run: Run, traj: Trajectory, advantages: Tensor) -> UpdateBatch:
+def update_batch(model: ModelParts, cfg: TrainConfig, traj: Trajectory, advantages: Tensor) -> UpdateBatch:
+    """The update stage's input: the step's trajectories and advantages, the run's predictors and settings."""
     return UpdateBatch(
         traj=traj,
         advantages=advantages,
-        predict=policy_predictor(run),
-        reference=reference_predictor(run),
-        config=run.cfg.update,
-        grpo=run.cfg.grpo,
-        gradient_accumulation_steps=run.cfg.batch.gradient_accumulation_steps,
+        predict=model.policy,
+        reference=model.kl_reference,
+        config=cfg.update,
+        grpo=cfg.grpo,
+        gradient_accumulation_steps=cfg.batch.gradient_accumulation_steps,
     )
 
 
@@ -269,9 +272,9 @@ def micro_batches(cfg: TrainConfig, first: int) -> list[range]:
 def train_step(run: Run, step: int) -> dict[str, float]:
     """One step (the phases above); the update runs here, micro-batch by micro-batch, so that the call
     path from the trainer to a segment's loss stays short."""
-    b, timer = run.cfg.batch, PhaseTimer(run.device, run.flops)
-    if run.compiles is not None:
-        run.compiles.begin()
+    b, timer, optim = run.cfg.batch, PhaseTimer(run.device, run.perf.flops), run.optim
+    if run.perf.compiles is not None:
+        run.perf.compiles.begin()
     with timer.phase("step"):
         with timer.phase("rollout"):
             traj, prompts = rollout_phase(run, step)
@@ -279,11 +282,11 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             scored = reward_phase(run, traj, prompts)
         metrics = scored.metrics
         if scored.advantages is not None:
-            batch = update_batch(run, traj, scored.advantages)
+            batch = update_batch(run.model, run.cfg, traj, scored.advantages)
             routing: dict[str, float] = {}
-            if run.router.due(step):  # it measures on the step's own rollout, before any gradient exists
+            if optim.router.due(step):  # it measures on the step's own rollout, before any gradient exists
                 with timer.phase("probe"):
-                    routing = run.router.refresh(step, batch, run.params, ranks=ProcessRanks())
+                    routing = optim.router.refresh(step, batch, run.model.params, ranks=ProcessRanks())
             route_gen = stream_generator(run.cfg.seed, "update_plan", step)  # same on every rank
             stats = UpdateStats(counts=Counts(shared_start_forward_rows=rollout_shared_rows(run.cfg, traj)))
             norms, moved = [], False
@@ -292,7 +295,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
                 reuse = batch.config.reuses_velocities and (stale or not moved)
                 with timer.phase("update"):
                     micro = micro_batches(run.cfg, chunk)
-                    routes = [run.router.route(traj, route_gen) for _ in micro]  # drawn in micro-batch order
+                    routes = [optim.router.route(traj, route_gen) for _ in micro]  # drawn in micro-batch order
                     start = shared_start(batch, micro, routes)  # this optimizer step's, when rows share it
                     for rows, route in zip(micro, routes):
                         rows_t = torch.arange(rows.start, rows.stop, device=run.device)
@@ -300,19 +303,21 @@ def train_step(run: Run, step: int) -> dict[str, float]:
                     if start is not None:
                         stats += start.backward()
                 with timer.phase("optimizer"):
-                    norms.append(optimizer_step(run))
+                    clip = run.cfg.optimizer.max_grad_norm
+                    norms.append(optimizer_step(run.model.params, optim.optimizer, optim.ema, max_grad_norm=clip))
                     moved |= norms[-1][1]  # the kept velocities are no longer those of the current weights
-            metrics |= reduce_over_ranks(stats.metrics(), run.device) | routing | optimizer_metrics(run, norms)
+            metrics |= reduce_over_ranks(stats.metrics(), run.device) | routing
+            metrics |= optimizer_metrics(optim.optimizer, norms)
     metrics |= timer.pop()
-    metrics |= perf_metrics(metrics, run.peak)
-    if run.compiles is not None:
-        metrics |= run.compiles.end(step)
+    metrics |= perf_metrics(metrics, run.perf.peak)
+    if run.perf.compiles is not None:
+        metrics |= run.perf.compiles.end(step)
     metrics["count/rollout_forwards"] = run.cfg.sampler.num_steps
     if traj.velocities is not None:  # what keeping them costs, per sample of the rollout, on every rank
         metrics["memory/velocity_bytes_per_sample"] = traj.velocities[0].nbytes
     every = run.cfg.logging.sample_every
     if every and (step + 1) % every == 0:
-        log_samples(run, scored, prompts, step)
+        log_samples(run.io.logger, scored, prompts, step, group_size=run.cfg.grpo.group_size)
     return metrics
 
 
@@ -335,26 +340,26 @@ def reduce_over_ranks(stats: Mapping[str, Stat], device: torch.device) -> dict[s
     return {name: out[name] for name in stats}
 
 
-def optimizer_metrics(run: Run, steps: list[tuple[float, bool]]) -> dict[str, float]:
+def optimizer_metrics(optimizer: torch.optim.Optimizer, steps: list[tuple[float, bool]]) -> dict[str, float]:
     """The optimizer's metrics of a step, from each optimizer step's (gradient norm, stepped)."""
     return {
         "train/grad_norm": sum(norm for norm, _ in steps) / len(steps),
         "train/skipped_optimizer_steps": sum(not stepped for _, stepped in steps),
-        "train/lr": run.optimizer.param_groups[0]["lr"],
+        "train/lr": optimizer.param_groups[0]["lr"],
     }
 
 
-def log_samples(run: Run, scored: Scored, prompts: list[str], step: int) -> None:
+def log_samples(logger: RunLogger, scored: Scored, prompts: list[str], step: int, *, group_size: int) -> None:
     """The step's images, one row per group: its G samples share the prompt and the initial noise. The
     files are numbered step + 1, as the evaluation and the checkpoint after this step are (wandb: its row)."""
     rewards = None if scored.rewards is None else scored.rewards.float().cpu().tolist()
-    run.logger.log_images(
+    logger.log_images(
         "samples",
         scored.images,
         prompts,
         step,
         scores=rewards,
         score_name="reward/total",
-        nrow=run.cfg.grpo.group_size,
+        nrow=group_size,
         shown_step=step + 1,
     )

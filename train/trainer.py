@@ -1,9 +1,9 @@
 """The GRPO training loop: resume, then train steps (train/step.py), evaluation and checkpoints on
 their own cadences, the export (the weights the evaluations scored: the EMA when kept), and the
-summary (train/components/summary.py) at the end.
+summary (train/evaluation/summary.py) at the end.
 
 The console (and the run folder's log file) shows a progress bar or, without it, a heartbeat line;
-a line per evaluation; and the summary. Evaluation (train/components/evaluator.py) runs before
+a line per evaluation; and the summary. Evaluation (train/evaluation/evaluator.py) runs before
 training, every ``eval.every`` steps and after the last step; each one after step 0 also
 writes a before/after sheet (``eval/before_after_<tag>.png``) of the same prompts and noise.
 
@@ -26,7 +26,7 @@ their checkpoint is written before the error ends the run when every rank can ta
 an error raised alike, or one rank's exception in the reward phase, which the ranks share there:
 train/step.py); every save first checks the disk's free space (``DiskFull`` names the disk);
 ``health.max_bad_steps`` steps in a row that cannot change the weights end the run with ``NotLearning`` after a
-checkpoint (train/components/health.py).
+checkpoint (train/observe/health.py).
 """
 
 from __future__ import annotations
@@ -40,26 +40,30 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
+from torch import nn
+from torch.optim import Optimizer
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from train.components.build import (
-    Run,
-    adamw_settings,
-    build_evaluator,
-    load_config,
-    non_finite,
-    open_run,
-    process_group,
-)
-from train.components.checkpoint import export_model, state_bytes
+from train.checkpoint.export import export_model, write_export_note
+from train.checkpoint.files import state_bytes
+from train.checkpoint.manager import CheckpointManager
+from train.components.config import TrainConfig
 from train.components.config_keys import LORA_MODULES, resume_settings
-from train.components.errors import CheckpointError, DiskFull, Interrupted, NotLearning, Preempted, ranks_agreed
-from train.components.evaluator import Evaluator
-from train.components.health import Health
-from train.components.logger import Heartbeat, progress_bar
-from train.components.summary import EXPORT, RAW_EXPORT, run_summary, write_export_note
 from train.distributed.collectives import activity, broadcast_object
 from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInterrupt, stop_requests
+from train.evaluation.build import build_evaluator
+from train.evaluation.evaluator import Evaluator
+from train.evaluation.summary import run_summary
+from train.model.build import non_finite
+from train.observe.health import Health
+from train.observe.logger import Heartbeat, progress_bar
+from train.optim.build import adamw_settings
+from train.optim.ema import EMA
+from train.run.build import open_run
+from train.run.errors import CheckpointError, DiskFull, Interrupted, NotLearning, Preempted, ranks_agreed
+from train.run.layout import RunLayout
+from train.run.parts import Run
+from train.run.start import load_config, process_group
 from train.step import train_step
 
 log = logging.getLogger(__name__)
@@ -72,83 +76,85 @@ def run(cfg: DictConfig) -> None:
         fit(state)
 
 
-def _needed_bytes(run: Run) -> int:
+def _needed_bytes(checkpoints: CheckpointManager, model: nn.Module, optimizer: Optimizer) -> int:
     """About the size of the run's next checkpoint: its latest one's, else an estimate from the state (a collective)."""
-    latest = broadcast_object(run.checkpoints.latest())
+    latest = broadcast_object(checkpoints.latest())
     if latest is not None:
-        return run.checkpoints.size_of(latest)
-    return state_bytes(run.backbone.transformer, run.optimizer)
+        return checkpoints.size_of(latest)
+    return state_bytes(model, optimizer)
 
 
 def _save(run: Run, step: int) -> Path:
     """The checkpoint of ``step`` steps, once the disk has room for it (DiskFull otherwise)."""
     extra: dict[str, Any] = {"step": step}
-    if run.ema is not None:
-        extra["ema"] = run.ema.state_dict()
+    ema, checkpoints = run.optim.ema, run.io.checkpoints
+    if ema is not None:
+        extra["ema"] = ema.state_dict()
     with activity(f"the checkpoint save after step {step}"):
-        run.checkpoints.check_space(_needed_bytes(run), f"the checkpoint of step {step}")
-        return run.checkpoints.save(
+        needed = _needed_bytes(checkpoints, run.model.backbone.transformer, run.optim.optimizer)
+        checkpoints.check_space(needed, f"the checkpoint of step {step}")
+        return checkpoints.save(
             step,
-            model=run.backbone.transformer,
-            optimizer=run.optimizer,
+            model=run.model.backbone.transformer,
+            optimizer=run.optim.optimizer,
             extra=extra,
-            settings={**resume_settings(run.cfg), LORA_MODULES: run.lora_modules},
+            settings={**resume_settings(run.cfg), LORA_MODULES: run.model.lora_modules},
         )
 
 
-def export(run: Run, step: int) -> None:
+def export(
+    transformer: nn.Module, ema: EMA | None, layout: RunLayout, *, step: int, ema_decay: float, is_main: bool
+) -> None:
     """``export/``: the weights the evaluations scored (the EMA when kept), and with an EMA ``export_raw/``:
-    the trained weights; each with a ``weights.json`` saying which it is."""
-    out, decay, transformer = Path(run.cfg.run_dir), run.cfg.ema.decay, run.backbone.transformer
-    exports = [(EXPORT, "ema" if run.ema is not None else "trained")]
-    exports += [(RAW_EXPORT, "trained")] if run.ema is not None else []
-    for name, weights in exports:
-        with run.ema.swapped() if weights == "ema" and run.ema is not None else nullcontext():
-            export_model(transformer, out / name)
-        if run.dist.is_main:
-            write_export_note(out / name, weights=weights, step=step, ema_decay=decay)
+    the trained weights; each with a ``weights.json`` saying which it is (the main rank writes it)."""
+    exports = [(layout.export, "ema" if ema is not None else "trained")]
+    exports += [(layout.export_raw, "trained")] if ema is not None else []
+    for folder, weights in exports:
+        with ema.swapped() if weights == "ema" and ema is not None else nullcontext():
+            export_model(transformer, folder)
+        if is_main:
+            write_export_note(folder, weights=weights, step=step, ema_decay=ema_decay)
 
 
-def _configured_optimizer(run: Run) -> None:
+def _configured_optimizer(optimizer: Optimizer, cfg: TrainConfig) -> None:
     """The optimizer state restores the checkpoint's hyperparameters; the configured ones win."""
-    for group in run.optimizer.param_groups:
-        for key, value in adamw_settings(run.cfg).items():
+    for group in optimizer.param_groups:
+        for key, value in adamw_settings(cfg).items():
             if group[key] != value:
-                log.warning("grpo.%s: the checkpoint has %s, training goes on with %s", key, group[key], value)
+                log.warning("optimizer.%s: the checkpoint has %s, training goes on with %s", key, group[key], value)
                 group[key] = value
 
 
 def resume(run: Run) -> int:
     """The step to start from: 0, or the step of the checkpoint ``resume`` names.
 
-    ``run.resume_from[0]`` passed the file checks before the model loaded; a checkpoint whose tensors
+    ``run.io.resume_from[0]`` passed the file checks before the model loaded; a checkpoint whose tensors
     still do not read back, or whose weights are not finite, is damaged, and ``resume=auto`` falls back
     to the previous one (checked first).
     """
     # The EMA copies may be sharded DTensors: they load in place into the live EMA's state.
-    template = {"ema": run.ema.state_dict()} if run.ema is not None else None
-    for index, path in enumerate(run.resume_from):
-        if index > 0 and (problem := run.checkpoints.problem(path)):
+    ema, checkpoints, transformer = run.optim.ema, run.io.checkpoints, run.model.backbone.transformer
+    template = {"ema": ema.state_dict()} if ema is not None else None
+    for index, path in enumerate(run.io.resume_from):
+        if index > 0 and (problem := checkpoints.problem(path)):
             log.warning("resume=auto: skipping the damaged %s", problem)
             continue
         try:
-            extra = run.checkpoints.load(
-                path, model=run.backbone.transformer, optimizer=run.optimizer, extra_template=template
-            )
-            if problem := non_finite(run.backbone.transformer):
+            extra = checkpoints.load(path, model=transformer, optimizer=run.optim.optimizer, extra_template=template)
+            if problem := non_finite(transformer):
                 raise CheckpointError(f"checkpoint {path} holds {problem} among its weights", damaged=True)
         except CheckpointError as err:
             if run.cfg.resume != "auto" or not err.damaged:
                 raise
             log.warning("resume=auto: %s; trying the previous checkpoint", err)
             continue
-        if run.ema is not None:
-            run.ema.load_state_dict(extra["ema"])
-        _configured_optimizer(run)
+        if ema is not None:
+            ema.load_state_dict(extra["ema"])
+        _configured_optimizer(run.optim.optimizer, run.cfg)
         log.info("resumed from %s at step %d", path, extra["step"])
         return int(extra["step"])
-    if run.resume_from:
-        raise CheckpointError(f"resume=auto: no checkpoint under {run.checkpoints.root} could be loaded", damaged=True)
+    if run.io.resume_from:
+        raise CheckpointError(f"resume=auto: no checkpoint under {checkpoints.root} could be loaded", damaged=True)
     return 0
 
 
@@ -191,12 +197,12 @@ def _after_step(
         raise Preempted(message, signum=stop)
 
 
-def _unsaved(run: Run, step: int) -> Interrupted:
+def _unsaved(checkpoints: CheckpointManager, step: int) -> Interrupted:
     """What a second Ctrl+C during training ``step`` (0-based) leaves unsaved."""
-    latest = run.checkpoints.latest()
+    latest = checkpoints.latest()
     if latest is None:
         return Interrupted(f"a second Ctrl+C stopped training step {step} at once: no checkpoint was written")
-    saved = run.checkpoints.step_of(latest)
+    saved = checkpoints.step_of(latest)
     lost = f"steps {saved}-{step} were" if step > saved else f"step {step} was"
     return Interrupted(
         f"a second Ctrl+C stopped training step {step} at once: {lost} not saved; "
@@ -233,7 +239,7 @@ def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, 
         optimizer_steps=cfg.grpo.group_size * cfg.batch.prompts_per_rank // cfg.batch.gradient_accumulation_steps,
     )
     session = _Session(done=start, saved=start)
-    hook = run.optimizer.register_step_post_hook(session.count)
+    hook = run.optim.optimizer.register_step_post_hook(session.count)
     history = []
     # console lines go through tqdm.write while the bar is shown, so they do not break it
     step = start
@@ -243,7 +249,7 @@ def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, 
                 with activity(f"training step {step}"):
                     metrics = train_step(run, step)
                     session.done, session.moved_when_done = step + 1, session.moved
-                    run.logger.log(metrics, step)
+                    run.io.logger.log(metrics, step)
                     history.append(metrics)
                     reward = metrics.get("reward/total", math.nan)
                     bar.update(1)
@@ -251,7 +257,7 @@ def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, 
                     heartbeat.tick(step + 1, reward)
                     _after_step(run, evaluator, session, health.observe(metrics, step), preemption)
         except RepeatedInterrupt:
-            raise _unsaved(run, step) from None
+            raise _unsaved(run.io.checkpoints, step) from None
         except Exception as err:
             _rescue(run, session, err)
             raise
@@ -266,12 +272,22 @@ def fit(run: Run) -> None:
     began = time.perf_counter()
     start = resume(run)
     if start < cfg.num_steps:  # a full disk shows now, not after the steps before the first checkpoint
-        run.checkpoints.check_space(_needed_bytes(run), "a checkpoint of this run")
+        needed = _needed_bytes(run.io.checkpoints, run.model.backbone.transformer, run.optim.optimizer)
+        run.io.checkpoints.check_space(needed, "a checkpoint of this run")
     if cfg.resume is not None:
-        run.logger.rewind(start)  # a resumed run logs every step once: rows of the steps it replays go
+        run.io.logger.rewind(start)  # a resumed run logs every step once: rows of the steps it replays go
     if start == cfg.num_steps:
         log.warning("the checkpoint holds all num_steps=%d steps: nothing to train (raise num_steps to go on)", start)
-    evaluator = build_evaluator(run, start=start)
+    evaluator = build_evaluator(
+        cfg,
+        run.dist,
+        start=start,
+        device=run.device,
+        backbone=run.model.backbone,
+        predict=run.model.policy,
+        ema=run.optim.ema,
+        logger=run.io.logger,
+    )
     # eval/<metric> at step k is the policy after k training steps: k = 0 is the model as loaded.
     if evaluator is not None and start == 0:
         with activity("the evaluation before training"):
@@ -279,6 +295,14 @@ def fit(run: Run) -> None:
     history = _train(run, evaluator, start)
     if cfg.checkpoint.export:
         with activity("the export"):
-            export(run, cfg.num_steps)
+            export(
+                run.model.backbone.transformer,
+                run.optim.ema,
+                run.io.layout,
+                step=cfg.num_steps,
+                ema_decay=cfg.ema.decay,
+                is_main=run.dist.is_main,
+            )
     if run.dist.is_main:
-        log.info(run_summary(cfg, start=start, history=history, seconds=time.perf_counter() - began, peak=run.peak))
+        seconds = time.perf_counter() - began
+        log.info(run_summary(cfg, start=start, history=history, seconds=seconds, peak=run.perf.peak))

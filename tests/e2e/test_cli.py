@@ -19,9 +19,9 @@ from omegaconf import OmegaConf
 
 from train.cli import field_docs, setup
 from train.plan.command import main as plan_main
-from train.plan.config import PlanRunConfig
-from train.probe.config import ProbeRunConfig
-from train.probe.config import register as register_probe
+from train.plan.plan_config import PlanRunConfig
+from train.probe.probe_config import ProbeRunConfig
+from train.probe.probe_config import register as register_probe
 
 setup()
 register_probe()
@@ -147,18 +147,6 @@ def test_plan_answers_help_through_its_entry(capsys, root_logger):
         assert end.value.code == 2
         (printed,) = capsys.readouterr().err.splitlines()
         assert printed.startswith(f"python -m train.plan: error: {line}")
-
-
-@pytest.mark.slow
-def test_the_renamed_probe_command_names_its_new_name():
-    done = subprocess.run(
-        [sys.executable, "-m", "train.grad_quality", "probe.num_rollouts=2"],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 2
-    assert done.stderr.splitlines() == [
-        "python -m train.grad_quality: renamed to python -m train.probe (console script jagg-probe)"
-    ]
 
 
 @pytest.mark.slow

@@ -104,8 +104,7 @@ def test_resume_with_compile_replays_exactly(runs, tiny_flux_dir, tiny_clip_dir)
 def backbones(tiny_flux_dir):
     eager = load_backbone("flux", tiny_flux_dir, dtype="float32", device="cpu")
     eager.transformer.requires_grad_(True).train()
-    compiled = copy.copy(eager)
-    compiled._parts = dict(eager._parts, transformer=copy.deepcopy(eager.transformer), vae=copy.deepcopy(eager.vae))
+    compiled = eager.with_parts(transformer=copy.deepcopy(eager.transformer), vae=copy.deepcopy(eager.vae))
     parallelize(compiled.transformer, block_classes=compiled.block_classes, param_dtype=torch.float32, compile=True)
     compile_blocks(compiled.decoder_units())
     return eager, compiled

@@ -15,8 +15,8 @@ import small_run
 from two_ranks import env, torchrun
 
 import train.trainer as trainer
-from train.components import build
 from train.distributed import preemption
+from train.model import build as model_build
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = [*small_run.FAST, "checkpoint.export=false"]
@@ -67,10 +67,8 @@ def test_first_ctrl_c_checkpoints_and_two_at_once_count_once(tiny_flux_dir, tmp_
 def test_second_ctrl_c_stops_at_once_naming_the_unsaved_steps(tiny_flux_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(preemption, "REPEAT_S", 0.0)  # the second SIGINT below is the user's second Ctrl+C
     ctrl_c_in(monkeypatch, {0: 1, 1: 1})
-    real_after = trainer._after_step
-    monkeypatch.setattr(
-        trainer, "_after_step", lambda run, ev, session, stop, p: real_after(run, ev, session, stop, _Never())
-    )
+    # nobody asks the loop to stop: training goes on after the first Ctrl+C, until the second
+    monkeypatch.setattr(preemption.Preemption, "requested", lambda self, device: 0)
     overrides = [f"model.path={tiny_flux_dir}", "num_steps=4", "checkpoint.every=1"]
     status, stderr = train(capsys, tmp_path / "run", *overrides)
     line = stopped_line(stderr)
@@ -78,22 +76,15 @@ def test_second_ctrl_c_stops_at_once_naming_the_unsaved_steps(tiny_flux_dir, tmp
     assert "step 1 was not saved" in line and "step_00000001 (after step 1)" in line, line
 
 
-class _Never:
-    """A stop request nobody asks for: training goes on after the first Ctrl+C, until the second."""
-
-    def requested(self, device) -> int:
-        return 0
-
-
 def test_ctrl_c_before_training_is_one_line(tiny_flux_dir, tmp_path, capsys, monkeypatch):
-    real = build.build_backbone
+    real = model_build.build_backbone
 
     def load_then_ctrl_c(*args):
         backbone = real(*args)
         os.kill(os.getpid(), signal.SIGINT)
         return backbone
 
-    monkeypatch.setattr(build, "build_backbone", load_then_ctrl_c)
+    monkeypatch.setattr(model_build, "build_backbone", load_then_ctrl_c)
     status, stderr = train(capsys, tmp_path / "run", f"model.path={tiny_flux_dir}", "num_steps=2")
     assert status == 130 and "Ctrl+C during start-up: the command ended there" in stopped_line(stderr)
 

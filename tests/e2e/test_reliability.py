@@ -41,8 +41,9 @@ import train.eval.command as eval_command
 import train.probe.command as probe_command
 import train.trainer as trainer
 from train.cli import run_hydra
-from train.components import build
-from train.components.errors import Preempted
+from train.model import build as model_build
+from train.run import scorers
+from train.run.errors import Preempted
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -260,8 +261,8 @@ if not torch.cuda.is_available():
 @pytest.mark.parametrize("case", list(BAD_SETTINGS))
 def test_a_bad_setting_is_one_line_before_anything_loads(case, trained, tiny_flux_dir, tmp_path, capsys, monkeypatch):
     overrides, expected = BAD_SETTINGS[case]
-    for name in ("load_backbone", "build_scorer"):  # neither the model nor a scorer loads before the error
-        monkeypatch.setattr(build, name, lambda *args, what=name, **kwargs: pytest.fail(f"{what} ran"))
+    for module, name in ((model_build, "load_backbone"), (scorers, "build_scorer")):  # neither loads before the error
+        monkeypatch.setattr(module, name, lambda *args, what=name, **kwargs: pytest.fail(f"{what} ran"))
     paths = {
         "tmp": str(tmp_path),
         "latin1": non_utf8(tmp_path),
@@ -691,7 +692,7 @@ def test_a_run_that_cannot_learn_stops_after_max_bad_steps(why, tiny_flux_dir, t
 
 
 def test_a_reward_without_spread_is_named(tiny_flux_dir, tmp_path, capsys, monkeypatch):
-    from train.components import health
+    from train.observe import health
 
     warnings = []
     monkeypatch.setattr(health.log, "warning", lambda message, *args: warnings.append(message % args))
@@ -726,7 +727,7 @@ def test_nan_weights_in_the_model_are_one_line(tiny_flux_dir, tmp_path, capsys):
 def test_a_full_disk_is_one_line_and_keeps_the_checkpoints(when, trained, tiny_flux_dir, tmp_path, capsys, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from train.components import checkpoint
+    from train.checkpoint import manager as checkpoint
 
     run_dir = copy_run(trained, tmp_path)
     before = files_of(run_dir / "checkpoints")
@@ -801,13 +802,13 @@ def test_eval_names_a_truncated_export(trained, tiny_flux_dir, tmp_path, capsys)
     line = the_error(stderr, eval_command.PROG)
     assert status == 2 and re.search(r"eval\.transformer=.*export'.*diffusion_pytorch_model\.safetensors cannot", line)
     # the run folder itself: its checkpoint stands in for the damaged export
-    from train.components.checkpoint import find_weights
+    from train.checkpoint.export import find_weights
 
     assert find_weights(str(run_dir), "eval.transformer").path == run_dir / "checkpoints" / "step_00000002"
 
 
 def test_eval_names_a_missing_scorer_file_before_the_model_loads(tiny_flux_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(build, "load_backbone", lambda *args, **kwargs: pytest.fail("the model loaded"))
+    monkeypatch.setattr(model_build, "load_backbone", lambda *args, **kwargs: pytest.fail("the model loaded"))
     overrides = [*FAST, f"model.path={tiny_flux_dir}", "+eval.scorers.clipscore.model_path=/nonexistent/clip"]
     status, stderr = command(capsys, tmp_path / "eval", overrides, eval_command)
     line = the_error(stderr, eval_command.PROG)

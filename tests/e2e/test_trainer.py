@@ -22,9 +22,11 @@ from safetensors.torch import load_file
 from two_ranks import HELPERS, run_torchrun
 
 from models.registry import load_backbone
-from train.components.build import load_config, setup_trainable
+from train.algorithm import update
 from train.components.config import register_schema
 from train.distributed.seeds import seed_everything
+from train.model.build import setup_trainable
+from train.run.start import load_config
 from train.trainer import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -307,7 +309,6 @@ def test_nan_reward_skips_update(tiny_flux, tmp_path, monkeypatch):
 
 
 def test_nan_loss_skips_optimizer_step(tiny_flux, tmp_path, monkeypatch):
-    import train.algorithm.update as update
 
     original = update.ppo_step_loss
 

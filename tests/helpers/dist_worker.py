@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor
 
 from train.algorithm.jagg import EXACT_BATCHED, UPDATE_MODES, backward_segment
 from train.algorithm.update_config import MIDDLE_MODES
-from train.components.checkpoint import CheckpointManager, export_model
-from train.components.ema import EMA
+from train.checkpoint.export import export_model
+from train.checkpoint.manager import CheckpointManager
 from train.distributed.collectives import (
     all_gather_tensor,
     all_reduce_sum,
@@ -45,6 +45,7 @@ from train.distributed.collectives import (
 )
 from train.distributed.parallelize import clip_grad_norm_, parallelize
 from train.distributed.seeds import seed_everything
+from train.optim.ema import EMA
 
 BLOCKS = (FluxTransformerBlock, FluxSingleTransformerBlock)
 ROWS_PER_RANK = 2

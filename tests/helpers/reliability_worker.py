@@ -19,9 +19,10 @@ from pathlib import Path
 from hydra import compose, initialize_config_module
 
 import train.trainer as trainer
-from train.components.build import load_config, open_run, process_group
 from train.components.config import register_schema
 from train.distributed.collectives import gather_objects
+from train.run.build import open_run
+from train.run.start import load_config, process_group
 
 
 def _server_gone(images, prompts):
@@ -42,7 +43,7 @@ def main() -> None:
 
             def step(run, k, sigterm=sigterm, fail=fail):
                 if fail and dist.rank == fail["rank"] and k == fail["step"]:
-                    run.rewards.score = _server_gone
+                    run.data.rewards.score = _server_gone
                 out = real_step(run, k)
                 if sigterm and dist.rank == sigterm["rank"] and k == sigterm["step"]:
                     os.kill(os.getpid(), signal.SIGTERM)

@@ -16,16 +16,16 @@ import torch
 from hydra import compose, initialize_config_module
 from PIL import Image
 
-from train.components import evaluation
-from train.components.build import load_config
-from train.components.checkpoint import find_weights
+from train.checkpoint.export import find_weights
 from train.components.config import SCORERS_HINT
-from train.components.errors import ConfigError
-from train.components.evaluation import _first_occurrences, paired_difference, read_scores
-from train.components.stats import standard_error
-from train.components.summary import _files
 from train.eval import command as eval_module
 from train.eval.command import check_scorers, eval_command, target
+from train.evaluation import protocol as evaluation
+from train.evaluation.protocol import first_occurrences, paired_difference, read_scores
+from train.evaluation.summary import files_section
+from train.observe.stats import standard_error
+from train.run.errors import ConfigError
+from train.run.start import load_config
 from train.trainer import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,7 +136,7 @@ def test_the_export_is_the_ema_the_trainer_scored_and_the_raw_weights_sit_beside
     run_dir = train_run(tiny_flux_dir, tmp_path / "run", "eval.every=2", "ema.decay=0.5")
     notes = {name: json.loads((run_dir / name / "weights.json").read_text()) for name in ("export", "export_raw")}
     assert notes["export"]["weights"] == "ema" and notes["export_raw"]["weights"] == "trained"
-    summary = _files(
+    summary = files_section(
         load_config(compose_config("train", [f"model.path={tiny_flux_dir}", *EVAL, f"run_dir={run_dir}"])), "disabled"
     )
     assert any("export/" in line and "EMA (ema.decay=0.5)" in line and "scored" in line for line in summary)
@@ -244,15 +244,15 @@ def test_paired_difference_by_hand():
 def test_padding_rows_are_dropped_after_gather():
     # 2 ranks, 5 prompts: rank 0 scored prompts 0, 2, 4; rank 1 scored 1, 3 and padded with 3.
     owners = torch.tensor([0, 2, 4, 1, 3, 3])
-    keep = _first_occurrences(owners)
+    keep = first_occurrences(owners)
     assert owners[keep].tolist() == [0, 2, 4, 1, 3]
 
 
 def test_samples_per_prompt_repeats_the_prompt_set_with_new_noise(tmp_path):
     # Item j * n + i is sample j of prompt i: sample 0 of every prompt keeps the index (and so the
     # noise, drawn from (eval.seed, "eval_noise", index)) it has with one sample per prompt.
-    from train.components.build import read_eval_prompts
     from train.components.config import TrainConfig
+    from train.evaluation.build import read_eval_prompts
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("a\nb\nc\n")
@@ -266,9 +266,9 @@ def test_samples_per_prompt_repeats_the_prompt_set_with_new_noise(tmp_path):
 
 
 def test_heldout_prompts_are_read_like_eval_prompts_and_logged_under_held_out(tmp_path):
-    from train.components.build import read_heldout_prompts
     from train.components.config import TrainConfig
-    from train.components.evaluator import _eval_keys
+    from train.evaluation.build import read_heldout_prompts
+    from train.evaluation.evaluator import logged_metrics
 
     cfg = TrainConfig()
     cfg.eval.samples_per_prompt = 2
@@ -278,8 +278,8 @@ def test_heldout_prompts_are_read_like_eval_prompts_and_logged_under_held_out(tm
     cfg.eval.heldout_prompts = str(held)
     assert [r.prompt for r in read_heldout_prompts(cfg)] == ["x", "y", "x", "y"]
     summary = {"shape_alignment": 0.5, "shape_alignment/pairs": 0.25}
-    assert _eval_keys(summary, "") == {"eval/shape_alignment": 0.5, "eval/shape_alignment/pairs": 0.25}
-    assert _eval_keys(summary, "/held-out") == {
+    assert logged_metrics(summary, "") == {"eval/shape_alignment": 0.5, "eval/shape_alignment/pairs": 0.25}
+    assert logged_metrics(summary, "/held-out") == {
         "eval/shape_alignment/held-out": 0.5,
         "eval/shape_alignment/held-out/pairs": 0.25,
     }

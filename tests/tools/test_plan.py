@@ -28,14 +28,14 @@ from models.registry import get_backbone_class
 from rewards.base import SCORER_NAMES, FrozenModelScorer, scorer_class
 from train.algorithm.jagg import UPDATE_MODES, Counts, backward_segment
 from train.algorithm.update import UpdateBatch, shared_start, update_micro_batch
-from train.components.build import FSDP_VIEW_WARNING, build_router
 from train.components.config import register_schema
 from train.distributed.parallelize import parallelize
+from train.model.build import FSDP_VIEW_WARNING
 from train.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
 from train.plan.command import SHIPPED_ARCH, plan, plan_config
-from train.plan.config import register
 from train.plan.fake import fake_process_group
 from train.plan.frozen import ARCH_ROOT, SCORER_ARCH, build_component, frozen_models, read_json, scorer_module
+from train.plan.plan_config import register
 from train.plan.report import GIB, format_report
 from train.plan.tracing import (
     EXACT_TRACED_STEPS,
@@ -45,6 +45,7 @@ from train.plan.tracing import (
     traced_run,
     update_variants,
 )
+from train.run.build import build_router
 from train.step import micro_batches
 
 REPO = Path(__file__).resolve().parents[2]
@@ -324,7 +325,7 @@ def partial_arch(name: str, folder: Path) -> Path:
 
 @pytest.mark.parametrize("experiment", ["flux_dance", "qwenimage_dance"])
 def test_real_architecture_takes_lora_and_shards_on_8_fake_ranks(experiment, tmp_path):
-    """The trainer's own setup (train.components.build.setup_trainable: peft LoRA on the adapter's target modules,
+    """The trainer's own setup (train.model.build.setup_trainable: peft LoRA on the adapter's target modules,
     activation checkpointing, FSDP2 per block and root) on the real architecture, cut to one block
     of each kind: every LoRA target names modules of it, every parameter is sharded over 8 ranks."""
     cfg, _ = config([f"experiment={experiment}", "model.lora.enabled=true"])

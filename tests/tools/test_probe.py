@@ -1,4 +1,4 @@
-"""The gradient-quality probe (train/algorithm/quality.py, train/probe/probe.py): exactness where Theorem 1 holds, the
+"""The gradient-quality probe (train/algorithm/quality.py, train/probe/session.py): exactness where Theorem 1 holds, the
 jagg_frac rule on hand-made numbers, the Hydra entry point on the tiny Flux backbone, and torchrun + FSDP2."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from train.algorithm.quality import (
 from train.algorithm.segments import prefix_path
 from train.components.config import register_schema
 from train.distributed.parallelize import ProcessRanks, global_dots
-from train.probe.config import register
+from train.probe.probe_config import register
 
 ROOT = Path(__file__).resolve().parents[2]
 register_schema()
@@ -174,7 +174,7 @@ PROBE = [
 
 
 def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, caplog, _repo_root):
-    from train.probe.probe import run_probe
+    from train.probe.session import run_probe
 
     caplog.set_level(logging.INFO)
     out = tmp_path / "report.json"
@@ -199,18 +199,19 @@ def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, caplog, _repo_root):
 def test_probe_measures_stale_velocities_and_restores_the_weights(tiny_flux_dir, tmp_path, _repo_root):
     """update.reuse_velocities=stale: the report carries fresh and stale cosines after one optimizer
     step; the probe's step is undone (the run's weights and optimizer are as built)."""
-    from train.components.build import load_config, open_run, process_group
-    from train.probe.probe import probe as run_probe_on
+    from train.probe.session import probe as run_probe_on
+    from train.run.build import open_run
+    from train.run.start import load_config, process_group
 
     overrides = [f"run_dir={tmp_path}", f"model.path={tiny_flux_dir}", *PROBE, "probe.num_rollouts=2"]
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(config_name="probe", overrides=[*overrides, "update.reuse_velocities=stale"])
     config = load_config(cfg)
     with process_group() as dist, open_run(config, dist) as run:
-        before = [p.detach().clone() for p in run.params]
+        before = [p.detach().clone() for p in run.model.params]
         rep = run_probe_on(run, config.probe)
-        assert all(torch.equal(p, b) for p, b in zip(run.params, before))
-        assert all(p.grad is None for p in run.params) and not run.optimizer.state
+        assert all(torch.equal(p, b) for p, b in zip(run.model.params, before))
+        assert all(p.grad is None for p in run.model.params) and not run.optim.optimizer.state
     for g in rep["segments"]:
         after = g["after_step"]
         assert after["fresh"]["num_samples"] == after["stale"]["num_samples"] == 2
@@ -223,7 +224,7 @@ def test_probe_under_torchrun_fsdp_matches_one_process(tiny_flux_dir, tmp_path, 
     """2 ranks x 1 prompt under FSDP2 (gloo) measure the same 4 trajectories as 1 process x 2 prompts
     (group noise does not depend on the rank layout): the cosines and ratios over the sharded,
     global gradient equal the single-process ones."""
-    from train.probe.probe import run_probe
+    from train.probe.session import run_probe
 
     common = [f"model.path={tiny_flux_dir}", *PROBE, "probe.num_rollouts=4"]
     sharded = tmp_path / "fsdp"

@@ -16,11 +16,12 @@ from flux_toys import tiny_flux_transformer
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
-import train.components.checkpoint as checkpoint
-from train.components.checkpoint import CheckpointManager, export_model
-from train.components.ema import EMA
-from train.components.errors import CheckpointError
+import train.checkpoint.manager as checkpoint
+from train.checkpoint.export import export_model
+from train.checkpoint.manager import CheckpointManager
 from train.distributed.parallelize import parallelize
+from train.optim.ema import EMA
+from train.run.errors import CheckpointError
 
 
 def tiny_flux() -> FluxTransformer2DModel:

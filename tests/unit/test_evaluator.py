@@ -13,15 +13,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import train.components.evaluator as evaluator_module
-from train.components.build import build_evaluator
+import train.evaluation.evaluator as evaluator_module
 from train.components.config import TrainConfig
-from train.components.evaluation import EvalResult, _write
-from train.components.evaluator import Evaluator, read_result
-from train.components.logger import RunLogger
-from train.components.perf import Peak
-from train.components.summary import run_summary
 from train.distributed.collectives import DistInfo
+from train.evaluation.build import build_evaluator
+from train.evaluation.evaluator import Evaluator, read_result
+from train.evaluation.protocol import EvalResult, write_result
+from train.evaluation.summary import run_summary
+from train.observe.logger import RunLogger
+from train.observe.perf import Peak
+from train.run.layout import RunLayout
 
 SCORER = "jpeg_compressibility"
 # the made-up mean score of each evaluation
@@ -37,7 +38,7 @@ def fake_evaluate(backbone, predict, scorers, records, cfg, dist, *, device, tag
     ]
     mean = sum(row[SCORER] for row in rows) / len(rows)
     result = EvalResult(tag, {SCORER: mean}, rows, torch.rand(len(rows), 3, 8, 8), list(range(len(rows))))
-    _write(result, records, Path(cfg.run_dir) / "eval")
+    write_result(result, records, RunLayout(cfg.run_dir).eval)
     return result
 
 
@@ -56,10 +57,9 @@ def session(tmp_path: Path, *, start: int, heldout: bool = False) -> Evaluator:
     cpu = torch.device("cpu")
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=cpu, is_main=True)
     logger = RunLogger(tmp_path, is_main=True)
-    run = SimpleNamespace(
-        cfg=cfg, dist=dist, device=cpu, backbone=None, compute_dtype=torch.float32, ema=None, logger=logger, flops=None
+    evaluator = build_evaluator(
+        cfg, dist, start=start, device=cpu, backbone=None, predict=lambda z, t, cond: z, ema=None, logger=logger
     )
-    evaluator = build_evaluator(run, start=start)  # the parts of a Run it reads
     assert evaluator is not None
     return evaluator
 
@@ -73,9 +73,10 @@ def test_cadence_is_every_eval_every_steps_and_the_last(tmp_path):
     evaluator = session(tmp_path, start=0)
     assert [done for done in range(1, 4) if evaluator.due(done)] == [2, 3]
     cfg = evaluator.cfg
-    assert build_evaluator(SimpleNamespace(cfg=cfg), start=cfg.num_steps) is None  # no step left
+    nothing = {"device": torch.device("cpu"), "backbone": None, "predict": None, "ema": None, "logger": None}
+    assert build_evaluator(cfg, evaluator.dist, start=cfg.num_steps, **nothing) is None  # no step left
     cfg.eval.every = 0
-    assert build_evaluator(SimpleNamespace(cfg=cfg), start=0) is None
+    assert build_evaluator(cfg, evaluator.dist, start=0, **nothing) is None
 
 
 def test_a_resumed_session_reads_step_0_back_and_compares_with_it(tmp_path, caplog):

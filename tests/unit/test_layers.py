@@ -3,7 +3,8 @@ train/ the sub-packages form layers (README, Layout):
 
     commands (train.cli, train.eval, train.probe, train.compare, train.plan, train.__main__)
       -> the trainer (train.trainer, train.step)
-        -> run components (train.components)
+        -> run parts (train.run, train.model, train.optim, train.checkpoint, train.evaluation,
+           train.observe, and the configuration schema train.components)
           -> the algorithm (train.algorithm)
             -> distribution (train.distributed)
 
@@ -21,9 +22,19 @@ FORBIDDEN = ("train", "torch.distributed", "hydra", "omegaconf", "wandb")
 LAYERS = [
     {"train.distributed"},
     {"train.algorithm"},
-    {"train.components"},
+    # the run parts: the schema, a run and its folder, the model side, optimization, checkpoints,
+    # evaluation, what a run shows of itself
+    {
+        "train.components",
+        "train.run",
+        "train.model",
+        "train.optim",
+        "train.checkpoint",
+        "train.evaluation",
+        "train.observe",
+    },
     {"train.trainer", "train.step"},
-    {"train.cli", "train.eval", "train.probe", "train.compare", "train.plan", "train.__main__", "train.grad_quality"},
+    {"train.cli", "train.eval", "train.probe", "train.compare", "train.plan", "train.__main__"},
 ]
 
 
@@ -105,7 +116,7 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 def test_train_layers_import_downwards_only():
     graph = train_import_graph()
-    assert {"train.components.build", "train.trainer", "train.step", "train.algorithm.jagg"} <= set(graph)
+    assert {"train.run.build", "train.trainer", "train.step", "train.algorithm.jagg"} <= set(graph)
     assert upward_imports(graph) == []
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
     # the commands are rooms of their own: none imports another's package (the trainer's `python -m
@@ -156,3 +167,10 @@ def test_the_algorithm_is_pure_tensor_code():
             or m.startswith(("torch.distributed", "hydra", "omegaconf", "wandb"))
         }
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_a_step_uses_parts_built_at_start_up():
+    """Build once, use many: the step reads the run's parts and imports no builder."""
+    graph = train_import_graph()
+    builders = sorted(m for m in graph["train.step"] if m.rsplit(".", 1)[-1] == "build")
+    assert builders == []

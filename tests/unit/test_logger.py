@@ -16,8 +16,9 @@ from PIL import Image
 
 from rewards.summary import MIN_TILE, _font, _wrap, image_grid
 from train.components.config import TrainConfig
-from train.components.logger import WANDB_ID_FILE, Heartbeat, PhaseTimer, RunLogger, format_seconds, progress_bar
-from train.components.summary import _files
+from train.evaluation.summary import files_section
+from train.observe.logger import Heartbeat, PhaseTimer, RunLogger, format_seconds, progress_bar
+from train.run.layout import RunLayout
 
 
 def read_lines(run_dir) -> list[dict]:
@@ -163,7 +164,7 @@ def test_wandb_offline_writes_into_run_dir(tmp_path, monkeypatch) -> None:
     # the end-of-run summary says how to upload it
     cfg = TrainConfig()
     cfg.run_dir = str(tmp_path)
-    assert f"upload it later: wandb sync {runs[0]}" in "\n".join(_files(cfg, "offline"))
+    assert f"upload it later: wandb sync {runs[0]}" in "\n".join(files_section(cfg, "offline"))
 
 
 def test_a_later_session_continues_the_wandb_run_and_the_wall_clock(tmp_path, monkeypatch) -> None:
@@ -173,13 +174,13 @@ def test_a_later_session_continues_the_wandb_run_and_the_wall_clock(tmp_path, mo
     first = RunLogger(tmp_path, is_main=True, wandb_mode="offline", project="p", entity="team", notes="why")
     first.log({"loss": 1.0}, step=0)
     first.finish()
-    run_id = (tmp_path / WANDB_ID_FILE).read_text().strip()
+    run_id = RunLayout(tmp_path).wandb_run_id.read_text().strip()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     (tmp_path / "metrics.jsonl").write_text("\n".join([*lines, '{"step": 1, "wall_time": 100.0}', '{"step": 2, "wa']))
     second = RunLogger(tmp_path, is_main=True, wandb_mode="offline", project="p")
     second.log({"loss": 2.0}, step=2)
     second.finish()
-    assert (tmp_path / WANDB_ID_FILE).read_text().strip() == run_id
+    assert RunLayout(tmp_path).wandb_run_id.read_text().strip() == run_id
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(f"-{run_id}" in r.name for r in runs)  # offline-run-<time>-<id>[-1]
     assert read_lines_tolerant(tmp_path)[-1]["wall_time"] >= 100.0  # the cut line is skipped
@@ -247,8 +248,8 @@ def test_rewind_drops_the_rows_a_resumed_run_replays(tmp_path) -> None:
     logger = RunLogger(tmp_path, is_main=True)
     for step, metrics in [(0, {"eval/r": 1}), (0, {"loss": 1}), (1, {"loss": 2}), (2, {"eval/r": 3}), (2, {"loss": 4})]:
         logger.log(metrics, step)
-    logger._file.write('{"step": 3, "lo')  # the crash
-    logger._file.flush()
+    with logger.metrics_path.open("a", encoding="utf-8") as file:
+        file.write('{"step": 3, "lo')  # the crash: a line cut short
     assert logger.rewind(2) == 2
     logger.log({"loss": 5}, 2)
     logger.finish()

@@ -1,4 +1,4 @@
-"""FLOPs, TFLOP/s and MFU (train/components/perf.py), and the compilation watch."""
+"""FLOPs, TFLOP/s and MFU (train/observe/perf.py), and the compilation watch."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from models.registry import load_backbone
-from train.components import perf
-from train.components.logger import PhaseTimer
-from train.components.perf import CompileWatch, FlopMeter, Peak, device_peak, perf_metrics
 from train.distributed.parallelize import CompileStats, compile_unavailable
+from train.observe import perf
+from train.observe.logger import PhaseTimer
+from train.observe.perf import CompileWatch, FlopMeter, Peak, device_peak, perf_metrics
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from probe_toys import ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.algorithm.routing import AutoRouter, PrefixRouter
-from train.components.build import build_router
 from train.components.config import TrainConfig, register_schema, validate
 from train.distributed.parallelize import ProcessRanks
+from train.run.build import build_router
 
 ROOT = Path(__file__).resolve().parents[2]
 register_schema()

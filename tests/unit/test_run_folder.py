@@ -1,4 +1,4 @@
-"""One run per folder and the run folder's lock (train/components/run_folder.py), with a clock of the test's own."""
+"""One run per folder and the run folder's lock (train/run/folder.py), with a clock of the test's own."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from train.components.errors import ConfigError
-from train.components.run_folder import LOCK_FILE, FolderInUse, RunLock, check_one_run, clear_run, held_run
+from train.run.errors import ConfigError
+from train.run.folder import FolderInUse, RunLock, check_one_run, clear_run, held_run
+from train.run.layout import RunLayout
 
 
 class Clock:
@@ -30,7 +31,7 @@ def dead_pid():
 
 
 def write_lock(folder, *, host: str, pid: int, renewed: float) -> None:
-    (folder / LOCK_FILE).write_text(json.dumps({"host": host, "pid": pid, "renewed": renewed}))
+    RunLayout(folder).lock.write_text(json.dumps({"host": host, "pid": pid, "renewed": renewed}))
 
 
 def test_a_live_holder_on_this_host_is_named(tmp_path):
@@ -70,7 +71,7 @@ def test_renewal_keeps_the_lease_and_release_removes_the_lock(tmp_path):
     clock.now += 50  # 100 s after the first write, 50 s after the renewal: still held
     assert other.busy() is not None
     lock.release()
-    assert not (tmp_path / LOCK_FILE).exists() and other.busy() is None
+    assert not RunLayout(tmp_path).lock.exists() and other.busy() is None
 
 
 def test_a_lock_taken_over_is_not_renewed_nor_removed(tmp_path):
@@ -95,7 +96,7 @@ def test_the_renewing_thread_renews_and_stops(tmp_path):
         lock._stop.wait(0.05)
     assert lock.holder().renewed > first
     lock.release()
-    assert not (tmp_path / LOCK_FILE).exists()
+    assert not RunLayout(tmp_path).lock.exists()
 
 
 def test_a_folder_with_a_run_is_refused_unless_resumed_or_overwritten(tmp_path):

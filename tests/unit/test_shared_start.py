@@ -92,12 +92,7 @@ def test_rollout_refuses_a_batch_that_is_not_whole_groups():
 
 def _float64(backbone):
     """The backbone with a float64 copy of its transformer (the adapter computes in its dtype)."""
-    copied = copy.copy(backbone)
-    copied._parts = {
-        **backbone._parts,
-        "transformer": copy.deepcopy(backbone.transformer).double().requires_grad_(True),
-    }
-    return copied
+    return backbone.with_parts(transformer=copy.deepcopy(backbone.transformer).double().requires_grad_(True))
 
 
 def _gradient(predict, params, traj, settings: ToySettings, *, micro_batch: int, reference):

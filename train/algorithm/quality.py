@@ -1,6 +1,6 @@
 """Gradient quality of a JAGG path per segment (the paper's Appendix E, Table 5), and the jagg_frac it gives.
 
-The measurement behind ``python -m train.probe`` (train/probe/probe.py) and ``update.routing=auto``
+The measurement behind ``python -m train.probe`` (train/probe/session.py) and ``update.routing=auto``
 (train/algorithm/routing.py). For one trajectory and one segment of W transitions [start, stop), with the update
 stage's own per-step GRPO loss (``train.algorithm.update.StepLoss``: PPO clip + KL, on the rollout's advantage):
 
@@ -31,7 +31,7 @@ does), accumulated in float64.
 Staleness (``update.reuse_velocities=stale``): after an optimizer step the rollout's velocities are
 no longer the policy's. ``measure_staleness`` compares with g_exact both the fresh g_mode (middle
 velocities recomputed) and g_mode on the trajectory's kept velocities, at the current weights; the
-probe (train/probe/probe.py) moves the weights by one optimizer step first.
+probe (train/probe/session.py) moves the weights by one optimizer step first.
 
 The probe writes ``.grad``: it needs empty gradients (None) and leaves them None, so nothing it
 computes reaches an optimizer step.

@@ -11,7 +11,7 @@ folder names. A sweep folder stands for every run folder (and offline wandb run 
 it; folders without a metrics file (``compare/``) or with an empty one (a
 probe's) are skipped and named.
 
-Per arm, over its seeds (train/components/stats.py):
+Per arm, over its seeds (train/observe/stats.py):
   * for each evaluation metric ``eval/<name>`` (the ODE evaluation with fixed noise, so step 0
     is the frozen control): the value at each evaluation step, the final value (the last
     evaluation step every run of the arm reached), its gain over step 0, and the area under the
@@ -36,8 +36,9 @@ from typing import Any
 from train.algorithm.jagg import UPDATE_MODES
 from train.compare.wandb_runs import WandbRun, read_offline, read_offline_file, read_online, run_file
 from train.components.config_keys import moved_settings
-from train.components.stats import Estimate, estimate, median, paired, quantile, trapezoid_mean
-from train.components.summary import HELD_OUT, PHASES
+from train.evaluation.summary import HELD_OUT, PHASES
+from train.observe.stats import Estimate, estimate, median, paired, quantile, trapezoid_mean
+from train.run.layout import METRICS, RunLayout
 
 WANDB_PREFIX = "wandb:"
 # The training curves plotted from metrics.jsonl (training_curves.png), with their axis labels.
@@ -127,7 +128,8 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 def _read_config(folder: Path) -> dict[str, Any]:
     """The run's resolved configuration: the trainer's ``config.yaml``, else Hydra's; {} if neither. An older run's
     moved keys are read under their new names, so that it compares with a newer one."""
-    for path in (folder / "config.yaml", folder / ".hydra" / "config.yaml"):
+    layout = RunLayout(folder)
+    for path in (layout.config, layout.hydra_config):
         if path.is_file():
             from omegaconf import OmegaConf
 
@@ -154,9 +156,10 @@ def _read_wandb(path: str) -> list[RunMetrics]:
 
 def load_run(folder: Path) -> RunMetrics:
     """One run folder: its metrics.jsonl (at least one step) and its Hydra configuration."""
-    steps = read_metrics_file(folder / "metrics.jsonl")
+    metrics = RunLayout(folder).metrics
+    steps = read_metrics_file(metrics)
     if not steps:
-        raise ValueError(f"{folder / 'metrics.jsonl'} holds no logged step (the file is empty)")
+        raise ValueError(f"{metrics} holds no logged step (the file is empty)")
     return RunMetrics(str(folder), steps, _read_config(folder), folder.resolve().name)
 
 
@@ -176,7 +179,7 @@ def discover(specs: list[str]) -> tuple[list[RunMetrics], list[str]]:
             runs.append(_from_wandb(read_offline_file(path)))
         elif path.is_file():
             raise ValueError(f"run {spec!r} is a file; pass a run folder (with metrics.jsonl) or a sweep folder")
-        elif (path / "metrics.jsonl").is_file():
+        elif RunLayout(path).metrics.is_file():
             runs.append(load_run(path))
         elif run_file(path) is not None:
             runs += [_from_wandb(run) for run in read_offline([path])]
@@ -192,9 +195,9 @@ def discover(specs: list[str]) -> tuple[list[RunMetrics], list[str]]:
 def _below(folder: Path) -> tuple[list[RunMetrics], list[str]]:
     """The runs of a sweep folder: run folders (metrics.jsonl), and offline wandb runs outside them."""
     runs, notes = [], []
-    run_dirs = sorted(p.parent for p in folder.rglob("metrics.jsonl"))
+    run_dirs = sorted(p.parent for p in folder.rglob(METRICS))
     for run_dir in run_dirs:
-        if read_metrics_file(run_dir / "metrics.jsonl"):
+        if read_metrics_file(RunLayout(run_dir).metrics):
             runs.append(load_run(run_dir))
         else:
             notes.append(f"skipped {run_dir}: its metrics.jsonl is empty (not a training run)")

@@ -28,7 +28,8 @@ from omegaconf import DictConfig
 
 from train.cli import report_error
 from train.compare.arms import build_comparison, comparison_tables, plot, summary
-from train.components.errors import UserError
+from train.run.errors import UserError
+from train.run.layout import RunLayout
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--warmup must be >= 0")
     if args.out is None:
         only = Path(args.runs[0])
-        one_sweep = len(args.runs) == 1 and only.is_dir() and not (only / "metrics.jsonl").exists()
+        one_sweep = len(args.runs) == 1 and only.is_dir() and not RunLayout(only).metrics.exists()
         args.out = str(only / "compare") if one_sweep else "comparison"
     return args
 

@@ -1,3 +1,3 @@
-"""Run components: the configuration schema, prompt data, checkpoints and the export, the logger, the
-EMA, evaluation, the end-of-run summary, the statistics they report, and the builders of a run.
-Imports train.algorithm and train.distributed, never the trainer or a command."""
+"""The trainer's configuration schema (config.py): the typed settings every run part reads. A run part
+like train/run/, train/model/ and the others beside it: it imports train.algorithm, train.distributed and
+its fellow run parts, never the trainer or a command."""

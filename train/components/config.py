@@ -8,7 +8,7 @@ ranges in ``__post_init__`` with a plain ValueError that starts with the field's
 prefixes the group's path (train/components/config_keys.py: "optimizer.lr must be > 0, got 0"). ``validate``
 then applies the few rules across groups before any model is loaded: every float finite, a segment that
 divides the trainable steps, the batch that divides the samples, files that exist and read as UTF-8, the size
-of an evaluation. It raises ConfigError or PathError (train/components/errors.py), which the commands print
+of an evaluation. It raises ConfigError or PathError (train/run/errors.py), which the commands print
 as one line.
 """
 
@@ -32,8 +32,8 @@ from samplers.sde import SDEKind
 from train.algorithm.segments import split_segments
 from train.algorithm.update_config import Routing, UpdateConfig
 from train.components.config_keys import RESUME_SETTINGS, check_finite, check_known_keys, checked, covered
-from train.components.data import read_prompts
-from train.components.errors import ConfigError, PathError
+from train.run.errors import ConfigError, PathError
+from train.run.prompts import read_prompts
 
 # An override that adds an evaluation scorer to an empty eval.scorers, as typed on the command line
 # (``eval.scorers={jpeg_compressibility: {}}`` needs quotes in a shell; ``+`` adds the key to the typed dict).
@@ -191,7 +191,7 @@ class EMAConfig:
 
 @dataclass
 class HealthConfig:
-    """When a run that cannot learn stops (train/components/health.py)."""
+    """When a run that cannot learn stops (train/observe/health.py)."""
 
     max_bad_steps: int = 10
     """Stop (after a checkpoint) once this many consecutive steps skipped their update (a NaN reward, a non-finite
@@ -212,7 +212,7 @@ class DataConfig:
 
 @dataclass
 class LoggingConfig:
-    """Metrics, wandb, sample grids and the progress line (train/components/logger.py)."""
+    """Metrics, wandb, sample grids and the progress line (train/observe/logger.py)."""
 
     wandb_mode: WandbMode = WandbMode.disabled
     """disabled | offline | online."""
@@ -244,7 +244,7 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoints and the export (train/components/checkpoint.py)."""
+    """Checkpoints and the export (train/checkpoint/manager.py)."""
 
     every: int = 0
     """Save every N steps (0 = only at the end); the last step is always saved."""
@@ -274,7 +274,7 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation: during training (``every``) and by python -m train.eval (train/components/evaluation.py)."""
+    """Evaluation: during training (``every``) and by python -m train.eval (train/evaluation/protocol.py)."""
 
     every: int = 0
     """Evaluate before training, every N steps and after the last step (0 = never); eval/* at step k = after k steps."""
@@ -324,11 +324,11 @@ class EvalConfig:
 
 @dataclass
 class PerfConfig:
-    """Performance accounting (train/components/perf.py)."""
+    """Performance accounting (train/observe/perf.py)."""
 
     peak_tflops: float | None = None
     """Peak TFLOP/s of one device, the denominator of perf/mfu/<phase>; null = the device's: the table of
-    train/components/perf.py on a GPU (A100, H100, H200, B200 bf16 dense), on CPU this machine's float32 matmul
+    train/observe/perf.py on a GPU (A100, H100, H200, B200 bf16 dense), on CPU this machine's float32 matmul
     rate measured once at start-up; > 0.
     """
 

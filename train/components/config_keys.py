@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from train.components.errors import ConfigError
+from train.run.errors import ConfigError
 
 # Old key -> new key, for every setting that moved (a key under an old key moves with it).
 MOVED = {

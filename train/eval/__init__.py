@@ -1,1 +1,1 @@
-"""The evaluation command (``python -m train.eval``, ``jagg-eval``) over train/components/evaluation.py."""
+"""The evaluation command (``python -m train.eval``, ``jagg-eval``) over train/evaluation/protocol.py."""

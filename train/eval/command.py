@@ -1,4 +1,4 @@
-"""``python -m train.eval`` (``jagg-eval``): the evaluation protocol of train/components/evaluation.py on a model,
+"""``python -m train.eval`` (``jagg-eval``): the evaluation protocol of train/evaluation/protocol.py on a model,
 optionally against the pretrained one with the paired difference.
 
     python -m train.eval                                                  # the pretrained testbed model
@@ -30,23 +30,19 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from rewards.summary import overall
+from train.checkpoint.export import Weights, export_description, find_weights
+from train.checkpoint.manager import CheckpointManager
 from train.cli import reported, run_hydra, setup, show_value
-from train.components.build import (
-    build_eval_scorers,
-    build_for_eval,
-    check_eval_scorers,
-    load_config,
-    load_weights,
-    process_group,
-    read_eval_prompts,
-)
-from train.components.checkpoint import CheckpointManager, Weights, find_weights
 from train.components.config import SCORERS_HINT, TrainConfig
 from train.components.config_keys import moved_tree
-from train.components.errors import CheckpointError, ConfigError
-from train.components.evaluation import EvalResult, before_after, evaluate, paired_difference
-from train.components.stats import standard_error
-from train.components.summary import EXPORT, export_description
+from train.evaluation.build import read_eval_prompts
+from train.evaluation.protocol import EvalResult, before_after, evaluate, paired_difference
+from train.model.build import build_for_eval, load_weights
+from train.observe.stats import standard_error
+from train.run.errors import CheckpointError, ConfigError
+from train.run.layout import EXPORT, RunLayout
+from train.run.scorers import build_eval_scorers, check_eval_scorers
+from train.run.start import load_config, process_group
 
 setup()
 PROG = "python -m train.eval"
@@ -81,7 +77,7 @@ def target(cfg: TrainConfig) -> Weights | None:
 
 def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
     """A checkpoint loads into the model structure it was trained with: compare with the run's saved config."""
-    saved = weights.run_dir / ".hydra" / "config.yaml" if weights.run_dir is not None else None
+    saved = RunLayout(weights.run_dir).hydra_config if weights.run_dir is not None else None
     if weights.kind != "checkpoint" or saved is None or not saved.is_file():
         return
     recorded = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
@@ -95,7 +91,7 @@ def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
                 f"{key}={show_value(now)}: pass {key}={show_value(was)}"
             )
     if OmegaConf.select(trained, "ema.decay", default=0.0):
-        export = weights.run_dir / EXPORT if weights.run_dir is not None else None
+        export = RunLayout(weights.run_dir).export if weights.run_dir is not None else None
         log.info(
             "the run kept an EMA of its weights: a checkpoint's model is the trained weights, not the EMA its "
             "evaluations scored (%s holds that)",

@@ -4,7 +4,7 @@ Nothing is allocated and no weight is read. The transformer is built from its ar
 (``configs/arch/<model>/transformer/config.json``, or ``model.path``'s) under torch's
 ``FakeTensorMode``, which gives every tensor its shape, dtype and device but no storage, on a fake
 process group of ``plan.world_size`` ranks. The trainer's own code then sets the run up and runs one
-step on rank 0: ``train.components.build.setup_trainable`` (LoRA or full fine-tuning, the KL reference,
+step on rank 0: ``train.model.build.setup_trainable`` (LoRA or full fine-tuning, the KL reference,
 activation checkpointing, FSDP2 through ``train.distributed.parallelize``), AdamW with the run's
 settings, the EMA; then, each call traced under ``FSDPMemTracker`` (what lives in memory, and when)
 and ``FlopCounterMode``:
@@ -39,7 +39,7 @@ Communication and time (train/plan/comm.py): the transformer forwards of each tr
 (with gradients: each has one backward), and each forward and backward turned into the bytes rank 0
 sends in FSDP2's all-gathers, reduce-scatters and HSDP's all-reduces, inside its node and across
 nodes (``plan.gpus_per_node``); with the FLOPs at ``plan.mfu`` of the GPU's peak (``perf.peak_tflops``,
-else ``plan.gpu``'s in train/components/perf.py's table) and the links' rates (``plan.intra_node_gbps``,
+else ``plan.gpu``'s in train/observe/perf.py's table) and the links' rates (``plan.intra_node_gbps``,
 ``plan.inter_node_gbps``) they give the step's time, and with the run's evaluations (``evaluation``:
 their images sampled at the rollout's FLOPs per row) the run's.
 
@@ -88,14 +88,12 @@ from models.base import parse_dtype
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.cli import hydra_message, report_error, reported, setup
-from train.components.build import check_mesh, typed_config
 from train.components.config import validate
-from train.components.errors import ConfigError
-from train.components.perf import GPU_PEAK_TFLOPS
+from train.observe.perf import GPU_PEAK_TFLOPS
 from train.plan.comm import ModelBytes
-from train.plan.config import PlanRunConfig, register, validate_plan
 from train.plan.fake import fake_process_group, fake_tensors
 from train.plan.frozen import ARCH_ROOT, NOT_READ, frozen_models
+from train.plan.plan_config import PlanRunConfig, register, validate_plan
 from train.plan.report import PlanReport, format_report
 from train.plan.tracing import (
     evaluation,
@@ -107,6 +105,9 @@ from train.plan.tracing import (
     trace_step,
     traced_run,
 )
+from train.run.errors import ConfigError
+from train.run.preflight import check_mesh
+from train.run.start import typed_config
 
 SHIPPED_ARCH = {"flux": "flux1-dev", "qwenimage": "qwen-image"}  # model.name -> folder under configs/arch
 
@@ -171,7 +172,7 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
     arch = arch_folder(cfg, model_path_given)
     frozen = frozen_models(cfg, arch)
     segments = expected_segments(cfg)
-    # setup_trainable filters FSDP2's warning about blocks that return views (train/components/build.py),
+    # setup_trainable filters FSDP2's warning about blocks that return views (train/model/build.py),
     # for the duration of the trace
     with fake_process_group(cfg.plan.world_size, cfg.dist.replicate_degree), fake_tensors(), warnings.catch_warnings():
         traced = trace_step(traced_run(cfg, arch), segments)

@@ -1,5 +1,5 @@
 """The planner's fake environment: a fake process group, fake tensors, and torch's memory tracker
-adapted to tracing one training step, with the trainer's FLOP counter (train/components/perf.py). Every
+adapted to tracing one training step, with the trainer's FLOP counter (train/observe/perf.py). Every
 private name of torch the planner uses is imported here and nowhere else."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from train.components.errors import ConfigError
-from train.components.perf import StepFlopCounter
 from train.distributed.parallelize import world_mesh
+from train.observe.perf import StepFlopCounter
+from train.run.errors import ConfigError
 
 
 class StepMemTracker(FSDPMemTracker):

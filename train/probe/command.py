@@ -1,5 +1,5 @@
 """``python -m train.probe`` (``jagg-probe``): the gradient quality of a JAGG path per group (the
-paper's Table 5) and the jagg_frac it gives, on the configured backbone, sampler and reward (train/probe/probe.py).
+paper's Table 5) and the jagg_frac it gives, on the configured backbone, sampler and reward (train/probe/session.py).
 
     python -m train.probe probe.num_rollouts=8                  # the CPU testbed
     torchrun --nproc_per_node 8 -m train.probe experiment=flux_dance model.path=... \\
@@ -16,8 +16,8 @@ import hydra
 from omegaconf import DictConfig
 
 from train.cli import reported, run_hydra, setup
-from train.probe.config import register
-from train.probe.probe import run_probe
+from train.probe.probe_config import register
+from train.probe.session import run_probe
 
 PROG = "python -m train.probe"
 setup()

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from train.components.config import TrainConfig, register_schema
-from train.components.errors import ConfigError
-from train.components.perf import GPU_PEAK_TFLOPS
+from train.observe.perf import GPU_PEAK_TFLOPS
 from train.plan.comm import INTER_NODE_GBPS, INTRA_NODE_GBPS
+from train.run.errors import ConfigError
 
 
 @dataclass
@@ -39,7 +39,7 @@ class PlanConfig:
     inter_node_gbps: float = INTER_NODE_GBPS
     """Gb/s per GPU and direction across nodes (InfiniBand NDR: 400)"""
     gpu: str = "H100"
-    """the GPU whose dense bf16 peak (train/components/perf.py's table) the compute time assumes; perf.peak_tflops,
+    """the GPU whose dense bf16 peak (train/observe/perf.py's table) the compute time assumes; perf.peak_tflops,
     when set, replaces it, as for the MFU logging
     """
     mfu: float = 0.35

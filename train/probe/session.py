@@ -39,18 +39,14 @@ from train.algorithm.quality import (
 from train.algorithm.segments import route_segments
 from train.algorithm.update import UpdateBatch, update_micro_batch
 from train.algorithm.update_config import MIDDLE_MODES, ReuseVelocities
-from train.components.build import (
-    Run,
-    adamw_settings,
-    load_config,
-    open_run,
-    policy_predictor,
-    process_group,
-    reference_predictor,
-)
-from train.components.config import WandbMode
+from train.components.config import TrainConfig, WandbMode
 from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
-from train.probe.config import ProbeConfig, probe_settings
+from train.optim.build import adamw_settings
+from train.probe.probe_config import ProbeConfig, probe_settings
+from train.run.build import open_run
+from train.run.layout import RunLayout
+from train.run.parts import Run
+from train.run.start import load_config, process_group
 from train.step import reward_phase, rollout_phase
 from train.trainer import resume
 
@@ -59,16 +55,18 @@ MAX_BATCHES_PER_K = 10
 
 
 @contextmanager
-def one_step_later(run: Run, batch: UpdateBatch) -> Iterator[None]:
+def one_step_later(
+    params: list[torch.nn.Parameter], cfg: TrainConfig, batch: UpdateBatch, device: torch.device
+) -> Iterator[None]:
     """The weights after one optimizer step on ``batch`` for the duration of the block, then restored.
 
     The step: the first ``gradient_accumulation_steps`` samples (or all there are) through the
     configured paths (every segment, the prefix rule), the global-norm clip, and a fresh AdamW's first
     step (the run's optimizer state is not touched).
     """
-    cfg, b = run.cfg, run.cfg.batch
-    saved = [p.detach().clone() for p in run.params]
-    optimizer = torch.optim.AdamW(run.params, **adamw_settings(cfg))
+    b = cfg.batch
+    saved = [p.detach().clone() for p in params]
+    optimizer = torch.optim.AdamW(params, **adamw_settings(cfg))
     traj = batch.traj
     route = route_segments(
         traj.trainable_steps(),
@@ -79,16 +77,16 @@ def one_step_later(run: Run, batch: UpdateBatch) -> Iterator[None]:
     )
     rows = min(b.gradient_accumulation_steps, traj.batch_size)
     for first in range(0, rows, b.micro_batch):
-        micro = torch.arange(first, min(first + b.micro_batch, rows), device=run.device)
+        micro = torch.arange(first, min(first + b.micro_batch, rows), device=device)
         update_micro_batch(batch, micro, route, reuse_velocities=False)
-    clip_grad_norm_(run.params, cfg.optimizer.max_grad_norm)
+    clip_grad_norm_(params, cfg.optimizer.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     try:
         yield
     finally:
         with torch.no_grad():
-            for p, value in zip(run.params, saved):
+            for p, value in zip(params, saved):
                 p.copy_(value)
 
 
@@ -100,7 +98,7 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
     many batches as K needs.
     """
     cfg = run.cfg
-    predict, reference = policy_predictor(run), reference_predictor(run)
+    predict, reference = run.model.policy, run.model.kl_reference
     per_batch = cfg.grpo.group_size * cfg.batch.prompts_per_rank * run.dist.world_size
     u, ranks = cfg.update, ProcessRanks()
     stale = u.reuse_velocities is ReuseVelocities.stale and p.mode in MIDDLE_MODES and u.segment_length > 2
@@ -117,12 +115,12 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
         count = min(per_batch, p.num_rollouts - done)
         accumulation = cfg.batch.gradient_accumulation_steps
         update = UpdateBatch(traj, advantages, predict, reference, u, cfg.grpo, accumulation)
-        measured = measure_trajectories(update, run.params, num_rollouts=count, mode=p.mode, ranks=ranks)
+        measured = measure_trajectories(update, run.model.params, num_rollouts=count, mode=p.mode, ranks=ranks)
         for segment, values in measured.items():
             samples[segment] += values
         if stale:
-            with one_step_later(run, update):
-                fresh, old = measure_staleness(update, run.params, num_rollouts=count, mode=p.mode, ranks=ranks)
+            with one_step_later(run.model.params, cfg, update, run.device):
+                fresh, old = measure_staleness(update, run.model.params, num_rollouts=count, mode=p.mode, ranks=ranks)
             for segment in fresh:
                 fresh_after[segment] += fresh[segment]
                 stale_after[segment] += old[segment]
@@ -165,7 +163,7 @@ def run_probe(cfg: DictConfig) -> dict[str, Any]:
                 resume(run)
             rep = probe(run, p)
         if dist.is_main:
-            out = Path(p.output or Path(config.run_dir) / "probe.json")
+            out = Path(p.output or RunLayout(config.run_dir).probe)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(rep, indent=2) + "\n")
             log.info("%s\nreport: %s", format_table(rep), out)

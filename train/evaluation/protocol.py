@@ -3,7 +3,7 @@
 Prompt i always starts from the noise of the stream (eval.seed, "eval_noise", i), so scores do not
 depend on the number of ranks or the batch size, and two models evaluated with the same prompts and
 eval.seed saw the same noise: their per-prompt scores pair up. Prompts are dealt round-robin to
-ranks and the scores gathered; the trainer's Evaluator (train/components/evaluator.py) calls
+ranks and the scores gathered; the trainer's Evaluator (train/evaluation/evaluator.py) calls
 ``evaluate`` every ``eval.every`` steps on all ranks and ``python -m train.eval``
 (train/eval/command.py) once or twice.
 Output in ``<out>`` (``<run_dir>/eval`` for the trainer):
@@ -45,12 +45,13 @@ from rewards.summary import MIN_TILE, before_after_sheet, image_grid, overall, s
 from samplers.rollout import Predict, group_noise, rollout
 from samplers.sde import SDEKind
 from train.components.config import TrainConfig
-from train.components.data import PromptRecord
-from train.components.errors import config_key
-from train.components.logger import format_seconds
-from train.components.stats import standard_error
 from train.distributed.collectives import DistInfo, all_gather_tensor
 from train.distributed.seeds import stream_seed
+from train.observe.logger import format_seconds
+from train.observe.stats import standard_error
+from train.run.errors import config_key
+from train.run.layout import RunLayout
+from train.run.prompts import PromptRecord
 
 log = logging.getLogger(__name__)
 PROGRESS_S = 10.0  # seconds between an evaluation's progress lines (the demo's first evaluation takes ~25 s)
@@ -134,7 +135,7 @@ def evaluate(
         progress(min((first + len(idx)) * dist.world_size, len(records)))
     # Every rank scored per_rank prompts (padded by repeating its last one): gather, then drop pads.
     owner = all_gather_tensor(torch.tensor([mine[min(i, len(mine) - 1)] for i in range(per_rank)]))
-    keep = _first_occurrences(owner)
+    keep = first_occurrences(owner)
     gathered = {name: all_gather_tensor(torch.cat(vals))[keep] for name, vals in scores.items()}
     order = owner[keep].tolist()
     categories = [records[i].category for i in order]
@@ -157,11 +158,11 @@ def evaluate(
     result.rows = sorted(rows, key=lambda row: row["index"])
     count = min(cfg.eval.grid_size, len(grid_indices))
     result.images, result.indices = torch.cat(grid)[:count], grid_indices[:count]
-    _write(result, records, out or Path(cfg.run_dir) / "eval")
+    write_result(result, records, out or RunLayout(cfg.run_dir).eval)
     return result
 
 
-def _write(result: EvalResult, records: list[PromptRecord], out: Path) -> None:
+def write_result(result: EvalResult, records: list[PromptRecord], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     means = list(overall(result.summary))
     errors = {f"{name}_se": standard_error([row[name] for row in result.rows]) for name in means}
@@ -245,7 +246,8 @@ def paired_difference(before: list[dict[str, Any]], after: list[dict[str, Any]],
     )
 
 
-def _first_occurrences(ids: Tensor) -> Tensor:
+def first_occurrences(ids: Tensor) -> Tensor:
+    """The positions of each value's first occurrence in ``ids`` [N], in order (a gather's padding rows go)."""
     seen, keep = set(), []
     for position, value in enumerate(ids.tolist()):
         if value not in seen:

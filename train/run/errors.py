@@ -52,7 +52,7 @@ class PathError(UserError, FileNotFoundError):
 class CheckpointError(UserError, ValueError):
     """A checkpoint cannot be resumed from. ``damaged``: its files are broken, so an earlier one may serve."""
 
-    same_on_every_rank = True  # raised after the ranks agreed (train/components/checkpoint.py)
+    same_on_every_rank = True  # raised after the ranks agreed (train/checkpoint/manager.py)
 
     def __init__(self, message: str, *, damaged: bool) -> None:
         super().__init__(message)
@@ -82,7 +82,7 @@ class Interrupted(Stop):
 class DiskFull(UserError):
     """The disk of the run folder cannot take the next checkpoint; the ones already written are intact."""
 
-    same_on_every_rank = True  # the ranks agree on the verdict (train/components/checkpoint.py)
+    same_on_every_rank = True  # the ranks agree on the verdict (train/checkpoint/manager.py)
 
 
 class NotLearning(UserError):

@@ -1,7 +1,7 @@
-"""The trainer's evaluation: an ``Evaluator`` built once (train/components/build.py:build_evaluator)
+"""The trainer's evaluation: an ``Evaluator`` built once (train/evaluation/build.py:build_evaluator)
 with its prompts, scorers and the step-0 result, called after ``step`` training steps on all ranks.
 
-A call runs the protocol of train/components/evaluation.py (with the EMA weights when kept) on the
+A call runs the protocol of train/evaluation/protocol.py (with the EMA weights when kept) on the
 evaluation prompts and, when ``eval.heldout_prompts`` is set, on those as a second evaluation; logs
 ``eval/<metric>[/<category>]`` and ``eval/<metric>/held-out[/<category>]`` at ``step``; then rank 0
 prints the line against step 0 (``eval step 20: shape_alignment 0.5735 (step 0: 0.5862); held-out:
@@ -28,12 +28,13 @@ from rewards.base import Scorer
 from rewards.summary import overall
 from samplers.rollout import Predict
 from train.components.config import TrainConfig
-from train.components.data import PromptRecord
-from train.components.ema import EMA
-from train.components.evaluation import EvalResult, before_after, evaluate, read_scores
-from train.components.logger import RunLogger
-from train.components.summary import HELD_OUT, eval_line, eval_tag, heldout_tag
 from train.distributed.collectives import DistInfo
+from train.evaluation.protocol import EvalResult, before_after, evaluate, read_scores
+from train.evaluation.summary import HELD_OUT, eval_line, eval_tag, heldout_tag
+from train.observe.logger import RunLogger
+from train.optim.ema import EMA
+from train.run.layout import RunLayout
+from train.run.prompts import PromptRecord
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,10 @@ class Evaluator:
     def __call__(self, step: int) -> None:
         """Evaluate the policy after ``step`` training steps: log it on all ranks, show it on rank 0."""
         result = self._evaluate(self.records, eval_tag(step))
-        metrics = _eval_keys(result.summary, "")
+        metrics = logged_metrics(result.summary, "")
         heldout = self._evaluate(self.heldout, heldout_tag(step)).summary if self.heldout else None
         if heldout is not None:
-            metrics |= _eval_keys(heldout, f"/{HELD_OUT}")
+            metrics |= logged_metrics(heldout, f"/{HELD_OUT}")
         self.logger.log(metrics, step)
         if self.dist.is_main:
             self._show(result, heldout, step)
@@ -78,7 +79,7 @@ class Evaluator:
 
     def _show(self, result: EvalResult, heldout: dict[str, float] | None, step: int) -> None:
         """The console line, the grid on wandb and the sheet against step 0 (which step 0 itself keeps)."""
-        folder = Path(self.cfg.run_dir) / "eval"
+        folder = RunLayout(self.cfg.run_dir).eval
         if step == 0:
             self.before, self.heldout_before = result, heldout
             save_grid(result, folder)
@@ -97,7 +98,7 @@ class Evaluator:
             self.logger.log_wandb_images("eval/before_after", path, [f"step 0 | step {step}: {metric}"], step)
 
 
-def _eval_keys(summary: dict[str, float], suffix: str) -> dict[str, float]:
+def logged_metrics(summary: dict[str, float], suffix: str) -> dict[str, float]:
     """eval/<metric><suffix>[/<category>] for a summary's <metric>[/<category>] keys."""
     keyed = {}
     for key, value in summary.items():

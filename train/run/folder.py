@@ -25,17 +25,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from train.components.errors import ConfigError, UserError
+from train.run.errors import ConfigError, UserError
+from train.run.layout import RunLayout
 
 log = logging.getLogger(__name__)
-LOCK_FILE = "LOCK"
 LEASE_S = 60.0  # a holder that has not renewed its lock for this long is taken for dead
-# What a run leaves in its folder that a second run would overwrite or mix with its own.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "export", "eval", "samples", "wandb", "wandb_run_id")
 
 
 def _logged_steps(folder: Path) -> int:
-    path = folder / "metrics.jsonl"
+    path = RunLayout(folder).metrics
     if not path.is_file():
         return 0
     with path.open("rb") as file:
@@ -45,7 +43,8 @@ def _logged_steps(folder: Path) -> int:
 def held_run(folder: str | Path) -> str | None:
     """What run ``folder`` holds ("3 checkpoints (the latest step_00000003), 4 rows of metrics.jsonl"), or None."""
     folder = Path(folder)
-    checkpoints = sorted(p.name for p in (folder / "checkpoints").glob("step_*")) if folder.is_dir() else []
+    layout = RunLayout(folder)
+    checkpoints = sorted(p.name for p in layout.checkpoints.glob("step_*")) if folder.is_dir() else []
     parts = []
     if checkpoints:
         parts.append(
@@ -53,7 +52,7 @@ def held_run(folder: str | Path) -> str | None:
         )
     if rows := _logged_steps(folder):
         parts.append(f"{rows} row{'s' if rows > 1 else ''} of metrics.jsonl")
-    if (folder / "export").is_dir():
+    if layout.export.is_dir():
         parts.append("an export")
     return ", ".join(parts) or None
 
@@ -73,8 +72,7 @@ def check_one_run(folder: str | Path, *, resume: str | None, overwrite: bool) ->
 def clear_run(folder: str | Path) -> None:
     """Delete what a run wrote in ``folder`` (``checkpoint.overwrite=true``); Hydra's files stay."""
     folder = Path(folder)
-    for name in RUN_FILES:
-        path = folder / name
+    for path in RunLayout(folder).run_files():
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
@@ -119,7 +117,7 @@ class RunLock:
         host: str | None = None,
         pid: int | None = None,
     ) -> None:
-        self.path = Path(folder) / LOCK_FILE
+        self.path = RunLayout(folder).lock
         self.lease_s, self.clock = lease_s, clock
         self.me = (host or socket.gethostname(), os.getpid() if pid is None else pid)
         self._stop = threading.Event()
@@ -158,7 +156,7 @@ class RunLock:
         )
 
     def _write(self) -> None:
-        tmp = self.path.with_name(f"{LOCK_FILE}.{self.me[1]}.tmp")
+        tmp = self.path.with_name(f"{self.path.name}.{self.me[1]}.tmp")
         host, pid = self.me
         tmp.write_text(json.dumps(asdict(Holder(host, pid, self.clock()))), encoding="utf-8")
         os.replace(tmp, self.path)  # atomic: a reader sees the old lock or the new one

@@ -5,46 +5,25 @@
 The summary gives the evaluation reward before -> after, of the held-out prompts too, with standard
 errors over prompts and the paired difference (from the per-prompt score files, so it holds across a
 resume), the median time per step and per phase, the achieved TFLOP/s and MFU per phase
-(train/components/perf.py), what compiling cost (model.compile), and where everything was written, with
+(train/observe/perf.py), what compiling cost (model.compile), and where everything was written, with
 what each export holds (its ``weights.json``: the EMA the evaluations scored in ``export/``, the trained
 weights in ``export_raw/``).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rewards.summary import overall
+from train.checkpoint.export import export_description
 from train.components.config import TrainConfig
-from train.components.evaluation import paired_difference, read_scores
-from train.components.logger import format_seconds
-from train.components.perf import Peak
-from train.components.stats import median
-
-EXPORT, RAW_EXPORT = "export", "export_raw"  # <run>/export: the weights the trainer scored; export_raw: without EMA
-EXPORT_NOTE = "weights.json"  # in an export folder: which weights it holds ({"weights": "ema" | "trained", ...})
-
-
-def write_export_note(out: Path, *, weights: str, step: int, ema_decay: float) -> None:
-    """``<out>/weights.json``: which weights an export holds (the main rank writes it)."""
-    note = {"weights": weights, "step": step, "ema_decay": ema_decay, "scored_by_the_trainer": out.name == EXPORT}
-    (out / EXPORT_NOTE).write_text(json.dumps(note, indent=2) + "\n")
-
-
-def export_description(folder: Path) -> str | None:
-    """What an export holds, from its ``weights.json`` (None when it has none)."""
-    note = folder / EXPORT_NOTE
-    if not note.is_file():
-        return None
-    meta = json.loads(note.read_text())
-    step = f"the weights after step {meta['step']}"
-    what = f"the EMA (ema.decay={meta['ema_decay']:g}) of {step}" if meta["weights"] == "ema" else step
-    scored = "which the trainer's evaluations scored" if meta["scored_by_the_trainer"] else f"not the EMA of {EXPORT}/"
-    return f"{what}, {scored}"
-
+from train.evaluation.protocol import paired_difference, read_scores
+from train.observe.logger import format_seconds
+from train.observe.perf import Peak
+from train.observe.stats import median
+from train.run.layout import RunLayout
 
 HELD_OUT = "held-out"  # the held-out prompts' evaluation: eval/<metric>/held-out, eval/<tag>_held-out.*
 PHASES = ("step", "rollout", "reward", "update", "optimizer", "probe")  # the timed phases of a step (time/<phase>)
@@ -126,7 +105,7 @@ def _paired_lines(eval_dir: Path, tags: tuple[str, str], names: tuple[str, str],
 
 
 def _rewards(cfg: TrainConfig, history: Sequence[Mapping[str, float]]) -> list[str]:
-    eval_dir = Path(cfg.run_dir) / "eval"
+    eval_dir = RunLayout(cfg.run_dir).eval
     before = eval_dir / f"{eval_tag(0)}.scores.jsonl"
     names = ("step 0", f"step {cfg.num_steps}")
     trained = _paired_lines(eval_dir, (eval_tag(0), eval_tag(cfg.num_steps)), names, "")
@@ -144,31 +123,34 @@ def _listing(folder: Path, pattern: str) -> list[str]:
     return sorted(p.name for p in folder.glob(pattern)) if folder.is_dir() else []
 
 
-def _files(cfg: TrainConfig, wandb_mode: str) -> list[str]:
-    run = Path(cfg.run_dir)
-    lines = [f"run folder: {run}", "  metrics.jsonl   every logged step (python -m train.compare reads it)"]
+def files_section(cfg: TrainConfig, wandb_mode: str) -> list[str]:
+    """The summary's lines of what the run folder holds (what each file is, how to use it)."""
+    layout = RunLayout(cfg.run_dir)
+    run = layout.root
+    lines = [f"run folder: {run}", f"  {layout.metrics.name}   every logged step (python -m train.compare reads it)"]
     lines += [f"  {name:<15} these lines" for name in _listing(run, "*.log")]
     if wandb_mode != "disabled":
         lines.append(f"  wandb/          wandb {wandb_mode} run (its id in wandb_run_id)")
-    offline = _listing(run / "wandb", "offline-run-*")
+    offline = _listing(layout.wandb, "offline-run-*")
     if wandb_mode == "offline" and offline:
-        lines.append(f"                  upload it later: wandb sync {run / 'wandb' / offline[-1]}")
-    samples = _listing(run / "samples", "*.png")
+        lines.append(f"                  upload it later: wandb sync {layout.wandb / offline[-1]}")
+    samples = _listing(layout.samples, "*.png")
     if samples:
         lines.append(f"  samples/        {len(samples)} captioned grids of rollouts, rewards under each image")
-    evals = _listing(run / "eval", "step_*.json")
+    evals = _listing(layout.eval, "step_*.json")
     if evals:
-        sheets = _listing(run / "eval", "before_after_*.png")
+        sheets = _listing(layout.eval, "before_after_*.png")
         lines.append(
             f"  eval/           {len(evals)} evaluations ({evals[0]} ... {evals[-1]}): means (.json), scores per "
             f"prompt (.scores.jsonl), grids (.png)" + (f", before/after sheets ({sheets[-1]})" if sheets else "")
         )
-    checkpoints = _listing(run / "checkpoints", "step_????????")
+    checkpoints = _listing(layout.checkpoints, "step_????????")
     if checkpoints:
         lines.append(f"  checkpoints/    {', '.join(checkpoints)} (continue with resume=auto)")
-    for name in (EXPORT, RAW_EXPORT):
-        if (run / name).is_dir():
-            what = export_description(run / name) or "the trained transformer"
+    for folder in (layout.export, layout.export_raw):
+        if folder.is_dir():
+            what = export_description(folder) or "the trained transformer"
+            name = folder.name
             lines.append(f"  {name + '/':<15} {what} (python -m train.eval eval.transformer=<run>/{name})")
     return lines
 
@@ -182,5 +164,5 @@ def run_summary(
     lines += _rewards(cfg, history)
     lines.append(_timing(history))
     lines += _perf(history, peak)
-    lines += _files(cfg, cfg.logging.wandb_mode)
+    lines += files_section(cfg, cfg.logging.wandb_mode)
     return "\n".join(lines)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from train.components.errors import ConfigError, PathError
 from train.distributed.seeds import stream_generator
+from train.run.errors import ConfigError, PathError
 
 
 @dataclass(frozen=True)

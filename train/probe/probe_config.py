@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from train.algorithm.jagg import UPDATE_MODES
 from train.components.config import TrainConfig, register_schema
-from train.components.errors import ConfigError
+from train.run.errors import ConfigError
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Resumable checkpoints (torch.distributed.checkpoint) and the export of the trained transformer.
+"""Resumable checkpoints (torch.distributed.checkpoint); the export is train/checkpoint/export.py.
 
 Layout of ``run_dir/checkpoints/step_00000040/``:
 
@@ -33,54 +33,42 @@ is reported and the previous complete one is used.
 
 In a single process there is no process group: DCP is called with ``no_dist=True`` (it would
 otherwise guess the same; its warning is silenced) and ``get_state_dict`` works on the unsharded model.
-
-``export_model`` gathers the full (unsharded) state dict to rank 0's CPU and writes the
-transformer as diffusers ``save_pretrained`` output (loadable with ``from_pretrained``), a LoRA
-injected with diffusers' ``add_adapter`` as ``pytorch_lora_weights.safetensors`` (keys prefixed
-with the pipeline component, loadable with ``pipe.load_lora_weights`` or
-``transformer.load_lora_adapter``), or a ``peft.PeftModel`` as a PEFT adapter folder.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import logging
-import random
 import re
 import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from diffusers import ModelMixin
-from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
-from peft import PeftModel
-from peft.utils import get_peft_model_state_dict
-from safetensors import safe_open
-from safetensors.torch import save_file
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from train.components.errors import CheckpointError, DiskFull, PathError
-from train.components.summary import EXPORT, RAW_EXPORT
+from train.checkpoint.files import (
+    MARKER,
+    checksum_problem,
+    checksums,
+    free_bytes,
+    gb,
+    is_complete,
+    is_no_space,
+    mount_point,
+    read_marker,
+)
+from train.checkpoint.state import flat_keys, merge_trees, rng_state, set_rng_state, split_extra, train_state
 from train.distributed.collectives import (
     barrier,
     broadcast_object,
@@ -89,162 +77,17 @@ from train.distributed.collectives import (
     get_world_size,
     is_distributed,
 )
+from train.run.errors import CheckpointError, DiskFull
+from train.run.layout import RunLayout
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-_MARKER = "COMPLETE"
 _RANK_FILE_KEYS = {"step", "world_size", "extra", "rng", "sharded_extra_keys"}
-_CHUNK = 8 << 20  # bytes per read while hashing
-
-
-def is_complete(path: str | Path) -> bool:
-    """Whether ``path`` is a checkpoint whose save finished (it holds the COMPLETE marker)."""
-    return (Path(path) / _MARKER).is_file()
-
-
-def _marker(path: Path) -> dict[str, Any]:
-    """``{"step", "world_size"}`` from the marker of a checkpoint that passed ``problem``."""
-    return json.loads((path / _MARKER).read_text())
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _my_share(names: list[str]) -> list[str]:
-    """The files of a sorted listing this rank hashes: every world-size-th, from its rank on."""
-    return names[get_rank() :: get_world_size()]
-
-
-def _checksums(folder: Path) -> dict[str, dict[str, Any]]:
-    """name -> {"size", "sha256"} of every file in ``folder``, the ranks sharing the work (a collective)."""
-    names = broadcast_object(sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != _MARKER))
-    mine = {
-        name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)} for name in _my_share(names)
-    }
-    return {name: info for part in gather_objects(mine) for name, info in part.items()}
-
-
-def _checksum_problem(path: Path, files: dict[str, dict[str, Any]]) -> str | None:
-    """The first of this rank's share of ``files`` that is missing or differs from what was recorded."""
-    for name in _my_share(sorted(files)):
-        file, recorded = path / name, files[name]
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != recorded["size"]:
-            return f"{name} has {file.stat().st_size} bytes, {recorded['size']} when it was saved"
-        if _sha256(file) != recorded["sha256"]:
-            return (
-                f"{name} does not match the checksum recorded when it was saved (a file of another checkpoint, "
-                "or changed since)"
-            )
-    return None
-
-
-def _mount_point(path: Path) -> Path:
-    """The mount point of the file system that holds ``path`` (an existing folder)."""
-    device = path.stat().st_dev
-    while path.parent != path and path.parent.stat().st_dev == device:
-        path = path.parent
-    return path
-
-
-def free_bytes(path: Path) -> int:
-    """Free bytes of the file system of ``path`` (or of its nearest existing parent)."""
-    while not path.exists():
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
-
-
-_NO_SPACE = re.compile(r"No space left|unexpected pos|Errno 28|disk quota", re.IGNORECASE)
-
-
-def _is_no_space(err: BaseException) -> bool:
-    return (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or bool(_NO_SPACE.search(str(err)))
-
-
-def state_bytes(model: nn.Module, optimizer: Optimizer | None) -> int:
-    """About the bytes of a checkpoint of ``model`` and ``optimizer``, all ranks together (a collective).
-
-    An optimizer that has not stepped yet holds no state: AdamW's two moments per trainable weight are counted.
-    """
-
-    def local(t: Tensor) -> int:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.numel() * t.element_size()
-
-    total = sum(local(t) for t in model.state_dict().values() if isinstance(t, Tensor))
-    if optimizer is not None:
-        moments = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, Tensor)]
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        total += sum(local(t) for t in moments) if moments else 2 * sum(local(p) for p in params)
-    return int(sum(gather_objects(total)))
 
 
 def _rank_file(saved_world: int) -> str:
     """This rank's file of a checkpoint saved by ``saved_world`` ranks: its own, or rank 0's when resharded."""
     return f"rank{get_rank()}.pt" if saved_world == get_world_size() else "rank0.pt"
-
-
-def _split_extra(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split a nested dict into (DTensor leaves, everything else), both keeping the nesting."""
-    sharded: dict[str, Any] = {}
-    local: dict[str, Any] = {}
-    for key, value in tree.items():
-        if not isinstance(key, str):
-            raise ValueError(f"checkpoint extra: keys must be strings, got {key!r}")
-        if isinstance(value, dict):
-            sub_sharded, sub_local = _split_extra(value)
-            if sub_sharded:
-                sharded[key] = sub_sharded
-            if sub_local or not sub_sharded:
-                local[key] = sub_local
-        elif isinstance(value, DTensor):
-            sharded[key] = value
-        else:
-            local[key] = value
-    return sharded, local
-
-
-def _merge(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in other.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def _flat_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
-    keys: set[str] = set()
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        keys |= _flat_keys(value, path + ".") if isinstance(value, dict) else {path}
-    return keys
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 @contextmanager
@@ -255,20 +98,13 @@ def _single_process_ok() -> Iterator[None]:
         yield
 
 
-def _train_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
-    if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_state, optim_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optim": optim_state}
-
-
 class CheckpointManager:
     """Save, find and load the checkpoints of one run (every rank constructs one, same run_dir)."""
 
     def __init__(self, run_dir: str | Path, *, keep_last: int = 3) -> None:
         if keep_last < 1:
             raise ValueError(f"checkpoint keep_last must be >= 1, got {keep_last}")
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = RunLayout(run_dir).checkpoints
         self.keep_last = keep_last
 
     def path_for(self, step: int) -> Path:
@@ -341,11 +177,11 @@ class CheckpointManager:
 
     def step_of(self, path: Path) -> int:
         """The step a checkpoint holds, from its marker (``problem`` found nothing wrong with it)."""
-        return int(_marker(path)["step"])
+        return int(read_marker(path)["step"])
 
     def settings_of(self, path: Path) -> dict[str, Any] | None:
         """The settings recorded with a checkpoint (None: saved before they were recorded)."""
-        settings = _marker(path).get("settings")
+        settings = read_marker(path).get("settings")
         return settings if isinstance(settings, dict) else None
 
     def size_of(self, path: Path) -> int:
@@ -359,7 +195,7 @@ class CheckpointManager:
         if get_rank() == 0:
             free = free_bytes(self.root)
             if free < needed * 1.05:
-                problem = self._disk_full(f"has {_gb(free)} free, {what} needs about {_gb(needed)}")
+                problem = self._disk_full(f"has {gb(free)} free, {what} needs about {gb(needed)}")
         problem = broadcast_object(problem)
         if problem:
             raise DiskFull(problem)
@@ -369,27 +205,27 @@ class CheckpointManager:
         while not folder.exists():
             folder = folder.parent
         return (
-            f"the disk of {self.root} (the file system mounted at {_mount_point(folder)}) {why}: free space "
+            f"the disk of {self.root} (the file system mounted at {mount_point(folder)}) {why}: free space "
             "there or move the run; the checkpoints already written are intact, and resume=auto continues"
         )
 
     def _local_problem(self, path: Path) -> str | None:
         if not path.is_dir():
             return "it is not a folder"
-        marker = path / _MARKER
+        marker = path / MARKER
         if not marker.is_file():
-            return f"it has no {_MARKER} marker (an interrupted save, or not a checkpoint folder)"
+            return f"it has no {MARKER} marker (an interrupted save, or not a checkpoint folder)"
         text = marker.read_bytes()[: 1 << 20]  # a few kB as written; a huge file is not a marker
         try:
             info = json.loads(text)
             step, world = info["step"], info["world_size"]
         except (ValueError, KeyError, TypeError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            return f"its {_MARKER} marker is not the JSON the trainer writes ({text[:40]!r})"
+            return f"its {MARKER} marker is not the JSON the trainer writes ({text[:40]!r})"
         if not isinstance(step, int) or not isinstance(world, int) or world < 1:
-            return f"its {_MARKER} marker holds step={step!r}, world_size={world!r}; expected integers"
+            return f"its {MARKER} marker holds step={step!r}, world_size={world!r}; expected integers"
         match = _STEP_DIR.match(path.name)
         if match and int(match.group(1)) != step:
-            return f"its {_MARKER} marker says step {step}, its folder name step {int(match.group(1))}"
+            return f"its {MARKER} marker says step {step}, its folder name step {int(match.group(1))}"
         if get_rank() == 0:
             problem = self._shard_problem(path)
             if problem:
@@ -405,7 +241,7 @@ class CheckpointManager:
         if not isinstance(local, dict) or not _RANK_FILE_KEYS <= set(local) or local["step"] != step:
             return f"{name} is not the rank file of step {step}"
         files = info.get("files")
-        return _checksum_problem(path, files) if isinstance(files, dict) else None
+        return checksum_problem(path, files) if isinstance(files, dict) else None
 
     @staticmethod
     def _shard_problem(path: Path) -> str | None:
@@ -439,14 +275,14 @@ class CheckpointManager:
         """Write a checkpoint of step ``step`` on every rank (a collective); return its folder.
 
         ``settings``: what the weights mean (recorded in the marker, compared on resume)."""
-        rng = _rng_state()
+        rng = rng_state()
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
         if get_rank() == 0:
             self._prepare()
         barrier()
-        sharded_extra, local_extra = _split_extra(extra)
-        state = _train_state(model, optimizer)
+        sharded_extra, local_extra = split_extra(extra)
+        state = train_state(model, optimizer)
         if sharded_extra:
             state["extra"] = sharded_extra
         local = {
@@ -454,22 +290,22 @@ class CheckpointManager:
             "world_size": get_world_size(),
             "extra": local_extra,
             "rng": rng,
-            "sharded_extra_keys": sorted(_flat_keys(sharded_extra)),
+            "sharded_extra_keys": sorted(flat_keys(sharded_extra)),
         }
         try:
             with _single_process_ok():
                 dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
             torch.save(local, tmp / f"rank{get_rank()}.pt")
         except (OSError, RuntimeError, CheckpointException) as err:
-            if not _is_no_space(err):
+            if not is_no_space(err):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoints stay the latest
             raise DiskFull(self._disk_full(f"filled up while it took the checkpoint of step {step}")) from None
         barrier()
-        files = _checksums(tmp)
+        files = checksums(tmp)
         if get_rank() == 0:
             marker = {"step": step, "world_size": get_world_size(), "settings": settings, "files": files}
-            (tmp / _MARKER).write_text(json.dumps(marker))
+            (tmp / MARKER).write_text(json.dumps(marker))
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
@@ -495,16 +331,16 @@ class CheckpointManager:
         """
         path = Path(path)
         if not is_complete(path):
-            raise CheckpointError(f"{path} is not a complete checkpoint (no {_MARKER} file)", damaged=True)
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} file)", damaged=True)
         local = self._read_rank_file(path)
-        sharded_template, _ = _split_extra(extra_template or {})
-        missing = set(local["sharded_extra_keys"]) - _flat_keys(sharded_template)
+        sharded_template, _ = split_extra(extra_template or {})
+        missing = set(local["sharded_extra_keys"]) - flat_keys(sharded_template)
         if missing:
             raise ValueError(
                 f"checkpoint {path} holds sharded extra entries {sorted(missing)}: pass "
                 "extra_template with DTensors of the same shape, e.g. {'ema': ema.state_dict()}"
             )
-        state = _train_state(model, optimizer)
+        state = train_state(model, optimizer)
         if local["sharded_extra_keys"]:
             state["extra"] = sharded_template
         try:
@@ -516,10 +352,10 @@ class CheckpointManager:
             set_model_state_dict(model, state["model"])
         else:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        return _merge(local["extra"], state.get("extra", {}))
+        return merge_trees(local["extra"], state.get("extra", {}))
 
     def _read_rank_file(self, path: Path) -> dict[str, Any]:
-        saved_world = _marker(path)["world_size"]
+        saved_world = read_marker(path)["world_size"]
         resharded = saved_world != get_world_size()
         # weights_only=False: the file is written by save() above and holds numpy RNG state.
         local = torch.load(path / _rank_file(saved_world), weights_only=False)
@@ -531,7 +367,7 @@ class CheckpointManager:
                 stacklevel=3,
             )
         else:
-            _set_rng_state(local["rng"])
+            set_rng_state(local["rng"])
         return local
 
     def _prepare(self) -> None:
@@ -570,130 +406,3 @@ def _load_error(path: Path, err: CheckpointException) -> CheckpointError:
         "a zeroed, overwritten or cut file)",
         damaged=True,
     )
-
-
-def export_model(
-    model: nn.Module,
-    out_dir: str | Path,
-    *,
-    dtype: torch.dtype | None = None,
-    adapter_name: str | None = None,
-    lora_prefix: str = "transformer",
-) -> Path:
-    """Write the trained transformer, or only its LoRA adapter, to ``out_dir`` (a collective).
-
-    dtype: cast the exported tensors (None keeps the training dtype). adapter_name: which LoRA
-    adapter to write when the model holds several. lora_prefix: the pipeline component the LoRA
-    keys are prefixed with (diffusers-injected adapters only).
-    """
-    if not isinstance(model, (ModelMixin, PeftModel)):
-        raise ValueError(
-            f"export_model: {type(model).__name__} is neither a diffusers ModelMixin nor a peft "
-            "PeftModel; only those have a loadable on-disk format"
-        )
-    # Full tensors are gathered on every rank but kept only on rank 0 (cpu_offload), in CPU memory.
-    full: dict[str, Any] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    out = Path(out_dir)
-    if get_rank() == 0:
-        if dtype is not None:
-            full = {key: value.to(dtype) for key, value in full.items()}
-        if isinstance(model, PeftModel):
-            model.save_pretrained(str(out), state_dict=full)
-        elif getattr(model, "peft_config", None):
-            _export_diffusers_lora(model, full, out, adapter_name, lora_prefix)
-        else:
-            _export_full(model, full, out)
-    barrier()
-    return out
-
-
-def _export_full(model: ModelMixin, state: dict[str, Tensor], out: Path) -> None:
-    """save_pretrained of an unsharded copy built on the meta device from the model's config.
-
-    FSDP2 swaps the model's class for a generated subclass; the copy uses the original class, so
-    config.json names the real class.
-    """
-    cls: Any = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
-    with torch.device("meta"):
-        copy = cls.from_config(model.config)  # type: ignore[attr-defined]  # ModelMixin's ConfigMixin
-    copy.load_state_dict(state, strict=True, assign=True)
-    copy.save_pretrained(out)
-
-
-def _export_diffusers_lora(
-    model: Any, state: dict[str, Tensor], out: Path, adapter_name: str | None, prefix: str
-) -> None:
-    """The file diffusers' ``save_lora_adapter`` writes, from the gathered state and with a prefix."""
-    names = list(model.peft_config)
-    if adapter_name is None:
-        if len(names) != 1:
-            raise ValueError(f"export_model: the model holds adapters {names}; pass adapter_name")
-        adapter_name = names[0]
-    if adapter_name not in names:
-        raise ValueError(f"export_model: adapter_name={adapter_name!r} not in the model's adapters {names}")
-    lora = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter_name)
-    config = model.peft_config[adapter_name].to_dict()
-    config = {key: sorted(value) if isinstance(value, set) else value for key, value in config.items()}
-    # Like a pipeline's save_lora_weights: tensor keys and adapter-config keys carry the component prefix.
-    tag = f"{prefix}." if prefix else ""
-    tensors = {f"{tag}{key}": value.contiguous() for key, value in lora.items()}
-    packed = {f"{tag}{key}": value for key, value in config.items()}
-    metadata = {"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True)}
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / LORA_WEIGHT_NAME_SAFE), metadata=metadata)
-
-
-@dataclass(frozen=True)
-class Weights:
-    """Trained weights that ``python -m train.eval`` can load, found from a path on its command line."""
-
-    kind: str  # "checkpoint" (a step_XXXXXXXX folder), "export" (save_pretrained) or "lora_export"
-    path: Path
-    run_dir: Path | None  # the run folder that wrote them (holds metrics.jsonl or .hydra/), when recognisable
-    tag: str  # names the evaluation's files: "step_00000060", "export" or "export_raw"
-
-
-def _run_folder(path: Path) -> Path | None:
-    return path if (path / "metrics.jsonl").is_file() or (path / ".hydra").is_dir() else None
-
-
-def _export_problem(folder: Path) -> str | None:
-    """What is wrong with the safetensors files of an export (a copy cut short, a damaged header), or None."""
-    for file in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(file), "pt") as weights:
-                weights.keys()
-        except Exception as err:  # safetensors raises its own error type for any unreadable header
-            return f"{file.name} cannot be read ({str(err).splitlines()[0][:80]})"
-    return None
-
-
-def find_weights(value: str, field: str) -> Weights:
-    """What ``value`` (``eval.transformer`` or ``resume``) points at: an export, a checkpoint, or a run folder
-    (its export, else its latest complete checkpoint). Raises PathError naming ``field`` and the fix."""
-    path = Path(value)
-    accepted = "an export folder (<run>/export), a checkpoint folder (<run>/checkpoints/step_XXXXXXXX) or a run folder"
-    if not path.exists():
-        raise PathError(f"{field}={value!r} does not exist; pass {accepted}")
-    if is_complete(path):
-        run = _run_folder(path.parent.parent) if path.parent.name == "checkpoints" else None
-        return Weights("checkpoint", path, run, path.name)
-    if (path / "config.json").is_file() or (path / LORA_WEIGHT_NAME_SAFE).is_file():
-        kind = "export" if (path / "config.json").is_file() else "lora_export"
-        if problem := _export_problem(path):
-            raise PathError(f"{field}={value!r}: the export {problem}; export again, or pass a checkpoint folder")
-        return Weights(kind, path, _run_folder(path.parent), RAW_EXPORT if path.name == RAW_EXPORT else EXPORT)
-    if path.parent.name == "checkpoints" or path.name.endswith(".tmp"):
-        raise PathError(
-            f"{field}={value!r} is not a complete checkpoint (no COMPLETE marker: its save was interrupted); "
-            f"pick another folder of {path.parent}"
-        )
-    latest = CheckpointManager(path).latest()
-    if (path / EXPORT).is_dir():
-        problem = _export_problem(path / EXPORT)
-        if problem is None or latest is None:
-            return find_weights(str(path / EXPORT), field)
-        log.warning("%s=%s: its export %s; using its latest checkpoint %s", field, value, problem, latest.name)
-    if latest is not None:
-        return find_weights(str(latest), field)
-    raise PathError(f"{field}={value!r} holds no trained weights; pass {accepted}")

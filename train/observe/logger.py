@@ -45,12 +45,12 @@ from torch import Tensor
 from tqdm import tqdm
 
 from rewards.summary import MIN_TILE, image_grid
+from train.run.layout import RunLayout
 
 if TYPE_CHECKING:
-    from train.components.perf import FlopMeter
+    from train.observe.perf import FlopMeter
 
 WANDB_MODES = ("disabled", "offline", "online")  # logging.wandb_mode
-WANDB_ID_FILE = "wandb_run_id"
 log = logging.getLogger(__name__)
 
 
@@ -74,13 +74,13 @@ def last_wall_time(lines: list[str]) -> float:
 def session_config(run_dir: Path, *, resumed: bool) -> Path:
     """Where a session writes its configuration: ``config.yaml``, or for a resumed run, which keeps the first
     session's there, ``config.<n>.yaml`` (n = 2, 3, ... per resumed session)."""
-    first = run_dir / "config.yaml"
-    if not resumed or not first.exists():
-        return first
+    layout = RunLayout(run_dir)
+    if not resumed or not layout.config.exists():
+        return layout.config
     n = 2
-    while (run_dir / f"config.{n}.yaml").exists():
+    while layout.session_config(n).exists():
         n += 1
-    return run_dir / f"config.{n}.yaml"
+    return layout.session_config(n)
 
 
 def _to_float(key: str, value: float | int | bool | Tensor) -> float:
@@ -113,7 +113,8 @@ class RunLogger:
             raise ValueError(f"logging.wandb_mode={wandb_mode!r}; accepted: {', '.join(WANDB_MODES)}")
         self.run_dir = Path(run_dir)
         self.is_main = is_main
-        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.layout = RunLayout(run_dir)
+        self.metrics_path = self.layout.metrics
         self._start = time.time()
         self._wandb: Any = None
         self._file: TextIO | None = None
@@ -141,7 +142,7 @@ class RunLogger:
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
-        id_file = self.run_dir / WANDB_ID_FILE
+        id_file = self.layout.wandb_run_id
         if id_file.is_file():
             run_id = id_file.read_text(encoding="utf-8").strip()
         else:
@@ -228,7 +229,7 @@ class RunLogger:
             return None
         if len(captions) != images.shape[0] or (scores is not None and len(scores) != len(captions)):
             raise ValueError(f"log_images: {images.shape[0]} images, {len(captions)} captions and scores to match")
-        folder = self.run_dir / "samples"
+        folder = self.layout.samples
         folder.mkdir(parents=True, exist_ok=True)
         shown = step if shown_step is None else shown_step
         stem = f"{key.replace('/', '_')}_{shown:08d}"

@@ -1,0 +1,1 @@
+"""Checkpoints (save, load, resume checks, rotation) and the export of trained weights."""

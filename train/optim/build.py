@@ -1,0 +1,21 @@
+"""The optimization parts of a run beside the parameters: AdamW's settings and the EMA."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from train.components.config import TrainConfig
+from train.optim.ema import EMA
+
+
+def adamw_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The optimizer's hyperparameters (optimizer.lr, optimizer.weight_decay, optimizer.betas) as AdamW's keywords."""
+    o = cfg.optimizer
+    return {"lr": o.lr, "weight_decay": o.weight_decay, "betas": (o.betas[0], o.betas[1])}
+
+
+def build_ema(params: list[nn.Parameter], decay: float) -> EMA | None:
+    """The EMA of ``params`` (ema.decay); None when the decay is 0."""
+    return EMA(params, decay) if decay > 0 else None

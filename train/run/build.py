@@ -1,0 +1,130 @@
+"""The assembly of a run, shared by the trainer and the probe.
+
+``build_run`` assembles the run (``train.run.parts.Run``) in a fixed order: seeds, the checks of the
+checkpoints to resume from (train/run/preflight.py), the rewards (a wrong reward path fails in seconds,
+before the transformer loads: train/run/scorers.py), the backbone, the trainable parameters and the KL
+reference (then sharding: train/model/build.py), the optimizer, the logger, the predictors and the router.
+``open_run`` builds it in the run folder claimed for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, cast
+
+import torch
+from omegaconf import OmegaConf
+
+from train.algorithm.routing import AutoRouter, PrefixRouter, Router
+from train.algorithm.update_config import Routing, UpdateConfig
+from train.checkpoint.manager import CheckpointManager
+from train.components.config import TrainConfig
+from train.distributed.collectives import DistInfo, broadcast_object
+from train.distributed.parallelize import compile_unavailable
+from train.distributed.seeds import seed_everything
+from train.model.build import build_model, model_folder
+from train.observe.logger import RunLogger
+from train.observe.perf import CompileWatch, device_peak
+from train.optim.build import adamw_settings, build_ema
+from train.run.errors import ConfigError
+from train.run.layout import RunLayout
+from train.run.parts import DataParts, IOParts, OptimParts, PerfParts, Run
+from train.run.preflight import check_mesh, claim_folder, preflight, resolve_device
+from train.run.prompts import PromptSampler, read_prompts
+from train.run.scorers import build_rewards, check_scorer_inputs
+
+
+def build_logger(cfg: TrainConfig, dist: DistInfo, *, resumed: bool) -> RunLogger:
+    """The run's logger (``logging.*``): wandb's group, name and tags carry the experiment and the update mode."""
+    lg = cfg.logging
+    return RunLogger(
+        cfg.run_dir,
+        is_main=dist.is_main,
+        wandb_mode=lg.wandb_mode,
+        project=lg.project,
+        entity=lg.entity,
+        group=lg.group or cfg.experiment,
+        name=lg.name or f"{cfg.experiment}-{cfg.update.mode}-s{cfg.seed}",
+        tags=list(dict.fromkeys([cfg.update.mode, f"seed{cfg.seed}", cfg.sampler.sde, *lg.tags])),
+        notes=lg.notes,
+        config=cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)),
+        resumed=resumed,
+    )
+
+
+def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run:
+    """The run state in the claimed run folder; ``training``: refuse a checkpoint past num_steps or of
+    other settings (the probe only measures one)."""
+    seed_everything(cfg.seed, dist.rank)
+    layout = RunLayout(cfg.run_dir)
+    checkpoints = CheckpointManager(layout.root, keep_last=cfg.checkpoint.keep_last)
+    resume_from = preflight(cfg, dist, checkpoints, max_step=cfg.num_steps if training else None)
+    check_mesh(cfg, dist.world_size)
+    device = resolve_device(cfg, dist)
+    records = read_prompts(cfg.data.train_prompts)
+    if cfg.model.compile and (why := compile_unavailable(device.type)):
+        raise ConfigError(f"model.compile=true: {why}; or set model.compile=false")
+    check_scorer_inputs(cfg)
+    model_folder(cfg, dist)
+    rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds
+    # the checkpoint must have wrapped the modules LoRA wraps now: its weights load by their names
+    lora_checkpoint = (checkpoints, resume_from) if training else None
+    model, flops = build_model(cfg, dist, device, lora_checkpoint=lora_checkpoint)
+    optimizer = torch.optim.AdamW(model.params, **adamw_settings(cfg))
+    logger = build_logger(cfg, dist, resumed=bool(resume_from))
+    prompts = PromptSampler(
+        records, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, prompts_per_rank=cfg.batch.prompts_per_rank
+    )
+    return Run(
+        cfg=cfg,
+        dist=dist,
+        device=device,
+        model=model,
+        optim=OptimParts(
+            optimizer=optimizer,
+            ema=build_ema(model.params, cfg.ema.decay),
+            router=build_router(cfg.update),
+        ),
+        data=DataParts(prompts=prompts, rewards=rewards),
+        io=IOParts(layout=layout, checkpoints=checkpoints, logger=logger, resume_from=resume_from),
+        perf=PerfParts(
+            flops=flops,
+            peak=device_peak(cfg.perf.peak_tflops, device),
+            compiles=CompileWatch() if cfg.model.compile else None,
+        ),
+    )
+
+
+@contextmanager
+def open_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Iterator[Run]:
+    """``build_run`` in the run folder claimed for it; the logger finished and the lock released however
+    the block ends."""
+    cfg.run_dir = str(broadcast_object(cfg.run_dir))  # every rank writes where rank 0 does
+    lock = claim_folder(cfg, dist, training=training)
+    try:
+        run = build_run(cfg, dist, training=training)
+        try:
+            yield run
+        finally:
+            run.io.logger.finish()
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def build_router(update: UpdateConfig) -> Router:
+    """The router ``update.routing`` names."""
+    u = update
+    if u.routing is Routing.auto:
+        return AutoRouter(
+            mode=u.mode,
+            segment_length=u.segment_length,
+            timestep_fraction=u.timestep_fraction,
+            every=u.auto_every,
+            threshold=u.auto_threshold,
+            num_rollouts=u.auto_rollouts,
+        )
+    return PrefixRouter(
+        mode=u.mode, segment_length=u.segment_length, timestep_fraction=u.timestep_fraction, jagg_frac=u.jagg_frac
+    )

@@ -1,0 +1,102 @@
+"""The run folder's layout: the one place that names its files and folders.
+
+<run>/
+  config.yaml            the resolved configuration (config.<n>.yaml for each resumed session)
+  metrics.jsonl          one JSON row per training step (train/observe/logger.py)
+  checkpoints/step_*/    training checkpoints (train/checkpoint/manager.py)
+  eval/                  evaluation results and before/after sheets (train/evaluation/)
+  samples/               sample grids of training steps
+  export/                the weights the trainer's evaluations scored (the EMA when kept)
+  export_raw/            with an EMA: the trained weights without it
+  wandb/, wandb_run_id   wandb's files and the run id a resumed session continues
+  LOCK                   the lock of the process that owns the folder (train/run/folder.py)
+  probe.json             the gradient-quality probe's report (python -m train.probe)
+  .hydra/config.yaml     Hydra's copy of the composed configuration
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+EXPORT, RAW_EXPORT = "export", "export_raw"  # the folder names of the two exports (a Weights tag too)
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+EVAL = "eval"
+LOCK_FILE = "LOCK"
+
+
+class RunLayout:
+    """The paths of a run folder ``root``; nothing is created or read."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"RunLayout({str(self.root)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunLayout) and other.root == self.root
+
+    def __hash__(self) -> int:
+        return hash(self.root)
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    def session_config(self, n: int) -> Path:
+        """The resolved configuration of a resumed session ``n`` (2, 3, ...)."""
+        return self.root / f"config.{n}.yaml"
+
+    @property
+    def hydra_config(self) -> Path:
+        return self.root / ".hydra" / "config.yaml"
+
+    @property
+    def hydra(self) -> Path:
+        return self.root / ".hydra"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    @property
+    def eval(self) -> Path:
+        return self.root / EVAL
+
+    @property
+    def samples(self) -> Path:
+        return self.root / "samples"
+
+    @property
+    def export(self) -> Path:
+        return self.root / EXPORT
+
+    @property
+    def export_raw(self) -> Path:
+        return self.root / RAW_EXPORT
+
+    @property
+    def wandb(self) -> Path:
+        return self.root / "wandb"
+
+    @property
+    def wandb_run_id(self) -> Path:
+        return self.root / "wandb_run_id"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / LOCK_FILE
+
+    @property
+    def probe(self) -> Path:
+        return self.root / "probe.json"
+
+    def run_files(self) -> tuple[Path, ...]:
+        """What a run leaves in its folder that a second run would overwrite or mix with its own (Hydra's
+        files aside)."""
+        return (self.checkpoints, self.metrics, self.export, self.eval, self.samples, self.wandb, self.wandb_run_id)

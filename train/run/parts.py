@@ -1,0 +1,96 @@
+"""A run of built parts: everything a training step uses, built once at start-up by
+``train.run.build.build_run`` and held in a few named parts. A step reads them; it never builds.
+
+    Run
+      cfg, dist, device
+      model  ModelParts   the backbone, what trains, the KL reference's module, the predictors
+      optim  OptimParts   the optimizer, the EMA, the router
+      data   DataParts    the prompt sampler and the rewards
+      io     IOParts      the run folder's layout, checkpoints, the logger, the checkpoints to resume from
+      perf   PerfParts    the FLOP meter, the device's peak rate, the compile watch
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from models.base import Backbone
+from rewards.combine import RewardCombiner
+from samplers.rollout import Predict
+from train.algorithm.routing import Router
+from train.checkpoint.manager import CheckpointManager
+from train.components.config import TrainConfig
+from train.distributed.collectives import DistInfo
+from train.observe.logger import RunLogger
+from train.observe.perf import CompileWatch, FlopMeter, Peak
+from train.optim.ema import EMA
+from train.run.layout import RunLayout
+from train.run.prompts import PromptSampler
+
+
+@dataclass
+class ModelParts:
+    """The transformer's side of a run."""
+
+    backbone: Backbone
+    params: list[nn.Parameter]  # the trainable parameters (LoRA's, or every weight of the transformer)
+    reference: nn.Module | None  # frozen copy for the KL term of full fine-tuning; None with LoRA or no KL
+    compute_dtype: torch.dtype
+    lora_modules: list[str]  # the full names of the modules LoRA wrapped (recorded with each checkpoint)
+    policy: Predict  # predict(z, t, cond) with the backbone's transformer, counted by the FLOP meter
+    kl_reference: Predict | None  # the KL term's reference predictor; None without a KL term
+
+
+@dataclass
+class OptimParts:
+    """What changes the weights, and the router that picks each segment's path (the update stage reads
+    its config, ``cfg.update``, itself)."""
+
+    optimizer: torch.optim.Optimizer
+    ema: EMA | None
+    router: Router  # update.routing: which segments train and by which path (train/algorithm/routing.py)
+
+
+@dataclass
+class DataParts:
+    """What a step draws and scores."""
+
+    prompts: PromptSampler
+    rewards: RewardCombiner
+
+
+@dataclass
+class IOParts:
+    """The run folder and what is written to it."""
+
+    layout: RunLayout
+    checkpoints: CheckpointManager
+    logger: RunLogger
+    resume_from: list[Path]  # the checkpoints ``resume`` names that passed the file checks, newest first
+
+
+@dataclass
+class PerfParts:
+    """The performance counters of a run (train/observe/perf.py)."""
+
+    flops: FlopMeter  # the FLOPs of the transformer's calls
+    peak: Peak  # one device's peak rate, for perf/mfu/<phase>
+    compiles: CompileWatch | None  # model.compile: what compiling costs, step by step
+
+
+@dataclass
+class Run:
+    """Everything a training step needs, built once by ``build_run``."""
+
+    cfg: TrainConfig
+    dist: DistInfo
+    device: torch.device  # where the transformer, the latents and the rewards live
+    model: ModelParts
+    optim: OptimParts
+    data: DataParts
+    io: IOParts
+    perf: PerfParts

@@ -1,0 +1,136 @@
+"""Before any model loads: the run folder claimed (writable, not another run's, locked), the checkpoints to
+resume from checked, the device mesh and the device resolved."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from train.checkpoint.manager import CheckpointManager
+from train.components.config import Device, TrainConfig
+from train.components.config_keys import (
+    LORA_MODULES,
+    changed_refusal,
+    changed_settings,
+    moved_settings,
+    resume_settings,
+)
+from train.distributed.collectives import DistInfo, broadcast_object
+from train.distributed.parallelize import mesh_shape
+from train.run.errors import ConfigError, UserError
+from train.run.folder import RunLock, check_one_run, clear_run, held_run
+from train.run.layout import RunLayout
+
+log = logging.getLogger(__name__)
+FIRST_FILES_BYTES = 16 << 20  # free space a new run needs before its model loads (config, logs, metrics)
+
+
+def _unwritable(run_dir: Path) -> str | None:
+    """Why the run folder or its checkpoints/ cannot be written, or None (tried by creating a file)."""
+    for folder in (run_dir, RunLayout(run_dir).checkpoints):
+        probe = folder / f".write_test_{os.getpid()}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            return f"cannot write in {folder} ({err.strerror})"
+    return None
+
+
+def _claim(cfg: TrainConfig, *, training: bool) -> RunLock:
+    """Rank 0's part of ``claim_folder``; raises the UserError that refuses the folder."""
+    run_dir = Path(cfg.run_dir)
+    problem = _unwritable(run_dir)
+    if problem:
+        raise ConfigError(f"run_dir={cfg.run_dir!r}: {problem}; pass a writable hydra.run.dir=<folder>")
+    lock = RunLock(run_dir)
+    if training:
+        check_one_run(run_dir, resume=cfg.resume, overwrite=cfg.checkpoint.overwrite)
+    lock.acquire()
+    if training and cfg.checkpoint.overwrite and (held := held_run(run_dir)):
+        log.warning("checkpoint.overwrite=true: deleting the run in %s (%s)", run_dir, held)
+        clear_run(run_dir)
+    return lock
+
+
+def claim_folder(cfg: TrainConfig, dist: DistInfo, *, training: bool) -> RunLock | None:
+    """Make the run folder this run's before anything is written there; rank 0's lock (None elsewhere).
+
+    Rank 0 writes the run folder: it must be writable, a training run may not start in a folder that
+    holds a run unless it resumes or overwrites it, and no other live process may hold its lock
+    (train/run/folder.py). Rank 0 tries; every rank gets the verdict.
+    """
+    lock, refusal = None, None
+    if dist.is_main:
+        try:
+            lock = _claim(cfg, training=training)
+        except UserError as err:
+            refusal = err
+    message = broadcast_object(None if refusal is None else str(refusal))
+    if refusal is not None:
+        raise refusal
+    if message is not None:  # rank 0 prints it (a ConfigError is printed by rank 0 alone)
+        raise ConfigError(message)
+    if lock is not None:
+        lock.start_renewing()
+    return lock
+
+
+def preflight(cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, *, max_step: int | None) -> list[Path]:
+    """The checks of the checkpoints to resume from, before any model loads; returns them, newest first.
+
+    The checkpoints ``resume`` names are checked file by file (``CheckpointManager.usable``); a training
+    run must not start from a checkpoint past its last step (``max_step``, num_steps), nor with settings
+    that change what the checkpoint's weights mean (``RESUME_SETTINGS``, unless checkpoint.allow_changed).
+    """
+    found = checkpoints.usable(cfg.resume)
+    if max_step is not None:  # before the logger writes: room for a checkpoint like it, else for the first files
+        needed = checkpoints.size_of(found[0]) if found else FIRST_FILES_BYTES
+        checkpoints.check_space(needed, "a checkpoint of this run")
+    if not found and cfg.resume == "auto":
+        _starting_again(checkpoints)
+    if found and max_step is not None and (step := checkpoints.step_of(found[0])) > max_step:
+        raise ConfigError(
+            f"resume={cfg.resume}: checkpoint {found[0]} holds step {step}, past "
+            f"num_steps={max_step}: set num_steps to at least that to train on, or use a new run folder"
+        )
+    saved = checkpoints.settings_of(found[0]) if found and max_step is not None else None
+    saved = moved_settings(saved) if saved is not None else None  # an older run's keys under today's names
+    recorded = {key: value for key, value in (saved or {}).items() if key != LORA_MODULES}  # known once LoRA is on
+    changed = changed_settings(recorded, resume_settings(cfg), cfg.checkpoint.allow_changed) if saved else []
+    if changed:
+        raise changed_refusal(cfg.resume, found[0], changed)
+    return found
+
+
+def check_mesh(cfg: TrainConfig, world_size: int) -> None:
+    """HSDP's replicate degree divides the world size, before any model loads."""
+    try:
+        mesh_shape(world_size, cfg.dist.replicate_degree)
+    except ValueError as err:
+        raise ConfigError(f"{err}: pick a divisor of it, or dist.replicate_degree=1") from None
+
+
+def _starting_again(checkpoints: CheckpointManager) -> None:
+    """resume=auto without a complete checkpoint starts from step 0: say so when that drops work."""
+    unfinished = sorted(p.name for p in checkpoints.root.glob("step_*.tmp")) if checkpoints.root.is_dir() else []
+    held = held_run(checkpoints.root.parent)
+    if unfinished or held:
+        log.warning(
+            "resume=auto: no complete checkpoint under %s (%s): training starts again from step 0 and the rows "
+            "of metrics.jsonl go",
+            checkpoints.root,
+            ", ".join(unfinished) + " unfinished" if unfinished else held,
+        )
+
+
+def resolve_device(cfg: TrainConfig, dist: DistInfo) -> torch.device:
+    if cfg.device is Device.cpu or (cfg.device is Device.auto and dist.device.type == "cpu"):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():  # validate() refuses device=cuda without CUDA: device=auto found a GPU rank
+        raise ConfigError("device=auto: this rank has no CUDA device; use device=cpu")
+    return dist.device

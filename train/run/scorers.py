@@ -1,0 +1,78 @@
+"""The scorers of a run: the rewards and the evaluation's metrics, their arguments and files checked at
+start-up (before any of them, or the model, loads), then built on the run's device."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rewards.base import Scorer, build_scorer, scorer_class
+from rewards.combine import RewardCombiner
+from train.components.config import TrainConfig
+from train.run.errors import ConfigError, PathError, config_key
+
+
+def check_scorer(field_name: str, name: str, kwargs: dict[str, Any]) -> None:
+    """The settings under ``field_name`` are arguments scorer ``name`` takes, and the files and folders among
+    them (the constructor's parameters typed ``Path``) exist; nothing is built."""
+    signature = inspect.signature(scorer_class(name))
+    try:
+        signature.bind(**kwargs)
+    except TypeError as err:
+        raise ConfigError(f"{field_name}: {err} (the scorer's arguments are in docs/rewards.md)") from None
+    for key, value in kwargs.items():
+        parameter = signature.parameters.get(key)
+        typed_path = parameter is not None and "Path" in str(parameter.annotation)
+        if typed_path and value is not None and not Path(str(value)).expanduser().exists():
+            raise PathError(
+                f"{field_name}.{key}={str(value)!r} does not exist: point it at the scorer's file or folder "
+                "(docs/rewards.md lists them)"
+            )
+
+
+def _reward_arguments(component: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in component.items() if key != "weight"}
+
+
+def check_scorer_inputs(cfg: TrainConfig) -> None:
+    """What the scorers read, checked at start-up before any of them (or the model) loads, rather than when
+    each one builds: the rewards' arguments and files, and with an evaluation (eval.every) those of
+    eval.scorers (validate() has read the prompt files)."""
+    for name, component in cfg.reward.components.items():
+        check_scorer(f"reward.components.{name}", name, _reward_arguments(dict(component)))
+    if cfg.eval.every:
+        check_eval_scorers(cfg)
+
+
+def check_eval_scorers(cfg: TrainConfig) -> None:
+    """``check_scorer`` on each of eval.scorers."""
+    for name, kwargs in cfg.eval.scorers.items():
+        check_scorer(f"eval.scorers.{name}", name, dict(kwargs))
+
+
+def _scorer(field_name: str, name: str, kwargs: dict[str, Any], device: torch.device) -> Scorer:
+    """Scorer ``name`` built from the settings under ``field_name`` (``check_scorer_inputs`` checked them)."""
+    with config_key(field_name, inspect.signature(scorer_class(name)).parameters):
+        return build_scorer(name, **kwargs).to(device)
+
+
+def build_rewards(cfg: TrainConfig, device: torch.device) -> RewardCombiner:
+    """Every reward model is replicated on every rank: scoring is data-parallel and frozen."""
+    components = {
+        name: (
+            _scorer(f"reward.components.{name}", name, _reward_arguments(comp), device),
+            float(comp.get("weight", 1.0)),
+        )
+        for name, comp in cfg.reward.components.items()
+    }
+    return RewardCombiner(components, mode=cfg.reward.combine)
+
+
+def build_eval_scorers(cfg: TrainConfig, device: torch.device) -> dict[str, Scorer]:
+    """The evaluation metrics of ``eval.scorers`` (name -> constructor arguments)."""
+    return {
+        name: _scorer(f"eval.scorers.{name}", name, dict(kwargs), device) for name, kwargs in cfg.eval.scorers.items()
+    }
