@@ -153,7 +153,10 @@ BAD_SETTINGS = {
     "timestep_fraction-zero": (["update.timestep_fraction=0"], r"update\.timestep_fraction must be in \(0, 1\]"),
     "auto_threshold": (["update.auto_threshold=2"], r"update\.auto_threshold must be in \[-1, 1\]"),
     "segment_length": (["update.segment_length=3"], r"update\.segment_length=3 does not split"),
-    "reuse_velocities": (["update.reuse_velocities=always"], r"update\.reuse_velocities='always' is not valid"),
+    "reuse_velocities": (
+        ["update.reuse_velocities=always"],
+        r"update\.reuse_velocities: Invalid value 'always', expected one of \[fresh, stale, off\]",
+    ),
     "offload-without-reuse": (
         ["update.offload_velocities=true", "update.reuse_velocities=off"],
         r"update\.offload_velocities=true keeps no velocities",

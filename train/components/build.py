@@ -110,6 +110,19 @@ def typed_config(cfg: DictConfig) -> TrainConfig:
     except OmegaConfBaseException as err:  # e.g. an interpolation that does not resolve
         key = getattr(err, "full_key", None)
         raise ConfigError(f"{key}: {str(err).splitlines()[0]}" if key else str(err).splitlines()[0]) from None
+    except ValueError as err:  # a group's own check (its __post_init__) names its field: add the group
+        raise ConfigError(f"{_group_of(cfg)}{err}") from None
+
+
+def _group_of(cfg: DictConfig) -> str:
+    """``<group>.`` of the first top-level group of ``cfg`` that does not build ("" if none is found)."""
+    for key, node in cfg.items():
+        if isinstance(node, DictConfig) and OmegaConf.get_type(node) is not dict:
+            try:
+                OmegaConf.to_object(node)
+            except ValueError:
+                return f"{key}."
+    return ""
 
 
 def load_config(cfg: DictConfig) -> TrainConfig:
@@ -646,7 +659,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
         name=lg.name or f"{cfg.experiment}-{cfg.update.mode}-s{cfg.seed}",
         tags=list(dict.fromkeys([cfg.update.mode, f"seed{cfg.seed}", cfg.sampler.sde, *lg.tags])),
         notes=lg.notes,
-        config=cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg))),
+        config=cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)),
         resumed=bool(resume_from),
     )
     return Run(

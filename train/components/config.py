@@ -16,6 +16,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -247,7 +248,7 @@ def resume_settings(cfg: TrainConfig) -> dict[str, Any]:
             if isinstance(value, dict):
                 walk(value, f"{prefix}{key}.")
             elif _covered(f"{prefix}{key}", RESUME_SETTINGS):
-                flat[f"{prefix}{key}"] = value
+                flat[f"{prefix}{key}"] = value.value if isinstance(value, Enum) else value  # as recorded (JSON)
 
     walk(asdict(cfg), "")
     return flat
