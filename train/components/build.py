@@ -121,7 +121,7 @@ def _group_of(cfg: DictConfig) -> str:
             try:
                 OmegaConf.to_object(node)
             except ValueError:
-                return f"{key}."
+                return f"{key!s}."
     return ""
 
 
