@@ -11,7 +11,6 @@ from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
-from train.components.build import typed_config
 
 from models.base import DTYPES, parse_dtype
 from models.registry import backbone_names
@@ -20,6 +19,7 @@ from train.cli import field_docs, hydra_message
 from train.components.config import TrainConfig, register_schema, trainable_transitions, validate
 from train.components.config_keys import MOVED, changed_settings, checked, moved_settings, moved_tree, typed
 from train.run.errors import ConfigError
+from train.run.start import typed_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))

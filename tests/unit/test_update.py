@@ -201,3 +201,28 @@ def test_a_segments_gradient_comes_from_its_paths_backward_calls(mode, exact_bat
     assert grads["exact"].abs().max() > 0
     if mode != "ablate":  # ablate drops the middle steps: another gradient
         torch.testing.assert_close(grads[mode], grads["exact"], rtol=1e-6, atol=1e-12)
+
+
+def test_each_metric_is_reduced_by_its_own_reduction():
+    """A mean weighs each step by its rows, a max and a min keep the extremes whatever their names, and
+    the counters add up to integers; the step reduces them over ranks (one process here)."""
+    from train.algorithm.jagg import Counts, SegmentStats
+    from train.algorithm.metrics import Metric, Reduce
+    from train.algorithm.update import UpdateStats
+    from train.step import reduce_over_ranks
+
+    def segment(loss: float, peak: float, low: float) -> SegmentStats:
+        metrics = {"loss": Metric(torch.tensor(loss)), "peak": Metric(peak, Reduce.max), "low": Metric(low, Reduce.min)}
+        return SegmentStats(metrics={0: metrics}, counts=Counts(grad_forwards=2, backward_calls=1))
+
+    stats = UpdateStats()
+    stats.add_segment("jagg", segment(1.0, 3.0, -1.0), rows=1)
+    other = UpdateStats()
+    other.add_segment("exact", segment(4.0, 2.0, -5.0), rows=3)
+    metrics = (stats + other).metrics()
+    assert [name for name in metrics if name.startswith("train/")] == ["train/loss", "train/peak", "train/low"]
+    reduced = reduce_over_ranks(metrics, torch.device("cpu"))
+    assert reduced["train/loss"] == (1 * 1.0 + 3 * 4.0) / 4  # over every row
+    assert (reduced["train/peak"], reduced["train/low"]) == (3.0, -5.0)
+    assert reduced["count/grad_forwards"] == 4 and isinstance(reduced["count/grad_forwards"], int)
+    assert (reduced["count/segments_jagg"], reduced["count/segments_exact"]) == (1, 1)

@@ -7,7 +7,6 @@ the stats over ranks (train/step.py, ``reduce_over_ranks``): the algorithm runs 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -62,9 +61,3 @@ class Stat:
         if self.reduce is Reduce.min:
             return Stat(Reduce.min, min(self.value, other.value))
         return Stat(self.reduce, self.value + other.value, self.weight + other.weight)
-
-
-def identity(reduce: Reduce) -> Stat:
-    """The stat that adds nothing (what a rank without a value contributes)."""
-    value = {Reduce.max: -math.inf, Reduce.min: math.inf}.get(reduce, 0.0)
-    return Stat(reduce, value)

@@ -7,6 +7,7 @@ algorithm's ``grpo`` group; the update stage takes that object beside this one
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -94,7 +95,7 @@ class UpdateConfig:
         if self.segment_length < 2:
             raise ValueError(f"segment_length must be >= 2 (JAGG needs two endpoints), got {self.segment_length}")
         _in_range("jagg_frac", self.jagg_frac, 0.0, 1.0)
-        if not 0.0 < self.timestep_fraction <= 1.0:
+        if not (math.isfinite(self.timestep_fraction) and 0.0 < self.timestep_fraction <= 1.0):
             raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
         _in_range("auto_threshold", self.auto_threshold, -1.0, 1.0, " (a cosine)")
         for name in ("auto_every", "auto_rollouts"):
@@ -126,5 +127,7 @@ class UpdateConfig:
 
 
 def _in_range(name: str, value: float, low: float, high: float, why: str = "") -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low:g}, {high:g}]{why}, got {value}")
