@@ -7,6 +7,7 @@ approx_kl of a 3-step run for every update mode and sampler preset. Regenerate i
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import logging
@@ -30,6 +31,14 @@ from train.run.start import load_config
 from train.trainer import run
 
 ROOT = Path(__file__).resolve().parents[2]
+# the modules that build a run's parts at start-up
+BUILDERS = (
+    "train.run.build",
+    "train.model.build",
+    "train.model.predict",
+    "train.optim.build",
+    "train.evaluation.build",
+)
 GOLDEN = Path(__file__).with_name("golden") / "trainer.json"
 # (rtol, atol) per key, from float32 rounding across CPUs. Measured on one Xeon between its AVX-512
 # kernels and its AVX2 ones (ATEN_CPU_CAPABILITY=avx2), after three steps: 1.7e-5 relative in the
@@ -202,23 +211,22 @@ def test_counts_per_update_mode(golden_runs, tiny_flux, tmp_path):
 
 def test_the_update_calls_no_builder(tiny_flux, tmp_path, monkeypatch):
     """What a segment's loss needs is built before the update runs: while a micro-batch trains its
-    segments (a jagg and an exact one here), no function of the builders' module runs, so no predictor,
+    segments (a jagg and an exact one here), no function of the builders' modules runs, so no predictor,
     router or setting is built again per segment or micro-batch."""
     import train.step as step_module
-    from train.components import build
 
     training, called = [], []
-    for name, fn in list(vars(build).items()):
-        if inspect.isfunction(fn) and fn.__module__ == build.__name__:
+    for module_name in BUILDERS:
+        module = importlib.import_module(module_name)
+        for name, fn in list(vars(module).items()):
+            if inspect.isfunction(fn) and fn.__module__ == module.__name__:
 
-            def spy(*args, _fn=fn, _name=name, **kwargs):
-                if training:
-                    called.append(_name)
-                return _fn(*args, **kwargs)
+                def spy(*args, _fn=fn, _name=name, **kwargs):
+                    if training:
+                        called.append(_name)
+                    return _fn(*args, **kwargs)
 
-            monkeypatch.setattr(build, name, spy)
-            if getattr(step_module, name, None) is fn:
-                monkeypatch.setattr(step_module, name, spy)
+                monkeypatch.setattr(module, name, spy)
     update_micro_batch = step_module.update_micro_batch
 
     def in_the_update(*args, **kwargs):
