@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from models.components import quiet_progress_bars
-from models.config import TinySize
+from models.model_config import TinySize
 from models.registry import get_backbone_class
 
 SIZES = tuple(size.value for size in TinySize)

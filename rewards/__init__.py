@@ -6,6 +6,6 @@ Model weights are read from local paths only (docs/rewards.md lists the expected
 
 from rewards.base import SCORER_NAMES, Scorer, build_scorer
 from rewards.combine import RewardCombiner
-from rewards.config import CombineMode, RewardConfig
+from rewards.reward_config import CombineMode, RewardConfig
 
 __all__ = ["SCORER_NAMES", "CombineMode", "RewardCombiner", "RewardConfig", "Scorer", "build_scorer"]

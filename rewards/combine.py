@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from rewards.base import Scorer
-from rewards.config import CombineMode, check_weight
+from rewards.reward_config import CombineMode, check_weight
 from samplers.choices import member
 
 AdvantageFn = Callable[[Tensor, Tensor], Tensor]  # (rewards [B], group_ids [B]) -> advantages [B]

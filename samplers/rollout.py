@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from samplers.config import SamplerConfig
+from samplers.sampler_config import SamplerConfig
 from samplers.schedule import network_timesteps
 from samplers.sde import SDE, SDEKind, StepOutput, step
 

@@ -20,8 +20,8 @@ import torch
 
 from models import backbone_names, load_backbone
 from models.tiny import IMAGE_SIZE, SIZES, build_tiny
-from samplers.config import SamplerConfig
 from samplers.rollout import KeptVelocities, group_noise, rollout
+from samplers.sampler_config import SamplerConfig
 from samplers.sde import SDEKind
 
 PROMPTS = ["a photo of a cat", "a red dog on the grass", "a bowl of fruit", "a mountain lake at sunset"]

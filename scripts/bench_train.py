@@ -103,7 +103,7 @@ def child(out: Path, steps: int, overrides: list[str]) -> None:
     from hydra import compose, initialize_config_module
 
     import train.step
-    from train.components.config import register_schema
+    from train.config.schema import register_schema
     from train.observe.logger import PhaseTimer
     from train.run.build import open_run
     from train.run.start import load_config, process_group

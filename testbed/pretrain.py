@@ -34,8 +34,8 @@ from models.diffusers_backbone import pack_latents
 from models.flux import FluxBackbone, FluxConditioning, random_pipeline, t5_tokenizer
 from models.registry import load_backbone
 from rewards.shapes import COLOURS, POSITIONS, SHAPES, SIZES
-from samplers.config import SamplerConfig
 from samplers.rollout import rollout
+from samplers.sampler_config import SamplerConfig
 from samplers.sde import SDEKind
 
 MARKER = "testbed_build.json"

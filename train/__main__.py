@@ -1,7 +1,7 @@
 """``python -m train [overrides]`` (one process) or ``torchrun --nproc_per_node N -m train [overrides]``;
 installed as the console script ``jagg-train``.
 
-The configuration tree is ``configs/train.yaml``; every field is documented in ``train/components/config.py``
+The configuration tree is ``configs/train.yaml``; every field is documented in ``train/config/schema.py``
 (``--help`` lists them). A mistake in the settings, a path or a checkpoint prints one line and exits
 with status 2 (train/cli.py).
 """

@@ -70,8 +70,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from train.components.config import TrainConfig, register_schema
-from train.components.config_keys import unknown_setting
+from train.config.keys import unknown_setting
+from train.config.schema import TrainConfig, register_schema
 from train.run.errors import ConfigError, Interrupted, Stop, UserError
 from train.run.folder import RunLock, check_one_run
 from train.run.layout import LOCK_FILE, RunLayout
@@ -504,7 +504,7 @@ def _class_docs(module_name: str) -> dict[str, dict[str, str]]:
 
 def field_docs(schema: type = TrainConfig) -> dict[str, str]:
     """Dotted key of every field of ``schema`` (the trainer's, or a command's that extends it) -> its attribute
-    docstring, read from the module that declares its dataclass (train/components/config.py, samplers/, ...)."""
+    docstring, read from the module that declares its dataclass (train/config/schema.py, samplers/, ...)."""
     out: dict[str, str] = {}
 
     def doc(cls: type, name: str) -> str:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from models.base import Backbone, Conditioning, decode_in_chunks
-from models.config import ModelConfig
+from models.model_config import ModelConfig
 from rewards.combine import AdvantageFn, NonFiniteRewardError
 from samplers.rollout import (
     KeptVelocities,
@@ -48,7 +48,7 @@ from train.algorithm.jagg import Counts
 from train.algorithm.metrics import Reduce, Stat
 from train.algorithm.update import UpdateBatch, UpdateStats, shared_start, update_micro_batch
 from train.algorithm.update_config import ReuseVelocities
-from train.components.config import AdvStd, GRPOConfig, TrainConfig
+from train.config.schema import AdvStd, GRPOConfig, TrainConfig
 from train.distributed.collectives import all_gather_tensor, all_reduce_max, all_reduce_sum
 from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
 from train.distributed.seeds import stream_generator, stream_seed

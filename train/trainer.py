@@ -47,18 +47,17 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from train.checkpoint.export import export_model, write_export_note
 from train.checkpoint.files import state_bytes
 from train.checkpoint.manager import CheckpointManager
-from train.components.config import TrainConfig
-from train.components.config_keys import LORA_MODULES, resume_settings
+from train.config.keys import LORA_MODULES, resume_settings
+from train.config.schema import TrainConfig
 from train.distributed.collectives import activity, broadcast_object
 from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInterrupt, stop_requests
-from train.evaluation.build import build_evaluator
-from train.evaluation.evaluator import Evaluator
+from train.evaluation.evaluator import Evaluator, build_evaluator
 from train.evaluation.summary import run_summary
-from train.model.build import non_finite
+from train.model.builder import non_finite
 from train.observe.health import Health
 from train.observe.logger import Heartbeat, progress_bar
-from train.optim.build import adamw_settings
 from train.optim.ema import EMA
+from train.optim.optimizer import adamw_settings
 from train.run.build import open_run
 from train.run.errors import CheckpointError, DiskFull, Interrupted, NotLearning, Preempted, ranks_agreed
 from train.run.layout import RunLayout

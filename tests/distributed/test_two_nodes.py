@@ -156,7 +156,7 @@ def straight(tiny_flux_dir, tiny_clip_dir, tmp_path_factory) -> Path:
 def test_two_nodes_train_as_one_process(straight, tiny_flux_dir, tiny_clip_dir, tmp_path, monkeypatch):
     from hydra import compose, initialize_config_module
 
-    from train.components.config import register_schema
+    from train.config.schema import register_schema
     from train.trainer import run
 
     register_schema()

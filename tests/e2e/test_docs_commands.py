@@ -26,7 +26,7 @@ from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.cli import setup
 from train.compare.command import parse_args
-from train.components.config import validate
+from train.config.checks import validate
 from train.eval.command import check_scorers, target
 from train.plan.command import plan_config
 from train.plan.plan_config import register as register_plan

@@ -16,7 +16,7 @@ from two_ranks import env, torchrun
 
 import train.trainer as trainer
 from train.distributed import preemption
-from train.model import build as model_build
+from train.model import builder
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = [*small_run.FAST, "checkpoint.export=false"]
@@ -77,14 +77,14 @@ def test_second_ctrl_c_stops_at_once_naming_the_unsaved_steps(tiny_flux_dir, tmp
 
 
 def test_ctrl_c_before_training_is_one_line(tiny_flux_dir, tmp_path, capsys, monkeypatch):
-    real = model_build.build_backbone
+    real = builder.build_backbone
 
     def load_then_ctrl_c(*args):
         backbone = real(*args)
         os.kill(os.getpid(), signal.SIGINT)
         return backbone
 
-    monkeypatch.setattr(model_build, "build_backbone", load_then_ctrl_c)
+    monkeypatch.setattr(builder, "build_backbone", load_then_ctrl_c)
     status, stderr = train(capsys, tmp_path / "run", f"model.path={tiny_flux_dir}", "num_steps=2")
     assert status == 130 and "Ctrl+C during start-up: the command ended there" in stopped_line(stderr)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
-from train.components.config import register_schema
+from train.config.schema import register_schema
 from train.trainer import run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -41,7 +41,7 @@ import train.eval.command as eval_command
 import train.probe.command as probe_command
 import train.trainer as trainer
 from train.cli import run_hydra
-from train.model import build as model_build
+from train.model import builder
 from train.run import scorers
 from train.run.errors import Preempted
 
@@ -261,7 +261,7 @@ if not torch.cuda.is_available():
 @pytest.mark.parametrize("case", list(BAD_SETTINGS))
 def test_a_bad_setting_is_one_line_before_anything_loads(case, trained, tiny_flux_dir, tmp_path, capsys, monkeypatch):
     overrides, expected = BAD_SETTINGS[case]
-    for module, name in ((model_build, "load_backbone"), (scorers, "build_scorer")):  # neither loads before the error
+    for module, name in ((builder, "load_backbone"), (scorers, "build_scorer")):  # neither loads before the error
         monkeypatch.setattr(module, name, lambda *args, what=name, **kwargs: pytest.fail(f"{what} ran"))
     paths = {
         "tmp": str(tmp_path),
@@ -808,7 +808,7 @@ def test_eval_names_a_truncated_export(trained, tiny_flux_dir, tmp_path, capsys)
 
 
 def test_eval_names_a_missing_scorer_file_before_the_model_loads(tiny_flux_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(model_build, "load_backbone", lambda *args, **kwargs: pytest.fail("the model loaded"))
+    monkeypatch.setattr(builder, "load_backbone", lambda *args, **kwargs: pytest.fail("the model loaded"))
     overrides = [*FAST, f"model.path={tiny_flux_dir}", "+eval.scorers.clipscore.model_path=/nonexistent/clip"]
     status, stderr = command(capsys, tmp_path / "eval", overrides, eval_command)
     line = the_error(stderr, eval_command.PROG)

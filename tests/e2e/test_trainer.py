@@ -24,20 +24,20 @@ from two_ranks import HELPERS, run_torchrun
 
 from models.registry import load_backbone
 from train.algorithm import update
-from train.components.config import register_schema
+from train.config.schema import register_schema
 from train.distributed.seeds import seed_everything
-from train.model.build import setup_trainable
+from train.model.builder import setup_trainable
 from train.run.start import load_config
 from train.trainer import run
 
 ROOT = Path(__file__).resolve().parents[2]
-# the modules that build a run's parts at start-up
+# the modules that build a run's parts at start-up (tests/unit/test_layers.py names the same ones)
 BUILDERS = (
     "train.run.build",
-    "train.model.build",
+    "train.model.builder",
     "train.model.predict",
-    "train.optim.build",
-    "train.evaluation.build",
+    "train.optim.optimizer",
+    "train.evaluation.evaluator",
 )
 GOLDEN = Path(__file__).with_name("golden") / "trainer.json"
 # (rtol, atol) per key, from float32 rounding across CPUs. Measured on one Xeon between its AVX-512

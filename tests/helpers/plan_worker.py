@@ -19,9 +19,9 @@ from hydra import compose, initialize_config_module
 from torch.distributed.fsdp import FSDPModule
 
 import train.plan.tracing as tracing
-from train.components.config import register_schema
+from train.config.schema import register_schema
 from train.distributed.collectives import init_distributed, shutdown
-from train.model.build import FSDP_VIEW_WARNING
+from train.model.builder import FSDP_VIEW_WARNING
 from train.plan.command import arch_folder, plan_config
 from train.plan.plan_config import register
 from train.plan.tracing import expected_segments, trace_step, traced_run

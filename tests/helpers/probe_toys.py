@@ -8,8 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from models.base import Conditioning
-from samplers.config import SamplerConfig
 from samplers.rollout import KeptVelocities, Trajectory, rollout
+from samplers.sampler_config import SamplerConfig
 from samplers.schedule import shifted_sigmas
 from samplers.sde import SDEKind
 from train.algorithm.update import UpdateBatch

@@ -19,7 +19,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_module
 
 import train.trainer as trainer
-from train.components.config import register_schema
+from train.config.schema import register_schema
 from train.distributed.collectives import gather_objects
 from train.run.build import open_run
 from train.run.start import load_config, process_group

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_module
 
-from train.components.config import register_schema
+from train.config.schema import register_schema
 from train.run.build import open_run
 from train.run.start import load_config, process_group
 from train.trainer import fit

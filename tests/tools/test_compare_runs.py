@@ -20,7 +20,8 @@ from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.compare.arms import arm_rewards, group_arms, load_run
 from train.compare.command import main
-from train.components.config import register_schema, validate
+from train.config.checks import validate
+from train.config.schema import register_schema
 
 ROOT = Path(__file__).resolve().parents[2]
 register_schema()

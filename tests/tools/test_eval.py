@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_module
 from PIL import Image
 
 from train.checkpoint.export import find_weights
-from train.components.config import SCORERS_HINT
+from train.config.schema import SCORERS_HINT
 from train.eval import command as eval_module
 from train.eval.command import check_scorers, eval_command, target
 from train.evaluation import protocol as evaluation
@@ -251,8 +251,8 @@ def test_padding_rows_are_dropped_after_gather():
 def test_samples_per_prompt_repeats_the_prompt_set_with_new_noise(tmp_path):
     # Item j * n + i is sample j of prompt i: sample 0 of every prompt keeps the index (and so the
     # noise, drawn from (eval.seed, "eval_noise", index)) it has with one sample per prompt.
-    from train.components.config import TrainConfig
-    from train.evaluation.build import read_eval_prompts
+    from train.config.schema import TrainConfig
+    from train.evaluation.evaluator import read_eval_prompts
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("a\nb\nc\n")
@@ -266,9 +266,8 @@ def test_samples_per_prompt_repeats_the_prompt_set_with_new_noise(tmp_path):
 
 
 def test_heldout_prompts_are_read_like_eval_prompts_and_logged_under_held_out(tmp_path):
-    from train.components.config import TrainConfig
-    from train.evaluation.build import read_heldout_prompts
-    from train.evaluation.evaluator import logged_metrics
+    from train.config.schema import TrainConfig
+    from train.evaluation.evaluator import logged_metrics, read_heldout_prompts
 
     cfg = TrainConfig()
     cfg.eval.samples_per_prompt = 2

@@ -28,9 +28,9 @@ from models.registry import get_backbone_class
 from rewards.base import SCORER_NAMES, FrozenModelScorer, scorer_class
 from train.algorithm.jagg import UPDATE_MODES, Counts, backward_segment
 from train.algorithm.update import UpdateBatch, shared_start, update_micro_batch
-from train.components.config import register_schema
+from train.config.schema import register_schema
 from train.distributed.parallelize import parallelize
-from train.model.build import FSDP_VIEW_WARNING
+from train.model.builder import FSDP_VIEW_WARNING
 from train.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
 from train.plan.command import SHIPPED_ARCH, plan, plan_config
 from train.plan.fake import fake_process_group
@@ -325,7 +325,7 @@ def partial_arch(name: str, folder: Path) -> Path:
 
 @pytest.mark.parametrize("experiment", ["flux_dance", "qwenimage_dance"])
 def test_real_architecture_takes_lora_and_shards_on_8_fake_ranks(experiment, tmp_path):
-    """The trainer's own setup (train.model.build.setup_trainable: peft LoRA on the adapter's target modules,
+    """The trainer's own setup (train.model.builder.setup_trainable: peft LoRA on the adapter's target modules,
     activation checkpointing, FSDP2 per block and root) on the real architecture, cut to one block
     of each kind: every LoRA target names modules of it, every parameter is sharded over 8 ranks."""
     cfg, _ = config([f"experiment={experiment}", "model.lora.enabled=true"])

@@ -24,7 +24,7 @@ from train.algorithm.quality import (
     summarize_segments,
 )
 from train.algorithm.segments import prefix_path
-from train.components.config import register_schema
+from train.config.schema import register_schema
 from train.distributed.parallelize import ProcessRanks, global_dots
 from train.probe.probe_config import register
 

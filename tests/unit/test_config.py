@@ -16,8 +16,9 @@ from models.base import DTYPES, parse_dtype
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.cli import field_docs, hydra_message
-from train.components.config import TrainConfig, register_schema, trainable_transitions, validate
-from train.components.config_keys import MOVED, changed_settings, checked, moved_settings, moved_tree, typed
+from train.config.checks import trainable_transitions, validate
+from train.config.keys import MOVED, changed_settings, checked, moved_settings, moved_tree, typed
+from train.config.schema import TrainConfig, register_schema
 from train.run.errors import ConfigError
 from train.run.start import typed_config
 

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 import train.evaluation.evaluator as evaluator_module
-from train.components.config import TrainConfig
+from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo
-from train.evaluation.build import build_evaluator
-from train.evaluation.evaluator import Evaluator, read_result
+from train.evaluation.evaluator import Evaluator, build_evaluator, read_result
 from train.evaluation.protocol import EvalResult, write_result
 from train.evaluation.summary import run_summary
 from train.observe.logger import RunLogger

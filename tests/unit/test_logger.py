@@ -15,7 +15,7 @@ import wandb
 from PIL import Image
 
 from rewards.summary import MIN_TILE, _font, _wrap, image_grid
-from train.components.config import TrainConfig
+from train.config.schema import TrainConfig
 from train.evaluation.summary import files_section
 from train.observe.logger import Heartbeat, PhaseTimer, RunLogger, format_seconds, progress_bar
 from train.run.layout import RunLayout

@@ -17,8 +17,8 @@ from models.flux import FluxBackbone
 from models.qwenimage import QwenImageConditioning
 from models.registry import get_backbone_class
 from models.tiny import build_tiny
-from samplers.config import SamplerConfig
 from samplers.rollout import rollout
+from samplers.sampler_config import SamplerConfig
 from samplers.schedule import shifted_sigmas
 
 PROMPTS = ["a photo of a cat", "a red dog with a blue hat on the grass"]

@@ -14,7 +14,8 @@ from probe_toys import ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.algorithm.routing import AutoRouter, PrefixRouter
-from train.components.config import TrainConfig, register_schema, validate
+from train.config.checks import validate
+from train.config.schema import TrainConfig, register_schema
 from train.distributed.parallelize import ProcessRanks
 from train.run.build import build_router
 

@@ -8,7 +8,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from models import flux, qwenimage
-from samplers.config import SamplerConfig
+from samplers.sampler_config import SamplerConfig
 from samplers.schedule import QuantizeTimesteps, dynamic_shift_mu, dynamic_sigmas, network_timesteps, shifted_sigmas
 from samplers.sde import SDE, SDEKind, gaussian_log_prob, step
 

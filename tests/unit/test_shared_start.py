@@ -18,8 +18,8 @@ from probe_toys import ToyCond, ToySettings, ToyVelocity, toy_batch, toy_setting
 from torch import Tensor, nn
 
 from models import load_backbone
-from samplers.config import SamplerConfig
 from samplers.rollout import group_noise, rollout, shared_start_steps, stochastic_flags
+from samplers.sampler_config import SamplerConfig
 from samplers.schedule import shifted_sigmas
 from train.algorithm.routing import PrefixRouter
 from train.algorithm.update import UpdateStats, shared_start, update_micro_batch

@@ -35,7 +35,7 @@ from typing import Any
 
 from train.algorithm.jagg import UPDATE_MODES
 from train.compare.wandb_runs import WandbRun, read_offline, read_offline_file, read_online, run_file
-from train.components.config_keys import moved_settings
+from train.config.keys import moved_settings
 from train.evaluation.summary import HELD_OUT, PHASES
 from train.observe.stats import Estimate, estimate, median, paired, quantile, trapezoid_mean
 from train.run.layout import METRICS, RunLayout
@@ -78,7 +78,7 @@ class RunMetrics:
 
 
 # Names a run logged before they were renamed, read as today's, so that runs of either age compare
-# (README, changes): a metric's old prefix -> its new one (settings: train/components/config_keys.py).
+# (README, changes): a metric's old prefix -> its new one (settings: train/config/keys.py).
 RENAMED_METRICS = {"count/groups_": "count/segments_"}  # the JAGG unit of W transitions is a segment
 
 

@@ -33,11 +33,11 @@ from rewards.summary import overall
 from train.checkpoint.export import Weights, export_description, find_weights
 from train.checkpoint.manager import CheckpointManager
 from train.cli import reported, run_hydra, setup, show_value
-from train.components.config import SCORERS_HINT, TrainConfig
-from train.components.config_keys import moved_tree
-from train.evaluation.build import read_eval_prompts
+from train.config.keys import moved_tree
+from train.config.schema import SCORERS_HINT, TrainConfig
+from train.evaluation.evaluator import read_eval_prompts
 from train.evaluation.protocol import EvalResult, before_after, evaluate, paired_difference
-from train.model.build import build_for_eval, load_weights
+from train.model.builder import build_for_eval, load_weights
 from train.observe.stats import standard_error
 from train.run.errors import CheckpointError, ConfigError
 from train.run.layout import EXPORT, RunLayout

@@ -1,5 +1,5 @@
-"""The trainer's evaluation: an ``Evaluator`` built once (train/evaluation/build.py:build_evaluator)
-with its prompts, scorers and the step-0 result, called after ``step`` training steps on all ranks.
+"""The trainer's evaluation: an ``Evaluator`` built once (``build_evaluator``, below) with its prompts
+(and the held-out ones), scorers and the step-0 result, called after ``step`` training steps on all ranks.
 
 A call runs the protocol of train/evaluation/protocol.py (with the EMA weights when kept) on the
 evaluation prompts and, when ``eval.heldout_prompts`` is set, on those as a second evaluation; logs
@@ -10,7 +10,7 @@ the captioned grid to wandb and writes ``eval/before_after_<tag>.png``: the same
 at step 0 and after ``step`` steps.
 
 The step-0 grid is saved as ``eval/step_00000000.grid.pt`` (uint8) beside its scores: a resumed
-session does not evaluate step 0 again, and its builder reads the step-0 result back from the files.
+session does not evaluate step 0 again, and ``build_evaluator`` reads the step-0 result back from the files.
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ from models.base import Backbone
 from rewards.base import Scorer
 from rewards.summary import overall
 from samplers.rollout import Predict
-from train.components.config import TrainConfig
+from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo
 from train.evaluation.protocol import EvalResult, before_after, evaluate, read_scores
 from train.evaluation.summary import HELD_OUT, eval_line, eval_tag, heldout_tag
 from train.observe.logger import RunLogger
 from train.optim.ema import EMA
 from train.run.layout import RunLayout
-from train.run.prompts import PromptRecord
+from train.run.prompts import PromptRecord, read_prompts
+from train.run.scorers import build_eval_scorers
 
 log = logging.getLogger(__name__)
 
@@ -128,3 +129,52 @@ def read_result(folder: Path, tag: str) -> EvalResult | None:
     saved = torch.load(grid)
     rows = read_scores(folder / f"{tag}.scores.jsonl")
     return EvalResult(tag, json.loads(summary.read_text()), rows, saved["images"].float() / 255, saved["indices"])
+
+
+def read_eval_prompts(cfg: TrainConfig) -> list[PromptRecord]:
+    """``eval.prompts`` (or the training prompts), cut to ``eval.num_prompts`` when set, each
+    ``eval.samples_per_prompt`` times (item j * n + i is sample j of prompt i: its own noise)."""
+    records = read_prompts(cfg.eval.prompts or cfg.data.train_prompts, field_name="eval.prompts")
+    return records[: cfg.eval.num_prompts or None] * cfg.eval.samples_per_prompt
+
+
+def read_heldout_prompts(cfg: TrainConfig) -> list[PromptRecord]:
+    """``eval.heldout_prompts`` (none when unset), each ``eval.samples_per_prompt`` times."""
+    if cfg.eval.heldout_prompts is None:
+        return []
+    return read_prompts(cfg.eval.heldout_prompts, field_name="eval.heldout_prompts") * cfg.eval.samples_per_prompt
+
+
+def build_evaluator(
+    cfg: TrainConfig,
+    dist: DistInfo,
+    *,
+    start: int,
+    device: torch.device,
+    backbone: Backbone,
+    predict: Predict,
+    ema: EMA | None,
+    logger: RunLogger,
+) -> Evaluator | None:
+    """The trainer's evaluation of ``predict`` (the policy; the EMA's weights when kept) for a session that
+    starts at step ``start``, or None when it would evaluate nothing (eval.every=0, or no step
+    left). A resumed session's rank 0 reads the step-0 result back from the run folder, for its comparisons."""
+    if not cfg.eval.every or start == cfg.num_steps:
+        return None
+    records, heldout = read_eval_prompts(cfg), read_heldout_prompts(cfg)
+    resumed = start > 0 and dist.is_main
+    folder = RunLayout(cfg.run_dir).eval
+    return Evaluator(
+        cfg=cfg,
+        dist=dist,
+        device=device,
+        backbone=backbone,
+        predict=predict,
+        ema=ema,
+        logger=logger,
+        scorers=build_eval_scorers(cfg, device),
+        records=records,
+        heldout=heldout,
+        before=read_result(folder, eval_tag(0)) if resumed else None,
+        heldout_before=read_summary(folder, heldout_tag(0)) if resumed and heldout else None,
+    )

@@ -44,7 +44,7 @@ from rewards.base import Scorer
 from rewards.summary import MIN_TILE, before_after_sheet, image_grid, overall, summarize
 from samplers.rollout import Predict, group_noise, rollout
 from samplers.sde import SDEKind
-from train.components.config import TrainConfig
+from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo, all_gather_tensor
 from train.distributed.seeds import stream_seed
 from train.observe.logger import format_seconds

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rewards.summary import overall
 from train.checkpoint.export import export_description
-from train.components.config import TrainConfig
+from train.config.schema import TrainConfig
 from train.evaluation.protocol import paired_difference, read_scores
 from train.observe.logger import format_seconds
 from train.observe.perf import Peak

@@ -4,7 +4,7 @@ Nothing is allocated and no weight is read. The transformer is built from its ar
 (``configs/arch/<model>/transformer/config.json``, or ``model.path``'s) under torch's
 ``FakeTensorMode``, which gives every tensor its shape, dtype and device but no storage, on a fake
 process group of ``plan.world_size`` ranks. The trainer's own code then sets the run up and runs one
-step on rank 0: ``train.model.build.setup_trainable`` (LoRA or full fine-tuning, the KL reference,
+step on rank 0: ``train.model.builder.setup_trainable`` (LoRA or full fine-tuning, the KL reference,
 activation checkpointing, FSDP2 through ``train.distributed.parallelize``), AdamW with the run's
 settings, the EMA; then, each call traced under ``FSDPMemTracker`` (what lives in memory, and when)
 and ``FlopCounterMode``:
@@ -88,7 +88,7 @@ from models.base import parse_dtype
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.cli import hydra_message, report_error, reported, setup
-from train.components.config import validate
+from train.config.checks import validate
 from train.observe.perf import GPU_PEAK_TFLOPS
 from train.plan.comm import ModelBytes
 from train.plan.fake import fake_process_group, fake_tensors
@@ -172,7 +172,7 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
     arch = arch_folder(cfg, model_path_given)
     frozen = frozen_models(cfg, arch)
     segments = expected_segments(cfg)
-    # setup_trainable filters FSDP2's warning about blocks that return views (train/model/build.py),
+    # setup_trainable filters FSDP2's warning about blocks that return views (train/model/builder.py),
     # for the duration of the trace
     with fake_process_group(cfg.plan.world_size, cfg.dist.replicate_degree), fake_tensors(), warnings.catch_warnings():
         traced = trace_step(traced_run(cfg, arch), segments)

@@ -19,7 +19,7 @@ from models.base import parse_dtype
 from models.diffusers_backbone import DiffusersBackbone
 from models.registry import get_backbone_class
 from rewards.base import FrozenModelScorer, scorer_class
-from train.components.config import TrainConfig
+from train.config.schema import TrainConfig
 from train.run.errors import ConfigError, config_key
 
 ARCH_ROOT = Path(configs.__file__).resolve().parent / "arch"

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train.components.config import TrainConfig, register_schema
+from train.config.schema import TrainConfig, register_schema
 from train.observe.perf import GPU_PEAK_TFLOPS
 from train.plan.comm import INTER_NODE_GBPS, INTRA_NODE_GBPS
 from train.run.errors import ConfigError

@@ -1,5 +1,5 @@
 """One training step of the run traced on fake tensors: the run's parts built by the trainer's own
-code (train.model.build.setup_trainable, FSDP2, AdamW, the EMA) and the trainer's own step
+code (train.model.builder.setup_trainable, FSDP2, AdamW, the EMA) and the trainer's own step
 functions (train.step, train.algorithm.update) run phase by phase under ``measure``."""
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from train.algorithm.jagg import EXACT_BATCHED, UPDATE_MODES
 from train.algorithm.segments import RoutedSegment, pick_segments, route_segments
 from train.algorithm.update import UpdateBatch, update_micro_batch
 from train.algorithm.update_config import MIDDLE_MODES, UpdateMode
-from train.components.config import TrainConfig, trainable_transitions
+from train.config.checks import trainable_transitions
+from train.config.schema import TrainConfig
 from train.distributed.parallelize import clip_grad_norm_, local_tensor
-from train.model.build import setup_trainable
+from train.model.builder import setup_trainable
 from train.model.predict import kl_reference, predictor
-from train.optim.build import adamw_settings, build_ema
 from train.optim.ema import EMA
+from train.optim.optimizer import adamw_settings, build_ema
 from train.plan.fake import Measured, default_dtype, fake_deepcopy, known, measure
 from train.plan.frozen import build_component, diffusers_backbone_class, read_json
 from train.plan.plan_config import PlanRunConfig
@@ -66,7 +67,7 @@ def expected_segments(cfg: TrainConfig, mode: str | None = None) -> dict[str, fl
 
 
 class LocalShardAdamW(torch.optim.AdamW):
-    """The trainer's AdamW (``train.optim.build.adamw_settings``) stepping each rank's local shards.
+    """The trainer's AdamW (``train.optim.optimizer.adamw_settings``) stepping each rank's local shards.
 
     DTensor runs an optimizer's foreach kernels on the local shards; the planner runs them there
     directly, because DTensor's sharding propagation of foreach ops over a thousand parameters costs
@@ -142,7 +143,7 @@ class TracedRun:
 
 def traced_run(cfg: PlanRunConfig, arch: Path) -> TracedRun:
     """The run's parts on fake tensors, built by the trainer's own code where it loads no weights:
-    ``train.model.build.setup_trainable`` (LoRA or full fine-tuning, the KL reference, activation
+    ``train.model.builder.setup_trainable`` (LoRA or full fine-tuning, the KL reference, activation
     checkpointing, FSDP2 through ``parallelize``), AdamW with the run's settings and its state as after
     a first step, the EMA."""
     backbone = meta_backbone(cfg, arch)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from train.algorithm.jagg import UPDATE_MODES
-from train.components.config import TrainConfig, register_schema
+from train.config.schema import TrainConfig, register_schema
 from train.run.errors import ConfigError
 
 

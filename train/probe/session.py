@@ -39,9 +39,9 @@ from train.algorithm.quality import (
 from train.algorithm.segments import route_segments
 from train.algorithm.update import UpdateBatch, update_micro_batch
 from train.algorithm.update_config import MIDDLE_MODES, ReuseVelocities
-from train.components.config import TrainConfig, WandbMode
+from train.config.schema import TrainConfig, WandbMode
 from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
-from train.optim.build import adamw_settings
+from train.optim.optimizer import adamw_settings
 from train.probe.probe_config import ProbeConfig, probe_settings
 from train.run.build import open_run
 from train.run.layout import RunLayout

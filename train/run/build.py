@@ -3,7 +3,7 @@
 ``build_run`` assembles the run (``train.run.parts.Run``) in a fixed order: seeds, the checks of the
 checkpoints to resume from (train/run/preflight.py), the rewards (a wrong reward path fails in seconds,
 before the transformer loads: train/run/scorers.py), the backbone, the trainable parameters and the KL
-reference (then sharding: train/model/build.py), the optimizer, the logger, the predictors and the router.
+reference (then sharding: train/model/builder.py), the optimizer, the logger, the predictors and the router.
 ``open_run`` builds it in the run folder claimed for it.
 """
 
@@ -19,14 +19,14 @@ from omegaconf import OmegaConf
 from train.algorithm.routing import AutoRouter, PrefixRouter, Router
 from train.algorithm.update_config import Routing, UpdateConfig
 from train.checkpoint.manager import CheckpointManager
-from train.components.config import TrainConfig
+from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo, broadcast_object
 from train.distributed.parallelize import compile_unavailable
 from train.distributed.seeds import seed_everything
-from train.model.build import build_model, model_folder
+from train.model.builder import build_model, model_folder
 from train.observe.logger import RunLogger
 from train.observe.perf import CompileWatch, device_peak
-from train.optim.build import adamw_settings, build_ema
+from train.optim.optimizer import adamw_settings, build_ema
 from train.run.errors import ConfigError
 from train.run.layout import RunLayout
 from train.run.parts import DataParts, IOParts, OptimParts, PerfParts, Run

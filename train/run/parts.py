@@ -23,7 +23,7 @@ from rewards.combine import RewardCombiner
 from samplers.rollout import Predict
 from train.algorithm.routing import Router
 from train.checkpoint.manager import CheckpointManager
-from train.components.config import TrainConfig
+from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo
 from train.observe.logger import RunLogger
 from train.observe.perf import CompileWatch, FlopMeter, Peak

@@ -10,14 +10,14 @@ from pathlib import Path
 import torch
 
 from train.checkpoint.manager import CheckpointManager
-from train.components.config import Device, TrainConfig
-from train.components.config_keys import (
+from train.config.keys import (
     LORA_MODULES,
     changed_refusal,
     changed_settings,
     moved_settings,
     resume_settings,
 )
+from train.config.schema import Device, TrainConfig
 from train.distributed.collectives import DistInfo, broadcast_object
 from train.distributed.parallelize import mesh_shape
 from train.run.errors import ConfigError, UserError

@@ -11,7 +11,7 @@ import torch
 
 from rewards.base import Scorer, build_scorer, scorer_class
 from rewards.combine import RewardCombiner
-from train.components.config import TrainConfig
+from train.config.schema import TrainConfig
 from train.run.errors import ConfigError, PathError, config_key
 
 

@@ -13,8 +13,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
-from train.components.config import TrainConfig, validate
-from train.components.config_keys import typed
+from train.config.checks import validate
+from train.config.keys import typed
+from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo, init_distributed, shutdown
 from train.run.errors import ConfigError
 
@@ -32,7 +33,7 @@ def _missing(tree: Any, name: str = "") -> list[str]:
 
 def typed_config(cfg: DictConfig) -> TrainConfig:
     """The composed tree as the typed schema; ConfigError naming a ``???`` or unresolvable setting, or the
-    first field a group's own checks refuse (its dotted key prefixed: train/components/config_keys.py)."""
+    first field a group's own checks refuse (its dotted key prefixed: train/config/keys.py)."""
     missing = _missing(OmegaConf.to_container(cfg, resolve=False))
     if missing:  # the experiment leaves them ??? (local paths the user must give)
         raise ConfigError(f"required settings have no value: {', '.join(missing)}; pass each as <key>=<value>")

@@ -16,14 +16,14 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from models.base import Backbone, check_image_multiple, parse_dtype
-from models.config import ModelConfig
+from models.model_config import ModelConfig
 from models.registry import get_backbone_class, load_backbone
 from models.tiny import build_tiny
 from samplers.rollout import Predict
 from train.checkpoint.export import Weights
 from train.checkpoint.manager import CheckpointManager
-from train.components.config import TrainConfig
-from train.components.config_keys import LORA_MODULES, changed_refusal, changed_settings
+from train.config.keys import LORA_MODULES, changed_refusal, changed_settings
+from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo, broadcast_object, gather_objects
 from train.distributed.parallelize import compile_blocks, parallelize
 from train.distributed.seeds import stream_seed

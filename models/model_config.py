@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from models.base import DType
 from samplers.choices import Choice, member
-from samplers.config import check_range
+from samplers.sampler_config import check_range
 
 # peft's init_lora_weights that need no extra config; pissa_niter_<n> too
 LORA_INITS = ("gaussian", "olora", "pissa", "orthogonal")

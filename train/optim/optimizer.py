@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from train.components.config import TrainConfig
+from train.config.schema import TrainConfig
 from train.optim.ema import EMA
 
 

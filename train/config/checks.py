@@ -1,0 +1,130 @@
+"""The rules across the trainer's configuration groups (train/config/schema.py), checked before any model loads.
+
+Each group checks its own ranges in ``__post_init__``; ``validate`` runs those again and then applies the few
+rules across groups: every float finite, a segment that divides the trainable steps, the batch that divides
+the samples, files that exist and read as UTF-8, the size of an evaluation. It raises ConfigError or
+PathError (train/run/errors.py), which the commands print as one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+from samplers.sampler_config import SamplerConfig
+from samplers.sde import SDEKind
+from train.algorithm.segments import split_segments
+from train.algorithm.update_config import Routing
+from train.config.keys import check_finite, check_known_keys, checked
+from train.config.schema import TrainConfig
+from train.run.errors import ConfigError, PathError
+from train.run.prompts import read_prompts
+
+
+def trainable_transitions(sampler: SamplerConfig, window_start: int | None = None) -> list[int]:
+    """Trainable transitions of a rollout: the SDE steps, without the last (ignored) transition."""
+    last = sampler.num_steps - 1
+    if sampler.sde is SDEKind.ode:
+        return []
+    if sampler.sde_window_size <= 0:
+        return list(range(last))
+    start = sampler.sde_window_range[0] if window_start is None else window_start
+    return [k for k in range(start, start + sampler.sde_window_size) if k < last]
+
+
+def _validate_training(cfg: TrainConfig, known_backbones: tuple[str, ...]) -> None:
+    """What training needs beyond each group's own checks: a backbone the registry knows, a reward, a sampler
+    with transitions to train."""
+    _choice(cfg.model.name, known_backbones, "model.name")
+    if not cfg.reward.components:
+        raise ConfigError("reward.components is empty: name at least one scorer, e.g. reward=jpeg")
+    if cfg.sampler.sde is SDEKind.ode:
+        raise ConfigError("sampler.sde=ode samples no transition to train: pick dance, flow or cps")
+
+
+def _choice(value: Any, accepted: Collection[Any], name: str) -> None:
+    if value not in accepted:
+        raise ConfigError(f"{name}={value!r} is not valid; accepted values: {', '.join(map(str, accepted))}")
+
+
+def _check_across(cfg: TrainConfig) -> None:
+    """The rules that span groups (each group checks its own fields in ``__post_init__``)."""
+    samples = cfg.grpo.group_size * cfg.batch.prompts_per_rank
+    per_step = f"per rank per step (grpo.group_size * batch.prompts_per_rank = {samples})"
+    if samples % cfg.batch.gradient_accumulation_steps:
+        steps = cfg.batch.gradient_accumulation_steps
+        raise ConfigError(f"batch.gradient_accumulation_steps={steps} must divide the samples {per_step}")
+    if cfg.update.routing is Routing.auto and cfg.update.auto_rollouts > samples:
+        raise ConfigError(f"update.auto_rollouts={cfg.update.auto_rollouts} exceeds the samples {per_step}")
+    if cfg.grpo.ratio_norm and cfg.sampler.sde is SDEKind.cps:
+        raise ConfigError(
+            "grpo.ratio_norm=true normalises a Gaussian log-prob, which sampler.sde=cps does not have: "
+            "use sampler.sde=flow or dance, or grpo.ratio_norm=false"
+        )
+    if cfg.checkpoint.overwrite and cfg.resume:
+        raise ConfigError(
+            f"checkpoint.overwrite=true starts the run in run_dir again, resume={cfg.resume} continues one: pick one"
+        )
+    try:
+        split_segments(trainable_transitions(cfg.sampler), cfg.update.segment_length)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _validate_files(cfg: TrainConfig) -> None:
+    model_path = Path(cfg.model.path)
+    if cfg.model.build_tiny is None and not model_path.is_dir():
+        raise PathError(f"model.path={cfg.model.path!r} is not a folder; point it at a local diffusers pipeline folder")
+    # eval.transformer: python -m train.eval checks it (train.cli.find_weights), naming what it accepts
+    if cfg.model.embedding_cache is not None and not Path(cfg.model.embedding_cache).is_dir():
+        raise PathError(f"model.embedding_cache={cfg.model.embedding_cache!r} is not a folder")
+    if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_dir():
+        raise PathError(f"resume={cfg.resume!r}: no such checkpoint folder (use resume=auto or a path)")
+    read_prompts(cfg.data.train_prompts, field_name="data.train_prompts")
+    for key, path in (("eval.prompts", cfg.eval.prompts), ("eval.heldout_prompts", cfg.eval.heldout_prompts)):
+        if path is not None:
+            read_prompts(path, field_name=key)
+
+
+def _check_eval_size(cfg: TrainConfig) -> None:
+    """One evaluation samples at most eval.max_images images (the trainer's run before training and every
+    eval.every steps; python -m train.eval's once or twice)."""
+    d, e = cfg.data, cfg.eval
+    if not e.scorers:
+        return  # no evaluation is configured
+    prompts = len(read_prompts(e.prompts or d.train_prompts))
+    if e.num_prompts:
+        prompts = min(prompts, e.num_prompts)
+    heldout = len(read_prompts(e.heldout_prompts)) if e.heldout_prompts else 0
+    images = (prompts + heldout) * e.samples_per_prompt
+    if images > e.max_images:
+        source = f"eval.prompts={e.prompts}" if e.prompts else f"data.train_prompts={d.train_prompts}"
+        raise ConfigError(
+            f"an evaluation would sample {images} images ({prompts} prompts of {source}"
+            + (f" and {heldout} held-out" if heldout else "")
+            + f", x eval.samples_per_prompt={e.samples_per_prompt}), more than eval.max_images={e.max_images}: "
+            "set eval.num_prompts=<n> (or eval.prompts=<a smaller file>), or raise eval.max_images"
+        )
+
+
+def validate(
+    cfg: TrainConfig, *, known_scorers: tuple[str, ...], known_backbones: tuple[str, ...], check_files: bool = True
+) -> None:
+    """Reject impossible settings, naming the field and the accepted values. Loads no model.
+
+    Raises ConfigError (a ValueError) for a setting, PathError (a FileNotFoundError) for a missing file.
+    Each group's own checks (its ``__post_init__``) run again, so a config changed after it was built is
+    checked too. ``check_files=False`` skips the checks of model, prompt and checkpoint paths, for a command
+    that reads none of them.
+    """
+    check_known_keys(cfg, "")
+    check_finite(cfg, "")
+    checked(cfg)
+    _validate_training(cfg, known_backbones)
+    for name in cfg.eval.scorers:
+        _choice(name, known_scorers, "eval.scorers (scorer name)")
+    _check_across(cfg)
+    if check_files:
+        _validate_files(cfg)
+        _check_eval_size(cfg)
