@@ -26,7 +26,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from train.cli import report_error
+from train.cli.reporting import report_error
 from train.compare.arms import build_comparison, comparison_tables, plot, summary
 from train.run.errors import UserError
 from train.run.layout import RunLayout

@@ -87,7 +87,8 @@ from omegaconf.errors import OmegaConfBaseException
 from models.base import parse_dtype
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
-from train.cli import hydra_message, report_error, reported, setup
+from train.cli.compose import setup
+from train.cli.reporting import hydra_message, report_error, reported
 from train.components.config import validate
 from train.observe.perf import GPU_PEAK_TFLOPS
 from train.plan.comm import ModelBytes
@@ -256,7 +257,7 @@ def print_help(flag: str, overrides: list[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> PlanReport | None:
     """``python -m train.plan [overrides]``: print the plan (and write it to plan.output as JSON); with
-    ``--help``, the settings instead. A wrong setting ends the command with one line (train/cli.py), as
+    ``--help``, the settings instead. A wrong setting ends the command with one line (train/cli/reporting.py), as
     every command of the trainer does."""
     setup()
     register()
