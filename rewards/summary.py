@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
@@ -66,6 +67,29 @@ def _wrap(text: str, font: ImageFont.FreeTypeFont | ImageFont.ImageFont, width: 
     return lines
 
 
+def _per_row(images: Tensor, nrow: int | None, labels: Sequence[str] | None) -> int:
+    """Images per row of ``image_grid`` (default ceil(sqrt(B))), its arguments checked."""
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"image_grid needs images [B, 3, H, W], got {tuple(images.shape)}")
+    count = images.shape[0]
+    nrow = math.ceil(math.sqrt(count)) if nrow is None else nrow
+    if nrow < 1:
+        raise ValueError(f"image_grid needs nrow >= 1, got {nrow}")
+    if labels is not None and len(labels) != count:
+        raise ValueError(f"image_grid got {len(labels)} labels for {count} images")
+    return nrow
+
+
+def _tiles(images: Tensor, min_tile: int) -> Any:
+    """Images [B, 3, H, W] in [0, 1] as uint8 [B, H, W, 3] numpy tiles, upscaled by an integer factor with
+    nearest neighbour until the longer side reaches ``min_tile``."""
+    pixels = images.detach().float().clamp(0, 1).cpu()
+    scale = max(1, math.ceil(min_tile / max(pixels.shape[2:])))
+    if scale > 1:
+        pixels = torch.nn.functional.interpolate(pixels, scale_factor=scale, mode="nearest")
+    return (pixels * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
 def image_grid(
     images: Tensor,
     nrow: int | None = None,
@@ -84,19 +108,9 @@ def image_grid(
     in up to ``label_lines`` lines ("\\n" starts a line; a longer text is cut with "..."). ``title``:
     one line above the grid.
     """
-    if images.ndim != 4 or images.shape[1] != 3:
-        raise ValueError(f"image_grid needs images [B, 3, H, W], got {tuple(images.shape)}")
+    nrow = _per_row(images, nrow, labels)
     count = images.shape[0]
-    nrow = math.ceil(math.sqrt(count)) if nrow is None else nrow
-    if nrow < 1:
-        raise ValueError(f"image_grid needs nrow >= 1, got {nrow}")
-    if labels is not None and len(labels) != count:
-        raise ValueError(f"image_grid got {len(labels)} labels for {count} images")
-    pixels = images.detach().float().clamp(0, 1).cpu()
-    scale = max(1, math.ceil(min_tile / max(pixels.shape[2:])))
-    if scale > 1:
-        pixels = torch.nn.functional.interpolate(pixels, scale_factor=scale, mode="nearest")
-    tiles = (pixels * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    tiles = _tiles(images, min_tile)
     height, width = tiles.shape[1:3]
     font = _font(max(11, min(32, width // 11)))
     line_height = round(font.size * 1.25) if isinstance(font, ImageFont.FreeTypeFont) else 11

@@ -118,27 +118,25 @@ def gradient(model) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--segment-length", type=int, default=4)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rollout-batch", type=int, default=4, help="rows of the rollout that computed the v")
-    args = parser.parse_args()
-    model, predict = build(args.batch)
-    z, t, step_loss, velocities = make_segment(
-        predict, args.batch, args.segment_length, max(args.rollout_batch, args.batch)
-    )
-    runs = {mode: (mode, None) for mode in UPDATE_MODES}
-    runs |= {f"{mode} + rollout v": (mode, velocities) for mode in MIDDLE_MODES}
-    references = {
-        "one batched call": lambda: predict(torch.cat(z), torch.cat([t_j.expand(args.batch) for t_j in t])),
-        f"{args.segment_length} calls": lambda: [predict(z_j, t_j.expand(args.batch)) for z_j, t_j in zip(z, t)],
-    }
-    wall: dict[str, list[float]] = {name: [] for name in [*runs, *references]}
-    cpu: dict[str, list[float]] = {name: [] for name in [*runs, *references]}
+    return parser.parse_args()
+
+
+Timings = dict[str, list[float]]  # name -> seconds per repetition
+
+
+def time_rounds(model, predict, runs, references, step_loss, z, t, reps: int) -> tuple[Timings, Timings, dict]:
+    """(wall, CPU) seconds of every run and reference call per round, alternating, and each run's gradient;
+    the first round warms up and is discarded."""
+    wall: Timings = {name: [] for name in [*runs, *references]}
+    cpu: Timings = {name: [] for name in [*runs, *references]}
     grads = {}
-    for rep in range(args.reps + 1):  # the first round warms up and is discarded
+    for rep in range(reps + 1):
         for name, (mode, given) in runs.items():
             model.zero_grad(set_to_none=True)
             with Clocks() as clocks:
@@ -153,7 +151,12 @@ def main() -> None:
             if rep:
                 wall[name].append(clocks.wall)
                 cpu[name].append(clocks.cpu)
-    f, b = time_forward_backward(model, predict, z, t, args.reps)
+    return wall, cpu, grads
+
+
+def print_results(args, f: float, b: float, wall: Timings, cpu: Timings, runs, references, grads) -> None:
+    """The table: each run's and reference call's median times, relative to exact, with and without the KL
+    reference's batched call; the floor from F and B; how far the rollout velocities move the gradient."""
     w = args.segment_length
     print(
         f"small Flux, {IMAGE_TOKENS} image + {TEXT_TOKENS} text tokens, W={w}, batch={args.batch} "
@@ -174,6 +177,23 @@ def main() -> None:
         recomputed, reused = grads[mode], grads[f"{mode} + rollout v"]
         difference = float((reused - recomputed).norm() / recomputed.norm())
         print(f"{mode}: |g(rollout v) - g(recomputed)| / |g(recomputed)| = {difference:.1e}")
+
+
+def main() -> None:
+    args = parse_args()
+    model, predict = build(args.batch)
+    z, t, step_loss, velocities = make_segment(
+        predict, args.batch, args.segment_length, max(args.rollout_batch, args.batch)
+    )
+    runs = {mode: (mode, None) for mode in UPDATE_MODES}
+    runs |= {f"{mode} + rollout v": (mode, velocities) for mode in MIDDLE_MODES}
+    references = {
+        "one batched call": lambda: predict(torch.cat(z), torch.cat([t_j.expand(args.batch) for t_j in t])),
+        f"{args.segment_length} calls": lambda: [predict(z_j, t_j.expand(args.batch)) for z_j, t_j in zip(z, t)],
+    }
+    wall, cpu, grads = time_rounds(model, predict, runs, references, step_loss, z, t, args.reps)
+    f, b = time_forward_backward(model, predict, z, t, args.reps)
+    print_results(args, f, b, wall, cpu, runs, references, grads)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ installed as the console script ``jagg-train``.
 
 The configuration tree is ``configs/train.yaml``; every field is documented in ``train/config/schema.py``
 (``--help`` lists them). A mistake in the settings, a path or a checkpoint prints one line and exits
-with status 2 (train/cli.py).
+with status 2 (train/cli/reporting.py).
 """
 
 import logging
@@ -11,7 +11,8 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from train.cli import reported, run_hydra, setup
+from train.cli.compose import setup
+from train.cli.reporting import reported, run_hydra
 
 PROG = "python -m train"
 setup()

@@ -17,7 +17,8 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from train.cli import field_docs, setup
+from train.cli.compose import setup
+from train.cli.help_text import field_docs
 from train.plan.command import main as plan_main
 from train.plan.plan_config import PlanRunConfig
 from train.probe.probe_config import ProbeRunConfig

@@ -24,7 +24,7 @@ from hydra import compose, initialize_config_module
 
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
-from train.cli import setup
+from train.cli.compose import setup
 from train.compare.command import parse_args
 from train.config.checks import validate
 from train.eval.command import check_scorers, target

@@ -1,7 +1,7 @@
 """A user's mistake ends a command in one line; a cluster's faults do not lose or corrupt a run.
 
 * The tables: every bad setting and every damaged checkpoint, run through the command's own entry
-  (``train.cli.run_hydra``) in this process, exits with status 2 and one line on stderr naming the
+  (``train.cli.reporting.run_hydra``) in this process, exits with status 2 and one line on stderr naming the
   field or file, no traceback, and leaves the checkpoints of the run it resumes untouched.
 * A bug keeps its traceback; a damaged latest checkpoint makes ``resume=auto`` resume from the
   previous one and reach the same weights; a checkpoint past num_steps is refused.
@@ -40,7 +40,7 @@ import train.__main__ as train_command
 import train.eval.command as eval_command
 import train.probe.command as probe_command
 import train.trainer as trainer
-from train.cli import run_hydra
+from train.cli.reporting import run_hydra
 from train.model import builder
 from train.run import scorers
 from train.run.errors import Preempted
@@ -842,12 +842,12 @@ def test_resume_auto_with_only_unfinished_saves_says_it_starts_again(trained, ti
 
 def test_a_read_only_run_folder_is_one_line_before_hydra_writes(trained, tiny_flux_dir, tmp_path, capsys, monkeypatch):
     """resume=auto in an existing folder this user cannot write (os.access says so: the tests may run as root)."""
-    import train.cli as cli
+    import train.cli.run_folder as run_folder
 
     run_dir = copy_run(trained, tmp_path)
     saved = contents(run_dir)
     real = os.access
-    monkeypatch.setattr(cli.os, "access", lambda path, mode: Path(path) != run_dir and real(path, mode))
+    monkeypatch.setattr(run_folder.os, "access", lambda path, mode: Path(path) != run_dir and real(path, mode))
     status, stderr = command(capsys, run_dir, [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "resume=auto"])
     assert status == 2 and re.search(r"cannot write the run folder \(Permission denied: .*run\)", the_error(stderr))
     assert contents(run_dir) == saved

@@ -23,8 +23,10 @@ from train.config.schema import register_schema
 from train.distributed.collectives import init_distributed, shutdown
 from train.model.builder import FSDP_VIEW_WARNING
 from train.plan.command import arch_folder, plan_config
+from train.plan.counts import expected_segments
+from train.plan.fake_run import traced_run
 from train.plan.plan_config import register
-from train.plan.tracing import expected_segments, trace_step, traced_run
+from train.plan.tracing import trace_step
 
 
 class PhaseCollectives:

@@ -3,7 +3,7 @@
 * ``SMALL_RUN``: 5 sampling steps -> 4 trainable transitions = one group of W = 4; one prompt of G = 2
   per step, no sample grids, no progress bar. ``FAST`` is it on the tiny experiment.
 * ``command(capsys, run_dir, overrides)``: ``python -m <module> overrides`` through the command's own
-  entry (``train.cli.run_hydra``), as its console script runs it: the exit status and what it printed.
+  entry (``train.cli.reporting.run_hydra``), as its console script runs it: the exit status and what it printed.
 * ``the_error(stderr)``: the command's one error line, with no traceback on stderr.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 import train.__main__ as train_command
-from train.cli import run_hydra
+from train.cli.reporting import run_hydra
 
 SMALL_RUN = [
     "sampler.num_steps=5",

@@ -18,8 +18,9 @@ from PIL import Image
 
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
-from train.compare.arms import arm_rewards, group_arms, load_run
+from train.compare.arms import arm_rewards, group_arms
 from train.compare.command import main
+from train.compare.runs import load_run
 from train.config.checks import validate
 from train.config.schema import register_schema
 
@@ -445,7 +446,8 @@ def test_testbed_compare_sweeps_modes_and_seeds_then_compares(tmp_path):
 
 
 def test_runs_of_several_experiments_are_flagged_and_labelled_shortly():
-    from train.compare.arms import MAX_LABEL_SETTINGS, RunMetrics, arm_labels, experiments_note
+    from train.compare.arms import MAX_LABEL_SETTINGS, arm_labels, experiments_note
+    from train.compare.runs import RunMetrics
 
     def run(experiment: str, **settings) -> RunMetrics:
         return RunMetrics(experiment, {}, {"experiment": experiment, "update.mode": "jagg", "seed": 0, **settings})

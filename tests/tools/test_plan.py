@@ -33,18 +33,14 @@ from train.distributed.parallelize import parallelize
 from train.model.builder import FSDP_VIEW_WARNING
 from train.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
 from train.plan.command import SHIPPED_ARCH, plan, plan_config
+from train.plan.counts import expected_segments, expected_shared_calls, expected_shared_rows, update_variants
 from train.plan.fake import fake_process_group
+from train.plan.fake_run import traced_run
 from train.plan.frozen import ARCH_ROOT, SCORER_ARCH, build_component, frozen_models, read_json, scorer_module
 from train.plan.plan_config import register
-from train.plan.report import GIB, format_report
-from train.plan.tracing import (
-    EXACT_TRACED_STEPS,
-    expected_segments,
-    expected_shared_calls,
-    expected_shared_rows,
-    traced_run,
-    update_variants,
-)
+from train.plan.report import GIB
+from train.plan.report_text import format_report
+from train.plan.step_calls import EXACT_TRACED_STEPS
 from train.run.build import build_router
 from train.step import micro_batches
 

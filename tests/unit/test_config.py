@@ -15,7 +15,8 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from models.base import DTYPES, parse_dtype
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
-from train.cli import field_docs, hydra_message
+from train.cli.help_text import field_docs
+from train.cli.reporting import hydra_message
 from train.config.checks import trainable_transitions, validate
 from train.config.keys import MOVED, changed_settings, checked, moved_settings, moved_tree, typed
 from train.config.schema import TrainConfig, register_schema

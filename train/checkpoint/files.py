@@ -1,6 +1,6 @@
-"""The files of a checkpoint folder: the ``COMPLETE`` marker, the checksums the ranks share the work of
-(rank r hashes every R-th file of the sorted listing), and the disk space a checkpoint needs
-(train/checkpoint/manager.py uses them)."""
+"""The files of a checkpoint folder: the ``COMPLETE`` marker, the rank files, what is wrong with a folder's
+files as each rank sees them, the checksums the ranks share the work of (rank r hashes every R-th file of
+the sorted listing), and the disk space a checkpoint needs (train/checkpoint/manager.py uses them)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,17 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from train.distributed.collectives import broadcast_object, gather_objects, get_rank, get_world_size
 
 MARKER = "COMPLETE"
+STEP_DIR = re.compile(r"^step_(\d{8})$")  # a complete checkpoint's folder; a save writes <name>.tmp first
+RANK_FILE_KEYS = {"step", "world_size", "extra", "rng", "sharded_extra_keys"}
 CHUNK = 8 << 20  # bytes per read while hashing
 
 
@@ -30,6 +34,68 @@ def is_complete(path: str | Path) -> bool:
 def read_marker(path: Path) -> dict[str, Any]:
     """``{"step", "world_size"}`` from the marker of a checkpoint that passed ``problem``."""
     return json.loads((path / MARKER).read_text())
+
+
+def rank_file(saved_world: int) -> str:
+    """This rank's file of a checkpoint saved by ``saved_world`` ranks: its own, or rank 0's when resharded."""
+    return f"rank{get_rank()}.pt" if saved_world == get_world_size() else "rank0.pt"
+
+
+def files_problem(path: Path) -> str | None:
+    """What this rank finds wrong with the files of checkpoint ``path``, or None: its marker, rank 0 the shared
+    files (the metadata and the shards' lengths), every rank its own ``rank<r>.pt``, and the checksums."""
+    if not path.is_dir():
+        return "it is not a folder"
+    marker = path / MARKER
+    if not marker.is_file():
+        return f"it has no {MARKER} marker (an interrupted save, or not a checkpoint folder)"
+    text = marker.read_bytes()[: 1 << 20]  # a few kB as written; a huge file is not a marker
+    try:
+        info = json.loads(text)
+        step, world = info["step"], info["world_size"]
+    except (ValueError, KeyError, TypeError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return f"its {MARKER} marker is not the JSON the trainer writes ({text[:40]!r})"
+    if not isinstance(step, int) or not isinstance(world, int) or world < 1:
+        return f"its {MARKER} marker holds step={step!r}, world_size={world!r}; expected integers"
+    match = STEP_DIR.match(path.name)
+    if match and int(match.group(1)) != step:
+        return f"its {MARKER} marker says step {step}, its folder name step {int(match.group(1))}"
+    if get_rank() == 0:
+        problem = _shard_problem(path)
+        if problem:
+            return problem
+    name = rank_file(world)
+    try:  # memory-mapped: the check reads the pickled structure, not every tensor of the file
+        local = torch.load(path / name, weights_only=False, mmap=True)
+    except FileNotFoundError:
+        return f"{name} is missing"
+    # Whatever torch.load raises on a cut or overwritten file (zip, pickle, OS errors), the file is damaged.
+    except Exception as err:
+        return f"{name} cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:80]})"
+    if not isinstance(local, dict) or not RANK_FILE_KEYS <= set(local) or local["step"] != step:
+        return f"{name} is not the rank file of step {step}"
+    files = info.get("files")
+    return checksum_problem(path, files) if isinstance(files, dict) else None
+
+
+def _shard_problem(path: Path) -> str | None:
+    """The metadata must read and every shard must be as long as the byte ranges it lists."""
+    if not (path / ".metadata").is_file():
+        return "it has no .metadata file (the index of its .distcp shards)"
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # any failure to unpickle the index means the file is damaged
+        return f".metadata cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:80]})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            return f"{name} is missing"
+        if shard.stat().st_size < size:
+            return f"{name} is truncated ({shard.stat().st_size} of {size} bytes)"
+    return None
 
 
 def sha256(path: Path) -> str:

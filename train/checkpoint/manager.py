@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -50,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
@@ -59,13 +58,15 @@ from torch.optim import Optimizer
 
 from train.checkpoint.files import (
     MARKER,
-    checksum_problem,
+    STEP_DIR,
     checksums,
+    files_problem,
     free_bytes,
     gb,
     is_complete,
     is_no_space,
     mount_point,
+    rank_file,
     read_marker,
 )
 from train.checkpoint.state import flat_keys, merge_trees, rng_state, set_rng_state, split_extra, train_state
@@ -81,13 +82,6 @@ from train.run.errors import CheckpointError, DiskFull
 from train.run.layout import RunLayout
 
 log = logging.getLogger(__name__)
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-_RANK_FILE_KEYS = {"step", "world_size", "extra", "rng", "sharded_extra_keys"}
-
-
-def _rank_file(saved_world: int) -> str:
-    """This rank's file of a checkpoint saved by ``saved_world`` ranks: its own, or rank 0's when resharded."""
-    return f"rank{get_rank()}.pt" if saved_world == get_world_size() else "rank0.pt"
 
 
 @contextmanager
@@ -116,7 +110,7 @@ class CheckpointManager:
             return []
         steps: dict[Path, int] = {}
         for path in self.root.iterdir():
-            match = _STEP_DIR.match(path.name)
+            match = STEP_DIR.match(path.name)
             if match and is_complete(path):
                 steps[path] = int(match.group(1))
         return sorted(steps, key=steps.__getitem__)
@@ -168,7 +162,7 @@ class CheckpointManager:
         A collective. Rank 0 checks the shared files (marker, metadata, shard lengths), every rank its
         own ``rank<r>.pt``; nothing is loaded into a model.
         """
-        local = self._local_problem(path)
+        local = files_problem(path)
         problems = [(rank, p) for rank, p in enumerate(gather_objects(local)) if p]
         if not problems:
             return None
@@ -208,60 +202,6 @@ class CheckpointManager:
             f"the disk of {self.root} (the file system mounted at {mount_point(folder)}) {why}: free space "
             "there or move the run; the checkpoints already written are intact, and resume=auto continues"
         )
-
-    def _local_problem(self, path: Path) -> str | None:
-        if not path.is_dir():
-            return "it is not a folder"
-        marker = path / MARKER
-        if not marker.is_file():
-            return f"it has no {MARKER} marker (an interrupted save, or not a checkpoint folder)"
-        text = marker.read_bytes()[: 1 << 20]  # a few kB as written; a huge file is not a marker
-        try:
-            info = json.loads(text)
-            step, world = info["step"], info["world_size"]
-        except (ValueError, KeyError, TypeError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            return f"its {MARKER} marker is not the JSON the trainer writes ({text[:40]!r})"
-        if not isinstance(step, int) or not isinstance(world, int) or world < 1:
-            return f"its {MARKER} marker holds step={step!r}, world_size={world!r}; expected integers"
-        match = _STEP_DIR.match(path.name)
-        if match and int(match.group(1)) != step:
-            return f"its {MARKER} marker says step {step}, its folder name step {int(match.group(1))}"
-        if get_rank() == 0:
-            problem = self._shard_problem(path)
-            if problem:
-                return problem
-        name = _rank_file(world)
-        try:  # memory-mapped: the check reads the pickled structure, not every tensor of the file
-            local = torch.load(path / name, weights_only=False, mmap=True)
-        except FileNotFoundError:
-            return f"{name} is missing"
-        # Whatever torch.load raises on a cut or overwritten file (zip, pickle, OS errors), the file is damaged.
-        except Exception as err:
-            return f"{name} cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:80]})"
-        if not isinstance(local, dict) or not _RANK_FILE_KEYS <= set(local) or local["step"] != step:
-            return f"{name} is not the rank file of step {step}"
-        files = info.get("files")
-        return checksum_problem(path, files) if isinstance(files, dict) else None
-
-    @staticmethod
-    def _shard_problem(path: Path) -> str | None:
-        """The metadata must read and every shard must be as long as the byte ranges it lists."""
-        if not (path / ".metadata").is_file():
-            return "it has no .metadata file (the index of its .distcp shards)"
-        try:
-            metadata = FileSystemReader(str(path)).read_metadata()
-        except Exception as err:  # any failure to unpickle the index means the file is damaged
-            return f".metadata cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:80]})"
-        needed: dict[str, int] = {}
-        for info in (metadata.storage_data or {}).values():
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-        for name, size in sorted(needed.items()):
-            shard = path / name
-            if not shard.is_file():
-                return f"{name} is missing"
-            if shard.stat().st_size < size:
-                return f"{name} is truncated ({shard.stat().st_size} of {size} bytes)"
-        return None
 
     def save(
         self,
@@ -358,7 +298,7 @@ class CheckpointManager:
         saved_world = read_marker(path)["world_size"]
         resharded = saved_world != get_world_size()
         # weights_only=False: the file is written by save() above and holds numpy RNG state.
-        local = torch.load(path / _rank_file(saved_world), weights_only=False)
+        local = torch.load(path / rank_file(saved_world), weights_only=False)
         if resharded:
             warnings.warn(
                 f"checkpoint {path} was saved with world size {saved_world}, now {get_world_size()}: "

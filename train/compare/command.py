@@ -26,8 +26,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from train.cli import report_error
-from train.compare.arms import build_comparison, comparison_tables, plot, summary
+from train.cli.reporting import report_error
+from train.compare.arms import build_comparison
+from train.compare.plots import plot
+from train.compare.tables import comparison_tables, summary
 from train.run.errors import UserError
 from train.run.layout import RunLayout
 

@@ -4,7 +4,7 @@
   run is one process and no process group is created. Every helper below is then the identity,
   so the trainer calls them unconditionally.
 * A hung rank: every collective of the process group times out after ``dist.timeout_s``; gloo
-  then raises in the waiting rank, which train/cli.py reports naming the collective and what the
+  then raises in the waiting rank, which train/cli/reporting.py reports naming the collective and what the
   rank was doing (``activity``); NCCL's watchdog aborts the process with a message naming the op.
 """
 

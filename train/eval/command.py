@@ -32,7 +32,9 @@ from omegaconf import DictConfig, OmegaConf
 from rewards.summary import overall
 from train.checkpoint.export import Weights, export_description, find_weights
 from train.checkpoint.manager import CheckpointManager
-from train.cli import reported, run_hydra, setup, show_value
+from train.cli.compose import setup
+from train.cli.help_text import show_value
+from train.cli.reporting import reported, run_hydra
 from train.config.keys import moved_tree
 from train.config.schema import SCORERS_HINT, TrainConfig
 from train.evaluation.evaluator import read_eval_prompts

@@ -102,6 +102,63 @@ class EvalResult:
         return [float(by_index[i]) for i in indices]
 
 
+@dataclass
+class _Sampled:
+    """What one rank sampled and scored: each scorer's scores per batch, and the grid's images (rank 0's)."""
+
+    scores: dict[str, list[Tensor]]
+    grid: list[Tensor]
+    grid_indices: list[int]
+
+
+def _sample_and_score(
+    backbone: Backbone,
+    predict: Predict,
+    scorers: dict[str, Scorer],
+    records: list[PromptRecord],
+    cfg: TrainConfig,
+    dist: DistInfo,
+    *,
+    device: torch.device,
+    tag: str,
+    mine: list[int],
+    per_rank: int,
+) -> _Sampled:
+    """Sample and score this rank's ``per_rank`` prompts of ``mine`` (padded by repeating its last one), in
+    batches of eval.batch_size, keeping rank 0's first images for the grid."""
+    sampled = _Sampled({name: [] for name in scorers}, [], [])
+    progress = _Progress(tag, len(records), enabled=dist.is_main)
+    for first in range(0, per_rank, cfg.eval.batch_size):
+        idx = [mine[min(i, len(mine) - 1)] for i in range(first, min(first + cfg.eval.batch_size, per_rank))]
+        prompts = [records[i].prompt for i in idx]
+        images = _sample(backbone, predict, prompts, idx, cfg, device)
+        for name, scorer in scorers.items():
+            sampled.scores[name].append(scorer(images, prompts))
+        if dist.is_main and len(sampled.grid_indices) < cfg.eval.grid_size:
+            sampled.grid.append(images.cpu())
+            sampled.grid_indices += idx
+        progress(min((first + len(idx)) * dist.world_size, len(records)))
+    return sampled
+
+
+def _rows(
+    records: list[PromptRecord], order: list[int], gathered: dict[str, Tensor], seed: int
+) -> list[dict[str, Any]]:
+    """One row per prompt, in prompt order: index, prompt, category, seed and each scorer's value."""
+    values = {name: v.float().cpu().tolist() for name, v in gathered.items()}
+    rows = [
+        {
+            "index": i,
+            "prompt": records[i].prompt,
+            "category": records[i].category,
+            "seed": seed,
+            **{name: values[name][k] for name in gathered},
+        }
+        for k, i in enumerate(order)
+    ]
+    return sorted(rows, key=lambda row: row["index"])
+
+
 @torch.no_grad()
 def evaluate(
     backbone: Backbone,
@@ -119,24 +176,13 @@ def evaluate(
     (``out`` defaults to ``<run_dir>/eval``)."""
     per_rank = math.ceil(len(records) / dist.world_size)
     mine = list(range(dist.rank, len(records), dist.world_size)) or [0]  # a rank with none pads with prompt 0
-    scores: dict[str, list[Tensor]] = {name: [] for name in scorers}
-    grid: list[Tensor] = []
-    grid_indices: list[int] = []
-    progress = _Progress(tag, len(records), enabled=dist.is_main)
-    for first in range(0, per_rank, cfg.eval.batch_size):
-        idx = [mine[min(i, len(mine) - 1)] for i in range(first, min(first + cfg.eval.batch_size, per_rank))]
-        prompts = [records[i].prompt for i in idx]
-        images = _sample(backbone, predict, prompts, idx, cfg, device)
-        for name, scorer in scorers.items():
-            scores[name].append(scorer(images, prompts))
-        if dist.is_main and len(grid_indices) < cfg.eval.grid_size:
-            grid.append(images.cpu())
-            grid_indices += idx
-        progress(min((first + len(idx)) * dist.world_size, len(records)))
+    sampled = _sample_and_score(
+        backbone, predict, scorers, records, cfg, dist, device=device, tag=tag, mine=mine, per_rank=per_rank
+    )
     # Every rank scored per_rank prompts (padded by repeating its last one): gather, then drop pads.
     owner = all_gather_tensor(torch.tensor([mine[min(i, len(mine) - 1)] for i in range(per_rank)]))
     keep = first_occurrences(owner)
-    gathered = {name: all_gather_tensor(torch.cat(vals))[keep] for name, vals in scores.items()}
+    gathered = {name: all_gather_tensor(torch.cat(vals))[keep] for name, vals in sampled.scores.items()}
     order = owner[keep].tolist()
     categories = [records[i].category for i in order]
     named = [c for c in categories if c is not None]
@@ -144,20 +190,9 @@ def evaluate(
     result = EvalResult(tag, summary, [], torch.empty(0), [])
     if not dist.is_main:
         return result
-    values = {name: v.float().cpu().tolist() for name, v in gathered.items()}
-    rows = [
-        {
-            "index": i,
-            "prompt": records[i].prompt,
-            "category": records[i].category,
-            "seed": cfg.eval.seed,
-            **{name: values[name][k] for name in scorers},
-        }
-        for k, i in enumerate(order)
-    ]
-    result.rows = sorted(rows, key=lambda row: row["index"])
-    count = min(cfg.eval.grid_size, len(grid_indices))
-    result.images, result.indices = torch.cat(grid)[:count], grid_indices[:count]
+    result.rows = _rows(records, order, gathered, cfg.eval.seed)
+    count = min(cfg.eval.grid_size, len(sampled.grid_indices))
+    result.images, result.indices = torch.cat(sampled.grid)[:count], sampled.grid_indices[:count]
     write_result(result, records, out or RunLayout(cfg.run_dir).eval)
     return result
 

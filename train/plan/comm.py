@@ -27,7 +27,7 @@ gradients; every forward with gradients has one backward: each update path backp
 its graphs once, so JAGG's backward of a group of W is one, exact's W). The shared start
 (``update.share_group_start``) adds, per optimizer step whose rows share, its forward and backward
 (and the KL reference's forward), and takes a forward and a backward off each exact or
-jagg_sequential micro-batch that leaves the step to it (``train.plan.tracing.expected_shared_calls``;
+jagg_sequential micro-batch that leaves the step to it (``train.plan.counts.expected_shared_calls``;
 the batched paths run as many calls on fewer rows).
 
 Time: a phase takes compute = FLOPs / (peak x MFU) and communication = intra bytes / intra-node rate

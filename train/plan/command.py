@@ -61,10 +61,13 @@ Limits, by construction:
 * The exact path's trace runs the KL reference's batched call on its 2 traced steps, not W: the
   jagg paths' traces hold the full call (a few [W x micro_batch] rows without gradients).
 
-The planner's files: this one (the settings as read, the plan, the command), config.py (``plan.*``,
+The planner's files: this one (the settings as read, the plan, the command), plan_config.py (``plan.*``,
 composed by configs/plan.yaml), fake.py (the fake process group and tensors, the tracker and FLOP
-counter: every private torch name), frozen.py (the replicated models), tracing.py (the run's parts
-and the traced step), comm.py (communication and time), report.py (the verdict and the printed report).
+counter: every private torch name), frozen.py (the replicated models), fake_run.py (the run's parts),
+step_calls.py (the step's phases as calls), tracing.py (the traced step), counts.py (what the settings
+alone give: segments, update calls, the shared start, evaluations), comm.py (communication and time),
+report.py (what was found, the verdict), advice.py (the changes that lower the peak), report_text.py
+(the printed report).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from hydra import compose, initialize_config_module
@@ -87,24 +90,19 @@ from omegaconf.errors import OmegaConfBaseException
 from models.base import parse_dtype
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
-from train.cli import hydra_message, report_error, reported, setup
+from train.cli.compose import setup
+from train.cli.reporting import hydra_message, report_error, reported
 from train.config.checks import validate
 from train.observe.perf import GPU_PEAK_TFLOPS
 from train.plan.comm import ModelBytes
+from train.plan.counts import evaluation, expected_segments, expected_shared_calls, expected_shared_rows, text_tokens
 from train.plan.fake import fake_process_group, fake_tensors
-from train.plan.frozen import ARCH_ROOT, NOT_READ, frozen_models
+from train.plan.fake_run import traced_run
+from train.plan.frozen import ARCH_ROOT, NOT_READ, FrozenModel, frozen_models
 from train.plan.plan_config import PlanRunConfig, register, validate_plan
-from train.plan.report import PlanReport, format_report
-from train.plan.tracing import (
-    evaluation,
-    expected_segments,
-    expected_shared_calls,
-    expected_shared_rows,
-    text_tokens,
-    trace_other_checkpointing,
-    trace_step,
-    traced_run,
-)
+from train.plan.report import Phase, PlanReport
+from train.plan.report_text import format_report
+from train.plan.tracing import Traced, trace_other_checkpointing, trace_step
 from train.run.errors import ConfigError
 from train.run.preflight import check_mesh
 from train.run.start import typed_config
@@ -172,20 +170,43 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
     arch = arch_folder(cfg, model_path_given)
     frozen = frozen_models(cfg, arch)
     segments = expected_segments(cfg)
+    traced, updates = trace(cfg, arch, segments)
+    frozen_bytes = sum(m.num_bytes for m in frozen)
+    for phase in [*traced.phases, *updates]:
+        phase.peak_bytes += frozen_bytes
+    report = plan_report(cfg, arch, frozen, segments, traced, updates)
+    return with_estimates(report, cfg, traced, updates, started=started)
+
+
+def trace(cfg: PlanRunConfig, arch: Path, segments: dict[str, float]) -> tuple[Traced, list[Phase]]:
+    """The step traced on fake ranks and fake tensors, and its update calls with activation checkpointing as
+    configured and flipped."""
     # setup_trainable filters FSDP2's warning about blocks that return views (train/model/builder.py),
     # for the duration of the trace
     with fake_process_group(cfg.plan.world_size, cfg.dist.replicate_degree), fake_tensors(), warnings.catch_warnings():
         traced = trace_step(traced_run(cfg, arch), segments)
         updates = traced.updates + trace_other_checkpointing(cfg, arch, traced.tensors, segments)
-    frozen_bytes = sum(m.num_bytes for m in frozen)
-    for phase in [*traced.phases, *updates]:
-        phase.peak_bytes += frozen_bytes
-    at = traced.at_step
+    return traced, updates
+
+
+def shared_update_flops(cfg: PlanRunConfig, updates: list[Phase]) -> float:
+    """FLOPs per rank and step the shared start saves in the update: the rows whose first trainable step it runs
+    once per group, at the exact path's FLOPs per step and row."""
     exact = next(u for u in updates if u.mode == "exact" and u.checkpointing == cfg.model.activation_checkpointing)
-    per_row = exact.flops / (
-        cfg.update.segment_length * cfg.batch.micro_batch
-    )  # one step of one row, with its backward
-    peak, source = assumed_peak(cfg)
+    per_row = exact.flops / (cfg.update.segment_length * cfg.batch.micro_batch)  # one step of one row, with backward
+    return expected_shared_rows(cfg) * per_row
+
+
+def plan_report(
+    cfg: PlanRunConfig,
+    arch: Path,
+    frozen: list[FrozenModel],
+    segments: dict[str, float],
+    traced: Traced,
+    updates: list[Phase],
+) -> PlanReport:
+    """What the trace found: the run, its memory per rank, its phases (their peaks with the frozen models added)."""
+    at = traced.at_step
     return PlanReport(
         experiment=cfg.experiment,
         backbone=cfg.model.name,
@@ -213,8 +234,19 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
         frozen=frozen,
         phases=traced.phases,
         updates=updates,
+    )
+
+
+def with_estimates(
+    report: PlanReport, cfg: PlanRunConfig, traced: Traced, updates: list[Phase], *, started: float
+) -> PlanReport:
+    """``report`` with what the shared start saves and adds, the time the plan took (``started``: when it began,
+    ``time.perf_counter``), and the inputs of the communication and time estimate."""
+    peak, source = assumed_peak(cfg)
+    return replace(
+        report,
         shared_rollout_flops=traced.shared_rollout_flops,
-        shared_update_flops=expected_shared_rows(cfg) * per_row,
+        shared_update_flops=shared_update_flops(cfg, updates),
         shared_calls=expected_shared_calls(cfg),
         shared_calls_exact=expected_shared_calls(cfg, "exact"),
         seconds=time.perf_counter() - started,
@@ -256,7 +288,7 @@ def print_help(flag: str, overrides: list[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> PlanReport | None:
     """``python -m train.plan [overrides]``: print the plan (and write it to plan.output as JSON); with
-    ``--help``, the settings instead. A wrong setting ends the command with one line (train/cli.py), as
+    ``--help``, the settings instead. A wrong setting ends the command with one line (train/cli/reporting.py), as
     every command of the trainer does."""
     setup()
     register()

@@ -15,7 +15,8 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from train.cli import reported, run_hydra, setup
+from train.cli.compose import setup
+from train.cli.reporting import reported, run_hydra
 from train.probe.probe_config import register
 from train.probe.session import run_probe
 

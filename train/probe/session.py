@@ -22,12 +22,14 @@ import math
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
+from samplers.rollout import Trajectory
 from train.algorithm.quality import (
     Samples,
     format_table,
@@ -90,6 +92,36 @@ def one_step_later(
                 p.copy_(value)
 
 
+@dataclass
+class Measurements:
+    """Per segment, what the probe measured of each trajectory so far; with staleness, also one optimizer step
+    later, with the middle velocities recomputed (fresh) and taken from the rollout (stale)."""
+
+    samples: Samples = field(default_factory=lambda: defaultdict(list))
+    fresh_after: Samples = field(default_factory=lambda: defaultdict(list))
+    stale_after: Samples = field(default_factory=lambda: defaultdict(list))
+
+    def num_measured(self) -> int:
+        """Trajectories measured on every segment."""
+        return min((len(v) for v in self.samples.values()), default=0)
+
+
+def measure_batch(
+    run: Run, p: ProbeConfig, update: UpdateBatch, into: Measurements, *, count: int, stale: bool, ranks: ProcessRanks
+) -> None:
+    """Measure ``count`` trajectories of one batch into ``into``; with ``stale``, also one optimizer step later."""
+    params = run.model.params
+    for segment, values in measure_trajectories(update, params, num_rollouts=count, mode=p.mode, ranks=ranks).items():
+        into.samples[segment] += values
+    if not stale:
+        return
+    with one_step_later(params, run.cfg, update, run.device):
+        fresh, old = measure_staleness(update, params, num_rollouts=count, mode=p.mode, ranks=ranks)
+    for segment in fresh:
+        into.fresh_after[segment] += fresh[segment]
+        into.stale_after[segment] += old[segment]
+
+
 def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
     """Roll out batches until ``probe.num_rollouts`` trajectories are measured; the JSON report.
 
@@ -102,9 +134,7 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
     per_batch = cfg.grpo.group_size * cfg.batch.prompts_per_rank * run.dist.world_size
     u, ranks = cfg.update, ProcessRanks()
     stale = u.reuse_velocities is ReuseVelocities.stale and p.mode in MIDDLE_MODES and u.segment_length > 2
-    samples: Samples = defaultdict(list)
-    fresh_after: Samples = defaultdict(list)
-    stale_after: Samples = defaultdict(list)
+    measured = Measurements()
     traj, done = None, 0
     max_batches = MAX_BATCHES_PER_K * math.ceil(p.num_rollouts / per_batch)
     for batch in range(max_batches):
@@ -115,26 +145,27 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
         count = min(per_batch, p.num_rollouts - done)
         accumulation = cfg.batch.gradient_accumulation_steps
         update = UpdateBatch(traj, advantages, predict, reference, u, cfg.grpo, accumulation)
-        measured = measure_trajectories(update, run.model.params, num_rollouts=count, mode=p.mode, ranks=ranks)
-        for segment, values in measured.items():
-            samples[segment] += values
-        if stale:
-            with one_step_later(run.model.params, cfg, update, run.device):
-                fresh, old = measure_staleness(update, run.model.params, num_rollouts=count, mode=p.mode, ranks=ranks)
-            for segment in fresh:
-                fresh_after[segment] += fresh[segment]
-                stale_after[segment] += old[segment]
-        done = min((len(v) for v in samples.values()), default=0)
+        measure_batch(run, p, update, measured, count=count, stale=stale, ranks=ranks)
+        done = measured.num_measured()
         if done >= p.num_rollouts:
             break
     else:
         log.warning("probe: %d of K = %d trajectories had a gradient after %d batches", done, p.num_rollouts, batch + 1)
     assert traj is not None  # validate() keeps probe.num_rollouts >= 1, so a batch was drawn
+    return report(run, p, measured, traj, stale=stale)
+
+
+def report(run: Run, p: ProbeConfig, measured: Measurements, traj: Trajectory, *, stale: bool) -> dict[str, Any]:
+    """The probe's JSON report of what it measured (``traj``: the last batch's, for its timesteps)."""
+    cfg = run.cfg
     staleness = None
     if stale:
-        staleness = (summarize_segments(fresh_after, traj.timesteps), summarize_segments(stale_after, traj.timesteps))
+        staleness = (
+            summarize_segments(measured.fresh_after, traj.timesteps),
+            summarize_segments(measured.stale_after, traj.timesteps),
+        )
     return probe_report(
-        summarize_segments(samples, traj.timesteps),
+        summarize_segments(measured.samples, traj.timesteps),
         mode=p.mode,
         threshold=p.threshold,
         num_transitions=traj.num_transitions,

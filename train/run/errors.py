@@ -1,4 +1,4 @@
-"""The errors a command reports in one line instead of a traceback (train/cli.py prints them).
+"""The errors a command reports in one line instead of a traceback (train/cli/reporting.py prints them).
 
 * ``UserError``: something the user gave is wrong (a setting, a path, a file, a checkpoint). The
   command prints its message, which names the field or file and the fix, and exits with status 2.

@@ -3,7 +3,7 @@
 * ``held_run(folder)`` describes the run a folder holds (its checkpoints, its logged steps, its
   export), or None. ``check_one_run`` refuses to start in such a folder unless the launch says what it
   wants: ``resume=auto|<path>`` continues that run, ``checkpoint.overwrite=true`` replaces it
-  (``clear_run`` deletes its files first). train/cli.py asks before Hydra writes into the folder;
+  (``clear_run`` deletes its files first). train/cli/run_folder.py asks before Hydra writes into the folder;
   the trainer asks again before any model loads, for launches that name ``run_dir=`` themselves.
 * ``RunLock``: one owner per run folder. Rank 0 writes ``<run>/LOCK`` (JSON: host, pid, the time it
   last renewed it) and a thread renews it every ``lease_s / 3`` seconds. A second process refuses to

@@ -1,0 +1,53 @@
+"""What the commands compose with:
+
+* ``setup()``, called at import by every Hydra entry point, registers the typed schema and the
+  resolvers below.
+* ``${jagg_fields:}`` (in ``hydra.help.template``, configs/train.yaml): the ``--help`` text
+  (train/cli/help_text.py).
+* ``${jagg_eval_dir:...}`` (configs/eval.yaml): Hydra's folder of ``python -m train.eval``, inside the
+  evaluated run, so its config and log sit beside its results.
+* ``ConsoleFormatter`` (configs/hydra/job_logging/console.yaml): INFO lines as they are, other levels
+  prefixed; the run folder's ``<job name>.log`` gets the same lines with a time stamp.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from omegaconf import OmegaConf
+
+from train.cli.help_text import fields_help
+from train.config.schema import register_schema
+from train.run.layout import RunLayout
+
+
+class ConsoleFormatter(logging.Formatter):
+    """``message`` for INFO, ``LEVEL: message`` otherwise (a warning must not read like progress)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if record.levelno == logging.INFO else f"{record.levelname}: {text}"
+
+
+def eval_output_dir(transformer: str | None, resume: str | None, default: str) -> str:
+    """Hydra's folder for ``python -m train.eval``: ``<evaluated run>/eval``, else ``default``.
+
+    A path that names no weights also gives ``default``: train/eval/command.py then says what is wrong with it.
+    """
+    value = transformer or (resume if resume != "auto" else None)
+    if not value:
+        return default
+    from train.checkpoint.export import find_weights  # torch and diffusers: only when a path is given
+
+    try:
+        run = find_weights(value, "eval.transformer").run_dir
+    except FileNotFoundError:
+        return default
+    return str(RunLayout(run).eval) if run is not None else default
+
+
+def setup() -> None:
+    """The schema and the resolvers of configs/*.yaml (idempotent: every entry point calls it at import)."""
+    register_schema()
+    OmegaConf.register_new_resolver("jagg_fields", lambda *, _root_: fields_help(_root_), replace=True)
+    OmegaConf.register_new_resolver("jagg_eval_dir", eval_output_dir, replace=True)

@@ -1,0 +1,110 @@
+"""``RunFolder``, a Hydra callback (``hydra.callbacks.run_folder`` in configs/train.yaml), looks at the run
+folder before Hydra creates it or writes its ``.hydra/`` and log file there: a folder that holds a run
+(train/run/folder.py) is refused unless the launch resumes or overwrites it, as are a folder another live
+process owns and one that cannot be written. It records the folder as it was (train/cli/launch.py), so
+that a launch refused later, before it did any work, takes back what it wrote. A sweep (Hydra's basic
+sweeper) has every job's folder checked so before it writes anything, and is refused whole for one; a
+sweep's job that fails is reported, takes back its own folder, and the other jobs still run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from train.cli.launch import Launch
+from train.cli.reporting import env_rank, progress, report_error
+from train.run.errors import ConfigError, Stop, UserError
+from train.run.folder import RunLock, check_one_run
+
+
+class RunFolder(Callback):
+    """Hydra's callback before the run folder is created (``hydra.callbacks.run_folder``, configs/train.yaml).
+
+    ``one_run``: refuse a folder that holds a run unless ``resume`` or ``checkpoint.overwrite`` is set, and
+    one whose lock a live process holds (the trainer's; train.eval and train.probe write beside runs).
+    """
+
+    def __init__(self, one_run: bool = True) -> None:
+        self.one_run = one_run
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            folder = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
+        except OmegaConfBaseException:
+            return  # Hydra resolves it again in a moment and reports the error its own way
+        problem = self._refusal(folder, config)
+        if problem is not None:
+            raise SystemExit(report_error(problem, progress.prog))  # Hydra's callbacks swallow Exceptions
+        progress.launch = Launch.before(folder)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Every job's folder, before the sweep writes anything: one refused folder refuses the sweep."""
+        jobs = _sweep_jobs(config)
+        if jobs is None:
+            return  # a sweeper plugin of its own: each job's folder is checked when it starts (preflight.claim_folder)
+        problems = [f"job #{num} ({folder}): {p}" for num, folder, job in jobs if (p := self._refusal(folder, job))]
+        if problems:
+            message = f"the sweep starts none of its {len(jobs)} jobs: {'; '.join(problems)}"
+            raise SystemExit(report_error(ConfigError(message), progress.prog))
+        sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
+        progress.launches = {folder: Launch.before(folder, within=sweep_dir) for _, folder, _ in jobs}
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # the job's folder as it was before the sweep began
+            progress.launch = progress.launches.get(Path(config.hydra.runtime.output_dir))
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            progress.launch = None
+
+    def _refusal(self, folder: Path, config: DictConfig) -> Stop | None:
+        """Why a launch of ``config`` may not write into ``folder`` (unwritable; with ``one_run``, a run held
+        there that the launch neither resumes nor overwrites, or a live owner), or None."""
+        if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+            return ConfigError(
+                f"cannot write the run folder (Permission denied: {folder}); pass a writable hydra.run.dir=<folder>"
+            )
+        if not self.one_run:
+            return None
+        try:
+            overwrite = bool(OmegaConf.select(config, "checkpoint.overwrite", default=False))
+            check_one_run(folder, resume=config.get("resume"), overwrite=overwrite)
+        except Stop as err:
+            return err
+        busy = RunLock(folder).busy() if env_rank() == 0 else None  # rank 0 owns the folder
+        return UserError(busy) if busy else None
+
+
+def _sweep_jobs(config: DictConfig) -> list[tuple[int, Path, DictConfig]] | None:
+    """Each job of a sweep of Hydra's basic sweeper: (its number, its folder, its configuration), composed as
+    the launcher composes them; None for another sweeper (its jobs are not known ahead)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if OmegaConf.select(config, "hydra.sweeper._target_") != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
+        return None
+    params = [f"{key}={value}" for key, value in (config.hydra.sweeper.params or {}).items()]
+    overrides = OverridesParser.create().parse_overrides([*params, *config.hydra.overrides.task])
+    OmegaConf.select(config, "hydra.sweep.dir")  # resolved once here: the jobs copy its ${now:} from this cache
+    loader, hydra_config = GlobalHydra.instance().config_loader(), HydraConfig.instance().cfg
+    jobs = []
+    try:
+        for num, job_overrides in enumerate(BasicSweeper.split_arguments(overrides, None)[0]):
+            job = loader.load_sweep_config(config, list(job_overrides))
+            with open_dict(job):
+                job.hydra.job.id = job.hydra.job.num = num
+            HydraConfig.instance().set_config(job)  # for ${hydra:...} in the folder's name, as the launcher does
+            folder = Path(str(job.hydra.sweep.dir), str(job.hydra.sweep.subdir)).absolute()
+            jobs.append((num, folder, job))
+    finally:
+        HydraConfig.instance().cfg = hydra_config
+    return jobs

@@ -1,0 +1,173 @@
+"""Reading the runs to compare.
+
+A **run** is a run folder of ``python -m train`` (its ``metrics.jsonl``, the record of truth, and
+the ``config.yaml`` the trainer writes beside it, or Hydra's ``.hydra/config.yaml``) or a wandb
+run: an offline run folder (``wandb/offline-run-*``, read from its ``.wandb`` file), or an online
+run, one by id or every run of a group (train/compare/wandb_runs.py). Inside a run folder, metrics.jsonl
+is read and its own ``wandb/`` folder is not. A sweep folder stands for every run folder (and offline
+wandb run outside one) below it; folders without a metrics file (``compare/``) or with an empty one (a
+probe's) are skipped and named. A run logged under older metric names or settings is read under
+today's, so that runs of either age compare.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from train.compare.wandb_runs import WandbRun, read_offline, read_offline_file, read_online, run_file
+from train.config.keys import moved_settings
+from train.run.layout import METRICS, RunLayout
+
+WANDB_PREFIX = "wandb:"
+
+
+@dataclass
+class RunMetrics:
+    source: str  # the folder or wandb path it was read from
+    steps: dict[int, dict[str, float]]  # logged step -> every metric logged at that step
+    config: dict[str, Any] = field(default_factory=dict)  # flattened resolved configuration; {} if unknown
+    name: str = ""  # the folder or wandb run name, a fallback label
+
+    @property
+    def seed(self) -> int | None:
+        seed = self.config.get("seed")
+        return int(seed) if seed is not None else None
+
+    def series(self, key: str) -> dict[int, float]:
+        return {step: values[key] for step, values in sorted(self.steps.items()) if key in values}
+
+
+# Names a run logged before they were renamed, read as today's, so that runs of either age compare
+# (README, changes): a metric's old prefix -> its new one (settings: train/config/keys.py).
+RENAMED_METRICS = {"count/groups_": "count/segments_"}  # the JAGG unit of W transitions is a segment
+
+
+def current_metric(name: str) -> str:
+    """Today's name of a logged metric (``count/groups_jagg`` -> ``count/segments_jagg``)."""
+    for old, new in RENAMED_METRICS.items():
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def _numbers(record: dict[str, Any]) -> dict[str, float]:
+    return {
+        current_metric(k): float(v) for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+def read_metrics_file(path: Path) -> dict[int, dict[str, float]]:
+    """Steps of one metrics.jsonl; a line that is not a JSON object with an integer "step" is an error.
+
+    A step logged twice (a resumed run replays from its checkpoint) keeps the later values.
+    """
+    steps: dict[int, dict[str, float]] = {}
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{lineno} is not valid JSON ({err.msg}); the file is damaged") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f'{path}:{lineno} is not a metrics record (a JSON object with an integer "step")')
+        steps.setdefault(record["step"], {}).update(_numbers(record))
+    return steps
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a.b": leaf} of a nested dict; lists stay leaves."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out |= flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
+    return out
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    """The run's resolved configuration: the trainer's ``config.yaml``, else Hydra's; {} if neither. An older run's
+    moved keys are read under their new names, so that it compares with a newer one."""
+    layout = RunLayout(folder)
+    for path in (layout.config, layout.hydra_config):
+        if path.is_file():
+            from omegaconf import OmegaConf
+
+            return moved_settings(flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=False)))
+    return {}
+
+
+def _from_wandb(run: WandbRun) -> RunMetrics:
+    if not run.steps:
+        raise ValueError(f"wandb run {run.source} has no logged step")
+    steps = {step: _numbers(values) for step, values in run.steps.items()}
+    return RunMetrics(run.source, steps, moved_settings(flatten(run.config)), run.name or run.run_id)
+
+
+def _read_wandb(path: str) -> list[RunMetrics]:
+    try:
+        found = read_online(path)
+    except ValueError:
+        raise
+    except Exception as err:  # wandb raises its own error types (network, auth, missing run)
+        raise ValueError(f"wandb run {path!r} could not be read: {err}") from None
+    return [_from_wandb(run) for run in found]
+
+
+def load_run(folder: Path) -> RunMetrics:
+    """One run folder: its metrics.jsonl (at least one step) and its Hydra configuration."""
+    metrics = RunLayout(folder).metrics
+    steps = read_metrics_file(metrics)
+    if not steps:
+        raise ValueError(f"{metrics} holds no logged step (the file is empty)")
+    return RunMetrics(str(folder), steps, _read_config(folder), folder.resolve().name)
+
+
+def discover(specs: list[str]) -> tuple[list[RunMetrics], list[str]]:
+    """(runs, notes): each spec is a run folder, a sweep folder (run folders or offline wandb runs below
+    it), an offline wandb run folder or its ``.wandb`` file, or wandb:<entity>/<project>/<run id or group:name>.
+    """
+    runs, notes = [], []
+    for spec in specs:
+        if spec.startswith(WANDB_PREFIX):
+            runs += _read_wandb(spec[len(WANDB_PREFIX) :])
+            continue
+        path = Path(spec)
+        if not path.exists():
+            raise FileNotFoundError(f"run folder {spec!r} does not exist (for a wandb run write wandb:<entity>/...)")
+        if path.is_file() and path.suffix == ".wandb":
+            runs.append(_from_wandb(read_offline_file(path)))
+        elif path.is_file():
+            raise ValueError(f"run {spec!r} is a file; pass a run folder (with metrics.jsonl) or a sweep folder")
+        elif RunLayout(path).metrics.is_file():
+            runs.append(load_run(path))
+        elif run_file(path) is not None:
+            runs += [_from_wandb(run) for run in read_offline([path])]
+        else:
+            found, skipped = _below(path)
+            runs += found
+            notes += skipped
+    if not runs:
+        raise ValueError("no run to compare")
+    return runs, notes
+
+
+def _below(folder: Path) -> tuple[list[RunMetrics], list[str]]:
+    """The runs of a sweep folder: run folders (metrics.jsonl), and offline wandb runs outside them."""
+    runs, notes = [], []
+    run_dirs = sorted(p.parent for p in folder.rglob(METRICS))
+    for run_dir in run_dirs:
+        if read_metrics_file(RunLayout(run_dir).metrics):
+            runs.append(load_run(run_dir))
+        else:
+            notes.append(f"skipped {run_dir}: its metrics.jsonl is empty (not a training run)")
+    offline = [p.parent for p in folder.rglob("run-*.wandb") if not any(d in p.parents for d in run_dirs)]
+    runs += [_from_wandb(run) for run in read_offline(offline)]
+    if not run_dirs and not offline:
+        raise FileNotFoundError(
+            f"{str(folder)!r} holds no metrics.jsonl and no wandb run: it is neither a run folder nor a sweep of runs"
+        )
+    return runs, notes

@@ -1,0 +1,195 @@
+"""The counts of one step that follow from the settings alone, without a tensor: the segments each update path
+trains per micro-batch (expected over the random segment pick and the Flow-GRPO-Fast window start), the
+update calls a rank makes, what the shared start adds or saves, the SDE window and the text tokens the
+trace uses, and the run's evaluations."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from train.algorithm.jagg import EXACT_BATCHED, UPDATE_MODES
+from train.algorithm.segments import pick_segments, route_segments
+from train.algorithm.update_config import MIDDLE_MODES, UpdateMode
+from train.config.checks import trainable_transitions
+from train.config.schema import TrainConfig
+from train.plan.plan_config import PlanRunConfig
+from train.plan.report import Evaluation
+from train.step import micro_batches
+
+
+def expected_segments(cfg: TrainConfig, mode: str | None = None) -> dict[str, float]:
+    """Expected segments per micro-batch of each update path, over the random segment pick
+    (update.timestep_fraction) and the Flow-GRPO-Fast window start (uniform in its range).
+    ``mode`` replaces update.mode (``"exact"``: the run without JAGG)."""
+    s, u = cfg.sampler, cfg.update
+    starts: list[int | None] = [None]
+    if s.sde_window_size > 0:
+        lo, hi = s.sde_window_range
+        starts = list(range(lo, hi - s.sde_window_size + 1))
+    counts: dict[str, float] = {}
+    for start in starts:
+        trainable = trainable_transitions(s, start)
+        every = route_segments(
+            trainable,
+            length=u.segment_length,
+            mode=UpdateMode(mode or u.mode),
+            jagg_frac=u.jagg_frac,
+            num_transitions=s.num_steps - 1,
+        )
+        picked = len(pick_segments(trainable, length=u.segment_length, timestep_fraction=u.timestep_fraction))
+        for segment in every:  # a uniform random subset: each segment is picked with probability picked / len
+            counts[segment.mode] = counts.get(segment.mode, 0.0) + picked / len(every) / len(starts)
+    return counts
+
+
+def text_tokens(cfg: TrainConfig) -> int:
+    """Text tokens per prompt: the adapter's max_sequence_length (Qwen-Image pads to the longest
+    prompt of a batch, so this is its worst case)."""
+    return int(cfg.model.options.get("max_sequence_length") or 512)
+
+
+def first_window(cfg: TrainConfig) -> tuple[int, int] | None:
+    """The Flow-GRPO-Fast SDE window the trace samples with: the first one the run can draw (every
+    window trains as many transitions: validation keeps the last one out of its range)."""
+    s = cfg.sampler
+    if s.sde_window_size <= 0:
+        return None
+    lo = s.sde_window_range[0]
+    return lo, lo + s.sde_window_size
+
+
+def update_variants(
+    cfg: TrainConfig, segments: dict[str, float], *, kept_velocities: bool
+) -> list[tuple[str, bool, float]]:
+    """(path, on the rollout's velocities, calls per rank per step) for each update call the run makes,
+    and exact (the baseline of the speed-up) and exact_batched (its memory) in any case.
+    ``update.reuse_velocities=fresh`` reuses them until the first optimizer step of the step moves the
+    weights: the first of B / accumulation chunks."""
+    b = cfg.batch
+    samples = cfg.grpo.group_size * b.prompts_per_rank
+    num_micro_batches = samples // b.micro_batch
+    reused = 1.0 if cfg.update.reuse_velocities == "stale" else b.gradient_accumulation_steps / samples
+    out = []
+    for mode in UPDATE_MODES:
+        calls = num_micro_batches * segments.get(mode, 0.0)
+        if calls == 0 and mode != "exact":
+            continue
+        if kept_velocities and mode in MIDDLE_MODES:
+            out.append((mode, True, calls * reused))
+            if reused < 1:
+                out.append((mode, False, calls * (1 - reused)))
+        elif mode == "exact":
+            batched = cfg.update.exact_batched
+            out += [(mode, False, 0.0 if batched else calls), (EXACT_BATCHED, False, calls if batched else 0.0)]
+        else:
+            out.append((mode, False, calls))
+    return out
+
+
+def _optimizer_steps(cfg: TrainConfig) -> list[list[dict[int, int]]]:
+    """Per optimizer step of a rank's step, its micro-batches: each the rows it holds of each sample
+    group (G rows that share a start)."""
+    g, b = cfg.grpo, cfg.batch
+    return [
+        [dict(Counter(row // g.group_size for row in rows)) for rows in micro_batches(cfg, chunk)]
+        for chunk in range(0, g.group_size * b.prompts_per_rank, b.gradient_accumulation_steps)
+    ]
+
+
+def _per_group(micro: list[dict[int, int]]) -> dict[int, list[int]]:
+    """Each sample group's rows in each micro-batch that holds any."""
+    out: dict[int, list[int]] = {}
+    for rows in micro:
+        for group, num in rows.items():
+            out.setdefault(group, []).append(num)
+    return out
+
+
+def _start_step(cfg: TrainConfig, mode: str | None = None) -> tuple[float, str] | None:
+    """(probability that a micro-batch trains the shared step, the path of the segment that starts there),
+    None where nothing is shared (update.share_group_start off, G = 1). ``mode`` as in ``expected_segments``."""
+    g, u = cfg.grpo, cfg.update
+    if not u.share_group_start or g.group_size < 2:
+        return None
+    window = first_window(cfg)
+    trainable = trainable_transitions(cfg.sampler, None if window is None else window[0])
+    transitions = cfg.sampler.num_steps - 1
+    segments = route_segments(
+        trainable,
+        length=u.segment_length,
+        mode=UpdateMode(mode or u.mode),
+        jagg_frac=u.jagg_frac,
+        num_transitions=transitions,
+    )
+    p = len(pick_segments(trainable, length=u.segment_length, timestep_fraction=u.timestep_fraction)) / len(segments)
+    return p, segments[0].mode
+
+
+def expected_shared_rows(cfg: TrainConfig) -> float:
+    """Rows per rank and step whose first trainable step the shared start runs once per group instead of
+    once per row (``train.algorithm.update.shared_start``): per optimizer step, the rows that train it less
+    the groups among them, expected over the random segment pick of each micro-batch."""
+    start = _start_step(cfg)
+    if start is None:
+        return 0.0
+    p, _ = start
+    saved = 0.0
+    for step in _optimizer_steps(cfg):
+        for rows in _per_group(step).values():  # each micro-batch trains the step with probability p
+            saved += p * sum(rows) - (1 - (1 - p) ** len(rows))
+    return saved
+
+
+def _shares(rows: list[int], p: float) -> float:
+    """Probability that two or more of a group's rows train the shared step (micro-batches of ``rows``)."""
+    m = len(rows)
+    return 1 - (1 - p) ** m - sum(p * (1 - p) ** (m - 1) for r in rows if r == 1)
+
+
+def expected_shared_calls(cfg: TrainConfig, mode: str | None = None) -> tuple[float, float]:
+    """(transformer forwards, backwards) per rank and step that the shared start adds; negative: saves.
+
+    An optimizer step whose rows share (two rows of one group train the step) runs the shared forward
+    with gradients, its backward and, with a KL term, the reference's no-grad forward of it; each of
+    its micro-batches that trains the step then leaves that step to it: on exact (not batched) and
+    jagg_sequential one forward and one backward fewer, while exact_batched, jagg and ablate run the
+    same batched calls on fewer rows. Expected over the random segment pick of each micro-batch (train
+    with probability p each), taking the groups as independent (exact when no micro-batch spans two).
+    ``mode`` as in ``expected_segments``."""
+    start = _start_step(cfg, mode)
+    if start is None:
+        return 0.0, 0.0
+    p, path = start
+    per_micro = 1.0 if path == "jagg_sequential" or (path == "exact" and not cfg.update.exact_batched) else 0.0
+    shared_forwards = 1.0 + (cfg.grpo.kl_beta > 0)
+    forwards = backwards = 0.0
+    for step in _optimizer_steps(cfg):
+        groups = _per_group(step)
+        alone = {g: 1 - _shares(rows, p) for g, rows in groups.items()}  # fewer than two of its rows train it
+        none = math.prod(alone.values())
+        forwards += (1 - none) * shared_forwards
+        backwards += 1 - none
+        for rows in step:  # this micro-batch trains the step (p), and the start is formed
+            unshared = math.prod(
+                0.0 if num >= 2 else (1 - p) ** (len(groups[g]) - 1) for g, num in rows.items()
+            ) * math.prod(a for g, a in alone.items() if g not in rows)
+            taken = p * (1 - unshared) * per_micro
+            forwards -= taken
+            backwards -= taken
+    return forwards, backwards
+
+
+def evaluation(cfg: PlanRunConfig, forward_flops_per_row: float) -> Evaluation | None:
+    """The run's evaluations (train/trainer.py: before training, every eval.every steps, after the
+    last step) on rank 0: eval.num_prompts x eval.samples_per_prompt images, or eval.max_images (the
+    most one may sample) when it takes every prompt of a file the planner does not read."""
+    every, e = cfg.eval.every, cfg.eval
+    if every <= 0:
+        return None
+    count = 1 + cfg.num_steps // every + (cfg.num_steps % every != 0)
+    prompts = cfg.eval.num_prompts
+    images = prompts * e.samples_per_prompt if prompts > 0 else e.max_images
+    per_rank = math.ceil(images / cfg.plan.world_size)
+    calls = math.ceil(per_rank / e.batch_size) * e.num_steps
+    return Evaluation(count, images, per_rank, float(calls), per_rank * e.num_steps * forward_flops_per_row)
