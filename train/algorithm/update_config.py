@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import Enum
+
+from samplers.choices import Choice
 
 
-class UpdateMode(str, Enum):
+class UpdateMode(Choice):
     """The path a routed segment takes (train/algorithm/jagg.py)."""
 
     exact = "exact"
@@ -20,29 +21,20 @@ class UpdateMode(str, Enum):
     jagg_sequential = "jagg_sequential"
     ablate = "ablate"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Routing(str, Enum):
+class Routing(Choice):
     """Which segments take ``update.mode`` (train/algorithm/routing.py)."""
 
     prefix = "prefix"
     auto = "auto"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class ReuseVelocities(str, Enum):
+class ReuseVelocities(Choice):
     """Whether the middle steps of a jagg segment take the rollout's velocities."""
 
     fresh = "fresh"
     stale = "stale"
     off = "off"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 MIDDLE_MODES = (UpdateMode.jagg, UpdateMode.jagg_sequential)  # the paths that need the middle steps' v

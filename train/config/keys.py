@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from train.run.errors import ConfigError
+from train.run.errors import ConfigError, config_key
 
 # Old key -> new key, for every setting that moved (a key under an old key moves with it).
 MOVED = {
@@ -118,13 +118,6 @@ def check_finite(node: object, prefix: str) -> None:
         check_finite(value, name)
 
 
-def config_error(err: ValueError, path: str) -> ConfigError:
-    """A group's ValueError, which names a field relative to the group, as a ConfigError naming its full key."""
-    if isinstance(err, ConfigError):  # raised below with its key already, or a rule that names its keys
-        return err
-    return ConfigError(f"{path}.{err}" if path else str(err))
-
-
 def typed(node: DictConfig, path: str = "") -> Any:
     """The structured node ``node`` (at dotted ``path``) as its dataclass, children first, as
     ``OmegaConf.to_object`` builds it; a ValueError of a dataclass's ``__post_init__`` names its full key."""
@@ -143,10 +136,8 @@ def typed(node: DictConfig, path: str = "") -> Any:
         else:
             value = child
         values[str(key)] = value
-    try:
+    with config_key(path, [f.name for f in fields(kind)]):
         return kind(**values)
-    except ValueError as err:
-        raise config_error(err, path) from None
 
 
 def checked(node: object, path: str = "") -> None:
@@ -156,10 +147,8 @@ def checked(node: object, path: str = "") -> None:
     for f in fields(node):
         checked(getattr(node, f.name), f"{path}.{f.name}" if path else f.name)
     if (post_init := getattr(node, "__post_init__", None)) is not None:
-        try:
+        with config_key(path, [f.name for f in fields(node)]):
             post_init()
-        except ValueError as err:
-            raise config_error(err, path) from None
 
 
 def covered(key: str, prefixes: Sequence[str]) -> bool:

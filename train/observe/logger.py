@@ -45,12 +45,13 @@ from torch import Tensor
 from tqdm import tqdm
 
 from rewards.summary import MIN_TILE, image_grid
+from samplers.choices import member
+from train.config.schema import WandbMode
 from train.run.layout import RunLayout
 
 if TYPE_CHECKING:
     from train.observe.perf import FlopMeter
 
-WANDB_MODES = ("disabled", "offline", "online")  # logging.wandb_mode
 log = logging.getLogger(__name__)
 
 
@@ -99,7 +100,7 @@ class RunLogger:
         run_dir: str | Path,
         *,
         is_main: bool,
-        wandb_mode: str = "disabled",
+        wandb_mode: WandbMode | str = WandbMode.disabled,
         project: str = "jagg-grpo",
         entity: str | None = None,
         group: str | None = None,
@@ -109,8 +110,7 @@ class RunLogger:
         config: Mapping[str, Any] | None = None,
         resumed: bool = False,
     ) -> None:
-        if wandb_mode not in WANDB_MODES:
-            raise ValueError(f"logging.wandb_mode={wandb_mode!r}; accepted: {', '.join(WANDB_MODES)}")
+        wandb_mode = member(WandbMode, wandb_mode, "wandb_mode")
         self.run_dir = Path(run_dir)
         self.is_main = is_main
         self.layout = RunLayout(run_dir)
@@ -125,10 +125,10 @@ class RunLogger:
         if config is not None:  # what ran, next to what it logged (train.compare.command labels runs from it)
             session_config(self.run_dir, resumed=resumed).write_text(OmegaConf.to_yaml(dict(config)), encoding="utf-8")
         self._start -= last_wall_time(read_lines(self.metrics_path))
-        if wandb_mode != "disabled":
+        if wandb_mode is not WandbMode.disabled:
             self._guard(
                 self._init_wandb,
-                wandb_mode,
+                wandb_mode.value,
                 project=project,
                 entity=entity,
                 group=group,
@@ -151,7 +151,7 @@ class RunLogger:
             id_file.write_text(run_id + "\n", encoding="utf-8")
         kwargs["tags"] = list(kwargs["tags"])
         kwargs["config"] = dict(kwargs["config"] or {})
-        # mode is one of WANDB_MODES (checked in __init__); wandb annotates it as a Literal.
+        # mode is a WandbMode (checked in __init__); wandb annotates it as a Literal.
         # resume="allow": the run of this id continues when it exists (a resumed training run), else starts.
         self._wandb = wandb.init(
             mode=mode,  # type: ignore[arg-type]
