@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import BUILDERS
 from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 from two_ranks import HELPERS, run_torchrun
@@ -31,14 +32,6 @@ from train.run.start import load_config
 from train.trainer import run
 
 ROOT = Path(__file__).resolve().parents[2]
-# the modules that build a run's parts at start-up (tests/unit/test_layers.py names the same ones)
-BUILDERS = (
-    "train.run.build",
-    "train.model.builder",
-    "train.model.predict",
-    "train.optim.optimizer",
-    "train.evaluation.evaluator",
-)
 GOLDEN = Path(__file__).with_name("golden") / "trainer.json"
 # (rtol, atol) per key, from float32 rounding across CPUs. Measured on one Xeon between its AVX-512
 # kernels and its AVX2 ones (ATEN_CPU_CAPABILITY=avx2), after three steps: 1.7e-5 relative in the

@@ -15,17 +15,10 @@ import ast
 from pathlib import Path
 
 import pytest
+from builders import BUILDERS
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = ("train", "torch.distributed", "hydra", "omegaconf", "wandb")
-# the modules that build a run's parts at start-up (tests/e2e/test_trainer.py spies on the same ones)
-BUILDERS = (
-    "train.run.build",
-    "train.model.builder",
-    "train.model.predict",
-    "train.optim.optimizer",
-    "train.evaluation.evaluator",
-)
 # the layer of each part of train/, lowest first; a part is a sub-package or a top-level module
 LAYERS = [
     {"train.distributed"},

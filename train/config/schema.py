@@ -11,7 +11,6 @@ are train/config/checks.py's ``validate``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +20,7 @@ from omegaconf import MISSING
 from models.model_config import ModelConfig
 from rewards.reward_config import RewardConfig
 from samplers.choices import Choice
-from samplers.sampler_config import SamplerConfig
+from samplers.sampler_config import SamplerConfig, check_range
 from train.algorithm.update_config import UpdateConfig
 from train.config.keys import RESUME_SETTINGS, covered
 
@@ -53,40 +52,12 @@ class Device(Choice):
     cuda = "cuda"
 
 
-def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
-    if high is None:
-        return f"{'>' if low_open else '>='} {low:g}"
-    if low is None:
-        return f"{'<' if high_open else '<='} {high:g}"
-    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-
-
-def _in_range(
-    value: float,
-    name: str,
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    low_open: bool = False,
-    high_open: bool = False,
-    why: str = "",
-) -> None:
-    """ValueError("<name> must be ...") unless ``value`` is finite and within its bounds (an open end excludes
-    the bound itself); ``why`` ends the message."""
-    ok = math.isfinite(value)
-    ok = ok and (low is None or (value > low if low_open else value >= low))
-    ok = ok and (high is None or (value < high if high_open else value <= high))
-    if not ok:
-        finite = "" if math.isfinite(value) else "a finite number "
-        raise ValueError(f"{name} must be {finite}{_bounds(low, high, low_open, high_open)}, got {value}{why}")
-
-
 def _positive(value: float, name: str, why: str = "") -> None:
-    _in_range(value, name, low=0, low_open=True, why=why)
+    check_range(value, name, low=0, low_open=True, why=why)
 
 
 def _non_negative(value: float, name: str, why: str = "") -> None:
-    _in_range(value, name, low=0, why=why)
+    check_range(value, name, low=0, why=why)
 
 
 @dataclass
@@ -164,7 +135,7 @@ class OptimizerConfig:
         if len(self.betas) != 2:
             raise ValueError(f"betas must be two numbers [beta1, beta2], got {list(self.betas)}")
         for i, beta in enumerate(self.betas):
-            _in_range(beta, f"betas[{i}]", low=0, high=1, high_open=True)
+            check_range(beta, f"betas[{i}]", low=0, high=1, high_open=True)
         _positive(self.max_grad_norm, "max_grad_norm")
 
 
@@ -176,7 +147,7 @@ class EMAConfig:
     """EMA of trainable weights for evaluation, in [0, 1) (0 = off)."""
 
     def __post_init__(self) -> None:
-        _in_range(self.decay, "decay", low=0, high=1, high_open=True, why=" (0 = no EMA)")
+        check_range(self.decay, "decay", low=0, high=1, high_open=True, why=" (0 = no EMA)")
 
 
 @dataclass
