@@ -14,7 +14,7 @@ import torch
 import wandb
 from PIL import Image
 
-from rewards.summary import MIN_TILE, _font, _wrap, image_grid
+from rewards.summary import MIN_TILE, image_grid
 from train.config.schema import TrainConfig
 from train.evaluation.summary import files_section
 from train.observe.logger import Heartbeat, PhaseTimer, RunLogger, format_seconds, progress_bar
@@ -87,10 +87,18 @@ def test_log_images_writes_a_captioned_upscaled_grid(tmp_path) -> None:
 
 
 def test_labelled_grid_cuts_long_captions() -> None:
-    font = _font(11)
-    lines = _wrap("#3 0.5000\n" + "word " * 60, font, 128, 3)
-    assert len(lines) == 3 and lines[0] == "#3 0.5000" and lines[-1].endswith("...")
-    assert all(font.getlength(line) <= 128 for line in lines)
+    caption = "#3 0.5000\n" + "word " * 60
+    grids = [
+        np.asarray(image_grid(torch.ones(1, 3, 8, 8), labels=[caption], min_tile=MIN_TILE, label_lines=n).convert("L"))
+        for n in (3, 4)
+    ]
+    labels = [grid[2 + MIN_TILE :] for grid in grids]  # the label strips under the white tile
+    assert all((label[:, 2 + MIN_TILE :] == 255).all() for label in labels)  # no text past the tile's width
+    line_height = labels[1].shape[0] - labels[0].shape[0]  # one line more, one line height taller
+    for label, count in zip(labels, (3, 4)):
+        bands = [label[k * line_height : (k + 1) * line_height] for k in range(count)]
+        assert all((band < 128).any() for band in bands)  # the caption fills every line it is given
+        assert (label[count * line_height :] == 255).all()  # and none past them
 
 
 def test_image_grid_checks_layout() -> None:
