@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from train.checkpoint.manager import CheckpointManager
 from train.distributed.collectives import DistInfo, barrier, gather_objects
 from train.distributed.parallelize import world_mesh
 from train.model.builder import model_folder
@@ -28,7 +29,7 @@ from train.run.folder import RunLock, check_one_run
 from train.run.layout import RunLayout
 from train.run.scorers import check_scorer_inputs
 from train.run.start import load_config
-from train.run.startup_checks import check_mesh, unwritable
+from train.run.startup_checks import check_mesh, check_resume, unwritable
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,15 @@ def _run_folder(checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo) -> 
 def startup_checks(checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo) -> None:
     """The trainer's checks before any model loads, on this rank (every rank calls them: some are collectives)."""
     checks.attempt("mesh", lambda: check_mesh(cfg, dist.world_size),
-                   f"{dist.world_size} ranks, dist.replicate_degree={cfg.dist.replicate_degree}")  # fmt: skip
+                   f"{dist.world_size} rank(s), dist.replicate_degree={cfg.dist.replicate_degree}")  # fmt: skip
     checks.attempt("model and reward files", lambda: (model_folder(cfg, dist), check_scorer_inputs(cfg)),
                    f"model.path={cfg.model.path} and the reward files are readable on this rank")  # fmt: skip
     _run_folder(checks, cfg, dist)
+    if not checks.failed():  # the checkpoints resume names, read by this rank; room for a new run's first files
+        checkpoints = CheckpointManager(RunLayout(cfg.run_dir).root, keep_last=cfg.checkpoint.keep_last)
+        resumed = f"resume={cfg.resume}: its checkpoints read on this rank; " if cfg.resume else ""
+        checks.attempt("checkpoints", lambda: check_resume(cfg, dist, checkpoints, max_step=cfg.num_steps),
+                       f"{resumed}room for the run's first files")  # fmt: skip
     check_compile(checks, cfg, dist.device)
 
 

@@ -72,9 +72,10 @@ def merged(per_rank: Iterable[RankChecks]) -> list[Check]:
         for c in rc.checks:
             answers.setdefault((c.name, c.status, c.line, c.fix), []).append(rc.rank)
     everyone = sorted(rc.rank for rc in ranks)
+    names = list(dict.fromkeys(key[0] for key in answers))  # each check's answers together, in the order they ran
     return [
         Check(name, status, line, fix, None if sorted(who) == everyone else tuple(who))
-        for (name, status, line, fix), who in answers.items()
+        for (name, status, line, fix), who in sorted(answers.items(), key=lambda item: names.index(item[0][0]))
     ]
 
 
