@@ -31,7 +31,7 @@ def _phase(name: str, peak_gib: float) -> Phase:
 def _report(peaks: dict[str, float]) -> PlanReport:
     """A full-depth plan by hand: the phases' peaks, nothing else that the memory comparison reads."""
     return PlanReport(
-        **dict.fromkeys(["experiment", "backbone", "arch"], "x"), world_size=8, gpu_memory_gib=80.0, reserved_gib=4.0,
+        experiment="x", backbone="x", arch="x", world_size=8, gpu_memory_gib=80.0, reserved_gib=4.0,
         num_params=0, num_trainable=0, lora=False, checkpointing=True, image_tokens=0, text_tokens=0,
         samples_per_rank=1, decode_batch=1, micro_batch=1, segments={}, param_bytes=0, grad_bytes=0,
         optimizer_bytes=0, reference_bytes=0, ema_bytes=0, step_tensor_bytes=0, velocity_bytes=0, frozen=[],

@@ -53,15 +53,13 @@ def disk_check(cfg: PreflightRunConfig, report: PlanReport) -> Check:
 
 
 def _rates(links: list[list[LinkRate]], cfg: PreflightRunConfig) -> tuple[float, float]:
-    """(in a node, across nodes) Gb/s: the slowest measured, else the plan's."""
-    intra, inter = cfg.plan.intra_node_gbps, cfg.plan.inter_node_gbps
-    for i in range(len(links[0]) if links and links[0] else 0):
-        rate = min(rates[i].gbps for rates in links)
-        if links[0][i].across_nodes:
-            inter = min(inter, rate) if inter != cfg.plan.inter_node_gbps else rate
-        else:
-            intra = min(intra, rate) if intra != cfg.plan.intra_node_gbps else rate
-    return intra, inter
+    """(in a node, across nodes) Gb/s: the slowest rank's slowest collective on that link, else the plan's."""
+    measured: dict[bool, list[float]] = {False: [], True: []}
+    for rates in links:
+        for rate in rates:
+            measured[rate.across_nodes].append(rate.gbps)
+    intra = min(measured[False], default=cfg.plan.intra_node_gbps)
+    return intra, min(measured[True], default=cfg.plan.inter_node_gbps)
 
 
 def _memory(found: Found, plan_cfg: PreflightRunConfig, scratch_model: Path) -> MemoryCompare | None:

@@ -46,7 +46,7 @@ def block_numel(transformer: nn.Module, block_classes: tuple[type, ...]) -> int:
     return max(sizes)
 
 
-def _timed(fn: Callable[[], None], device: torch.device, group: dist.ProcessGroup, repeats: int) -> float:
+def _timed(fn: Callable[[], object], device: torch.device, group: dist.ProcessGroup, repeats: int) -> float:
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -75,7 +75,7 @@ def measure_links(
     grads = torch.ones(per_rank * n, dtype=torch.float32, device=device)
     reduced = torch.empty(per_rank, dtype=torch.float32, device=device)
 
-    def rate(name: str, group: dist.ProcessGroup, sent: float, fn: Callable[[], None]) -> LinkRate:
+    def rate(name: str, group: dist.ProcessGroup, sent: float, fn: Callable[[], object]) -> LinkRate:
         ranks = tuple(dist.get_process_group_ranks(group))
         seconds = _timed(fn, device, group, repeats)
         return LinkRate(name, ranks, len({hosts[r] for r in ranks}) > 1, sent, seconds)

@@ -31,7 +31,7 @@ from train.run.parts import Run
 from train.step import train_step
 
 DEPTH_KEYS = ("num_layers", "num_single_layers")  # blocks of each kind in Flux's and Qwen-Image's configs
-STAND_IN_REWARD = {"jpeg_compressibility": {}}  # scores images without weights
+STAND_IN_REWARD: dict[str, dict] = {"jpeg_compressibility": {}}  # scores images without weights
 TIMED_PHASES = ("rollout", "update", "optimizer")  # the transformer's phases, as the planner times them
 
 
@@ -58,7 +58,7 @@ def reduced_folder(cfg: PreflightRunConfig, dest: Path) -> Path:
         torch.manual_seed(cfg.seed)
         with default_dtype(parse_dtype(cfg.model.dtype)):  # built in it: a cast would warn about float32 modules
             module = build_component(component.loader, config)
-        module.save_pretrained(dest / "transformer")
+        module.save_pretrained(dest / "transformer")  # type: ignore[operator]  # a diffusers model
     return dest
 
 

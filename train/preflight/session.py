@@ -75,8 +75,12 @@ def startup_checks(checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo) 
     """The trainer's checks before any model loads, on this rank (every rank calls them: some are collectives)."""
     checks.attempt("mesh", lambda: check_mesh(cfg, dist.world_size),
                    f"{dist.world_size} rank(s), dist.replicate_degree={cfg.dist.replicate_degree}")  # fmt: skip
-    checks.attempt("model and reward files", lambda: (model_folder(cfg, dist), check_scorer_inputs(cfg)),
-                   f"model.path={cfg.model.path} and the reward files are readable on this rank")  # fmt: skip
+
+    def files() -> None:
+        model_folder(cfg, dist)
+        check_scorer_inputs(cfg)
+
+    checks.attempt("model and reward files", files, f"model.path={cfg.model.path} and the reward files read here")
     _run_folder(checks, cfg, dist)
     if not checks.failed():  # the checkpoints resume names, read by this rank; room for a new run's first files
         checkpoints = CheckpointManager(RunLayout(cfg.run_dir).root, keep_last=cfg.checkpoint.keep_last)
@@ -139,7 +143,8 @@ def on_every_rank(cfg: DictConfig, dist: DistInfo) -> Found:
     machine = describe(dist.device, rank=dist.rank, world_size=dist.world_size, replicate=replicate)
     hosts = [m["host"] for m in gather_objects(machine)]
     config = checks.attempt("settings and files", lambda: load_config(cfg), "the trainer's checks pass on this rank")
-    measured, links = None, []
+    measured: StepMeasure | None = None
+    links: list[LinkRate] = []
     if _agreed(checks) and config is not None:
         startup_checks(checks, config, dist)  # type: ignore[arg-type]
         if _agreed(checks):

@@ -30,9 +30,9 @@ from train.optim.optimizer import adamw_settings, build_ema
 from train.run.errors import ConfigError
 from train.run.layout import RunLayout
 from train.run.parts import DataParts, IOParts, OptimParts, PerfParts, Run
-from train.run.startup_checks import check_mesh, check_resume, claim_folder, resolve_device
 from train.run.prompts import PromptSampler, read_prompts
 from train.run.scorers import build_rewards, check_scorer_inputs
+from train.run.startup_checks import check_mesh, check_resume, claim_folder, resolve_device
 
 
 def build_logger(cfg: TrainConfig, dist: DistInfo, *, resumed: bool) -> RunLogger:

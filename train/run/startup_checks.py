@@ -80,7 +80,9 @@ def claim_folder(cfg: TrainConfig, dist: DistInfo, *, training: bool) -> RunLock
     return lock
 
 
-def check_resume(cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, *, max_step: int | None) -> list[Path]:
+def check_resume(
+    cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, *, max_step: int | None
+) -> list[Path]:
     """The checks of the checkpoints to resume from, before any model loads; returns them, newest first.
 
     The checkpoints ``resume`` names are checked file by file (``CheckpointManager.usable``); a training
