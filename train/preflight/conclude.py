@@ -34,8 +34,9 @@ def plan_settings(cfg: PreflightRunConfig, machine: dict[str, Any], arch: Path) 
 
 
 def checkpoint_bytes(report: PlanReport) -> float:
-    """One checkpoint of the run, every rank's shards: the transformer, AdamW's moments and the EMA in float32."""
-    return (report.param_bytes + report.optimizer_bytes + report.ema_bytes) * report.world_size
+    """One checkpoint of the run, one replica's shards (HSDP's replicas hold the same): the transformer, AdamW's
+    moments and the EMA in float32."""
+    return (report.param_bytes + report.optimizer_bytes + report.ema_bytes) * report.cluster.shard_size
 
 
 def disk_check(cfg: PreflightRunConfig, report: PlanReport) -> Check:

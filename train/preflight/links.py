@@ -82,7 +82,7 @@ def measure_links(
 
     with warnings.catch_warnings():  # reduce_scatter_tensor's deprecation notice, from FSDP2's own call too
         warnings.simplefilter("ignore", FutureWarning)
-        out = [
+        out = [] if n == 1 else [  # a shard group of one rank (HSDP of whole replicas) moves nothing
             rate("all-gather", shard, ring_factor(n) * gathered.nbytes,
                  lambda: dist.all_gather_into_tensor(gathered, params, group=shard)),
             rate("reduce-scatter", shard, ring_factor(n) * grads.nbytes,
