@@ -14,7 +14,7 @@ from train.plan.report import GIB, PlanReport
 from train.preflight.compare import MemoryCompare, corrected_memory, plan_summary, retimed
 from train.preflight.links import LinkRate, link_checks
 from train.preflight.preflight_config import PreflightRunConfig
-from train.preflight.reduced import StepMeasure
+from train.preflight.reduced import STAND_IN_REWARD, StepMeasure
 from train.preflight.session import Found
 from train.preflight.verdict import Check, Status, Verdict, merged
 from train.run.errors import UserError
@@ -69,7 +69,10 @@ def _memory(found: Found, plan_cfg: PreflightRunConfig, scratch_model: Path) -> 
     peaks = [s.peak_bytes for s in found.steps if s is not None and s.peak_bytes is not None]
     if not peaks or len(peaks) != len(found.steps):
         return None
-    reduced = plan(replace(plan_cfg, plan=replace(plan_cfg.plan, arch=str(scratch_model))), model_path_given=True)
+    reduced_cfg = replace(plan_cfg, plan=replace(plan_cfg.plan, arch=str(scratch_model)))
+    if plan_cfg.preflight.stand_in_rewards:  # as the step ran: the reward models it did not load are not counted
+        reduced_cfg = replace(reduced_cfg, reward=replace(plan_cfg.reward, components=dict(STAND_IN_REWARD)))
+    reduced = plan(reduced_cfg, model_path_given=True)
     return MemoryCompare(traced_bytes=reduced.peak.peak_bytes, measured_bytes=max(peaks))
 
 
