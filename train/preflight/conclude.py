@@ -93,9 +93,11 @@ def full_plan(found: Found, cfg: PreflightRunConfig, step: StepMeasure) -> tuple
         checks.append(Check("planner memory", Status.skipped, "no allocator statistics on CPU: the planner's memory "
                             "is compared with a step on GPUs"))  # fmt: skip
     intra, inter = _rates(found.links, cfg)
-    mfu = step.mfu if step.mfu is not None and math.isfinite(step.mfu) else cfg.plan.mfu
-    if step.peak_tflops:
-        report = retimed(report, peak_tflops=step.peak_tflops, peak_source=step.peak_source, mfu=mfu,
+    if step.mfu is not None and step.peak_tflops and math.isfinite(step.mfu):  # else a GPU of unknown peak
+        report = retimed(report, peak_tflops=step.peak_tflops, peak_source=step.peak_source, mfu=step.mfu,
+                         intra_gbps=intra, inter_gbps=inter)  # fmt: skip
+    else:
+        report = retimed(report, peak_tflops=report.peak_tflops, peak_source=report.peak_source, mfu=report.mfu,
                          intra_gbps=intra, inter_gbps=inter)  # fmt: skip
     summary = plan_summary(report, step.seconds.get("reward", 0.0))
     out["corrected"] = summary
@@ -136,7 +138,8 @@ def conclude(found: Found) -> Verdict:
         checks.append(Check("collectives", Status.skipped, "one process: FSDP2 issues no collective"))
     step = steps[0]
     assert step is not None
-    checks.append(Check("step", Status.passed, step_line(step, [s for s in steps if s is not None])))
+    stand_in = "; scored by the stand-in reward (preflight.stand_in_rewards)" if cfg.preflight.stand_in_rewards else ""
+    checks.append(Check("step", Status.passed, step_line(step, [s for s in steps if s is not None]) + stand_in))
     verdict.step = {"ranks": [s.to_json() for s in steps if s is not None]}
     try:
         plan_checks, verdict.plan = full_plan(found, cfg, step)
