@@ -131,12 +131,15 @@ def test_tiny_preset_on_a_disk_too_small(tmp_path, capsys, monkeypatch, tiny_flu
 
 @pytest.mark.slow
 def test_default_job(tmp_path, capsys):
-    """The default job (the testbed, 2+2 blocks cut to 1+1) in one process: every check passes or is skipped."""
+    """The default job (the testbed, 2+2 blocks cut to 1+1) in one process: every check passes or is skipped; then
+    the run itself starts in the folder and trains a step."""
     status, _ = command(capsys, tmp_path, ["preflight.steps=1"], preflight_command)
     out = _verdict(tmp_path)
     assert status == 0 and not _failed(out)
     assert {c["name"] for c in out["checks"] if c["status"] == "passed"} >= {"settings and files", "step", "plan"}
     _ready_for_the_run(tmp_path)
+    status, stderr = command(capsys, tmp_path, ["num_steps=1", "eval.every=0", "checkpoint.export=false"])
+    assert status == 0 and held_run(tmp_path) == "1 checkpoint (the latest step_00000001), 1 row of metrics.jsonl"
 
 
 @pytest.mark.slow
