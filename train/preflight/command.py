@@ -51,9 +51,9 @@ register()
 
 def report_lines(found: Found, verdict: Verdict, dist: DistInfo) -> list[str]:
     cfg = found.config
-    hosts = sorted({m["host"] for m in found.machines})
+    nodes = {m["node"] for m in found.machines}
     what = f"experiment={cfg.experiment}, run folder {cfg.run_dir}" if cfg is not None else "settings not read"
-    lines = [f"preflight of {what}: {dist.world_size} rank(s) on {len(hosts)} node(s)", "machine"]
+    lines = [f"preflight of {what}: {dist.world_size} rank(s) on {len(nodes)} node(s)", "machine"]
     seen: dict[str, list[int]] = {}
     for m in found.machines:
         seen.setdefault(machine_line(m), []).append(m["rank"])

@@ -4,7 +4,8 @@ all-reduce of the gradient shard over the replicas (train/plan/comm.py counts th
 
 Achieved rate: the bytes one rank sends (ring algorithms, ``train.plan.comm.ring_factor``) over the median time,
 in Gb/s, the unit of ``plan.intra_node_gbps`` / ``plan.inter_node_gbps`` it is compared with. A group whose ranks
-sit on more than one host runs at the inter-node rate.
+sit on more than one node runs at the inter-node rate; when the shard group spans nodes, the all-gather and the
+reduce-scatter are also timed inside each node (torchrun's node groups), so both links are measured.
 """
 
 from __future__ import annotations
@@ -63,36 +64,55 @@ def _timed(fn: Callable[[], object], device: torch.device, group: dist.ProcessGr
     return statistics.median(times)
 
 
-def measure_links(
-    mesh: DeviceMesh, numel: int, *, dtype: str, hosts: list[str], device: torch.device, repeats: int
+Rate = Callable[[str, dist.ProcessGroup, float, Callable[[], object]], LinkRate]
+
+
+def _sharded(
+    rate: Rate, group: dist.ProcessGroup, numel: int, dtype: torch.dtype, device: torch.device
 ) -> list[LinkRate]:
-    """This rank's timing of each collective of the mesh (a collective: every rank calls it)."""
-    shard = mesh.get_group("shard") if mesh.ndim == 2 else mesh.get_group()
-    n = dist.get_world_size(shard)
+    """The all-gather of ``numel`` parameters in ``dtype`` and the reduce-scatter of their float32 gradients over
+    ``group`` (nothing over a group of one rank: HSDP of whole replicas)."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return []
     per_rank = -(-numel // n)  # FSDP2 pads a parameter to a multiple of the group
-    params = torch.ones(per_rank, dtype=parse_dtype(dtype), device=device)
-    gathered = torch.empty(per_rank * n, dtype=params.dtype, device=device)
+    params = torch.ones(per_rank, dtype=dtype, device=device)
+    gathered = torch.empty(per_rank * n, dtype=dtype, device=device)
     grads = torch.ones(per_rank * n, dtype=torch.float32, device=device)
     reduced = torch.empty(per_rank, dtype=torch.float32, device=device)
+    return [
+        rate("all-gather", group, ring_factor(n) * gathered.nbytes,
+             lambda: dist.all_gather_into_tensor(gathered, params, group=group)),
+        rate("reduce-scatter", group, ring_factor(n) * grads.nbytes,
+             lambda: dist.reduce_scatter_tensor(reduced, grads, group=group)),
+    ]  # fmt: skip
+
+
+def measure_links(
+    mesh: DeviceMesh, numel: int, *, dtype: str, nodes: list[int], device: torch.device, repeats: int
+) -> list[LinkRate]:
+    """This rank's timing of each collective of the mesh (a collective: every rank calls it)."""
 
     def rate(name: str, group: dist.ProcessGroup, sent: float, fn: Callable[[], object]) -> LinkRate:
         ranks = tuple(dist.get_process_group_ranks(group))
         seconds = _timed(fn, device, group, repeats)
-        return LinkRate(name, ranks, len({hosts[r] for r in ranks}) > 1, sent, seconds)
+        return LinkRate(name, ranks, len({nodes[r] for r in ranks}) > 1, sent, seconds)
 
+    shard = mesh.get_group("shard") if mesh.ndim == 2 else mesh.get_group()
+    shard_ranks = dist.get_process_group_ranks(shard)
     with warnings.catch_warnings():  # reduce_scatter_tensor's deprecation notice, from FSDP2's own call too
         warnings.simplefilter("ignore", FutureWarning)
-        out = [] if n == 1 else [  # a shard group of one rank (HSDP of whole replicas) moves nothing
-            rate("all-gather", shard, ring_factor(n) * gathered.nbytes,
-                 lambda: dist.all_gather_into_tensor(gathered, params, group=shard)),
-            rate("reduce-scatter", shard, ring_factor(n) * grads.nbytes,
-                 lambda: dist.reduce_scatter_tensor(reduced, grads, group=shard)),
-        ]  # fmt: skip
+        out = _sharded(rate, shard, numel, parse_dtype(dtype), device)
+        per_node = nodes.count(nodes[dist.get_rank()])
+        if len({nodes[r] for r in shard_ranks}) > 1 and per_node > 1:  # the in-node link too
+            node_group, _ = dist.new_subgroups(group_size=per_node)
+            out += _sharded(rate, node_group, numel, parse_dtype(dtype), device)
         if mesh.ndim == 2:
             replicas = mesh.get_group("replicate")
             r = dist.get_world_size(replicas)
-            out.append(rate("all-reduce", replicas, 2 * ring_factor(r) * reduced.nbytes,
-                            lambda: dist.all_reduce(reduced, group=replicas)))  # fmt: skip
+            shard_grads = torch.ones(-(-numel // len(shard_ranks)), dtype=torch.float32, device=device)
+            out.append(rate("all-reduce", replicas, 2 * ring_factor(r) * shard_grads.nbytes,
+                            lambda: dist.all_reduce(shard_grads, group=replicas)))  # fmt: skip
     return out
 
 

@@ -45,6 +45,7 @@ def describe(device: torch.device, *, rank: int, world_size: int, replicate: int
     info: dict[str, Any] = {
         "rank": rank,
         "host": socket.gethostname(),
+        "node": int(os.environ.get("GROUP_RANK", "0")),  # torchrun's rank of this node's agent
         "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
         "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         "world_size": world_size,

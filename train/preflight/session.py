@@ -101,7 +101,7 @@ def _scratch(cfg: PreflightRunConfig, dist: DistInfo) -> Path:
 
 
 def train_reduced(
-    checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo, hosts: list[str]
+    checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo, nodes: list[int]
 ) -> tuple[StepMeasure, list[LinkRate]]:
     """The reduced model's steps, its attention kernel and the collectives on its mesh."""
     scratch = _scratch(cfg, dist)
@@ -115,18 +115,18 @@ def train_reduced(
         if dist.world_size > 1:
             numel = block_numel(backbone.transformer, backbone.block_classes)
             mesh = world_mesh(replicate=cfg.dist.replicate_degree)
-            links = measure_links(mesh, numel, dtype=cfg.model.dtype, hosts=hosts, device=run.device,
+            links = measure_links(mesh, numel, dtype=cfg.model.dtype, nodes=nodes, device=run.device,
                                   repeats=cfg.preflight.collective_repeats)  # fmt: skip
         measured = run_steps(run, full)
     return measured, links
 
 
 def _step(
-    checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo, hosts: list[str]
+    checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo, nodes: list[int]
 ) -> tuple[StepMeasure | None, list[LinkRate]]:
     """``train_reduced``, its failure one line (an out-of-memory error, a collective that failed, a bug)."""
     try:
-        measured, links = train_reduced(checks, cfg, dist, hosts)
+        measured, links = train_reduced(checks, cfg, dist, nodes)
     except Exception as err:
         log.warning("the step at reduced depth failed on rank %d", dist.rank, exc_info=True)
         line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -141,14 +141,14 @@ def on_every_rank(cfg: DictConfig, dist: DistInfo) -> Found:
     checks = RankChecks(dist.rank)
     replicate = int(cfg.dist.replicate_degree)
     machine = describe(dist.device, rank=dist.rank, world_size=dist.world_size, replicate=replicate)
-    hosts = [m["host"] for m in gather_objects(machine)]
+    nodes = [m["node"] for m in gather_objects(machine)]
     config = checks.attempt("settings and files", lambda: load_config(cfg), "the trainer's checks pass on this rank")
     measured: StepMeasure | None = None
     links: list[LinkRate] = []
     if _agreed(checks) and config is not None:
         startup_checks(checks, config, dist)  # type: ignore[arg-type]
         if _agreed(checks):
-            measured, links = _step(checks, config, dist, hosts)  # type: ignore[arg-type]
+            measured, links = _step(checks, config, dist, nodes)  # type: ignore[arg-type]
     return Found(
         config=config,  # type: ignore[arg-type]
         checks=gather_objects(checks),
