@@ -17,6 +17,8 @@ import train.preflight.command as preflight_command
 from train.plan.comm import ModelBytes
 from train.plan.report import GIB, Phase, PlanReport
 from train.preflight.compare import MemoryCompare, corrected_memory
+from train.preflight.links import LinkRate, link_checks
+from train.preflight.machine import sdpa_backend
 from train.preflight.verdict import Check, RankChecks, Status, Verdict, merged
 from train.run.folder import held_run
 from train.run.layout import RunLayout
@@ -159,3 +161,21 @@ def test_tiny_preset_on_two_ranks_and_a_file_one_rank_cannot_read(tmp_path, tiny
     (failed,) = [c for c in out["checks"] if c["status"] == "failed"]
     assert done.returncode != 0 and failed["ranks"] == [1] and "prompts_1.txt" in failed["line"]
     _ready_for_the_run(tmp_path / "one")
+
+
+def test_a_link_far_below_the_plan_warns_with_its_fix():
+    # 1 GB sent in 0.1 s is 80 Gb/s: far below NVLink's planned 3600 (under 25% of it), above 25% of 200
+    slow = LinkRate("all-gather", (0, 1), False, sent_bytes=1e9, seconds=0.1)
+    fast = LinkRate("all-gather", (0, 1), False, sent_bytes=1e9, seconds=0.001)
+    assert slow.gbps == pytest.approx(80.0, rel=1e-12)
+    (check,) = link_checks([[fast], [slow]], intra_gbps=3600, inter_gbps=400, slow_link=0.25, compared=True)
+    assert check.status is Status.warned and "80 Gb/s at the slowest rank" in check.line
+    assert "NCCL_DEBUG=INFO" in check.fix and "plan.intra_node_gbps" in check.fix
+    (check,) = link_checks([[slow]], intra_gbps=200, inter_gbps=400, slow_link=0.25, compared=True)
+    assert check.status is Status.passed
+    (check,) = link_checks([[slow]], intra_gbps=3600, inter_gbps=400, slow_link=0.25, compared=False)
+    assert check.status is Status.passed and "gloo on CPU: not held to the plan" in check.line
+
+
+def test_the_attention_kernel_of_a_shape_is_named():
+    assert sdpa_backend((2, 16, 8), torch.float32, torch.device("cpu")) in ("flash", "memory-efficient", "math")
