@@ -38,6 +38,7 @@ setup(
             "jagg-compare=train.compare.command:main",
             "jagg-probe=train.probe.command:command",
             "jagg-plan=train.plan.command:command",
+            "jagg-preflight=train.preflight.command:command",
         ]
     },
 )

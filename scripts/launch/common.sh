@@ -19,7 +19,10 @@
 # settings is still refused. The launchers export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (unless it is set):
 # the restarted workers then get a fresh store of their own round; sharing the agents' store, they
 # read the dead workers' addresses still in it and gloo failed to connect (measured on 2 nodes).
-# DRY_RUN=1 prints the commands instead of running them; a variable that is not set prints as
+# PREFLIGHT=1 launches python -m train.preflight in place of the training run, with the same layout and
+# overrides and without restarts: the run's checks, machine, collectives, a step at reduced depth and the
+# corrected plan, written to <run folder>/preflight.json (docs/preflight.md); set RUN_DIR to check the run's
+# own folder. DRY_RUN=1 prints the commands instead of running them; a variable that is not set prints as
 # <NAME>, so the commands can be read before any path exists.
 # Commands run from the repository root: relative paths (RUN_DIR, OUT_DIR, prompts) start there.
 
@@ -107,9 +110,13 @@ has_setting() {
 launch() {
     local module="$1" experiment="$2" run_dir="$3"
     shift 3
-    local resume=()
+    local resume=() restarts="${MAX_RESTARTS:-3}"
     if [[ "$module" == train ]] && ! has_setting resume "$@"; then
         resume=(resume=auto)
+    fi
+    if [[ "$module" == train && -n "${PREFLIGHT:-}" ]]; then  # the run's own launch, checked and measured
+        module=train.preflight
+        restarts=0
     fi
     PATH_OVERRIDES=()
     experiment_paths "$experiment"
@@ -121,7 +128,7 @@ launch() {
     fi
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
     # hydra.run.dir is passed explicitly: Hydra's default folder is a timestamp taken per process.
-    run_cmd "$TORCHRUN" "${rendezvous[@]}" --max-restarts "${MAX_RESTARTS:-3}" \
+    run_cmd "$TORCHRUN" "${rendezvous[@]}" --max-restarts "$restarts" \
         --nproc_per_node "${NPROC_PER_NODE:-$DEFAULT_NPROC}" -m "$module" "experiment=$experiment" \
         "hydra.run.dir=$run_dir" ${PATH_OVERRIDES[@]+"${PATH_OVERRIDES[@]}"} ${resume[@]+"${resume[@]}"} "$@"
 }

@@ -202,6 +202,10 @@ def test_paper_launchers_dry_run_without_paths_and_multinode_uses_c10d():
     words = line.split()  # the user's resume= replaces the default; MAX_RESTARTS=0 turns restarts off
     assert [w for w in words if "resume=" in w] == ["resume=runs/demo/a/checkpoints/step_00000002"]
     assert words[words.index("--max-restarts") + 1] == "0"
+    (line,) = launch("flux_dance.sh", "update=exact", PREFLIGHT="1", RUN_DIR="/shared/r")
+    words = line.split()  # the run's own launch as a preflight: its overrides and folder, no restarts
+    assert words[words.index("-m") + 1] == "train.preflight" and words[words.index("--max-restarts") + 1] == "0"
+    assert {"experiment=flux_dance", "hydra.run.dir=/shared/r", "resume=auto", "update=exact"} <= set(words)
     (line,) = launch("probe.sh", "demo")
     assert "resume=auto" not in line.split()  # the probe measures; it resumes nothing
     (line,) = launch("train.sh", "demo", "update=exact,jagg", "logging.notes=it's new")

@@ -30,6 +30,7 @@ from train.config.checks import validate
 from train.eval.command import check_scorers, target
 from train.plan.command import plan_config
 from train.plan.plan_config import register as register_plan
+from train.preflight.preflight_config import register as register_preflight
 from train.probe.probe_config import probe_settings
 from train.probe.probe_config import register as register_probe
 from train.run.start import typed_config
@@ -37,6 +38,7 @@ from train.run.start import typed_config
 setup()
 register_probe()
 register_plan()
+register_preflight()
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.S | re.M)
@@ -48,8 +50,15 @@ CONSOLE_SCRIPTS = {
     "jagg-eval": "train.eval",
     "jagg-probe": "train.probe",
     "jagg-plan": "train.plan",
+    "jagg-preflight": "train.preflight",
 }
-CONFIGS = {"train": "train", "train.eval": "eval", "train.probe": "probe", "train.plan": "plan"}
+CONFIGS = {
+    "train": "train",
+    "train.eval": "eval",
+    "train.probe": "probe",
+    "train.plan": "plan",
+    "train.preflight": "preflight",
+}
 ELIDED = ("...", "[paths]", "[overrides]")
 # Commands the test does not run, by their first words, and why.
 NOT_RUN = {

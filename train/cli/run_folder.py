@@ -50,7 +50,7 @@ class RunFolder(Callback):
         """Every job's folder, before the sweep writes anything: one refused folder refuses the sweep."""
         jobs = _sweep_jobs(config)
         if jobs is None:
-            return  # a sweeper plugin of its own: each job's folder is checked when it starts (preflight.claim_folder)
+            return  # a sweeper plugin of its own: each job's folder is checked when it starts (claim_folder)
         problems = [f"job #{num} ({folder}): {p}" for num, folder, job in jobs if (p := self._refusal(folder, job))]
         if problems:
             message = f"the sweep starts none of its {len(jobs)} jobs: {'; '.join(problems)}"

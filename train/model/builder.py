@@ -31,7 +31,7 @@ from train.model.predict import predictor, predictors
 from train.observe.perf import FlopMeter
 from train.run.errors import ConfigError, config_key
 from train.run.parts import ModelParts
-from train.run.preflight import resolve_device
+from train.run.startup_checks import resolve_device
 
 MODEL_FIELDS = [f.name for f in fields(ModelConfig)]  # the words of the model's own messages (config_key)
 

@@ -93,6 +93,7 @@ from rewards.base import SCORER_NAMES
 from train.cli.compose import setup
 from train.cli.reporting import hydra_message, report_error, reported
 from train.config.checks import validate
+from train.config.schema import TrainConfig
 from train.observe.perf import GPU_PEAK_TFLOPS
 from train.plan.comm import ModelBytes
 from train.plan.counts import evaluation, expected_segments, expected_shared_calls, expected_shared_rows, text_tokens
@@ -104,8 +105,8 @@ from train.plan.report import Phase, PlanReport
 from train.plan.report_text import format_report
 from train.plan.tracing import Traced, trace_other_checkpointing, trace_step
 from train.run.errors import ConfigError
-from train.run.preflight import check_mesh
 from train.run.start import typed_config
+from train.run.startup_checks import check_mesh
 
 SHIPPED_ARCH = {"flux": "flux1-dev", "qwenimage": "qwen-image"}  # model.name -> folder under configs/arch
 
@@ -126,12 +127,17 @@ def plan_config(cfg: DictConfig) -> tuple[PlanRunConfig, bool]:
         raise TypeError(f"the planner's settings come from configs/plan.yaml, got a {type(config).__name__}")
     validate(config, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()), check_files=False)
     validate_plan(config.plan)
+    plannable(config)
+    return config, model_path_given
+
+
+def plannable(config: TrainConfig) -> None:
+    """ConfigError for a run whose routing a plan cannot know (update.routing=auto)."""
     if config.update.routing != "prefix":
         raise ConfigError(
             f"update.routing={config.update.routing} routes each segment by a cosine measured during the run, which "
             "a plan cannot know: plan with update.routing=prefix and a share, e.g. update.jagg_frac=0.6 (the paper's)"
         )
-    return config, model_path_given
 
 
 def _fill_missing(node: DictConfig) -> None:

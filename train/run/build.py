@@ -1,7 +1,7 @@
 """The assembly of a run, shared by the trainer and the probe.
 
 ``build_run`` assembles the run (``train.run.parts.Run``) in a fixed order: seeds, the checks of the
-checkpoints to resume from (train/run/preflight.py), the rewards (a wrong reward path fails in seconds,
+checkpoints to resume from (train/run/startup_checks.py), the rewards (a wrong reward path fails in seconds,
 before the transformer loads: train/run/scorers.py), the backbone, the trainable parameters and the KL
 reference (then sharding: train/model/builder.py), the optimizer, the logger, the predictors and the router.
 ``open_run`` builds it in the run folder claimed for it.
@@ -30,9 +30,9 @@ from train.optim.optimizer import adamw_settings, build_ema
 from train.run.errors import ConfigError
 from train.run.layout import RunLayout
 from train.run.parts import DataParts, IOParts, OptimParts, PerfParts, Run
-from train.run.preflight import check_mesh, claim_folder, preflight, resolve_device
 from train.run.prompts import PromptSampler, read_prompts
 from train.run.scorers import build_rewards, check_scorer_inputs
+from train.run.startup_checks import check_mesh, check_resume, claim_folder, resolve_device
 
 
 def build_logger(cfg: TrainConfig, dist: DistInfo, *, resumed: bool) -> RunLogger:
@@ -59,7 +59,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
     seed_everything(cfg.seed, dist.rank)
     layout = RunLayout(cfg.run_dir)
     checkpoints = CheckpointManager(layout.root, keep_last=cfg.checkpoint.keep_last)
-    resume_from = preflight(cfg, dist, checkpoints, max_step=cfg.num_steps if training else None)
+    resume_from = check_resume(cfg, dist, checkpoints, max_step=cfg.num_steps if training else None)
     check_mesh(cfg, dist.world_size)
     device = resolve_device(cfg, dist)
     records = read_prompts(cfg.data.train_prompts)

@@ -11,6 +11,7 @@
   wandb/, wandb_run_id   wandb's files and the run id a resumed session continues
   LOCK                   the lock of the process that owns the folder (train/run/folder.py)
   probe.json             the gradient-quality probe's report (python -m train.probe)
+  preflight.json         the preflight's verdict (python -m train.preflight; .preflight/ while it runs)
   .hydra/config.yaml     Hydra's copy of the composed configuration
 """
 
@@ -95,6 +96,15 @@ class RunLayout:
     @property
     def probe(self) -> Path:
         return self.root / "probe.json"
+
+    @property
+    def preflight(self) -> Path:
+        return self.root / "preflight.json"
+
+    @property
+    def preflight_scratch(self) -> Path:
+        """The preflight's model cut to a few blocks and its one-step run, removed when it ends."""
+        return self.root / ".preflight"
 
     def run_files(self) -> tuple[Path, ...]:
         """What a run leaves in its folder that a second run would overwrite or mix with its own (Hydra's

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 FIRST_FILES_BYTES = 16 << 20  # free space a new run needs before its model loads (config, logs, metrics)
 
 
-def _unwritable(run_dir: Path) -> str | None:
+def unwritable(run_dir: Path) -> str | None:
     """Why the run folder or its checkpoints/ cannot be written, or None (tried by creating a file)."""
     for folder in (run_dir, RunLayout(run_dir).checkpoints):
         probe = folder / f".write_test_{os.getpid()}"
@@ -44,7 +44,7 @@ def _unwritable(run_dir: Path) -> str | None:
 def _claim(cfg: TrainConfig, *, training: bool) -> RunLock:
     """Rank 0's part of ``claim_folder``; raises the UserError that refuses the folder."""
     run_dir = Path(cfg.run_dir)
-    problem = _unwritable(run_dir)
+    problem = unwritable(run_dir)
     if problem:
         raise ConfigError(f"run_dir={cfg.run_dir!r}: {problem}; pass a writable hydra.run.dir=<folder>")
     lock = RunLock(run_dir)
@@ -80,7 +80,9 @@ def claim_folder(cfg: TrainConfig, dist: DistInfo, *, training: bool) -> RunLock
     return lock
 
 
-def preflight(cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, *, max_step: int | None) -> list[Path]:
+def check_resume(
+    cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, *, max_step: int | None
+) -> list[Path]:
     """The checks of the checkpoints to resume from, before any model loads; returns them, newest first.
 
     The checkpoints ``resume`` names are checked file by file (``CheckpointManager.usable``); a training

@@ -1,0 +1,181 @@
+"""``python -m train.preflight``: the verdict of each check, its exit status, ``preflight.json`` and a run folder left
+ready for the run; the comparison of the planner with a measured step on a hand-made case.
+
+The preflights here run on CPU over gloo: the collectives' rates and the step's times are printed, not asserted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from small_run import FAST, command
+from two_ranks import run_torchrun
+
+import train.preflight.command as preflight_command
+from train.plan.comm import ModelBytes
+from train.plan.report import GIB, Phase, PlanReport
+from train.preflight.compare import MemoryCompare, corrected_memory
+from train.preflight.links import LinkRate, link_checks
+from train.preflight.machine import sdpa_backend
+from train.preflight.verdict import Check, RankChecks, Status, Verdict, merged
+from train.run.folder import held_run
+from train.run.layout import RunLayout
+
+STATUSES = {"passed", "warned", "failed", "skipped"}
+
+
+def _phase(name: str, peak_gib: float) -> Phase:
+    return Phase(name, int(peak_gib * GIB), 0, 0, 0, flops=0, calls_per_step=1)
+
+
+def _report(peaks: dict[str, float]) -> PlanReport:
+    """A full-depth plan by hand: the phases' peaks, nothing else that the memory comparison reads."""
+    return PlanReport(
+        experiment="x", backbone="x", arch="x", world_size=8, gpu_memory_gib=80.0, reserved_gib=4.0,
+        num_params=0, num_trainable=0, lora=False, checkpointing=True, image_tokens=0, text_tokens=0,
+        samples_per_rank=1, decode_batch=1, micro_batch=1, segments={}, param_bytes=0, grad_bytes=0,
+        optimizer_bytes=0, reference_bytes=0, ema_bytes=0, step_tensor_bytes=0, velocity_bytes=0, frozen=[],
+        phases=[_phase(name, gib) for name, gib in peaks.items()], updates=[], model_bytes=ModelBytes(0.0, 0.0),
+    )  # fmt: skip
+
+
+def test_the_planners_error_corrects_the_full_depth_plan():
+    # The planner traced 10 GiB for the reduced model, the step reserved 12.5 GiB: it under-counts by 20% of the
+    # measured peak, and every full-depth peak is taken 1.25 times. 60 GiB traced -> 75 GiB, within the 80 GiB
+    # device less the 1.5 GiB that the CUDA context and NCCL hold (78.5): fits; 64 GiB -> 80 GiB does not.
+    memory = MemoryCompare(traced_bytes=10 * GIB, measured_bytes=12.5 * GIB)
+    assert memory.ratio == pytest.approx(1.25, rel=1e-12)
+    assert memory.error == pytest.approx(-0.2, rel=1e-12)
+    assert "the planner's error -20%" in memory.line()
+    device = {"total_bytes": 80 * GIB, "other_bytes": 1.5 * GIB}
+    fits = corrected_memory(_report({"rollout": 20.0, "decode": 30.0, "optimizer": 60.0}), memory, **device)
+    assert fits.peak.name == "optimizer" and fits.peak.peak_bytes == pytest.approx(75 * GIB, rel=1e-9)
+    assert fits.budget_bytes == pytest.approx(78.5 * GIB, rel=1e-12) and fits.fits
+    assert not corrected_memory(_report({"rollout": 20.0, "decode": 30.0, "optimizer": 64.0}), memory, **device).fits
+
+
+def test_preflight_json_names_the_rank_that_failed():
+    ranks = [RankChecks(0), RankChecks(1)]
+    for rc in ranks:
+        rc.add("mesh", Status.passed, "2 rank(s)")
+    ranks[0].add("settings and files", Status.passed, "fine")
+    ranks[1].add("settings and files", Status.failed, "data.train_prompts='p1.txt': no such file", "give the file")
+    verdict = Verdict(merged(ranks), machine=[{"rank": 0}, {"rank": 1}])
+    out = json.loads(json.dumps(verdict.to_json()))
+    assert out["version"] == 1 and out["exit_status"] == 2
+    assert set(out) == {"version", "exit_status", "checks", "machine", "step", "plan"}
+    assert [(c["name"], c["status"], c["ranks"]) for c in out["checks"]] == [
+        ("mesh", "passed", None),
+        ("settings and files", "passed", [0]),
+        ("settings and files", "failed", [1]),
+    ]
+    text = "\n".join(verdict.lines())
+    assert "rank 1: data.train_prompts='p1.txt': no such file" in text and "fix: give the file" in text
+    assert Verdict([Check("mesh", Status.warned, "slow")], []).exit_status == 0
+
+
+def _verdict(run_dir: Path) -> dict:
+    out = json.loads(RunLayout(run_dir).preflight.read_text())
+    assert set(out) == {"version", "exit_status", "checks", "machine", "step", "plan"}
+    for check in out["checks"]:
+        assert set(check) == {"name", "status", "line", "fix", "ranks"} and check["status"] in STATUSES
+        assert check["fix"] or check["status"] not in ("warned", "failed"), check
+    return out
+
+
+def _failed(out: dict) -> list[str]:
+    return [f"{c['name']}: {c['line']}" for c in out["checks"] if c["status"] == "failed"]
+
+
+def _ready_for_the_run(run_dir: Path) -> None:
+    layout = RunLayout(run_dir)
+    assert held_run(run_dir) is None and not layout.lock.exists() and not layout.preflight_scratch.exists()
+    assert not layout.metrics.exists() and not list(layout.checkpoints.glob("*"))
+
+
+def test_a_world_size_the_replicate_degree_does_not_divide(tmp_path, capsys):
+    status, _ = command(capsys, tmp_path, ["dist.replicate_degree=2"], preflight_command)
+    out = _verdict(tmp_path)
+    assert status == 2 and out["exit_status"] == 2
+    assert _failed(out) == ["mesh: dist.replicate_degree=2 must divide the world size 1: pick a divisor of it, or "
+                            "dist.replicate_degree=1"]  # fmt: skip
+    _ready_for_the_run(tmp_path)
+
+
+def test_compile_without_a_cpp_compiler(tmp_path, capsys, monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, str(tmp_path / "no-such-g++")))  # as CXX=<missing> does
+    status, _ = command(capsys, tmp_path / "run", ["model.compile=true"], preflight_command)
+    (line,) = _failed(_verdict(tmp_path / "run"))
+    assert status == 2 and line.startswith("compile: model.compile=true: inductor compiles CPU code with a C++")
+
+
+def test_tiny_preset_on_a_disk_too_small(tmp_path, capsys, monkeypatch, tiny_flux_dir):
+    """The whole preflight of one process, the step and the plan included. The disk has 20 MB free: room for a
+    run's first files (16 MB), not for 41 checkpoints of about 1 MB."""
+    monkeypatch.setattr("train.checkpoint.manager.free_bytes", lambda path: 20 * 10**6)
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "preflight.steps=1", "checkpoint.keep_last=40"]
+    status, _, stdout = command(capsys, tmp_path, overrides, preflight_command, stdout=True)
+    out = _verdict(tmp_path)
+    assert status == 2 and out["exit_status"] == 2
+    (line,) = _failed(out)
+    assert line.startswith("disk: the disk of ") and "41 checkpoints (checkpoint.keep_last=40" in line
+    by_name = {c["name"]: c["status"] for c in out["checks"]}
+    assert by_name["step"] == "passed" and by_name["plan"] == "passed" and by_name["collectives"] == "skipped"
+    (step,) = out["step"]["ranks"]
+    assert step["blocks"] == "1+1" and step["seconds"]["step"] > 0 and step["peak_bytes"] is None
+    assert out["plan"]["corrected"]["step_seconds"] > 0 and out["machine"][0]["torch"] == torch.__version__
+    _ready_for_the_run(tmp_path)
+
+
+@pytest.mark.slow
+def test_default_job(tmp_path, capsys):
+    """The default job (the testbed, 2+2 blocks cut to 1+1) in one process: every check passes or is skipped; then
+    the run itself starts in the folder and trains a step."""
+    status, _ = command(capsys, tmp_path, ["preflight.steps=1"], preflight_command)
+    out = _verdict(tmp_path)
+    assert status == 0 and not _failed(out)
+    assert {c["name"] for c in out["checks"] if c["status"] == "passed"} >= {"settings and files", "step", "plan"}
+    _ready_for_the_run(tmp_path)
+    status, stderr = command(capsys, tmp_path, ["num_steps=1", "eval.every=0", "checkpoint.export=false"])
+    assert status == 0 and held_run(tmp_path) == "1 checkpoint (the latest step_00000001), 1 row of metrics.jsonl"
+
+
+@pytest.mark.slow
+def test_tiny_preset_on_two_ranks_and_a_file_one_rank_cannot_read(tmp_path, tiny_flux_dir):
+    """Launched by torchrun: the collectives are measured on the mesh; then prompts that only rank 0 can read
+    stop both ranks with rank 1's line."""
+    base = ["-m", "train.preflight", *FAST, f"model.path={tiny_flux_dir}", "preflight.steps=1"]
+    done = run_torchrun(*base, f"hydra.run.dir={tmp_path / 'ok'}", timeout=300)
+    out = _verdict(tmp_path / "ok")
+    assert done.returncode == 0 and not _failed(out), done.stderr[-3000:]
+    collectives = [c["line"] for c in out["checks"] if c["name"] == "collectives"]
+    assert [line.split(",")[0] for line in collectives] == ["all-gather", "reduce-scatter"]
+    (tmp_path / "prompts_0.txt").write_text("a red circle\n")
+    prompts = f"data.train_prompts={tmp_path}/prompts_${{oc.env:LOCAL_RANK}}.txt"
+    done = run_torchrun(*base, prompts, f"hydra.run.dir={tmp_path / 'one'}", timeout=300)
+    out = _verdict(tmp_path / "one")
+    (failed,) = [c for c in out["checks"] if c["status"] == "failed"]
+    assert done.returncode != 0 and failed["ranks"] == [1] and "prompts_1.txt" in failed["line"]
+    _ready_for_the_run(tmp_path / "one")
+
+
+def test_a_link_far_below_the_plan_warns_with_its_fix():
+    # 1 GB sent in 0.1 s is 80 Gb/s: far below NVLink's planned 3600 (under 25% of it), above 25% of 200
+    slow = LinkRate("all-gather", (0, 1), False, sent_bytes=1e9, seconds=0.1)
+    fast = LinkRate("all-gather", (0, 1), False, sent_bytes=1e9, seconds=0.001)
+    assert slow.gbps == pytest.approx(80.0, rel=1e-12)
+    (check,) = link_checks([[fast], [slow]], intra_gbps=3600, inter_gbps=400, slow_link=0.25, compared=True)
+    assert check.status is Status.warned and "80 Gb/s at the slowest rank" in check.line
+    assert "NCCL_DEBUG=INFO" in check.fix and "plan.intra_node_gbps" in check.fix
+    (check,) = link_checks([[slow]], intra_gbps=200, inter_gbps=400, slow_link=0.25, compared=True)
+    assert check.status is Status.passed
+    (check,) = link_checks([[slow]], intra_gbps=3600, inter_gbps=400, slow_link=0.25, compared=False)
+    assert check.status is Status.passed and "gloo on CPU: not held to the plan" in check.line
+
+
+def test_the_attention_kernel_of_a_shape_is_named():
+    assert sdpa_backend((2, 16, 8), torch.float32, torch.device("cpu")) in ("flash", "memory-efficient", "math")

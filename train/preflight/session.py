@@ -1,0 +1,158 @@
+"""What every rank does: the trainer's start-up checks, the machine, then (when every rank passed them) the
+model cut to a few blocks built and trained for ``preflight.steps`` steps, its attention kernel and the
+collectives timed on its mesh. The ranks agree after each stage (one gather), so a failure on one rank stops
+every rank at the same point; rank 0 gets everything (``Found``)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from train.checkpoint.manager import CheckpointManager
+from train.distributed.collectives import DistInfo, barrier, gather_objects
+from train.distributed.parallelize import world_mesh
+from train.model.builder import model_folder
+from train.plan.counts import text_tokens
+from train.plan.frozen import read_json
+from train.preflight.links import LinkRate, block_numel, measure_links
+from train.preflight.machine import check_attention, check_compile, describe
+from train.preflight.preflight_config import PreflightRunConfig
+from train.preflight.reduced import StepMeasure, reduced_folder, reduced_run, run_steps
+from train.preflight.verdict import RankChecks, Status
+from train.run.folder import RunLock, check_one_run
+from train.run.layout import RunLayout
+from train.run.scorers import check_scorer_inputs
+from train.run.start import load_config
+from train.run.startup_checks import check_mesh, check_resume, unwritable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Found:
+    """Every rank's answers (on rank 0; elsewhere its own only)."""
+
+    config: PreflightRunConfig | None
+    checks: list[RankChecks]
+    machines: list[dict[str, Any]]
+    steps: list[StepMeasure | None] = field(default_factory=list)
+    links: list[list[LinkRate]] = field(default_factory=list)
+
+    def passed(self) -> bool:
+        return not any(rc.failed() for rc in self.checks)
+
+
+def _agreed(checks: RankChecks) -> bool:
+    """Every rank passed its checks so far (a collective)."""
+    return not any(gather_objects(checks.failed()))
+
+
+def _run_folder(checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo) -> None:
+    """Writable from this rank; on rank 0, free for the run (no run held that it neither resumes nor overwrites,
+    no live owner)."""
+    run_dir = Path(cfg.run_dir)
+    fix = "pass the run's hydra.run.dir, writable from every node"
+    if problem := unwritable(run_dir):
+        checks.add("run folder", Status.failed, f"{run_dir}: {problem}", fix)
+        return
+    if dist.is_main:
+        overwrite = cfg.checkpoint.overwrite
+        checks.attempt("run folder", lambda: check_one_run(run_dir, resume=cfg.resume, overwrite=overwrite),
+                       f"{run_dir} is writable and holds no other run")  # fmt: skip
+        if busy := RunLock(run_dir).busy():
+            checks.add("run folder", Status.failed, busy, "wait for that run or pick another folder")
+    else:
+        checks.add("run folder", Status.passed, f"{run_dir} is writable")
+
+
+def startup_checks(checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo) -> None:
+    """The trainer's checks before any model loads, on this rank (every rank calls them: some are collectives)."""
+    checks.attempt("mesh", lambda: check_mesh(cfg, dist.world_size),
+                   f"{dist.world_size} rank(s), dist.replicate_degree={cfg.dist.replicate_degree}")  # fmt: skip
+
+    def files() -> None:
+        model_folder(cfg, dist)
+        check_scorer_inputs(cfg)
+
+    checks.attempt("model and reward files", files, f"model.path={cfg.model.path} and the reward files read here")
+    _run_folder(checks, cfg, dist)
+    if not checks.failed():  # the checkpoints resume names, read by this rank; room for a new run's first files
+        checkpoints = CheckpointManager(RunLayout(cfg.run_dir).root, keep_last=cfg.checkpoint.keep_last)
+        resumed = f"resume={cfg.resume}: its checkpoints read on this rank; " if cfg.resume else ""
+        checks.attempt("checkpoints", lambda: check_resume(cfg, dist, checkpoints, max_step=cfg.num_steps),
+                       f"{resumed}room for the run's first files")  # fmt: skip
+    check_compile(checks, cfg, dist.device)
+
+
+def _scratch(cfg: PreflightRunConfig, dist: DistInfo) -> Path:
+    """The scratch folder with the reduced model, written by rank 0 (the run folder is shared by the nodes)."""
+    scratch = RunLayout(cfg.run_dir).preflight_scratch
+    if dist.is_main:
+        shutil.rmtree(scratch, ignore_errors=True)  # a preflight that was killed
+        reduced_folder(cfg, scratch / "model")
+    barrier()
+    return scratch
+
+
+def train_reduced(
+    checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo, nodes: list[int]
+) -> tuple[StepMeasure, list[LinkRate]]:
+    """The reduced model's steps, its attention kernel and the collectives on its mesh."""
+    scratch = _scratch(cfg, dist)
+    full = read_json(Path(cfg.model.path) / "transformer" / "config.json")
+    with reduced_run(cfg, dist, scratch / "model", scratch / "run") as run:
+        backbone = run.model.backbone
+        grid = backbone.latent_grid(cfg.model.height, cfg.model.width)  # type: ignore[attr-defined]
+        tokens = text_tokens(cfg) + math.prod(grid)
+        check_attention(checks, cfg, backbone.configs["transformer"], tokens, run.device)  # type: ignore[attr-defined]
+        links: list[LinkRate] = []
+        if dist.world_size > 1:
+            numel = block_numel(backbone.transformer, backbone.block_classes)
+            mesh = world_mesh(replicate=cfg.dist.replicate_degree)
+            links = measure_links(mesh, numel, dtype=cfg.model.dtype, nodes=nodes, device=run.device,
+                                  repeats=cfg.preflight.collective_repeats)  # fmt: skip
+        measured = run_steps(run, full)
+    return measured, links
+
+
+def _step(
+    checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo, nodes: list[int]
+) -> tuple[StepMeasure | None, list[LinkRate]]:
+    """``train_reduced``, its failure one line (an out-of-memory error, a collective that failed, a bug)."""
+    try:
+        measured, links = train_reduced(checks, cfg, dist, nodes)
+    except Exception as err:
+        log.warning("the step at reduced depth failed on rank %d", dist.rank, exc_info=True)
+        line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        fix = "its traceback is in preflight.log; an out-of-memory error at reduced depth: see the plan's advice"
+        checks.add("step", Status.failed, f"the training step at reduced depth failed: {line}", fix)
+        return None, []
+    return measured, links
+
+
+def on_every_rank(cfg: DictConfig, dist: DistInfo) -> Found:
+    """The stages of the module docstring on this rank; everything gathered (rank 0 holds every rank's)."""
+    checks = RankChecks(dist.rank)
+    replicate = int(cfg.dist.replicate_degree)
+    machine = describe(dist.device, rank=dist.rank, world_size=dist.world_size, replicate=replicate)
+    nodes = [m["node"] for m in gather_objects(machine)]
+    config = checks.attempt("settings and files", lambda: load_config(cfg), "the trainer's checks pass on this rank")
+    measured: StepMeasure | None = None
+    links: list[LinkRate] = []
+    if _agreed(checks) and config is not None:
+        startup_checks(checks, config, dist)  # type: ignore[arg-type]
+        if _agreed(checks):
+            measured, links = _step(checks, config, dist, nodes)  # type: ignore[arg-type]
+    return Found(
+        config=config,  # type: ignore[arg-type]
+        checks=gather_objects(checks),
+        machines=gather_objects(machine),
+        steps=gather_objects(measured),
+        links=gather_objects(links),
+    )
