@@ -1,5 +1,5 @@
 # The quick start of the README: two commands on a fresh machine with Python 3.10+ (and make).
-#   make demo   the default job (GRPO on the CPU testbed, 4 to 5 minutes on 2 cores of its own)
+#   make demo   the default job (GRPO on the CPU testbed, 3 to 5 minutes on 2 cores of its own)
 #   make test   the tests (CPU only, tiny models, no network once installed)
 # Each creates .venv with the pinned versions on first use (constraints.txt; a few minutes, about
 # 6 GB) and reinstalls when setup.py or constraints.txt change. .ci/run calls `make test`.

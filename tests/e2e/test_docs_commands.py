@@ -1,4 +1,4 @@
-"""Every command in the code blocks of README.md and docs/*.md runs as printed.
+"""Every command in the code blocks of README.md, docs/*.md and docs/benchmarks/*.md runs as printed.
 
 Each command is checked in this process as far as it can be without training: its settings compose
 and validate as the command itself would validate them (files included, when the command names no
@@ -40,7 +40,7 @@ register_probe()
 register_plan()
 register_preflight()
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "benchmarks").glob("*.md"))]
 BLOCK = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.S | re.M)
 # a command in the prose: python -m train[.<command>] or torchrun with arguments (not a bare name, not its output)
 INLINE = re.compile(r"`((?:python -m train(?:\.\w+)?|torchrun) [^`:]*)`")

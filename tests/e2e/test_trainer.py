@@ -1,6 +1,6 @@
 """The trainer end to end on a tiny Flux-architecture pipeline, in this process (CPU).
 
-Golden values: ``tests/golden/trainer.json`` holds the per-step reward (a tiny CLIPScore), gradient norm, loss and
+Golden values: ``tests/e2e/golden/trainer.json`` holds the per-step reward (a tiny CLIPScore), gradient norm, loss and
 approx_kl of a 3-step run for every update mode and sampler preset. Regenerate it after an intended change with
 ``UPDATE_GOLDEN=1 python -m pytest tests/e2e/test_trainer.py -k golden`` and say why in the commit.
 """

@@ -1,5 +1,5 @@
 """Imports point one way: samplers/, models/ and rewards/ never import the trainer's world, and inside
-train/ the sub-packages form layers (README, Layout):
+train/ the sub-packages form layers (CONTRIBUTING.md, Layout):
 
     commands (train.cli, train.eval, train.probe, train.compare, train.plan, train.preflight, train.__main__)
       -> the trainer (train.trainer, train.step)

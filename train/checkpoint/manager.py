@@ -22,14 +22,12 @@ Damage after the fact (a disk error, a copy cut short, a file overwritten, files
 mixed up) is caught before any model loads by ``usable``: the marker must be the JSON written here,
 ``.metadata`` must read, every ``.distcp`` shard must be as long as the metadata says, each rank's
 ``rank<r>.pt`` must load, and every file must have the size and checksum the marker recorded (a
-checkpoint written before checksums were recorded is checked without them). Hashing reads every byte:
-SHA-256 runs at about 0.8 GB/s per core on a shared, busy x86-64 machine (hashlib, measured; a free
-core with SHA extensions is faster), so a 24 GB FLUX.1-dev transformer costs about 30 s in one process
-and about 4 s over 8 ranks, at save (the files are still in the page cache) and at each resume or
-evaluation of it (plus reading them from disk). A checkpoint that does not fit the model (another
-size, LoRA against full weights) raises ``CheckpointError`` from ``load``, saying which. The ranks
-agree on every verdict, so they resume from the same checkpoint; with ``resume=auto`` a damaged one
-is reported and the previous complete one is used.
+checkpoint written before checksums were recorded is checked without them). Hashing reads every byte,
+so the ranks share the files, at save (the files are still in the page cache) and at each resume or
+evaluation of it (plus reading them from disk; what it costs: docs/benchmarks/). A checkpoint that
+does not fit the model (another size, LoRA against full weights) raises ``CheckpointError`` from
+``load``, saying which. The ranks agree on every verdict, so they resume from the same checkpoint;
+with ``resume=auto`` a damaged one is reported and the previous complete one is used.
 
 In a single process there is no process group: DCP is called with ``no_dist=True`` (it would
 otherwise guess the same; its warning is silenced) and ``get_state_dict`` works on the unsharded model.

@@ -41,7 +41,7 @@ class RunMetrics:
 
 
 # Names a run logged before they were renamed, read as today's, so that runs of either age compare
-# (README, changes): a metric's old prefix -> its new one (settings: train/config/keys.py).
+# (docs/changes.md): a metric's old prefix -> its new one (settings: train/config/keys.py).
 RENAMED_METRICS = {"count/groups_": "count/segments_"}  # the JAGG unit of W transitions is a segment
 
 

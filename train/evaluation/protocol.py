@@ -54,7 +54,7 @@ from train.run.layout import RunLayout
 from train.run.prompts import PromptRecord
 
 log = logging.getLogger(__name__)
-PROGRESS_S = 10.0  # seconds between an evaluation's progress lines (the demo's first evaluation takes ~25 s)
+PROGRESS_S = 10.0  # seconds between an evaluation's progress lines
 
 
 class _Progress:

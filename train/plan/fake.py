@@ -28,7 +28,7 @@ class StepMemTracker(FSDPMemTracker):
     """FSDPMemTracker keeping only the peak of the whole traced region.
 
     Per-module peaks are not kept (nothing here reads them, and updating them walks every FSDP
-    module at every op: 60% of a trace's time, measured), and module statistics are reset before
+    module at every op: most of a trace's time), and module statistics are reset before
     each forward of the root, which FSDPMemTracker otherwise refuses as "multiple iterative calls":
     a rollout or an update runs the transformer several times.
     """
