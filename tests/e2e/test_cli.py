@@ -97,7 +97,7 @@ def console_scripts() -> dict[str, str]:
 
 def test_console_scripts_point_at_functions():
     scripts = console_scripts()
-    assert set(scripts) == {"jagg-train", "jagg-eval", "jagg-compare", "jagg-probe", "jagg-plan"}
+    assert set(scripts) == {"jagg-train", "jagg-eval", "jagg-compare", "jagg-probe", "jagg-plan", "jagg-preflight"}
     for target in scripts.values():
         module, function = target.split(":")
         assert callable(getattr(import_module(module), function)), target
