@@ -7,8 +7,12 @@ setup(
     description="GRPO for flow-matching text-to-image transformers, with JAGG group gradients",
     python_requires=">=3.10",
     packages=find_packages(include=["train*", "models*", "rewards*", "samplers*", "configs*", "testbed*"]),
-    package_data={"configs": ["*.yaml", "**/*.yaml"]},
-    include_package_data=True,
+    # the shipped defaults, found through importlib.resources (train/config/shipped.py): the configuration
+    # tree, the architecture configs the planner reads, the testbed's pipeline and prompt lists
+    package_data={
+        "configs": ["*.yaml", "**/*.yaml", "arch/**/*.json"],
+        "testbed": ["pipeline/**/*", "prompts/*.txt"],
+    },
     install_requires=[
         "torch>=2.6",
         "torchvision>=0.21",

@@ -42,8 +42,8 @@ FAST = [
     "optimizer.lr=1e-3",
     "grpo.kl_beta=0",
     "ema.decay=0",
-    "data.train_prompts=data/testbed_train.txt",
-    "eval.prompts=data/testbed_prompts.txt",
+    "data.train_prompts=testbed/prompts/train.txt",
+    "eval.prompts=testbed/prompts/captions.txt",
     "eval.num_prompts=16",
     "eval.samples_per_prompt=1",
     "+eval.scorers.jpeg_compressibility={}",
@@ -65,7 +65,7 @@ def train(run_dir: Path, overrides: list[str]) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["exact", "jagg"])
 def test_short_run_raises_the_evaluation_reward(mode, tmp_path, monkeypatch):
-    monkeypatch.chdir(ROOT)  # the testbed's model and prompt files are relative to the repository root
+    monkeypatch.chdir(ROOT)  # the prompt files named above are relative to the repository root
     rows = train(tmp_path / mode, [f"update={mode}"])
     evals = {r["step"]: r["eval/jpeg_compressibility"] for r in rows if "eval/jpeg_compressibility" in r}
     assert sorted(evals) == [0, NUM_STEPS]

@@ -20,6 +20,7 @@ from train.cli.reporting import hydra_message
 from train.config.checks import trainable_transitions, validate
 from train.config.keys import MOVED, changed_settings, checked, moved_settings, moved_tree, typed
 from train.config.schema import TrainConfig, register_schema
+from train.config.shipped import shipped
 from train.run.errors import ConfigError
 from train.run.start import typed_config
 
@@ -33,7 +34,7 @@ register_schema()
 
 @pytest.fixture(autouse=True)
 def _repo_root(monkeypatch):
-    monkeypatch.chdir(CONFIGS.parent)  # the demo's prompt file is relative to the repository root
+    monkeypatch.chdir(CONFIGS.parent)  # the tiny models are built under .cache/ of the repository root
 
 
 @pytest.fixture
@@ -72,15 +73,17 @@ def required_paths(paths) -> list[str]:
     ]
 
 
-def test_default_job_is_the_testbed(tmp_path):
+def test_default_job_is_the_testbed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the shipped model and prompt files are found from any folder
     cfg = load([], tmp_path)
     check(cfg)
     assert (cfg.experiment, cfg.update.mode, cfg.model.path, cfg.model.build_tiny) == (
         "demo",
         "jagg",
-        "testbed/pipeline",
+        str(shipped("testbed/pipeline")),
         None,
     )
+    assert Path(cfg.data.train_prompts) == CONFIGS.parent / "testbed/prompts/train.txt"
     assert list(cfg.reward.components) == ["shape_alignment"] and list(cfg.eval.scorers) == ["shape_alignment"]
     assert cfg.eval.every > 0
 

@@ -14,15 +14,15 @@ import torch
 from diffusers import ModelMixin
 from torch import nn
 
-import configs
 from models.base import parse_dtype
 from models.diffusers_backbone import DiffusersBackbone
 from models.registry import get_backbone_class
 from rewards.base import FrozenModelScorer, scorer_class
 from train.config.schema import TrainConfig
+from train.config.shipped import shipped
 from train.run.errors import ConfigError, config_key
 
-ARCH_ROOT = Path(configs.__file__).resolve().parent / "arch"
+ARCH_ROOT = shipped("configs/arch")
 
 
 NOT_READ = "<not read by the planner>"  # stands in for the required paths the planner never opens
