@@ -10,6 +10,11 @@ v = predict(z_k, t_k, cond) over the whole batch, then samplers.sde.step with th
       window lies inside [lo, hi);
     * ``ode``: every step deterministic (evaluation, and the zero-noise check against diffusers).
 
+The steps after a window (``sampler.post_window``) are Euler steps, or DPM-Solver++ 2M in data prediction
+(MixGRPO-Flash): x0 = z - sigma v, lambda = log((1 - sigma) / sigma), seeded with the x0 of the window's last
+step, first order on the last step (sigma' = 0: z' = x0). They never train: the window's steps, their
+log-probs and kept velocities are the same whichever solver follows.
+
 t_k is sigma_k, or floor(1000 sigma_k) / 1000 with ``quantize_timesteps`` (samplers/schedule.py); the SDE
 always uses the exact sigmas. Trainable transitions are the stochastic ones except the last
 (k = N - 1, whose tiny sigma makes the Gaussian too peaked to train on; both references drop it).
@@ -29,6 +34,7 @@ log-probs equal those of G rows per call up to float rounding (other batch shape
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,9 +42,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from samplers.sampler_config import SamplerConfig
+from samplers.sampler_config import PostWindowSolver, SamplerConfig
 from samplers.schedule import network_timesteps
-from samplers.sde import SDE, SDEKind, StepOutput, step
+from samplers.sde import SDE, SDEKind, StepOutput, compute_dtype, step
 
 Predict = Callable[[Tensor, Tensor, Any], Tensor]  # (z [B, ...], t [B], cond with B rows) -> v [B, ...]
 ODE = SDE(kind=SDEKind.ode)
@@ -261,14 +267,70 @@ def rollout(
     shared = shared_start_steps(flags) if group_size > 1 else 0
     firsts = torch.arange(0, batch, group_size, device=noise.device)  # the first row of each group
     first_cond = cond.index(firsts) if shared else cond
-    for k, is_sde in enumerate(flags):
+    stop = window_stop(flags, sde_window)
+    for k, is_sde in enumerate(flags[:stop]):
         z, t = traj.latents[:, k], traj.timesteps[k]
         if k < shared:  # the group's rows have one input: one row per group, broadcast to its G rows
             v = predict(z[firsts], t.expand(len(firsts)), first_cond).repeat_interleave(group_size, 0)
         else:
             v = predict(z, t.expand(batch), cond)
         _take_step(traj, k, v, is_sde=is_sde, generator=generator)
+    if stop < len(flags):
+        _after_window(traj, predict, sampler.post_window.solver, v, sigmas[stop - 1 :].tolist())
     return traj
+
+
+def window_stop(flags: Sequence[bool], sde_window: tuple[int, int] | None) -> int:
+    """The first step after the SDE window: ``sde_window``'s stop, or N without a window (or SDE step)."""
+    return sde_window[1] if sde_window is not None and any(flags) else len(flags)
+
+
+def _after_window(traj: Trajectory, predict: Predict, solver: PostWindowSolver, v: Tensor, grid: list[float]) -> None:
+    """The steps after the window, from z at ``grid[1]`` to the end of ``grid`` [sigma_L, sigma_{L+1}, ..., 0]
+    (L the window's last step, ``v`` its velocity): Euler steps as outside a window, or DPM-Solver++ 2M seeded
+    with the window's last x0 (``dpmpp_2m_step``). They keep no log-prob; velocities are kept as on every step."""
+    stop, batch = traj.num_steps - len(grid) + 2, traj.batch_size
+    history = None
+    if grid[0] < 1.0:  # sigma = 1 has no log-SNR: no second-order term from there
+        history = (traj.latents[:, stop - 1] - grid[0] * v.to(traj.latents.dtype), grid[0])
+    for k in range(stop, traj.num_steps):
+        v = predict(traj.latents[:, k], traj.timesteps[k].expand(batch), traj.cond)
+        if solver is PostWindowSolver.euler:
+            _take_step(traj, k, v, is_sde=False, generator=None)
+            continue
+        sigma, sigma_next = grid[k - stop + 1], grid[k - stop + 2]
+        traj.latents[:, k + 1], x0 = dpmpp_2m_step(v, traj.latents[:, k], sigma, sigma_next, history)
+        history = (x0, sigma)
+        if traj.velocities is not None:
+            traj.velocities[:, k].copy_(v, non_blocking=traj.velocities.is_pinned())
+
+
+def log_snr(sigma: float) -> float:
+    """lambda = log(alpha / sigma) with alpha = 1 - sigma: the half log-SNR of z_sigma = alpha x0 + sigma x1."""
+    return math.log((1.0 - sigma) / sigma)
+
+
+def dpmpp_2m_step(
+    v: Tensor, z: Tensor, sigma: float, sigma_next: float, history: tuple[Tensor, float] | None
+) -> tuple[Tensor, Tensor]:
+    """One DPM-Solver++ 2M step in data prediction from ``z`` at ``sigma`` to ``sigma_next`` with velocity ``v``:
+    (z', x0) with x0 = z - sigma v. ``history`` = (x0_prev, sigma_prev), the previous step's x0 and the sigma it
+    was predicted at, or None for a first-order step. With h = lambda' - lambda, r = (lambda - lambda_prev) / h,
+
+        z' = (sigma' / sigma) z - alpha' (e^{-h} - 1) (x0 + (x0 - x0_prev) / (2 r)),
+
+    first order (x0 alone) without ``history``; at sigma' = 0 the step lands on x0."""
+    dtype = compute_dtype(torch.promote_types(v.dtype, z.dtype))
+    x0 = z.to(dtype) - sigma * v.to(dtype)
+    if sigma_next == 0.0:
+        return x0, x0
+    h = log_snr(sigma_next) - log_snr(sigma)
+    data = x0
+    if history is not None:
+        x0_prev, sigma_prev = history
+        r = (log_snr(sigma) - log_snr(sigma_prev)) / h
+        data = x0 + (x0 - x0_prev.to(dtype)) / (2.0 * r)
+    return (sigma_next / sigma) * z.to(dtype) - (1.0 - sigma_next) * math.expm1(-h) * data, x0
 
 
 def transition(traj: Trajectory, k: int, v: Tensor, rows: Tensor | Sequence[int] | None = None) -> StepOutput:

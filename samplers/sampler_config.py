@@ -10,9 +10,29 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from samplers.choices import member
+from samplers.choices import Choice, member
 from samplers.schedule import QuantizeTimesteps
 from samplers.sde import SDE, SDEKind
+
+
+class PostWindowSolver(Choice):
+    """post_window.solver: how the steps after the SDE window are taken."""
+
+    euler = "euler"  # the ODE's Euler step on the sampling schedule
+    dpmpp_2m = "dpmpp_2m"  # DPM-Solver++ 2M in data prediction (MixGRPO-Flash)
+
+
+@dataclass
+class PostWindowConfig:
+    """The deterministic steps after the SDE window (MixGRPO-Flash). They are never trained and keep no
+    log-probability: only the map from the window's output to the final image changes."""
+
+    solver: PostWindowSolver = PostWindowSolver.euler
+    """euler (the ODE's Euler steps, as without a window setting) | dpmpp_2m (DPM-Solver++ 2M in data prediction,
+    seeded with the window's last x0, first order on its last step)"""
+
+    def __post_init__(self) -> None:
+        self.solver = member(PostWindowSolver, self.solver, "solver")
 
 
 @dataclass
@@ -36,6 +56,8 @@ class SamplerConfig:
     """Flow-GRPO-Fast: >0 = SDE only on this many consecutive steps, ODE elsewhere"""
     sde_window_range: list[int] = field(default_factory=lambda: [0, 12])
     """[lo, hi): window start in [lo, hi - size]"""
+    post_window: PostWindowConfig = field(default_factory=PostWindowConfig)
+    """the steps after the SDE window (none without a window)"""
 
     def __post_init__(self) -> None:
         self.sde = member(SDEKind, self.sde, "sde")

@@ -1,0 +1,102 @@
+"""The steps after the SDE window (MixGRPO-Flash): DPM-Solver++ 2M against its formulas, and a rollout whose
+window is the same whichever solver follows it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor
+
+from samplers.rollout import dpmpp_2m_step, rollout
+from samplers.sampler_config import PostWindowConfig, SamplerConfig
+from samplers.schedule import shifted_sigmas
+
+
+def _reference_2m(v: Tensor, z: Tensor, s: float, t: float, prev: tuple[Tensor, float] | None) -> Tensor:
+    """DPM-Solver++ 2M written from its formulas, one element at a time in Python floats."""
+    out = torch.empty_like(z)
+    lam = [math.log((1 - s) / s), math.log((1 - t) / t) if t > 0 else math.inf]
+    for i in range(z.numel()):
+        d0 = z.flatten()[i].item() - s * v.flatten()[i].item()
+        if t == 0:
+            out.view(-1)[i] = d0
+            continue
+        h = lam[1] - lam[0]
+        x = (t / s) * z.flatten()[i].item() - (1 - t) * (math.exp(-h) - 1) * d0
+        if prev is not None:
+            r0 = (lam[0] - math.log((1 - prev[1]) / prev[1])) / h
+            d1 = (d0 - prev[0].flatten()[i].item()) / r0
+            x -= 0.5 * (1 - t) * (math.exp(-h) - 1) * d1
+        out.view(-1)[i] = x
+    return out
+
+
+@pytest.mark.parametrize("case", ["second order", "first order", "last step"])
+def test_dpmpp_2m_step_matches_its_formulas(case, float64):
+    gen = torch.Generator().manual_seed(0)
+    z, v, x0_prev = (torch.randn(3, 2, 4, generator=gen) for _ in range(3))
+    prev = None if case == "first order" else (x0_prev, 0.83)
+    s, t = 0.71, 0.0 if case == "last step" else 0.42
+    got, x0 = dpmpp_2m_step(v, z, s, t, prev)
+    torch.testing.assert_close(got, _reference_2m(v, z, s, t, prev), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x0, z - s * v, rtol=0, atol=0)
+    if prev is not None and t > 0:  # the history term moves the step: the check can fail
+        assert (got - dpmpp_2m_step(v, z, s, t, None)[0]).abs().min() > 1e-6
+
+
+def test_first_order_step_is_exact_on_a_linear_velocity_field(float64):
+    """v(z, sigma) = (z - a) / sigma is the field of the straight paths z = a + sigma c that end at x0 = a: a
+    first-order step from sigma to sigma' lands on a + (sigma' / sigma)(z - a), for any step size."""
+    gen = torch.Generator().manual_seed(1)
+    a, z = torch.randn(2, 5, generator=gen), torch.randn(2, 5, generator=gen)
+    for s, t in [(0.9, 0.2), (0.5, 0.49), (0.3, 0.0)]:
+        got, _ = dpmpp_2m_step((z - a) / s, z, s, t, None)
+        torch.testing.assert_close(got, a + (t / s) * (z - a), rtol=1e-13, atol=1e-13)
+    # on this field every x0 is a, so the second-order term vanishes too
+    got, _ = dpmpp_2m_step((z - a) / 0.6, z, 0.6, 0.3, (a.clone(), 0.8))
+    torch.testing.assert_close(got, a + 0.5 * (z - a), rtol=1e-13, atol=1e-13)
+
+
+def _field(z: Tensor, t: Tensor, cond) -> Tensor:
+    """A cheap nonlinear velocity field, so that a second-order step differs from Euler's."""
+    return torch.tanh(z) - t.view(-1, *([1] * (z.ndim - 1))) * z
+
+
+def _sample(sampler: SamplerConfig, *, window=(2, 4), num_steps: int = 9):
+    noise = torch.randn(4, 2, 2, 4, generator=torch.Generator().manual_seed(0))
+    return rollout(
+        _field, None, noise, sampler, sigmas=shifted_sigmas(num_steps, 3.0), sde_window=window,
+        generator=torch.Generator().manual_seed(1),
+    )  # fmt: skip
+
+
+def test_the_window_is_the_same_whichever_solver_follows():
+    euler = SamplerConfig(sde="flow")
+    flash = SamplerConfig(sde="flow", post_window=PostWindowConfig(solver="dpmpp_2m"))
+    a, b = _sample(euler), _sample(flash)
+    assert torch.equal(a.latents[:, :5], b.latents[:, :5]) and torch.equal(a.log_probs, b.log_probs)
+    assert b.trainable_steps() == [2, 3] and (b.log_probs[:, 4:] == 0).all()
+    assert not torch.equal(a.latents[:, -1], b.latents[:, -1])  # the steps after the window differ
+    assert torch.isfinite(b.latents).all()
+
+
+def test_dpmpp_2m_after_the_window_takes_its_steps():
+    """Each step after the window is dpmpp_2m_step on the sampling schedule, the first seeded with the window's
+    last x0, the last landing on x0."""
+    traj = _sample(SamplerConfig(sde="dance", post_window=PostWindowConfig(solver="dpmpp_2m")))
+    sig = traj.sigmas.tolist()
+    v3 = _field(traj.latents[:, 3], traj.timesteps[3].expand(4), None)
+    history = (traj.latents[:, 3] - sig[3] * v3, sig[3])
+    for k in range(4, 9):
+        v = _field(traj.latents[:, k], traj.timesteps[k].expand(4), None)
+        z, x0 = dpmpp_2m_step(v, traj.latents[:, k], sig[k], sig[k + 1], history)
+        torch.testing.assert_close(traj.latents[:, k + 1], z, rtol=0, atol=0)
+        history = (x0, sig[k])
+    assert torch.equal(traj.latents[:, -1], x0)
+
+
+def test_an_unknown_solver_is_named():
+    with pytest.raises(ValueError, match="solver='heun' is not valid; accepted values: euler, dpmpp_2m"):
+        PostWindowConfig(solver="heun")
