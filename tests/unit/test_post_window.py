@@ -11,7 +11,7 @@ from torch import Tensor
 
 from samplers.rollout import dpmpp_2m_step, rollout
 from samplers.sampler_config import PostWindowConfig, SamplerConfig
-from samplers.schedule import shifted_sigmas
+from samplers.schedule import dynamic_sigmas, post_window_sigmas, schedule_shift, shifted_sigmas
 
 
 def _reference_2m(v: Tensor, z: Tensor, s: float, t: float, prev: tuple[Tensor, float] | None) -> Tensor:
@@ -57,6 +57,38 @@ def test_first_order_step_is_exact_on_a_linear_velocity_field(float64):
     # on this field every x0 is a, so the second-order term vanishes too
     got, _ = dpmpp_2m_step((z - a) / 0.6, z, 0.6, 0.3, (a.clone(), 0.8))
     torch.testing.assert_close(got, a + 0.5 * (z - a), rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("shift", [1.0, 3.0])
+@pytest.mark.parametrize("stop,points", [(4, 3), (1, 2), (10, 5)])
+def test_the_rebuilt_schedule_runs_from_sigma_stop_to_zero(stop, points, shift):
+    sigmas = shifted_sigmas(20, shift)
+    rebuilt = post_window_sigmas(sigmas, stop, points)
+    assert rebuilt.shape == (points,) and rebuilt[0] == sigmas[stop] and rebuilt[-1] == 0
+    assert rebuilt.dtype == torch.float64 and (rebuilt[1:] < rebuilt[:-1]).all()
+    u = rebuilt / (shift - (shift - 1.0) * rebuilt)  # the unshifted time, uniform from u_stop to 0
+    torch.testing.assert_close(u, torch.linspace(1.0 - stop / 20, 0.0, points, dtype=torch.float64))
+
+
+def test_a_rebuilt_schedule_with_every_point_is_the_schedule():
+    sigmas = shifted_sigmas(9, 3.0)
+    assert torch.equal(post_window_sigmas(sigmas, 4, 6), sigmas[4:])
+    assert torch.equal(post_window_sigmas(sigmas, 4, 8), sigmas[4:])  # never more points than the schedule has
+    assert post_window_sigmas(sigmas, 4, 5).shape == (5,)
+
+
+def test_the_dynamic_schedule_is_shifted_by_its_own_shift():
+    """Without a terminal stretch the dynamic schedule is the fixed-shift one with s = e^mu (float32); with one
+    it is no shifted schedule, and compressing it is refused."""
+    sigmas = dynamic_sigmas(12, 0.8)
+    assert schedule_shift(sigmas) == pytest.approx(math.exp(0.8), rel=1e-5)  # float32 sigmas
+    rebuilt = post_window_sigmas(sigmas, 3, 4)
+    assert rebuilt.dtype == torch.float32 and rebuilt[0] == sigmas[3] and rebuilt[-1] == 0
+    stretched = dynamic_sigmas(12, 0.8, shift_terminal=0.02)
+    assert schedule_shift(stretched) is None
+    with pytest.raises(ValueError, match="needs a shifted schedule"):
+        post_window_sigmas(stretched, 3, 4)
+    assert post_window_sigmas(stretched, 3, 10).shape == (10,)  # nothing to compress: the schedule's own
 
 
 def _field(z: Tensor, t: Tensor, cond) -> Tensor:
