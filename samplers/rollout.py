@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from samplers.sampler_config import PostWindowSolver, SamplerConfig
-from samplers.schedule import network_timesteps
+from samplers.schedule import QuantizeTimesteps, network_timesteps, post_window_sigmas
 from samplers.sde import SDE, SDEKind, StepOutput, compute_dtype, step
 
 Predict = Callable[[Tensor, Tensor, Any], Tensor]  # (z [B, ...], t [B], cond with B rows) -> v [B, ...]
@@ -276,7 +276,7 @@ def rollout(
             v = predict(z, t.expand(batch), cond)
         _take_step(traj, k, v, is_sde=is_sde, generator=generator)
     if stop < len(flags):
-        _after_window(traj, predict, sampler.post_window.solver, v, sigmas[stop - 1 :].tolist())
+        _after_window(traj, predict, sampler, v, sigmas, stop)
     return traj
 
 
@@ -285,24 +285,56 @@ def window_stop(flags: Sequence[bool], sde_window: tuple[int, int] | None) -> in
     return sde_window[1] if sde_window is not None and any(flags) else len(flags)
 
 
-def _after_window(traj: Trajectory, predict: Predict, solver: PostWindowSolver, v: Tensor, grid: list[float]) -> None:
-    """The steps after the window, from z at ``grid[1]`` to the end of ``grid`` [sigma_L, sigma_{L+1}, ..., 0]
-    (L the window's last step, ``v`` its velocity): Euler steps as outside a window, or DPM-Solver++ 2M seeded
-    with the window's last x0 (``dpmpp_2m_step``). They keep no log-prob; velocities are kept as on every step."""
-    stop, batch = traj.num_steps - len(grid) + 2, traj.batch_size
-    history = None
-    if grid[0] < 1.0:  # sigma = 1 has no log-SNR: no second-order term from there
-        history = (traj.latents[:, stop - 1] - grid[0] * v.to(traj.latents.dtype), grid[0])
-    for k in range(stop, traj.num_steps):
-        v = predict(traj.latents[:, k], traj.timesteps[k].expand(batch), traj.cond)
-        if solver is PostWindowSolver.euler:
-            _take_step(traj, k, v, is_sde=False, generator=None)
-            continue
-        sigma, sigma_next = grid[k - stop + 1], grid[k - stop + 2]
-        traj.latents[:, k + 1], x0 = dpmpp_2m_step(v, traj.latents[:, k], sigma, sigma_next, history)
-        history = (x0, sigma)
-        if traj.velocities is not None:
-            traj.velocities[:, k].copy_(v, non_blocking=traj.velocities.is_pinned())
+def _after_window(
+    traj: Trajectory, predict: Predict, sampler: SamplerConfig, v: Tensor, sigmas: Tensor, stop: int
+) -> None:
+    """The steps after a window that stops before step ``stop`` (``v``: the velocity of its last step), with
+    ``sampler.post_window``'s solver on the points of ``post_window_sigmas``. On the sampling schedule's own
+    points they fill the trajectory as any ODE step does (velocities kept, no log-prob); on a compressed schedule
+    only the final z is stored, and the grid's latents in between are NaN (no state lies there)."""
+    post, num_steps = sampler.post_window, traj.num_steps
+    points = post_window_sigmas(sigmas, stop, post.points(num_steps, stop))
+    compressed = points.shape[0] < num_steps - stop + 1
+    times = traj.timesteps[stop:]
+    if compressed:
+        times = tail_timesteps(points, sampler.quantize_timesteps).to(traj.timesteps)
+        traj.latents[:, stop + 1 : num_steps] = math.nan
+    grid = [float(sigmas[stop - 1]), *points.tolist()]  # sigma_L, then the points
+    z, last = traj.latents[:, stop], points.shape[0] - 2
+    history = None  # the window's last x0; sigma = 1 has no log-SNR, so no second-order term from there
+    if grid[0] < 1.0:
+        history = (traj.latents[:, stop - 1] - grid[0] * v.to(z.dtype), grid[0])
+    for i in range(last + 1):
+        v = predict(z, times[i].expand(traj.batch_size), traj.cond)
+        z, history = post_window_step(post.solver, v, z, grid[i + 1], grid[i + 2], history)
+        z = z.to(traj.latents.dtype)
+        if not compressed or i == last:
+            traj.latents[:, num_steps if compressed else stop + i + 1] = z
+        if traj.velocities is not None and not compressed:
+            traj.velocities[:, stop + i].copy_(v, non_blocking=traj.velocities.is_pinned())
+
+
+def tail_timesteps(points: Tensor, quantize: QuantizeTimesteps) -> Tensor:
+    """The network timesteps of the steps on a compressed schedule after a window (``points`` [P]): as
+    ``network_timesteps``, with DanceGRPO's quantization as float64's (its float32 schedule has no such points)."""
+    if quantize is QuantizeTimesteps.dance:
+        quantize = QuantizeTimesteps.float64
+    return network_timesteps(points, quantize=quantize)
+
+
+def post_window_step(
+    solver: PostWindowSolver,
+    v: Tensor,
+    z: Tensor,
+    sigma: float,
+    sigma_next: float,
+    history: tuple[Tensor, float] | None,
+) -> tuple[Tensor, tuple[Tensor, float] | None]:
+    """One step after the window with ``solver``: (z', the solver's history for the next step)."""
+    if solver is PostWindowSolver.euler:
+        return step(ODE, v, z, sigma, sigma_next).next_z, None
+    next_z, x0 = dpmpp_2m_step(v, z, sigma, sigma_next, history)
+    return next_z, (x0, sigma)
 
 
 def log_snr(sigma: float) -> float:

@@ -30,9 +30,22 @@ class PostWindowConfig:
     solver: PostWindowSolver = PostWindowSolver.euler
     """euler (the ODE's Euler steps, as without a window setting) | dpmpp_2m (DPM-Solver++ 2M in data prediction,
     seeded with the window's last x0, first order on its last step)"""
+    ratio: float = 1.0
+    """rho in (0, 1]: the steps after the window run on P = max(int((N - L) rho), min_steps + 1) points from
+    sigma_{L+1} to 0 (L the window's last step), uniform in the unshifted time; 1 = the sampling schedule's own
+    (MixGRPO-Flash: 0.4)"""
+    min_steps: int = 2
+    """>= 1: the fewest steps after the window (one step straight to x0 is a quality risk)"""
 
     def __post_init__(self) -> None:
         self.solver = member(PostWindowSolver, self.solver, "solver")
+        check_range(self.ratio, "ratio", low=0, high=1, low_open=True, why=" (1 = every step after the window)")
+        check_range(self.min_steps, "min_steps", low=1)
+
+    def points(self, num_steps: int, stop: int) -> int:
+        """P, the points of the schedule after a window that stops before step ``stop`` of ``num_steps`` (L =
+        stop - 1); more than the N - L the sampling schedule has there means its own (``post_window_sigmas``)."""
+        return max(int((num_steps - stop + 1) * self.ratio), self.min_steps + 1)
 
 
 @dataclass

@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from samplers.rollout import dpmpp_2m_step, rollout
+from models import backbone_names, load_backbone
+from samplers.rollout import ODE, dpmpp_2m_step, group_noise, post_window_step, rollout, transition
 from samplers.sampler_config import PostWindowConfig, SamplerConfig
 from samplers.schedule import dynamic_sigmas, post_window_sigmas, schedule_shift, shifted_sigmas
+from samplers.sde import step
 
 
 def _reference_2m(v: Tensor, z: Tensor, s: float, t: float, prev: tuple[Tensor, float] | None) -> Tensor:
@@ -129,6 +131,87 @@ def test_dpmpp_2m_after_the_window_takes_its_steps():
     assert torch.equal(traj.latents[:, -1], x0)
 
 
-def test_an_unknown_solver_is_named():
+def test_an_unknown_solver_and_bad_ranges_are_named():
     with pytest.raises(ValueError, match="solver='heun' is not valid; accepted values: euler, dpmpp_2m"):
         PostWindowConfig(solver="heun")
+    with pytest.raises(ValueError, match=r"ratio must be in \(0, 1\], got 0.0 \(1 = every step"):
+        PostWindowConfig(ratio=0.0)
+    with pytest.raises(ValueError, match="min_steps must be >= 1, got 0"):
+        PostWindowConfig(min_steps=0)
+
+
+def test_the_points_after_the_window():
+    """P = max(int((N - L) rho), min_steps + 1): the default job's 5 steps after [0, 4) of 9 become 2."""
+    flash = PostWindowConfig(ratio=0.4)
+    assert flash.points(9, 4) == 3 and flash.points(25, 4) == 8 and PostWindowConfig(ratio=0.2).points(25, 4) == 4
+    assert PostWindowConfig(ratio=0.4, min_steps=4).points(9, 4) == 5 and PostWindowConfig().points(9, 4) == 6
+
+
+@pytest.mark.parametrize("solver", ["euler", "dpmpp_2m"])
+def test_a_compressed_schedule_runs_fewer_steps_and_keeps_the_window(solver):
+    calls: list[Tensor] = []
+
+    def counted(z: Tensor, t: Tensor, cond) -> Tensor:
+        calls.append(t[0].clone())
+        return _field(z, t, cond)
+
+    noise = torch.randn(4, 2, 2, 4, generator=torch.Generator().manual_seed(0))
+    sigmas = shifted_sigmas(9, 3.0)
+    flash = SamplerConfig(sde="flow", post_window=PostWindowConfig(solver=solver, ratio=0.4))
+    traj = rollout(
+        counted, None, noise, flash, sigmas=sigmas, sde_window=(0, 4), generator=torch.Generator().manual_seed(1)
+    )
+    full = _sample(SamplerConfig(sde="flow"), window=(0, 4))
+    assert len(calls) == 4 + 2  # the window's 4 steps, then P - 1 = 2 instead of 5
+    rebuilt = post_window_sigmas(sigmas, 4, 3)
+    torch.testing.assert_close(torch.stack(calls[4:]), rebuilt[:2].float(), rtol=0, atol=0)
+    assert torch.equal(traj.latents[:, :5], full.latents[:, :5]) and torch.equal(traj.log_probs, full.log_probs)
+    assert traj.latents[:, 5:9].isnan().all() and torch.isfinite(traj.latents[:, -1]).all()
+    z, grid = traj.latents[:, 4], [float(sigmas[3]), *rebuilt.tolist()]
+    v3 = _field(traj.latents[:, 3], traj.timesteps[3].expand(4), None)
+    history = (traj.latents[:, 3] - grid[0] * v3, grid[0])
+    for i in range(2):  # the solver's steps on the rebuilt points, seeded with the window's last x0
+        v = _field(z, rebuilt[i].float().expand(4), None)
+        z, history = post_window_step(flash.post_window.solver, v, z, grid[i + 1], grid[i + 2], history)
+    assert torch.equal(traj.latents[:, -1], z)
+
+
+def _tiny_sample(backbone, post: PostWindowConfig, *, window=(1, 3)):
+    cond = backbone.encode(["a photo of a cat", "a red dog on the grass"]).repeat(2)
+    noise = group_noise(backbone.initial_noise, [11, 12], group_size=2, height=32, width=32)
+    sampler = SamplerConfig(sde="flow", post_window=post)
+    return rollout(
+        backbone.predict, cond, noise, sampler, sigmas=shifted_sigmas(7, 3.0), sde_window=window,
+        generator=torch.Generator().manual_seed(0), group_size=2,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", backbone_names())
+def test_euler_with_every_step_is_the_euler_rollout_bit_for_bit(name, tiny_dir):
+    """With every step given back, the steps after the window are the ODE's Euler steps of the sampling
+    schedule (as samplers.sde.step takes them on the trajectory's own sigmas), to the last bit, images too."""
+    backbone = load_backbone(name, tiny_dir(name), dtype="float32")
+    traj = _tiny_sample(backbone, PostWindowConfig(solver="euler", ratio=1.0))
+    z = traj.latents[:, 3]
+    for k in range(3, 7):
+        v = backbone.predict(z, traj.timesteps[k].expand(4), traj.cond)
+        z = step(ODE, v, z, traj.sigmas[k], traj.sigmas[k + 1]).next_z
+        assert torch.equal(traj.latents[:, k + 1], z)
+    assert (traj.log_probs[:, 3:] == 0).all()
+    images = backbone.decode(traj.latents[:, -1], height=32, width=32)
+    assert torch.equal(images, backbone.decode(z, height=32, width=32))
+
+
+@pytest.mark.parametrize("name", backbone_names())
+def test_the_first_ratio_is_one_with_the_solver_on(name, tiny_dir):
+    """The trained transitions and their old log-probs do not depend on the solver after the window: recomputed
+    with the sampling weights on the rollout's own batch, every trained step's ratio is exactly 1."""
+    backbone = load_backbone(name, tiny_dir(name), dtype="float32")
+    flash = _tiny_sample(backbone, PostWindowConfig(solver="dpmpp_2m", ratio=0.4))
+    plain = _tiny_sample(backbone, PostWindowConfig())
+    assert flash.trainable_steps() == [1, 2]
+    assert torch.equal(flash.latents[:, :4], plain.latents[:, :4]) and torch.equal(flash.log_probs, plain.log_probs)
+    for k in flash.trainable_steps():
+        v = backbone.predict(flash.latents[:, k], flash.timesteps[k].expand(4), flash.cond)
+        assert torch.equal(transition(flash, k, v).log_prob, flash.log_probs[:, k])
+    assert not torch.equal(flash.latents[:, -1], plain.latents[:, -1])
