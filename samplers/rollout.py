@@ -10,9 +10,8 @@ v = predict(z_k, t_k, cond) over the whole batch, then samplers.sde.step with th
       window lies inside [lo, hi);
     * ``ode``: every step deterministic (evaluation, and the zero-noise check against diffusers).
 
-The steps after a window (``sampler.post_window``) are Euler steps, or DPM-Solver++ 2M in data prediction
-(MixGRPO-Flash): x0 = z - sigma v, lambda = log((1 - sigma) / sigma), seeded with the x0 of the window's last
-step, first order on the last step (sigma' = 0: z' = x0). They never train: the window's steps, their
+The steps after a window (``sampler.post_window``, samplers/post_window.py) are Euler steps or DPM-Solver++ 2M,
+on the sampling schedule or on fewer points of a rebuilt one. They never train: the window's steps, their
 log-probs and kept velocities are the same whichever solver follows.
 
 t_k is sigma_k, or floor(1000 sigma_k) / 1000 with ``quantize_timesteps`` (samplers/schedule.py); the SDE
@@ -42,12 +41,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from samplers.sampler_config import PostWindowSolver, SamplerConfig
-from samplers.schedule import QuantizeTimesteps, network_timesteps, post_window_sigmas
-from samplers.sde import SDE, SDEKind, StepOutput, compute_dtype, step
+from samplers.post_window import post_window_step, tail_timesteps
+from samplers.sampler_config import SamplerConfig
+from samplers.schedule import network_timesteps, post_window_sigmas
+from samplers.sde import ODE, SDE, StepOutput, step
 
 Predict = Callable[[Tensor, Tensor, Any], Tensor]  # (z [B, ...], t [B], cond with B rows) -> v [B, ...]
-ODE = SDE(kind=SDEKind.ode)
 
 
 def draw_sde_window(
@@ -312,57 +311,6 @@ def _after_window(
             traj.latents[:, num_steps if compressed else stop + i + 1] = z
         if traj.velocities is not None and not compressed:
             traj.velocities[:, stop + i].copy_(v, non_blocking=traj.velocities.is_pinned())
-
-
-def tail_timesteps(points: Tensor, quantize: QuantizeTimesteps) -> Tensor:
-    """The network timesteps of the steps on a compressed schedule after a window (``points`` [P]): as
-    ``network_timesteps``, with DanceGRPO's quantization as float64's (its float32 schedule has no such points)."""
-    if quantize is QuantizeTimesteps.dance:
-        quantize = QuantizeTimesteps.float64
-    return network_timesteps(points, quantize=quantize)
-
-
-def post_window_step(
-    solver: PostWindowSolver,
-    v: Tensor,
-    z: Tensor,
-    sigma: float,
-    sigma_next: float,
-    history: tuple[Tensor, float] | None,
-) -> tuple[Tensor, tuple[Tensor, float] | None]:
-    """One step after the window with ``solver``: (z', the solver's history for the next step)."""
-    if solver is PostWindowSolver.euler:
-        return step(ODE, v, z, sigma, sigma_next).next_z, None
-    next_z, x0 = dpmpp_2m_step(v, z, sigma, sigma_next, history)
-    return next_z, (x0, sigma)
-
-
-def log_snr(sigma: float) -> float:
-    """lambda = log(alpha / sigma) with alpha = 1 - sigma: the half log-SNR of z_sigma = alpha x0 + sigma x1."""
-    return math.log((1.0 - sigma) / sigma)
-
-
-def dpmpp_2m_step(
-    v: Tensor, z: Tensor, sigma: float, sigma_next: float, history: tuple[Tensor, float] | None
-) -> tuple[Tensor, Tensor]:
-    """One DPM-Solver++ 2M step in data prediction from ``z`` at ``sigma`` to ``sigma_next`` with velocity ``v``:
-    (z', x0) with x0 = z - sigma v. ``history`` = (x0_prev, sigma_prev), the previous step's x0 and the sigma it
-    was predicted at, or None for a first-order step. With h = lambda' - lambda, r = (lambda - lambda_prev) / h,
-
-        z' = (sigma' / sigma) z - alpha' (e^{-h} - 1) (x0 + (x0 - x0_prev) / (2 r)),
-
-    first order (x0 alone) without ``history``; at sigma' = 0 the step lands on x0."""
-    dtype = compute_dtype(torch.promote_types(v.dtype, z.dtype))
-    x0 = z.to(dtype) - sigma * v.to(dtype)
-    if sigma_next == 0.0:
-        return x0, x0
-    h = log_snr(sigma_next) - log_snr(sigma)
-    data = x0
-    if history is not None:
-        x0_prev, sigma_prev = history
-        r = (log_snr(sigma) - log_snr(sigma_prev)) / h
-        data = x0 + (x0 - x0_prev.to(dtype)) / (2.0 * r)
-    return (sigma_next / sigma) * z.to(dtype) - (1.0 - sigma_next) * math.expm1(-h) * data, x0
 
 
 def transition(traj: Trajectory, k: int, v: Tensor, rows: Tensor | Sequence[int] | None = None) -> StepOutput:

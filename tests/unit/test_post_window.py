@@ -10,10 +10,11 @@ import torch
 from torch import Tensor
 
 from models import backbone_names, load_backbone
-from samplers.rollout import ODE, dpmpp_2m_step, group_noise, post_window_step, rollout, transition
+from samplers.post_window import dpmpp_2m_step, post_window_step
+from samplers.rollout import group_noise, rollout, transition
 from samplers.sampler_config import PostWindowConfig, SamplerConfig
 from samplers.schedule import dynamic_sigmas, post_window_sigmas, schedule_shift, shifted_sigmas
-from samplers.sde import step
+from samplers.sde import ODE, step
 
 
 def _reference_2m(v: Tensor, z: Tensor, s: float, t: float, prev: tuple[Tensor, float] | None) -> Tensor:
