@@ -6,8 +6,7 @@ v = predict(z_k, t_k, cond) over the whole batch, then samplers.sde.step with th
 
     * full SDE (DanceGRPO ``dance`` or Flow-GRPO ``flow``): every step is stochastic;
     * Flow-GRPO-Fast: SDE only in a window [start, start + size) of consecutive steps, ODE
-      elsewhere; ``draw_sde_window`` draws start per rollout uniformly from [lo, hi - size], so the
-      window lies inside [lo, hi);
+      elsewhere; samplers/window.py places the window of each training step inside [lo, hi);
     * ``ode``: every step deterministic (evaluation, and the zero-noise check against diffusers).
 
 The steps after a window (``sampler.post_window``, samplers/post_window.py) are Euler steps or DPM-Solver++ 2M,
@@ -47,21 +46,6 @@ from samplers.schedule import network_timesteps, post_window_sigmas
 from samplers.sde import ODE, SDE, StepOutput, step
 
 Predict = Callable[[Tensor, Tensor, Any], Tensor]  # (z [B, ...], t [B], cond with B rows) -> v [B, ...]
-
-
-def draw_sde_window(
-    num_steps: int, *, size: int, window_range: tuple[int, int], generator: torch.Generator | None = None
-) -> tuple[int, int]:
-    """Flow-GRPO-Fast: (start, start + size) with start uniform in [lo, hi - size], drawn with the
-    CPU ``generator`` (share it across ranks: the window decides how many transitions train)."""
-    lo, hi = window_range
-    if size < 1 or lo < 0 or lo + size > hi or hi > num_steps:
-        raise ValueError(
-            f"window_range={tuple(window_range)} with size={size} needs 0 <= lo, lo + size <= hi <= "
-            f"num_steps = {num_steps}"
-        )
-    start = lo + int(torch.randint(hi - size - lo + 1, (1,), generator=generator))
-    return start, start + size
 
 
 def stochastic_flags(num_steps: int, sde: SDE, sde_window: tuple[int, int] | None = None) -> list[bool]:

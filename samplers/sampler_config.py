@@ -22,6 +22,14 @@ class PostWindowSolver(Choice):
     dpmpp_2m = "dpmpp_2m"  # DPM-Solver++ 2M in data prediction (MixGRPO-Flash)
 
 
+class WindowSchedule(Choice):
+    """sde_window_schedule: where the SDE window of each training step starts."""
+
+    fixed = "fixed"  # drawn in [lo, hi - size] per step (Flow-GRPO-Fast; one start when hi - lo = size)
+    progressive = "progressive"  # MixGRPO: moves by stride every iters steps, back to lo past the last start
+    random = "random"  # MixGRPO's random: uniform in [lo, hi - size] per step, the draw of fixed
+
+
 @dataclass
 class PostWindowConfig:
     """The deterministic steps after the SDE window (MixGRPO-Flash). They are never trained and keep no
@@ -47,6 +55,11 @@ class PostWindowConfig:
         stop - 1); more than the N - L the sampling schedule has there means its own (``post_window_sigmas``)."""
         return max(int((num_steps - stop + 1) * self.ratio), self.min_steps + 1)
 
+    def steps(self, num_steps: int, stop: int) -> int:
+        """The steps (transformer calls per row) after a window that stops before step ``stop``: P - 1 on a
+        compressed schedule, N - stop on the sampling schedule's own."""
+        return min(self.points(num_steps, stop), num_steps - stop + 1) - 1
+
 
 @dataclass
 class SamplerConfig:
@@ -68,7 +81,15 @@ class SamplerConfig:
     sde_window_size: int = 0
     """Flow-GRPO-Fast: >0 = SDE only on this many consecutive steps, ODE elsewhere"""
     sde_window_range: list[int] = field(default_factory=lambda: [0, 12])
-    """[lo, hi): window start in [lo, hi - size]"""
+    """[lo, hi): the window lies inside, its start in [lo, hi - size]"""
+    sde_window_schedule: WindowSchedule = WindowSchedule.fixed
+    """fixed | random (the start drawn per step in [lo, hi - size] from the run's seed stream, the same on every
+    rank and after a resume; fixed when the range holds one start) | progressive (MixGRPO: the start is
+    lo + floor(step / sde_window_iters) * sde_window_stride, back to lo past hi - size)"""
+    sde_window_iters: int = 25
+    """progressive: training steps at each window position, >= 1 (MixGRPO 25, MixGRPO-Flash 20)"""
+    sde_window_stride: int = 1
+    """progressive: steps the window moves by, >= 0 (0 = it stays at lo)"""
     post_window: PostWindowConfig = field(default_factory=PostWindowConfig)
     """the steps after the SDE window (none without a window)"""
 
@@ -93,6 +114,9 @@ class SamplerConfig:
             check_range(self.noise_level, "noise_level", low=0, low_open=self.sde is SDEKind.flow)
 
     def _check_window(self) -> None:
+        self.sde_window_schedule = member(WindowSchedule, self.sde_window_schedule, "sde_window_schedule")
+        check_range(self.sde_window_iters, "sde_window_iters", low=1)
+        check_range(self.sde_window_stride, "sde_window_stride", low=0, why=" (0 = the window stays at lo)")
         check_range(self.sde_window_size, "sde_window_size", low=0, why=" (0 = SDE on every step)")
         if len(self.sde_window_range) != 2:
             raise ValueError(f"sde_window_range must be [lo, hi], got {list(self.sde_window_range)}")
