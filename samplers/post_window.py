@@ -18,19 +18,26 @@ import math
 import torch
 from torch import Tensor
 
-from samplers.sampler_config import PostWindowSolver
-from samplers.schedule import QuantizeTimesteps, network_timesteps
+from samplers.sampler_config import PostWindowConfig, PostWindowSolver
+from samplers.schedule import QuantizeTimesteps, network_timesteps, post_window_sigmas
 from samplers.sde import ODE, compute_dtype, step
 
 History = tuple[Tensor, float]  # (x0, the sigma it was predicted at) of the previous step
 
 
-def tail_timesteps(points: Tensor, quantize: QuantizeTimesteps) -> Tensor:
-    """The network timesteps of the steps on a compressed schedule after a window (``points`` [P]): as
+def after_window_grid(sigmas: Tensor, stop: int, post: PostWindowConfig) -> list[float]:
+    """[sigma_L, then the points after a window that stops before step ``stop`` (L = stop - 1)]: the schedule of
+    the steps after it (``post_window_sigmas`` with ``post``'s P), read as Python floats."""
+    points = post_window_sigmas(sigmas, stop, post.points(sigmas.shape[0] - 1, stop))
+    return [float(sigmas[stop - 1]), *points]
+
+
+def tail_timesteps(points: list[float], quantize: QuantizeTimesteps) -> Tensor:
+    """The network timesteps [P - 1] of the steps on a compressed schedule after a window (its ``points``): as
     ``network_timesteps``, with DanceGRPO's quantization as float64's (its float32 schedule has no such points)."""
     if quantize is QuantizeTimesteps.dance:
         quantize = QuantizeTimesteps.float64
-    return network_timesteps(points, quantize=quantize)
+    return network_timesteps(torch.tensor(points, dtype=torch.float64), quantize=quantize)
 
 
 def post_window_step(

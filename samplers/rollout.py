@@ -40,9 +40,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from samplers.post_window import post_window_step, tail_timesteps
+from samplers.post_window import after_window_grid, post_window_step, tail_timesteps
 from samplers.sampler_config import SamplerConfig
-from samplers.schedule import network_timesteps, post_window_sigmas
+from samplers.schedule import network_timesteps
 from samplers.sde import ODE, SDE, StepOutput, step
 
 Predict = Callable[[Tensor, Tensor, Any], Tensor]  # (z [B, ...], t [B], cond with B rows) -> v [B, ...]
@@ -244,13 +244,14 @@ def rollout(
     batch = noise.shape[0]
     _check_rows(batch, generator, group_size, group_ids)
     flags = stochastic_flags(sigmas.shape[0] - 1, sampler.transition, sde_window)  # python values: no tensor read
+    stop = window_stop(flags, sde_window)
+    grid = after_window_grid(sigmas, stop, sampler.post_window) if stop < len(flags) else []  # read before any step
     traj = _empty_trajectory(noise, cond, flags, sampler, sigmas, group_ids)
     if velocities is not None:
         traj = replace(traj, velocities=velocities.buffer(traj.latents))
     shared = shared_start_steps(flags) if group_size > 1 else 0
     firsts = torch.arange(0, batch, group_size, device=noise.device)  # the first row of each group
     first_cond = cond.index(firsts) if shared else cond
-    stop = window_stop(flags, sde_window)
     for k, is_sde in enumerate(flags[:stop]):
         z, t = traj.latents[:, k], traj.timesteps[k]
         if k < shared:  # the group's rows have one input: one row per group, broadcast to its G rows
@@ -258,8 +259,8 @@ def rollout(
         else:
             v = predict(z, t.expand(batch), cond)
         _take_step(traj, k, v, is_sde=is_sde, generator=generator)
-    if stop < len(flags):
-        _after_window(traj, predict, sampler, v, sigmas, stop)
+    if grid:
+        _after_window(traj, predict, sampler, v, grid, stop)
     return traj
 
 
@@ -269,27 +270,25 @@ def window_stop(flags: Sequence[bool], sde_window: tuple[int, int] | None) -> in
 
 
 def _after_window(
-    traj: Trajectory, predict: Predict, sampler: SamplerConfig, v: Tensor, sigmas: Tensor, stop: int
+    traj: Trajectory, predict: Predict, sampler: SamplerConfig, v: Tensor, grid: list[float], stop: int
 ) -> None:
-    """The steps after a window that stops before step ``stop`` (``v``: the velocity of its last step), with
-    ``sampler.post_window``'s solver on the points of ``post_window_sigmas``. On the sampling schedule's own
-    points they fill the trajectory as any ODE step does (velocities kept, no log-prob); on a compressed schedule
-    only the final z is stored, and the grid's latents in between are NaN (no state lies there)."""
-    post, num_steps = sampler.post_window, traj.num_steps
-    points = post_window_sigmas(sigmas, stop, post.points(num_steps, stop))
-    compressed = points.shape[0] < num_steps - stop + 1
+    """The steps after a window that stops before step ``stop`` with ``sampler.post_window``'s solver on ``grid``
+    (``after_window_grid``: sigma_L of the window's last step, whose velocity is ``v``, then the points after it).
+    On the sampling schedule's own points they fill the trajectory as any ODE step does (velocities kept, no
+    log-prob); on a compressed one only the final z is stored, and the grid's latents in between are NaN (no
+    state lies there)."""
+    num_steps, last = traj.num_steps, len(grid) - 3  # the index of the last step after the window
+    compressed = len(grid) - 1 < num_steps - stop + 1
     times = traj.timesteps[stop:]
     if compressed:
-        times = tail_timesteps(points, sampler.quantize_timesteps).to(traj.timesteps)
+        times = tail_timesteps(grid[1:], sampler.quantize_timesteps).to(traj.timesteps)
         traj.latents[:, stop + 1 : num_steps] = math.nan
-    grid = [float(sigmas[stop - 1]), *points.tolist()]  # sigma_L, then the points
-    z, last = traj.latents[:, stop], points.shape[0] - 2
-    history = None  # the window's last x0; sigma = 1 has no log-SNR, so no second-order term from there
+    z, history = traj.latents[:, stop], None  # history: the window's last x0 (none from sigma = 1: no log-SNR)
     if grid[0] < 1.0:
         history = (traj.latents[:, stop - 1] - grid[0] * v.to(z.dtype), grid[0])
     for i in range(last + 1):
         v = predict(z, times[i].expand(traj.batch_size), traj.cond)
-        z, history = post_window_step(post.solver, v, z, grid[i + 1], grid[i + 2], history)
+        z, history = post_window_step(sampler.post_window.solver, v, z, grid[i + 1], grid[i + 2], history)
         z = z.to(traj.latents.dtype)
         if not compressed or i == last:
             traj.latents[:, num_steps if compressed else stop + i + 1] = z

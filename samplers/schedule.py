@@ -108,26 +108,25 @@ def dance_float32_sigmas(sigmas: Tensor) -> Tensor:
     return (s * u) / (1.0 + (s - 1.0) * u)
 
 
-def post_window_sigmas(sigmas: Tensor, stop: int, points: int) -> Tensor:
-    """The schedule [points] of the steps after an SDE window that ends before step ``stop`` (its last
-    transition L = stop - 1): ``points`` noise levels uniform in the unshifted time from u_stop down to 0, both
-    included, shifted by the schedule's own shift (``schedule_shift``), so the first is sigma_stop (set exactly)
-    and the last 0. ``points`` >= N - stop + 1, the points the schedule has there, gives those back unchanged."""
+def post_window_sigmas(sigmas: Tensor, stop: int, points: int) -> list[float]:
+    """The schedule (``points`` floats) of the steps after an SDE window that ends before step ``stop`` (its last
+    transition L = stop - 1): noise levels uniform in the unshifted time from u_stop down to 0, both included,
+    shifted by the schedule's own shift (``schedule_shift``), so the first is sigma_stop (set exactly) and the
+    last 0. ``points`` >= N - stop + 1, the points the schedule has there, gives those back unchanged. Reads
+    ``sigmas`` one value at a time, as Python floats (so it also runs on constants that carry shapes only)."""
     num_steps = sigmas.shape[0] - 1
     if not 0 < stop < num_steps or points < 2:
         raise ValueError(f"stop={stop} must be in (0, {num_steps}) and points={points} >= 2")
     if points >= num_steps - stop + 1:
-        return sigmas[stop:]
+        return [float(sigmas[k]) for k in range(stop, num_steps + 1)]
     shift = schedule_shift(sigmas)
     if shift is None:
         raise ValueError(
             "compressing the steps after the window needs a shifted schedule (a fixed shift, or a dynamic one "
             "without a terminal stretch): set the sampler's shift"
         )
-    u = torch.linspace(1.0 - stop / num_steps, 0.0, points, dtype=torch.float64)
-    out = (shift * u / (1.0 + (shift - 1.0) * u)).to(sigmas.dtype)
-    out[0], out[-1] = sigmas[stop], 0.0
-    return out
+    u = [(1.0 - stop / num_steps) * (points - 1 - i) / (points - 1) for i in range(points)]
+    return [float(sigmas[stop]), *(shift * x / (1.0 + (shift - 1.0) * x) for x in u[1:-1]), 0.0]
 
 
 def network_timesteps(sigmas: Tensor, *, quantize: QuantizeTimesteps | str = QuantizeTimesteps.none) -> Tensor:
