@@ -6,9 +6,12 @@ v = predict(z_k, t_k, cond) over the whole batch, then samplers.sde.step with th
 
     * full SDE (DanceGRPO ``dance`` or Flow-GRPO ``flow``): every step is stochastic;
     * Flow-GRPO-Fast: SDE only in a window [start, start + size) of consecutive steps, ODE
-      elsewhere; ``draw_sde_window`` draws start per rollout uniformly from [lo, hi - size], so the
-      window lies inside [lo, hi);
+      elsewhere; samplers/window.py places the window of each training step inside [lo, hi);
     * ``ode``: every step deterministic (evaluation, and the zero-noise check against diffusers).
+
+The steps after a window (``sampler.post_window``, samplers/post_window.py) are Euler steps or DPM-Solver++ 2M,
+on the sampling schedule or on fewer points of a rebuilt one. They never train: the window's steps, their
+log-probs and kept velocities are the same whichever solver follows.
 
 t_k is sigma_k, or floor(1000 sigma_k) / 1000 with ``quantize_timesteps`` (samplers/schedule.py); the SDE
 always uses the exact sigmas. Trainable transitions are the stochastic ones except the last
@@ -29,6 +32,7 @@ log-probs equal those of G rows per call up to float rounding (other batch shape
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,27 +40,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from samplers.post_window import after_window_grid, post_window_step, tail_timesteps
 from samplers.sampler_config import SamplerConfig
 from samplers.schedule import network_timesteps
-from samplers.sde import SDE, SDEKind, StepOutput, step
+from samplers.sde import ODE, SDE, StepOutput, step
 
 Predict = Callable[[Tensor, Tensor, Any], Tensor]  # (z [B, ...], t [B], cond with B rows) -> v [B, ...]
-ODE = SDE(kind=SDEKind.ode)
-
-
-def draw_sde_window(
-    num_steps: int, *, size: int, window_range: tuple[int, int], generator: torch.Generator | None = None
-) -> tuple[int, int]:
-    """Flow-GRPO-Fast: (start, start + size) with start uniform in [lo, hi - size], drawn with the
-    CPU ``generator`` (share it across ranks: the window decides how many transitions train)."""
-    lo, hi = window_range
-    if size < 1 or lo < 0 or lo + size > hi or hi > num_steps:
-        raise ValueError(
-            f"window_range={tuple(window_range)} with size={size} needs 0 <= lo, lo + size <= hi <= "
-            f"num_steps = {num_steps}"
-        )
-    start = lo + int(torch.randint(hi - size - lo + 1, (1,), generator=generator))
-    return start, start + size
 
 
 def stochastic_flags(num_steps: int, sde: SDE, sde_window: tuple[int, int] | None = None) -> list[bool]:
@@ -255,20 +244,56 @@ def rollout(
     batch = noise.shape[0]
     _check_rows(batch, generator, group_size, group_ids)
     flags = stochastic_flags(sigmas.shape[0] - 1, sampler.transition, sde_window)  # python values: no tensor read
+    stop = window_stop(flags, sde_window)
+    grid = after_window_grid(sigmas, stop, sampler.post_window) if stop < len(flags) else []  # read before any step
     traj = _empty_trajectory(noise, cond, flags, sampler, sigmas, group_ids)
     if velocities is not None:
         traj = replace(traj, velocities=velocities.buffer(traj.latents))
     shared = shared_start_steps(flags) if group_size > 1 else 0
     firsts = torch.arange(0, batch, group_size, device=noise.device)  # the first row of each group
     first_cond = cond.index(firsts) if shared else cond
-    for k, is_sde in enumerate(flags):
+    for k, is_sde in enumerate(flags[:stop]):
         z, t = traj.latents[:, k], traj.timesteps[k]
         if k < shared:  # the group's rows have one input: one row per group, broadcast to its G rows
             v = predict(z[firsts], t.expand(len(firsts)), first_cond).repeat_interleave(group_size, 0)
         else:
             v = predict(z, t.expand(batch), cond)
         _take_step(traj, k, v, is_sde=is_sde, generator=generator)
+    if grid:
+        _after_window(traj, predict, sampler, v, grid, stop)
     return traj
+
+
+def window_stop(flags: Sequence[bool], sde_window: tuple[int, int] | None) -> int:
+    """The first step after the SDE window: ``sde_window``'s stop, or N without a window (or SDE step)."""
+    return sde_window[1] if sde_window is not None and any(flags) else len(flags)
+
+
+def _after_window(
+    traj: Trajectory, predict: Predict, sampler: SamplerConfig, v: Tensor, grid: list[float], stop: int
+) -> None:
+    """The steps after a window that stops before step ``stop`` with ``sampler.post_window``'s solver on ``grid``
+    (``after_window_grid``: sigma_L of the window's last step, whose velocity is ``v``, then the points after it).
+    On the sampling schedule's own points they fill the trajectory as any ODE step does (velocities kept, no
+    log-prob); on a compressed one only the final z is stored, and the grid's latents in between are NaN (no
+    state lies there)."""
+    num_steps, last = traj.num_steps, len(grid) - 3  # the index of the last step after the window
+    compressed = len(grid) - 1 < num_steps - stop + 1
+    times = traj.timesteps[stop:]
+    if compressed:
+        times = tail_timesteps(grid[1:], sampler.quantize_timesteps).to(traj.timesteps)
+        traj.latents[:, stop + 1 : num_steps] = math.nan
+    z, history = traj.latents[:, stop], None  # history: the window's last x0 (none from sigma = 1: no log-SNR)
+    if grid[0] < 1.0:
+        history = (traj.latents[:, stop - 1] - grid[0] * v.to(z.dtype), grid[0])
+    for i in range(last + 1):
+        v = predict(z, times[i].expand(traj.batch_size), traj.cond)
+        z, history = post_window_step(sampler.post_window.solver, v, z, grid[i + 1], grid[i + 2], history)
+        z = z.to(traj.latents.dtype)
+        if not compressed or i == last:
+            traj.latents[:, num_steps if compressed else stop + i + 1] = z
+        if traj.velocities is not None and not compressed:
+            traj.velocities[:, stop + i].copy_(v, non_blocking=traj.velocities.is_pinned())
 
 
 def transition(traj: Trajectory, k: int, v: Tensor, rows: Tensor | Sequence[int] | None = None) -> StepOutput:

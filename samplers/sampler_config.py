@@ -10,9 +10,55 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from samplers.choices import member
+from samplers.choices import Choice, member
 from samplers.schedule import QuantizeTimesteps
 from samplers.sde import SDE, SDEKind
+
+
+class PostWindowSolver(Choice):
+    """post_window.solver: how the steps after the SDE window are taken."""
+
+    euler = "euler"  # the ODE's Euler step on the sampling schedule
+    dpmpp_2m = "dpmpp_2m"  # DPM-Solver++ 2M in data prediction (MixGRPO-Flash)
+
+
+class WindowSchedule(Choice):
+    """sde_window_schedule: where the SDE window of each training step starts."""
+
+    fixed = "fixed"  # drawn in [lo, hi - size] per step (Flow-GRPO-Fast; one start when hi - lo = size)
+    progressive = "progressive"  # MixGRPO: moves by stride every iters steps, back to lo past the last start
+    random = "random"  # MixGRPO's random: uniform in [lo, hi - size] per step, the draw of fixed
+
+
+@dataclass
+class PostWindowConfig:
+    """The deterministic steps after the SDE window (MixGRPO-Flash). They are never trained and keep no
+    log-probability: only the map from the window's output to the final image changes."""
+
+    solver: PostWindowSolver = PostWindowSolver.euler
+    """euler (the ODE's Euler steps, as without a window setting) | dpmpp_2m (DPM-Solver++ 2M in data prediction,
+    seeded with the window's last x0, first order on its last step)"""
+    ratio: float = 1.0
+    """rho in (0, 1]: the steps after the window run on P = max(int((N - L) rho), min_steps + 1) points from
+    sigma_{L+1} to 0 (L the window's last step), uniform in the unshifted time; 1 = the sampling schedule's own
+    (MixGRPO-Flash: 0.4)"""
+    min_steps: int = 2
+    """>= 1: the fewest steps after the window (one step straight to x0 is a quality risk)"""
+
+    def __post_init__(self) -> None:
+        self.solver = member(PostWindowSolver, self.solver, "solver")
+        check_range(self.ratio, "ratio", low=0, high=1, low_open=True, why=" (1 = every step after the window)")
+        check_range(self.min_steps, "min_steps", low=1)
+
+    def points(self, num_steps: int, stop: int) -> int:
+        """P, the points of the schedule after a window that stops before step ``stop`` of ``num_steps`` (L =
+        stop - 1); more than the N - L the sampling schedule has there means its own (``post_window_sigmas``)."""
+        return max(int((num_steps - stop + 1) * self.ratio), self.min_steps + 1)
+
+    def steps(self, num_steps: int, stop: int) -> int:
+        """The steps (transformer calls per row) after a window that stops before step ``stop``: P - 1 on a
+        compressed schedule, N - stop on the sampling schedule's own."""
+        return min(self.points(num_steps, stop), num_steps - stop + 1) - 1
 
 
 @dataclass
@@ -35,7 +81,17 @@ class SamplerConfig:
     sde_window_size: int = 0
     """Flow-GRPO-Fast: >0 = SDE only on this many consecutive steps, ODE elsewhere"""
     sde_window_range: list[int] = field(default_factory=lambda: [0, 12])
-    """[lo, hi): window start in [lo, hi - size]"""
+    """[lo, hi): the window lies inside, its start in [lo, hi - size]"""
+    sde_window_schedule: WindowSchedule = WindowSchedule.fixed
+    """fixed | random (the start drawn per step in [lo, hi - size] from the run's seed stream, the same on every
+    rank and after a resume; fixed when the range holds one start) | progressive (MixGRPO: the start is
+    lo + floor(step / sde_window_iters) * sde_window_stride, back to lo past hi - size)"""
+    sde_window_iters: int = 25
+    """progressive: training steps at each window position, >= 1 (MixGRPO 25, MixGRPO-Flash 20)"""
+    sde_window_stride: int = 1
+    """progressive: steps the window moves by, >= 0 (0 = it stays at lo)"""
+    post_window: PostWindowConfig = field(default_factory=PostWindowConfig)
+    """the steps after the SDE window (none without a window)"""
 
     def __post_init__(self) -> None:
         self.sde = member(SDEKind, self.sde, "sde")
@@ -58,6 +114,9 @@ class SamplerConfig:
             check_range(self.noise_level, "noise_level", low=0, low_open=self.sde is SDEKind.flow)
 
     def _check_window(self) -> None:
+        self.sde_window_schedule = member(WindowSchedule, self.sde_window_schedule, "sde_window_schedule")
+        check_range(self.sde_window_iters, "sde_window_iters", low=1)
+        check_range(self.sde_window_stride, "sde_window_stride", low=0, why=" (0 = the window stays at lo)")
         check_range(self.sde_window_size, "sde_window_size", low=0, why=" (0 = SDE on every step)")
         if len(self.sde_window_range) != 2:
             raise ValueError(f"sde_window_range must be [lo, hi], got {list(self.sde_window_range)}")

@@ -76,27 +76,57 @@ class QuantizeTimesteps(Choice):
     dance = "dance"
 
 
+def schedule_shift(sigmas: Tensor) -> float | None:
+    """The shift s of a shifted schedule ``sigmas`` [N+1], sigma_k = s u_k / (1 + (s - 1) u_k) on the unshifted
+    time u_k = 1 - k / N: the fixed-shift schedule, and the dynamic one without a terminal stretch (s = e^mu).
+    Read back from sigmas[1] and checked on sigmas[N - 1]; None for any other schedule. Only those two values
+    are read, as Python floats (so it also runs on tensors that carry shapes only)."""
+    num_steps = sigmas.shape[0] - 1
+    if num_steps < 2:
+        return 1.0
+    u1, u_last = 1.0 - 1.0 / num_steps, 1.0 / num_steps
+    sigma1, sigma_last = float(sigmas[1]), float(sigmas[num_steps - 1])
+    shift = sigma1 * (1.0 - u1) / (u1 * (1.0 - sigma1))
+    tolerance = 1e-9 if sigmas.dtype == torch.float64 else 1e-5  # a float32 schedule rounds its u grid too
+    return shift if abs(shift * u_last / (1.0 + (shift - 1.0) * u_last) - sigma_last) <= tolerance else None
+
+
 def dance_float32_sigmas(sigmas: Tensor) -> Tensor:
     """DanceGRPO's float32 schedule [N+1] for our float64 fixed-shift ``sigmas`` [N+1].
 
     DanceGRPO evaluates s u / (1 + (s - 1) u) in float32 on a float32 linspace; a float32 sigma can
     sit a rounding step below a multiple of 1/1000 that the float64 one reaches (21 steps, shift 3:
     step 14 is 0.59999996, not 0.6). u_k = 1 - k / N is the same grid in both; the shift is read back
-    from sigmas[1] (exact up to float64 rounding, which float32 discards) and must give back
-    sigmas[N - 1]: a schedule that is not a fixed-shift one raises, DanceGRPO has no other. Only those
-    two values are read, as Python floats (so it also runs on tensors that carry shapes only).
+    (``schedule_shift``, exact up to float64 rounding, which float32 discards): a schedule that is not a
+    float64 fixed-shift one (``shifted_sigmas``) raises, DanceGRPO has no other.
     """
-    num_steps = sigmas.shape[0] - 1
-    shift = 1.0
-    if num_steps >= 2:
-        u1, u_last = 1.0 - 1.0 / num_steps, 1.0 / num_steps
-        sigma1, sigma_last = float(sigmas[1]), float(sigmas[num_steps - 1])
-        shift = sigma1 * (1.0 - u1) / (u1 * (1.0 - sigma1))
-        if abs(shift * u_last / (1.0 + (shift - 1.0) * u_last) - sigma_last) > 1e-9:
-            raise ValueError("quantize=dance needs a fixed-shift schedule (DanceGRPO has no other)")
-    u = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+    shift = schedule_shift(sigmas)
+    if shift is None or sigmas.dtype != torch.float64:
+        raise ValueError("quantize=dance needs a fixed-shift schedule (DanceGRPO has no other)")
+    u = torch.linspace(1.0, 0.0, sigmas.shape[0], dtype=torch.float32)
     s = torch.tensor(shift, dtype=torch.float32)
     return (s * u) / (1.0 + (s - 1.0) * u)
+
+
+def post_window_sigmas(sigmas: Tensor, stop: int, points: int) -> list[float]:
+    """The schedule (``points`` floats) of the steps after an SDE window that ends before step ``stop`` (its last
+    transition L = stop - 1): noise levels uniform in the unshifted time from u_stop down to 0, both included,
+    shifted by the schedule's own shift (``schedule_shift``), so the first is sigma_stop (set exactly) and the
+    last 0. ``points`` >= N - stop + 1, the points the schedule has there, gives those back unchanged. Reads
+    ``sigmas`` one value at a time, as Python floats (so it also runs on constants that carry shapes only)."""
+    num_steps = sigmas.shape[0] - 1
+    if not 0 < stop < num_steps or points < 2:
+        raise ValueError(f"stop={stop} must be in (0, {num_steps}) and points={points} >= 2")
+    if points >= num_steps - stop + 1:
+        return [float(sigmas[k]) for k in range(stop, num_steps + 1)]
+    shift = schedule_shift(sigmas)
+    if shift is None:
+        raise ValueError(
+            "compressing the steps after the window needs a shifted schedule (a fixed shift, or a dynamic one "
+            "without a terminal stretch): set the sampler's shift"
+        )
+    u = [(1.0 - stop / num_steps) * (points - 1 - i) / (points - 1) for i in range(points)]
+    return [float(sigmas[stop]), *(shift * x / (1.0 + (shift - 1.0) * x) for x in u[1:-1]), 0.0]
 
 
 def network_timesteps(sigmas: Tensor, *, quantize: QuantizeTimesteps | str = QuantizeTimesteps.none) -> Tensor:

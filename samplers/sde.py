@@ -69,6 +69,9 @@ class SDE:
         return self.kind is not SDEKind.ode
 
 
+ODE = SDE(kind=SDEKind.ode)  # the deterministic step: outside an SDE window, and for evaluation
+
+
 @dataclass(frozen=True)
 class StepOutput:
     next_z: Tensor  # [B, ...] sampled z', or the stored z' that was passed in

@@ -3,7 +3,8 @@ run's peak memory.
 
     OMP_NUM_THREADS=1 python scripts/bench_train.py [--job small|demo] [--rounds 3] [--steps 4]
         [--kl-beta 0.05] [--runs exact jagg jagg-recompute ablate] [--compile off on]
-        [--share-group-start on|off ...] [--exact-batched on|off ...]
+        [--share-group-start on|off ...] [--exact-batched on|off ...] [--post-window euler dpmpp_2m]
+        [--post-window-ratio 0.4]
 
 ``--job small``: the small Flux config (64 px, 8 trainable transitions = 2 segments of W = 4, G = 4,
 micro-batch 1, one optimizer step per training step, jagg_frac 1.0 so every segment takes the run's
@@ -20,7 +21,10 @@ others (a warm cache), with the graphs compiled per process.
 (``update.exact_batched``, default off) take one value or both: every run then runs with each, named
 ``<run> share <on|off>`` and ``batched <on|off>``; ``--exact-batched on`` only changes the ``exact`` run
 (both jobs route every segment of the other runs to their path, jagg_frac 1.0), so the others run it off.
-The first run with the first values is the baseline of the ratios.
+``--post-window`` (``sampler.post_window.solver``, default euler) likewise: ``euler`` is the sampling
+schedule's Euler steps after the SDE window (ratio 1, today's rollout), ``dpmpp_2m`` MixGRPO-Flash's solver on
+``--post-window-ratio`` of them (default 0.4: the default job's 5 steps after its window become 2), named
+``<run> post <solver>``. The first run with the first values is the baseline of the ratios.
 
 Runs: ``jagg`` reuses the rollout's velocities (``update.reuse_velocities=fresh``, the default),
 ``jagg-recompute`` recomputes them (``off``), ``jagg-stale`` reuses them after optimizer steps too.
@@ -72,27 +76,38 @@ RUNS = {
 }
 PHASES = ("step", "rollout", "update")
 SWITCHES = {"on": "true", "off": "false"}
+SOLVERS = ("euler", "dpmpp_2m")
 
 
-def variants(runs: list[str], share: list[str], batched: list[str], compile_: list[str]) -> dict[str, list[str]]:
-    """Each run with each ``--share-group-start``, ``--exact-batched`` and ``--compile`` value: name -> overrides."""
+def post_window(solver: str, ratio: float) -> list[str]:
+    """The overrides of one ``--post-window`` value: euler on every step after the window, or dpmpp_2m on ``ratio``."""
+    return [f"sampler.post_window.solver={solver}", f"sampler.post_window.ratio={1.0 if solver == 'euler' else ratio}"]
+
+
+def variants(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Each run with each ``--share-group-start``, ``--exact-batched``, ``--compile`` and ``--post-window``
+    value: name -> overrides."""
+    share, batched, compile_, solvers = args.share_group_start, args.exact_batched, args.compile, args.post_window
     out = {}
-    for name in runs:
+    for name in args.runs:
         for b in batched if name == "exact" else batched[:1]:
             for on in share:
                 for c in compile_:
-                    label = (
-                        name
-                        + (f" share {on}" if len(share) > 1 else "")
-                        + (f" batched {b}" if len(batched) > 1 else "")
-                        + ("+compile" if c == "on" else "")
-                    )
-                    out[label] = [
-                        *RUNS[name],
-                        f"update.share_group_start={SWITCHES[on]}",
-                        f"update.exact_batched={SWITCHES[b]}",
-                        f"model.compile={SWITCHES[c]}",
-                    ]
+                    for solver in solvers:
+                        label = (
+                            name
+                            + (f" share {on}" if len(share) > 1 else "")
+                            + (f" batched {b}" if len(batched) > 1 else "")
+                            + (f" post {solver}" if len(solvers) > 1 else "")
+                            + ("+compile" if c == "on" else "")
+                        )
+                        out[label] = [
+                            *RUNS[name],
+                            f"update.share_group_start={SWITCHES[on]}",
+                            f"update.exact_batched={SWITCHES[b]}",
+                            f"model.compile={SWITCHES[c]}",
+                            *post_window(solver, args.post_window_ratio),
+                        ]
     return out
 
 
@@ -162,13 +177,17 @@ def main() -> None:
     parser.add_argument("--compile", nargs="+", default=["off"], choices=["off", "on"], help="model.compile per run")
     parser.add_argument("--share-group-start", nargs="+", default=["on"], choices=list(SWITCHES))
     parser.add_argument("--exact-batched", nargs="+", default=["off"], choices=list(SWITCHES))
+    parser.add_argument(
+        "--post-window", nargs="+", default=["euler"], choices=SOLVERS, help="sampler.post_window.solver"
+    )
+    parser.add_argument("--post-window-ratio", type=float, default=0.4, help="sampler.post_window.ratio of dpmpp_2m")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args()
     if args.child is not None:
         child(args.child, args.steps, overrides)
         return
     keys = [f"{clock}/{p}" for clock in ("time", "cpu") for p in PHASES]
-    runs = variants(args.runs, args.share_group_start, args.exact_batched, args.compile)
+    runs = variants(args)
     results: dict[str, dict[str, list[float]]] = {name: {k: [] for k in [*keys, "rss"]} for name in runs}
     kept: dict[str, float] = {}
     first_steps: dict[str, list[dict]] = defaultdict(list)
@@ -187,21 +206,24 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, results: dict[str, dict[str, list[float]]], kept: dict[str, float]) -> None:
-    """Median update and step per run, as ratios to the first run, and the spread of its steps' CPU time."""
+    """Median rollout, update and step per run, as ratios to the first run, and the spread of its steps' CPU time."""
     med = {name: {k: statistics.median(v) for k, v in res.items()} for name, res in results.items()}
     base = next(iter(med.values()))
     timed = args.rounds * (args.steps - 1)
     print(f"job {args.job}, grpo.kl_beta={args.kl_beta}; median of {timed} steps per run ({args.rounds} processes)")
     width = max(16, *(len(name) + 2 for name in med))
-    print(f"{'':<{width}}{'CPU time':>44}{'wall clock':>32}")
-    header = f"{'update s':>10}{'step s':>8}{'update/base':>14}{'step/base':>12}"
+    print(f"{'':<{width}}{'CPU time':>64}{'wall clock':>62}")
+    header = f"{'rollout s':>10}{'update s':>10}{'step s':>8}{'rollout/base':>14}{'update/base':>13}{'step/base':>11}"
     print(f"{'run':<{width}}{header}{header}{'peak RSS MiB':>14}{'kept v KiB/sample':>19}{'CPU step min-max s':>20}")
     for name, m in med.items():
         row = ""
         for clock in ("cpu", "time"):
-            update, step = m[f"{clock}/update"], m[f"{clock}/step"]
-            ratios = f"{update / base[f'{clock}/update']:>14.3f}{step / base[f'{clock}/step']:>12.3f}"
-            row += f"{update:>10.2f}{step:>8.2f}{ratios}"
+            times = [m[f"{clock}/{p}"] for p in ("rollout", "update", "step")]
+            ratios = "".join(
+                f"{t / base[f'{clock}/{p}']:>{w}.3f}"
+                for t, p, w in zip(times, ("rollout", "update", "step"), (14, 13, 11))
+            )
+            row += f"{times[0]:>10.2f}{times[1]:>10.2f}{times[2]:>8.2f}{ratios}"
         spread = f"{min(results[name]['cpu/step']):.2f}-{max(results[name]['cpu/step']):.2f}"
         print(f"{name:<{width}}{row}{max(results[name]['rss']):>14.0f}{kept[name]:>19.1f}{spread:>20}")
     print(f"base: {next(iter(med))}")

@@ -33,16 +33,9 @@ from torch import Tensor
 from models.base import Backbone, Conditioning, decode_in_chunks
 from models.model_config import ModelConfig
 from rewards.combine import AdvantageFn, NonFiniteRewardError
-from samplers.rollout import (
-    KeptVelocities,
-    Predict,
-    Trajectory,
-    draw_sde_window,
-    group_noise,
-    rollout,
-    shared_start_steps,
-)
+from samplers.rollout import KeptVelocities, Predict, Trajectory, group_noise, rollout, shared_start_steps
 from samplers.schedule import check_timesteps
+from samplers.window import rollout_forwards, sde_window
 from train.algorithm.grpo import group_advantages
 from train.algorithm.jagg import Counts
 from train.algorithm.metrics import Reduce, Stat
@@ -70,15 +63,8 @@ def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -
     seeds = [stream_seed(cfg.seed, "initial_noise", gid) for gid in batch.group_ids]
     h, w = cfg.model.height, cfg.model.width
     noise = group_noise(backbone.initial_noise, seeds, group_size=size, height=h, width=w, device=device)
-    window = None
-    if s.sde_window_size > 0:  # the window decides how many transitions train: same on every rank
-        lo, hi = s.sde_window_range
-        window = draw_sde_window(
-            s.num_steps,
-            size=s.sde_window_size,
-            window_range=(lo, hi),
-            generator=stream_generator(cfg.seed, "sde_window", step),  # same on every rank
-        )
+    # the window decides which transitions train: the same on every rank
+    window = sde_window(s, step, stream_generator(cfg.seed, "sde_window", step))
     with config_key("sampler", ["shift"]):
         sigmas = backbone.sigmas(s.num_steps, height=h, width=w, shift=s.shift)
         check_timesteps(sigmas, quantize=s.quantize_timesteps)
@@ -145,6 +131,16 @@ def rollout_shared_rows(cfg: TrainConfig, traj: Trajectory) -> int:
     size = rollout_group_size(cfg)
     steps = shared_start_steps(traj.stochastic.tolist()) if size > 1 else 0
     return steps * (traj.batch_size - traj.batch_size // size)
+
+
+def rollout_metrics(cfg: TrainConfig, traj: Trajectory) -> dict[str, float]:
+    """The rollout's transformer calls per sample and, with an SDE window, where it started."""
+    flags = traj.stochastic.tolist()
+    window = None
+    if cfg.sampler.sde_window_size > 0 and any(flags):
+        window = (flags.index(True), flags.index(True) + sum(flags))
+    metrics: dict[str, float] = {"count/rollout_forwards": rollout_forwards(cfg.sampler, window)}
+    return metrics if window is None else metrics | {"sampler/window_start": window[0]}
 
 
 def decode_images(backbone: Backbone, latents: Tensor, model: ModelConfig) -> Tensor:
@@ -312,7 +308,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     metrics |= perf_metrics(metrics, run.perf.peak)
     if run.perf.compiles is not None:
         metrics |= run.perf.compiles.end(step)
-    metrics["count/rollout_forwards"] = run.cfg.sampler.num_steps
+    metrics |= rollout_metrics(run.cfg, traj)
     if traj.velocities is not None:  # what keeping them costs, per sample of the rollout, on every rank
         metrics["memory/velocity_bytes_per_sample"] = traj.velocities[0].nbytes
     every = run.cfg.logging.sample_every

@@ -63,6 +63,14 @@ SMALL = [
     "update.jagg_frac=0.6",
 ]
 FAST = ["sampler.sde_window_size=4", "sampler.sde_window_range=[0,8]"]
+# MixGRPO-Flash on the small run: a window that moves every step, DPM-Solver++ 2M on fewer points after it
+SOLVER = ["sampler=flow_fast", *FAST, "update.jagg_frac=1.0", "sampler.post_window.solver=dpmpp_2m"]
+FLASH = [
+    *SOLVER,
+    "sampler.post_window.ratio=0.4",
+    "sampler.sde_window_schedule=progressive",
+    "sampler.sde_window_iters=1",
+]
 
 
 def smooth_reward(clip: Path) -> list[str]:
@@ -242,8 +250,9 @@ def test_the_update_calls_no_builder(tiny_flux, tmp_path, monkeypatch):
         [],  # jagg on the first segment, reusing the rollout's velocities (one optimizer step per step)
         ["update.reuse_velocities=fresh", *GOLDEN_RUN],  # reused, then recomputed after a step
         ["update.reuse_velocities=stale", *GOLDEN_RUN],
+        FLASH,
     ],
-    ids=["default", "fresh", "stale"],
+    ids=["default", "fresh", "stale", "flash"],
 )
 def test_resume_replays_exactly(extra, tiny_flux, tmp_path):
     """Kept velocities are not checkpointed: a resumed step rolls out again and keeps them anew, so it
@@ -253,6 +262,9 @@ def test_resume_replays_exactly(extra, tiny_flux, tmp_path):
     resumed = train(tmp_path / "resumed", tiny_flux, ["num_steps=4", "checkpoint.every=2", "resume=auto", *extra])
     assert [m["step"] for m in resumed] == [0, 1, 2, 3]
     assert all(m["count/reused_velocities"] > 0 for m in resumed)
+    if extra == FLASH:  # the window moves on from where the checkpoint left it; 9 forwards become 6 to 9
+        assert [m["sampler/window_start"] for m in resumed] == [0, 1, 2, 3]
+        assert [m["count/rollout_forwards"] for m in resumed] == [6, 7, 8, 9]
     clock = [m["wall_time"] for m in resumed]
     assert clock == sorted(clock) and clock[2] >= clock[1]  # wall_time goes on across the resume
     for a, b in zip(straight, resumed):
@@ -390,6 +402,7 @@ MULTI_RANK = {
     "full-jagg-flow": ["update=jagg", "sampler=flow"],
     "lora-jagg_sequential-dance": [*LORA, "update=jagg_sequential"],
     "lora-ablate-flow_fast": [*LORA, "update=ablate", "sampler=flow_fast", *FAST, "update.jagg_frac=1.0"],
+    "full-jagg-random_flash": [*SOLVER, "sampler.post_window.ratio=0.4", "sampler.sde_window_schedule=random"],
 }
 # Logged per step and independent of the rank layout: all but the clocks. The GRPO loss is a mean of
 # advantage-weighted ratios whose advantages sum to zero, so its rounding is absolute (as in GOLDEN_KEYS).

@@ -4,6 +4,7 @@ and from wandb runs (offline run folders, online runs through a stand-in for wan
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -21,6 +22,7 @@ from rewards.base import SCORER_NAMES
 from train.compare.arms import arm_rewards, group_arms
 from train.compare.command import main
 from train.compare.runs import load_run
+from train.compare.tables import reach_cell
 from train.config.checks import validate
 from train.config.schema import register_schema
 
@@ -274,6 +276,28 @@ def test_sweep_over_seeds_by_hand(tmp_path, capsys):
     assert summary["arms"]["exact"]["eval/hps"]["auc"]["0"] == pytest.approx(auc)
     assert "40.0%" in printed  # median step time 1.2 s against 2.0 s
     assert "*" not in printed  # no "best" marks
+
+
+def test_training_time_to_a_reward_threshold_over_seeds(tmp_path, capsys):
+    """--reward-threshold 0.06: per seed, the sum of the step times before its first evaluation 0.06 over step 0
+    (exact 2 s a step, jagg 1 s); the mean and 95% interval over the seeds that reach it, the others counted."""
+    exact = {0: [0.40, 0.48, 0.50], 1: [0.40, 0.44, 0.49], 2: [0.40, 0.48, 0.52]}  # reached at steps 10, 20, 10
+    jagg = {0: [0.40, 0.50, 0.55], 1: [0.40, 0.42, 0.43], 2: [0.40, 0.47, 0.48]}  # 10, never, 10
+    for mode, table in (("exact", exact), ("jagg", jagg)):
+        for seed, (a, b, c) in table.items():
+            timing = [step(i, 0.1, 2.0 if mode == "exact" else 1.0, 0.5) for i in range(20)]
+            write_run(tmp_path / "sweep" / f"{mode}_s{seed}", timing + evals({0: a, 10: b, 20: c}), config(mode, seed))
+    assert main([str(tmp_path / "sweep"), "--reward-threshold", "0.06"]) == 0
+    printed = capsys.readouterr().out
+    half = 4.303 * (400 / 3) ** 0.5 / 3**0.5  # exact: 20, 40, 20 s -> mean 26.7, sample std sqrt(400 / 3)
+    exact_line = next(line for line in printed.splitlines() if line.strip().startswith("exact "))
+    assert "training time to +0.06 [s]" in printed and f"26.7 ± {half:.1f}" in exact_line
+    assert "10.0 ± 0.0 (2 of 3 seeds; the others never)" in printed
+    summary = json.loads((tmp_path / "sweep" / "compare" / "summary.json").read_text())
+    assert summary["arms"]["exact"]["eval/hps"]["time_to_threshold"] == {"0": 20.0, "1": 40.0, "2": 20.0}
+    assert summary["arms"]["jagg"]["eval/hps"]["time_to_threshold"] == {"0": 10.0, "1": None, "2": 10.0}
+    assert reach_cell({0: math.inf, 1: math.inf}) == "never (0 of 2 seeds)"
+    assert main([str(tmp_path / "sweep")]) == 0 and "training time to" not in capsys.readouterr().out
 
 
 def test_held_out_metrics_are_compared_and_rewards_plot_against_training_time(tmp_path, capsys):

@@ -26,6 +26,9 @@ from models.base import decode_in_chunks
 from models.flux import FluxBackbone
 from models.registry import get_backbone_class
 from rewards.base import SCORER_NAMES, FrozenModelScorer, scorer_class
+from samplers.rollout import rollout
+from samplers.schedule import shifted_sigmas
+from samplers.window import rollout_forwards
 from train.algorithm.jagg import UPDATE_MODES, Counts, backward_segment
 from train.algorithm.update import UpdateBatch, shared_start, update_micro_batch
 from train.config.schema import register_schema
@@ -577,3 +580,31 @@ def test_decode_in_chunks_equals_one_call(tiny_flux_dir):
     z = backbone.initial_noise(5, height=32, width=32, generator=torch.Generator().manual_seed(0))
     whole = decode_in_chunks(backbone, z, rows=0)
     torch.testing.assert_close(decode_in_chunks(backbone, z, rows=2), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_rollout_flops_follow_the_schedule_after_the_window(tiny_flux_dir):
+    """With DPM-Solver++ 2M on 0.4 of the steps after the window [0, 4) of 9, the planner counts the rows the
+    rollout itself runs: 6 forwards per sample instead of 9, the shared start's first step once per group; what
+    the compression saves is those 3 forwards of each sample, at the same FLOPs per row."""
+    flash = ["sampler=flow_fast", "sampler.sde_window_size=4", "sampler.sde_window_range=[0,8]"]
+    flash += ["sampler.post_window.solver=dpmpp_2m", "sampler.post_window.ratio=0.4", "update.segment_length=4"]
+    cfg, given = config([*TINY, f"model.path={tiny_flux_dir}", *flash])
+    report = plan(cfg, model_path_given=given)
+    rows: list[int] = []
+    backbone = FluxBackbone.load(tiny_flux_dir, dtype="float32")
+    cond = backbone.encode(["a cat"]).repeat(2)
+    noise = backbone.initial_noise(1, height=cfg.model.height, width=cfg.model.width).repeat_interleave(2, dim=0)
+    sampler, sigmas = cfg.sampler, shifted_sigmas(cfg.sampler.num_steps, cfg.sampler.shift)
+
+    def counted(z, t, c):
+        rows.append(z.shape[0])
+        return backbone.predict(z, t, c)
+
+    rollout(counted, cond, noise, sampler, sigmas=sigmas, sde_window=(0, 4), group_size=2)
+    assert rows == [1] + [2] * 5  # the shared start's step on one row, then 3 window steps and 2 after it
+    phase = next(p for p in report.phases if p.name == "rollout")
+    assert phase.forwards == len(rows) == rollout_forwards(sampler, (0, 4))
+    per_row = phase.flops / sum(rows)
+    assert report.post_window_flops == pytest.approx(per_row * 2 * (9 - 6), rel=1e-6)
+    assert report.shared_rollout_flops == pytest.approx(per_row * (2 * 6 - sum(rows)), rel=1e-6)
+    assert "after the SDE window (sampler.post_window) the rollout is" in format_report(report)

@@ -26,9 +26,10 @@ from train.run.start import typed_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
-# need no path; the rest are the paper's four runs
+# need no path; MixGRPO's two recipes; the rest are the paper's four runs
 CPU_EXPERIMENTS = ("demo", "testbed_compare", "testbed_probe", "tiny")
-PAPER_EXPERIMENTS = [e for e in EXPERIMENTS if e not in CPU_EXPERIMENTS]
+MIX_EXPERIMENTS = ("flux_mix", "flux_mix_flash")
+PAPER_EXPERIMENTS = [e for e in EXPERIMENTS if e not in CPU_EXPERIMENTS + MIX_EXPERIMENTS]
 register_schema()
 
 
@@ -105,6 +106,22 @@ def test_paper_experiments_compose_and_validate(experiment, paths, tmp_path):
     assert cfg.grpo.adv_std == ("unbiased" if dance else "population")
     assert cfg.sampler.quantize_timesteps == ("dance" if dance else "none")
     assert cfg.grpo.adv_eps == (1e-8 if dance else 1e-4)
+
+
+@pytest.mark.parametrize("experiment", MIX_EXPERIMENTS)
+def test_mixgrpo_experiments_compose_and_validate(experiment, paths, tmp_path):
+    """MixGRPO's recipes (docs/recipes.md): 25 steps, a window of 4 that moves every 25 (Flash: 20) steps, and
+    in the Flash one DPM-Solver++ 2M on 0.4 of the steps after it; HPSv2.1 + PickScore advantages."""
+    pick = [f"reward.components.pickscore.{key}={paths['model']}" for key in ("model_path", "processor_path")]
+    common = [f"model.path={paths['model']}", f"data.train_prompts={paths['prompts']}"]
+    common += [f"eval.prompts={paths['prompts']}", f"reward.components.hpsv2.checkpoint={paths['file']}"]
+    cfg = load([f"experiment={experiment}", *common, *pick], tmp_path)
+    check(cfg)
+    s, flash = cfg.sampler, experiment == "flux_mix_flash"
+    assert (s.num_steps, s.sde_window_size, s.sde_window_schedule, s.sde_window_stride) == (25, 4, "progressive", 1)
+    assert s.sde_window_iters == (20 if flash else 25) and cfg.reward.combine == "advantage"
+    assert (s.post_window.solver, s.post_window.ratio) == (("dpmpp_2m", 0.4) if flash else ("euler", 1.0))
+    assert set(cfg.reward.components) == set(cfg.eval.scorers) == {"hpsv2", "pickscore"}
 
 
 def test_an_evaluation_larger_than_eval_max_images_is_refused(paths, tmp_path):

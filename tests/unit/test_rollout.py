@@ -11,9 +11,10 @@ from torch import Tensor
 
 from models import backbone_names, load_backbone
 from models.flux import FluxConditioning
-from samplers.rollout import ODE, KeptVelocities, draw_sde_window, group_noise, rollout, stochastic_flags, transition
+from samplers.rollout import ODE, KeptVelocities, group_noise, rollout, stochastic_flags, transition
 from samplers.sampler_config import SamplerConfig
 from samplers.sde import step
+from samplers.window import draw_sde_window
 from train.algorithm.grpo import ppo_step_loss
 from train.algorithm.jagg import backward_segment
 

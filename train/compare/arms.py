@@ -7,8 +7,10 @@ Runs (read by train/compare/runs.py) are grouped into **arms**: runs whose confi
 Per arm, over its seeds (train/observe/stats.py):
   * for each evaluation metric ``eval/<name>`` (the ODE evaluation with fixed noise, so step 0
     is the frozen control): the value at each evaluation step, the final value (the last
-    evaluation step every run of the arm reached), its gain over step 0, and the area under the
-    curve as the mean over training (trapezoids over the evaluation steps);
+    evaluation step every run of the arm reached), its gain over step 0, the area under the
+    curve as the mean over training (trapezoids over the evaluation steps), and with a reward threshold
+    (``--reward-threshold``) the training time (the sum of its step times before the evaluation) at
+    which each seed's run first evaluates at least that much over its step 0;
   * time per step and per phase: each run's median over its steps after ``warmup`` (a stalled
     step on a contended machine moves a median little), with the interquartile range, then the
     mean over seeds; speed-ups against the baseline arm as (T_base - T) / T_base (the paper's
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from train.algorithm.jagg import UPDATE_MODES
@@ -162,9 +164,17 @@ class ArmRewards:
     wall: dict[int, float]  # evaluation step -> mean wall_time (s) over seeds when it was logged
     training_time: dict[int, float]  # evaluation step -> mean over seeds of the time/step (s) of the steps before it
     last_step: int
+    # seed -> training time (s) of the first evaluation at least the threshold over step 0 (inf: never)
+    reached: dict[int, float] = field(default_factory=dict)
 
 
-def arm_rewards(arm: Arm, metric: str) -> ArmRewards | None:
+def time_to_threshold(curve: dict[int, float], trained: dict[int, float], threshold: float) -> float:
+    """The training time (``trained``: evaluation step -> s) of the first evaluation of ``curve`` (step ->
+    value, from step 0) at least ``threshold`` over step 0; inf when none is."""
+    return next((trained[s] for s, v in sorted(curve.items()) if v >= curve[0] + threshold), math.inf)
+
+
+def arm_rewards(arm: Arm, metric: str, threshold: float | None = None) -> ArmRewards | None:
     key = f"eval/{metric}"
     per_seed = {seed: run.series(key) for seed, run in zip(arm.seeds(), arm.runs)}
     if any(not s for s in per_seed.values()):
@@ -177,6 +187,10 @@ def arm_rewards(arm: Arm, metric: str) -> ArmRewards | None:
     walls = {step: [r.steps[step].get("wall_time", math.nan) for r in arm.runs] for step in common}
     step_times = [run.series("time/step") for run in arm.runs]
     trained = {step: [sum(t for k, t in times.items() if k < step) for times in step_times] for step in common}
+    reached = {}
+    if threshold is not None and common[0] == 0:
+        for i, (seed, curve) in enumerate(curves.items()):
+            reached[seed] = time_to_threshold(curve, {step: t[i] for step, t in trained.items()}, threshold)
     return ArmRewards(
         curve={step: estimate([c[step] for c in curves.values()]) for step in common},
         final={seed: c[last] for seed, c in curves.items()},
@@ -185,6 +199,7 @@ def arm_rewards(arm: Arm, metric: str) -> ArmRewards | None:
         wall={step: sum(w) / len(w) for step, w in walls.items()},
         training_time={step: sum(t) / len(t) for step, t in trained.items()},
         last_step=last,
+        reached=reached,
     )
 
 
@@ -229,6 +244,7 @@ class Comparison:
     rewards: dict[str, dict[str, ArmRewards | None]]  # metric -> arm label -> its rewards
     timing: dict[str, dict[str, float]]  # arm label -> phase -> seconds per step
     notes: list[str]
+    threshold: float | None = None  # --reward-threshold: the gain over step 0 whose first time is reported
 
 
 def build_comparison(
@@ -238,6 +254,7 @@ def build_comparison(
     baseline: str | None = None,
     metrics: list[str] | None = None,
     warmup: int = 1,
+    threshold: float | None = None,
 ) -> Comparison:
     runs, notes = discover(specs)
     notes += experiments_note(runs)
@@ -245,5 +262,6 @@ def build_comparison(
     base, why = pick_baseline(arms, baseline)
     arms = [base] + [a for a in arms if a is not base]
     names = eval_metrics(arms, metrics)
-    rewards = {m: {a.label: arm_rewards(a, m) for a in arms} for m in names}
-    return Comparison(arms, base, why, names, rewards, {a.label: arm_timing(a, warmup) for a in arms}, notes)
+    rewards = {m: {a.label: arm_rewards(a, m, threshold) for a in arms} for m in names}
+    timing = {a.label: arm_timing(a, warmup) for a in arms}
+    return Comparison(arms, base, why, names, rewards, timing, notes, threshold)

@@ -5,6 +5,7 @@
     python -m train.compare runs/a/wandb runs/b/wandb                    # offline wandb runs
     python -m train.compare wandb:<entity>/<project>/group:<name>        # a wandb group (network, login)
     python -m train.compare wandb:<entity>/<project>/<run id> ...        # wandb runs by id
+    python -m train.compare runs/sweep --reward-threshold 0.06            # with the training time to +0.06
 
 Runs are grouped into arms by the settings that differ between them (seeds pooled); train/compare/arms.py
 documents the statistics. Printed and written to ``--out`` (default ``<sweep>/compare`` for one
@@ -48,6 +49,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         help="eval metric names to compare (default: every logged overall mean, held-out ones included)",
     )
+    parser.add_argument(
+        "--reward-threshold",
+        type=float,
+        help="also report each arm's training time to first evaluate this much over step 0 (e.g. 0.06), over seeds",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the timings (default 1)")
     parser.add_argument("--out", help="output folder (default: <sweep>/compare for one sweep folder, else comparison)")
     args = parser.parse_args(argv)
@@ -68,6 +74,7 @@ def compare(args: argparse.Namespace) -> str:
         baseline=args.baseline,
         metrics=args.metrics,
         warmup=args.warmup,
+        threshold=args.reward_threshold,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

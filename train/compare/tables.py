@@ -27,9 +27,21 @@ def curve_rows(c: Comparison, metric: str) -> list[list[str]]:
     return rows
 
 
+def reach_cell(reached: dict[int, float]) -> str:
+    """The training time to a threshold over seeds: mean ± 95% interval of the seeds that reached it, and how
+    many did not ("never" when none did)."""
+    times = [t for t in reached.values() if math.isfinite(t)]
+    if not times:
+        return f"never (0 of {len(reached)} seeds)"
+    cell = estimate(times).format(1)
+    return cell if len(times) == len(reached) else f"{cell} ({len(times)} of {len(reached)} seeds; the others never)"
+
+
 def summary_rows(c: Comparison, metric: str) -> list[list[str]]:
-    header = ["arm", "seeds", "final", "gain over step 0", "mean over training", "step [s]", "update [s]"]
-    rows = [header + ["speed-up step", "speed-up update"]]
+    header = ["arm", "seeds", "final", "gain over step 0", "mean over training"]
+    if c.threshold is not None:
+        header.append(f"training time to {c.threshold:+g} [s]")
+    rows = [header + ["step [s]", "update [s]", "speed-up step", "speed-up update"]]
     base_t = c.timing[c.baseline.label]
     for arm in c.arms:
         r, t = c.rewards[metric][arm.label], c.timing[arm.label]
@@ -42,6 +54,8 @@ def summary_rows(c: Comparison, metric: str) -> list[list[str]]:
                 estimate(list(r.auc.values())).format(),
             ]
         )
+        if c.threshold is not None:
+            rewards.append("-" if r is None or not r.reached else reach_cell(r.reached))
         speed = ["(baseline)"] * 2
         if arm is not c.baseline:
             speed = [f"{speedup_pct(base_t[p], t[p]):.1f}%" for p in ("step", "update")]
@@ -91,7 +105,13 @@ def comparison_tables(c: Comparison, *, markdown: bool = False) -> str:
     seeds = {a.label: sorted(s for s in a.seeds() if s >= 0) for a in c.arms}
     out = [f"{h}arms (runs grouped by the settings that differ, over seeds)"]
     out += [f"- {label}: seeds {s or 'unknown'}" for label, s in seeds.items()]
-    out += [f"baseline: {c.baseline.label}; {c.why_baseline}", *c.notes, ""]
+    out += [f"baseline: {c.baseline.label}; {c.why_baseline}", *c.notes]
+    if c.threshold is not None:
+        out.append(
+            f"training time to {c.threshold:+g}: the sum of the step times before the first evaluation at least "
+            f"{c.threshold:g} over step 0, per seed (evaluations every few steps: a time is that of the first one)"
+        )
+    out.append("")
     for metric in c.metrics:
         out += [f"{h}eval/{metric}: mean ± 95% interval over seeds", render(curve_rows(c, metric), markdown=markdown)]
         out += ["", f"{h}summary (final = the last evaluation step every seed reached; time = median per step)"]
@@ -122,5 +142,9 @@ def summary(c: Comparison) -> dict[str, Any]:
                     "auc": r.auc,
                     "last_step": r.last_step,
                 }
+                if c.threshold is not None:  # seed -> seconds, null: never
+                    entry[f"eval/{metric}"]["time_to_threshold"] = {
+                        s: t if math.isfinite(t) else None for s, t in r.reached.items()
+                    }
         arms[arm.label] = entry
-    return {"baseline": c.baseline.label, "why_baseline": c.why_baseline, "arms": arms}
+    return {"baseline": c.baseline.label, "why_baseline": c.why_baseline, "threshold": c.threshold, "arms": arms}

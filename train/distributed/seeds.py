@@ -27,7 +27,7 @@ PURPOSES = (
     "model_init",  # random initialisation of trainable weights (LoRA), identical on every rank
     "initial_noise",  # the shared z_0 of group <index>
     "sde_noise",  # the SDE noise of group <index>
-    "sde_window",  # the Flow-GRPO-Fast window of step <index>
+    "sde_window",  # the SDE window of step <index> (sampler.sde_window_schedule fixed or random)
     "update_plan",  # the groups of transitions trained at step <index>
     "prompt_order",  # the permutation of the prompt file in epoch <index>
     "eval_noise",  # the initial noise of evaluation prompt <index>

@@ -252,6 +252,7 @@ def with_estimates(
     return replace(
         report,
         shared_rollout_flops=traced.shared_rollout_flops,
+        post_window_flops=traced.post_window_flops,
         shared_update_flops=shared_update_flops(cfg, updates),
         shared_calls=expected_shared_calls(cfg),
         shared_calls_exact=expected_shared_calls(cfg, "exact"),

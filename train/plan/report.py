@@ -83,6 +83,8 @@ class PlanReport:
     # the first SDE noise and the update's first trainable step (with its KL reference), run once per group
     shared_rollout_flops: float = 0.0
     shared_update_flops: float = 0.0
+    # FLOPs per rank per step the compressed schedule after the SDE window (sampler.post_window.ratio) saves
+    post_window_flops: float = 0.0
     # transformer (forwards, backwards) per rank per step the shared start adds to the update's calls (negative:
     # saves; train.plan.counts.expected_shared_calls), as routed and with every segment exact
     shared_calls: tuple[float, float] = (0.0, 0.0)

@@ -60,6 +60,14 @@ def _flop_lines(r: PlanReport) -> list[str]:
             f"{r.shared_update_flops / 1e12:.1f} of the update: without it the step is {unshared / 1e12:.1f}"
             f" -> {unshared / step:.3f}x"
         )
+    if r.post_window_flops:
+        rollout = r.phases[0].flops * r.phases[0].calls_per_step
+        lines.append(
+            f"  after the SDE window (sampler.post_window) the rollout is {rollout / 1e12:.1f}, "
+            f"{(rollout + r.post_window_flops) / 1e12:.1f} on every step of the schedule: the step is "
+            f"{step / 1e12:.1f} instead of {(step + r.post_window_flops) / 1e12:.1f}"
+            f" -> {(step + r.post_window_flops) / step:.3f}x"
+        )
     return lines
 
 

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from models.diffusers_backbone import DiffusersBackbone
-from train.plan.counts import update_variants
+from samplers.window import rollout_forwards
+from train.plan.counts import first_window, update_variants
 from train.plan.fake import Measured, measure
 from train.plan.fake_run import TracedRun, ema_shards, hold_gradients, reference_shards, traced_run
 from train.plan.plan_config import PlanRunConfig
@@ -83,6 +84,7 @@ class Traced:
     ema_bytes: int
     velocity_bytes: int
     shared_rollout_flops: float  # what the rollout's shared start saves (rows of the steps before the first SDE noise)
+    post_window_flops: float  # what the compressed schedule after the window saves (sampler.post_window.ratio)
     forward_flops_per_row: float  # of one transformer forward of one row without gradients (the rollout's)
     image_tokens: int
 
@@ -102,7 +104,9 @@ def trace_step(run: TracedRun, segments: dict[str, float]) -> Traced:
         rollout.peak_bytes -= _storage_bytes([tensors.traj.velocities])
     per_row = rollout.flops / predict.traced_rows  # counted: the first forward of each shape (TracedOnce)
     rollout.flops = round(per_row * predict.called_rows)
-    shared_rollout_flops = per_row * (cfg.sampler.num_steps * tensors.traj.batch_size - predict.called_rows)
+    forwards = rollout_forwards(cfg.sampler, first_window(cfg))  # per row, with the schedule after the window
+    shared_rollout_flops = per_row * (forwards * tensors.traj.batch_size - predict.called_rows)
+    post_window_flops = per_row * (cfg.sampler.num_steps - forwards) * tensors.traj.batch_size
     phases = [to_phase("rollout", rollout, 1, forwards=predict.calls)]
     decode = measure(root, opt, always + tensors.resident(offloaded_velocities=offloaded), decode_call(run, tensors))
     phases.append(to_phase("decode", decode, 1))
@@ -127,6 +131,7 @@ def trace_step(run: TracedRun, segments: dict[str, float]) -> Traced:
         ema_bytes=_storage_bytes(ema_shards(run)),
         velocity_bytes=0 if offloaded or velocities is None else _storage_bytes([velocities]),
         shared_rollout_flops=shared_rollout_flops,
+        post_window_flops=post_window_flops,
         forward_flops_per_row=per_row,
         image_tokens=math.prod(cast(DiffusersBackbone, run.backbone).latent_grid(cfg.model.height, cfg.model.width)),
     )
