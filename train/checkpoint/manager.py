@@ -9,7 +9,8 @@ Layout of ``run_dir/checkpoints/step_00000040/``:
   picklable object) and this rank's RNG states (torch CPU, CUDA if any, python, numpy). RNG
   states differ per rank, so they are per-rank files, not DCP entries (DCP would keep rank 0's).
 * ``COMPLETE``: a JSON marker: step, world size, the settings that give the weights their meaning
-  (``RESUME_SETTINGS`` of train/config/keys.py, compared on resume), and the size and SHA-256 of
+  (``RESUME_SETTINGS`` of train/config/keys.py, compared on resume), the id of the run that wrote it
+  (train/run/timeline.py, checked on resume), and the size and SHA-256 of
   every other file of the folder. The ranks share the hashing: with R ranks, rank r hashes every R-th
   file of the sorted listing, at save and again when the checkpoint is checked.
 
@@ -178,6 +179,11 @@ class CheckpointManager:
         settings = read_marker(path).get("settings")
         return settings if isinstance(settings, dict) else None
 
+    def run_id_of(self, path: Path) -> str | None:
+        """The id of the run that wrote a checkpoint (None: saved before ids were recorded)."""
+        run_id = read_marker(path).get("run_id")
+        return run_id if isinstance(run_id, str) else None
+
     def size_of(self, path: Path) -> int:
         """Bytes of the files of checkpoint ``path``."""
         return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
@@ -211,10 +217,12 @@ class CheckpointManager:
         optimizer: Optimizer | None,
         extra: dict[str, Any],
         settings: dict[str, Any] | None = None,
+        run_id: str | None = None,
     ) -> Path:
         """Write a checkpoint of step ``step`` on every rank (a collective); return its folder.
 
-        ``settings``: what the weights mean (recorded in the marker, compared on resume)."""
+        ``settings``: what the weights mean, ``run_id``: the run that writes it (both recorded in the marker,
+        compared on resume)."""
         rng = rng_state()
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
@@ -244,7 +252,8 @@ class CheckpointManager:
         barrier()
         files = checksums(tmp)
         if get_rank() == 0:
-            marker = {"step": step, "world_size": get_world_size(), "settings": settings, "files": files}
+            marker = {"step": step, "world_size": get_world_size(), "settings": settings, "run_id": run_id}
+            marker["files"] = files
             (tmp / MARKER).write_text(json.dumps(marker))
             if final.exists():
                 shutil.rmtree(final)
