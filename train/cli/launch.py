@@ -124,8 +124,8 @@ class Launch:
         """Take back the bookkeeping of a launch refused before it did any work (else leave everything)."""
         if not self.folder.is_dir() or self.did_work():
             return
-        if self.lock is not None and self.lock.lost():
-            return  # another launch owns the folder now: what is there is its own
+        if self.lock is not None and self.lock.taken():
+            return  # another launch owns the folder now: what is there is its own (the task released this one's)
         for handler in logging.getLogger().handlers[:]:  # Hydra's log file in the folder
             if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).is_relative_to(self.folder):
                 handler.close()

@@ -153,6 +153,11 @@ class RunLock:
     def _mine(self, holder: Holder | None) -> bool:
         return holder is not None and (holder.host, holder.pid) == self.me
 
+    def taken(self) -> bool:
+        """Whether another process holds the lock now (absent, or this process's: no)."""
+        holder = self.holder()
+        return holder is not None and not self._mine(holder)
+
     def live_holder(self) -> Holder | None:
         """The holder when it is another process that is alive, else None."""
         holder = self.holder()
