@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -113,3 +115,65 @@ def test_a_folder_with_a_run_is_refused_unless_resumed_or_overwritten(tmp_path):
     check_one_run(tmp_path, resume=None, overwrite=True)
     clear_run(tmp_path)
     assert held_run(tmp_path) is None and (tmp_path / ".hydra").is_dir() and (tmp_path / "__main__.log").is_file()
+
+
+def test_the_holders_own_lease_decides_when_it_is_taken_for_dead(tmp_path):
+    """A holder with a 2 s lease on another host is taken over 2 s after its last renewal, whatever the taker's
+    own lease."""
+    clock = Clock()
+    RunLock(tmp_path, clock=clock, host="elsewhere", pid=1, lease_s=2).acquire()
+    taker = RunLock(tmp_path, clock=clock, host="here", lease_s=60)
+    clock.now += 1
+    with pytest.raises(FolderInUse, match=r"or 2 s after its last renewal"):
+        taker.acquire()
+    clock.now += 2
+    taker.acquire()
+    assert taker.holder().host == "here"
+
+
+def test_a_holder_whose_lock_was_taken_over_finds_it_lost(tmp_path):
+    """Suspended past its lease: another host takes the folder; the holder's renewal leaves the new lock alone,
+    and ``lost`` names the new holder, then (once that one released it) says the lock is gone."""
+    clock = Clock()
+    mine = RunLock(tmp_path, clock=clock, host="a", pid=1, lease_s=2)
+    mine.acquire()
+    assert mine.lost() is None
+    clock.now += 3
+    other = RunLock(tmp_path, clock=clock, host="b", pid=2, lease_s=2)
+    other.acquire()
+    assert not mine.renew() and other.holder().host == "b"
+    assert re.search(r"is no longer this run's: .*pid 2 on host b holds it now; stopped before writing", mine.lost())
+    other.release()
+    assert "it was removed" in mine.lost()
+
+
+def test_of_starters_that_meet_exactly_one_owns_the_folder(tmp_path):
+    """Eight starters of eight hosts at once (threads past one barrier): the lock is created atomically, so one
+    acquires it and the seven others are refused naming it."""
+    starters = [RunLock(tmp_path, host=f"host{i}", pid=i + 1) for i in range(8)]
+    barrier, won, refused = threading.Barrier(len(starters)), [], []
+
+    def start(lock: RunLock) -> None:
+        barrier.wait()
+        try:
+            lock.acquire()
+            won.append(lock.me)
+        except FolderInUse:
+            refused.append(lock.me)
+
+    threads = [threading.Thread(target=start, args=(lock,)) for lock in starters]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    holder = starters[0].holder()
+    assert len(won) == 1 and len(refused) == 7 and won[0] == (holder.host, holder.pid)
+
+
+def test_a_stale_lock_is_taken_over_once(tmp_path, dead_pid):
+    write_lock(tmp_path, host="here", pid=dead_pid, renewed=0.0)
+    winner = RunLock(tmp_path, host="here", pid=os.getppid())  # alive, not this process
+    winner.acquire()
+    with pytest.raises(FolderInUse, match=rf"in use by pid {os.getppid()}"):
+        RunLock(tmp_path, host="here").acquire()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LOCK"]  # no file of the takeover left behind
