@@ -22,7 +22,7 @@ from the checkpoint bit for bit, with the rows of replayed steps dropped from me
 the previous checkpoint when the latest is damaged; ``resume=<an older checkpoint>`` starts a new timeline,
 its later checkpoints retired (train/run/timeline.py). The last step is always checkpointed. A process
 that was suspended past its lease and finds its run folder's lock taken over stops with ``FolderLost``
-before it writes anything more: the step's end, every checkpoint save and the export ask first.
+before it writes anything more: the step's end, every checkpoint save, evaluation and the export ask first.
 
 Nothing lost, nothing silent: a step's checkpoint is written before its evaluation; when the loop
 fails after steps that are not saved yet (and the weights are still those after the last of them),
@@ -217,6 +217,7 @@ def _after_step(run: Run, evaluator: Evaluator | None, session: _Session, stop_l
         raise NotLearning(f"{stop_line}; wrote checkpoint {path}")
     if evaluator is not None and evaluator.due(done):
         with activity(f"the evaluation after step {done}"):
+            _check_owner(run)
             evaluator(done)
     if stop:
         name = SIGNAL_NAMES.get(stop, f"signal {stop}")

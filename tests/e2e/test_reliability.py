@@ -682,6 +682,34 @@ def test_a_refused_launch_leaves_no_folder(tiny_flux_dir, tmp_path, capsys):
     assert not (tmp_path / "runs").exists()  # nor the parent Hydra created for it
 
 
+def test_rank_1_of_a_refused_launch_leaves_the_take_back_to_rank_0(
+    trained, tiny_flux_dir, tmp_path, capsys, monkeypatch
+):
+    """Rank 1 of a launch refused for a setting, while rank 0 takes the launch back (its LOCK and config.yaml go):
+    status 2, no line (rank 0 prints it), no traceback, and rank 1 puts nothing back nor removes anything."""
+    run_dir = copy_run(trained, tmp_path)
+    (run_dir / "LOCK").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "renewed": 0.0}))
+    real = trainer.load_config
+
+    def rank_0_takes_back(cfg):
+        (run_dir / "LOCK").unlink()
+        (run_dir / "config.yaml").unlink()
+        return real(cfg)
+
+    monkeypatch.setattr(trainer, "load_config", rank_0_takes_back)
+    monkeypatch.setenv("RANK", "1")
+    saved = kept(run_dir)
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "resume=auto", "optimizer.lr=nan"]
+    status, stderr = command(capsys, run_dir, overrides)
+    assert status == 2 and stderr.strip() == "", stderr
+    del saved["LOCK"], saved["config.yaml"]
+    assert {k: v for k, v in kept(run_dir).items() if not k.startswith(".hydra")} == {
+        k: v
+        for k, v in saved.items()
+        if not k.startswith(".hydra")  # rank 1's Hydra writes what rank 0's did
+    }
+
+
 def test_a_resume_keeps_each_session_configuration(trained, tiny_flux_dir, tmp_path, capsys):
     run_dir = copy_run(trained, tmp_path)
     first = (run_dir / "config.yaml").read_text()
@@ -728,11 +756,15 @@ def test_a_checkpoint_of_another_run_is_refused_and_continued_in_a_new_folder(tr
     status, stderr = command(capsys, run_dir, [*common, "resume=auto"])
     assert status == 2 and re.search(DAMAGED["of-another-run"][1], the_error(stderr)), stderr
     assert contents(run_dir) == saved
-    status, stderr = command(capsys, tmp_path / "copy", [*common, f"resume={latest}"])
+    status, stderr, stdout = command(capsys, tmp_path / "copy", [*common, f"resume={latest}"], stdout=True)
     assert status == 0, stderr
     assert [m["step"] for m in metrics(tmp_path / "copy")] == [2]
     new_id = (tmp_path / "copy" / "run_id").read_text().strip()
     assert new_id not in ("0123456789abcdef", (run_dir / "run_id").read_text().strip())
+    copied = (
+        rf"resume=.*step_00000002: continuing checkpoint .*step_00000002 of run 0123456789abcdef as a new run {new_id}"
+    )
+    assert len([line for line in stdout.splitlines() if re.search(copied, line)]) == 1, stdout
     marker = json.loads((tmp_path / "copy" / "checkpoints" / "step_00000003" / "COMPLETE").read_text())
     assert marker["run_id"] == new_id
 
@@ -796,7 +828,15 @@ def test_two_launches_into_one_new_folder_one_trains_the_other_takes_back_nothin
     line = the_error(stderrs[statuses.index(2)])
     assert re.search(rf"is in use by pid {winner.pid} |already holds a run", line), line
     assert [m["step"] for m in metrics(run_dir)] == [0, 1, 2]
-    for name in (".hydra/config.yaml", "config.yaml", "run_id", "checkpoints/step_00000003/COMPLETE", "export"):
+    winners = (
+        ".hydra/config.yaml",
+        "__main__.log",
+        "config.yaml",
+        "run_id",
+        "checkpoints/step_00000003/COMPLETE",
+        "export",
+    )
+    for name in winners:
         assert (run_dir / name).exists(), name
     assert not (run_dir / "LOCK").exists()
 

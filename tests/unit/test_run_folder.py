@@ -1,4 +1,5 @@
-"""One run per folder and the run folder's lock (train/run/folder.py), with a clock of the test's own."""
+"""One run per folder and the run folder's lock (train/run/folder.py), with a clock of the test's own; the take-back
+of a refused launch (train/cli/launch.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import threading
 
 import pytest
 
+import train.cli.launch as launch_module
+from train.cli.launch import Launch
 from train.run.errors import ConfigError
 from train.run.folder import FolderInUse, RunLock, check_one_run, clear_run, held_run
 from train.run.layout import RunLayout
@@ -177,3 +180,54 @@ def test_a_stale_lock_is_taken_over_once(tmp_path, dead_pid):
     with pytest.raises(FolderInUse, match=rf"in use by pid {os.getppid()}"):
         RunLock(tmp_path, host="here").acquire()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LOCK"]  # no file of the takeover left behind
+
+
+def test_a_launch_refused_in_a_race_leaves_the_folder_it_made_to_the_winner(tmp_path, monkeypatch):
+    """This launch made the run folder; the winner took its lock and wrote there before this launch asked for
+    it: the refusal takes back nothing (the folder, the winner's files and its LOCK stay)."""
+    folder = tmp_path / "runs" / "new"
+
+    class WinnerFirst(RunLock):
+        def acquire(self) -> None:
+            RunLock(self.path.parent, pid=os.getppid()).acquire()  # the winner: alive, on this host
+            (self.path.parent / "config.yaml").write_text("the winner's\n")
+            super().acquire()
+
+    monkeypatch.setattr(launch_module, "RunLock", WinnerFirst)
+    with pytest.raises(FolderInUse, match=rf"in use by pid {os.getppid()}"):
+        Launch.claimed(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["LOCK", "config.yaml"]
+    assert RunLock(folder).holder().pid == os.getppid()
+
+
+def test_a_refused_launch_takes_back_its_folder_and_lets_the_lock_go_last(tmp_path):
+    """The launch made runs/new and took its lock; the trainer (another lock of this process) took and released
+    it too: the LOCK stays until the take-back, which removes what the launch wrote, then the folders it made."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "other").mkdir()  # another run beside it: runs/ stays
+    folder = tmp_path / "runs" / "new"
+    launch = Launch.claimed(folder)
+    assert launch.made == [folder]
+    (folder / ".hydra").mkdir()
+    (folder / ".hydra" / "config.yaml").write_text("{}\n")
+    (folder / "config.yaml").write_text("{}\n")
+    trainer = RunLock(folder)
+    trainer.acquire()
+    trainer.release()
+    assert RunLock(folder).holder() is not None  # still the launch's
+    launch.undo()
+    assert not folder.exists() and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["other"]
+
+
+def test_files_that_go_while_a_launch_is_taken_back_are_no_error(tmp_path):
+    """Files another process removes between the record and the take-back (rank 0's LOCK and config.yaml, on
+    another rank) are no error, and not put back."""
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "config.yaml").write_text("{}\n")
+    write_lock(tmp_path, host="elsewhere", pid=1, renewed=0.0)
+    launch = Launch.before(tmp_path)
+    (tmp_path / "LOCK").unlink()
+    (tmp_path / "config.yaml").unlink()
+    assert not launch.did_work()
+    launch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]

@@ -4,7 +4,7 @@ A launch refused before it did any work (a setting, a file, a checkpoint that do
 what it wrote, and only that: the folders it created itself go (the run folder with what it wrote there,
 its parents when they are empty), and in a folder that existed ``.hydra/``, ``config*.yaml``, ``run_id``
 and the log file are as they were. train/cli/run_folder.py records the folder and takes its lock
-before Hydra writes (``claim``: of two launches that meet, the one refused has written nothing);
+before Hydra writes (``claimed``: of two launches that meet, the one refused has written nothing);
 train/cli/reporting.py takes the launch back when it reports a user's error. Only rank 0 takes back
 (the other ranks write the same files, and rank 0 removes them); a launch whose lock was taken over
 takes back nothing (the folder is another launch's).
@@ -47,7 +47,7 @@ class Launch:
     lengths: dict[Path, int]
     others: dict[Path, tuple[int, int]]  # every other file: (size, mtime in ns)
     folders: set[Path]  # the folders under it
-    lock: RunLock | None = None  # the folder's lock, when this launch took it (``claim``)
+    lock: RunLock | None = None  # the folder's lock, when this launch took it (``claimed``)
 
     @staticmethod
     def bookkeeping(relative: Path) -> bool:
@@ -84,7 +84,8 @@ class Launch:
     @classmethod
     def claimed(cls, folder: Path) -> Launch:
         """Create the run folder (noting the folders this launch made) and take its lock, atomically, then
-        record it: FolderInUse when another live process holds it, and then nothing was written."""
+        record it: FolderInUse when another live process holds it, and then nothing was written (the folders
+        this launch made go while they are empty: the other launch may have begun to write there)."""
         made = []
         for parent in (*reversed(folder.parents), folder):
             try:
@@ -96,7 +97,7 @@ class Launch:
         try:
             lock.acquire()
         except BaseException:
-            cls(folder, made, {}, {}, {}, set())._remove_made()
+            _remove_empty(made)
             raise
         launch = cls.before(folder)
         launch.made, launch.lock = made, lock
@@ -109,19 +110,9 @@ class Launch:
         now = {p: _stat(p) for p in self._files() if not self.bookkeeping(p.relative_to(self.folder))}
         return {p: v for p, v in now.items() if v is not None} != self.others
 
-    def _remove_made(self) -> None:
-        """The folders this launch made: the run folder with what is in it, the parents when empty."""
-        for folder in reversed(self.made):
-            if folder == self.folder:
-                shutil.rmtree(folder, ignore_errors=True)
-                continue
-            try:
-                folder.rmdir()
-            except OSError:  # not empty: another launch writes there
-                return
-
     def undo(self) -> None:
-        """Take back the bookkeeping of a launch refused before it did any work (else leave everything)."""
+        """Take back the bookkeeping of a launch refused before it did any work (else leave everything); the
+        lock goes last, so that no other launch begins to write in the folder while this one takes back."""
         if not self.folder.is_dir() or self.did_work():
             return
         if self.lock is not None and self.lock.taken():
@@ -131,8 +122,19 @@ class Launch:
                 handler.close()
                 logging.getLogger().removeHandler(handler)
         if self.folder in self.made:
-            self._remove_made()
-            return
+            for path in self.folder.iterdir():
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                elif path.name != LOCK_FILE:
+                    path.unlink(missing_ok=True)
+        else:
+            self._restore()
+        if self.lock is not None:
+            self.lock.release()
+        _remove_empty(self.made)
+
+    def _restore(self) -> None:
+        """The bookkeeping of a folder that existed as it was (the lock aside: ``undo`` releases it)."""
         for path in self._files():
             if not self.bookkeeping(path.relative_to(self.folder)) or path.name == LOCK_FILE:
                 continue
@@ -145,5 +147,13 @@ class Launch:
         for folder in sorted(self.folder.rglob("*"), reverse=True):  # folders the launch created, now empty
             if folder.is_dir() and folder not in self.folders and not any(folder.iterdir()):
                 folder.rmdir()
-        if self.lock is not None:
-            self.lock.release()
+
+
+def _remove_empty(made: list[Path]) -> None:
+    """The folders a launch made (outermost first), innermost first, while they are empty: one that is not
+    holds another launch's files, and so do the folders above it."""
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            return

@@ -145,6 +145,7 @@ class RunLock:
         self.me = (host or socket.gethostname(), os.getpid() if pid is None else pid)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._shared = False  # taken when this process already held it (another RunLock of it removes it)
 
     def holder(self) -> Holder | None:
         """Who holds the lock (None: nobody, or a file that does not read as a lock, taken for no lock)."""
@@ -245,6 +246,7 @@ class RunLock:
             holder = self.holder()
             if self._mine(holder):
                 self._write()
+                self._shared = True
                 return
             problem = self.busy()
             if problem:
@@ -282,9 +284,10 @@ class RunLock:
         self._thread.start()
 
     def release(self) -> None:
-        """Stop renewing and remove the lock if this process still holds it."""
+        """Stop renewing and remove the lock if this process still holds it and took it first (a launch's
+        lock outlives the trainer's: train/cli/launch.py takes back what it wrote before it lets the folder go)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self._mine(self.holder()):
+        if not self._shared and self._mine(self.holder()):
             self.path.unlink(missing_ok=True)

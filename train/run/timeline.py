@@ -54,18 +54,37 @@ def _check_identity(resume: str | None, checkpoint: Path, saved_id: str | None, 
     )
 
 
+def _own_id(resume: str | None, layout: RunLayout, checkpoint: Path | None, saved_id: str | None) -> str:
+    """The folder's run id (a checkpoint of its own gives it back when the folder lost its file), else a new one,
+    written to ``<run>/run_id``; a checkpoint of another run continued here is said in one line."""
+    own = folder_run_id(layout) if resume else None
+    if own is None and checkpoint is not None and checkpoint.resolve().is_relative_to(layout.checkpoints.resolve()):
+        own = saved_id
+    if own is None:
+        own = uuid.uuid4().hex[:16]
+    layout.run_id.write_text(own + "\n", encoding="utf-8")
+    if saved_id not in (None, own):
+        log.warning(
+            "resume=%s: continuing checkpoint %s of run %s as a new run %s in %s (the other run's history stays "
+            "in its own folder)",
+            resume,
+            checkpoint,
+            saved_id,
+            own,
+            layout.root,
+        )
+    return own
+
+
 def run_identity(resume: str | None, checkpoints: CheckpointManager, resume_from: list[Path], dist: DistInfo) -> str:
     """The id of the run that trains in the folder (rank 0's, on every rank), after the checkpoint it resumes
-    from is checked against the folder's: the folder's own, else a new one, written to ``<run>/run_id``."""
+    from is checked against the folder's."""
     layout = RunLayout(checkpoints.root.parent)
-    if resume_from:
-        _check_identity(resume, resume_from[0], checkpoints.run_id_of(resume_from[0]), layout)
-    run_id = None
-    if dist.is_main:
-        run_id = folder_run_id(layout) if resume else None
-        if run_id is None:
-            run_id = uuid.uuid4().hex[:16]
-            layout.run_id.write_text(run_id + "\n", encoding="utf-8")
+    checkpoint = resume_from[0] if resume_from else None
+    saved_id = checkpoints.run_id_of(checkpoint) if checkpoint is not None else None
+    if checkpoint is not None:
+        _check_identity(resume, checkpoint, saved_id, layout)
+    run_id = _own_id(resume, layout, checkpoint, saved_id) if dist.is_main else None
     return str(broadcast_object(run_id))
 
 
