@@ -219,10 +219,8 @@ class CheckpointManager:
         settings: dict[str, Any] | None = None,
         run_id: str | None = None,
     ) -> Path:
-        """Write a checkpoint of step ``step`` on every rank (a collective); return its folder.
-
-        ``settings``: what the weights mean, ``run_id``: the run that writes it (both recorded in the marker,
-        compared on resume)."""
+        """Write a checkpoint of step ``step`` on every rank (a collective); return its folder. Its marker records
+        ``settings`` (what the weights mean) and ``run_id`` (the run that writes it), both checked on resume."""
         rng = rng_state()
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")

@@ -262,6 +262,22 @@ def _repeated_override_keys(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _before_task(err: Exception, prog: str) -> int:
+    """The exit status of an error while Hydra composes the settings and prepares the run folder, with its line."""
+    if isinstance(err, BrokenPipeError):
+        # --help or --cfg piped into a reader that stopped early (``| head``): end quietly, as a process that
+        # SIGPIPE ended (128 + 13)
+        _quiet(sys.stdout)
+        return 128 + signal.SIGPIPE
+    if isinstance(err, OSError):  # Hydra creates the run folder and writes .hydra/ and its log into it
+        message = (
+            f"cannot write the run folder ({err.strerror}: {err.filename}); pass a writable hydra.run.dir=<folder>"
+        )
+    else:
+        message = hydra_message(err)
+    return report_error(ConfigError(message), prog)
+
+
 def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None = None) -> None:
     """Run ``main`` (a ``@hydra.main`` function whose body is inside ``reported``); a reported error exits.
 
@@ -285,25 +301,10 @@ def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None 
             )
             _print(prog, "error", message, rank=env_rank())
             raise SystemExit(max(status for _, status in failed))
-    except (HydraException, OmegaConfBaseException) as err:
+    except (HydraException, OmegaConfBaseException, OSError) as err:
         if progress.task_started:
             raise
-        raise SystemExit(report_error(ConfigError(hydra_message(err)), prog)) from None
-    except BrokenPipeError:
-        if progress.task_started:
-            raise
-        # --help or --cfg piped into a reader that stopped early (``| head``): end quietly, as a process that
-        # SIGPIPE ended (128 + 13)
-        _quiet(sys.stdout)
-        raise SystemExit(128 + signal.SIGPIPE) from None
-    except OSError as err:
-        if progress.task_started:
-            raise
-        # Before the task runs, Hydra creates the run folder and writes .hydra/ and its log into it.
-        message = (
-            f"cannot write the run folder ({err.strerror}: {err.filename}); pass a writable hydra.run.dir=<folder>"
-        )
-        raise SystemExit(report_error(ConfigError(message), prog)) from None
+        raise SystemExit(_before_task(err, prog)) from None
     finally:
         if progress.launch is not None and progress.launch.lock is not None:
             progress.launch.lock.release()  # the lock RunFolder took, if the task has not released it
