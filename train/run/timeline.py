@@ -6,8 +6,8 @@
   model loads: a checkpoint of another run (copied over this folder's latest, or named by ``resume=`` from
   another run's folder into a folder that holds its own run) would mix that run's weights with this run's
   history, and is refused in one line. Continuing another run from its checkpoint on purpose is a resume
-  into a new folder (``resume=<checkpoint> hydra.run.dir=<new folder>``), which gets an id of its own.
-  Checkpoints written before ids were recorded, and folders without one, are not checked.
+  into a new folder (``resume=<checkpoint> hydra.run.dir=<new folder>``), which gets an id of its own,
+  said in one line. Checkpoints written before ids were recorded, and folders without one, are not checked.
 * Branching: a resume from a checkpoint older than the folder's latest (``resume=<run>/checkpoints/step_N``)
   starts a new timeline at step N. The later checkpoints, and an export of a later step, move to
   ``checkpoints/retired/<time>_after_step_N/`` (named in one line), where ``resume=auto`` never looks
