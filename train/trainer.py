@@ -119,6 +119,7 @@ def _save(run: Run, step: int) -> Path:
             extra=extra,
             settings={**resume_settings(run.cfg), LORA_MODULES: run.model.lora_modules},
             run_id=run.io.run_id,
+            check_owner=lambda: _check_owner(run),
         )
 
 

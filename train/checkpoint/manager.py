@@ -42,7 +42,7 @@ import json
 import logging
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -218,9 +218,12 @@ class CheckpointManager:
         extra: dict[str, Any],
         settings: dict[str, Any] | None = None,
         run_id: str | None = None,
+        check_owner: Callable[[], None] | None = None,
     ) -> Path:
         """Write a checkpoint of step ``step`` on every rank (a collective); return its folder. Its marker records
-        ``settings`` (what the weights mean) and ``run_id`` (the run that writes it), both checked on resume."""
+        ``settings`` (what the weights mean) and ``run_id`` (the run that writes it), both checked on resume;
+        ``check_owner`` (a collective) raises before the checkpoint replaces or prunes anything when the folder
+        is no longer this run's."""
         rng = rng_state()
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
@@ -249,16 +252,21 @@ class CheckpointManager:
             raise DiskFull(self._disk_full(f"filled up while it took the checkpoint of step {step}")) from None
         barrier()
         files = checksums(tmp)
+        if check_owner is not None:
+            check_owner()
         if get_rank() == 0:
             marker = {"step": step, "world_size": get_world_size(), "settings": settings, "run_id": run_id}
-            marker["files"] = files
-            (tmp / MARKER).write_text(json.dumps(marker))
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            self._prune()
+            self._commit(tmp, final, {**marker, "files": files})
         barrier()
         return final
+
+    def _commit(self, tmp: Path, final: Path, marker: dict[str, Any]) -> None:
+        """Rank 0's end of a save: the marker, the finished folder in place of ``final``, the oldest pruned."""
+        (tmp / MARKER).write_text(json.dumps(marker))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        self._prune()
 
     def load(
         self,
