@@ -262,19 +262,17 @@ def _repeated_override_keys(argv: Sequence[str]) -> str | None:
     return None
 
 
-def _before_task(err: Exception, prog: str) -> int:
+def _before_task(err: HydraException | OmegaConfBaseException | OSError, prog: str) -> int:
     """The exit status of an error while Hydra composes the settings and prepares the run folder, with its line."""
+    if isinstance(err, HydraException | OmegaConfBaseException):  # first: a missing config file is an OSError too
+        return report_error(ConfigError(hydra_message(err)), prog)
     if isinstance(err, BrokenPipeError):
         # --help or --cfg piped into a reader that stopped early (``| head``): end quietly, as a process that
         # SIGPIPE ended (128 + 13)
         _quiet(sys.stdout)
         return 128 + signal.SIGPIPE
-    if isinstance(err, OSError):  # Hydra creates the run folder and writes .hydra/ and its log into it
-        message = (
-            f"cannot write the run folder ({err.strerror}: {err.filename}); pass a writable hydra.run.dir=<folder>"
-        )
-    else:
-        message = hydra_message(err)
+    # Hydra creates the run folder and writes .hydra/ and its log into it
+    message = f"cannot write the run folder ({err.strerror}: {err.filename}); pass a writable hydra.run.dir=<folder>"
     return report_error(ConfigError(message), prog)
 
 
