@@ -187,10 +187,10 @@ class RunLock:
             return None
         now = "it was removed" if holder is None else f"pid {holder.pid} on host {holder.host} holds it now"
         return (
-            f"run_dir={str(self.path.parent)!r} is no longer this run's: its lock {self.path} was taken over while "
-            f"this process (pid {self.me[1]} on host {self.me[0]}) did not renew it for {self.lease_s:g} s "
-            f"(suspended, frozen or cut off), and {now}; stopped before writing anything more: the folder holds the "
-            "other launch's run (resume=auto continues it once that one has ended)"
+            f"run_dir={str(self.path.parent)!r} is no longer this run's: its lock {self.path} was taken over after "
+            f"this process (pid {self.me[1]} on host {self.me[0]}) went past its {self.lease_s:g} s lease without "
+            f"renewing it (suspended, frozen or cut off), and {now}; stopped before writing anything more: the "
+            "folder holds the other launch's run (resume=auto continues it once that one has ended)"
         )
 
     def _tmp_lock(self) -> Path:
