@@ -14,11 +14,15 @@ and a step does not depend on how its groups are spread over ranks;
 a NaN reward or a non-finite gradient skips the update (all ranks together) instead of
 corrupting the weights.
 
-Faults of a cluster: SIGTERM (a scheduler's notice) or the first Ctrl+C makes every rank stop after the
-same step, write a checkpoint and exit with ``Preempted`` (train/distributed/preemption.py); a second
+Faults of a cluster: SIGTERM (a scheduler's notice), SIGHUP (a closed terminal) or the first Ctrl+C makes
+every rank stop after the same step, write a checkpoint and exit with ``Preempted``
+(train/distributed/preemption.py); a second
 Ctrl+C stops at once with ``Interrupted``, naming the steps not saved. ``resume=auto`` then replays
 from the checkpoint bit for bit, with the rows of replayed steps dropped from metrics.jsonl, and falls back to
-the previous checkpoint when the latest is damaged. The last step is always checkpointed.
+the previous checkpoint when the latest is damaged; ``resume=<an older checkpoint>`` starts a new timeline,
+its later checkpoints retired (train/run/timeline.py). The last step is always checkpointed. A process
+that was suspended past its lease and finds its run folder's lock taken over stops with ``FolderLost``
+before it writes anything more: the step's end, every checkpoint save, evaluation and the export ask first.
 
 Nothing lost, nothing silent: a step's checkpoint is written before its evaluation; when the loop
 fails after steps that are not saved yet (and the weights are still those after the last of them),
@@ -60,9 +64,11 @@ from train.optim.ema import EMA
 from train.optim.optimizer import adamw_settings
 from train.run.build import open_run
 from train.run.errors import CheckpointError, DiskFull, Interrupted, NotLearning, Preempted, ranks_agreed
+from train.run.folder import FolderLost
 from train.run.layout import RunLayout
 from train.run.parts import Run
 from train.run.start import load_config, process_group
+from train.run.timeline import retire_later
 from train.step import train_step
 
 log = logging.getLogger(__name__)
@@ -83,13 +89,27 @@ def _needed_bytes(checkpoints: CheckpointManager, model: nn.Module, optimizer: O
     return state_bytes(model, optimizer)
 
 
+def _lost(run: Run) -> str | None:
+    """Why rank 0 no longer owns the run folder (its lock taken over), or None; asked on rank 0 only."""
+    return run.io.lock.lost() if run.io.lock is not None else None
+
+
+def _check_owner(run: Run) -> None:
+    """FolderLost on every rank when rank 0's lock of the run folder was taken over (a collective)."""
+    lost = broadcast_object(_lost(run))
+    if lost is not None:
+        raise FolderLost(lost)
+
+
 def _save(run: Run, step: int) -> Path:
-    """The checkpoint of ``step`` steps, once the disk has room for it (DiskFull otherwise)."""
+    """The checkpoint of ``step`` steps, once the disk has room for it (DiskFull otherwise) and while the run
+    folder is still this run's (FolderLost otherwise)."""
     extra: dict[str, Any] = {"step": step}
     ema, checkpoints = run.optim.ema, run.io.checkpoints
     if ema is not None:
         extra["ema"] = ema.state_dict()
     with activity(f"the checkpoint save after step {step}"):
+        _check_owner(run)
         needed = _needed_bytes(checkpoints, run.model.backbone.transformer, run.optim.optimizer)
         checkpoints.check_space(needed, f"the checkpoint of step {step}")
         return checkpoints.save(
@@ -98,6 +118,8 @@ def _save(run: Run, step: int) -> Path:
             optimizer=run.optim.optimizer,
             extra=extra,
             settings={**resume_settings(run.cfg), LORA_MODULES: run.model.lora_modules},
+            run_id=run.io.run_id,
+            check_owner=lambda: _check_owner(run),
         )
 
 
@@ -174,13 +196,20 @@ class _Session:
         return self.done > self.saved and self.moved == self.moved_when_done
 
 
-def _after_step(
-    run: Run, evaluator: Evaluator | None, session: _Session, stop_line: str | None, preemption: Preemption
-) -> None:
-    """Checkpoint, then evaluation, on their cadences once ``session.done`` steps are trained; SIGTERM, Ctrl+C and a
-    run that cannot learn (``stop_line``) stop here, after their checkpoint."""
+def _step_end(run: Run, preemption: Preemption) -> int:
+    """The signal any rank received (0: none), once every rank knows the run folder is still this run's
+    (FolderLost otherwise, before anything of the step is written); one collective."""
+    lost = _lost(run)
+    stop, folder_lost = preemption.requested(run.device, folder_lost=lost is not None)
+    if folder_lost:
+        raise FolderLost(lost or "rank 0 lost the run folder's lock to another launch")
+    return stop
+
+
+def _after_step(run: Run, evaluator: Evaluator | None, session: _Session, stop_line: str | None, stop: int) -> None:
+    """Checkpoint, then evaluation, on their cadences once ``session.done`` steps are trained; a signal (``stop``:
+    SIGTERM, SIGHUP, Ctrl+C) and a run that cannot learn (``stop_line``) stop here, after their checkpoint."""
     cfg, done = run.cfg, session.done
-    stop = preemption.requested(run.device)
     every = cfg.checkpoint.every
     if stop or stop_line or done == cfg.num_steps or (every and done % every == 0):
         path = _save(run, done)
@@ -189,6 +218,7 @@ def _after_step(
         raise NotLearning(f"{stop_line}; wrote checkpoint {path}")
     if evaluator is not None and evaluator.due(done):
         with activity(f"the evaluation after step {done}"):
+            _check_owner(run)
             evaluator(done)
     if stop:
         name = SIGNAL_NAMES.get(stop, f"signal {stop}")
@@ -213,7 +243,9 @@ def _rescue(run: Run, session: _Session, err: Exception) -> None:
     """Checkpoint the trained steps that an error is about to lose, when that is safe: the weights are those
     after the last step, and every rank takes part (one process, an error every rank raised alike, or one
     the ranks learned of together: an exception in some rank's reward phase)."""
-    if isinstance(err, DiskFull) or not session.unsaved() or not (run.dist.world_size == 1 or ranks_agreed(err)):
+    if isinstance(err, DiskFull | FolderLost) or not session.unsaved():
+        return
+    if not (run.dist.world_size == 1 or ranks_agreed(err)):
         return
     try:
         path = _save(run, session.done)
@@ -247,6 +279,7 @@ def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, 
             for step in range(start, cfg.num_steps):
                 with activity(f"training step {step}"):
                     metrics = train_step(run, step)
+                    stop = _step_end(run, preemption)
                     session.done, session.moved_when_done = step + 1, session.moved
                     run.io.logger.log(metrics, step)
                     history.append(metrics)
@@ -254,7 +287,7 @@ def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, 
                     bar.update(1)
                     bar.set_postfix(reward=f"{reward:.4f}")
                     heartbeat.tick(step + 1, reward)
-                    _after_step(run, evaluator, session, health.observe(metrics, step), preemption)
+                    _after_step(run, evaluator, session, health.observe(metrics, step), stop)
         except RepeatedInterrupt:
             raise _unsaved(run.io.checkpoints, step) from None
         except Exception as err:
@@ -273,6 +306,8 @@ def fit(run: Run) -> None:
     if start < cfg.num_steps:  # a full disk shows now, not after the steps before the first checkpoint
         needed = _needed_bytes(run.io.checkpoints, run.model.backbone.transformer, run.optim.optimizer)
         run.io.checkpoints.check_space(needed, "a checkpoint of this run")
+    if cfg.resume not in (None, "auto"):  # a branch from an older checkpoint: the later ones are retired
+        retire_later(cfg.resume, run.io.checkpoints, start, is_main=run.dist.is_main)
     if cfg.resume is not None:
         run.io.logger.rewind(start)  # a resumed run logs every step once: rows of the steps it replays go
     if start == cfg.num_steps:
@@ -294,6 +329,7 @@ def fit(run: Run) -> None:
     history = _train(run, evaluator, start)
     if cfg.checkpoint.export:
         with activity("the export"):
+            _check_owner(run)
             export(
                 run.model.backbone.transformer,
                 run.optim.ema,

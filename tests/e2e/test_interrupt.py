@@ -68,7 +68,7 @@ def test_second_ctrl_c_stops_at_once_naming_the_unsaved_steps(tiny_flux_dir, tmp
     monkeypatch.setattr(preemption, "REPEAT_S", 0.0)  # the second SIGINT below is the user's second Ctrl+C
     ctrl_c_in(monkeypatch, {0: 1, 1: 1})
     # nobody asks the loop to stop: training goes on after the first Ctrl+C, until the second
-    monkeypatch.setattr(preemption.Preemption, "requested", lambda self, device: 0)
+    monkeypatch.setattr(preemption.Preemption, "requested", lambda self, device, folder_lost=False: (0, folder_lost))
     overrides = [f"model.path={tiny_flux_dir}", "num_steps=4", "checkpoint.every=1"]
     status, stderr = train(capsys, tmp_path / "run", *overrides)
     line = stopped_line(stderr)

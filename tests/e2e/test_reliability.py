@@ -312,6 +312,12 @@ def write(name: str, text: str):
     return lambda path: (path / name).write_text(text)
 
 
+def of_another_run(path: Path) -> None:
+    """The marker of the same step of another run: its run id is another (the files are this run's)."""
+    marker = json.loads((path / "COMPLETE").read_text())
+    (path / "COMPLETE").write_text(json.dumps({**marker, "run_id": "0123456789abcdef"}))
+
+
 # (damage to the latest checkpoint, what the one line must say, found before the model loads?)
 DAMAGED = {
     "truncated-distcp": (truncate("__0_0.distcp"), r"__0_0\.distcp is truncated \(\d+ of \d+ bytes\)"),
@@ -326,6 +332,11 @@ DAMAGED = {
     "zeroed-metadata": (zero(".metadata"), r"\.metadata cannot be read"),
     "garbage-marker": (write("COMPLETE", "garbage{"), r"its COMPLETE marker is not the JSON the trainer writes"),
     "wrong-step-marker": (write("COMPLETE", '{"step": 7, "world_size": 1}'), r"says step 7, its folder name step 2"),
+    "of-another-run": (
+        of_another_run,
+        r"was written by run 0123456789abcdef, but .*/run holds run [0-9a-f]{16} \(its run_id file\).*"
+        r"continue the other run in a new folder: resume=.*step_00000002 hydra\.run\.dir=<new folder>",
+    ),
 }
 
 
@@ -464,17 +475,54 @@ def test_eval_names_a_damaged_checkpoint(trained, tiny_flux_dir, tmp_path, capsy
     assert status == 2 and str(latest) in line and re.search(DAMAGED["truncated-distcp"][1], line), line
 
 
-def sigterm_at(step: int, monkeypatch) -> None:
-    """SIGTERM to this process during training step ``step``, as a scheduler would send it."""
+def sigterm_at(step: int, monkeypatch, signum: int = signal.SIGTERM) -> None:
+    """SIGTERM (or ``signum``) to this process during training step ``step``, as a scheduler would send it."""
     real = trainer.train_step
 
     def step_then_signal(run, k):
         out = real(run, k)
         if k == step:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signum)
         return out
 
     monkeypatch.setattr(trainer, "train_step", step_then_signal)
+
+
+def test_sighup_checkpoints_like_sigterm(tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    """A closed terminal (SIGHUP) during step 0: the step ends, its checkpoint is written, the one line says so
+    (on stderr and in the run's log file), status 129, the lock is released."""
+    sigterm_at(0, monkeypatch, signal.SIGHUP)
+    run_dir = tmp_path / "run"
+    status, stderr = command(capsys, run_dir, [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3"])
+    assert status == 128 + signal.SIGHUP
+    line = [line for line in stderr.splitlines() if line.startswith("python -m train: stopped: ")]
+    assert len(line) == 1 and "Traceback" not in stderr, stderr
+    assert re.search(
+        r"SIGHUP \(the terminal or ssh session closed\): wrote checkpoint .*step_00000001 after step 1; "
+        r"rerun with resume=auto",
+        line[0],
+    ), line
+    assert line[0] in (run_dir / "__main__.log").read_text()
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000001"]
+    assert not (run_dir / "LOCK").exists()
+
+
+def test_help_into_a_reader_that_stops_early_ends_quietly(capsys, monkeypatch):
+    """``python -m train --help | head``: the reader closed stdout; no line about the run folder, status 141
+    (128 + SIGPIPE), as a process that SIGPIPE ended."""
+
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    with pytest.raises(SystemExit) as stop:
+        run_hydra(train_command.main, prog=train_command.PROG, argv=["--help"])
+    assert stop.value.code == 128 + signal.SIGPIPE
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.slow
@@ -634,6 +682,34 @@ def test_a_refused_launch_leaves_no_folder(tiny_flux_dir, tmp_path, capsys):
     assert not (tmp_path / "runs").exists()  # nor the parent Hydra created for it
 
 
+def test_rank_1_of_a_refused_launch_leaves_the_take_back_to_rank_0(
+    trained, tiny_flux_dir, tmp_path, capsys, monkeypatch
+):
+    """Rank 1 of a launch refused for a setting, while rank 0 takes the launch back (its LOCK and config.yaml go):
+    status 2, no line (rank 0 prints it), no traceback, and rank 1 puts nothing back nor removes anything."""
+    run_dir = copy_run(trained, tmp_path)
+    (run_dir / "LOCK").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "renewed": 0.0}))
+    real = trainer.load_config
+
+    def rank_0_takes_back(cfg):
+        (run_dir / "LOCK").unlink()
+        (run_dir / "config.yaml").unlink()
+        return real(cfg)
+
+    monkeypatch.setattr(trainer, "load_config", rank_0_takes_back)
+    monkeypatch.setenv("RANK", "1")
+    saved = kept(run_dir)
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "resume=auto", "optimizer.lr=nan"]
+    status, stderr = command(capsys, run_dir, overrides)
+    assert status == 2 and stderr.strip() == "", stderr
+    del saved["LOCK"], saved["config.yaml"]
+    assert {k: v for k, v in kept(run_dir).items() if not k.startswith(".hydra")} == {
+        k: v
+        for k, v in saved.items()
+        if not k.startswith(".hydra")  # rank 1's Hydra writes what rank 0's did
+    }
+
+
 def test_a_resume_keeps_each_session_configuration(trained, tiny_flux_dir, tmp_path, capsys):
     run_dir = copy_run(trained, tmp_path)
     first = (run_dir / "config.yaml").read_text()
@@ -643,6 +719,126 @@ def test_a_resume_keeps_each_session_configuration(trained, tiny_flux_dir, tmp_p
     assert (run_dir / "config.yaml").read_text() == first
     assert "seed: 7" in (run_dir / "config.2.yaml").read_text()
     assert [m["step"] for m in metrics(run_dir)] == [0, 1, 2]
+
+
+def test_a_branch_from_an_older_checkpoint_retires_the_later_ones(trained, tiny_flux_dir, tmp_path, capsys):
+    """resume=<step 1> (another lr): step 2's checkpoint and the export of step 2 move to checkpoints/retired/,
+    named in one line; metrics.jsonl holds one timeline, which resume=auto then continues."""
+    run_dir = copy_run(trained, tmp_path)
+    old = contents(run_dir / "checkpoints" / "step_00000002")
+    common = [*FAST, f"model.path={tiny_flux_dir}", "optimizer.lr=0.01"]
+    first = run_dir / "checkpoints" / "step_00000001"
+    status, stderr, stdout = command(capsys, run_dir, [*common, "num_steps=2", f"resume={first}"], stdout=True)
+    assert status == 0, stderr
+    retired = list((run_dir / "checkpoints" / "retired").iterdir())
+    assert len(retired) == 1 and sorted(p.name for p in retired[0].iterdir()) == ["export", "step_00000002"]
+    assert contents(retired[0] / "step_00000002") == old
+    assert re.search(
+        rf"resume=.*step_00000001 starts a new timeline after step 1: the later step_00000002, export moved to "
+        rf"{re.escape(str(retired[0]))} \(resume=auto does not look there",
+        stdout,
+    ), stdout
+    assert contents(run_dir / "checkpoints" / "step_00000002") != old  # the branch's own, with its lr
+    assert [m["step"] for m in metrics(run_dir)] == [0, 1]
+    status, stderr, stdout = command(capsys, run_dir, [*common, "num_steps=3", "resume=auto"], stdout=True)
+    assert status == 0 and re.search(r"resumed from .*/run/checkpoints/step_00000002 at step 2", stdout), stderr
+    assert [m["step"] for m in metrics(run_dir)] == [0, 1, 2]
+
+
+def test_a_checkpoint_of_another_run_is_refused_and_continued_in_a_new_folder(trained, tiny_flux_dir, tmp_path, capsys):
+    """The latest checkpoint replaced by the same step of another run: resume=auto is refused in one line and
+    nothing changes; the way the line names (resume=<it> into a new folder) trains on, as a run of its own."""
+    run_dir = copy_run(trained, tmp_path)
+    latest = run_dir / "checkpoints" / "step_00000002"
+    of_another_run(latest)
+    saved = contents(run_dir)
+    common = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3"]
+    status, stderr = command(capsys, run_dir, [*common, "resume=auto"])
+    assert status == 2 and re.search(DAMAGED["of-another-run"][1], the_error(stderr)), stderr
+    assert contents(run_dir) == saved
+    status, stderr, stdout = command(capsys, tmp_path / "copy", [*common, f"resume={latest}"], stdout=True)
+    assert status == 0, stderr
+    assert [m["step"] for m in metrics(tmp_path / "copy")] == [2]
+    new_id = (tmp_path / "copy" / "run_id").read_text().strip()
+    assert new_id not in ("0123456789abcdef", (run_dir / "run_id").read_text().strip())
+    copied = (
+        rf"resume=.*step_00000002: continuing checkpoint .*step_00000002 of run 0123456789abcdef as a new run {new_id}"
+    )
+    assert len([line for line in stdout.splitlines() if re.search(copied, line)]) == 1, stdout
+    marker = json.loads((tmp_path / "copy" / "checkpoints" / "step_00000003" / "COMPLETE").read_text())
+    assert marker["run_id"] == new_id
+
+
+def as_host(host: str, lease_s: float, overrides: list[str]) -> subprocess.Popen:
+    """``python -m train overrides`` as a process of ``host`` with a lock lease of ``lease_s`` (its output piped)."""
+    argv = [sys.executable, str(HELPERS / "other_host.py"), host, str(lease_s), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def kept(folder: Path) -> dict[str, str]:
+    """``contents`` without the log files (a process that stops says why there)."""
+    return {name: sha for name, sha in contents(folder).items() if not name.endswith(".log")}
+
+
+@pytest.mark.slow
+def test_a_suspended_holder_whose_folder_was_taken_over_stops_before_writing(tiny_flux_dir, tmp_path):
+    """Host a's run is stopped (SIGSTOP) past its 2 s lease; a launch from host b takes the folder over with
+    resume=auto and finishes. Host a's run, continued, stops at its step's end in one line, before its metrics
+    row: nothing in the folder changes."""
+    run_dir = tmp_path / "run"
+    common = [*FAST, f"model.path={tiny_flux_dir}", "checkpoint.every=0", f"hydra.run.dir={run_dir}"]
+    holder = as_host("host-a", 2.0, [*common, "num_steps=500"])
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text()):
+            assert time.monotonic() < deadline and holder.poll() is None, "step 0 never finished"
+            time.sleep(0.2)
+        holder.send_signal(signal.SIGSTOP)
+        time.sleep(3)  # past the lease: host b takes host a for dead
+        taker = as_host("host-b", 2.0, [*common, "num_steps=2", "resume=auto"])
+        taker_stdout, taker_stderr = taker.communicate(timeout=300)
+        assert taker.returncode == 0, taker_stderr
+        assert "taking over the lock" in taker_stdout
+        saved = kept(run_dir)
+        holder.send_signal(signal.SIGCONT)
+        _, stderr = holder.communicate(timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert holder.returncode == 1, stderr
+    line = the_error(stderr)
+    assert re.search(r"is no longer this run's: its lock .*LOCK was taken over .*pid \d+ on host host-a", line), line
+    assert "stopped before writing anything more" in line
+    assert kept(run_dir) == saved
+    assert [m["step"] for m in metrics(run_dir)] == [0, 1] and not (run_dir / "LOCK").exists()
+
+
+@pytest.mark.slow
+def test_two_launches_into_one_new_folder_one_trains_the_other_takes_back_nothing(tiny_flux_dir, tmp_path):
+    """Two launches at once into one new folder: exactly one owns it and trains; the other is refused in one line
+    and leaves the winner's files alone (its LOCK while it runs, .hydra/, log, config.yaml)."""
+    run_dir = tmp_path / "runs" / "new"
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=1", f"hydra.run.dir={run_dir}"]
+    launches = [as_host(socket.gethostname(), 60.0, overrides) for _ in range(2)]
+    deadline = time.monotonic() + 300
+    while all(launch.poll() is None for launch in launches):
+        assert time.monotonic() < deadline, "neither launch ended"
+        time.sleep(0.1)
+    still = [launch for launch in launches if launch.poll() is None]
+    holder = json.loads((run_dir / "LOCK").read_text()) if (run_dir / "LOCK").is_file() else None
+    if still and still[0].poll() is None:  # the winner still runs: its lock is in place
+        assert holder is not None and holder["pid"] == still[0].pid, holder
+    stderrs = [launch.communicate(timeout=300)[1] for launch in launches]
+    statuses = [launch.returncode for launch in launches]
+    assert sorted(statuses) == [0, 2], stderrs
+    winner = launches[statuses.index(0)]
+    line = the_error(stderrs[statuses.index(2)])
+    assert re.search(rf"is in use by pid {winner.pid} |already holds a run", line), line
+    assert [m["step"] for m in metrics(run_dir)] == [0]
+    for name in (".hydra/config.yaml", "__main__.log", "config.yaml", "run_id", "checkpoints/step_00000001", "export"):
+        assert (run_dir / name).exists(), name
+    assert not (run_dir / "LOCK").exists()
 
 
 @pytest.mark.parametrize("holder", ["live", "dead"])

@@ -139,6 +139,25 @@ def test_crash_mid_save_leaves_previous_checkpoint_usable(tmp_path, trained, mon
     assert manager.latest().name == "step_00000004"
 
 
+def test_a_save_whose_folder_was_taken_over_replaces_and_prunes_nothing(tmp_path, trained) -> None:
+    """The folder became another run's during the save (a holder suspended mid-save): ``check_owner`` raises
+    before the save replaces the checkpoint of its step or prunes an older one."""
+    model, optimizer, _ = trained
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    first, second = (manager.save(step, model=model, optimizer=optimizer, extra={"step": step}) for step in (1, 2))
+    assert not first.exists()
+    before = {p.name: p.read_bytes() for p in second.iterdir()}
+
+    def taken_over() -> None:
+        raise RuntimeError("the folder is another run's")
+
+    for step in (2, 3):
+        with pytest.raises(RuntimeError, match="another run's"):
+            manager.save(step, model=model, optimizer=optimizer, extra={"step": step}, check_owner=taken_over)
+    assert [p.name for p in manager.complete()] == ["step_00000002"]
+    assert {p.name: p.read_bytes() for p in second.iterdir()} == before
+
+
 def test_usable_checkpoints_of_resume(tmp_path, trained) -> None:
     model, optimizer, _ = trained
     manager = CheckpointManager(tmp_path)

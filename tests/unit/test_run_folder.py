@@ -1,14 +1,19 @@
-"""One run per folder and the run folder's lock (train/run/folder.py), with a clock of the test's own."""
+"""One run per folder and the run folder's lock (train/run/folder.py), with a clock of the test's own; the take-back
+of a refused launch (train/cli/launch.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 
 import pytest
 
+import train.cli.launch as launch_module
+from train.cli.launch import Launch
 from train.run.errors import ConfigError
 from train.run.folder import FolderInUse, RunLock, check_one_run, clear_run, held_run
 from train.run.layout import RunLayout
@@ -113,3 +118,116 @@ def test_a_folder_with_a_run_is_refused_unless_resumed_or_overwritten(tmp_path):
     check_one_run(tmp_path, resume=None, overwrite=True)
     clear_run(tmp_path)
     assert held_run(tmp_path) is None and (tmp_path / ".hydra").is_dir() and (tmp_path / "__main__.log").is_file()
+
+
+def test_the_holders_own_lease_decides_when_it_is_taken_for_dead(tmp_path):
+    """A holder with a 2 s lease on another host is taken over 2 s after its last renewal, whatever the taker's
+    own lease."""
+    clock = Clock()
+    RunLock(tmp_path, clock=clock, host="elsewhere", pid=1, lease_s=2).acquire()
+    taker = RunLock(tmp_path, clock=clock, host="here", lease_s=60)
+    clock.now += 1
+    with pytest.raises(FolderInUse, match=r"or 2 s after its last renewal"):
+        taker.acquire()
+    clock.now += 2
+    taker.acquire()
+    assert taker.holder().host == "here"
+
+
+def test_a_holder_whose_lock_was_taken_over_finds_it_lost(tmp_path):
+    """Suspended past its lease: another host takes the folder; the holder's renewal leaves the new lock alone,
+    and ``lost`` names the new holder, then (once that one released it) says the lock is gone."""
+    clock = Clock()
+    mine = RunLock(tmp_path, clock=clock, host="a", pid=1, lease_s=2)
+    mine.acquire()
+    assert mine.lost() is None
+    clock.now += 3
+    other = RunLock(tmp_path, clock=clock, host="b", pid=2, lease_s=2)
+    other.acquire()
+    assert not mine.renew() and other.holder().host == "b"
+    assert re.search(r"is no longer this run's: .*pid 2 on host b holds it now; stopped before writing", mine.lost())
+    other.release()
+    assert "it was removed" in mine.lost()
+
+
+def test_of_starters_that_meet_exactly_one_owns_the_folder(tmp_path):
+    """Eight starters of eight hosts at once (threads past one barrier): the lock is created atomically, so one
+    acquires it and the seven others are refused naming it."""
+    starters = [RunLock(tmp_path, host=f"host{i}", pid=i + 1) for i in range(8)]
+    barrier, won, refused = threading.Barrier(len(starters)), [], []
+
+    def start(lock: RunLock) -> None:
+        barrier.wait()
+        try:
+            lock.acquire()
+            won.append(lock.me)
+        except FolderInUse:
+            refused.append(lock.me)
+
+    threads = [threading.Thread(target=start, args=(lock,)) for lock in starters]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    holder = starters[0].holder()
+    assert len(won) == 1 and len(refused) == 7 and won[0] == (holder.host, holder.pid)
+
+
+def test_a_stale_lock_is_taken_over_once(tmp_path, dead_pid):
+    write_lock(tmp_path, host="here", pid=dead_pid, renewed=0.0)
+    winner = RunLock(tmp_path, host="here", pid=os.getppid())  # alive, not this process
+    winner.acquire()
+    with pytest.raises(FolderInUse, match=rf"in use by pid {os.getppid()}"):
+        RunLock(tmp_path, host="here").acquire()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LOCK"]  # no file of the takeover left behind
+
+
+def test_a_launch_refused_in_a_race_leaves_the_folder_it_made_to_the_winner(tmp_path, monkeypatch):
+    """This launch made the run folder; the winner took its lock and wrote there before this launch asked for
+    it: the refusal takes back nothing (the folder, the winner's files and its LOCK stay)."""
+    folder = tmp_path / "runs" / "new"
+
+    class WinnerFirst(RunLock):
+        def acquire(self) -> None:
+            RunLock(self.path.parent, pid=os.getppid()).acquire()  # the winner: alive, on this host
+            (self.path.parent / "config.yaml").write_text("the winner's\n")
+            super().acquire()
+
+    monkeypatch.setattr(launch_module, "RunLock", WinnerFirst)
+    with pytest.raises(FolderInUse, match=rf"in use by pid {os.getppid()}"):
+        Launch.claimed(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["LOCK", "config.yaml"]
+    assert RunLock(folder).holder().pid == os.getppid()
+
+
+def test_a_refused_launch_takes_back_its_folder_and_lets_the_lock_go_last(tmp_path):
+    """The launch made runs/new and took its lock; the trainer (another lock of this process) took and released
+    it too: the LOCK stays until the take-back, which removes what the launch wrote, then the folders it made."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "other").mkdir()  # another run beside it: runs/ stays
+    folder = tmp_path / "runs" / "new"
+    launch = Launch.claimed(folder)
+    assert launch.made == [folder]
+    (folder / ".hydra").mkdir()
+    (folder / ".hydra" / "config.yaml").write_text("{}\n")
+    (folder / "config.yaml").write_text("{}\n")
+    trainer = RunLock(folder)
+    trainer.acquire()
+    trainer.release()
+    assert RunLock(folder).holder() is not None  # still the launch's
+    launch.undo()
+    assert not folder.exists() and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["other"]
+
+
+def test_files_that_go_while_a_launch_is_taken_back_are_no_error(tmp_path):
+    """Files another process removes between the record and the take-back (rank 0's LOCK and config.yaml, on
+    another rank) are no error, and not put back."""
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "config.yaml").write_text("{}\n")
+    write_lock(tmp_path, host="elsewhere", pid=1, renewed=0.0)
+    launch = Launch.before(tmp_path)
+    (tmp_path / "LOCK").unlink()
+    (tmp_path / "config.yaml").unlink()
+    assert not launch.did_work()
+    launch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]

@@ -9,7 +9,8 @@ Layout of ``run_dir/checkpoints/step_00000040/``:
   picklable object) and this rank's RNG states (torch CPU, CUDA if any, python, numpy). RNG
   states differ per rank, so they are per-rank files, not DCP entries (DCP would keep rank 0's).
 * ``COMPLETE``: a JSON marker: step, world size, the settings that give the weights their meaning
-  (``RESUME_SETTINGS`` of train/config/keys.py, compared on resume), and the size and SHA-256 of
+  (``RESUME_SETTINGS`` of train/config/keys.py, compared on resume), the id of the run that wrote it
+  (train/run/timeline.py, checked on resume), and the size and SHA-256 of
   every other file of the folder. The ranks share the hashing: with R ranks, rank r hashes every R-th
   file of the sorted listing, at save and again when the checkpoint is checked.
 
@@ -39,7 +40,7 @@ import json
 import logging
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,11 @@ class CheckpointManager:
         settings = read_marker(path).get("settings")
         return settings if isinstance(settings, dict) else None
 
+    def run_id_of(self, path: Path) -> str | None:
+        """The id of the run that wrote a checkpoint (None: saved before ids were recorded)."""
+        run_id = read_marker(path).get("run_id")
+        return run_id if isinstance(run_id, str) else None
+
     def size_of(self, path: Path) -> int:
         """Bytes of the files of checkpoint ``path``."""
         return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
@@ -209,10 +215,13 @@ class CheckpointManager:
         optimizer: Optimizer | None,
         extra: dict[str, Any],
         settings: dict[str, Any] | None = None,
+        run_id: str | None = None,
+        check_owner: Callable[[], None] | None = None,
     ) -> Path:
-        """Write a checkpoint of step ``step`` on every rank (a collective); return its folder.
-
-        ``settings``: what the weights mean (recorded in the marker, compared on resume)."""
+        """Write a checkpoint of step ``step`` on every rank (a collective); return its folder. Its marker records
+        ``settings`` (what the weights mean) and ``run_id`` (the run that writes it), both checked on resume;
+        ``check_owner`` (a collective) raises before the checkpoint replaces or prunes anything when the folder
+        is no longer this run's."""
         rng = rng_state()
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
@@ -241,15 +250,21 @@ class CheckpointManager:
             raise DiskFull(self._disk_full(f"filled up while it took the checkpoint of step {step}")) from None
         barrier()
         files = checksums(tmp)
+        if check_owner is not None:
+            check_owner()
         if get_rank() == 0:
-            marker = {"step": step, "world_size": get_world_size(), "settings": settings, "files": files}
-            (tmp / MARKER).write_text(json.dumps(marker))
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            self._prune()
+            marker = {"step": step, "world_size": get_world_size(), "settings": settings, "run_id": run_id}
+            self._commit(tmp, final, {**marker, "files": files})
         barrier()
         return final
+
+    def _commit(self, tmp: Path, final: Path, marker: dict[str, Any]) -> None:
+        """Rank 0's end of a save: the marker, the finished folder in place of ``final``, the oldest pruned."""
+        (tmp / MARKER).write_text(json.dumps(marker))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        self._prune()
 
     def load(
         self,

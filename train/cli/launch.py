@@ -1,9 +1,13 @@
 """The take-back of a refused launch: the run folder as it was before Hydra wrote into it.
 
 A launch refused before it did any work (a setting, a file, a checkpoint that does not fit) takes back
-what it wrote: the folder it created goes, and in a folder that existed ``.hydra/``, ``config*.yaml``
-and the log file are as they were. train/cli/run_folder.py records the folder before Hydra writes;
-train/cli/reporting.py takes the launch back when it reports a user's error.
+what it wrote, and only that: the folders it created itself go (the run folder with what it wrote there,
+its parents when they are empty), and in a folder that existed ``.hydra/``, ``config*.yaml``, ``run_id``
+and the log file are as they were. train/cli/run_folder.py records the folder and takes its lock
+before Hydra writes (``claimed``: of two launches that meet, the one refused has written nothing);
+train/cli/reporting.py takes the launch back when it reports a user's error. Only rank 0 takes back
+(the other ranks write the same files, and rank 0 removes them); a launch whose lock was taken over
+takes back nothing (the folder is another launch's).
 """
 
 from __future__ import annotations
@@ -15,7 +19,17 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.run.layout import LOCK_FILE
+from train.run.folder import RunLock
+from train.run.layout import LOCK_FILE, RUN_ID_FILE
+
+
+def _stat(path: Path) -> tuple[int, int] | None:
+    """(size, mtime in ns) of a file, None when it is gone (another process removed it meanwhile)."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_size, stat.st_mtime_ns
 
 
 @dataclass
@@ -23,70 +37,123 @@ class Launch:
     """The run folder as it was before Hydra wrote into it, so that a refused launch can take back what it wrote.
 
     What a launch writes before its first step (bookkeeping): Hydra's ``.hydra/`` and log file, the
-    trainer's ``config*.yaml`` and lock. Anything else that changed means the launch did work: it stays.
+    trainer's ``config*.yaml``, ``run_id`` and lock. Anything else that changed means the launch did work:
+    it stays.
     """
 
     folder: Path
-    created: Path | None  # the outermost folder that did not exist (None: the run folder existed)
+    made: list[Path]  # the folders this launch created, outermost first (the run folder last, when it made it)
     saved: dict[Path, bytes]  # the bookkeeping files' contents (log files: their lengths in ``lengths``)
     lengths: dict[Path, int]
     others: dict[Path, tuple[int, int]]  # every other file: (size, mtime in ns)
     folders: set[Path]  # the folders under it
+    lock: RunLock | None = None  # the folder's lock, when this launch took it (``claimed``)
 
     @staticmethod
     def bookkeeping(relative: Path) -> bool:
         parts = relative.parts
         top = len(parts) == 1 and (
-            parts[0].endswith(".log") or parts[0] == LOCK_FILE or re.fullmatch(r"config.*\.yaml", parts[0]) is not None
+            parts[0].endswith(".log")
+            or parts[0] in (LOCK_FILE, RUN_ID_FILE)
+            or re.fullmatch(r"config.*\.yaml", parts[0]) is not None
         )
         return top or parts[0] == ".hydra"
 
     @classmethod
     def before(cls, folder: Path, *, within: Path | None = None) -> Launch:
         """``folder`` now; ``within``: a folder never to take back (a sweep's, which holds its other jobs)."""
-        created = None
+        missing = []
         for candidate in (folder, *folder.parents):
             if candidate.exists() or candidate == within:
                 break
-            created = candidate
+            missing.append(candidate)
         folders = {p for p in folder.rglob("*") if p.is_dir()} if folder.is_dir() else set()
-        launch = cls(folder, created, {}, {}, {}, folders)
+        launch = cls(folder, missing[::-1], {}, {}, {}, folders)
         for path in launch._files():
+            stat = _stat(path)
+            if stat is None or path.name == LOCK_FILE:  # a lock is released, never restored
+                continue
             if not cls.bookkeeping(path.relative_to(folder)):
-                launch.others[path] = (path.stat().st_size, path.stat().st_mtime_ns)
+                launch.others[path] = stat
             elif path.suffix == ".log":
-                launch.lengths[path] = path.stat().st_size
+                launch.lengths[path] = stat[0]
             else:
                 launch.saved[path] = path.read_bytes()
+        return launch
+
+    @classmethod
+    def claimed(cls, folder: Path) -> Launch:
+        """Create the run folder (noting the folders this launch made) and take its lock, atomically, then
+        record it: FolderInUse when another live process holds it, and then nothing was written (the folders
+        this launch made go while they are empty: the other launch may have begun to write there)."""
+        made = []
+        for parent in (*reversed(folder.parents), folder):
+            try:
+                parent.mkdir()
+                made.append(parent)
+            except FileExistsError:
+                continue
+        lock = RunLock(folder)
+        try:
+            lock.acquire()
+        except BaseException:
+            _remove_empty(made)
+            raise
+        launch = cls.before(folder)
+        launch.made, launch.lock = made, lock
         return launch
 
     def _files(self) -> list[Path]:
         return [p for p in self.folder.rglob("*") if p.is_file()] if self.folder.is_dir() else []
 
     def did_work(self) -> bool:
-        now = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in self._files()}
-        return {p: v for p, v in now.items() if not self.bookkeeping(p.relative_to(self.folder))} != self.others
+        now = {p: _stat(p) for p in self._files() if not self.bookkeeping(p.relative_to(self.folder))}
+        return {p: v for p, v in now.items() if v is not None} != self.others
 
     def undo(self) -> None:
-        """Take back the bookkeeping of a launch refused before it did any work (else leave everything)."""
+        """Take back the bookkeeping of a launch refused before it did any work (else leave everything); the
+        lock goes last, so that no other launch begins to write in the folder while this one takes back."""
         if not self.folder.is_dir() or self.did_work():
             return
+        if self.lock is not None and self.lock.taken():
+            return  # another launch owns the folder now: what is there is its own (the task released this one's)
         for handler in logging.getLogger().handlers[:]:  # Hydra's log file in the folder
             if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).is_relative_to(self.folder):
                 handler.close()
                 logging.getLogger().removeHandler(handler)
-        if self.created is not None:
-            shutil.rmtree(self.created, ignore_errors=True)
-            return
+        if self.folder in self.made:
+            for path in self.folder.iterdir():
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                elif path.name != LOCK_FILE:
+                    path.unlink(missing_ok=True)
+        else:
+            self._restore()
+        if self.lock is not None:
+            self.lock.release()
+        _remove_empty(self.made)
+
+    def _restore(self) -> None:
+        """The bookkeeping of a folder that existed as it was (the lock aside: ``undo`` releases it)."""
         for path in self._files():
-            if not self.bookkeeping(path.relative_to(self.folder)):
+            if not self.bookkeeping(path.relative_to(self.folder)) or path.name == LOCK_FILE:
                 continue
             if path in self.saved:
                 path.write_bytes(self.saved[path])
             elif path in self.lengths:
                 os.truncate(path, self.lengths[path])
             else:
-                path.unlink()
+                path.unlink(missing_ok=True)
         for folder in sorted(self.folder.rglob("*"), reverse=True):  # folders the launch created, now empty
             if folder.is_dir() and folder not in self.folders and not any(folder.iterdir()):
                 folder.rmdir()
+
+
+def _remove_empty(made: list[Path]) -> None:
+    """The folders a launch made (outermost first), innermost first, while they are empty: one that is not
+    holds another launch's files, and so do the folders above it."""
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            return

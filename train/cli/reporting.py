@@ -21,6 +21,7 @@ setting, a decision the ranks took together) is printed by rank 0 only; any othe
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -85,10 +86,30 @@ def _debug() -> bool:
     return os.environ.get(DEBUG_ENV) == "1" if progress.debug is None else progress.debug
 
 
+def _quiet(*streams: Any) -> None:
+    """Send what is left of ``streams`` nowhere: their reader is gone (a closed terminal, ``| head``), and
+    Python's flush at exit must not fail again (Python's docs on SIGPIPE advise the same)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in streams:
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError, AttributeError):  # not a file (a test's capture)
+            pass
+    os.close(devnull)
+
+
 def _print(prog: str, label: str, message: str, *, rank: int) -> None:
+    """The line on stderr, and in the run folder's log file (a closed terminal shows it no more)."""
     prefix = f"[rank {rank}] " if rank > 0 else ""
     one_line = " ".join(part.strip() for part in message.splitlines() if part.strip())
-    print(f"{prefix}{prog}: {label}: {one_line}", file=sys.stderr, flush=True)
+    line = f"{prefix}{prog}: {label}: {one_line}"
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(logging.LogRecord("train", logging.ERROR, __file__, 0, line, None, None))
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:  # the terminal closed (SIGHUP) or stderr's reader left
+        _quiet(sys.stdout, sys.stderr)
 
 
 def report_error(err: Stop, prog: str, *, where: str = "") -> int:
@@ -241,6 +262,20 @@ def _repeated_override_keys(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _before_task(err: HydraException | OmegaConfBaseException | OSError, prog: str) -> int:
+    """The exit status of an error while Hydra composes the settings and prepares the run folder, with its line."""
+    if isinstance(err, HydraException | OmegaConfBaseException):  # first: a missing config file is an OSError too
+        return report_error(ConfigError(hydra_message(err)), prog)
+    if isinstance(err, BrokenPipeError):
+        # --help or --cfg piped into a reader that stopped early (``| head``): end quietly, as a process that
+        # SIGPIPE ended (128 + 13)
+        _quiet(sys.stdout)
+        return 128 + signal.SIGPIPE
+    # Hydra creates the run folder and writes .hydra/ and its log into it
+    message = f"cannot write the run folder ({err.strerror}: {err.filename}); pass a writable hydra.run.dir=<folder>"
+    return report_error(ConfigError(message), prog)
+
+
 def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None = None) -> None:
     """Run ``main`` (a ``@hydra.main`` function whose body is inside ``reported``); a reported error exits.
 
@@ -264,19 +299,13 @@ def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None 
             )
             _print(prog, "error", message, rank=env_rank())
             raise SystemExit(max(status for _, status in failed))
-    except (HydraException, OmegaConfBaseException) as err:
+    except (HydraException, OmegaConfBaseException, OSError) as err:
         if progress.task_started:
             raise
-        raise SystemExit(report_error(ConfigError(hydra_message(err)), prog)) from None
-    except OSError as err:
-        if progress.task_started:
-            raise
-        # Before the task runs, Hydra creates the run folder and writes .hydra/ and its log into it.
-        message = (
-            f"cannot write the run folder ({err.strerror}: {err.filename}); pass a writable hydra.run.dir=<folder>"
-        )
-        raise SystemExit(report_error(ConfigError(message), prog)) from None
+        raise SystemExit(_before_task(err, prog)) from None
     finally:
+        if progress.launch is not None and progress.launch.lock is not None:
+            progress.launch.lock.release()  # the lock RunFolder took, if the task has not released it
         sys.argv, progress.debug, progress.launch, progress.launches = saved_argv, None, None, {}
         if saved_debug is None:
             os.environ.pop(DEBUG_ENV, None)

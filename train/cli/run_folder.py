@@ -31,10 +31,12 @@ class RunFolder(Callback):
 
     ``one_run``: refuse a folder that holds a run unless ``resume`` or ``checkpoint.overwrite`` is set, and
     one whose lock a live process holds (the trainer's; train.eval and train.probe write beside runs).
+    ``lock``: take the folder's lock (rank 0) before Hydra writes into it, for commands that own their folder
+    (the trainer, the probe; not train.eval, whose folder is inside the run it evaluates).
     """
 
-    def __init__(self, one_run: bool = True) -> None:
-        self.one_run = one_run
+    def __init__(self, one_run: bool = True, lock: bool = True) -> None:
+        self.one_run, self.lock = one_run, lock
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
@@ -44,7 +46,17 @@ class RunFolder(Callback):
         problem = self._refusal(folder, config)
         if problem is not None:
             raise SystemExit(report_error(problem, progress.prog))  # Hydra's callbacks swallow Exceptions
-        progress.launch = Launch.before(folder)
+        if env_rank() != 0:  # rank 0 owns the folder and takes back what a refused launch wrote there
+            return
+        if not self.lock:
+            progress.launch = Launch.before(folder)
+            return
+        try:
+            progress.launch = Launch.claimed(folder)
+        except UserError as err:  # another launch owns the folder: this one has written nothing
+            raise SystemExit(report_error(err, progress.prog)) from None
+        except OSError:  # the folder cannot be created: Hydra fails to and reports it (train/cli/reporting.py)
+            progress.launch = Launch.before(folder)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Every job's folder, before the sweep writes anything: one refused folder refuses the sweep."""

@@ -1,10 +1,12 @@
-"""SIGTERM (a scheduler's notice before it kills a job) and the first Ctrl+C (SIGINT) as a request to
-checkpoint and stop.
+"""SIGTERM (a scheduler's notice before it kills a job), SIGHUP (the terminal or ssh session that started
+the run closed) and the first Ctrl+C (SIGINT) as a request to checkpoint and stop.
 
 Slurm, Kubernetes and torchrun's agent (which forwards the signal it gets to every worker) send
-SIGTERM, wait a grace period, then SIGKILL. The handler only sets a flag; the training loop asks
-``requested()`` after every step, a collective (one all-reduce of the signal number), so when any rank
-got a signal every rank stops after the same step, writes the same checkpoint and exits. Further
+SIGTERM, wait a grace period, then SIGKILL; a closed terminal sends SIGHUP to the processes it started
+(torchrun's agent forwards it). The handler only sets a flag; the training loop asks ``requested()`` after
+every step, a collective (one all-reduce of the signal number, and of whether rank 0 found its run folder's
+lock taken over: train/run/folder.py), so when any rank got a signal every rank stops after the same step,
+writes the same checkpoint and exits. Further
 SIGTERMs are ignored while the flag is set: a worker often gets the scheduler's signal and torchrun's
 forwarded copy, and the second must not cut the save short. The grace period bounds the save:
 torchrun's agent kills its workers ``--shutdown-timeout`` seconds (30 by default) after forwarding the
@@ -34,7 +36,11 @@ from train.distributed.collectives import all_reduce_max
 
 log = logging.getLogger(__name__)
 REPEAT_S = 1.0  # SIGINTs closer than this to the first are copies of one Ctrl+C (terminal and torchrun)
-SIGNAL_NAMES: dict[int, str] = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl+C (SIGINT)"}
+SIGNAL_NAMES: dict[int, str] = {
+    signal.SIGTERM: "SIGTERM",
+    signal.SIGINT: "Ctrl+C (SIGINT)",
+    signal.SIGHUP: "SIGHUP (the terminal or ssh session closed)",
+}
 
 
 class RepeatedInterrupt(KeyboardInterrupt):
@@ -58,16 +64,17 @@ class Preemption:
         if signum == signal.SIGINT and int(os.environ.get("RANK", "0")) == 0:
             log.warning("Ctrl+C: finishing this step, then writing a checkpoint (Ctrl+C again stops at once, unsaved)")
 
-    def requested(self, device: torch.device) -> int:
-        """The signal number any rank received (SIGTERM over SIGINT), 0 when none, the same on every rank;
-        every rank must call it at the same point."""
-        flag = torch.tensor(float(self.received), device=device)
-        return int(all_reduce_max(flag).item())
+    def requested(self, device: torch.device, *, folder_lost: bool = False) -> tuple[int, bool]:
+        """(The signal number any rank received (SIGTERM over SIGINT over SIGHUP), 0 when none; whether any rank
+        found the run folder lost), the same on every rank; every rank must call it at the same point."""
+        flags = torch.tensor([float(self.received), float(folder_lost)], device=device)
+        signum, lost = all_reduce_max(flags).tolist()
+        return int(signum), bool(lost)
 
 
 @contextmanager
 def stop_requests() -> Iterator[Preemption]:
-    """SIGTERM and the first SIGINT set a flag instead of ending the process, for the duration of the block.
+    """SIGTERM, SIGHUP and the first SIGINT set a flag instead of ending the process, for the duration of the block.
 
     Python delivers signals to the main thread only: a loop run in another thread gets a flag that
     never rises, and the signals keep their default actions there.
@@ -76,7 +83,10 @@ def stop_requests() -> Iterator[Preemption]:
     if threading.current_thread() is not threading.main_thread():
         yield notice
         return
-    previous = {signum: signal.signal(signum, notice.handle) for signum in SIGNAL_NAMES}
+    # a run started under nohup ignores SIGHUP, and keeps doing so
+    nohup = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    caught = [signum for signum in SIGNAL_NAMES if not (nohup and signum == signal.SIGHUP)]
+    previous = {signum: signal.signal(signum, notice.handle) for signum in caught}
     try:
         yield notice
     finally:

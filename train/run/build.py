@@ -1,9 +1,10 @@
 """The assembly of a run, shared by the trainer and the probe.
 
 ``build_run`` assembles the run (``train.run.parts.Run``) in a fixed order: seeds, the checks of the
-checkpoints to resume from (train/run/startup_checks.py), the rewards (a wrong reward path fails in seconds,
-before the transformer loads: train/run/scorers.py), the backbone, the trainable parameters and the KL
-reference (then sharding: train/model/builder.py), the optimizer, the logger, the predictors and the router.
+checkpoints to resume from (train/run/startup_checks.py) and of the run they belong to (train/run/timeline.py),
+the rewards (a wrong reward path fails in seconds, before the transformer loads: train/run/scorers.py), the
+backbone, the trainable parameters and the KL reference (then sharding: train/model/builder.py), the
+optimizer, the logger, the predictors and the router.
 ``open_run`` builds it in the run folder claimed for it.
 """
 
@@ -28,11 +29,13 @@ from train.observe.logger import RunLogger
 from train.observe.perf import CompileWatch, device_peak
 from train.optim.optimizer import adamw_settings, build_ema
 from train.run.errors import ConfigError
+from train.run.folder import RunLock
 from train.run.layout import RunLayout
 from train.run.parts import DataParts, IOParts, OptimParts, PerfParts, Run
 from train.run.prompts import PromptSampler, read_prompts
 from train.run.scorers import build_rewards, check_scorer_inputs
 from train.run.startup_checks import check_mesh, check_resume, claim_folder, resolve_device
+from train.run.timeline import run_identity
 
 
 def build_logger(cfg: TrainConfig, dist: DistInfo, *, resumed: bool) -> RunLogger:
@@ -53,13 +56,14 @@ def build_logger(cfg: TrainConfig, dist: DistInfo, *, resumed: bool) -> RunLogge
     )
 
 
-def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run:
-    """The run state in the claimed run folder; ``training``: refuse a checkpoint past num_steps or of
-    other settings (the probe only measures one)."""
+def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: RunLock | None = None) -> Run:
+    """The run state in the claimed run folder (``lock``: rank 0's); ``training``: refuse a checkpoint past
+    num_steps, of other settings or of another run (the probe only measures one)."""
     seed_everything(cfg.seed, dist.rank)
     layout = RunLayout(cfg.run_dir)
     checkpoints = CheckpointManager(layout.root, keep_last=cfg.checkpoint.keep_last)
     resume_from = check_resume(cfg, dist, checkpoints, max_step=cfg.num_steps if training else None)
+    run_id = run_identity(cfg.resume, checkpoints, resume_from, dist) if training else None
     check_mesh(cfg, dist.world_size)
     device = resolve_device(cfg, dist)
     records = read_prompts(cfg.data.train_prompts)
@@ -87,7 +91,9 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Run
             router=build_router(cfg.update),
         ),
         data=DataParts(prompts=prompts, rewards=rewards),
-        io=IOParts(layout=layout, checkpoints=checkpoints, logger=logger, resume_from=resume_from),
+        io=IOParts(
+            layout=layout, checkpoints=checkpoints, logger=logger, resume_from=resume_from, run_id=run_id, lock=lock
+        ),
         perf=PerfParts(
             flops=flops,
             peak=device_peak(cfg.perf.peak_tflops, device),
@@ -103,7 +109,7 @@ def open_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Iter
     cfg.run_dir = str(broadcast_object(cfg.run_dir))  # every rank writes where rank 0 does
     lock = claim_folder(cfg, dist, training=training)
     try:
-        run = build_run(cfg, dist, training=training)
+        run = build_run(cfg, dist, training=training, lock=lock)
         try:
             yield run
         finally:

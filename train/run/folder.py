@@ -5,11 +5,16 @@
   wants: ``resume=auto|<path>`` continues that run, ``checkpoint.overwrite=true`` replaces it
   (``clear_run`` deletes its files first). train/cli/run_folder.py asks before Hydra writes into the folder;
   the trainer asks again before any model loads, for launches that name ``run_dir=`` themselves.
-* ``RunLock``: one owner per run folder. Rank 0 writes ``<run>/LOCK`` (JSON: host, pid, the time it
-  last renewed it) and a thread renews it every ``lease_s / 3`` seconds. A second process refuses to
+* ``RunLock``: one owner per run folder. Rank 0 creates ``<run>/LOCK`` (JSON: host, pid, the time it
+  last renewed it, its lease) atomically, as a hard link of a file of its own, so of two launches that meet
+  exactly one owns the folder, before either writes anything else there (train/cli/run_folder.py takes it
+  before Hydra writes). A thread renews it every ``lease_s / 3`` seconds. A second process refuses to
   start while the holder is alive: on the same host its pid must be running, elsewhere its lease must
-  be younger than ``lease_s`` (clocks of the hosts are assumed to agree within seconds). A holder that
-  died (killed, or its node lost before the job restarted elsewhere) is taken over, with a warning.
+  be younger than the holder's ``lease_s`` (clocks of the hosts are assumed to agree within seconds). A
+  holder that died (killed, or its node lost before the job restarted elsewhere) is taken over, with a
+  warning. A holder that was only stopped (Slurm's suspend, a frozen VM, an NFS stall) past its lease may
+  wake up to find its lock taken over: ``lost`` says so, and the trainer asks it before every write
+  (``FolderLost``: it stops before writing anything more).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from train.run.errors import ConfigError, UserError
+from train.run.errors import ConfigError, Stop, UserError
 from train.run.layout import RunLayout
 
 log = logging.getLogger(__name__)
@@ -85,11 +90,28 @@ class FolderInUse(UserError):
     """Another live process holds the run folder's lock."""
 
 
+class FolderLost(Stop):
+    """This process's lock of its run folder was taken over (or removed) while it ran: it stops before writing
+    anything more, and nothing is taken back (the folder is another launch's now)."""
+
+    same_on_every_rank = True  # rank 0 looks, every rank gets the verdict (train/trainer.py)
+
+
 @dataclass(frozen=True)
 class Holder:
     host: str
     pid: int
     renewed: float  # seconds since the epoch (the holder's clock) of its last renewal
+    lease_s: float = LEASE_S  # how long after ``renewed`` the holder is taken for dead on another host
+
+
+def _read_lock(path: Path) -> Holder | None:
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+        lease_s = float(info.get("lease_s", LEASE_S))
+        return Holder(str(info["host"]), int(info["pid"]), float(info["renewed"]), lease_s)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _alive(pid: int) -> bool:
@@ -105,34 +127,37 @@ def _alive(pid: int) -> bool:
 class RunLock:
     """The lock of one run folder, held by rank 0 of the run that trains in it.
 
-    ``clock`` (seconds since the epoch), ``host`` and ``pid`` are injectable for tests.
+    ``lease_s`` (default ``LEASE_S``, recorded in the lock for the processes that find it), ``clock`` (seconds
+    since the epoch), ``host`` and ``pid`` are injectable for tests.
     """
 
     def __init__(
         self,
         folder: str | Path,
         *,
-        lease_s: float = LEASE_S,
+        lease_s: float | None = None,
         clock: Callable[[], float] = time.time,
         host: str | None = None,
         pid: int | None = None,
     ) -> None:
         self.path = RunLayout(folder).lock
-        self.lease_s, self.clock = lease_s, clock
+        self.lease_s, self.clock = LEASE_S if lease_s is None else lease_s, clock
         self.me = (host or socket.gethostname(), os.getpid() if pid is None else pid)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._shared = False  # taken when this process already held it (another RunLock of it removes it)
 
     def holder(self) -> Holder | None:
         """Who holds the lock (None: nobody, or a file that does not read as a lock, taken for no lock)."""
-        try:
-            info = json.loads(self.path.read_text(encoding="utf-8"))
-            return Holder(str(info["host"]), int(info["pid"]), float(info["renewed"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        return _read_lock(self.path)
 
     def _mine(self, holder: Holder | None) -> bool:
         return holder is not None and (holder.host, holder.pid) == self.me
+
+    def taken(self) -> bool:
+        """Whether another process holds the lock now (absent, or this process's: no)."""
+        holder = self.holder()
+        return holder is not None and not self._mine(holder)
 
     def live_holder(self) -> Holder | None:
         """The holder when it is another process that is alive, else None."""
@@ -141,7 +166,7 @@ class RunLock:
             return None
         if holder.host == self.me[0]:
             return holder if _alive(holder.pid) else None
-        return holder if self.clock() - holder.renewed < self.lease_s else None
+        return holder if self.clock() - holder.renewed < holder.lease_s else None
 
     def busy(self) -> str | None:
         """Why this process may not own the folder (the live holder, named), or None."""
@@ -152,28 +177,89 @@ class RunLock:
         return (
             f"run_dir={str(self.path.parent)!r} is in use by pid {holder.pid} on host {holder.host} (its lock "
             f"{self.path} was renewed {ago:.0f} s ago): stop that run first; a holder that died is taken over "
-            f"once it is gone from this host, or {self.lease_s:g} s after its last renewal on another host"
+            f"once it is gone from this host, or {holder.lease_s:g} s after its last renewal on another host"
         )
 
-    def _write(self) -> None:
-        tmp = self.path.with_name(f"{self.path.name}.{self.me[1]}.tmp")
+    def lost(self) -> str | None:
+        """Why this process no longer owns its folder (its lock taken over or removed), or None while it does."""
+        holder = self.holder()
+        if self._mine(holder):
+            return None
+        now = "it was removed" if holder is None else f"pid {holder.pid} on host {holder.host} holds it now"
+        return (
+            f"run_dir={str(self.path.parent)!r} is no longer this run's: its lock {self.path} was taken over after "
+            f"this process (pid {self.me[1]} on host {self.me[0]}) went past its {self.lease_s:g} s lease without "
+            f"renewing it (suspended, frozen or cut off), and {now}; stopped before writing anything more: the "
+            "folder holds the other launch's run (resume=auto continues it once that one has ended)"
+        )
+
+    def _tmp_lock(self) -> Path:
         host, pid = self.me
-        tmp.write_text(json.dumps(asdict(Holder(host, pid, self.clock()))), encoding="utf-8")
-        os.replace(tmp, self.path)  # atomic: a reader sees the old lock or the new one
+        tmp = self.path.with_name(f"{self.path.name}.{host}.{pid}.tmp")
+        tmp.write_text(json.dumps(asdict(Holder(host, pid, self.clock(), self.lease_s))), encoding="utf-8")
+        return tmp
+
+    def _write(self) -> None:
+        os.replace(self._tmp_lock(), self.path)  # atomic: a reader sees the old lock or the new one
+
+    def _create(self) -> bool:
+        """Create the lock if there is none, atomically (a hard link fails when the name exists); False when
+        there is one."""
+        tmp = self._tmp_lock()
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # a file system without hard links: exclusive creation (a reader may see it empty)
+            try:
+                with open(self.path, "x", encoding="utf-8") as file:
+                    file.write(tmp.read_text(encoding="utf-8"))
+                return True
+            except FileExistsError:
+                return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _remove_stale(self, stale: Holder | None) -> None:
+        """Remove the lock judged dead (``stale``); one that changed meanwhile (a new holder's) is put back."""
+        aside = self.path.with_name(f"{self.path.name}.{self.me[0]}.{self.me[1]}.stale")
+        try:
+            os.replace(self.path, aside)
+        except FileNotFoundError:  # another starter removed it first
+            return
+        try:
+            if _read_lock(aside) != stale:
+                os.link(aside, self.path)  # a new holder's lock: back (unless yet another one exists)
+        except OSError:
+            pass
+        finally:
+            aside.unlink(missing_ok=True)
 
     def acquire(self) -> None:
-        """Take the lock (FolderInUse naming a live holder); a dead holder's lock is taken over."""
-        problem = self.busy()
-        if problem:
-            raise FolderInUse(problem)
-        stale = self.holder()
-        if stale is not None and not self._mine(stale):
-            log.warning(
-                "taking over the lock of %s from pid %d on host %s, which is gone", self.path, stale.pid, stale.host
-            )
-        self._write()
-        if not self._mine(self.holder()):  # two starters at once: the last rename won
-            raise FolderInUse(self.busy() or f"run_dir={str(self.path.parent)!r}: another process took its lock")
+        """Take the lock atomically (FolderInUse naming a live holder); a dead holder's lock is taken over.
+
+        Of launches that start at once, exactly one creates the lock: the others are refused."""
+        for _ in range(3):
+            if self._create():
+                return
+            holder = self.holder()
+            if self._mine(holder):
+                self._write()
+                self._shared = True
+                return
+            problem = self.busy()
+            if problem:
+                raise FolderInUse(problem)
+            if holder is not None:
+                log.warning(
+                    "taking over the lock of %s from pid %d on host %s, which is gone",
+                    self.path,
+                    holder.pid,
+                    holder.host,
+                )
+            self._remove_stale(holder)
+        raise FolderInUse(self.busy() or f"run_dir={str(self.path.parent)!r}: another process took its lock")
 
     def renew(self) -> bool:
         """Renew the lease; False (and the lock left alone) when another process has taken it over."""
@@ -183,13 +269,13 @@ class RunLock:
         return True
 
     def start_renewing(self) -> None:
-        """Renew every ``lease_s / 3`` seconds on a daemon thread until ``release``."""
+        """Renew every ``lease_s / 3`` seconds on a daemon thread until ``release`` or the lock is lost (the
+        trainer then stops at its next write: ``lost``)."""
 
         def loop() -> None:
             while not self._stop.wait(self.lease_s / 3):
                 try:
                     if not self.renew():
-                        log.warning("the lock %s was taken over by another process", self.path)
                         return
                 except OSError as err:  # a full disk or a lost mount: the next renewal may succeed
                     log.warning("cannot renew the lock %s (%s)", self.path, err)
@@ -198,9 +284,10 @@ class RunLock:
         self._thread.start()
 
     def release(self) -> None:
-        """Stop renewing and remove the lock if this process still holds it."""
+        """Stop renewing and remove the lock if this process still holds it and took it first (a launch's
+        lock outlives the trainer's: train/cli/launch.py takes back what it wrote before it lets the folder go)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self._mine(self.holder()):
+        if not self._shared and self._mine(self.holder()):
             self.path.unlink(missing_ok=True)

@@ -4,12 +4,14 @@
   config.yaml            the resolved configuration (config.<n>.yaml for each resumed session)
   metrics.jsonl          one JSON row per training step (train/observe/logger.py)
   checkpoints/step_*/    training checkpoints (train/checkpoint/manager.py)
+  checkpoints/retired/   the checkpoints of a timeline a resume branched away from (train/run/timeline.py)
   eval/                  evaluation results and before/after sheets (train/evaluation/)
   samples/               sample grids of training steps
   export/                the weights the trainer's evaluations scored (the EMA when kept)
   export_raw/            with an EMA: the trained weights without it
   wandb/, wandb_run_id   wandb's files and the run id a resumed session continues
   LOCK                   the lock of the process that owns the folder (train/run/folder.py)
+  run_id                 the run's identity, recorded in every checkpoint (train/run/timeline.py)
   probe.json             the gradient-quality probe's report (python -m train.probe)
   preflight.json         the preflight's verdict (python -m train.preflight; .preflight/ while it runs)
   .hydra/config.yaml     Hydra's copy of the composed configuration
@@ -24,6 +26,7 @@ CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 EVAL = "eval"
 LOCK_FILE = "LOCK"
+RUN_ID_FILE = "run_id"
 
 
 class RunLayout:
@@ -94,6 +97,14 @@ class RunLayout:
         return self.root / LOCK_FILE
 
     @property
+    def run_id(self) -> Path:
+        return self.root / RUN_ID_FILE
+
+    @property
+    def retired(self) -> Path:
+        return self.checkpoints / "retired"
+
+    @property
     def probe(self) -> Path:
         return self.root / "probe.json"
 
@@ -109,4 +120,14 @@ class RunLayout:
     def run_files(self) -> tuple[Path, ...]:
         """What a run leaves in its folder that a second run would overwrite or mix with its own (Hydra's
         files aside)."""
-        return (self.checkpoints, self.metrics, self.export, self.eval, self.samples, self.wandb, self.wandb_run_id)
+        return (
+            self.checkpoints,
+            self.metrics,
+            self.export,
+            self.export_raw,
+            self.eval,
+            self.samples,
+            self.wandb,
+            self.wandb_run_id,
+            self.run_id,
+        )

@@ -6,7 +6,8 @@
       model  ModelParts   the backbone, what trains, the KL reference's module, the predictors
       optim  OptimParts   the optimizer, the EMA, the router
       data   DataParts    the prompt sampler and the rewards
-      io     IOParts      the run folder's layout, checkpoints, the logger, the checkpoints to resume from
+      io     IOParts      the run folder's layout, checkpoints, the logger, the checkpoints to resume from,
+                          the run's id and the folder's lock
       perf   PerfParts    the FLOP meter, the device's peak rate, the compile watch
 """
 
@@ -28,6 +29,7 @@ from train.distributed.collectives import DistInfo
 from train.observe.logger import RunLogger
 from train.observe.perf import CompileWatch, FlopMeter, Peak
 from train.optim.ema import EMA
+from train.run.folder import RunLock
 from train.run.layout import RunLayout
 from train.run.prompts import PromptSampler
 
@@ -71,6 +73,8 @@ class IOParts:
     checkpoints: CheckpointManager
     logger: RunLogger
     resume_from: list[Path]  # the checkpoints ``resume`` names that passed the file checks, newest first
+    run_id: str | None  # the run's identity, recorded in its checkpoints (train/run/timeline.py); None: not training
+    lock: RunLock | None  # rank 0's lock of the run folder, asked before every write (None on the other ranks)
 
 
 @dataclass

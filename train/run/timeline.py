@@ -1,0 +1,124 @@
+"""One run and one timeline per run folder.
+
+* Identity: the first launch that trains in a folder (a new one, one replaced with
+  ``checkpoint.overwrite=true``, or a new run with no ``resume``) gives its run a random id, kept in
+  ``<run>/run_id``; the COMPLETE marker of every checkpoint records it. A resume checks it before any
+  model loads: a checkpoint of another run (copied over this folder's latest, or named by ``resume=`` from
+  another run's folder into a folder that holds its own run) would mix that run's weights with this run's
+  history, and is refused in one line. Continuing another run from its checkpoint on purpose is a resume
+  into a new folder (``resume=<checkpoint> hydra.run.dir=<new folder>``), which gets an id of its own,
+  said in one line. Checkpoints written before ids were recorded, and folders without one, are not checked.
+* Branching: a resume from a checkpoint older than the folder's latest (``resume=<run>/checkpoints/step_N``)
+  starts a new timeline at step N. The later checkpoints, and an export of a later step, move to
+  ``checkpoints/retired/<time>_after_step_N/`` (named in one line), where ``resume=auto`` never looks
+  (``resume=<path>`` still resumes one); the rows of metrics.jsonl after step N go (``RunLogger.rewind``).
+  So the folder holds one timeline, and a later ``resume=auto`` continues the branch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from train.checkpoint.export import EXPORT_NOTE
+from train.checkpoint.manager import CheckpointManager
+from train.distributed.collectives import DistInfo, broadcast_object
+from train.run.errors import CheckpointError
+from train.run.layout import RunLayout
+
+log = logging.getLogger(__name__)
+
+
+def folder_run_id(layout: RunLayout) -> str | None:
+    """The id of the run a folder holds, None when it has none."""
+    try:
+        return layout.run_id.read_text(encoding="utf-8").strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _check_identity(resume: str | None, checkpoint: Path, saved_id: str | None, layout: RunLayout) -> None:
+    """CheckpointError when ``checkpoint`` was written by another run than the one ``layout``'s folder holds."""
+    own = folder_run_id(layout)
+    if saved_id is None or own is None or saved_id == own:
+        return
+    raise CheckpointError(
+        f"resume={resume}: checkpoint {checkpoint} was written by run {saved_id}, but {layout.root} holds run {own} "
+        f"(its {layout.run_id.name} file): resuming would mix the other run's weights with this run's history; put "
+        f"this run's own checkpoint back, or continue the other run in a new folder: resume={checkpoint} "
+        "hydra.run.dir=<new folder>",
+        damaged=False,
+    )
+
+
+def _own_id(resume: str | None, layout: RunLayout, checkpoint: Path | None, saved_id: str | None) -> str:
+    """The folder's run id (a checkpoint of its own gives it back when the folder lost its file), else a new one,
+    written to ``<run>/run_id``; a checkpoint of another run continued here is said in one line."""
+    own = folder_run_id(layout) if resume else None
+    if own is None and checkpoint is not None and checkpoint.resolve().is_relative_to(layout.checkpoints.resolve()):
+        own = saved_id
+    if own is None:
+        own = uuid.uuid4().hex[:16]
+    layout.run_id.write_text(own + "\n", encoding="utf-8")
+    if saved_id not in (None, own):
+        log.warning(
+            "resume=%s: continuing checkpoint %s of run %s as a new run %s in %s (the other run's history stays "
+            "in its own folder)",
+            resume,
+            checkpoint,
+            saved_id,
+            own,
+            layout.root,
+        )
+    return own
+
+
+def run_identity(resume: str | None, checkpoints: CheckpointManager, resume_from: list[Path], dist: DistInfo) -> str:
+    """The id of the run that trains in the folder (rank 0's, on every rank), after the checkpoint it resumes
+    from is checked against the folder's."""
+    layout = RunLayout(checkpoints.root.parent)
+    checkpoint = resume_from[0] if resume_from else None
+    saved_id = checkpoints.run_id_of(checkpoint) if checkpoint is not None else None
+    if checkpoint is not None:
+        _check_identity(resume, checkpoint, saved_id, layout)
+    run_id = _own_id(resume, layout, checkpoint, saved_id) if dist.is_main else None
+    return str(broadcast_object(run_id))
+
+
+def _later_export(folder: Path, step: int) -> bool:
+    """Whether ``folder`` holds an export of a step after ``step`` (one that does not say which step: yes)."""
+    if not folder.is_dir():
+        return False
+    try:
+        return int(json.loads((folder / EXPORT_NOTE).read_text(encoding="utf-8"))["step"]) > step
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+
+
+def retire_later(resume: str, checkpoints: CheckpointManager, step: int, *, is_main: bool) -> None:
+    """A resume from the checkpoint of ``step``: the checkpoints of later steps, and exports of a later step,
+    move to ``checkpoints/retired/<time>_after_step_<step>/`` (rank 0 moves them), said in one line."""
+    if not is_main:
+        return
+    layout = RunLayout(checkpoints.root.parent)
+    later = [path for path in checkpoints.complete() if checkpoints.step_of(path) > step]
+    later += [folder for folder in (layout.export, layout.export_raw) if _later_export(folder, step)]
+    if not later:
+        return
+    stamp = time.strftime("%Y-%m-%dT%H-%M-%S", time.gmtime())
+    aside = layout.retired / f"{stamp}_after_step_{step:08d}"
+    aside.mkdir(parents=True, exist_ok=True)
+    for path in later:
+        path.rename(aside / path.name)
+    log.warning(
+        "resume=%s starts a new timeline after step %d: the later %s moved to %s (resume=auto does not look there; "
+        "resume=<its path> still resumes one), and the rows of metrics.jsonl after step %d go",
+        resume,
+        step,
+        ", ".join(path.name for path in later),
+        aside,
+        step,
+    )
