@@ -47,7 +47,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from train.checkpoint.export import export_model, write_export_note
 from train.checkpoint.files import state_bytes
 from train.checkpoint.manager import CheckpointManager
-from train.config.keys import LORA_MODULES, resume_settings
+from train.config.keys import LORA_MODULES, recorded_settings
 from train.config.schema import TrainConfig
 from train.distributed.collectives import activity, broadcast_object
 from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInterrupt, stop_requests
@@ -59,7 +59,7 @@ from train.observe.logger import Heartbeat, progress_bar
 from train.optim.ema import EMA
 from train.optim.optimizer import adamw_settings
 from train.run.build import open_run
-from train.run.errors import CheckpointError, DiskFull, Interrupted, NotLearning, Preempted, ranks_agreed
+from train.run.errors import CheckpointError, Interrupted, NotLearning, Preempted, SaveFailed, ranks_agreed
 from train.run.layout import RunLayout
 from train.run.parts import Run
 from train.run.start import load_config, process_group
@@ -75,12 +75,12 @@ def run(cfg: DictConfig) -> None:
         fit(state)
 
 
-def _needed_bytes(checkpoints: CheckpointManager, model: nn.Module, optimizer: Optimizer) -> int:
+def _needed_bytes(run: Run) -> int:
     """About the size of the run's next checkpoint: its latest one's, else an estimate from the state (a collective)."""
-    latest = broadcast_object(checkpoints.latest())
+    latest = broadcast_object(run.io.checkpoints.latest())
     if latest is not None:
-        return checkpoints.size_of(latest)
-    return state_bytes(model, optimizer)
+        return run.io.checkpoints.size_of(latest)
+    return state_bytes(run.model.backbone.transformer, run.optim.optimizer, run.optim.ema)
 
 
 def _save(run: Run, step: int) -> Path:
@@ -90,14 +90,13 @@ def _save(run: Run, step: int) -> Path:
     if ema is not None:
         extra["ema"] = ema.state_dict()
     with activity(f"the checkpoint save after step {step}"):
-        needed = _needed_bytes(checkpoints, run.model.backbone.transformer, run.optim.optimizer)
-        checkpoints.check_space(needed, f"the checkpoint of step {step}")
+        checkpoints.check_space(_needed_bytes(run), f"the checkpoint of step {step}")
         return checkpoints.save(
             step,
             model=run.model.backbone.transformer,
             optimizer=run.optim.optimizer,
             extra=extra,
-            settings={**resume_settings(run.cfg), LORA_MODULES: run.model.lora_modules},
+            settings={**recorded_settings(run.cfg, prompts=run.data.prompts.digest), LORA_MODULES: run.model.lora_modules},
         )
 
 
@@ -116,12 +115,10 @@ def export(
 
 
 def _configured_optimizer(optimizer: Optimizer, cfg: TrainConfig) -> None:
-    """The optimizer state restores the checkpoint's hyperparameters; the configured ones win."""
+    """The optimizer state restores the checkpoint's hyperparameters; the configured ones win (a change is named
+    before the model loads: train/run/preflight.py's check_settings)."""
     for group in optimizer.param_groups:
-        for key, value in adamw_settings(cfg).items():
-            if group[key] != value:
-                log.warning("optimizer.%s: the checkpoint has %s, training goes on with %s", key, group[key], value)
-                group[key] = value
+        group.update(adamw_settings(cfg))
 
 
 def resume(run: Run) -> int:
@@ -147,7 +144,7 @@ def resume(run: Run) -> int:
                 raise
             log.warning("resume=auto: %s; trying the previous checkpoint", err)
             continue
-        if ema is not None:
+        if ema is not None and "ema" in extra:  # a checkpoint without one (ema allowed to change) starts it here
             ema.load_state_dict(extra["ema"])
         _configured_optimizer(run.optim.optimizer, run.cfg)
         log.info("resumed from %s at step %d", path, extra["step"])
@@ -213,7 +210,7 @@ def _rescue(run: Run, session: _Session, err: Exception) -> None:
     """Checkpoint the trained steps that an error is about to lose, when that is safe: the weights are those
     after the last step, and every rank takes part (one process, an error every rank raised alike, or one
     the ranks learned of together: an exception in some rank's reward phase)."""
-    if isinstance(err, DiskFull) or not session.unsaved() or not (run.dist.world_size == 1 or ranks_agreed(err)):
+    if isinstance(err, SaveFailed) or not session.unsaved() or not (run.dist.world_size == 1 or ranks_agreed(err)):
         return
     try:
         path = _save(run, session.done)
@@ -271,8 +268,7 @@ def fit(run: Run) -> None:
     began = time.perf_counter()
     start = resume(run)
     if start < cfg.num_steps:  # a full disk shows now, not after the steps before the first checkpoint
-        needed = _needed_bytes(run.io.checkpoints, run.model.backbone.transformer, run.optim.optimizer)
-        run.io.checkpoints.check_space(needed, "a checkpoint of this run")
+        run.io.checkpoints.check_space(_needed_bytes(run), "a checkpoint of this run")
     if cfg.resume is not None:
         run.io.logger.rewind(start)  # a resumed run logs every step once: rows of the steps it replays go
     if start == cfg.num_steps:

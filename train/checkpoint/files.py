@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from train.distributed.collectives import broadcast_object, gather_objects, get_rank, get_world_size
+from train.optim.ema import EMA
 
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d{8})$")  # a complete checkpoint's folder; a save writes <name>.tmp first
@@ -150,7 +151,19 @@ def free_bytes(path: Path) -> int:
 
 
 def gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
+    """A size for a message: GB from 1 GB on, else MB."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def disk_line(path: Path, why: str, fix: str = "free space there or move the run") -> str:
+    """The one line about the disk of ``path`` (named by its mount point) that ``why`` happened on."""
+    folder = path
+    while not folder.exists():
+        folder = folder.parent
+    return (
+        f"the disk of {path} (the file system mounted at {mount_point(folder)}) {why}: {fix}; the checkpoints "
+        "already written are intact, and resume=auto continues"
+    )
 
 
 NO_SPACE = re.compile(r"No space left|unexpected pos|Errno 28|disk quota", re.IGNORECASE)
@@ -160,8 +173,8 @@ def is_no_space(err: BaseException) -> bool:
     return (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or bool(NO_SPACE.search(str(err)))
 
 
-def state_bytes(model: nn.Module, optimizer: Optimizer | None) -> int:
-    """About the bytes of a checkpoint of ``model`` and ``optimizer``, all ranks together (a collective).
+def state_bytes(model: nn.Module, optimizer: Optimizer | None, ema: EMA | None = None) -> int:
+    """About the bytes of a checkpoint of ``model``, ``optimizer`` and ``ema``, all ranks together (a collective).
 
     An optimizer that has not stepped yet holds no state: AdamW's two moments per trainable weight are counted.
     """
@@ -175,4 +188,6 @@ def state_bytes(model: nn.Module, optimizer: Optimizer | None) -> int:
         moments = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, Tensor)]
         params = [p for group in optimizer.param_groups for p in group["params"]]
         total += sum(local(t) for t in moments) if moments else 2 * sum(local(p) for p in params)
+    if ema is not None:
+        total += sum(local(t) for t in ema.shadow)
     return int(sum(gather_objects(total)))

@@ -60,12 +60,12 @@ from train.checkpoint.files import (
     MARKER,
     STEP_DIR,
     checksums,
+    disk_line,
     files_problem,
     free_bytes,
     gb,
     is_complete,
     is_no_space,
-    mount_point,
     rank_file,
     read_marker,
 )
@@ -78,7 +78,7 @@ from train.distributed.collectives import (
     get_world_size,
     is_distributed,
 )
-from train.run.errors import CheckpointError, DiskFull
+from train.run.errors import CheckpointError, DiskFull, SaveFailed
 from train.run.layout import RunLayout
 
 log = logging.getLogger(__name__)
@@ -189,19 +189,10 @@ class CheckpointManager:
         if get_rank() == 0:
             free = free_bytes(self.root)
             if free < needed * 1.05:
-                problem = self._disk_full(f"has {gb(free)} free, {what} needs about {gb(needed)}")
+                problem = disk_line(self.root, f"has {gb(free)} free, {what} needs about {gb(needed)}")
         problem = broadcast_object(problem)
         if problem:
             raise DiskFull(problem)
-
-    def _disk_full(self, why: str) -> str:
-        folder = self.root
-        while not folder.exists():
-            folder = folder.parent
-        return (
-            f"the disk of {self.root} (the file system mounted at {mount_point(folder)}) {why}: free space "
-            "there or move the run; the checkpoints already written are intact, and resume=auto continues"
-        )
 
     def save(
         self,
@@ -214,7 +205,8 @@ class CheckpointManager:
     ) -> Path:
         """Write a checkpoint of step ``step`` on every rank (a collective); return its folder.
 
-        ``settings``: what the weights mean (recorded in the marker, compared on resume)."""
+        ``settings``: what the weights mean (recorded in the marker, compared on resume). A disk that is full or
+        cannot be written raises SaveFailed (DiskFull) on every rank, the unfinished save deleted."""
         rng = rng_state()
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
@@ -232,26 +224,42 @@ class CheckpointManager:
             "rng": rng,
             "sharded_extra_keys": sorted(flat_keys(sharded_extra)),
         }
+        failed = None
         try:
             with _single_process_ok():
                 dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
             torch.save(local, tmp / f"rank{get_rank()}.pt")
         except (OSError, RuntimeError, CheckpointException) as err:
-            if not is_no_space(err):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoints stay the latest
-            raise DiskFull(self._disk_full(f"filled up while it took the checkpoint of step {step}")) from None
-        barrier()
+            failed = _write_failure(err, step)
+        self._agree(tmp, step, next((f for f in gather_objects(failed) if f), None))
         files = checksums(tmp)
+        failed = None
         if get_rank() == 0:
-            marker = {"step": step, "world_size": get_world_size(), "settings": settings, "files": files}
-            (tmp / MARKER).write_text(json.dumps(marker))
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            self._prune()
-        barrier()
+            try:
+                marker = {"step": step, "world_size": get_world_size(), "settings": settings, "files": files}
+                (tmp / MARKER).write_text(json.dumps(marker))
+                if final.exists():
+                    shutil.rmtree(final)
+                tmp.rename(final)
+            except OSError as err:
+                failed = _write_failure(err, step)
+            else:
+                self._prune()
+        self._agree(tmp, step, broadcast_object(failed))
         return final
+
+    def _agree(self, tmp: Path, step: int, failed: tuple[bool, str] | None) -> None:
+        """Every rank raises the failure of a save that any rank saw (``failed``: disk full?, the OS's words)."""
+        if failed is None:
+            return
+        if get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoints stay the latest
+        full, words = failed
+        if full:
+            raise DiskFull(disk_line(self.root, f"filled up while it took the checkpoint of step {step}"))
+        raise SaveFailed(
+            disk_line(self.root, f"cannot be written ({words}) at the checkpoint of step {step}", "make it writable")
+        )
 
     def load(
         self,
@@ -319,6 +327,19 @@ class CheckpointManager:
     def _prune(self) -> None:
         for old in self.complete()[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_failure(err: BaseException, step: int) -> tuple[bool, str]:
+    """(disk full?, the OS's words) of a save that the disk refused (an OSError, torch.save's RuntimeError on a full
+    disk, DCP's CheckpointException holding either); anything else is a bug and raises."""
+    causes = [f[0] for f in err.failures.values()] if isinstance(err, CheckpointException) else [err]
+    for cause in causes:
+        if isinstance(cause, OSError) or is_no_space(cause):
+            words = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause).splitlines()[0]
+            return is_no_space(cause), words
+    if isinstance(err, CheckpointException):  # not an Exception: the handlers of a failing step would miss it
+        raise RuntimeError(f"the checkpoint save of step {step} failed: {causes[0]!r}") from err
+    raise err
 
 
 def _load_error(path: Path, err: CheckpointException) -> CheckpointError:
