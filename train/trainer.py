@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -96,7 +97,10 @@ def _save(run: Run, step: int) -> Path:
             model=run.model.backbone.transformer,
             optimizer=run.optim.optimizer,
             extra=extra,
-            settings={**recorded_settings(run.cfg, prompts=run.data.prompts.digest), LORA_MODULES: run.model.lora_modules},
+            settings={
+                **recorded_settings(run.cfg, prompts=run.data.prompts.digest),
+                LORA_MODULES: run.model.lora_modules,
+            },
         )
 
 
@@ -104,9 +108,12 @@ def export(
     transformer: nn.Module, ema: EMA | None, layout: RunLayout, *, step: int, ema_decay: float, is_main: bool
 ) -> None:
     """``export/``: the weights the evaluations scored (the EMA when kept), and with an EMA ``export_raw/``:
-    the trained weights; each with a ``weights.json`` saying which it is (the main rank writes it)."""
+    the trained weights; each with a ``weights.json`` saying which it is and its checksums (the main rank writes
+    it). Without an EMA, an ``export_raw/`` of an earlier session (one that kept an EMA) goes."""
     exports = [(layout.export, "ema" if ema is not None else "trained")]
     exports += [(layout.export_raw, "trained")] if ema is not None else []
+    if ema is None and is_main and layout.export_raw.is_dir():
+        shutil.rmtree(layout.export_raw)
     for folder, weights in exports:
         with ema.swapped() if weights == "ema" and ema is not None else nullcontext():
             export_model(transformer, folder)

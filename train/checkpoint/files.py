@@ -112,15 +112,21 @@ def my_share(names: list[str]) -> list[str]:
     return names[get_rank() :: get_world_size()]
 
 
+def file_info(path: Path) -> dict[str, Any]:
+    """What a checkpoint or an export records of one of its files: ``{"size", "sha256"}``."""
+    return {"size": path.stat().st_size, "sha256": sha256(path)}
+
+
 def checksums(folder: Path) -> dict[str, dict[str, Any]]:
     """name -> {"size", "sha256"} of every file in ``folder``, the ranks sharing the work (a collective)."""
     names = broadcast_object(sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MARKER))
-    mine = {name: {"size": (folder / name).stat().st_size, "sha256": sha256(folder / name)} for name in my_share(names)}
+    mine = {name: file_info(folder / name) for name in my_share(names)}
     return {name: info for part in gather_objects(mine) for name, info in part.items()}
 
 
-def checksum_problem(path: Path, files: dict[str, dict[str, Any]]) -> str | None:
-    """The first of this rank's share of ``files`` that is missing or differs from what was recorded."""
+def checksum_problem(path: Path, files: dict[str, dict[str, Any]], kind: str = "checkpoint") -> str | None:
+    """The first of this rank's share of ``files`` (of a ``kind``: a checkpoint, an export) that is missing or
+    differs from what was recorded."""
     for name in my_share(sorted(files)):
         file, recorded = path / name, files[name]
         if not file.is_file():
@@ -129,7 +135,7 @@ def checksum_problem(path: Path, files: dict[str, dict[str, Any]]) -> str | None
             return f"{name} has {file.stat().st_size} bytes, {recorded['size']} when it was saved"
         if sha256(file) != recorded["sha256"]:
             return (
-                f"{name} does not match the checksum recorded when it was saved (a file of another checkpoint, "
+                f"{name} does not match the checksum recorded when it was saved (a file of another {kind}, "
                 "or changed since)"
             )
     return None

@@ -278,6 +278,8 @@ class CheckpointManager:
         restored (a warning says so).
         """
         path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(deleted(path), damaged=True)
         if not is_complete(path):
             raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} file)", damaged=True)
         local = self._read_rank_file(path)
@@ -329,6 +331,18 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def deleted(path: Path) -> str:
+    """The line for checkpoint ``path``, found a moment ago and gone now: a run still training in its folder keeps
+    only its latest ``checkpoint.keep_last`` checkpoints."""
+    latest = CheckpointManager(path.parent.parent).latest()
+    pick = f"pick its latest, {latest}" if latest is not None else "pick another"
+    return (
+        f"checkpoint {path} was deleted after this command found it (a run still training in {path.parent.parent} "
+        f"keeps only its latest checkpoint.keep_last checkpoints and prunes the older ones): {pick}, or pass the run "
+        "folder"
+    )
+
+
 def _write_failure(err: BaseException, step: int) -> tuple[bool, str]:
     """(disk full?, the OS's words) of a save that the disk refused (an OSError, torch.save's RuntimeError on a full
     disk, DCP's CheckpointException holding either); anything else is a bug and raises."""
@@ -343,7 +357,10 @@ def _write_failure(err: BaseException, step: int) -> tuple[bool, str]:
 
 
 def _load_error(path: Path, err: CheckpointException) -> CheckpointError:
-    """A CheckpointError for a failed DCP load: the checkpoint does not fit the model, or a shard is damaged."""
+    """A CheckpointError for a failed DCP load: the checkpoint does not fit the model, a shard is damaged, or the
+    checkpoint was deleted while it loaded."""
+    if not path.is_dir():
+        return CheckpointError(deleted(path), damaged=True)
     failures = [failure[0] for failure in err.failures.values()]
     for failure in failures:
         text = str(failure)

@@ -46,8 +46,8 @@ MOVED = {
 }
 # Settings that change what a checkpoint's weights mean or what the next steps compute: a resumed run keeps them
 # unless checkpoint.allow_changed names them (a key or a group of keys). The prompt file counts by its prompts
-# (train/run/prompts.py's ``prompts_digest``: the same prompts at another path are the same run). The world size and the replicate
-# degree are not among them (a checkpoint reshards), but the global batch they make is (GLOBAL_BATCH).
+# (train/run/prompts.py's ``prompts_digest``: the same prompts at another path are the same run). The world size
+# and the replicate degree are not among them (a checkpoint reshards), but the global batch they make is.
 RESUME_SETTINGS = (
     "model.name",
     "model.path",
@@ -270,7 +270,7 @@ def global_batch_refusal(
     """Why a resume on ``world`` ranks changes the global batch the checkpoint trained with (its prompts per step,
     its samples per optimizer step: the per-rank ``GLOBAL_BATCH`` settings times the world size), with the per-rank
     values that keep it; None when it is kept, allowed, or not recorded."""
-    what = {"batch.prompts_per_rank": "prompts per step", "batch.gradient_accumulation_steps": "samples per optimizer step"}
+    what = dict(zip(GLOBAL_BATCH, ("prompts per step", "samples per optimizer step"), strict=True))
     parts, keep, keys = [], [], []
     for key in GLOBAL_BATCH:
         if key not in saved or key not in now or covered(key, allowed):

@@ -219,7 +219,9 @@ class RunLogger:
         where = f"while the row of step {step} was written to {self.metrics_path.name}"
         if is_no_space(err):
             return DiskFull(disk_line(self.metrics_path, f"filled up {where}"))
-        return SaveFailed(disk_line(self.metrics_path, f"cannot be written ({err.strerror}) {where}", "make it writable"))
+        return SaveFailed(
+            disk_line(self.metrics_path, f"cannot be written ({err.strerror}) {where}", "make it writable")
+        )
 
     def rewind(self, step: int) -> int:
         """Drop the rows that a run resumed at ``step`` logs again; returns how many were dropped.

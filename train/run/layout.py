@@ -99,4 +99,14 @@ class RunLayout:
     def run_files(self) -> tuple[Path, ...]:
         """What a run leaves in its folder that a second run would overwrite or mix with its own (Hydra's
         files aside)."""
-        return (self.checkpoints, self.metrics, self.export, self.eval, self.samples, self.wandb, self.wandb_run_id)
+        return (
+            self.checkpoints,
+            self.metrics,
+            self.export,
+            self.export_raw,
+            self.eval,
+            self.samples,
+            self.wandb,
+            self.wandb_run_id,
+            self.probe,
+        )

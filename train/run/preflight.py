@@ -25,9 +25,9 @@ from train.config.keys import (
 from train.config.schema import Device, TrainConfig
 from train.distributed.collectives import DistInfo, broadcast_object
 from train.distributed.parallelize import mesh_shape
+from train.observe.logger import metrics_problem
 from train.run.errors import ConfigError, UserError
 from train.run.folder import RunLock, check_one_run, clear_run, held_run
-from train.observe.logger import metrics_problem
 from train.run.layout import RunLayout
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def check_settings(
         raise ConfigError(f"resume={cfg.resume}: checkpoint {path} was trained with another batch: {batch}")
     noted = [change(key, saved[key], now[key]) for key in changed if covered(key, NOTED_SETTINGS)]
     if noted:
-        log.warning("resume=%s: changed since checkpoint %s, used as given: %s", cfg.resume, path.name, "; ".join(noted))
+        log.warning("resume=%s: changed since checkpoint %s, used as given: %s", cfg.resume, path, "; ".join(noted))
 
 
 def check_metrics(cfg: TrainConfig, dist: DistInfo) -> None:
