@@ -232,7 +232,7 @@ BAD_SETTINGS = {
     "overwrite-and-resume": (["checkpoint.overwrite=true"], r"checkpoint\.overwrite=true .* resume=auto .*pick one"),
     "allow_changed-unknown": (
         ["checkpoint.allow_changed=[optimizer.lr]"],
-        r"checkpoint\.allow_changed: 'optimizer\.lr' is not",
+        r"checkpoint\.allow_changed: 'optimizer\.lr' may change on resume without it",
     ),
     "max_bad_steps-negative": (["health.max_bad_steps=-1"], r"health\.max_bad_steps must be >= 0"),
     "lora-target-typo": (
@@ -749,7 +749,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_checkpoints(when, trained, tiny_f
     line = the_error(stderr)
     assert status == 2 and re.search(r"the disk of .*checkpoints \(the file system mounted at /.*\) ", line), line
     if when == "at-start":
-        assert "has 0.00 GB free, a checkpoint of this run needs about" in line
+        assert "has 0.0 MB free, a checkpoint of this run needs about" in line
         assert files_of(run_dir / "checkpoints") == before
     else:
         names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
@@ -800,7 +800,7 @@ def test_eval_names_a_truncated_export(trained, tiny_flux_dir, tmp_path, capsys)
     overrides = [*FAST, f"model.path={tiny_flux_dir}", f"eval.transformer={run_dir / 'export'}"]
     status, stderr = command(capsys, tmp_path / "eval", overrides, eval_command)
     line = the_error(stderr, eval_command.PROG)
-    assert status == 2 and re.search(r"eval\.transformer=.*export'.*diffusion_pytorch_model\.safetensors cannot", line)
+    assert status == 2 and re.search(r"eval\.transformer=.*export'.*diffusion_pytorch_model\.safetensors (cannot|has \d+ bytes)", line)
     # the run folder itself: its checkpoint stands in for the damaged export
     from train.checkpoint.export import find_weights
 

@@ -178,6 +178,11 @@ class CheckpointManager:
         settings = read_marker(path).get("settings")
         return settings if isinstance(settings, dict) else None
 
+    def world_size_of(self, path: Path) -> int:
+        """The number of ranks that saved a checkpoint (its marker's ``world_size``; 1 if not recorded)."""
+        world = read_marker(path).get("world_size")
+        return world if isinstance(world, int) and world > 0 else 1
+
     def size_of(self, path: Path) -> int:
         """Bytes of the files of checkpoint ``path``."""
         return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
