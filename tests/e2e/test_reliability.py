@@ -800,7 +800,9 @@ def test_eval_names_a_truncated_export(trained, tiny_flux_dir, tmp_path, capsys)
     overrides = [*FAST, f"model.path={tiny_flux_dir}", f"eval.transformer={run_dir / 'export'}"]
     status, stderr = command(capsys, tmp_path / "eval", overrides, eval_command)
     line = the_error(stderr, eval_command.PROG)
-    assert status == 2 and re.search(r"eval\.transformer=.*export'.*diffusion_pytorch_model\.safetensors (cannot|has \d+ bytes)", line)
+    assert status == 2 and re.search(
+        r"eval\.transformer=.*export'.*diffusion_pytorch_model\.safetensors (cannot|has \d+ bytes)", line
+    )
     # the run folder itself: its checkpoint stands in for the damaged export
     from train.checkpoint.export import find_weights
 
