@@ -176,7 +176,10 @@ BAD_SETTINGS = {
     "model-option-nan": (["model.options.guidance=nan"], r"model\.options\.guidance must be a finite number"),
     "reward-weight-nan": (["reward.components.jpeg_compressibility.weight=nan"], r"jpeg_compressibility\.weight"),
     "reward-weights-zero": (["reward.components.jpeg_compressibility.weight=0"], r"every weight is 0"),
-    "reward-argument": (["+reward.components.jpeg_compressibility.qualty=5"], r"reward\.components\.jpeg.*qualty"),
+    "reward-argument": (
+        ["+reward.components.jpeg_compressibility.qualty=5", "checkpoint.allow_changed=[reward]"],
+        r"reward\.components\.jpeg.*qualty",
+    ),
     "device": (["device=tpu"], r"device='tpu' is not valid; accepted values: auto, cpu, cuda"),
     "wandb_mode": (["logging.wandb_mode=off"], r"logging\.wandb_mode='off' is not valid"),
     # Hydra's own errors while composing
@@ -212,13 +215,19 @@ BAD_SETTINGS = {
     ),
     # sizes and files that were read only when the model or a scorer loaded
     "height-not-a-multiple": (
-        ["model.height=33"],
+        ["model.height=33", "checkpoint.allow_changed=[model.height]"],
         r"model\.height / model\.width: .*multiples of 4 \(the VAE's 2 .*33x32",
     ),
-    "width-not-a-multiple": (["model.width=30"], r"model\.height / model\.width: .*multiples of 4 .*got 32x30"),
-    "vae-folder": (["+model.options.vae={tmp}"], r"model: flux: component 'vae' is missing: .*config\.json does not"),
+    "width-not-a-multiple": (
+        ["model.width=30", "checkpoint.allow_changed=[model.width]"],
+        r"model\.height / model\.width: .*multiples of 4 .*got 32x30",
+    ),
+    "vae-folder": (
+        ["+model.options.vae={tmp}", "checkpoint.allow_changed=[model.options]"],
+        r"model: flux: component 'vae' is missing: .*config\.json does not",
+    ),
     "reward-file": (
-        ["+reward.components.clipscore.model_path=/nonexistent/clip"],
+        ["+reward.components.clipscore.model_path=/nonexistent/clip", "checkpoint.allow_changed=[reward]"],
         r"reward\.components\.clipscore\.model_path='/nonexistent/clip' does not exist",
     ),
     "eval-scorer-file": (
