@@ -146,8 +146,9 @@ class Backbone(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def transformer_modules(cls, path: str | Path | None, **kwargs: Any) -> list[str]:
-        """The full names of the transformer's modules, read from the folder's configs (no weights load)."""
+    def transformer_skeleton(cls, path: str | Path | None, **kwargs: Any) -> nn.Module:
+        """The transformer built on the meta device from the folder's configs (no weights are read or allocated):
+        its modules' names and its parameters' shapes."""
 
     @classmethod
     @abc.abstractmethod

@@ -201,15 +201,14 @@ class DiffusersBackbone(Backbone):
         return self.vae_scale(self.configs["vae"])
 
     @classmethod
-    def transformer_modules(cls, path: str | Path | None, **options: Any) -> list[str]:
-        """The full names of the transformer's modules, from its config.json (built on the meta device: no
-        weights are read or allocated). ``options``: model.options (a ``transformer=<folder>`` of its own)."""
+    def transformer_skeleton(cls, path: str | Path | None, **options: Any) -> nn.Module:
+        """The transformer built on the meta device from its config.json (no weights are read or allocated).
+        ``options``: model.options (a ``transformer=<folder>`` of its own)."""
         component = next(c for c in cls.components if c.name == "transformer")
         folder = component_folders(cls.name, [component], path, options)["transformer"]
         config = read_config(cls.name, component, folder)
         with torch.device("meta"):
-            skeleton = component.loader.from_config(config)
-        return [name for name, _ in skeleton.named_modules()]
+            return component.loader.from_config(config)
 
     @classmethod
     def image_multiple(cls, path: str | Path | None, **options: Any) -> int:

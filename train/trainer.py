@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from train.checkpoint.export import export_model, write_export_note
 from train.checkpoint.files import state_bytes
 from train.checkpoint.manager import CheckpointManager
-from train.config.keys import LORA_MODULES, resume_settings
+from train.config.keys import LORA_MODULES, recorded_settings
 from train.config.schema import TrainConfig
 from train.distributed.collectives import activity, broadcast_object
 from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInterrupt, stop_requests
@@ -63,7 +64,7 @@ from train.observe.logger import Heartbeat, progress_bar
 from train.optim.ema import EMA
 from train.optim.optimizer import adamw_settings
 from train.run.build import open_run
-from train.run.errors import CheckpointError, DiskFull, Interrupted, NotLearning, Preempted, ranks_agreed
+from train.run.errors import CheckpointError, Interrupted, NotLearning, Preempted, SaveFailed, ranks_agreed
 from train.run.folder import FolderLost
 from train.run.layout import RunLayout
 from train.run.parts import Run
@@ -81,12 +82,12 @@ def run(cfg: DictConfig) -> None:
         fit(state)
 
 
-def _needed_bytes(checkpoints: CheckpointManager, model: nn.Module, optimizer: Optimizer) -> int:
+def _needed_bytes(run: Run) -> int:
     """About the size of the run's next checkpoint: its latest one's, else an estimate from the state (a collective)."""
-    latest = broadcast_object(checkpoints.latest())
+    latest = broadcast_object(run.io.checkpoints.latest())
     if latest is not None:
-        return checkpoints.size_of(latest)
-    return state_bytes(model, optimizer)
+        return run.io.checkpoints.size_of(latest)
+    return state_bytes(run.model.backbone.transformer, run.optim.optimizer, run.optim.ema)
 
 
 def _lost(run: Run) -> str | None:
@@ -110,14 +111,16 @@ def _save(run: Run, step: int) -> Path:
         extra["ema"] = ema.state_dict()
     with activity(f"the checkpoint save after step {step}"):
         _check_owner(run)
-        needed = _needed_bytes(checkpoints, run.model.backbone.transformer, run.optim.optimizer)
-        checkpoints.check_space(needed, f"the checkpoint of step {step}")
+        checkpoints.check_space(_needed_bytes(run), f"the checkpoint of step {step}")
         return checkpoints.save(
             step,
             model=run.model.backbone.transformer,
             optimizer=run.optim.optimizer,
             extra=extra,
-            settings={**resume_settings(run.cfg), LORA_MODULES: run.model.lora_modules},
+            settings={
+                **recorded_settings(run.cfg, prompts=run.data.prompts.digest),
+                LORA_MODULES: run.model.lora_modules,
+            },
             run_id=run.io.run_id,
             check_owner=lambda: _check_owner(run),
         )
@@ -127,9 +130,12 @@ def export(
     transformer: nn.Module, ema: EMA | None, layout: RunLayout, *, step: int, ema_decay: float, is_main: bool
 ) -> None:
     """``export/``: the weights the evaluations scored (the EMA when kept), and with an EMA ``export_raw/``:
-    the trained weights; each with a ``weights.json`` saying which it is (the main rank writes it)."""
+    the trained weights; each with a ``weights.json`` saying which it is and its checksums (the main rank writes
+    it). Without an EMA, an ``export_raw/`` of an earlier session (one that kept an EMA) goes."""
     exports = [(layout.export, "ema" if ema is not None else "trained")]
     exports += [(layout.export_raw, "trained")] if ema is not None else []
+    if ema is None and is_main and layout.export_raw.is_dir():
+        shutil.rmtree(layout.export_raw)
     for folder, weights in exports:
         with ema.swapped() if weights == "ema" and ema is not None else nullcontext():
             export_model(transformer, folder)
@@ -138,12 +144,10 @@ def export(
 
 
 def _configured_optimizer(optimizer: Optimizer, cfg: TrainConfig) -> None:
-    """The optimizer state restores the checkpoint's hyperparameters; the configured ones win."""
+    """The optimizer state restores the checkpoint's hyperparameters; the configured ones win (a change is named
+    before the model loads: train/run/preflight.py's check_settings)."""
     for group in optimizer.param_groups:
-        for key, value in adamw_settings(cfg).items():
-            if group[key] != value:
-                log.warning("optimizer.%s: the checkpoint has %s, training goes on with %s", key, group[key], value)
-                group[key] = value
+        group.update(adamw_settings(cfg))
 
 
 def resume(run: Run) -> int:
@@ -169,7 +173,7 @@ def resume(run: Run) -> int:
                 raise
             log.warning("resume=auto: %s; trying the previous checkpoint", err)
             continue
-        if ema is not None:
+        if ema is not None and "ema" in extra:  # a checkpoint without one (ema allowed to change) starts it here
             ema.load_state_dict(extra["ema"])
         _configured_optimizer(run.optim.optimizer, run.cfg)
         log.info("resumed from %s at step %d", path, extra["step"])
@@ -243,7 +247,7 @@ def _rescue(run: Run, session: _Session, err: Exception) -> None:
     """Checkpoint the trained steps that an error is about to lose, when that is safe: the weights are those
     after the last step, and every rank takes part (one process, an error every rank raised alike, or one
     the ranks learned of together: an exception in some rank's reward phase)."""
-    if isinstance(err, DiskFull | FolderLost) or not session.unsaved():
+    if isinstance(err, SaveFailed | FolderLost) or not session.unsaved():
         return
     if not (run.dist.world_size == 1 or ranks_agreed(err)):
         return
@@ -304,8 +308,7 @@ def fit(run: Run) -> None:
     began = time.perf_counter()
     start = resume(run)
     if start < cfg.num_steps:  # a full disk shows now, not after the steps before the first checkpoint
-        needed = _needed_bytes(run.io.checkpoints, run.model.backbone.transformer, run.optim.optimizer)
-        run.io.checkpoints.check_space(needed, "a checkpoint of this run")
+        run.io.checkpoints.check_space(_needed_bytes(run), "a checkpoint of this run")
     if cfg.resume not in (None, "auto"):  # a branch from an older checkpoint: the later ones are retired
         retire_later(cfg.resume, run.io.checkpoints, start, is_main=run.dist.is_main)
     if cfg.resume is not None:

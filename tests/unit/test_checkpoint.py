@@ -168,7 +168,7 @@ def test_usable_checkpoints_of_resume(tmp_path, trained) -> None:
     assert manager.usable(str(path)) == [path]
     with pytest.raises(CheckpointError, match="nowhere: it is not a folder"):
         manager.usable(str(tmp_path / "nowhere"))
-    with pytest.raises(CheckpointError, match="COMPLETE"):
+    with pytest.raises(CheckpointError, match="nowhere was deleted after this command found it"):
         manager.load(tmp_path / "nowhere", model=model, optimizer=optimizer)
 
 

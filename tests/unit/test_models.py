@@ -92,10 +92,12 @@ def test_the_image_multiple_read_from_the_configs_is_what_the_loaded_backbone_sa
 
 
 @pytest.mark.parametrize("name", backbone_names())
-def test_the_transformer_modules_read_from_the_config_are_the_loaded_ones(name, folders, backbones):
+def test_the_transformer_skeleton_read_from_the_config_is_the_loaded_one(name, folders, backbones):
     """Built on the meta device from config.json: the names LoRA's targets are checked against at start-up."""
-    names = get_backbone_class(name).transformer_modules(folders[name])
-    assert names == [n for n, _ in backbones[name].transformer.named_modules()]
+    skeleton = get_backbone_class(name).transformer_skeleton(folders[name])
+    assert [n for n, _ in skeleton.named_modules()] == [n for n, _ in backbones[name].transformer.named_modules()]
+    shapes = {n: p.shape for n, p in backbones[name].transformer.named_parameters()}
+    assert {n: p.shape for n, p in skeleton.named_parameters()} == shapes
 
 
 def test_qwenimage_padding_does_not_change_a_prompt(backbones):

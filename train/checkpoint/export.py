@@ -6,7 +6,7 @@ injected with diffusers' ``add_adapter`` as ``pytorch_lora_weights.safetensors``
 with the pipeline component, loadable with ``pipe.load_lora_weights`` or
 ``transformer.load_lora_adapter``), or a ``peft.PeftModel`` as a PEFT adapter folder. A run exports
 into ``export/`` (the weights its evaluations scored) and, with an EMA, ``export_raw/`` (train/run/layout.py),
-each with a ``weights.json`` saying which weights it holds.
+each with a ``weights.json`` saying which weights it holds and the size and SHA-256 of each of its files.
 
 ``find_weights`` says what a path on ``python -m train.eval``'s command line points at: an export, a
 checkpoint, or a run folder.
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from train.checkpoint.files import is_complete
+from train.checkpoint.files import checksum_problem, file_info, is_complete
 from train.checkpoint.manager import CheckpointManager
 from train.distributed.collectives import barrier, get_rank
 from train.run.errors import PathError
@@ -127,7 +127,17 @@ def _run_folder(path: Path) -> Path | None:
 
 
 def _export_problem(folder: Path) -> str | None:
-    """What is wrong with the safetensors files of an export (a copy cut short, a damaged header), or None."""
+    """What is wrong with the files of an export, or None: each must have the size and checksum its ``weights.json``
+    recorded; an export without them (written by ``export_model`` alone, or before they were recorded) has its
+    safetensors headers read (a copy cut short, a damaged header)."""
+    note = folder / EXPORT_NOTE
+    if note.is_file():
+        try:
+            files = json.loads(note.read_bytes()).get("files")
+        except (ValueError, AttributeError):  # not JSON, or not an object
+            return f"{EXPORT_NOTE} is not the JSON the trainer writes"
+        if isinstance(files, dict):
+            return checksum_problem(folder, files, "export")
     for file in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(str(file), "pt") as weights:
@@ -143,6 +153,12 @@ def find_weights(value: str, field: str) -> Weights:
     path = Path(value)
     accepted = "an export folder (<run>/export), a checkpoint folder (<run>/checkpoints/step_XXXXXXXX) or a run folder"
     if not path.exists():
+        latest = CheckpointManager(path.parent.parent).latest() if path.parent.name == CHECKPOINTS else None
+        if latest is not None:  # an older checkpoint of a run that keeps only its latest ones
+            raise PathError(
+                f"{field}={value!r} does not exist: the run keeps only its latest checkpoint.keep_last checkpoints "
+                f"and pruned it; pick its latest, {latest}, or pass the run folder {path.parent.parent}"
+            )
         raise PathError(f"{field}={value!r} does not exist; pass {accepted}")
     if is_complete(path):
         run = _run_folder(path.parent.parent) if path.parent.name == CHECKPOINTS else None
@@ -173,8 +189,18 @@ EXPORT_NOTE = "weights.json"  # in an export folder: which weights it holds ({"w
 
 
 def write_export_note(out: Path, *, weights: str, step: int, ema_decay: float) -> None:
-    """``<out>/weights.json``: which weights an export holds (the main rank writes it)."""
-    note = {"weights": weights, "step": step, "ema_decay": ema_decay, "scored_by_the_trainer": out.name == EXPORT}
+    """``<out>/weights.json``: which weights an export holds, and the size and SHA-256 of each of its files, which
+    ``find_weights`` checks (the main rank writes it)."""
+    files = {
+        str(p.relative_to(out)): file_info(p) for p in sorted(out.rglob("*")) if p.is_file() and p != out / EXPORT_NOTE
+    }
+    note = {
+        "weights": weights,
+        "step": step,
+        "ema_decay": ema_decay,
+        "scored_by_the_trainer": out.name == EXPORT,
+        "files": files,
+    }
     (out / EXPORT_NOTE).write_text(json.dumps(note, indent=2) + "\n")
 
 
@@ -183,7 +209,7 @@ def export_description(folder: Path) -> str | None:
     note = folder / EXPORT_NOTE
     if not note.is_file():
         return None
-    meta = json.loads(note.read_text())
+    meta = json.loads(note.read_text())  # find_weights read it
     step = f"the weights after step {meta['step']}"
     what = f"the EMA (ema.decay={meta['ema_decay']:g}) of {step}" if meta["weights"] == "ema" else step
     scored = "which the trainer's evaluations scored" if meta["scored_by_the_trainer"] else f"not the EMA of {EXPORT}/"

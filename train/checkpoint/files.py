@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from train.distributed.collectives import broadcast_object, gather_objects, get_rank, get_world_size
+from train.optim.ema import EMA
 
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d{8})$")  # a complete checkpoint's folder; a save writes <name>.tmp first
@@ -111,15 +112,21 @@ def my_share(names: list[str]) -> list[str]:
     return names[get_rank() :: get_world_size()]
 
 
+def file_info(path: Path) -> dict[str, Any]:
+    """What a checkpoint or an export records of one of its files: ``{"size", "sha256"}``."""
+    return {"size": path.stat().st_size, "sha256": sha256(path)}
+
+
 def checksums(folder: Path) -> dict[str, dict[str, Any]]:
     """name -> {"size", "sha256"} of every file in ``folder``, the ranks sharing the work (a collective)."""
     names = broadcast_object(sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MARKER))
-    mine = {name: {"size": (folder / name).stat().st_size, "sha256": sha256(folder / name)} for name in my_share(names)}
+    mine = {name: file_info(folder / name) for name in my_share(names)}
     return {name: info for part in gather_objects(mine) for name, info in part.items()}
 
 
-def checksum_problem(path: Path, files: dict[str, dict[str, Any]]) -> str | None:
-    """The first of this rank's share of ``files`` that is missing or differs from what was recorded."""
+def checksum_problem(path: Path, files: dict[str, dict[str, Any]], kind: str = "checkpoint") -> str | None:
+    """The first of this rank's share of ``files`` (of a ``kind``: a checkpoint, an export) that is missing or
+    differs from what was recorded."""
     for name in my_share(sorted(files)):
         file, recorded = path / name, files[name]
         if not file.is_file():
@@ -128,7 +135,7 @@ def checksum_problem(path: Path, files: dict[str, dict[str, Any]]) -> str | None
             return f"{name} has {file.stat().st_size} bytes, {recorded['size']} when it was saved"
         if sha256(file) != recorded["sha256"]:
             return (
-                f"{name} does not match the checksum recorded when it was saved (a file of another checkpoint, "
+                f"{name} does not match the checksum recorded when it was saved (a file of another {kind}, "
                 "or changed since)"
             )
     return None
@@ -150,7 +157,19 @@ def free_bytes(path: Path) -> int:
 
 
 def gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
+    """A size for a message: GB from 1 GB on, else MB."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def disk_line(path: Path, why: str, fix: str = "free space there or move the run") -> str:
+    """The one line about the disk of ``path`` (named by its mount point) that ``why`` happened on."""
+    folder = path
+    while not folder.exists():
+        folder = folder.parent
+    return (
+        f"the disk of {path} (the file system mounted at {mount_point(folder)}) {why}: {fix}; the checkpoints "
+        "already written are intact, and resume=auto continues"
+    )
 
 
 NO_SPACE = re.compile(r"No space left|unexpected pos|Errno 28|disk quota", re.IGNORECASE)
@@ -160,8 +179,8 @@ def is_no_space(err: BaseException) -> bool:
     return (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or bool(NO_SPACE.search(str(err)))
 
 
-def state_bytes(model: nn.Module, optimizer: Optimizer | None) -> int:
-    """About the bytes of a checkpoint of ``model`` and ``optimizer``, all ranks together (a collective).
+def state_bytes(model: nn.Module, optimizer: Optimizer | None, ema: EMA | None = None) -> int:
+    """About the bytes of a checkpoint of ``model``, ``optimizer`` and ``ema``, all ranks together (a collective).
 
     An optimizer that has not stepped yet holds no state: AdamW's two moments per trainable weight are counted.
     """
@@ -175,4 +194,6 @@ def state_bytes(model: nn.Module, optimizer: Optimizer | None) -> int:
         moments = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, Tensor)]
         params = [p for group in optimizer.param_groups for p in group["params"]]
         total += sum(local(t) for t in moments) if moments else 2 * sum(local(p) for p in params)
+    if ema is not None:
+        total += sum(local(t) for t in ema.shadow)
     return int(sum(gather_objects(total)))

@@ -59,12 +59,12 @@ from train.checkpoint.files import (
     MARKER,
     STEP_DIR,
     checksums,
+    disk_line,
     files_problem,
     free_bytes,
     gb,
     is_complete,
     is_no_space,
-    mount_point,
     rank_file,
     read_marker,
 )
@@ -77,7 +77,7 @@ from train.distributed.collectives import (
     get_world_size,
     is_distributed,
 )
-from train.run.errors import CheckpointError, DiskFull
+from train.run.errors import CheckpointError, DiskFull, SaveFailed
 from train.run.layout import RunLayout
 
 log = logging.getLogger(__name__)
@@ -182,6 +182,11 @@ class CheckpointManager:
         run_id = read_marker(path).get("run_id")
         return run_id if isinstance(run_id, str) else None
 
+    def world_size_of(self, path: Path) -> int:
+        """The number of ranks that saved a checkpoint (its marker's ``world_size``; 1 if not recorded)."""
+        world = read_marker(path).get("world_size")
+        return world if isinstance(world, int) and world > 0 else 1
+
     def size_of(self, path: Path) -> int:
         """Bytes of the files of checkpoint ``path``."""
         return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
@@ -193,19 +198,10 @@ class CheckpointManager:
         if get_rank() == 0:
             free = free_bytes(self.root)
             if free < needed * 1.05:
-                problem = self._disk_full(f"has {gb(free)} free, {what} needs about {gb(needed)}")
+                problem = disk_line(self.root, f"has {gb(free)} free, {what} needs about {gb(needed)}")
         problem = broadcast_object(problem)
         if problem:
             raise DiskFull(problem)
-
-    def _disk_full(self, why: str) -> str:
-        folder = self.root
-        while not folder.exists():
-            folder = folder.parent
-        return (
-            f"the disk of {self.root} (the file system mounted at {mount_point(folder)}) {why}: free space "
-            "there or move the run; the checkpoints already written are intact, and resume=auto continues"
-        )
 
     def save(
         self,
@@ -218,10 +214,12 @@ class CheckpointManager:
         run_id: str | None = None,
         check_owner: Callable[[], None] | None = None,
     ) -> Path:
-        """Write a checkpoint of step ``step`` on every rank (a collective); return its folder. Its marker records
-        ``settings`` (what the weights mean) and ``run_id`` (the run that writes it), both checked on resume;
-        ``check_owner`` (a collective) raises before the checkpoint replaces or prunes anything when the folder
-        is no longer this run's."""
+        """Write a checkpoint of step ``step`` on every rank (a collective); return its folder.
+
+        ``settings``: what the weights mean and ``run_id``: the run that writes it (both recorded in the marker,
+        checked on resume). ``check_owner`` (a collective) raises before the checkpoint replaces or prunes anything
+        when the folder is no longer this run's. A disk that is full or cannot be written raises SaveFailed
+        (DiskFull) on every rank, the unfinished save deleted."""
         rng = rng_state()
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
@@ -239,23 +237,25 @@ class CheckpointManager:
             "rng": rng,
             "sharded_extra_keys": sorted(flat_keys(sharded_extra)),
         }
+        failed = None
         try:
             with _single_process_ok():
                 dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
             torch.save(local, tmp / f"rank{get_rank()}.pt")
         except (OSError, RuntimeError, CheckpointException) as err:
-            if not is_no_space(err):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoints stay the latest
-            raise DiskFull(self._disk_full(f"filled up while it took the checkpoint of step {step}")) from None
-        barrier()
+            failed = _write_failure(err, step)
+        self._agree(tmp, step, next((f for f in gather_objects(failed) if f), None))
         files = checksums(tmp)
         if check_owner is not None:
             check_owner()
+        failed = None
         if get_rank() == 0:
             marker = {"step": step, "world_size": get_world_size(), "settings": settings, "run_id": run_id}
-            self._commit(tmp, final, {**marker, "files": files})
-        barrier()
+            try:
+                self._commit(tmp, final, {**marker, "files": files})
+            except OSError as err:
+                failed = _write_failure(err, step)
+        self._agree(tmp, step, broadcast_object(failed))
         return final
 
     def _commit(self, tmp: Path, final: Path, marker: dict[str, Any]) -> None:
@@ -265,6 +265,19 @@ class CheckpointManager:
             shutil.rmtree(final)
         tmp.rename(final)
         self._prune()
+
+    def _agree(self, tmp: Path, step: int, failed: tuple[bool, str] | None) -> None:
+        """Every rank raises the failure of a save that any rank saw (``failed``: disk full?, the OS's words)."""
+        if failed is None:
+            return
+        if get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoints stay the latest
+        full, words = failed
+        if full:
+            raise DiskFull(disk_line(self.root, f"filled up while it took the checkpoint of step {step}"))
+        raise SaveFailed(
+            disk_line(self.root, f"cannot be written ({words}) at the checkpoint of step {step}", "make it writable")
+        )
 
     def load(
         self,
@@ -283,6 +296,8 @@ class CheckpointManager:
         restored (a warning says so).
         """
         path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(deleted(path), damaged=True)
         if not is_complete(path):
             raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} file)", damaged=True)
         local = self._read_rank_file(path)
@@ -334,8 +349,36 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def deleted(path: Path) -> str:
+    """The line for checkpoint ``path``, found a moment ago and gone now: a run still training in its folder keeps
+    only its latest ``checkpoint.keep_last`` checkpoints."""
+    latest = CheckpointManager(path.parent.parent).latest()
+    pick = f"pick its latest, {latest}" if latest is not None else "pick another"
+    return (
+        f"checkpoint {path} was deleted after this command found it (a run still training in {path.parent.parent} "
+        f"keeps only its latest checkpoint.keep_last checkpoints and prunes the older ones): {pick}, or pass the run "
+        "folder"
+    )
+
+
+def _write_failure(err: BaseException, step: int) -> tuple[bool, str]:
+    """(disk full?, the OS's words) of a save that the disk refused (an OSError, torch.save's RuntimeError on a full
+    disk, DCP's CheckpointException holding either); anything else is a bug and raises."""
+    causes = [f[0] for f in err.failures.values()] if isinstance(err, CheckpointException) else [err]
+    for cause in causes:
+        if isinstance(cause, OSError) or is_no_space(cause):
+            words = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause).splitlines()[0]
+            return is_no_space(cause), words
+    if isinstance(err, CheckpointException):  # not an Exception: the handlers of a failing step would miss it
+        raise RuntimeError(f"the checkpoint save of step {step} failed: {causes[0]!r}") from err
+    raise err
+
+
 def _load_error(path: Path, err: CheckpointException) -> CheckpointError:
-    """A CheckpointError for a failed DCP load: the checkpoint does not fit the model, or a shard is damaged."""
+    """A CheckpointError for a failed DCP load: the checkpoint does not fit the model, a shard is damaged, or the
+    checkpoint was deleted while it loaded."""
+    if not path.is_dir():
+        return CheckpointError(deleted(path), damaged=True)
     failures = [failure[0] for failure in err.failures.values()]
     for failure in failures:
         text = str(failure)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from train.compare.wandb_runs import WandbRun, read_offline, read_offline_file, read_online, run_file
 from train.config.keys import moved_settings
 from train.run.layout import METRICS, RunLayout
@@ -65,11 +67,16 @@ def read_metrics_file(path: Path) -> dict[int, dict[str, float]]:
     A step logged twice (a resumed run replays from its checkpoint) keeps the later values.
     """
     steps: dict[int, dict[str, float]] = {}
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        if not raw.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"{path}:{lineno} is not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); the file is "
+                "damaged: delete that line or put back a copy of the file"
+            ) from None
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{lineno} is not valid JSON ({err.msg}); the file is damaged") from None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
@@ -91,12 +98,17 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 def _read_config(folder: Path) -> dict[str, Any]:
     """The run's resolved configuration: the trainer's ``config.yaml``, else Hydra's; {} if neither. An older run's
     moved keys are read under their new names, so that it compares with a newer one."""
+    from omegaconf import OmegaConf
+
     layout = RunLayout(folder)
     for path in (layout.config, layout.hydra_config):
         if path.is_file():
-            from omegaconf import OmegaConf
-
-            return moved_settings(flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=False)))
+            try:
+                tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+            except (ValueError, yaml.YAMLError) as err:  # UnicodeDecodeError is a ValueError
+                first = str(err).splitlines()[0] if str(err) else type(err).__name__
+                raise ValueError(f"{path} does not read as the YAML the trainer writes ({first})") from None
+            return moved_settings(flatten(tree))
     return {}
 
 

@@ -22,7 +22,7 @@ from rewards.reward_config import RewardConfig
 from samplers.choices import Choice
 from samplers.sampler_config import SamplerConfig, check_range
 from train.algorithm.update_config import UpdateConfig
-from train.config.keys import RESUME_SETTINGS, covered
+from train.config.keys import not_allowable
 
 # An override that adds an evaluation scorer to an empty eval.scorers, as typed on the command line
 # (``eval.scorers={jpeg_compressibility: {}}`` needs quotes in a shell; ``+`` adds the key to the typed dict).
@@ -218,19 +218,18 @@ class CheckpointConfig:
     without it (and without resume=) such a folder is refused.
     """
     allow_changed: list[str] = field(default_factory=list)
-    """Settings a resumed run may change although they change what the weights or the run mean (RESUME_SETTINGS:
-    the model, LoRA, seed, update.mode, sampler.*), e.g. [seed]; any other change of these is refused.
+    """Settings a resumed run may change although they change what the weights mean or what the next steps compute
+    (RESUME_SETTINGS of train/config/keys.py: model.name/path/dtype/height/width/options, model.lora.*, seed,
+    data.train_prompts (its prompts), sampler.*, update.*, grpo.*, batch.* (per rank: compared as the global batch
+    with the world size), reward.*, ema.*), e.g. [seed]; any other change of these is refused.
     """
 
     def __post_init__(self) -> None:
         _non_negative(self.every, "every", " (0 = only at the end)")
         _positive(self.keep_last, "keep_last")
         for key in self.allow_changed:
-            if not any(covered(key, (prefix,)) or covered(prefix, (key,)) for prefix in RESUME_SETTINGS):
-                raise ValueError(
-                    f"allow_changed: {key!r} is not a setting a resumed run keeps; those are "
-                    f"{', '.join(RESUME_SETTINGS)} (and the keys under them)"
-                )
+            if problem := not_allowable(key):
+                raise ValueError(f"allow_changed: {problem}")
 
 
 @dataclass

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rewards.summary import overall
 from train.checkpoint.export import Weights, export_description, find_weights
-from train.checkpoint.manager import CheckpointManager
+from train.checkpoint.manager import CheckpointManager, deleted
 from train.cli.compose import setup
 from train.cli.help_text import show_value
 from train.cli.reporting import reported, run_hydra
@@ -104,6 +104,8 @@ def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
 def check_checkpoint(weights: Weights) -> None:
     """A checkpoint's files are whole before any model loads, as for resuming (a collective)."""
     problem = CheckpointManager(weights.path.parent.parent).problem(weights.path)
+    if problem and not weights.path.exists():  # found by target(), pruned since by the run that wrote it
+        raise CheckpointError(deleted(weights.path), damaged=True)
     if problem:
         raise CheckpointError(f"{problem}; evaluate another checkpoint", damaged=True)
 

@@ -36,12 +36,12 @@ from train.run.startup_checks import resolve_device
 MODEL_FIELDS = [f.name for f in fields(ModelConfig)]  # the words of the model's own messages (config_key)
 
 
-def model_folder(cfg: TrainConfig, dist: DistInfo) -> None:
+def model_folder(cfg: TrainConfig, dist: DistInfo) -> nn.Module:
     """The model's folder, before any model loads: the tiny pipeline built at model.path first if asked
     (model.build_tiny, rank 0), then model.height and model.width checked against what the backbone
     samples (a multiple of its VAE's scale times its 2x2 patches), and with LoRA each of its targets against
     the transformer's module names (peft wraps the modules whose name ends with one), read from the
-    folder's config files."""
+    folder's config files. Returns the transformer's skeleton (on the meta device)."""
     if cfg.model.build_tiny is not None:
         if dist.is_main:
             with config_key("model.build_tiny"):
@@ -51,17 +51,40 @@ def model_folder(cfg: TrainConfig, dist: DistInfo) -> None:
     backbone = get_backbone_class(m.name)
     with config_key("model", MODEL_FIELDS):  # a component missing from the folder
         multiple = backbone.image_multiple(m.path, **m.options)
-        modules = backbone.transformer_modules(m.path, **m.options) if m.lora.enabled else []
+        skeleton = backbone.transformer_skeleton(m.path, **m.options)
     with config_key("model.height / model.width"):
         check_image_multiple(m.name, multiple, m.height, m.width)
-    if not m.lora.enabled:
-        return
-    unmatched = [t for t in lora_targets(m) if not any(n == t or n.endswith(f".{t}") for n in modules)]
+    modules = [name for name, _ in skeleton.named_modules()]
+    unmatched = [t for t in lora_targets(m) if not any(_wraps(t, n) for n in modules)] if m.lora.enabled else []
     if unmatched:
         raise ConfigError(
             f"model.lora.target_modules: {', '.join(unmatched)} name no module of the transformer in "
             f"{m.path} (a target is a module name or its end, e.g. {modules[-1] if modules else 'attn.to_q'})"
         )
+    return skeleton
+
+
+def _wraps(target: str, name: str) -> bool:
+    """peft wraps the module ``name`` for the target ``target``: the name or its end."""
+    return name == target or name.endswith(f".{target}")
+
+
+def checkpoint_size(cfg: TrainConfig, skeleton: nn.Module) -> tuple[int, str]:
+    """About the bytes of a checkpoint of this run, before the model loads, and what they hold: the transformer's
+    float32 weights (the master copy), and AdamW's two moments and the EMA (ema.decay > 0) of the trained ones (LoRA:
+    its adapters, rank x (in + out) per wrapped Linear), from the shapes of the transformer's ``skeleton``."""
+    weights = sum(p.numel() for p in skeleton.parameters())
+    trained, adapters = weights, 0
+    if cfg.model.lora.enabled:
+        wrapped = [
+            module
+            for name, module in skeleton.named_modules()
+            if isinstance(module, nn.Linear) and any(_wraps(t, name) for t in lora_targets(cfg.model))
+        ]
+        trained = adapters = sum(cfg.model.lora.rank * (m.in_features + m.out_features) for m in wrapped)
+    copies = 2 + (cfg.ema.decay > 0)
+    what = f"{weights / 1e6:.1f} M float32 weights, AdamW's 2 moments{' and the EMA' if cfg.ema.decay > 0 else ''}"
+    return 4 * (weights + adapters + copies * trained), f"{what} of {trained / 1e6:.1f} M trained"
 
 
 def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Backbone:

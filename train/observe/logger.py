@@ -4,10 +4,12 @@
   resolved configuration to ``run_dir/config.yaml`` when it starts (a resumed session to
   ``config.<n>.yaml``: the first session's stays). Each ``log`` call
   appends one JSON line ``{"step", "wall_time", <metric>: float, ...}`` to
-  ``run_dir/metrics.jsonl`` and flushes it, so a crashed run keeps every logged step. The file is
+  ``run_dir/metrics.jsonl`` and flushes it, so a crashed run keeps every logged step (a disk that refuses a
+  row ends the run with ``SaveFailed``, one line naming the disk). The file is
   created by the first ``log``: a tool that logs nothing (the probe) leaves no empty one behind.
   A row at step k is training step k, or (``eval/*`` only) the policy after k steps. A resumed run
-  calls ``rewind(k)`` first: the rows of the steps it will replay go, so every step has one row.
+  calls ``rewind(k)`` first: the rows of the steps it will replay go, so every step has one row (a row cut
+  short by the crash goes with them, named in one line).
   ``wall_time`` is seconds of this run: a resumed run continues from the last record it keeps.
 * wandb is optional (``wandb_mode`` disabled, offline or online). Offline runs write into
   ``run_dir/wandb/``. The wandb run id is kept in ``run_dir/wandb_run_id``, so a resumed run (or
@@ -46,7 +48,9 @@ from tqdm import tqdm
 
 from rewards.summary import MIN_TILE, image_grid
 from samplers.choices import member
+from train.checkpoint.files import disk_line, is_no_space
 from train.config.schema import WandbMode
+from train.run.errors import DiskFull, SaveFailed
 from train.run.layout import RunLayout
 
 if TYPE_CHECKING:
@@ -56,8 +60,25 @@ log = logging.getLogger(__name__)
 
 
 def read_lines(path: Path) -> list[str]:
-    """The lines of a metrics.jsonl, ends kept; none when there is no file."""
+    """The lines of a metrics.jsonl, ends kept; none when there is no file (``metrics_problem`` found it readable)."""
     return path.read_text(encoding="utf-8").splitlines(keepends=True) if path.is_file() else []
+
+
+def metrics_problem(path: Path) -> str | None:
+    """What keeps a resumed run from reading its metrics.jsonl (a line that is not UTF-8), naming the line; or None."""
+    if not path.is_file():
+        return None
+    raw = path.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        column = err.start - raw.rfind(b"\n", 0, err.start)
+        return (
+            f"{path}:{line} is not UTF-8 (byte 0x{raw[err.start]:02x} at column {column}): the file is damaged; "
+            f"delete that line (one step's row) or put back a copy of the file, then resume again"
+        )
+    return None
 
 
 def last_wall_time(lines: list[str]) -> float:
@@ -175,14 +196,32 @@ class RunLogger:
             return
         if self._finished:
             raise RuntimeError("RunLogger.log after finish()")
-        if self._file is None:  # kept open for the whole run (appended to every step); closed by finish()
-            self._file = open(self.metrics_path, "a", encoding="utf-8")
         values = {key: _to_float(key, value) for key, value in metrics.items()}
         record = {"step": step, "wall_time": round(time.time() - self._start, 3), **values}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            if self._file is None:  # kept open for the whole run (appended to every step); closed by finish()
+                self._file = open(self.metrics_path, "a", encoding="utf-8")
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as err:
+            raise self._not_written(err, step) from None
         if self._wandb is not None:
             self._guard(self._wandb.log, {"wall_time": record["wall_time"], **values}, step=step)
+
+    def _not_written(self, err: OSError, step: int) -> SaveFailed:
+        """The one line for a row of ``step`` that the disk refused; the file is dropped (its buffer with it)."""
+        if self._file is not None:
+            try:
+                self._file.close()  # flushes the rest of the row again, which fails again
+            except OSError:
+                pass
+            self._file = None
+        where = f"while the row of step {step} was written to {self.metrics_path.name}"
+        if is_no_space(err):
+            return DiskFull(disk_line(self.metrics_path, f"filled up {where}"))
+        return SaveFailed(
+            disk_line(self.metrics_path, f"cannot be written ({err.strerror}) {where}", "make it writable")
+        )
 
     def rewind(self, step: int) -> int:
         """Drop the rows that a run resumed at ``step`` logs again; returns how many were dropped.
@@ -202,6 +241,10 @@ class RunLogger:
         path = self.metrics_path
         lines = read_lines(path)
         kept = [line for line in lines if _logged_before(line, step)]
+        cut = [number for number, line in enumerate(lines, start=1) if _row(line) is None and line.strip()]
+        if cut:
+            where = f"line {cut[0]} was" if len(cut) == 1 else f"lines {', '.join(map(str, cut))} were"
+            log.warning("%s: %s cut short by the crash that ended a session: dropped", path, where)
         if len(kept) != len(lines):
             tmp = Path(f"{path}.tmp")
             tmp.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept), encoding="utf-8")
@@ -269,13 +312,22 @@ class RunLogger:
             self._wandb = None
 
 
-def _logged_before(line: str, step: int) -> bool:
-    """Whether a metrics.jsonl row was logged before the checkpoint of ``step`` (see ``RunLogger.rewind``)."""
+def _row(line: str) -> dict[str, Any] | None:
+    """A metrics.jsonl row (a JSON object with an integer step), or None (a line cut short)."""
     try:
         row = json.loads(line)
-        logged = int(row["step"])
+        int(row["step"])
     except (ValueError, KeyError, TypeError):
+        return None
+    return row if isinstance(row, dict) else None
+
+
+def _logged_before(line: str, step: int) -> bool:
+    """Whether a metrics.jsonl row was logged before the checkpoint of ``step`` (see ``RunLogger.rewind``)."""
+    row = _row(line)
+    if row is None:
         return False
+    logged = int(row["step"])
     metrics = [key for key in row if key not in ("step", "wall_time")]
     return logged < step or (logged == step > 0 and all(key.startswith("eval/") for key in metrics))
 

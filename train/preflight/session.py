@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from train.checkpoint.manager import CheckpointManager
 from train.distributed.collectives import DistInfo, barrier, gather_objects
 from train.distributed.parallelize import world_mesh
-from train.model.builder import model_folder
+from train.model.builder import checkpoint_size, model_folder
 from train.plan.counts import text_tokens
 from train.plan.frozen import read_json
 from train.preflight.links import LinkRate, block_numel, measure_links
@@ -27,6 +27,7 @@ from train.preflight.reduced import StepMeasure, reduced_folder, reduced_run, ru
 from train.preflight.verdict import RankChecks, Status
 from train.run.folder import RunLock, check_one_run
 from train.run.layout import RunLayout
+from train.run.prompts import prompts_digest, read_prompts
 from train.run.scorers import check_scorer_inputs
 from train.run.start import load_config
 from train.run.startup_checks import check_mesh, check_resume, unwritable
@@ -82,12 +83,19 @@ def startup_checks(checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo) 
 
     checks.attempt("model and reward files", files, f"model.path={cfg.model.path} and the reward files read here")
     _run_folder(checks, cfg, dist)
-    if not checks.failed():  # the checkpoints resume names, read by this rank; room for a new run's first files
-        checkpoints = CheckpointManager(RunLayout(cfg.run_dir).root, keep_last=cfg.checkpoint.keep_last)
+    if not checks.failed():  # the checkpoints resume names, read by this rank; room for the run's checkpoint
         resumed = f"resume={cfg.resume}: its checkpoints read on this rank; " if cfg.resume else ""
-        checks.attempt("checkpoints", lambda: check_resume(cfg, dist, checkpoints, max_step=cfg.num_steps),
-                       f"{resumed}room for the run's first files")  # fmt: skip
+        checks.attempt("checkpoints", lambda: _checkpoints(cfg, dist), f"{resumed}room for the run's checkpoint")
     check_compile(checks, cfg, dist.device)
+
+
+def _checkpoints(cfg: PreflightRunConfig, dist: DistInfo) -> None:
+    """The trainer's checks of the checkpoints to resume from, else of the room for a new run's first one."""
+    checkpoints = CheckpointManager(RunLayout(cfg.run_dir).root, keep_last=cfg.checkpoint.keep_last)
+    digest = prompts_digest(read_prompts(cfg.data.train_prompts))
+    if not check_resume(cfg, dist, checkpoints, max_step=cfg.num_steps, prompts=digest):
+        size, held = checkpoint_size(cfg, model_folder(cfg, dist))
+        checkpoints.check_space(size, f"a checkpoint of this run ({held})")
 
 
 def _scratch(cfg: PreflightRunConfig, dist: DistInfo) -> Path:

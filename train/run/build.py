@@ -2,8 +2,9 @@
 
 ``build_run`` assembles the run (``train.run.parts.Run``) in a fixed order: seeds, the checks of the
 checkpoints to resume from (train/run/startup_checks.py) and of the run they belong to (train/run/timeline.py),
-the rewards (a wrong reward path fails in seconds, before the transformer loads: train/run/scorers.py), the
-backbone, the trainable parameters and the KL reference (then sharding: train/model/builder.py), the
+the model's folder (and for a new run room on the disk for its checkpoint, estimated from the transformer's
+shapes), the rewards (a wrong reward path fails in seconds, before the transformer loads: train/run/scorers.py),
+the backbone, the trainable parameters and the KL reference (then sharding: train/model/builder.py), the
 optimizer, the logger, the predictors and the router.
 ``open_run`` builds it in the run folder claimed for it.
 """
@@ -24,7 +25,7 @@ from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo, broadcast_object
 from train.distributed.parallelize import compile_unavailable
 from train.distributed.seeds import seed_everything
-from train.model.builder import build_model, model_folder
+from train.model.builder import build_model, checkpoint_size, model_folder
 from train.observe.logger import RunLogger
 from train.observe.perf import CompileWatch, device_peak
 from train.optim.optimizer import adamw_settings, build_ema
@@ -32,7 +33,7 @@ from train.run.errors import ConfigError
 from train.run.folder import RunLock
 from train.run.layout import RunLayout
 from train.run.parts import DataParts, IOParts, OptimParts, PerfParts, Run
-from train.run.prompts import PromptSampler, read_prompts
+from train.run.prompts import PromptSampler, prompts_digest, read_prompts
 from train.run.scorers import build_rewards, check_scorer_inputs
 from train.run.startup_checks import check_mesh, check_resume, claim_folder, resolve_device
 from train.run.timeline import run_identity
@@ -62,15 +63,19 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
     seed_everything(cfg.seed, dist.rank)
     layout = RunLayout(cfg.run_dir)
     checkpoints = CheckpointManager(layout.root, keep_last=cfg.checkpoint.keep_last)
-    resume_from = check_resume(cfg, dist, checkpoints, max_step=cfg.num_steps if training else None)
+    records = read_prompts(cfg.data.train_prompts)
+    max_step = cfg.num_steps if training else None
+    resume_from = check_resume(cfg, dist, checkpoints, max_step=max_step, prompts=prompts_digest(records))
     run_id = run_identity(cfg.resume, checkpoints, resume_from, dist) if training else None
     check_mesh(cfg, dist.world_size)
     device = resolve_device(cfg, dist)
-    records = read_prompts(cfg.data.train_prompts)
     if cfg.model.compile and (why := compile_unavailable(device.type)):
         raise ConfigError(f"model.compile=true: {why}; or set model.compile=false")
     check_scorer_inputs(cfg)
-    model_folder(cfg, dist)
+    skeleton = model_folder(cfg, dist)
+    if training and not resume_from:  # a resumed run checked room for a checkpoint like its own (preflight)
+        size, held = checkpoint_size(cfg, skeleton)
+        checkpoints.check_space(size, f"a checkpoint of this run ({held})")
     rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds
     # the checkpoint must have wrapped the modules LoRA wraps now: its weights load by their names
     lora_checkpoint = (checkpoints, resume_from) if training else None

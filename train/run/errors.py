@@ -5,8 +5,9 @@
   ``ConfigError`` is a ValueError and ``PathError`` a FileNotFoundError, so callers that catch
   those (and the tests) keep working; ``CheckpointError`` says whether the checkpoint is damaged
   (``resume=auto`` then falls back to the previous one) or merely does not fit the run.
-  ``DiskFull``: the next checkpoint does not fit on the run folder's disk; ``NotLearning``: a run whose
-  steps cannot change the weights stopped (after a checkpoint); both exit with status 2.
+  ``SaveFailed``: a checkpoint or a metrics row could not be written (``DiskFull``: the run folder's disk is
+  full); ``NotLearning``: a run whose steps cannot change the weights stopped (after a checkpoint); all exit
+  with status 2.
 * ``Preempted``: SIGTERM or the first Ctrl+C stopped training after writing a checkpoint; exit status
   143 (128 + 15, what a process killed by SIGTERM reports) or 130 (128 + 2, SIGINT), so a scheduler or a
   script does not take the job for finished.
@@ -79,10 +80,15 @@ class Interrupted(Stop):
     same_on_every_rank = True  # Ctrl+C reaches every process of the terminal
 
 
-class DiskFull(UserError):
-    """The disk of the run folder cannot take the next checkpoint; the ones already written are intact."""
+class SaveFailed(UserError):
+    """A file of the run (a checkpoint, a row of metrics.jsonl) could not be written: its disk is full or cannot be
+    written (read-only, gone); the checkpoints already written are intact."""
 
     same_on_every_rank = True  # the ranks agree on the verdict (train/checkpoint/manager.py)
+
+
+class DiskFull(SaveFailed):
+    """The disk of the run folder cannot take the next checkpoint or row; the checkpoints already written are intact."""
 
 
 class NotLearning(UserError):

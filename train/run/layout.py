@@ -130,4 +130,5 @@ class RunLayout:
             self.wandb,
             self.wandb_run_id,
             self.run_id,
+            self.probe,
         )

@@ -8,6 +8,7 @@ position of a run is just the step counter: resuming at step k needs no other st
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,13 @@ def _decode(raw: bytes, path: Path, field_name: str) -> str:
         ) from None
 
 
+def prompts_digest(records: list[PromptRecord]) -> str:
+    """What a checkpoint records of the training prompts (train/config/keys.py): their number and a hash of the
+    prompts in order, which is what a step draws from (not the file's path, format or blank lines)."""
+    digest = hashlib.sha256(json.dumps([r.prompt for r in records]).encode()).hexdigest()
+    return f"{len(records)} prompts, sha256 {digest[:16]}"
+
+
 @dataclass(frozen=True)
 class PromptBatch:
     prompts: list[str]  # P prompts of this rank
@@ -90,6 +98,7 @@ class PromptSampler:
 
     def __init__(self, records: list[PromptRecord], *, seed: int, rank: int, world_size: int, prompts_per_rank: int):
         self.records, self.seed = records, seed
+        self.digest = prompts_digest(records)  # recorded with each checkpoint
         self.rank, self.world_size, self.per_rank = rank, world_size, prompts_per_rank
         self._epoch, self._order = -1, torch.empty(0, dtype=torch.long)
 

@@ -11,21 +11,26 @@ import torch
 
 from train.checkpoint.manager import CheckpointManager
 from train.config.keys import (
+    GLOBAL_BATCH,
     LORA_MODULES,
+    NOTED_SETTINGS,
+    change,
+    changed_keys,
     changed_refusal,
-    changed_settings,
+    covered,
+    global_batch_refusal,
     moved_settings,
-    resume_settings,
+    recorded_settings,
 )
 from train.config.schema import Device, TrainConfig
 from train.distributed.collectives import DistInfo, broadcast_object
 from train.distributed.parallelize import mesh_shape
+from train.observe.logger import metrics_problem
 from train.run.errors import ConfigError, UserError
 from train.run.folder import RunLock, check_one_run, clear_run, held_run
 from train.run.layout import RunLayout
 
 log = logging.getLogger(__name__)
-FIRST_FILES_BYTES = 16 << 20  # free space a new run needs before its model loads (config, logs, metrics)
 
 
 def unwritable(run_dir: Path) -> str | None:
@@ -81,18 +86,18 @@ def claim_folder(cfg: TrainConfig, dist: DistInfo, *, training: bool) -> RunLock
 
 
 def check_resume(
-    cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, *, max_step: int | None
+    cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, *, max_step: int | None, prompts: str
 ) -> list[Path]:
     """The checks of the checkpoints to resume from, before any model loads; returns them, newest first.
 
     The checkpoints ``resume`` names are checked file by file (``CheckpointManager.usable``); a training
     run must not start from a checkpoint past its last step (``max_step``, num_steps), nor with settings
-    that change what the checkpoint's weights mean (``RESUME_SETTINGS``, unless checkpoint.allow_changed).
+    that change what the checkpoint's weights mean or what the next steps compute (``check_settings``).
+    ``prompts``: the training prompts as a checkpoint records them (``prompts_digest``).
     """
     found = checkpoints.usable(cfg.resume)
-    if max_step is not None:  # before the logger writes: room for a checkpoint like it, else for the first files
-        needed = checkpoints.size_of(found[0]) if found else FIRST_FILES_BYTES
-        checkpoints.check_space(needed, "a checkpoint of this run")
+    if max_step is not None and found:  # before the logger writes: room for a checkpoint like it
+        checkpoints.check_space(checkpoints.size_of(found[0]), "a checkpoint of this run")
     if not found and cfg.resume == "auto":
         _starting_again(checkpoints)
     if found and max_step is not None and (step := checkpoints.step_of(found[0])) > max_step:
@@ -100,13 +105,42 @@ def check_resume(
             f"resume={cfg.resume}: checkpoint {found[0]} holds step {step}, past "
             f"num_steps={max_step}: set num_steps to at least that to train on, or use a new run folder"
         )
-    saved = checkpoints.settings_of(found[0]) if found and max_step is not None else None
-    saved = moved_settings(saved) if saved is not None else None  # an older run's keys under today's names
-    recorded = {key: value for key, value in (saved or {}).items() if key != LORA_MODULES}  # known once LoRA is on
-    changed = changed_settings(recorded, resume_settings(cfg), cfg.checkpoint.allow_changed) if saved else []
-    if changed:
-        raise changed_refusal(cfg.resume, found[0], changed)
+    if found and max_step is not None:
+        check_settings(cfg, dist, checkpoints, found[0], prompts=prompts)
+        check_metrics(cfg, dist)
     return found
+
+
+def check_settings(
+    cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, path: Path, *, prompts: str
+) -> None:
+    """Resuming checkpoint ``path`` keeps the settings it recorded (RESUME_SETTINGS, unless
+    checkpoint.allow_changed names them) and its global batch; a change of NOTED_SETTINGS is named in one line."""
+    saved = checkpoints.settings_of(path)
+    if saved is None:  # saved before settings were recorded
+        return
+    saved = moved_settings(saved)  # an older run's keys under today's names
+    saved.pop(LORA_MODULES, None)  # known once LoRA is on (train/model/builder.py checks it)
+    now = recorded_settings(cfg, prompts=prompts)
+    allowed = cfg.checkpoint.allow_changed
+    changed = [key for key in changed_keys(saved, now, allowed) if not covered(key, GLOBAL_BATCH)]
+    refused = [change(key, saved[key], now[key]) for key in changed if not covered(key, NOTED_SETTINGS)]
+    if refused:
+        raise changed_refusal(cfg.resume, path, refused)
+    batch = global_batch_refusal(saved, checkpoints.world_size_of(path), now, dist.world_size, allowed)
+    if batch:
+        raise ConfigError(f"resume={cfg.resume}: checkpoint {path} was trained with another batch: {batch}")
+    noted = [change(key, saved[key], now[key]) for key in changed if covered(key, NOTED_SETTINGS)]
+    if noted:
+        log.warning("resume=%s: changed since checkpoint %s, used as given: %s", cfg.resume, path, "; ".join(noted))
+
+
+def check_metrics(cfg: TrainConfig, dist: DistInfo) -> None:
+    """A resumed run's metrics.jsonl reads (rank 0 looks; every rank gets the verdict)."""
+    problem = metrics_problem(RunLayout(cfg.run_dir).metrics) if dist.is_main else None
+    problem = broadcast_object(problem)
+    if problem:
+        raise ConfigError(f"resume={cfg.resume}: {problem}")
 
 
 def check_mesh(cfg: TrainConfig, world_size: int) -> None:
