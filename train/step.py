@@ -52,6 +52,7 @@ from train.config.schema import AdvStd, GRPOConfig, TrainConfig
 from train.distributed.collectives import all_gather_tensor, all_reduce_max, all_reduce_sum
 from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
 from train.distributed.seeds import stream_generator, stream_seed
+from train.observe.health import FLAT_IMAGES, flat_fraction
 from train.observe.logger import PhaseTimer, RunLogger
 from train.observe.perf import perf_metrics
 from train.optim.ema import EMA
@@ -280,7 +281,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             traj, prompts = rollout_phase(run, step)
         with timer.phase("reward"):
             scored = reward_phase(run, traj, prompts)
-        metrics = scored.metrics
+        metrics = scored.metrics | {FLAT_IMAGES: flat_fraction(scored.images, run.cfg.health.flat_image_range)}
         if scored.advantages is not None:
             batch = update_batch(run.model, run.cfg, traj, scored.advantages)
             routing: dict[str, float] = {}

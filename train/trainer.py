@@ -25,8 +25,9 @@ fails after steps that are not saved yet (and the weights are still those after 
 their checkpoint is written before the error ends the run when every rank can take part (one process,
 an error raised alike, or one rank's exception in the reward phase, which the ranks share there:
 train/step.py); every save first checks the disk's free space (``DiskFull`` names the disk);
-``health.max_bad_steps`` steps in a row that cannot change the weights end the run with ``NotLearning`` after a
-checkpoint (train/observe/health.py).
+``health.max_bad_steps`` steps in a row that cannot change the weights (or a session none of whose steps could)
+end the run with ``NotLearning`` after a checkpoint; weights or images that left any sane range end it with
+``Diverged`` before the diverged weights are saved, naming the last checkpoint before them (train/observe/health.py).
 """
 
 from __future__ import annotations
@@ -54,12 +55,12 @@ from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInter
 from train.evaluation.evaluator import Evaluator, build_evaluator
 from train.evaluation.summary import run_summary
 from train.model.builder import non_finite
-from train.observe.health import Health
+from train.observe.health import Health, Verdict, weight_norm
 from train.observe.logger import Heartbeat, progress_bar
 from train.optim.ema import EMA
 from train.optim.optimizer import adamw_settings
 from train.run.build import open_run
-from train.run.errors import CheckpointError, DiskFull, Interrupted, NotLearning, Preempted, ranks_agreed
+from train.run.errors import CheckpointError, Diverged, DiskFull, Interrupted, NotLearning, Preempted, ranks_agreed
 from train.run.layout import RunLayout
 from train.run.parts import Run
 from train.run.start import load_config, process_group
@@ -174,19 +175,33 @@ class _Session:
         return self.done > self.saved and self.moved == self.moved_when_done
 
 
+def _last_good(checkpoints: CheckpointManager, bad_from: int, lr: float) -> str:
+    """What a diverged run leaves: the last checkpoint before the step count ``bad_from``, and how to go on."""
+    good = [path for path in checkpoints.complete() if checkpoints.step_of(path) < bad_from]
+    fix = f"lower optimizer.lr (now {lr:g}), then"
+    if not good:
+        return f"no checkpoint before it was saved: {fix} start again with checkpoint.overwrite=true"
+    resume = "resume=auto" if good[-1] == checkpoints.latest() else f"resume={good[-1]}"
+    return f"nothing after step {checkpoints.step_of(good[-1])} is saved: {fix} {resume} continues from {good[-1]}"
+
+
 def _after_step(
-    run: Run, evaluator: Evaluator | None, session: _Session, stop_line: str | None, preemption: Preemption
+    run: Run, evaluator: Evaluator | None, session: _Session, verdict: Verdict | None, preemption: Preemption
 ) -> None:
     """Checkpoint, then evaluation, on their cadences once ``session.done`` steps are trained; SIGTERM, Ctrl+C and a
-    run that cannot learn (``stop_line``) stop here, after their checkpoint."""
+    run that cannot learn (``verdict``) stop here, after their checkpoint; a diverged run before it."""
     cfg, done = run.cfg, session.done
+    if verdict is not None and verdict.bad_from is not None:
+        with activity("the search for the last checkpoint before the divergence"):
+            left = broadcast_object(_last_good(run.io.checkpoints, verdict.bad_from, cfg.optimizer.lr))
+        raise Diverged(f"{verdict.line}; {left}")
     stop = preemption.requested(run.device)
     every = cfg.checkpoint.every
-    if stop or stop_line or done == cfg.num_steps or (every and done % every == 0):
+    if stop or verdict or done == cfg.num_steps or (every and done % every == 0):
         path = _save(run, done)
         session.saved = done
-    if stop_line:
-        raise NotLearning(f"{stop_line}; wrote checkpoint {path}")
+    if verdict:
+        raise NotLearning(f"{verdict.line}; wrote checkpoint {path}")
     if evaluator is not None and evaluator.due(done):
         with activity(f"the evaluation after step {done}"):
             evaluator(done)
@@ -213,7 +228,7 @@ def _rescue(run: Run, session: _Session, err: Exception) -> None:
     """Checkpoint the trained steps that an error is about to lose, when that is safe: the weights are those
     after the last step, and every rank takes part (one process, an error every rank raised alike, or one
     the ranks learned of together: an exception in some rank's reward phase)."""
-    if isinstance(err, DiskFull) or not session.unsaved() or not (run.dist.world_size == 1 or ranks_agreed(err)):
+    if isinstance(err, DiskFull | Diverged) or not session.unsaved() or not (run.dist.world_size == 1 or ranks_agreed(err)):
         return
     try:
         path = _save(run, session.done)
@@ -227,15 +242,19 @@ def _rescue(run: Run, session: _Session, err: Exception) -> None:
     log.warning("wrote checkpoint %s of the steps trained before this error; resume=auto continues from it", path)
 
 
-def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, float]]:
-    """Training steps ``start`` to the last, with the bar or the heartbeat; the metrics of each step."""
+def _train(run: Run, evaluator: Evaluator | None, start: int, start_norm: float) -> list[dict[str, float]]:
+    """Training steps ``start`` to the last, with the bar or the heartbeat; the metrics of each step.
+    ``start_norm``: the norm of the trainable weights at the start of the run (health/weight_growth's unit)."""
     cfg, main = run.cfg, run.dist.is_main
     show_bar = main and cfg.logging.progress_bar
     bar = progress_bar(cfg.num_steps, is_main=show_bar, initial=start)
     heartbeat = Heartbeat(cfg.num_steps, start=start, every_s=cfg.logging.heartbeat_s, enabled=main and not show_bar)
     health = Health(
-        max_bad_steps=cfg.health.max_bad_steps,
+        cfg.health,
         optimizer_steps=cfg.grpo.group_size * cfg.batch.prompts_per_rank // cfg.batch.gradient_accumulation_steps,
+        first=start,
+        last=cfg.num_steps - 1,
+        start_norm=start_norm,
     )
     session = _Session(done=start, saved=start)
     hook = run.optim.optimizer.register_step_post_hook(session.count)
@@ -247,6 +266,7 @@ def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, 
             for step in range(start, cfg.num_steps):
                 with activity(f"training step {step}"):
                     metrics = train_step(run, step)
+                    metrics |= health.measure(run.model.params)
                     session.done, session.moved_when_done = step + 1, session.moved
                     run.io.logger.log(metrics, step)
                     history.append(metrics)
@@ -269,6 +289,7 @@ def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, 
 def fit(run: Run) -> None:
     cfg = run.cfg
     began = time.perf_counter()
+    start_norm = weight_norm(run.model.params)  # before a checkpoint loads: the start of the run, in every session
     start = resume(run)
     if start < cfg.num_steps:  # a full disk shows now, not after the steps before the first checkpoint
         needed = _needed_bytes(run.io.checkpoints, run.model.backbone.transformer, run.optim.optimizer)
@@ -291,7 +312,7 @@ def fit(run: Run) -> None:
     if evaluator is not None and start == 0:
         with activity("the evaluation before training"):
             evaluator(0)
-    history = _train(run, evaluator, start)
+    history = _train(run, evaluator, start, start_norm)
     if cfg.checkpoint.export:
         with activity("the export"):
             export(
