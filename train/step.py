@@ -18,7 +18,8 @@ checkpointed: a resumed step rolls out again and keeps them anew.
 
 A NaN or inf reward (``rewards.combine.NonFiniteRewardError``) or a non-finite gradient skips the
 update (all ranks together) instead of corrupting the weights; an exception while a rank decodes and scores
-its samples ends the step on every rank at the same point (``reward_phase``).
+its samples ends the step on every rank at the same point (``reward_phase``); the remote reward's answer outside
+its protocol is a ``ScorerFailed`` (one line naming reward.components.remote).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch import Tensor
 from models.base import Backbone, Conditioning, decode_in_chunks
 from models.model_config import ModelConfig
 from rewards.combine import AdvantageFn, NonFiniteRewardError
+from rewards.remote import RemoteRewardError, RemoteScorer
 from samplers.rollout import (
     KeptVelocities,
     Predict,
@@ -56,7 +58,7 @@ from train.observe.health import FLAT_IMAGES, flat_fraction
 from train.observe.logger import PhaseTimer, RunLogger
 from train.observe.perf import perf_metrics
 from train.optim.ema import EMA
-from train.run.errors import RankFailed, config_key, mark_agreed
+from train.run.errors import RankFailed, ScorerFailed, config_key, mark_agreed
 from train.run.parts import ModelParts, Run
 
 log = logging.getLogger(__name__)
@@ -193,6 +195,8 @@ def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> Scored:
     except NonFiniteRewardError as err:  # it names its scorer; skip the update on every rank
         log.warning("skipping the update of this step: %s", err)
         outcome = NAN_REWARD
+    except RemoteRewardError as err:  # the server's answer or refusal: a setting or the server to fix, in one line
+        outcome, failure = FAILED, ScorerFailed(f"reward.components.{RemoteScorer.name}: {err}")
     except Exception as err:  # the other ranks learn of it below, then it is re-raised
         outcome, failure = FAILED, err
     outcomes = torch.zeros(run.dist.world_size, device=run.device)

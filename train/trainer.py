@@ -177,6 +177,8 @@ class _Session:
 
 def _last_good(checkpoints: CheckpointManager, bad_from: int, lr: float) -> str:
     """What a diverged run leaves: the last checkpoint before the step count ``bad_from``, and how to go on."""
+    if bad_from == 0:
+        return "nothing was saved: check the model"
     good = [path for path in checkpoints.complete() if checkpoints.step_of(path) < bad_from]
     fix = f"lower optimizer.lr (now {lr:g}), then"
     if not good:
