@@ -36,7 +36,6 @@ from fastapi import FastAPI, HTTPException, Request
 from rewards.base import SCORER_NAMES, Scorer, scorer_class
 from rewards.remote import TOKEN_ENV, decode_batch
 
-
 PROG = "reward_server.py"
 
 

@@ -60,7 +60,7 @@ from train.observe.logger import Heartbeat, progress_bar
 from train.optim.ema import EMA
 from train.optim.optimizer import adamw_settings
 from train.run.build import open_run
-from train.run.errors import CheckpointError, Diverged, DiskFull, Interrupted, NotLearning, Preempted, ranks_agreed
+from train.run.errors import CheckpointError, DiskFull, Diverged, Interrupted, NotLearning, Preempted, ranks_agreed
 from train.run.layout import RunLayout
 from train.run.parts import Run
 from train.run.start import load_config, process_group
@@ -179,12 +179,15 @@ def _last_good(checkpoints: CheckpointManager, bad_from: int, lr: float) -> str:
     """What a diverged run leaves: the last checkpoint before the step count ``bad_from``, and how to go on."""
     if bad_from == 0:
         return "nothing was saved: check the model"
-    good = [path for path in checkpoints.complete() if checkpoints.step_of(path) < bad_from]
+    saved = checkpoints.complete()
+    good = [path for path in saved if checkpoints.step_of(path) < bad_from]
     fix = f"lower optimizer.lr (now {lr:g}), then"
     if not good:
-        return f"no checkpoint before it was saved: {fix} start again with checkpoint.overwrite=true"
-    resume = "resume=auto" if good[-1] == checkpoints.latest() else f"resume={good[-1]}"
-    return f"nothing after step {checkpoints.step_of(good[-1])} is saved: {fix} {resume} continues from {good[-1]}"
+        return f"no checkpoint holds weights from before it: {fix} start again with checkpoint.overwrite=true"
+    if good[-1] == saved[-1]:
+        return f"the last checkpoint before it is {good[-1]}: {fix} resume=auto continues from it"
+    later = ", ".join(path.name for path in saved[len(good) :])
+    return f"the last checkpoint before it is {good[-1]} ({later} after it): {fix} resume={good[-1]} continues from it"
 
 
 def _after_step(
@@ -230,7 +233,11 @@ def _rescue(run: Run, session: _Session, err: Exception) -> None:
     """Checkpoint the trained steps that an error is about to lose, when that is safe: the weights are those
     after the last step, and every rank takes part (one process, an error every rank raised alike, or one
     the ranks learned of together: an exception in some rank's reward phase)."""
-    if isinstance(err, DiskFull | Diverged) or not session.unsaved() or not (run.dist.world_size == 1 or ranks_agreed(err)):
+    if (
+        isinstance(err, DiskFull | Diverged)
+        or not session.unsaved()
+        or not (run.dist.world_size == 1 or ranks_agreed(err))
+    ):
         return
     try:
         path = _save(run, session.done)

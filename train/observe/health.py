@@ -85,9 +85,7 @@ class Health:
     """Counts bad steps in a row and steps without spread per reward, and bounds the weights and images of a
     session of steps ``first`` to ``last``; ``observe`` says when to stop."""
 
-    def __init__(
-        self, config: HealthConfig, *, optimizer_steps: int, first: int, last: int, start_norm: float
-    ) -> None:
+    def __init__(self, config: HealthConfig, *, optimizer_steps: int, first: int, last: int, start_norm: float) -> None:
         self.config, self.optimizer_steps = config, optimizer_steps
         self.first, self.last, self.start_norm = first, last, start_norm
         self.bad_in_a_row = 0
