@@ -233,11 +233,8 @@ def _rescue(run: Run, session: _Session, err: Exception) -> None:
     """Checkpoint the trained steps that an error is about to lose, when that is safe: the weights are those
     after the last step, and every rank takes part (one process, an error every rank raised alike, or one
     the ranks learned of together: an exception in some rank's reward phase)."""
-    if (
-        isinstance(err, DiskFull | Diverged)
-        or not session.unsaved()
-        or not (run.dist.world_size == 1 or ranks_agreed(err))
-    ):
+    everyone = run.dist.world_size == 1 or ranks_agreed(err)
+    if isinstance(err, DiskFull | Diverged) or not session.unsaved() or not everyone:
         return
     try:
         path = _save(run, session.done)
