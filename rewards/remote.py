@@ -2,9 +2,12 @@
 
 Protocol (``scripts/reward_server.py`` is the server; both ends use ``encode_batch``/``decode_batch``):
 
-    GET  <url>/health  -> {"scorer": "<name>"}
+    GET  <url>/health  -> {"scorer": "<name>", "arguments": {<its constructor's arguments>}}
     POST <url>/score   {"prompts": [B strings], "shape": [B, H, W, 3], "images": base64 of uint8 HWC bytes}
-                       -> {"scores": [B numbers]}
+                       -> {"scores": [B numbers], "scorer": "<name>", "arguments": {...}}
+
+Every answer names the scorer behind the URL (``arguments`` may be left out: none); the client reads it at
+start-up and checks it on each answer, so a server restarted with another scorer mid-run is not used.
 
 Images travel as raw uint8 (round(255 x) of the [0, 1] floats) inside JSON: nothing that arrives is
 unpickled or evaluated, only decoded as bytes of a stated shape. When the environment variable
@@ -20,8 +23,9 @@ Failures:
       does (rewards/combine.py), with a warning naming the URL and the last error. Skipping, not
       stopping: raising on one rank would leave the others waiting in the next collective until
       dist.timeout_s, and a restarted server costs one step instead of the run;
-    * an answer that breaks the protocol (a wrong number of scores, a non-number, a 4xx such as a
-      refused token) is a bug or a setting, not a hiccup: ``RemoteRewardError`` stops the run.
+    * an answer that breaks the protocol (not JSON, a wrong number of scores, a non-number, another scorer, a
+      redirect, a 4xx such as a refused token) is a bug or a setting, not a hiccup: ``RemoteRewardError``, one
+      sentence naming the URL, stops the run.
 """
 
 from __future__ import annotations
@@ -79,6 +83,20 @@ def decode_batch(body: dict) -> tuple[Tensor, list[str]]:
     return pixels.permute(0, 3, 1, 2).float() / 255, prompts
 
 
+def scorer_identity(body: object, *, url: str) -> str:
+    """``name(key=value, ...)``: the scorer an answer names (its "scorer" and "arguments"); RemoteRewardError
+    naming the URL when it names none."""
+    name = body.get("scorer") if isinstance(body, dict) else None
+    arguments = body.get("arguments", {}) if isinstance(body, dict) else None
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        raise RemoteRewardError(
+            f"reward server {url} answered without naming its scorer ('scorer': a name, 'arguments': an object), "
+            f"which the protocol requires (docs/rewards.md): {str(body)[:200]}"
+        )
+    listed = ", ".join(f"{key}={value!r}" for key, value in sorted(arguments.items()))
+    return f"{name}({listed})"
+
+
 def decode_scores(body: object, *, url: str, expected: int) -> Tensor:
     """The [B] float32 scores of a score answer; RemoteRewardError naming the URL when malformed."""
     scores = body.get("scores") if isinstance(body, dict) else None
@@ -111,20 +129,32 @@ class RemoteScorer(Scorer):
         self.client = httpx.Client(timeout=self.timeout_s, headers=auth_headers())
         try:
             answer = self.client.get(f"{self.url}/health")
+            self.scorer = scorer_identity(self._payload(answer), url=self.url)  # the one every answer must name
         except httpx.HTTPError as err:
             # a setting (a wrong url, a server not started): a ValueError, which the trainer prints as one line
             reason = type(err).__name__
             raise RemoteRewardError(f"reward server {self.url} is unreachable ({reason}): start it first") from None
-        self._check_status(answer)
+        except RemoteUnavailable as err:
+            raise RemoteRewardError(f"{err} at start-up: check that it runs") from None
 
-    def _check_status(self, answer: httpx.Response) -> None:
-        if answer.status_code >= 500:
-            raise RemoteUnavailable(f"reward server {self.url} answered {answer.status_code}")
-        if answer.status_code >= 400:
-            hint = f" (is {TOKEN_ENV} the server's token?)" if answer.status_code == 401 else ""
+    def _payload(self, answer: httpx.Response) -> object:
+        """The JSON of a 2xx answer; RemoteUnavailable for a 5xx (worth a retry), else RemoteRewardError."""
+        status = answer.status_code
+        if status >= 500:
+            raise RemoteUnavailable(f"reward server {self.url} answered {status}")
+        if 300 <= status < 400:
+            where = answer.headers.get("location", "elsewhere")
             raise RemoteRewardError(
-                f"reward server {self.url} refused the request: {answer.status_code} {answer.text[:200]}{hint}"
+                f"reward server {self.url} redirected the request ({status}) to {where}: give url the address "
+                "that serves the protocol itself"
             )
+        if status >= 400 or status < 200:
+            hint = f" (is {TOKEN_ENV} the server's token?)" if status == 401 else ""
+            raise RemoteRewardError(f"reward server {self.url} refused the request: {status} {answer.text[:200]}{hint}")
+        try:
+            return answer.json()
+        except ValueError:
+            raise RemoteRewardError(f"reward server {self.url} answered non-JSON: {answer.text[:200]!r}") from None
 
     def _post(self, body: dict, expected: int) -> Tensor:
         try:
@@ -134,11 +164,13 @@ class RemoteScorer(Scorer):
             raise RemoteUnavailable(late) from None
         except httpx.HTTPError as err:
             raise RemoteUnavailable(f"reward server {self.url} is unreachable ({type(err).__name__})") from None
-        self._check_status(answer)
-        try:
-            payload = answer.json()
-        except ValueError:
-            raise RemoteRewardError(f"reward server {self.url} answered non-JSON: {answer.text[:200]}") from None
+        payload = self._payload(answer)
+        scorer = scorer_identity(payload, url=self.url)
+        if scorer != self.scorer:
+            raise RemoteRewardError(
+                f"reward server {self.url} now scores with {scorer}, not {self.scorer} as when the run started (was "
+                "it restarted with another scorer?): restart it as it was, or start a new run for the new scorer"
+            )
         return decode_scores(payload, url=self.url, expected=expected)
 
     def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:

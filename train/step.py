@@ -18,7 +18,8 @@ checkpointed: a resumed step rolls out again and keeps them anew.
 
 A NaN or inf reward (``rewards.combine.NonFiniteRewardError``) or a non-finite gradient skips the
 update (all ranks together) instead of corrupting the weights; an exception while a rank decodes and scores
-its samples ends the step on every rank at the same point (``reward_phase``).
+its samples ends the step on every rank at the same point (``reward_phase``); the remote reward's answer outside
+its protocol is a ``ScorerFailed`` (one line naming reward.components.remote).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch import Tensor
 from models.base import Backbone, Conditioning, decode_in_chunks
 from models.model_config import ModelConfig
 from rewards.combine import AdvantageFn, NonFiniteRewardError
+from rewards.remote import RemoteRewardError, RemoteScorer
 from samplers.rollout import KeptVelocities, Predict, Trajectory, group_noise, rollout, shared_start_steps
 from samplers.schedule import check_timesteps
 from samplers.window import rollout_forwards, sde_window
@@ -45,10 +47,11 @@ from train.config.schema import AdvStd, GRPOConfig, TrainConfig
 from train.distributed.collectives import all_gather_tensor, all_reduce_max, all_reduce_sum
 from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
 from train.distributed.seeds import stream_generator, stream_seed
+from train.observe.health import FLAT_IMAGES, flat_fraction
 from train.observe.logger import PhaseTimer, RunLogger
 from train.observe.perf import perf_metrics
 from train.optim.ema import EMA
-from train.run.errors import RankFailed, config_key, mark_agreed
+from train.run.errors import RankFailed, ScorerFailed, config_key, mark_agreed
 from train.run.parts import ModelParts, Run
 
 log = logging.getLogger(__name__)
@@ -180,7 +183,8 @@ def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> Scored:
     the other ranks, in one all-reduce, on what each got: a NaN reward anywhere skips the update; an
     exception on some rank ends the step on every rank at this point (``RankFailed`` on the others), so
     that they can still checkpoint the steps trained before it together (train/trainer.py)."""
-    outcome, failure, scores, images = OK, None, {}, None
+    outcome, scores, images = OK, {}, None
+    failure: Exception | None = None
     try:
         images = decode_images(run.model.backbone, traj.latents[:, -1], run.cfg.model)
         with torch.no_grad():
@@ -188,6 +192,8 @@ def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> Scored:
     except NonFiniteRewardError as err:  # it names its scorer; skip the update on every rank
         log.warning("skipping the update of this step: %s", err)
         outcome = NAN_REWARD
+    except RemoteRewardError as err:  # the server's answer or refusal: a setting or the server to fix, in one line
+        outcome, failure = FAILED, ScorerFailed(f"reward.components.{RemoteScorer.name}: {err}")
     except Exception as err:  # the other ranks learn of it below, then it is re-raised
         outcome, failure = FAILED, err
     outcomes = torch.zeros(run.dist.world_size, device=run.device)
@@ -276,7 +282,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             traj, prompts = rollout_phase(run, step)
         with timer.phase("reward"):
             scored = reward_phase(run, traj, prompts)
-        metrics = scored.metrics
+        metrics = scored.metrics | {FLAT_IMAGES: flat_fraction(scored.images, run.cfg.health.flat_image_range)}
         if scored.advantages is not None:
             batch = update_batch(run.model, run.cfg, traj, scored.advantages)
             routing: dict[str, float] = {}

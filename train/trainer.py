@@ -29,8 +29,9 @@ fails after steps that are not saved yet (and the weights are still those after 
 their checkpoint is written before the error ends the run when every rank can take part (one process,
 an error raised alike, or one rank's exception in the reward phase, which the ranks share there:
 train/step.py); every save first checks the disk's free space (``DiskFull`` names the disk);
-``health.max_bad_steps`` steps in a row that cannot change the weights end the run with ``NotLearning`` after a
-checkpoint (train/observe/health.py).
+``health.max_bad_steps`` steps in a row that cannot change the weights (or a session none of whose steps could)
+end the run with ``NotLearning`` after a checkpoint; weights or images that left any sane range end it with
+``Diverged`` before the diverged weights are saved, naming the last checkpoint before them (train/observe/health.py).
 """
 
 from __future__ import annotations
@@ -59,12 +60,20 @@ from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInter
 from train.evaluation.evaluator import Evaluator, build_evaluator
 from train.evaluation.summary import run_summary
 from train.model.builder import non_finite
-from train.observe.health import Health
+from train.observe.health import Health, Verdict, weight_norm
 from train.observe.logger import Heartbeat, progress_bar
 from train.optim.ema import EMA
 from train.optim.optimizer import adamw_settings
 from train.run.build import open_run
-from train.run.errors import CheckpointError, Interrupted, NotLearning, Preempted, SaveFailed, ranks_agreed
+from train.run.errors import (
+    CheckpointError,
+    Diverged,
+    Interrupted,
+    NotLearning,
+    Preempted,
+    SaveFailed,
+    ranks_agreed,
+)
 from train.run.folder import FolderLost
 from train.run.layout import RunLayout
 from train.run.parts import Run
@@ -210,16 +219,36 @@ def _step_end(run: Run, preemption: Preemption) -> int:
     return stop
 
 
-def _after_step(run: Run, evaluator: Evaluator | None, session: _Session, stop_line: str | None, stop: int) -> None:
+def _last_good(checkpoints: CheckpointManager, bad_from: int, lr: float) -> str:
+    """What a diverged run leaves: the last checkpoint before the step count ``bad_from``, and how to go on."""
+    if bad_from == 0:
+        return "nothing was saved: check the model"
+    saved = checkpoints.complete()
+    good = [path for path in saved if checkpoints.step_of(path) < bad_from]
+    fix = f"lower optimizer.lr (now {lr:g}), then"
+    if not good:
+        return f"no checkpoint holds weights from before it: {fix} start again with checkpoint.overwrite=true"
+    if good[-1] == saved[-1]:
+        return f"the last checkpoint before it is {good[-1]}: {fix} resume=auto continues from it"
+    later = ", ".join(path.name for path in saved[len(good) :])
+    return f"the last checkpoint before it is {good[-1]} ({later} after it): {fix} resume={good[-1]} continues from it"
+
+
+def _after_step(run: Run, evaluator: Evaluator | None, session: _Session, verdict: Verdict | None, stop: int) -> None:
     """Checkpoint, then evaluation, on their cadences once ``session.done`` steps are trained; a signal (``stop``:
-    SIGTERM, SIGHUP, Ctrl+C) and a run that cannot learn (``stop_line``) stop here, after their checkpoint."""
+    SIGTERM, SIGHUP, Ctrl+C) and a run that cannot learn (``verdict``) stop here, after their checkpoint; a
+    diverged run before it."""
     cfg, done = run.cfg, session.done
+    if verdict is not None and verdict.bad_from is not None:
+        with activity("the search for the last checkpoint before the divergence"):
+            left = broadcast_object(_last_good(run.io.checkpoints, verdict.bad_from, cfg.optimizer.lr))
+        raise Diverged(f"{verdict.line}; {left}")
     every = cfg.checkpoint.every
-    if stop or stop_line or done == cfg.num_steps or (every and done % every == 0):
+    if stop or verdict or done == cfg.num_steps or (every and done % every == 0):
         path = _save(run, done)
         session.saved = done
-    if stop_line:
-        raise NotLearning(f"{stop_line}; wrote checkpoint {path}")
+    if verdict:
+        raise NotLearning(f"{verdict.line}; wrote checkpoint {path}")
     if evaluator is not None and evaluator.due(done):
         with activity(f"the evaluation after step {done}"):
             _check_owner(run)
@@ -247,9 +276,8 @@ def _rescue(run: Run, session: _Session, err: Exception) -> None:
     """Checkpoint the trained steps that an error is about to lose, when that is safe: the weights are those
     after the last step, and every rank takes part (one process, an error every rank raised alike, or one
     the ranks learned of together: an exception in some rank's reward phase)."""
-    if isinstance(err, SaveFailed | FolderLost) or not session.unsaved():
-        return
-    if not (run.dist.world_size == 1 or ranks_agreed(err)):
+    everyone = run.dist.world_size == 1 or ranks_agreed(err)
+    if isinstance(err, SaveFailed | FolderLost | Diverged) or not session.unsaved() or not everyone:
         return
     try:
         path = _save(run, session.done)
@@ -263,15 +291,19 @@ def _rescue(run: Run, session: _Session, err: Exception) -> None:
     log.warning("wrote checkpoint %s of the steps trained before this error; resume=auto continues from it", path)
 
 
-def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, float]]:
-    """Training steps ``start`` to the last, with the bar or the heartbeat; the metrics of each step."""
+def _train(run: Run, evaluator: Evaluator | None, start: int, start_norm: float) -> list[dict[str, float]]:
+    """Training steps ``start`` to the last, with the bar or the heartbeat; the metrics of each step.
+    ``start_norm``: the norm of the trainable weights at the start of the run (health/weight_growth's unit)."""
     cfg, main = run.cfg, run.dist.is_main
     show_bar = main and cfg.logging.progress_bar
     bar = progress_bar(cfg.num_steps, is_main=show_bar, initial=start)
     heartbeat = Heartbeat(cfg.num_steps, start=start, every_s=cfg.logging.heartbeat_s, enabled=main and not show_bar)
     health = Health(
-        max_bad_steps=cfg.health.max_bad_steps,
+        cfg.health,
         optimizer_steps=cfg.grpo.group_size * cfg.batch.prompts_per_rank // cfg.batch.gradient_accumulation_steps,
+        first=start,
+        last=cfg.num_steps - 1,
+        start_norm=start_norm,
     )
     session = _Session(done=start, saved=start)
     hook = run.optim.optimizer.register_step_post_hook(session.count)
@@ -283,6 +315,7 @@ def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, 
             for step in range(start, cfg.num_steps):
                 with activity(f"training step {step}"):
                     metrics = train_step(run, step)
+                    metrics |= health.measure(run.model.params)
                     stop = _step_end(run, preemption)
                     session.done, session.moved_when_done = step + 1, session.moved
                     run.io.logger.log(metrics, step)
@@ -306,6 +339,7 @@ def _train(run: Run, evaluator: Evaluator | None, start: int) -> list[dict[str, 
 def fit(run: Run) -> None:
     cfg = run.cfg
     began = time.perf_counter()
+    start_norm = weight_norm(run.model.params)  # before a checkpoint loads: the start of the run, in every session
     start = resume(run)
     if start < cfg.num_steps:  # a full disk shows now, not after the steps before the first checkpoint
         run.io.checkpoints.check_space(_needed_bytes(run), "a checkpoint of this run")
@@ -329,7 +363,7 @@ def fit(run: Run) -> None:
     if evaluator is not None and start == 0:
         with activity("the evaluation before training"):
             evaluator(0)
-    history = _train(run, evaluator, start)
+    history = _train(run, evaluator, start, start_norm)
     if cfg.checkpoint.export:
         with activity("the export"):
             _check_owner(run)

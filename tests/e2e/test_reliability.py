@@ -41,6 +41,7 @@ import train.eval.command as eval_command
 import train.probe.command as probe_command
 import train.trainer as trainer
 from train.cli.reporting import run_hydra
+from train.config.schema import HealthConfig
 from train.model import builder
 from train.run import scorers
 from train.run.errors import Preempted
@@ -244,6 +245,9 @@ BAD_SETTINGS = {
         r"checkpoint\.allow_changed: 'optimizer\.lr' may change on resume without it",
     ),
     "max_bad_steps-negative": (["health.max_bad_steps=-1"], r"health\.max_bad_steps must be >= 0"),
+    "max_weight_growth-below-one": (["health.max_weight_growth=0.5"], r"health\.max_weight_growth must be > 1"),
+    "flat_image_range-one": (["health.flat_image_range=1"], r"health\.flat_image_range must be in \[0, 1\)"),
+    "lr-typo": (["optimizer.lr=1e9"], r"optimizer\.lr must be < 1, got 1000000000\.0 \(AdamW moves every weight"),
     "lora-target-typo": (
         [
             "model.lora.enabled=true",
@@ -902,10 +906,99 @@ def test_a_reward_without_spread_is_named(tiny_flux_dir, tmp_path, capsys, monke
     warnings = []
     monkeypatch.setattr(health.log, "warning", lambda message, *args: warnings.append(message % args))
     metrics_of = {"spread/jpeg_compressibility": 0.0, "spread/clipscore": 0.5, "train/grad_norm": 1.0}
-    watch = health.Health(max_bad_steps=10, optimizer_steps=1)
+    watch = health.Health(HealthConfig(), optimizer_steps=1, first=0, last=100, start_norm=1.0)
     for step in range(health.SPREAD_STEPS + 2):
         assert watch.observe(metrics_of, step) is None
     assert len(warnings) == 1 and warnings[0].startswith("reward.components.jpeg_compressibility: its scores tied")
+
+
+def test_a_run_none_of_whose_steps_learned_is_not_exported(tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    """Shorter than health.max_bad_steps, every reward NaN: a checkpoint, one line, status 2, and no export or summary
+    that would call the loaded weights trained."""
+    nan_rewards(monkeypatch)
+    run_dir = tmp_path / "run"
+    status, stderr, stdout = command(
+        capsys, run_dir, [*FAST, f"model.path={tiny_flux_dir}", "num_steps=2"], stdout=True
+    )
+    line = the_error(stderr)
+    assert status == 2 and re.search(r"none of steps 0 to 1 could change the weights .*NaN.* nothing is exported", line)
+    assert line.endswith("wrote checkpoint " + str(run_dir / "checkpoints" / "step_00000002")), line
+    assert not (run_dir / "export").exists() and "finished" not in stdout + stderr
+
+
+def black_images(monkeypatch) -> None:
+    """Every rollout decodes to black images, as a policy that collapsed samples them."""
+    from train import step
+
+    monkeypatch.setattr(step, "decode_images", lambda backbone, latents, model: torch.zeros(len(latents), 3, 8, 8))
+
+
+# How a resumed run diverges (steps 2 and 3 after the trained run's 2): the line's cause, and the checkpoint it
+# names as the last before the weights that diverged (step_00000002 sampled the black images of step 2).
+DIVERGED = {
+    "weights": (
+        ["optimizer.lr=0.9", "health.max_weight_growth=2"],
+        r"health\.max_weight_growth=2: after step 2 the trainable weights' norm is [\d.]+ times its value at the start",
+        r"is \S+/step_00000002: lower optimizer\.lr \(now 0\.9\), then resume=auto continues from it$",
+    ),
+    "flat-images": (
+        [],
+        r"health\.flat_image_range=0\.00392: every image sampled in step 2 is one flat colour: the weights after 2",
+        r"is \S+/step_00000001 \(step_00000002 after it\): lower optimizer\.lr \(now 0\.003\), then resume=\S+01 ",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DIVERGED))
+def test_a_diverged_run_stops_before_saving_the_diverged_weights(
+    case, trained, tiny_flux_dir, tmp_path, capsys, monkeypatch
+):
+    """Weights that grew past health.max_weight_growth, or images that are all one colour, in a run of finite
+    numbers: one line naming the bound and the last checkpoint before, status 2; no checkpoint or export changed."""
+    overrides, cause, left = DIVERGED[case]
+    if case == "flat-images":
+        black_images(monkeypatch)
+    run_dir = copy_run(trained, tmp_path)
+    saved = {name: files_of(run_dir / name) for name in ("checkpoints", "export")}
+    common = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=4", "checkpoint.every=1", "resume=auto"]
+    status, stderr = command(capsys, run_dir, [*common, *overrides])
+    line = the_error(stderr)
+    assert status == 2 and re.search(cause, line) and re.search(left, line), line
+    assert {name: files_of(run_dir / name) for name in saved} == saved
+
+
+# A reward server that answers step 0 and then outside the protocol: what the one line says after the URL.
+SERVER_FAULTS = {
+    "non-json": ("text", r"answered non-JSON: 'Bad Gateway'"),
+    "another-scorer": ("other", r"now scores with pickscore\(\), not fake\(\) as when the run started"),
+    "refused-token": ("401", r"refused the request: 401 .*JAGG_REWARD_TOKEN"),
+}
+
+
+@pytest.mark.parametrize("case", list(SERVER_FAULTS))
+def test_a_reward_server_answer_outside_the_protocol_is_one_line(case, tiny_flux_dir, tmp_path, capsys):
+    """Step 1's answer breaks the protocol: the step trained before it is checkpointed, then one line naming
+    reward.components.remote and the server, status 2."""
+    pytest.importorskip("fastapi")
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    from reward_servers import FAKE, fake_server, serve
+
+    def good(count):
+        return {"scores": [0.5 * i for i in range(count)], **FAKE}
+
+    fault = {
+        "text": PlainTextResponse("Bad Gateway"),
+        "other": lambda count: {**good(count), "scorer": "pickscore"},
+        "401": JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401),
+    }[SERVER_FAULTS[case][0]]
+    with serve(fake_server(good, fault)) as url:
+        remote = f"+reward.components.remote={{url: '{url}', timeout_s: 10, retries: 0}}"
+        status, stderr = command(
+            capsys, tmp_path / "run", [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", remote]
+        )
+    line = the_error(stderr)
+    assert status == 2 and re.search(rf"reward\.components\.remote: reward server {url} {SERVER_FAULTS[case][1]}", line)
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000001"]
 
 
 def nan_weights(tiny_flux_dir: Path, tmp_path: Path) -> Path:

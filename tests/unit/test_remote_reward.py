@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import logging
 import math
+import re
 import socket
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,11 +15,12 @@ import pytest
 import torch
 
 pytest.importorskip("fastapi")
-import uvicorn  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
+from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response  # noqa: E402
+from reward_servers import FAKE, fake_server, serve  # noqa: E402
 
 from rewards.base import build_scorer  # noqa: E402
-from rewards.remote import TOKEN_ENV, RemoteRewardError, RemoteScorer, RemoteUnavailable  # noqa: E402
+from rewards.remote import TOKEN_ENV, RemoteRewardError, RemoteScorer  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "reward_server.py"
 PROMPTS = ["a cat", "a dog", "a red car"]
@@ -33,26 +32,6 @@ def _server_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    """``app`` on a free 127.0.0.1 port in a thread; yields its URL and stops it on exit."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "the test server did not start within 10 s"
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 @contextmanager
@@ -75,10 +54,14 @@ def _images(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (3, 3, 24, 32), generator=g).float() / 255
 
 
-def _free_port_url() -> str:
+def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return sock.getsockname()[1]
+
+
+def _free_port_url() -> str:
+    return f"http://127.0.0.1:{_free_port()}"
 
 
 @pytest.fixture(scope="module")
@@ -109,44 +92,74 @@ def test_server_that_dies_mid_run_is_retried_then_the_step_skips(jpeg_app):
     assert len(lines) == 1 and f"reward server {url} is unreachable" in lines[0] and "after 2 tries" in lines[0]
 
 
-def _fake(answer: object, *, delay_s: float = 0.0) -> FastAPI:
-    app = FastAPI()
+OUTSIDE_THE_PROTOCOL = {
+    "wrong-count": ({"scores": [1.0, 2.0], **FAKE}, "returned 2 scores for 3 images"),
+    "a-string-score": ({"scores": [1.0, "high", 2.0], **FAKE}, "returned a non-number score 'high'"),
+    "a-null-score": ({"scores": [1.0, None, 2.0], **FAKE}, "returned a non-number score None"),
+    "nested-lists": ({"scores": [[1.0], [2.0], [3.0]], **FAKE}, r"returned a non-number score \[1\.0\]"),
+    "scores-a-string": ({"scores": "1 2 3", **FAKE}, "answered without a 'scores' list"),
+    "no-scores": ({"score": [1.0, 2.0, 3.0], **FAKE}, "answered without a 'scores' list"),
+    "a-bare-list": ([1.0, 2.0, 3.0], "answered without naming its scorer"),
+    "no-scorer-name": ({"scores": [1.0, 2.0, 3.0]}, "answered without naming its scorer"),
+    "another-scorer": (
+        {"scores": [1.0, 2.0, 3.0], "scorer": "pickscore"},
+        r"now scores with pickscore\(\), not fake\(\)",
+    ),
+    "non-json": (PlainTextResponse("<html>proxy error</html>"), "answered non-JSON: '<html>proxy error</html>'"),
+    "redirect": (RedirectResponse("/elsewhere", status_code=307), r"redirected the request \(307\) to /elsewhere"),
+    "refused-mid-run": (
+        JSONResponse({"detail": "bad token"}, status_code=401),
+        f"refused the request: 401.*{TOKEN_ENV}",
+    ),
+}
 
-    @app.get("/health")
-    def health() -> dict:
-        return {"scorer": "fake"}
 
-    @app.post("/score")
-    async def score() -> object:
-        await asyncio.sleep(delay_s)
-        return answer
-
-    return app
-
-
-@pytest.mark.parametrize(
-    "answer, message",
-    [
-        ({"scores": [1.0, 2.0]}, "returned 2 scores for 3 images"),
-        ({"scores": [1.0, "high", 2.0]}, "returned a non-number score 'high'"),
-        ({"scores": [1.0, None, 2.0]}, "returned a non-number score None"),
-        ({"score": [1.0, 2.0, 3.0]}, "answered without a 'scores' list"),
-    ],
-)
-def test_answers_outside_the_protocol_stop_the_run(answer, message):
-    with serve(_fake(answer)) as url:
-        with pytest.raises(RemoteRewardError, match=f"reward server {url} {message}".replace("(", r"\(")):
-            RemoteScorer(url, timeout_s=5, retries=0)(_images(), PROMPTS)
+@pytest.mark.parametrize("case", list(OUTSIDE_THE_PROTOCOL))
+def test_answers_outside_the_protocol_stop_the_run(case):
+    answer, message = OUTSIDE_THE_PROTOCOL[case]
+    with serve(fake_server(answer)) as url:
+        scorer = RemoteScorer(url, timeout_s=5, retries=0)
+        with pytest.raises(RemoteRewardError, match=f"^reward server {url} {message}"):
+            scorer(_images(), PROMPTS)
 
 
 def test_a_slow_answer_past_timeout_s():
-    with serve(_fake({"scores": [1.0, 2.0, 3.0]}, delay_s=1.5)) as url:
+    with serve(fake_server({"scores": [1.0, 2.0, 3.0], **FAKE}, delay_s=1.5)) as url:
         scorer = RemoteScorer(url, timeout_s=0.3, retries=0)
-        with pytest.raises(RemoteUnavailable, match=f"reward server {url} did not answer within timeout_s=0.3"):
-            scorer._post({"prompts": PROMPTS}, 3)
         with warnings_of_remote() as lines:
             assert scorer(_images(), PROMPTS).isnan().all()
-    assert "did not answer within timeout_s=0.3" in lines[0]
+    assert len(lines) == 1 and f"reward server {url} did not answer within timeout_s=0.3" in lines[0]
+
+
+def test_a_server_restarted_with_another_scorer_is_not_used():
+    """The scorer and its arguments read at start-up are checked on every answer: the same scorer restarted on the
+    same port is used, another one (or other arguments) is refused."""
+    module, port = _server_module(), _free_port()
+    jpeg = build_scorer("jpeg_compressibility", quality=80)
+    with serve(module.make_app(jpeg, max_bytes=2**20, token=None, arguments={"quality": 80}), port=port) as url:
+        scorer = RemoteScorer(url, timeout_s=5, retries=0)
+    assert scorer.scorer == "jpeg_compressibility(quality=80)"
+    with serve(module.make_app(jpeg, max_bytes=2**20, token=None, arguments={"quality": 80}), port=port):
+        assert scorer(_images(), PROMPTS).isfinite().all()
+    other = build_scorer("jpeg_compressibility", quality=50)
+    with serve(module.make_app(other, max_bytes=2**20, token=None, arguments={"quality": 50}), port=port):
+        with pytest.raises(RemoteRewardError, match=r"now scores with jpeg_compressibility\(quality=50\), not .*80\)"):
+            scorer(_images(), PROMPTS)
+
+
+@pytest.mark.parametrize(
+    "status, message", [(503, "answered 503 at start-up"), (307, r"redirected the request \(307\)")]
+)
+def test_a_server_that_fails_its_health_check_is_one_line(status, message):
+    app = FastAPI()
+
+    @app.get("/health")
+    def health() -> Response:
+        return Response(status_code=status, headers={"location": "/elsewhere"})
+
+    with serve(app) as url:
+        with pytest.raises(RemoteRewardError, match=f"^reward server {url} {message}"):
+            RemoteScorer(url, timeout_s=5, retries=0)
 
 
 def test_token_from_the_environment_is_checked(monkeypatch):
@@ -182,3 +195,43 @@ def test_server_arguments_are_literals_or_strings():
     assert module.arg_value("flow_grpo") == "flow_grpo"
     scorer = module.load_scorer("jpeg_compressibility", None, {"quality": module.arg_value("80")}, "cpu")
     assert scorer.name == "jpeg_compressibility"
+
+
+# (the server's arguments, what its one line must say): each names the option to fix, and nothing is served
+SERVER_MISTAKES = {
+    "unknown-argument": (["--arg", "qualty=5"], r"--arg: got an unexpected keyword argument 'qualty' \(its arguments"),
+    "out-of-range": (["--arg", "quality=500"], r"--arg quality=500: quality must be in \[1, 95\]"),
+    "not-key-value": (["--arg", "quality"], r"--arg must be KEY=VALUE, got 'quality'"),
+    "port": (["--port", "99999"], r"--port must be in 1 to 65535, got 99999"),
+    "port-not-a-number": (["--port", "x"], r"argument --port: invalid int value: 'x'"),
+    "max-mb": (["--max-mb", "0"], r"--max-mb must be a number > 0, got 0\.0"),
+    "device": (["--device", "banana"], r"--device 'banana' is not a device"),
+}
+SERVER_CLASS_MISTAKES = {
+    "no-module": ("nomod:Scorer", r"--scorer-class 'nomod:Scorer': cannot import nomod"),
+    "not-a-scorer": ("rewards.base:freeze", r"--scorer-class 'rewards\.base:freeze' is not a Scorer class"),
+    "no-class": ("rewards.base", r"--scorer-class 'rewards\.base' must be module:Class"),
+}
+
+
+def _server_error(capsys, argv: list[str]) -> str:
+    module = _server_module()
+    module.uvicorn = None  # nothing may be served: an error must come first
+    with pytest.raises(SystemExit) as stop:
+        module.main(argv)
+    stderr = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr
+    assert stderr.startswith("reward_server.py: error: "), stderr
+    return stderr
+
+
+@pytest.mark.parametrize("case", list(SERVER_MISTAKES))
+def test_a_server_argument_mistake_is_one_line_naming_it(case, capsys):
+    argv, message = SERVER_MISTAKES[case]
+    assert re.search(message, _server_error(capsys, ["--scorer", "jpeg_compressibility", *argv]))
+
+
+@pytest.mark.parametrize("case", list(SERVER_CLASS_MISTAKES))
+def test_a_wrong_scorer_class_is_one_line_naming_it(case, capsys):
+    class_path, message = SERVER_CLASS_MISTAKES[case]
+    assert re.search(message, _server_error(capsys, ["--scorer-class", class_path]))

@@ -121,7 +121,8 @@ class OptimizerConfig:
     """AdamW and the gradient clip (AdamW's own checks run only once the model is loaded: the same, up front)."""
 
     lr: float = 1e-5
-    """AdamW learning rate, > 0 (on resume the configured value replaces the checkpoint's)."""
+    """AdamW learning rate, in (0, 1) (on resume the configured value replaces the checkpoint's): AdamW moves every
+    weight by about lr per step, so 1 or more can only be a typo (usual values: 1e-5 to 1e-3)."""
     weight_decay: float = 1e-4
     """AdamW decoupled weight decay, >= 0."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -131,6 +132,8 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         _positive(self.lr, "lr")
+        typo = " (AdamW moves every weight by about lr per step: usual values are 1e-5 to 1e-3)"
+        check_range(self.lr, "lr", high=1, high_open=True, why=typo)
         _non_negative(self.weight_decay, "weight_decay")
         if len(self.betas) != 2:
             raise ValueError(f"betas must be two numbers [beta1, beta2], got {list(self.betas)}")
@@ -152,15 +155,30 @@ class EMAConfig:
 
 @dataclass
 class HealthConfig:
-    """When a run that cannot learn stops (train/observe/health.py)."""
+    """When a run that cannot learn, or that diverged, stops (train/observe/health.py)."""
 
     max_bad_steps: int = 10
     """Stop (after a checkpoint) once this many consecutive steps skipped their update (a NaN reward, a non-finite
-    gradient) or had a zero gradient (every advantage 0): such a run cannot learn (0 = never stop).
+    gradient) or had a zero gradient (every advantage 0): such a run cannot learn; a run none of whose steps
+    changed the weights stops so at its end, without an export (0 = never stop).
+    """
+    max_weight_growth: float = 10.0
+    """Stop, without saving the weights, once the L2 norm of the trainable weights (over all ranks) is more than
+    this many times its value at the start of the run (the model as loaded, or LoRA's initial adapters), or less
+    than 1 / this: the run diverged (logged as health/weight_growth; a sane run stays within a few percent of 1
+    when it trains every weight, within a few times 1 with LoRA); > 1 (0 = never stop).
+    """
+    flat_image_range: float = 1 / 255
+    """An image whose pixel values (in [0, 1]) span less than this (1/255: one level of an 8-bit image) is one flat
+    colour; a step whose every image is flat stops the run without saving the weights that sampled them: the policy
+    collapsed (logged as health/flat_images, the fraction of flat images); in [0, 1) (0 = never stop).
     """
 
     def __post_init__(self) -> None:
         _non_negative(self.max_bad_steps, "max_bad_steps", " (0 = never stop)")
+        if self.max_weight_growth != 0:
+            check_range(self.max_weight_growth, "max_weight_growth", low=1, low_open=True, why=" (0 = never stop)")
+        check_range(self.flat_image_range, "flat_image_range", low=0, high=1, high_open=True, why=" (0 = never stop)")
 
 
 @dataclass

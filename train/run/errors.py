@@ -6,8 +6,9 @@
   those (and the tests) keep working; ``CheckpointError`` says whether the checkpoint is damaged
   (``resume=auto`` then falls back to the previous one) or merely does not fit the run.
   ``SaveFailed``: a checkpoint or a metrics row could not be written (``DiskFull``: the run folder's disk is
-  full); ``NotLearning``: a run whose steps cannot change the weights stopped (after a checkpoint); all exit
-  with status 2.
+  full); ``NotLearning``: a run whose steps cannot change the weights stopped (after a checkpoint); ``Diverged``:
+  a run whose weights or images left any sane range stopped (the diverged weights unsaved); ``ScorerFailed``: a
+  reward's scorer (its server) answered in a way a setting or the server must fix; all exit with status 2.
 * ``Preempted``: SIGTERM or the first Ctrl+C stopped training after writing a checkpoint; exit status
   143 (128 + 15, what a process killed by SIGTERM reports) or 130 (128 + 2, SIGINT), so a scheduler or a
   script does not take the job for finished.
@@ -95,6 +96,17 @@ class NotLearning(UserError):
     """Training stopped after ``health.max_bad_steps`` steps in a row that could not change the weights."""
 
     same_on_every_rank = True  # decided from metrics every rank shares
+
+
+class Diverged(UserError):
+    """Training stopped because the weights or the images left any sane range; those weights were not saved."""
+
+    same_on_every_rank = True  # decided from metrics every rank shares
+
+
+class ScorerFailed(UserError):
+    """A reward's scorer cannot score in a way a setting or its server must fix (an answer outside the remote
+    protocol, a refused token, another scorer behind the URL); raised by the rank whose scorer failed."""
 
 
 class RankFailed(Stop):
