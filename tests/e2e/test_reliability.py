@@ -912,6 +912,27 @@ def test_a_reward_without_spread_is_named(tiny_flux_dir, tmp_path, capsys, monke
     assert len(warnings) == 1 and warnings[0].startswith("reward.components.jpeg_compressibility: its scores tied")
 
 
+# (health settings, metrics of step 5, the first step count whose weights diverged or None): the bounds' edges
+HEALTH_BOUNDS = {
+    "grown": ({}, {"health/weight_growth": 10.5}, 6),
+    "shrunk": ({}, {"health/weight_growth": 0.09}, 6),
+    "within": ({}, {"health/weight_growth": 9.5, "health/flat_images": 0.5}, None),
+    "growth-off": ({"max_weight_growth": 0}, {"health/weight_growth": 1e9}, None),
+    "all-flat": ({}, {"health/weight_growth": 1.0, "health/flat_images": 1.0}, 5),
+    "flat-off": ({"flat_image_range": 0}, {"health/flat_images": 1.0}, None),
+}
+
+
+@pytest.mark.parametrize("case", list(HEALTH_BOUNDS))
+def test_the_health_bounds(case):
+    from train.observe.health import Health
+
+    settings, measured, bad_from = HEALTH_BOUNDS[case]
+    watch = Health(HealthConfig(**settings), optimizer_steps=1, first=0, last=100, start_norm=1.0)
+    verdict = watch.observe({"train/grad_norm": 1.0, **measured}, 5)
+    assert (verdict and verdict.bad_from) == bad_from, verdict
+
+
 def test_a_run_none_of_whose_steps_learned_is_not_exported(tiny_flux_dir, tmp_path, capsys, monkeypatch):
     """Shorter than health.max_bad_steps, every reward NaN: a checkpoint, one line, status 2, and no export or summary
     that would call the loaded weights trained."""

@@ -54,11 +54,11 @@ def bad_step(metrics: Mapping[str, float], optimizer_steps: int) -> str | None:
 
 @torch.no_grad()
 def weight_norm(params: list[nn.Parameter]) -> float:
-    """The L2 norm of ``params`` over all ranks (each shard counted once; a collective), in float64."""
+    """The L2 norm of ``params`` over all ranks (each shard counted once; a collective)."""
     if not params:
         return 0.0
     zero = torch.zeros((), dtype=torch.float64, device=local_tensor(params[0]).device)
-    terms = ((p, local_tensor(p).detach().double().pow(2).sum()) for p in params)
+    terms = ((p, local_tensor(p).detach().float().pow(2).sum().double()) for p in params)
     return math.sqrt(float(sum_over_shards(terms, zero=zero)))
 
 
