@@ -220,9 +220,28 @@ class CheckpointManager:
         checked on resume). ``check_owner`` (a collective) raises before the checkpoint replaces or prunes anything
         when the folder is no longer this run's. A disk that is full or cannot be written raises SaveFailed
         (DiskFull) on every rank, the unfinished save deleted."""
-        rng = rng_state()
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
+        self._write(tmp, step, model=model, optimizer=optimizer, extra=extra)
+        files = checksums(tmp)
+        if check_owner is not None:
+            check_owner()
+        failed = None
+        if get_rank() == 0:
+            marker = {"step": step, "world_size": get_world_size(), "settings": settings, "run_id": run_id}
+            try:
+                self._commit(tmp, final, {**marker, "files": files})
+            except OSError as err:
+                failed = _write_failure(err, step)
+        self._agree(tmp, step, broadcast_object(failed))
+        return final
+
+    def _write(
+        self, tmp: Path, step: int, *, model: nn.Module, optimizer: Optimizer | None, extra: dict[str, Any]
+    ) -> None:
+        """Every rank's files of a save into ``tmp`` (a collective): the shards and its own state; a write that
+        fails on any rank raises on every rank, the unfinished save deleted."""
+        rng = rng_state()
         if get_rank() == 0:
             self._prepare()
         barrier()
@@ -245,18 +264,6 @@ class CheckpointManager:
         except (OSError, RuntimeError, CheckpointException) as err:
             failed = _write_failure(err, step)
         self._agree(tmp, step, next((f for f in gather_objects(failed) if f), None))
-        files = checksums(tmp)
-        if check_owner is not None:
-            check_owner()
-        failed = None
-        if get_rank() == 0:
-            marker = {"step": step, "world_size": get_world_size(), "settings": settings, "run_id": run_id}
-            try:
-                self._commit(tmp, final, {**marker, "files": files})
-            except OSError as err:
-                failed = _write_failure(err, step)
-        self._agree(tmp, step, broadcast_object(failed))
-        return final
 
     def _commit(self, tmp: Path, final: Path, marker: dict[str, Any]) -> None:
         """Rank 0's end of a save: the marker, the finished folder in place of ``final``, the oldest pruned."""
