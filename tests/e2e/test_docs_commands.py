@@ -176,7 +176,7 @@ def check(line: str, run_dir: Path) -> str:
             check(printed, run_dir)
         return "DRY_RUN"
     for prefix, why in NOT_RUN.items():
-        if line.startswith(prefix):
+        if line.startswith(prefix) or " ".join(program).startswith(prefix):  # or after its VAR=value words
             return f"not run: {why}"
     if program[0] == "make" and program[1:] == ["demo"]:
         module, args = "train", []  # the Makefile's demo target is python -m train
