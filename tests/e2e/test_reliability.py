@@ -606,7 +606,7 @@ def test_sigterm_on_one_of_two_ranks(tiny_flux_dir, tmp_path):
     result = run_torchrun(str(HELPERS / "reliability_worker.py"), str(tmp_path / "cases.json"), timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     outcome = json.loads((tmp_path / "outcome.json").read_text())
-    assert outcome["stopped"] == {"0": "Preempted", "1": "Preempted"}, outcome
+    assert outcome["stopped"] == {"0": "Preempted", "1": "Preempted"}, (outcome, result.stderr[-4000:])
     assert_same_run(tmp_path / "straight", tmp_path / "stopped", steps=3)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_module
 
 import train.trainer as trainer
-from train.config.schema import register_schema
+from train.cli.compose import setup
 from train.distributed.collectives import gather_objects
 from train.run.build import open_run
 from train.run.start import load_config, process_group
@@ -32,7 +32,7 @@ def _server_gone(images, prompts):
 def main() -> None:
     cases_file = Path(sys.argv[1])
     cases = json.loads(cases_file.read_text())
-    register_schema()
+    setup()  # the schema and the resolvers (${shipped:...})
     real_step = trainer.train_step
     outcome = {}
     with process_group() as dist:
@@ -56,6 +56,7 @@ def main() -> None:
                 ended = "done"
             except Exception as err:  # how the run ended on this rank, by name
                 ended = type(err).__name__
+                print(f"rank {dist.rank}, case {name}: {ended}: {err}", file=sys.stderr, flush=True)
             outcome[name] = dict(enumerate(gather_objects(ended)))
     if dist.is_main:
         (cases_file.parent / "outcome.json").write_text(json.dumps(outcome))
