@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_module
 from torch.distributed.fsdp import FSDPModule
 
 import train.plan.tracing as tracing
-from train.cli.compose import setup
+from train.config.schema import register_schema
 from train.distributed.collectives import init_distributed, shutdown
 from train.model.builder import FSDP_VIEW_WARNING
 from train.plan.command import arch_folder, plan_config
@@ -65,7 +65,7 @@ class PhaseCollectives:
 
 
 def main(out: Path, overrides: list[str]) -> None:
-    setup()  # the schema and the resolvers (${shipped:...})
+    register_schema()
     register()
     with initialize_config_module(config_module="configs", version_base=None):
         cfg, model_path_given = plan_config(compose(config_name="plan", overrides=overrides))

@@ -19,7 +19,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_module
 
 import train.trainer as trainer
-from train.cli.compose import setup
+from train.config.schema import register_schema
 from train.distributed.collectives import gather_objects
 from train.run.build import open_run
 from train.run.start import load_config, process_group
@@ -32,7 +32,7 @@ def _server_gone(images, prompts):
 def main() -> None:
     cases_file = Path(sys.argv[1])
     cases = json.loads(cases_file.read_text())
-    setup()  # the schema and the resolvers (${shipped:...})
+    register_schema()
     real_step = trainer.train_step
     outcome = {}
     with process_group() as dist:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_module
 
-from train.cli.compose import setup
+from train.config.schema import register_schema
 from train.run.build import open_run
 from train.run.start import load_config, process_group
 from train.trainer import fit
@@ -21,7 +21,7 @@ from train.trainer import fit
 
 def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
-    setup()  # the schema and the resolvers (${shipped:...})
+    register_schema()
     with process_group() as dist:
         for overrides in cases.values():
             with initialize_config_module(config_module="configs", version_base=None):

@@ -5,7 +5,8 @@
 * ``${jagg_fields:}`` (in ``hydra.help.template``, configs/train.yaml): the ``--help`` text
   (train/cli/help_text.py).
 * ``${shipped:<package>/<path>}`` (configs/model/testbed.yaml, configs/data/, configs/experiment/demo.yaml): a
-  file shipped inside a package, found wherever it is installed (train/config/shipped.py).
+  file shipped inside a package, found wherever it is installed (train/config/shipped.py); registered with
+  the schema (``register_schema``), which every composition of configs/ calls.
 * ``${jagg_eval_dir:...}`` (configs/eval.yaml): Hydra's folder of ``python -m train.eval``, inside the
   evaluated run, so its config and log sit beside its results.
 * ``ConsoleFormatter`` (configs/hydra/job_logging/console.yaml): INFO lines as they are, other levels
@@ -20,7 +21,6 @@ from omegaconf import OmegaConf
 
 from train.cli.help_text import fields_help
 from train.config.schema import register_schema
-from train.config.shipped import shipped
 from train.run.layout import RunLayout
 
 
@@ -54,4 +54,3 @@ def setup() -> None:
     register_schema()
     OmegaConf.register_new_resolver("jagg_fields", lambda *, _root_: fields_help(_root_), replace=True)
     OmegaConf.register_new_resolver("jagg_eval_dir", eval_output_dir, replace=True)
-    OmegaConf.register_new_resolver("shipped", lambda reference: str(shipped(reference)), replace=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from models.model_config import ModelConfig
 from rewards.reward_config import RewardConfig
@@ -23,6 +23,7 @@ from samplers.choices import Choice
 from samplers.sampler_config import SamplerConfig, check_range
 from train.algorithm.update_config import UpdateConfig
 from train.config.keys import not_allowable
+from train.config.shipped import shipped
 
 # An override that adds an evaluation scorer to an empty eval.scorers, as typed on the command line
 # (``eval.scorers={jpeg_compressibility: {}}`` needs quotes in a shell; ``+`` adds the key to the typed dict).
@@ -376,5 +377,7 @@ class TrainConfig:
 
 def register_schema(name: str = "train", schema: type = TrainConfig) -> None:
     """Store ``schema`` as option ``name`` of the ``schema`` group: configs/train.yaml composes the
-    trainer's; a command with settings of its own (configs/probe.yaml) overrides it with a subclass."""
+    trainer's; a command with settings of its own (configs/probe.yaml) overrides it with a subclass. The shipped
+    defaults' resolver (``${shipped:<package>/<path>}``) comes with it: every composition of configs/ needs it."""
     ConfigStore.instance().store(group="schema", name=name, node=schema)
+    OmegaConf.register_new_resolver("shipped", lambda reference: str(shipped(reference)), replace=True)
