@@ -105,9 +105,7 @@ def test_a_world_size_the_replicate_degree_does_not_divide(tmp_path, capsys):
 
 
 def test_compile_without_a_cpp_compiler(tmp_path, capsys, monkeypatch):
-    from torch._inductor import config as inductor_config
-
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, str(tmp_path / "no-such-g++")))  # as CXX=<missing> does
+    monkeypatch.setattr("train.distributed.parallelize.shutil.which", lambda name: None)  # as CXX=<missing> does
     status, _ = command(capsys, tmp_path / "run", ["model.compile=true"], preflight_command)
     (line,) = _failed(_verdict(tmp_path / "run"))
     assert status == 2 and line.startswith("compile: model.compile=true: inductor compiles CPU code with a C++")
