@@ -78,7 +78,7 @@ from train.run.folder import FolderLost
 from train.run.layout import RunLayout
 from train.run.parts import Run
 from train.run.start import load_config, process_group
-from train.run.timeline import retire_later
+from train.run.timeline import branch
 from train.step import train_step
 
 log = logging.getLogger(__name__)
@@ -343,8 +343,8 @@ def fit(run: Run) -> None:
     start = resume(run)
     if start < cfg.num_steps:  # a full disk shows now, not after the steps before the first checkpoint
         run.io.checkpoints.check_space(_needed_bytes(run), "a checkpoint of this run")
-    if cfg.resume not in (None, "auto"):  # a branch from an older checkpoint: the later ones are retired
-        retire_later(cfg.resume, run.io.checkpoints, start, is_main=run.dist.is_main)
+    if cfg.resume not in (None, "auto"):  # one timeline in the folder: a branch retires the later checkpoints
+        branch(cfg.resume, run.io.resume_from[0], run.io.checkpoints, start, run.io.logger, is_main=run.dist.is_main)
     if cfg.resume is not None:
         run.io.logger.rewind(start)  # a resumed run logs every step once: rows of the steps it replays go
     if start == cfg.num_steps:
@@ -358,6 +358,7 @@ def fit(run: Run) -> None:
         predict=run.model.policy,
         ema=run.optim.ema,
         logger=run.io.logger,
+        before_writing=lambda: _check_owner(run),  # a holder suspended while it sampled writes nothing
     )
     # eval/<metric> at step k is the policy after k training steps: k = 0 is the model as loaded.
     if evaluator is not None and start == 0:

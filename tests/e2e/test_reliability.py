@@ -748,18 +748,47 @@ def test_a_branch_from_an_older_checkpoint_retires_the_later_ones(trained, tiny_
     status, stderr, stdout = command(capsys, run_dir, [*common, "num_steps=2", f"resume={first}"], stdout=True)
     assert status == 0, stderr
     retired = list((run_dir / "checkpoints" / "retired").iterdir())
-    assert len(retired) == 1 and sorted(p.name for p in retired[0].iterdir()) == ["export", "step_00000002"]
+    assert len(retired) == 1
+    assert sorted(p.name for p in retired[0].iterdir()) == ["export", "metrics.jsonl", "step_00000002"]
     assert contents(retired[0] / "step_00000002") == old
     assert re.search(
         rf"resume=.*step_00000001 starts a new timeline after step 1: the later step_00000002, export moved to "
-        rf"{re.escape(str(retired[0]))} \(resume=auto does not look there",
+        rf"{re.escape(str(retired[0]))} with their rows of metrics.jsonl \(resume=auto does not look there",
         stdout,
     ), stdout
     assert contents(run_dir / "checkpoints" / "step_00000002") != old  # the branch's own, with its lr
     assert [m["step"] for m in metrics(run_dir)] == [0, 1]
+    assert metrics(retired[0]) == metrics(trained)[1:]  # the retired timeline's row of step 1, as it was
     status, stderr, stdout = command(capsys, run_dir, [*common, "num_steps=3", "resume=auto"], stdout=True)
     assert status == 0 and re.search(r"resumed from .*/run/checkpoints/step_00000002 at step 2", stdout), stderr
     assert [m["step"] for m in metrics(run_dir)] == [0, 1, 2]
+
+
+def test_a_resume_from_a_retired_checkpoint_goes_back_to_its_timeline(trained, tiny_flux_dir, tmp_path, capsys):
+    """A branch at step 1 (another lr) trains to step 3; resume=<the retired step 2> then retires the branch and
+    brings the first timeline back: its checkpoint of step 2 and its metrics row of step 1, as they were."""
+    run_dir = copy_run(trained, tmp_path)
+    first_timeline = contents(run_dir / "checkpoints" / "step_00000002")
+    common = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "checkpoint.every=1"]
+    branch = [*common, "optimizer.lr=0.01", f"resume={run_dir / 'checkpoints' / 'step_00000001'}"]
+    assert command(capsys, run_dir, branch)[0] == 0
+    [first] = list((run_dir / "checkpoints" / "retired").iterdir())
+    branched = metrics(run_dir)
+    status, stderr, stdout = command(capsys, run_dir, [*common, f"resume={first / 'step_00000002'}"], stdout=True)
+    assert status == 0, stderr
+    [second] = [p for p in (run_dir / "checkpoints" / "retired").iterdir() if p != first]
+    assert sorted(p.name for p in second.iterdir()) == ["export", "metrics.jsonl", "step_00000002", "step_00000003"]
+    assert metrics(second) == branched[1:]  # the branch's rows of steps 1 and 2
+    assert sorted(p.name for p in first.iterdir()) == ["export"]  # the first timeline's export of step 2 stays
+    assert re.search(
+        rf"resume=.*step_00000002 goes back to the timeline retired after step 1: the later step_00000002, "
+        rf"step_00000003, export moved to {re.escape(str(second))} with their rows of metrics.jsonl; step_00000002 "
+        rf"came back into {re.escape(str(run_dir / 'checkpoints'))} with their rows",
+        stdout,
+    ), stdout
+    assert contents(run_dir / "checkpoints" / "step_00000002") == first_timeline
+    rows = metrics(run_dir)
+    assert [m["step"] for m in rows] == [0, 1, 2] and rows[:2] == metrics(trained)
 
 
 def test_a_checkpoint_of_another_run_is_refused_and_continued_in_a_new_folder(trained, tiny_flux_dir, tmp_path, capsys):
@@ -829,6 +858,32 @@ def test_a_suspended_holder_whose_folder_was_taken_over_stops_before_writing(tin
     assert "stopped before writing anything more" in line
     assert kept(run_dir) == saved
     assert [m["step"] for m in metrics(run_dir)] == [0, 1] and not (run_dir / "LOCK").exists()
+
+
+def test_a_holder_that_loses_its_folder_while_it_evaluates_writes_nothing(tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    """The lock taken over while the evaluation after step 1 samples (rewritten here as another host's, as a
+    launch that took a suspended holder for dead leaves it): the run stops with status 1 in one line, and that
+    evaluation writes no file and no metrics row."""
+    from train.evaluation import protocol
+
+    run_dir, real, saved = tmp_path / "run", protocol._sample_and_score, {}
+
+    def taken_over_in_step_1(*args, **kwargs):
+        sampled = real(*args, **kwargs)
+        if kwargs["tag"] != "step_00000000":
+            lock = {"host": "host-b", "pid": 1, "renewed": time.time(), "lease_s": 60.0}
+            (run_dir / "LOCK").write_text(json.dumps(lock))
+            saved.update(kept(run_dir))
+        return sampled
+
+    monkeypatch.setattr(protocol, "_sample_and_score", taken_over_in_step_1)
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=2", "checkpoint.every=0", "eval.every=1"]
+    overrides += ["+eval.scorers.jpeg_compressibility={}", "eval.num_prompts=2"]
+    status, stderr = command(capsys, run_dir, overrides)
+    line = the_error(stderr)
+    assert status == 1 and re.search(r"is no longer this run's: .*pid 1 on host host-b holds it now", line), line
+    assert saved and kept(run_dir) == saved
+    assert not list((run_dir / "eval").glob("step_00000001*"))
 
 
 @pytest.mark.slow

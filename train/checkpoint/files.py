@@ -32,6 +32,14 @@ def is_complete(path: str | Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
+def complete_in(folder: Path) -> dict[Path, int]:
+    """The complete checkpoints of ``folder`` and the step of each (from the folder's name), oldest first."""
+    if not folder.is_dir():
+        return {}
+    steps = {path: int(match.group(1)) for path in folder.iterdir() if (match := STEP_DIR.match(path.name))}
+    return {path: steps[path] for path in sorted(steps, key=steps.__getitem__) if is_complete(path)}
+
+
 def read_marker(path: Path) -> dict[str, Any]:
     """``{"step", "world_size"}`` from the marker of a checkpoint that passed ``problem``."""
     return json.loads((path / MARKER).read_text())

@@ -57,8 +57,8 @@ from torch.optim import Optimizer
 
 from train.checkpoint.files import (
     MARKER,
-    STEP_DIR,
     checksums,
+    complete_in,
     disk_line,
     files_problem,
     free_bytes,
@@ -105,14 +105,7 @@ class CheckpointManager:
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first (folders ending in .tmp are ignored)."""
-        if not self.root.is_dir():
-            return []
-        steps: dict[Path, int] = {}
-        for path in self.root.iterdir():
-            match = STEP_DIR.match(path.name)
-            if match and is_complete(path):
-                steps[path] = int(match.group(1))
-        return sorted(steps, key=steps.__getitem__)
+        return list(complete_in(self.root))
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""

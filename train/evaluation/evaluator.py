@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ class Evaluator:
     heldout: list[PromptRecord]  # eval.heldout_prompts likewise; empty: no held-out evaluation
     before: EvalResult | None = None  # rank 0: the step-0 result, for the line and the before/after sheets
     heldout_before: dict[str, float] | None = None  # rank 0: the held-out prompts' step-0 means, for the line
+    before_writing: Callable[[], None] | None = None  # a collective run before each evaluation writes its files
 
     def due(self, done: int) -> bool:
         """After ``done`` steps: every eval.every steps, and after the last step whatever its number."""
@@ -75,7 +77,15 @@ class Evaluator:
     def _evaluate(self, records: list[PromptRecord], tag: str) -> EvalResult:
         with self.ema.swapped() if self.ema is not None else nullcontext():
             return evaluate(
-                self.backbone, self.predict, self.scorers, records, self.cfg, self.dist, device=self.device, tag=tag
+                self.backbone,
+                self.predict,
+                self.scorers,
+                records,
+                self.cfg,
+                self.dist,
+                device=self.device,
+                tag=tag,
+                before_writing=self.before_writing,
             )
 
     def _show(self, result: EvalResult, heldout: dict[str, float] | None, step: int) -> None:
@@ -155,10 +165,12 @@ def build_evaluator(
     predict: Predict,
     ema: EMA | None,
     logger: RunLogger,
+    before_writing: Callable[[], None] | None = None,
 ) -> Evaluator | None:
     """The trainer's evaluation of ``predict`` (the policy; the EMA's weights when kept) for a session that
     starts at step ``start``, or None when it would evaluate nothing (eval.every=0, or no step
-    left). A resumed session's rank 0 reads the step-0 result back from the run folder, for its comparisons."""
+    left). A resumed session's rank 0 reads the step-0 result back from the run folder, for its comparisons.
+    ``before_writing`` runs on every rank once an evaluation's scores are gathered, before it writes anything."""
     if not cfg.eval.every or start == cfg.num_steps:
         return None
     records, heldout = read_eval_prompts(cfg), read_heldout_prompts(cfg)
@@ -177,4 +189,5 @@ def build_evaluator(
         heldout=heldout,
         before=read_result(folder, eval_tag(0)) if resumed else None,
         heldout_before=read_summary(folder, heldout_tag(0)) if resumed and heldout else None,
+        before_writing=before_writing,
     )

@@ -30,7 +30,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -171,9 +171,11 @@ def evaluate(
     device: torch.device,
     tag: str,
     out: Path | None = None,
+    before_writing: Callable[[], None] | None = None,
 ) -> EvalResult:
     """Sample and score ``records`` across ranks; rank 0 writes ``<out>/<tag>.{json,scores.jsonl,png}``
-    (``out`` defaults to ``<run_dir>/eval``)."""
+    (``out`` defaults to ``<run_dir>/eval``). ``before_writing`` (a collective: every rank calls it) runs once
+    the scores are gathered, before anything is written: the trainer's check that the run folder is still its own."""
     per_rank = math.ceil(len(records) / dist.world_size)
     mine = list(range(dist.rank, len(records), dist.world_size)) or [0]  # a rank with none pads with prompt 0
     sampled = _sample_and_score(
@@ -188,6 +190,8 @@ def evaluate(
     named = [c for c in categories if c is not None]
     summary = summarize(gathered, named if len(named) == len(categories) else None)
     result = EvalResult(tag, summary, [], torch.empty(0), [])
+    if before_writing is not None:
+        before_writing()
     if not dist.is_main:
         return result
     result.rows = _rows(records, order, gathered, cfg.eval.seed)

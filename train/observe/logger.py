@@ -64,6 +64,13 @@ def read_lines(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").splitlines(keepends=True) if path.is_file() else []
 
 
+def _write_lines(path: Path, lines: list[str]) -> None:
+    """Replace ``path`` with ``lines`` (a newline ended each), through a temporary file and a rename."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text("".join(line if line.endswith("\n") else line + "\n" for line in lines), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def metrics_problem(path: Path) -> str | None:
     """What keeps a resumed run from reading its metrics.jsonl (a line that is not UTF-8), naming the line; or None."""
     if not path.is_file():
@@ -223,34 +230,54 @@ class RunLogger:
             disk_line(self.metrics_path, f"cannot be written ({err.strerror}) {where}", "make it writable")
         )
 
-    def rewind(self, step: int) -> int:
+    def rewind(self, step: int, aside: Path | None = None) -> int:
         """Drop the rows that a run resumed at ``step`` logs again; returns how many were dropped.
 
         Kept: training rows of steps < ``step`` and the evaluation after ``step`` steps (logged before
         the checkpoint of ``step`` was written; a run resumed at 0 evaluates again). A line cut short
-        by a crash is dropped too. Rank 0 rewrites the file through a temporary file and a rename, so
+        by a crash is dropped too. With ``aside``, the dropped rows go there (a retired timeline's rows,
+        train/run/timeline.py). Rank 0 rewrites the file through a temporary file and a rename, so
         a crash here leaves the old file or the new one.
         """
         if not self.is_main:
             return 0
-        if self._finished:
-            raise RuntimeError("RunLogger.rewind after finish()")
-        if self._file is not None:  # log() opens it again
-            self._file.close()
-            self._file = None
-        path = self.metrics_path
-        lines = read_lines(path)
+        lines = self._reopened_lines()
         kept = [line for line in lines if _logged_before(line, step)]
         cut = [number for number, line in enumerate(lines, start=1) if _row(line) is None and line.strip()]
         if cut:
             where = f"line {cut[0]} was" if len(cut) == 1 else f"lines {', '.join(map(str, cut))} were"
-            log.warning("%s: %s cut short by the crash that ended a session: dropped", path, where)
+            log.warning("%s: %s cut short by the crash that ended a session: dropped", self.metrics_path, where)
+        if aside is not None:
+            _write_lines(aside, [line for line in lines if _row(line) is not None and not _logged_before(line, step)])
         if len(kept) != len(lines):
-            tmp = Path(f"{path}.tmp")
-            tmp.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept), encoding="utf-8")
-            os.replace(tmp, path)
+            _write_lines(self.metrics_path, kept)
         self._start = time.time() - last_wall_time(kept)  # the replayed steps' time is not counted twice
         return len(lines) - len(kept)
+
+    def bring_back(self, source: Path, step: int) -> None:
+        """Append the rows of ``source`` (a retired timeline's, train/run/timeline.py) logged before the checkpoint
+        of ``step``; the others stay in ``source`` (which goes when none is left)."""
+        if not self.is_main or not source.is_file():
+            return
+        lines = self._reopened_lines()
+        rows = read_lines(source)
+        back = [line for line in rows if _logged_before(line, step)]
+        _write_lines(self.metrics_path, [*lines, *back])
+        rest = [line for line in rows if not _logged_before(line, step)]
+        if rest:
+            _write_lines(source, rest)
+        else:
+            source.unlink()
+        self._start = time.time() - last_wall_time([*lines, *back])
+
+    def _reopened_lines(self) -> list[str]:
+        """The lines of metrics.jsonl, its file closed first (``log()`` opens it again)."""
+        if self._finished:
+            raise RuntimeError("RunLogger: the metrics file was rewritten after finish()")
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        return read_lines(self.metrics_path)
 
     def log_images(
         self,

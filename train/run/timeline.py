@@ -10,26 +10,34 @@
   said in one line. Checkpoints written before ids were recorded, and folders without one, are not checked.
 * Branching: a resume from a checkpoint older than the folder's latest (``resume=<run>/checkpoints/step_N``)
   starts a new timeline at step N. The later checkpoints, and an export of a later step, move to
-  ``checkpoints/retired/<time>_after_step_N/`` (named in one line), where ``resume=auto`` never looks
-  (``resume=<path>`` still resumes one); the rows of metrics.jsonl after step N go (``RunLogger.rewind``).
-  So the folder holds one timeline, and a later ``resume=auto`` continues the branch.
+  ``checkpoints/retired/<time>_after_step_N/`` (named in one line) with the rows of metrics.jsonl after step N
+  (``RunLogger.rewind``); ``resume=auto`` never looks there. ``resume=<a retired checkpoint>`` goes back to
+  that timeline: the folder's own after step N retires in turn, and the retired checkpoints and rows up to the
+  resumed step come back. So the folder holds one timeline, and a later ``resume=auto`` continues it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from train.checkpoint.export import EXPORT_NOTE
+from train.checkpoint.files import complete_in
 from train.checkpoint.manager import CheckpointManager
 from train.distributed.collectives import DistInfo, broadcast_object
 from train.run.errors import CheckpointError
 from train.run.layout import RunLayout
 
+if TYPE_CHECKING:
+    from train.observe.logger import RunLogger
+
 log = logging.getLogger(__name__)
+AFTER_STEP = re.compile(r"_after_step_(\d+)$")  # a retired timeline's folder: the step it parted from the run's
 
 
 def folder_run_id(layout: RunLayout) -> str | None:
@@ -98,27 +106,77 @@ def _later_export(folder: Path, step: int) -> bool:
         return True
 
 
-def retire_later(resume: str, checkpoints: CheckpointManager, step: int, *, is_main: bool) -> None:
-    """A resume from the checkpoint of ``step``: the checkpoints of later steps, and exports of a later step,
-    move to ``checkpoints/retired/<time>_after_step_<step>/`` (rank 0 moves them), said in one line."""
-    if not is_main:
-        return
-    layout = RunLayout(checkpoints.root.parent)
+def _branch_point(checkpoint: Path, layout: RunLayout, step: int) -> tuple[int, Path | None]:
+    """Where the resumed timeline parts from the folder's: at ``step``, the resumed checkpoint's; for a checkpoint
+    in ``checkpoints/retired/<time>_after_step_B/``, at step B, with that folder (its steps up to ``step`` come
+    back)."""
+    folder = checkpoint.resolve().parent
+    match = AFTER_STEP.search(folder.name)
+    if match and folder.parent == layout.retired.resolve():
+        return int(match.group(1)), folder
+    return step, None
+
+
+def _retire_after(step: int, checkpoints: CheckpointManager, layout: RunLayout) -> tuple[Path | None, list[str]]:
+    """Move the checkpoints of steps after ``step``, and exports of a later step, to
+    ``checkpoints/retired/<time>_after_step_<step>/``: that folder (None when nothing is later) and what moved."""
     later = [path for path in checkpoints.complete() if checkpoints.step_of(path) > step]
     later += [folder for folder in (layout.export, layout.export_raw) if _later_export(folder, step)]
     if not later:
-        return
+        return None, []
     stamp = time.strftime("%Y-%m-%dT%H-%M-%S", time.gmtime())
-    aside = layout.retired / f"{stamp}_after_step_{step:08d}"
-    aside.mkdir(parents=True, exist_ok=True)
+    aside, n = layout.retired / f"{stamp}_after_step_{step:08d}", 2
+    while aside.exists():  # two branches in one second
+        aside, n = layout.retired / f"{stamp}-{n}_after_step_{step:08d}", n + 1
+    aside.mkdir(parents=True)
     for path in later:
         path.rename(aside / path.name)
+    return aside, [path.name for path in later]
+
+
+def _bring_back(source: Path, step: int, checkpoints: CheckpointManager) -> list[str]:
+    """Move the checkpoints of ``source`` (a retired timeline) up to ``step`` back into the run's checkpoints."""
+    back = [path for path, saved in complete_in(source).items() if saved <= step]
+    for path in back:
+        path.rename(checkpoints.root / path.name)
+    return [path.name for path in back]
+
+
+def branch(
+    resume: str, checkpoint: Path, checkpoints: CheckpointManager, step: int, logger: RunLogger, *, is_main: bool
+) -> None:
+    """A resume from ``checkpoint`` (of ``step``) named by its path keeps one timeline in the folder (rank 0 moves
+    the files; one line says what moved). From a checkpoint of the folder's timeline or of another folder: the
+    checkpoints and exports of later steps retire to ``checkpoints/retired/<time>_after_step_<step>/`` with their
+    rows of metrics.jsonl. From a retired one (``retired/<time>_after_step_B/``): the folder's timeline after
+    step B retires likewise, and the retired one's checkpoints and rows up to ``step`` come back."""
+    if not is_main:
+        return
+    layout = RunLayout(checkpoints.root.parent)
+    at, source = _branch_point(checkpoint, layout, step)
+    aside, retired = _retire_after(at, checkpoints, layout)
+    logger.rewind(at, aside=aside / layout.metrics.name if aside is not None else None)
+    moved = f"the later {', '.join(retired)} moved to {aside} with their rows of metrics.jsonl" if retired else ""
+    if source is None:
+        if retired:
+            log.warning(
+                "resume=%s starts a new timeline after step %d: %s (resume=auto does not look there; "
+                "resume=<its path> still resumes one)",
+                resume,
+                step,
+                moved,
+            )
+        return
+    back = _bring_back(source, step, checkpoints)
+    logger.bring_back(source / layout.metrics.name, step)
+    if not any(source.iterdir()):
+        source.rmdir()
     log.warning(
-        "resume=%s starts a new timeline after step %d: the later %s moved to %s (resume=auto does not look there; "
-        "resume=<its path> still resumes one), and the rows of metrics.jsonl after step %d go",
+        "resume=%s goes back to the timeline retired after step %d: %s%s came back into %s with their rows of "
+        "metrics.jsonl",
         resume,
-        step,
-        ", ".join(path.name for path in later),
-        aside,
-        step,
+        at,
+        f"{moved}; " if moved else "",
+        ", ".join(back),
+        checkpoints.root,
     )
