@@ -262,6 +262,14 @@ BAD_SETTINGS = {
         r"\(model\.lora\.target_modules \[\] -> \['attn\.to_q'\]\).*allow_changed=\[model\.lora\.target_modules\]",
     ),
     "changed-seed": (["seed=7"], r"saved with other settings .*\(seed 42 -> 7\).*checkpoint\.allow_changed=\[seed\]"),
+    "changed-prompts": (
+        ["data.train_prompts={other_prompts}"],
+        r"\(data\.train_prompts .* -> .*\).*checkpoint\.allow_changed=\[data\.train_prompts\]",
+    ),
+    "changed-grpo": (
+        ["grpo.group_size=4", "grpo.kl_beta=0.5", "grpo.clip_range=0.5"],
+        r"\(grpo\.clip_range .* -> 0\.5; grpo\.group_size 2 -> 4; grpo\.kl_beta .* -> 0\.5\)",
+    ),
     "changed-meaning": (
         ["update.mode=exact", "sampler.eta=0.5", "model.lora.enabled=true"],
         r"\(model\.lora\.enabled False -> True; sampler\.eta 0\.3 -> 0\.5; update\.mode 'jagg' -> 'exact'\)",
@@ -284,6 +292,7 @@ def test_a_bad_setting_is_one_line_before_anything_loads(case, trained, tiny_flu
         "empty_prompt": prompt_file(tmp_path, "empty.jsonl", '{"prompt": " "}\n'),
         "nul_prompt": prompt_file(tmp_path, "nul.txt", "a cat\na d\x00og\n"),
         "list_category": prompt_file(tmp_path, "category.jsonl", '{"prompt": "a cat", "category": ["animal"]}\n'),
+        "other_prompts": prompt_file(tmp_path, "other.txt", "a red cube\na blue ball\n"),
     }
     before, saved = files_of(trained / "checkpoints"), contents(trained)
     status, stderr = command(
@@ -685,11 +694,17 @@ def test_a_folder_that_holds_a_run_is_refused_before_anything_is_written(trained
 
 
 def test_overwrite_replaces_the_run(trained, tiny_flux_dir, tmp_path, capsys):
+    """Nothing of the old run stays for train.eval to score into the new one: its export_raw/ (of a run that
+    kept an EMA) and its probe.json go with its checkpoints and metrics."""
     run_dir = copy_run(trained, tmp_path)
+    shutil.copytree(run_dir / "export", run_dir / "export_raw")
+    (run_dir / "probe.json").write_text("{}")
     overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=1", "checkpoint.overwrite=true"]
     assert command(capsys, run_dir, overrides)[0] == 0
     assert [m["step"] for m in metrics(run_dir)] == [0]
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000001"]
+    assert not (run_dir / "export_raw").exists() and not (run_dir / "probe.json").exists()
+    assert json.loads((run_dir / "export" / "weights.json").read_text())["step"] == 1
 
 
 def test_a_refused_launch_leaves_no_folder(tiny_flux_dir, tmp_path, capsys):
@@ -1135,6 +1150,121 @@ def test_a_full_disk_is_one_line_and_keeps_the_checkpoints(when, trained, tiny_f
         assert {k: v for k, v in files_of(run_dir / "checkpoints").items() if k in before} == before
 
 
+def test_a_resume_on_fewer_ranks_that_changes_the_global_batch_is_one_line(trained, tiny_flux_dir, tmp_path, capsys):
+    """The latest checkpoint as 2 ranks would have saved it (its marker says world size 2), resumed by 1 process:
+    refused in one line naming the batch before and after and the per-rank setting that keeps it."""
+    run_dir = copy_run(trained, tmp_path)
+    marker_path = run_dir / "checkpoints" / "step_00000002" / "COMPLETE"
+    marker_path.write_text(json.dumps({**json.loads(marker_path.read_text()), "world_size": 2}))
+    saved = contents(run_dir)
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "resume=auto"]
+    status, stderr = command(capsys, run_dir, overrides)
+    line = the_error(stderr)
+    assert status == 2 and re.search(
+        r"the global batch changes: 2 prompts per step \(2 ranks x batch\.prompts_per_rank=1\), now 1 \(1 rank x "
+        r"batch\.prompts_per_rank=1\).*keep it with batch\.prompts_per_rank=2",
+        line,
+    ), line
+    assert contents(run_dir) == saved
+
+
+def damage_metrics(case: str, path: Path) -> None:
+    lines = path.read_bytes().splitlines(keepends=True)
+    if case == "not-utf8":  # a byte of another encoding in the row of step 1
+        lines[1] = lines[1].replace(b'"step"', b'"st\xe9p"')
+    else:  # the row of step 1 cut short by a crash while it was written
+        lines[1] = lines[1][: len(lines[1]) // 2]
+    path.write_bytes(b"".join(lines))
+
+
+@pytest.mark.parametrize("case", ["not-utf8", "cut-short"])
+def test_a_damaged_metrics_file_is_named_on_resume(case, trained, tiny_flux_dir, tmp_path, capsys):
+    """Non-UTF-8 bytes: one line naming the line and column, before the model loads, nothing changed. A row cut
+    short: the run goes on, the line says which row was dropped."""
+    run_dir = copy_run(trained, tmp_path)
+    damage_metrics(case, run_dir / "metrics.jsonl")
+    saved = contents(run_dir)
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "resume=auto"]
+    status, stderr, stdout = command(capsys, run_dir, overrides, stdout=True)
+    if case == "not-utf8":
+        line = the_error(stderr)
+        assert status == 2 and re.search(r"metrics\.jsonl:2 is not UTF-8 \(byte 0xe9 at column \d+\)", line), line
+        assert contents(run_dir) == saved
+    else:
+        assert status == 0, stderr
+        assert re.search(r"metrics\.jsonl: line 2 was cut short by the crash that ended a session: dropped", stdout)
+        assert [m["step"] for m in metrics(run_dir)] == [0, 2]
+
+
+def test_a_checkpoint_save_the_file_system_refuses_is_one_line(trained, tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    """A read-only mount under the save (DCP's CheckpointException, not an Exception): one line naming the
+    checkpoints' disk and the OS's words, status 2; the checkpoints written before stay as they were."""
+    import traceback
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
+
+    def read_only(*args, **kwargs):
+        cause = OSError(30, "Read-only file system")
+        raise CheckpointException("save failed", {0: (cause, traceback.StackSummary())})
+
+    run_dir = copy_run(trained, tmp_path)
+    before = files_of(run_dir / "checkpoints")
+    monkeypatch.setattr(dcp, "save", read_only)
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "resume=auto"]
+    status, stderr = command(capsys, run_dir, overrides)
+    line = the_error(stderr)
+    assert status == 2 and re.search(r"checkpoints .*Read-only file system", line), line
+    assert {k: v for k, v in files_of(run_dir / "checkpoints").items() if k in before} == before
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_disk_that_fills_while_a_metrics_row_is_written_is_one_line(tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    """ENOSPC from the metrics file's write after step 1: one line naming the file's disk, no chained tracebacks;
+    the steps before it are checkpointed."""
+    from train.observe import logger as logger_module
+
+    real_open, rows = open, []
+
+    class FullAfterOneRow:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, text):
+            rows.append(text)
+            if len(rows) > 1:
+                raise OSError(28, "No space left on device")
+            return self.file.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    def opened(path, *args, **kwargs):
+        file = real_open(path, *args, **kwargs)
+        return FullAfterOneRow(file) if str(path).endswith("metrics.jsonl") else file
+
+    monkeypatch.setattr(logger_module, "open", opened, raising=False)
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "checkpoint.every=0"]
+    status, stderr = command(capsys, tmp_path / "run", overrides)
+    line = the_error(stderr)
+    assert status == 2 and re.search(r"the disk of .*metrics\.jsonl .*filled up", line), line
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [0]
+
+
+def test_a_new_run_is_refused_naming_the_size_of_its_checkpoint(trained, tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    """A new run on a disk with little room: the line names what a checkpoint of this run needs, estimated from
+    the model and optimizer before any is written (within a factor of 2 of the size a checkpoint has)."""
+    from train.checkpoint import manager as checkpoint
+
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 1000)
+    status, stderr = command(capsys, tmp_path / "run", [*FAST, f"model.path={tiny_flux_dir}", "num_steps=2"])
+    line = the_error(stderr)
+    match = re.search(r"a checkpoint of this run \(.*\) needs about ([0-9.]+) MB", line)
+    assert status == 2 and match, line
+    written = sum(p.stat().st_size for p in (trained / "checkpoints" / "step_00000002").iterdir()) / 1e6
+    assert written / 2 <= float(match.group(1)) <= written * 2, (match.group(1), written)
+
+
 def test_the_steps_trained_before_a_failure_are_saved(tiny_flux_dir, tmp_path, capsys, monkeypatch):
     """A failure in step 2 (here: a bug) after two unsaved steps: step 2's checkpoint is written first."""
     real = trainer.train_step
@@ -1172,19 +1302,48 @@ def test_a_sweep_runs_its_valid_jobs_and_names_the_failed_one(tiny_flux_dir, tmp
     assert not (tmp_path / "sweep" / "0").exists()  # the failed job took back the folder it created
 
 
-def test_eval_names_a_truncated_export(trained, tiny_flux_dir, tmp_path, capsys):
+def flip_last_weight_byte(path: Path) -> None:
+    """One byte of the last tensor changed: the file keeps its size and its header reads."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "one-weight-changed"])
+def test_eval_names_a_damaged_export(damage, trained, tiny_flux_dir, tmp_path, capsys):
     run_dir = copy_run(trained, tmp_path)
-    truncate("diffusion_pytorch_model.safetensors")(run_dir / "export")
+    weights = run_dir / "export" / "diffusion_pytorch_model.safetensors"
+    if damage == "truncated":
+        truncate(weights.name)(weights.parent)
+    else:
+        flip_last_weight_byte(weights)
+    saved = contents(run_dir)
     overrides = [*FAST, f"model.path={tiny_flux_dir}", f"eval.transformer={run_dir / 'export'}"]
     status, stderr = command(capsys, tmp_path / "eval", overrides, eval_command)
     line = the_error(stderr, eval_command.PROG)
+    expected = "does not match the checksum" if damage == "one-weight-changed" else r"(cannot|has \d+ bytes)"
     assert status == 2 and re.search(
-        r"eval\.transformer=.*export'.*diffusion_pytorch_model\.safetensors (cannot|has \d+ bytes)", line
+        rf"eval\.transformer=.*export'.*diffusion_pytorch_model\.safetensors {expected}", line
     )
+    assert contents(run_dir) == saved
     # the run folder itself: its checkpoint stands in for the damaged export
     from train.checkpoint.export import find_weights
 
     assert find_weights(str(run_dir), "eval.transformer").path == run_dir / "checkpoints" / "step_00000002"
+
+
+def test_eval_names_a_checkpoint_the_run_pruned(trained, tiny_flux_dir, tmp_path, capsys):
+    """eval.transformer=<an older checkpoint> that the live run pruned meanwhile: one line naming the latest."""
+    run_dir = copy_run(trained, tmp_path)
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000001")
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", f"eval.transformer={run_dir / 'checkpoints' / 'step_00000001'}"]
+    status, stderr = command(capsys, tmp_path / "eval", overrides, eval_command)
+    line = the_error(stderr, eval_command.PROG)
+    assert status == 2 and re.search(
+        r"step_00000001' does not exist: the run keeps only .* and pruned it; pick its "
+        r"latest, .*step_00000002, or pass the run folder",
+        line,
+    ), line
 
 
 def test_eval_names_a_missing_scorer_file_before_the_model_loads(tiny_flux_dir, tmp_path, capsys, monkeypatch):

@@ -368,12 +368,20 @@ def test_replayed_steps_keep_the_later_values(tmp_path, capsys):
     assert "0.9000" in capsys.readouterr().out
 
 
+def latin1_row(run: Path) -> Path:
+    """A second row with a byte of another encoding."""
+    with open(run / "metrics.jsonl", "ab") as file:
+        file.write('{"step": 1, "note": "caf\xe9"}\n'.encode("latin-1"))
+    return run
+
+
 @pytest.mark.parametrize(
     "make, reason",
     [
         (lambda p: p / "nowhere", "does not exist"),
         (lambda p: (p / "empty_dir").mkdir() or p / "empty_dir", "holds no metrics.jsonl"),
         (lambda p: write_run(p / "bad", [step(0, 0.1, 1, 1), "{not json"]), "metrics.jsonl:2 is not valid JSON"),
+        (lambda p: latin1_row(write_run(p / "latin1", [step(0, 0.1, 1, 1)])), "metrics.jsonl:2 is not UTF-8"),
         (lambda p: write_run(p / "nostep", [{"reward/hpsv2": 0.1}]), 'integer "step"'),
         (lambda p: write_run(p / "blank", [""]), "no logged step"),
         (lambda p: (p / "file.txt").write_text("x") and p / "file.txt", "is a file"),
