@@ -36,7 +36,13 @@ from train.distributed.parallelize import parallelize
 from train.model.builder import FSDP_VIEW_WARNING
 from train.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
 from train.plan.command import SHIPPED_ARCH, plan, plan_config
-from train.plan.counts import expected_segments, expected_shared_calls, expected_shared_rows, update_variants
+from train.plan.counts import (
+    drawn_windows,
+    expected_segments,
+    expected_shared_calls,
+    expected_shared_rows,
+    update_variants,
+)
 from train.plan.fake import fake_process_group
 from train.plan.fake_run import traced_run
 from train.plan.frozen import ARCH_ROOT, SCORER_ARCH, build_component, frozen_models, read_json, scorer_module
@@ -583,28 +589,53 @@ def test_decode_in_chunks_equals_one_call(tiny_flux_dir):
 
 
 def test_rollout_flops_follow_the_schedule_after_the_window(tiny_flux_dir):
-    """With DPM-Solver++ 2M on 0.4 of the steps after the window [0, 4) of 9, the planner counts the rows the
-    rollout itself runs: 6 forwards per sample instead of 9, the shared start's first step once per group; what
-    the compression saves is those 3 forwards of each sample, at the same FLOPs per row."""
+    """With DPM-Solver++ 2M on 0.4 of the steps after a window of 4 drawn in [0, 8) of 9, the planner counts the
+    rows the rollout itself runs, expected over the 5 windows the run draws alike: at [0, 4) 6 forwards per
+    sample instead of 9, the shared start's first step once per group; what the compression saves is the
+    forwards after each window that the rebuilt schedule leaves out, at the same FLOPs per row."""
     flash = ["sampler=flow_fast", "sampler.sde_window_size=4", "sampler.sde_window_range=[0,8]"]
     flash += ["sampler.post_window.solver=dpmpp_2m", "sampler.post_window.ratio=0.4", "update.segment_length=4"]
     cfg, given = config([*TINY, f"model.path={tiny_flux_dir}", *flash])
     report = plan(cfg, model_path_given=given)
-    rows: list[int] = []
     backbone = FluxBackbone.load(tiny_flux_dir, dtype="float32")
     cond = backbone.encode(["a cat"]).repeat(2)
     noise = backbone.initial_noise(1, height=cfg.model.height, width=cfg.model.width).repeat_interleave(2, dim=0)
     sampler, sigmas = cfg.sampler, shifted_sigmas(cfg.sampler.num_steps, cfg.sampler.shift)
+    windows = drawn_windows(cfg)
+    assert windows == {(start, start + 4): pytest.approx(1 / 5) for start in range(5)}
+    rows: dict[tuple[int, int], list[int]] = {}
+    for window in windows:
 
-    def counted(z, t, c):
-        rows.append(z.shape[0])
-        return backbone.predict(z, t, c)
+        def counted(z, t, c, window=window):
+            rows.setdefault(window, []).append(z.shape[0])
+            return backbone.predict(z, t, c)
 
-    rollout(counted, cond, noise, sampler, sigmas=sigmas, sde_window=(0, 4), group_size=2)
-    assert rows == [1] + [2] * 5  # the shared start's step on one row, then 3 window steps and 2 after it
+        rollout(counted, cond, noise, sampler, sigmas=sigmas, sde_window=window, group_size=2)
+        assert len(rows[window]) == rollout_forwards(sampler, window)
+    assert rows[(0, 4)] == [1] + [2] * 5  # the shared start's step on one row, then 3 window steps and 2 after it
     phase = next(p for p in report.phases if p.name == "rollout")
-    assert phase.forwards == len(rows) == rollout_forwards(sampler, (0, 4))
-    per_row = phase.flops / sum(rows)
-    assert report.post_window_flops == pytest.approx(per_row * 2 * (9 - 6), rel=1e-6)
-    assert report.shared_rollout_flops == pytest.approx(per_row * (2 * 6 - sum(rows)), rel=1e-6)
+    mean_rows = sum(sum(r) for r in rows.values()) / 5
+    mean_forwards = sum(len(r) for r in rows.values()) / 5
+    assert phase.forwards == pytest.approx(mean_forwards, rel=1e-9)
+    per_row = phase.flops / mean_rows
+    assert report.post_window_flops == pytest.approx(per_row * 2 * (9 - mean_forwards), rel=1e-6)
+    assert report.shared_rollout_flops == pytest.approx(per_row * (2 * mean_forwards - mean_rows), rel=1e-6)
     assert "after the SDE window (sampler.post_window) the rollout is" in format_report(report)
+
+
+@pytest.mark.parametrize(
+    "overrides, starts",
+    [
+        (["experiment=flux_mix"], {start: 25 for start in range(12)}),  # 300 steps, 25 per start: 0..11
+        (["experiment=flux_mix_flash"], {start: 20 for start in range(15)}),  # 20 per start
+        (["experiment=flux_mix", "num_steps=600"], {start: 25 + 25 * (start <= 2) for start in range(21)}),  # wraps
+        (["experiment=flux_flow_fast"], {0: 1}),  # the fixed window [0, 12)
+        (["experiment=flux_mix", "sampler.sde_window_schedule=random"], {start: 1 for start in range(21)}),
+    ],
+)
+def test_the_planned_windows_are_those_the_run_draws(overrides, starts):
+    cfg, _ = config(overrides)
+    total = sum(starts.values())
+    size = cfg.sampler.sde_window_size
+    expected = {(start, start + size): pytest.approx(n / total) for start, n in starts.items()}
+    assert drawn_windows(cfg) == expected

@@ -1,5 +1,5 @@
 """The counts of one step that follow from the settings alone, without a tensor: the segments each update path
-trains per micro-batch (expected over the random segment pick and the Flow-GRPO-Fast window start), the
+trains per micro-batch (expected over the random segment pick and the windows the run draws), the
 update calls a rank makes, what the shared start adds or saves, the SDE window and the text tokens the
 trace uses, and the run's evaluations."""
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from samplers.sampler_config import WindowSchedule
+from samplers.window import progressive_start
 from train.algorithm.jagg import EXACT_BATCHED, UPDATE_MODES
 from train.algorithm.segments import pick_segments, route_segments
 from train.algorithm.update_config import MIDDLE_MODES, UpdateMode
@@ -18,18 +20,35 @@ from train.plan.report import Evaluation
 from train.step import micro_batches
 
 
+def drawn_windows(cfg: TrainConfig) -> dict[tuple[int, int] | None, float]:
+    """The SDE windows the run's steps sample with, each with the share of the steps that draw it: every start in
+    [lo, hi - size] alike for the fixed and random schedules, the starts the num_steps steps reach for the
+    progressive one; {None: 1} without a window. The window's position changes the rollout's forwards (the steps
+    after it) and which update path trains it, not the memory of a step (every step's latents are kept)."""
+    s = cfg.sampler
+    if s.sde_window_size <= 0:
+        return {None: 1.0}
+    lo, hi = s.sde_window_range
+    if s.sde_window_schedule is WindowSchedule.progressive:
+        size, iters, stride = s.sde_window_size, s.sde_window_iters, s.sde_window_stride
+        starts = [
+            progressive_start(step, window_range=(lo, hi), size=size, iters=iters, stride=stride)
+            for step in range(cfg.num_steps)
+        ]
+    else:
+        starts = list(range(lo, hi - s.sde_window_size + 1))
+    counts = Counter(starts)
+    return {(start, start + s.sde_window_size): counts[start] / len(starts) for start in sorted(counts)}
+
+
 def expected_segments(cfg: TrainConfig, mode: str | None = None) -> dict[str, float]:
     """Expected segments per micro-batch of each update path, over the random segment pick
-    (update.timestep_fraction) and the Flow-GRPO-Fast window start (uniform in its range).
+    (update.timestep_fraction) and the windows the run draws (``drawn_windows``).
     ``mode`` replaces update.mode (``"exact"``: the run without JAGG)."""
     s, u = cfg.sampler, cfg.update
-    starts: list[int | None] = [None]
-    if s.sde_window_size > 0:
-        lo, hi = s.sde_window_range
-        starts = list(range(lo, hi - s.sde_window_size + 1))
     counts: dict[str, float] = {}
-    for start in starts:
-        trainable = trainable_transitions(s, start)
+    for window, share in drawn_windows(cfg).items():
+        trainable = trainable_transitions(s, None if window is None else window[0])
         every = route_segments(
             trainable,
             length=u.segment_length,
@@ -39,7 +58,7 @@ def expected_segments(cfg: TrainConfig, mode: str | None = None) -> dict[str, fl
         )
         picked = len(pick_segments(trainable, length=u.segment_length, timestep_fraction=u.timestep_fraction))
         for segment in every:  # a uniform random subset: each segment is picked with probability picked / len
-            counts[segment.mode] = counts.get(segment.mode, 0.0) + picked / len(every) / len(starts)
+            counts[segment.mode] = counts.get(segment.mode, 0.0) + picked / len(every) * share
     return counts
 
 
@@ -50,13 +69,8 @@ def text_tokens(cfg: TrainConfig) -> int:
 
 
 def first_window(cfg: TrainConfig) -> tuple[int, int] | None:
-    """The Flow-GRPO-Fast SDE window the trace samples with: the first one the run can draw (every
-    window trains as many transitions: validation keeps the last one out of its range)."""
-    s = cfg.sampler
-    if s.sde_window_size <= 0:
-        return None
-    lo = s.sde_window_range[0]
-    return lo, lo + s.sde_window_size
+    """The first of the windows the run draws: the one the trace measures memory with."""
+    return next(iter(drawn_windows(cfg)))
 
 
 def update_variants(

@@ -20,7 +20,7 @@ from train.algorithm.segments import RoutedSegment
 from train.algorithm.update import UpdateBatch, update_micro_batch
 from train.algorithm.update_config import UpdateMode
 from train.distributed.parallelize import clip_grad_norm_
-from train.plan.counts import first_window, text_tokens
+from train.plan.counts import text_tokens
 from train.plan.fake import known
 from train.plan.fake_run import TracedRun
 from train.step import decode_images, sample_trajectories, step_weights
@@ -96,12 +96,14 @@ class TracedOnce:
         return torch.empty(shape, dtype=dtype, device=z.device)
 
 
-def rollout_call(run: TracedRun, tensors: StepTensors, predict: TracedOnce) -> Callable[[], None]:
-    """The rollout of every sample of the rank (``train.step.sample_trajectories``: the sampler's N
-    steps, the transformer traced on the first, ``TracedOnce``) from conditioning and noise shaped as
+def rollout_call(
+    run: TracedRun, tensors: StepTensors, predict: TracedOnce, window: tuple[int, int] | None
+) -> Callable[[], None]:
+    """The rollout of every sample of the rank with the SDE ``window`` (``train.step.sample_trajectories``: the
+    sampler's N steps, the transformer traced on the first, ``TracedOnce``) from conditioning and noise shaped as
     ``rollout_phase`` makes them."""
     cfg, backbone = run.cfg, cast(DiffusersBackbone, run.backbone)
-    g, b, s, window = cfg.grpo, cfg.batch, cfg.sampler, first_window(cfg)
+    g, b, s = cfg.grpo, cfg.batch, cfg.sampler
 
     def call() -> None:
         cond = conditioning(backbone, b.prompts_per_rank, text_tokens(cfg)).repeat(g.group_size)

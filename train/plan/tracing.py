@@ -15,7 +15,7 @@ from torch import Tensor
 
 from models.diffusers_backbone import DiffusersBackbone
 from samplers.window import rollout_forwards
-from train.plan.counts import first_window, update_variants
+from train.plan.counts import drawn_windows, first_window, update_variants
 from train.plan.fake import Measured, measure
 from train.plan.fake_run import TracedRun, ema_shards, hold_gradients, reference_shards, traced_run
 from train.plan.plan_config import PlanRunConfig
@@ -89,6 +89,22 @@ class Traced:
     image_tokens: int
 
 
+def _rollout_calls(
+    run: TracedRun, predict: TracedOnce, windows: dict[tuple[int, int] | None, float]
+) -> tuple[float, float]:
+    """(rows, calls) of the transformer in a rollout, expected over the ``windows`` the run draws: ``predict``
+    holds those of the first, which the trace measured; the others run here (each new shape is traced once)."""
+    first, *others = windows
+    rows, calls = predict.called_rows * windows[first], predict.calls * windows[first]
+    resident = reference_shards(run) + ema_shards(run)
+    for window in others:
+        rows_before, calls_before = predict.called_rows, predict.calls
+        measure(run.backbone.transformer, run.optimizer, resident, rollout_call(run, StepTensors(), predict, window))
+        rows += (predict.called_rows - rows_before) * windows[window]
+        calls += (predict.calls - calls_before) * windows[window]
+    return rows, calls
+
+
 def trace_step(run: TracedRun, segments: dict[str, float]) -> Traced:
     """The phases in the order a step runs them, with gradients held where the trainer holds them."""
     cfg, b = run.cfg, run.cfg.batch
@@ -97,17 +113,19 @@ def trace_step(run: TracedRun, segments: dict[str, float]) -> Traced:
     always = reference_shards(run) + ema_shards(run)
     tensors = StepTensors()
     # the rollout and the decode run after the last optimizer step's zero_grad(set_to_none)
-    predict = TracedOnce(run.policy())
-    rollout = measure(root, opt, always, rollout_call(run, tensors, predict))
+    predict, windows = TracedOnce(run.policy()), drawn_windows(cfg)
+    rollout = measure(root, opt, always, rollout_call(run, tensors, predict, first_window(cfg)))
     assert tensors.traj is not None
     if offloaded and tensors.traj.velocities is not None:  # allocated during the rollout, in host memory
         rollout.peak_bytes -= _storage_bytes([tensors.traj.velocities])
     per_row = rollout.flops / predict.traced_rows  # counted: the first forward of each shape (TracedOnce)
-    rollout.flops = round(per_row * predict.called_rows)
-    forwards = rollout_forwards(cfg.sampler, first_window(cfg))  # per row, with the schedule after the window
-    shared_rollout_flops = per_row * (forwards * tensors.traj.batch_size - predict.called_rows)
-    post_window_flops = per_row * (cfg.sampler.num_steps - forwards) * tensors.traj.batch_size
-    phases = [to_phase("rollout", rollout, 1, forwards=predict.calls)]
+    rows, calls = _rollout_calls(run, predict, windows)
+    rollout.flops = round(per_row * rows)
+    batch = tensors.traj.batch_size
+    forwards = sum(rollout_forwards(cfg.sampler, window) * share for window, share in windows.items())  # per row
+    shared_rollout_flops = per_row * (forwards * batch - rows)
+    post_window_flops = per_row * (cfg.sampler.num_steps - forwards) * batch
+    phases = [to_phase("rollout", rollout, 1, forwards=calls)]
     decode = measure(root, opt, always + tensors.resident(offloaded_velocities=offloaded), decode_call(run, tensors))
     phases.append(to_phase("decode", decode, 1))
     tensors.advantages = torch.zeros(tensors.traj.batch_size)
