@@ -29,7 +29,9 @@ VALUE = {"step_00000000": 0.25, "step_00000002": 0.5, "step_00000003": 0.6}
 VALUE |= {"step_00000000_held-out": 0.1, "step_00000003_held-out": 0.2}
 
 
-def fake_evaluate(backbone, predict, scorers, records, cfg, dist, *, device, tag, out=None) -> EvalResult:
+def fake_evaluate(
+    backbone, predict, scorers, records, cfg, dist, *, device, tag, out=None, before_writing=None
+) -> EvalResult:
     """Prompt i scores VALUE[tag] + i / 100; the grid is every prompt, random pixels."""
     rows = [
         {"index": i, "prompt": r.prompt, "category": None, "seed": 0, SCORER: VALUE[tag] + i / 100}

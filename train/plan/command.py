@@ -29,8 +29,9 @@ activations, all-gathered blocks and temporaries) plus the frozen models that ev
 replicates, counted from their configs: text encoders (none with ``model.embedding_cache``), VAE,
 reward models and, when the run evaluates, the evaluation scorers it keeps after the first
 evaluation. The step's peak is the largest phase. FLOPs per step scale the traced calls: one
-rollout, one decode, the expected number of segments per path per micro-batch (over the random segment
-pick and the Flow-GRPO-Fast window), one optimizer step per ``gradient_accumulation_steps`` samples.
+rollout (its forwards expected over the SDE windows the run draws, ``counts.drawn_windows``: each window's
+rollout is run), one decode, the expected number of segments per path per micro-batch (over the random segment
+pick and those windows), one optimizer step per ``gradient_accumulation_steps`` samples.
 The update's shared start (``update.share_group_start``) takes off the expected rows whose first
 trainable step it runs once per group, at the exact path's FLOPs per step and row; the report gives
 the step with it and without it.
@@ -53,8 +54,9 @@ Limits, by construction:
   (``update.offload_velocities``) are taken out of the GPU peak by their size.
 * Not traced: prompt encoding and reward scoring (their models' weights are counted), logging,
   evaluation (its cost is estimated from the rollout's) and checkpoints. The rollout runs without a
-  prompt batch (conditioning shaped as ``backbone.encode`` returns it), from the first Flow-GRPO-Fast
-  window, on a fixed-shift schedule; the values of the schedule and of the step's flags are real,
+  prompt batch (conditioning shaped as ``backbone.encode`` returns it), its memory measured with the first
+  window the run draws (the trajectory keeps every step's latents wherever the window is), on a fixed-shift
+  schedule; the values of the schedule and of the step's flags are real,
   every other tensor a shape.
 * What reads a value is left out: the finiteness test of the gradient norm, the update's logged
   metrics (``train.algorithm.update.UpdateStats``).
