@@ -154,7 +154,7 @@ def export(
 
 def _configured_optimizer(optimizer: Optimizer, cfg: TrainConfig) -> None:
     """The optimizer state restores the checkpoint's hyperparameters; the configured ones win (a change is named
-    before the model loads: train/run/preflight.py's check_settings)."""
+    before the model loads: train/run/startup_checks.py's check_settings)."""
     for group in optimizer.param_groups:
         group.update(adamw_settings(cfg))
 
@@ -340,9 +340,7 @@ def fit(run: Run) -> None:
     cfg = run.cfg
     began = time.perf_counter()
     start_norm = weight_norm(run.model.params)  # before a checkpoint loads: the start of the run, in every session
-    start = resume(run)
-    if start < cfg.num_steps:  # a full disk shows now, not after the steps before the first checkpoint
-        run.io.checkpoints.check_space(_needed_bytes(run), "a checkpoint of this run")
+    start = resume(run)  # the disk's room for a checkpoint was checked before the model loaded (train/run/build.py)
     if cfg.resume not in (None, "auto"):  # one timeline in the folder: a branch retires the later checkpoints
         branch(cfg.resume, run.io.resume_from[0], run.io.checkpoints, start, run.io.logger, is_main=run.dist.is_main)
     if cfg.resume is not None:

@@ -1127,8 +1127,8 @@ def test_a_full_disk_is_one_line_and_keeps_the_checkpoints(when, trained, tiny_f
     saves = []
     if when == "at-start":
         monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 1000)
-    elif when == "at-a-save":  # room at start-up (two checks), then full at the save after step 3
-        monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 10**12 if len(saves) < 3 else 1000)
+    elif when == "at-a-save":  # room at start-up (one check), then full at the save after step 3
+        monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 10**12 if len(saves) < 2 else 1000)
         real = checkpoint.CheckpointManager.check_space
         monkeypatch.setattr(checkpoint.CheckpointManager, "check_space", lambda *a: saves.append(1) or real(*a))
     else:

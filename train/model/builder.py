@@ -87,6 +87,13 @@ def checkpoint_size(cfg: TrainConfig, skeleton: nn.Module) -> tuple[int, str]:
     return 4 * (weights + adapters + copies * trained), f"{what} of {trained / 1e6:.1f} M trained"
 
 
+def check_room(cfg: TrainConfig, checkpoints: CheckpointManager, skeleton: nn.Module) -> None:
+    """A new run: DiskFull unless the disk has room for its first checkpoint (``checkpoint_size``), before the
+    model loads (a collective)."""
+    size, held = checkpoint_size(cfg, skeleton)
+    checkpoints.check_space(size, f"a checkpoint of this run ({held})")
+
+
 def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Backbone:
     """Load every component from the local folder (``model_folder`` prepared it).
 

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from train.checkpoint.manager import CheckpointManager
 from train.distributed.collectives import DistInfo, barrier, gather_objects
 from train.distributed.parallelize import world_mesh
-from train.model.builder import checkpoint_size, model_folder
+from train.model.builder import check_room, model_folder
 from train.plan.counts import text_tokens
 from train.plan.frozen import read_json
 from train.preflight.links import LinkRate, block_numel, measure_links
@@ -94,8 +94,7 @@ def _checkpoints(cfg: PreflightRunConfig, dist: DistInfo) -> None:
     checkpoints = CheckpointManager(RunLayout(cfg.run_dir).root, keep_last=cfg.checkpoint.keep_last)
     digest = prompts_digest(read_prompts(cfg.data.train_prompts))
     if not check_resume(cfg, dist, checkpoints, max_step=cfg.num_steps, prompts=digest):
-        size, held = checkpoint_size(cfg, model_folder(cfg, dist))
-        checkpoints.check_space(size, f"a checkpoint of this run ({held})")
+        check_room(cfg, checkpoints, model_folder(cfg, dist))
 
 
 def _scratch(cfg: PreflightRunConfig, dist: DistInfo) -> Path:

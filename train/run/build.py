@@ -25,7 +25,7 @@ from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo, broadcast_object
 from train.distributed.parallelize import compile_unavailable
 from train.distributed.seeds import seed_everything
-from train.model.builder import build_model, checkpoint_size, model_folder
+from train.model.builder import build_model, check_room, model_folder
 from train.observe.logger import RunLogger
 from train.observe.perf import CompileWatch, device_peak
 from train.optim.optimizer import adamw_settings, build_ema
@@ -73,9 +73,8 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
         raise ConfigError(f"model.compile=true: {why}; or set model.compile=false")
     check_scorer_inputs(cfg)
     skeleton = model_folder(cfg, dist)
-    if training and not resume_from:  # a resumed run checked room for a checkpoint like its own (preflight)
-        size, held = checkpoint_size(cfg, skeleton)
-        checkpoints.check_space(size, f"a checkpoint of this run ({held})")
+    if training and not resume_from:  # a resumed run checked room for a checkpoint like its own (check_resume)
+        check_room(cfg, checkpoints, skeleton)
     rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds
     # the checkpoint must have wrapped the modules LoRA wraps now: its weights load by their names
     lora_checkpoint = (checkpoints, resume_from) if training else None
