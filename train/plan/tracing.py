@@ -90,13 +90,12 @@ class Traced:
 
 
 def _rollout_calls(
-    run: TracedRun, predict: TracedOnce, windows: dict[tuple[int, int] | None, float]
+    run: TracedRun, predict: TracedOnce, windows: dict[tuple[int, int] | None, float], resident: Sequence[Tensor]
 ) -> tuple[float, float]:
     """(rows, calls) of the transformer in a rollout, expected over the ``windows`` the run draws: ``predict``
     holds those of the first, which the trace measured; the others run here (each new shape is traced once)."""
     first, *others = windows
     rows, calls = predict.called_rows * windows[first], predict.calls * windows[first]
-    resident = reference_shards(run) + ema_shards(run)
     for window in others:
         rows_before, calls_before = predict.called_rows, predict.calls
         measure(run.backbone.transformer, run.optimizer, resident, rollout_call(run, StepTensors(), predict, window))
@@ -119,7 +118,7 @@ def trace_step(run: TracedRun, segments: dict[str, float]) -> Traced:
     if offloaded and tensors.traj.velocities is not None:  # allocated during the rollout, in host memory
         rollout.peak_bytes -= _storage_bytes([tensors.traj.velocities])
     per_row = rollout.flops / predict.traced_rows  # counted: the first forward of each shape (TracedOnce)
-    rows, calls = _rollout_calls(run, predict, windows)
+    rows, calls = _rollout_calls(run, predict, windows, always)
     rollout.flops = round(per_row * rows)
     batch = tensors.traj.batch_size
     forwards = sum(rollout_forwards(cfg.sampler, window) * share for window, share in windows.items())  # per row

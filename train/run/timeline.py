@@ -120,7 +120,7 @@ def _branch_point(checkpoint: Path, layout: RunLayout, step: int) -> tuple[int, 
 def _retire_after(step: int, checkpoints: CheckpointManager, layout: RunLayout) -> tuple[Path | None, list[str]]:
     """Move the checkpoints of steps after ``step``, and exports of a later step, to
     ``checkpoints/retired/<time>_after_step_<step>/``: that folder (None when nothing is later) and what moved."""
-    later = [path for path in checkpoints.complete() if checkpoints.step_of(path) > step]
+    later = [path for path, saved in complete_in(checkpoints.root).items() if saved > step]
     later += [folder for folder in (layout.export, layout.export_raw) if _later_export(folder, step)]
     if not later:
         return None, []
