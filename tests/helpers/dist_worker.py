@@ -31,7 +31,7 @@ from flux_toys import tiny_flux_transformer
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from train.algorithm.jagg import EXACT_BATCHED, UPDATE_MODES, backward_segment
+from train.algorithm.jagg import UPDATE_MODES, backward_segment
 from train.algorithm.update_config import MIDDLE_MODES
 from train.checkpoint.export import export_model
 from train.checkpoint.manager import CheckpointManager
@@ -160,12 +160,13 @@ def count_update_paths(rank: int, batch: dict[str, torch.Tensor], out: dict) -> 
     with torch.no_grad():  # what the rollout keeps: v of every step at the current weights
         velocities = [predict(z_j, t_j.expand(ROWS_PER_RANK)) for z_j, t_j in zip(z, t)]
     counts = {}
-    paths = (*UPDATE_MODES, EXACT_BATCHED)
-    for mode, given in [*((m, None) for m in paths), *((m, velocities) for m in MIDDLE_MODES)]:
+    runs = [(m, m, {}) for m in UPDATE_MODES] + [("exact_batched", "exact", {"exact_batched": True})]
+    runs += [(f"{m}+velocities", m, {"velocities": velocities}) for m in MIDDLE_MODES]
+    for name, mode, kwargs in runs:
         model.zero_grad(set_to_none=True)
         with count_collectives() as c:
-            backward_segment(mode, predict, lambda j, v: (v.pow(2).mean(), {}), z, t, velocities=given)
-        counts[mode if given is None else f"{mode}+velocities"] = [c.num_all_gathers, c.num_reduce_scatters]
+            backward_segment(mode, predict, lambda j, v: (v.pow(2).mean(), {}), z, t, **kwargs)
+        counts[name] = [c.num_all_gathers, c.num_reduce_scatters]
     out["update_path_collectives"] = counts
 
 

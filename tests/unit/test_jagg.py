@@ -1,4 +1,4 @@
-"""The four update paths against independently computed gradients, in float64.
+"""The four update paths (and exact with ``exact_batched``) against independently computed gradients, in float64.
 
 Each test builds the real per-step GRPO loss of a segment (SDE log-prob of a stored transition, PPO
 clip) and compares ``backward_segment``'s accumulated ``.grad`` with a formula evaluated with
@@ -13,19 +13,13 @@ from torch.func import functional_call, jacrev
 from samplers.schedule import check_timesteps, shifted_sigmas
 from samplers.sde import SDE, step
 from train.algorithm.grpo import ppo_step_loss
-from train.algorithm.jagg import (
-    EXACT_BATCHED,
-    UPDATE_MODES,
-    Counts,
-    aggregate,
-    backward_segment,
-    interpolation_weights,
-)
+from train.algorithm.jagg import UPDATE_MODES, Counts, aggregate, backward_segment, interpolation_weights
 from train.algorithm.segments import prefix_path, route_segments, split_segments
 
 pytestmark = pytest.mark.usefixtures("float64")
 B, D = 3, 6
 SDE_ = SDE("dance", eta=0.7)
+PATHS = (*UPDATE_MODES, "exact_batched")  # exact_batched: the exact mode with its flag
 
 
 class LinearInZT(nn.Module):
@@ -76,9 +70,15 @@ def make_segment(model, width, *, start=4, affine_path=False, seed=0, clip_range
     return z, t, step_loss
 
 
-def grads_of(model, mode, z, t, step_loss):
+def backward(model, path, z, t, step_loss, **kwargs):
+    """``backward_segment`` by one of PATHS."""
+    mode, batched = ("exact", True) if path == "exact_batched" else (path, False)
+    return backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, exact_batched=batched, **kwargs)
+
+
+def grads_of(model, path, z, t, step_loss):
     model.zero_grad(set_to_none=True)
-    stats = backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t)
+    stats = backward(model, path, z, t, step_loss)
     return torch.cat([p.grad.flatten() for p in model.parameters()]), stats
 
 
@@ -132,12 +132,12 @@ def test_each_mode_equals_its_formula_on_nonlinear_network():
 
     expected = {
         "exact": sum(terms),
-        EXACT_BATCHED: sum(terms),
+        "exact_batched": sum(terms),
         "jagg": vjp_at(0, s_base) + vjp_at(width - 1, s_corr),
         "jagg_sequential": vjp_at(0, s_base) + vjp_at(width - 1, s_corr),
         "ablate": terms[0] + terms[-1],
     }
-    for mode in (*UPDATE_MODES, EXACT_BATCHED):
+    for mode in PATHS:
         got, _ = grads_of(model, mode, z, t, step_loss)
         torch.testing.assert_close(got, expected[mode], rtol=1e-9, atol=1e-12, msg=mode)
     assert (expected["jagg"] - expected["exact"]).abs().max() > 1e-6  # the approximation is not trivial
@@ -158,7 +158,7 @@ def test_gradients_accumulate_across_segments():
     model = MLP()
     z, t, step_loss = make_segment(model, 4)
     once, _ = grads_of(model, "jagg", z, t, step_loss)
-    backward_segment("jagg", lambda zz, tt: model(zz, tt), step_loss, z, t)
+    backward(model, "jagg", z, t, step_loss)
     torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), 2 * once)
 
 
@@ -167,7 +167,7 @@ def test_gradients_accumulate_across_segments():
     "mode, grad_fwd, nograd_fwd, calls, backward_steps",
     [
         ("exact", 5, 0, 5, 5),
-        (EXACT_BATCHED, 5, 0, 1, 5),  # the W steps' graph in one backward call
+        ("exact_batched", 5, 0, 1, 5),  # the W steps' graph in one backward call
         ("jagg", 2, 3, 1, 2),
         ("jagg_sequential", 2, 3, 2, 2),
         ("ablate", 2, 0, 1, 2),
@@ -187,7 +187,7 @@ def test_counters_and_backward_hook(mode, grad_fwd, nograd_fwd, calls, backward_
     assert list(stats.losses) == expected_steps
 
 
-@pytest.mark.parametrize("mode", [*UPDATE_MODES, EXACT_BATCHED])
+@pytest.mark.parametrize("mode", PATHS)
 def test_a_given_start_leaves_step_0_to_the_caller(mode):
     """With v_0 given (the shared start), a path runs no forward of step 0: its .grad plus the caller's
     J_0^T start_upstream is the path's gradient, and the step losses are the same."""
@@ -197,7 +197,7 @@ def test_a_given_start_leaves_step_0_to_the_caller(mode):
     full, full_stats = grads_of(model, mode, z, t, step_loss)
     model.zero_grad(set_to_none=True)
     v0 = model(z[0], t[0].expand(B))
-    stats = backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, start=v0.detach())
+    stats = backward(model, mode, z, t, step_loss, start=v0.detach())
     assert stats.start_upstream is not None and stats.start_upstream.shape == v0.shape
     v0.backward(stats.start_upstream)
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -205,7 +205,7 @@ def test_a_given_start_leaves_step_0_to_the_caller(mode):
     assert stats.counts.grad_forwards == full_stats.counts.grad_forwards - 1
     torch.testing.assert_close(torch.stack(list(stats.losses.values())), torch.stack(list(full_stats.losses.values())))
     with pytest.raises(ValueError, match="start"):
-        backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, start=v0.detach()[:1])
+        backward(model, mode, z, t, step_loss, start=v0.detach()[:1])
 
 
 def test_losses_and_metrics_are_the_step_losses():
@@ -290,7 +290,7 @@ def test_given_velocities_replace_the_middle_forwards(mode):
     for given in (velocities, torch.stack(velocities)):
         rows.clear()
         model.zero_grad(set_to_none=True)
-        stats = backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=given)
+        stats = backward(model, mode, z, t, step_loss, velocities=given)
         got = torch.cat([p.grad.flatten() for p in model.parameters()])
         torch.testing.assert_close(got, recomputed, rtol=1e-12, atol=1e-14)
         counts = stats.counts
@@ -323,7 +323,7 @@ def test_given_velocities_enter_through_s_j():
     expected = vjp_at(0, s_base) + vjp_at(width - 1, s_corr)
     for mode in ("jagg", "jagg_sequential"):
         model.zero_grad(set_to_none=True)
-        backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=given)
+        backward(model, mode, z, t, step_loss, velocities=given)
         got = torch.cat([p.grad.flatten() for p in model.parameters()])
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12, msg=mode)
     recomputed, _ = grads_of(model, "jagg", z, t, step_loss)
@@ -338,7 +338,7 @@ def test_exact_and_ablate_ignore_velocities():
     for mode in ("exact", "ablate"):
         plain, _ = grads_of(model, mode, z, t, step_loss)
         model.zero_grad(set_to_none=True)
-        stats = backward_segment(mode, lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=junk)
+        stats = backward(model, mode, z, t, step_loss, velocities=junk)
         assert torch.equal(torch.cat([p.grad.flatten() for p in model.parameters()]), plain), mode
         assert stats.counts.reused_velocities == 0
 
@@ -355,14 +355,7 @@ def test_velocities_of_the_wrong_shape(velocities, message):
     model = MLP()
     z, t, step_loss = make_segment(model, 4)
     with pytest.raises(ValueError, match=message):
-        backward_segment("jagg", lambda zz, tt: model(zz, tt), step_loss, z, t, velocities=velocities(z))
-
-
-def test_unknown_mode():
-    with pytest.raises(ValueError, match="update.mode"):
-        backward_segment(
-            "fast", lambda z, t: z, lambda j, v: v.sum(), [torch.zeros(1, 1)] * 2, torch.tensor([1.0, 0.5])
-        )
+        backward(model, "jagg", z, t, step_loss, velocities=velocities(z))
 
 
 def test_routing_worked_examples():
@@ -388,24 +381,9 @@ def test_timestep_fraction_picks_segments_reproducibly():
         assert p.mode == prefix_path(p.start, p.stop, mode="jagg", jagg_frac=0.6, num_transitions=20)
 
 
-@pytest.mark.parametrize(
-    "kwargs, field",
-    [
-        (dict(length=1), "update.segment_length"),
-        (dict(length=3), "update.segment_length"),  # 20 steps do not split into segments of 3
-        (dict(jagg_frac=1.5), "update.jagg_frac"),
-        (dict(jagg_frac=-0.1), "update.jagg_frac"),
-        (dict(timestep_fraction=0.0), "update.timestep_fraction"),
-        (dict(mode="sum"), "update.mode"),
-    ],
-)
-def test_impossible_routes(kwargs, field):
-    args = dict(length=4, mode="jagg", jagg_frac=0.6, num_transitions=20) | kwargs
-    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        route_segments(range(20), **args)
-
-
 def test_split_segments_over_runs():
     assert split_segments([0, 1, 4, 5, 6, 7], 2) == [(0, 2), (4, 6), (6, 8)]
     with pytest.raises(ValueError, match="trainable"):
         split_segments([], 4)
+    with pytest.raises(ValueError, match=r"update\.segment_length=3 does not split"):  # 20 steps, segments of 3
+        split_segments(range(20), 3)

@@ -5,8 +5,8 @@ Jacobian with respect to the parameters and s_j = dL_j/dv_j, taken on a detached
 transformer backward). z_j carries no gradient (the per-step REINFORCE approximation).
 
     exact            sum_j J_j^T s_j                            W forwards with grad, W backwards
-    exact_batched    same as exact                              the W steps in one batched forward
-                                                                with grad, one backward
+                                                                (``exact_batched``: the W steps in one
+                                                                batched forward with grad, one backward)
     jagg             J_0^T s_base + J_{W-1}^T s_corr            W-2 no-grad forwards (one batched
                                                                 call, or none with ``velocities``),
                                                                 both endpoints in one batched
@@ -24,21 +24,24 @@ The middle steps' v_j only feed s_j. ``velocities`` hands them in (the rollout's
 still those that sampled it): jagg and jagg_sequential then run no middle forward at all, and their
 gradient is the recomputing one up to float rounding (the rollout ran other batch shapes).
 
-``exact_batched`` gives exact's gradient from one forward over the W steps with grad and one backward
-(fewer FSDP2 all-gathers: 2n instead of 2Wn for n sharded modules; about W times the activations).
+``exact_batched``, a flag of the exact path, trades about W times the activations for fewer FSDP2
+all-gathers: 2n instead of 2Wn for n sharded modules.
 
 The shared start: when step 0's v comes from elsewhere (``start``, v_0 [B, ...] detached, computed once
 for rows that share their input), a path runs no forward of step 0 and leaves its backward to the
 caller: ``SegmentStats.start_upstream`` holds d(sum_j L_j)/dv_0 [B, ...], and the caller's one backward of
 the shared forward gives J_0^T of its sum over the rows that share (train/algorithm/update.py).
 
-Departure from the paper's Algorithm 1: the two endpoints run as one batched forward, so under
-FSDP2 each sharded module is all-gathered once in the forward and once in the backward.
+Each path is a plain function of one ``Segment`` (its predictor, latents, timesteps, loss, given
+velocities and stats) in the phases of the paper's Algorithm 1 (jagg) and 2 (jagg_sequential): forwards,
+s_j on detached proxies, aggregation, backward. Departure from Algorithm 1: the two endpoints run as one
+batched forward (and the middle steps as another), so under FSDP2 each sharded module is all-gathered once
+in the forward and once in the backward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -49,14 +52,11 @@ from train.algorithm.metrics import Metric
 from train.algorithm.update_config import MIDDLE_MODES, UpdateMode
 
 UPDATE_MODES = tuple(mode.value for mode in UpdateMode)
-EXACT_BATCHED = "exact_batched"  # the exact gradient from one batched forward and one backward (update.exact_batched)
 
 BoundPredict = Callable[[Tensor, Tensor], Tensor]  # (z [B, ...], t [B]) -> v [B, ...]: the conditioning is bound
 Metrics = dict[str, Metric]  # name -> a detached scalar and its reduction
 Velocities = Sequence[Tensor] | Tensor  # W tensors [B, ...], or one [W, B, ...]: v_j at the current weights
 LossFn = Callable[[int, Tensor], tuple[Tensor, Metrics]]  # (j, v_j [B, ...]) -> (scalar loss of step j, metrics)
-# A path: yields (j, v_j) for each step it evaluates and receives L_j back (backward_segment calls the loss).
-Path = Generator[tuple[int, Tensor], Tensor, None]
 
 
 @dataclass(frozen=True)
@@ -105,169 +105,113 @@ def aggregate(s: Sequence[Tensor], t: Tensor) -> tuple[Tensor, Tensor]:
     return s_base, s_corr
 
 
-def _rows(t_j: Tensor, batch: int) -> Tensor:
-    return t_j.expand(batch)
+@dataclass
+class Segment:
+    """One segment of W steps as a path sees it: its inputs, and the ``stats`` the path fills in."""
+
+    predict: BoundPredict
+    step_loss: LossFn
+    z: list[Tensor]  # W latents [B, ...], detached
+    t: Tensor  # [W] network-input timesteps
+    velocities: list[Tensor] | None  # W given v_j [B, ...], detached (jagg, jagg_sequential); None: recompute
+    start: Tensor | None  # the given v_0 [B, ...], detached (the shared start); None: step 0's forward runs here
+    stats: SegmentStats = field(default_factory=SegmentStats)
+
+    @property
+    def last(self) -> int:
+        return len(self.z) - 1
+
+    def forward(self, steps: Sequence[int], *, grad: bool = True) -> list[Tensor]:
+        """v_j of ``steps`` from one batched call of the model, with or without grad; one v per step."""
+        batch = self.z[0].shape[0]
+        with torch.set_grad_enabled(grad):
+            v = self.predict(torch.cat([self.z[j] for j in steps]), torch.cat([self.t[j].expand(batch) for j in steps]))
+        self.stats.counts += Counts(grad_forwards=len(steps)) if grad else Counts(nograd_forwards=len(steps))
+        return list(v.split(batch))
+
+    def loss(self, j: int, v: Tensor) -> Tensor:
+        """L_j at v_j; its detached value and metrics go to ``stats``."""
+        with torch.enable_grad():  # the loss's graph to v_j, whatever mode the caller runs in
+            loss, metrics = self.step_loss(j, v)
+        self.stats.losses[j], self.stats.metrics[j] = loss.detach(), metrics
+        return loss
+
+    def upstream(self, j: int, v: Tensor) -> Tensor:
+        """s_j = dL_j/dv_j on a detached proxy of v_j (no model backward).
+
+        The proxy is float32 for half-precision models (the SDE log-prob needs it) and keeps float64.
+        """
+        proxy = v.detach().to(compute_dtype(v.dtype)).requires_grad_(True)
+        loss = self.loss(j, proxy)
+        if not loss.requires_grad:  # the loss does not depend on v (e.g. zero advantage folded to a constant)
+            return torch.zeros_like(proxy)
+        (s,) = torch.autograd.grad(loss, proxy, materialize_grads=True)
+        return s
+
+    def middle(self) -> list[Tensor]:
+        """s_j of the W-2 middle steps: on the given velocities, or from one batched no-grad forward."""
+        steps = range(1, self.last)
+        if not steps:
+            return []
+        if self.velocities is not None:  # possibly offloaded to host memory: each comes to its latent's device
+            v = [self.velocities[j].to(self.z[j].device, non_blocking=True) for j in steps]
+            self.stats.counts += Counts(reused_velocities=len(steps))
+        else:
+            v = self.forward(steps, grad=False)
+        return [self.upstream(j, v_j) for j, v_j in zip(steps, v)]
+
+    def backward(self, v: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+        """One autograd backward of the v_j with their upstream gradients."""
+        torch.autograd.backward(list(v), [g.to(v_j.dtype) for g, v_j in zip(grads, v)])
+        self.stats.counts += Counts(backward_calls=1)
 
 
-def _forward(predict: BoundPredict, zs: Sequence[Tensor], ts: Sequence[Tensor] | Tensor) -> list[Tensor]:
-    """One batched call of ``predict`` over several steps; returns one v per step."""
-    batch = zs[0].shape[0]
-    v = predict(torch.cat(list(zs)), torch.cat([_rows(t_j, batch) for t_j in ts]))
-    return list(v.split(batch))
-
-
-def _upstream(j: int, v: Tensor) -> Generator[tuple[int, Tensor], Tensor, Tensor]:
-    """s_j = dL_j/dv_j on a detached proxy of v (no model backward).
-
-    The proxy is float32 for half-precision models (the SDE log-prob needs it) and keeps float64.
-    """
-    proxy = v.detach().to(compute_dtype(v.dtype)).requires_grad_(True)
-    loss = yield j, proxy
-    if not loss.requires_grad:  # the loss does not depend on v (e.g. zero advantage folded to a constant)
-        return torch.zeros_like(proxy)
-    (s,) = torch.autograd.grad(loss, proxy, materialize_grads=True)
-    return s
-
-
-def _given_start(start: Tensor | None, stats: SegmentStats) -> Generator[tuple[int, Tensor], Tensor, Tensor | None]:
-    """s_0 on the given v_0 (``start``), None without one: step 0's forward ran elsewhere."""
-    if start is None:
-        return None
-    s0 = yield from _upstream(0, start)
-    stats.start_upstream = s0
-    return s0
-
-
-def _exact(
-    predict: BoundPredict,
-    z: Sequence[Tensor],
-    t: Tensor,
-    stats: SegmentStats,
-    velocities: Sequence[Tensor] | None,
-    start: Tensor | None,
-) -> Path:
-    """Each step's forward with grad and its backward (``velocities`` are not needed)."""
-    first = 0 if (yield from _given_start(start, stats)) is None else 1
-    for j in range(first, len(z)):
-        v = predict(z[j], _rows(t[j], z[j].shape[0]))
-        stats.counts += Counts(grad_forwards=1)
-        loss = yield j, v
+def _exact(seg: Segment, *, batched: bool = False) -> None:
+    """sum_j J_j^T s_j: each step's forward with grad and the backward of its loss; ``batched``: the steps in
+    one forward with grad and one backward of their s_j. With a given v_0, s_0 is left to the caller."""
+    first = 0
+    if seg.start is not None:
+        seg.stats.start_upstream, first = seg.upstream(0, seg.start), 1
+    steps = range(first, seg.last + 1)
+    if batched:
+        v = seg.forward(steps)
+        seg.backward(v, [seg.upstream(j, v_j) for j, v_j in zip(steps, v)])
+        return
+    for j in steps:
+        (v_j,) = seg.forward([j])
+        loss = seg.loss(j, v_j)
         if loss.requires_grad:
             loss.backward()
-            stats.counts += Counts(backward_calls=1)
+            seg.stats.counts += Counts(backward_calls=1)
 
 
-def _exact_batched(
-    predict: BoundPredict,
-    z: Sequence[Tensor],
-    t: Tensor,
-    stats: SegmentStats,
-    velocities: Sequence[Tensor] | None,
-    start: Tensor | None,
-) -> Path:
-    """exact's gradient sum_j J_j^T s_j from one batched forward with grad over the steps and one backward."""
-    first = 0 if (yield from _given_start(start, stats)) is None else 1
-    v = _forward(predict, z[first:], t[first:])
-    stats.counts += Counts(grad_forwards=len(v))
-    s = []
-    for j, v_j in enumerate(v, start=first):
-        s.append((yield from _upstream(j, v_j)))
-    torch.autograd.backward(v, [s_j.to(v_j.dtype) for s_j, v_j in zip(s, v)])
-    stats.counts += Counts(backward_calls=1)
+def _joint(seg: Segment, *, correct: bool) -> None:
+    """The paper's Algorithm 1 (jagg, ``correct``): the middle steps' s_j, both endpoints in one batched forward
+    with grad, their s_j, (s_base, s_corr), one backward. Without ``correct`` (ablate) the endpoints' own s_j.
+    With a given v_0 only endpoint W-1 runs, and v_0's share is left to the caller."""
+    s_mid = seg.middle() if correct else []
+    v = seg.forward([seg.last] if seg.start is not None else [0, seg.last])
+    s0 = seg.upstream(0, v[0] if seg.start is None else seg.start)
+    s_last = seg.upstream(seg.last, v[-1])
+    g0, g_last = aggregate([s0, *s_mid, s_last], seg.t.to(s0.dtype)) if correct else (s0, s_last)
+    if seg.start is not None:
+        seg.stats.start_upstream = g0
+    seg.backward(v, [g0, g_last][-len(v) :])  # with a given v_0, v is endpoint W-1 alone
 
 
-def _middle(
-    predict: BoundPredict, z: Sequence[Tensor], t: Tensor, stats: SegmentStats, velocities: Sequence[Tensor] | None
-) -> Generator[tuple[int, Tensor], Tensor, list[Tensor]]:
-    """s_j of the W-2 middle steps: on the given velocities, or from one batched no-grad forward."""
-    width = len(z)
-    if width == 2:
-        return []
-    if velocities is not None:  # possibly offloaded to host memory: each comes to its latent's device
-        v_mid = [v_j.to(z_j.device, non_blocking=True) for v_j, z_j in zip(velocities[1:-1], z[1:-1])]
-        stats.counts += Counts(reused_velocities=width - 2)
-    else:
-        with torch.no_grad():
-            v_mid = _forward(predict, z[1:-1], t[1:-1])
-        stats.counts += Counts(nograd_forwards=width - 2)
-    s_mid = []
-    for j, v_j in enumerate(v_mid, start=1):
-        s_mid.append((yield from _upstream(j, v_j)))
-    return s_mid
-
-
-def _joint_endpoints(
-    predict: BoundPredict,
-    z: Sequence[Tensor],
-    t: Tensor,
-    stats: SegmentStats,
-    velocities: Sequence[Tensor] | None,
-    start: Tensor | None,
-    *,
-    correct: bool = True,
-) -> Path:
-    """jagg (``correct``) and ablate: both endpoints in one batched forward with grad, one backward
-    (endpoint W-1 alone when v_0 is given)."""
-    s_mid = (yield from _middle(predict, z, t, stats, velocities)) if correct else []
-    if start is None:
-        v0, v_last = _forward(predict, [z[0], z[-1]], [t[0], t[-1]])
-        outs = [v0, v_last]
-    else:
-        (v_last,) = outs = _forward(predict, [z[-1]], [t[-1]])
-    stats.counts += Counts(grad_forwards=len(outs))
-    s0 = yield from _upstream(0, outs[0] if start is None else start)
-    s_last = yield from _upstream(len(z) - 1, v_last)
-    g0, g_last = aggregate([s0, *s_mid, s_last], t.to(s0.dtype)) if correct else (s0, s_last)
-    if start is not None:
-        stats.start_upstream = g0
-    grads = [g0, g_last] if start is None else [g_last]
-    torch.autograd.backward(outs, [g.to(v.dtype) for g, v in zip(grads, outs)])
-    stats.counts += Counts(backward_calls=1)
-
-
-def _ablate(
-    predict: BoundPredict,
-    z: Sequence[Tensor],
-    t: Tensor,
-    stats: SegmentStats,
-    velocities: Sequence[Tensor] | None,
-    start: Tensor | None,
-) -> Path:
-    """The endpoints' own s_j only (``velocities`` are not needed)."""
-    return _joint_endpoints(predict, z, t, stats, None, start, correct=False)
-
-
-def _sequential(
-    predict: BoundPredict,
-    z: Sequence[Tensor],
-    t: Tensor,
-    stats: SegmentStats,
-    velocities: Sequence[Tensor] | None,
-    start: Tensor | None,
-) -> Path:
+def _sequential(seg: Segment) -> None:
     """The paper's Algorithm 2: at most one endpoint graph alive at a time. Each endpoint's backward
     carries its share of the middle steps (``aggregate`` with the endpoints' own s_j left out)."""
-    s_mid = yield from _middle(predict, z, t, stats, velocities)
+    s_mid = seg.middle()
     none = torch.zeros(())  # an endpoint's s_j before its forward: zero, as alpha_0 = 0 and 1 - alpha_{W-1} = 0 do
-    s_base, s_corr = aggregate([none, *s_mid, none], t)
-    for j, partial in ((0, s_base), (len(z) - 1, s_corr)):
-        if j == 0 and start is not None:
-            stats.start_upstream = partial + (yield from _upstream(0, start))
-            continue
-        v = predict(z[j], _rows(t[j], z[j].shape[0]))
-        stats.counts += Counts(grad_forwards=1)
-        s_j = yield from _upstream(j, v)
-        v.backward((partial + s_j).to(v.dtype))
-        stats.counts += Counts(backward_calls=1)
-
-
-PATHS = {
-    UpdateMode.exact: _exact,
-    EXACT_BATCHED: _exact_batched,
-    UpdateMode.jagg: _joint_endpoints,
-    UpdateMode.jagg_sequential: _sequential,
-    UpdateMode.ablate: _ablate,
-}
+    s_base, s_corr = aggregate([none, *s_mid, none], seg.t)
+    ends = [(0, s_base), (seg.last, s_corr)]
+    if seg.start is not None:  # endpoint 0's backward is the caller's
+        seg.stats.start_upstream = s_base + seg.upstream(0, seg.start)
+        ends = ends[1:]
+    for j, partial in ends:
+        (v_j,) = seg.forward([j])
+        seg.backward([v_j], [partial + seg.upstream(j, v_j)])
 
 
 def _checked_velocities(velocities: Velocities, z: Sequence[Tensor]) -> list[Tensor]:
@@ -290,9 +234,10 @@ def backward_segment(
     *,
     velocities: Velocities | None = None,
     start: Tensor | None = None,
+    exact_batched: bool = False,
 ) -> SegmentStats:
     """Accumulate into ``.grad`` the gradient of sum_j L_j, (L_j, metrics_j) = step_loss(j, predict(z[j], t_j)),
-    by ``mode`` (one of UPDATE_MODES, or EXACT_BATCHED); returns each step's loss and metrics with the counts.
+    by ``mode`` (one of UPDATE_MODES); returns each step's loss and metrics with the counts.
 
     z: W latents [B, ...] (no gradient); t: [W] network-input timesteps, one per step.
     velocities: v_j = predict(z[j], t_j) at the current weights, W tensors [B, ...] or one [W, B, ...]
@@ -301,37 +246,21 @@ def backward_segment(
     start: v_0 = predict(z[0], t_0) [B, ...] at the current weights, computed by the caller (the shared
     start): no path runs step 0's forward, and its part of the gradient is left to the caller as
     ``SegmentStats.start_upstream`` (module docstring).
-
-    The mode's path (``PATHS``) runs the forwards and backwards; the step loss is called here, on
-    each (j, v_j) the path hands over, and its value goes back to the path.
+    exact_batched: the exact path runs its steps in one forward with grad and one backward.
     """
-    if mode not in PATHS:
-        raise ValueError(f"update.mode must be one of {UPDATE_MODES}, got {mode!r}")
-    if len(z) != t.shape[0] or len(z) < 2:
-        raise ValueError(f"a segment needs W >= 2 latents and W timesteps, got {len(z)} and {t.shape[0]}")
+    mode = UpdateMode(mode)
+    assert len(z) == t.shape[0] >= 2, "a segment is W >= 2 latents and their W timesteps"
     z = [z_j.detach() for z_j in z]
     given = _checked_velocities(velocities, z) if velocities is not None and mode in MIDDLE_MODES else None
-    if start is not None:
-        if start.shape != z[0].shape:
-            raise ValueError(f"start (v_0) has shape {tuple(start.shape)}, its latent {tuple(z[0].shape)}")
-        start = start.detach()
-    stats = SegmentStats()
-    path = PATHS[mode](predict, z, t, stats, given, start)
-    request = next(path, None)
-    while request is not None:
-        j, v = request
-        with torch.enable_grad():
-            loss, metrics = step_loss(j, v)
-        stats.losses[j], stats.metrics[j] = loss.detach(), metrics
-        request = _resume(path, loss)
-    stats.losses = dict(sorted(stats.losses.items()))
-    stats.metrics = dict(sorted(stats.metrics.items()))
-    return stats
-
-
-def _resume(path: Path, loss: Tensor) -> tuple[int, Tensor] | None:
-    """The path's next (j, v_j) once it has step j's loss; None when it is done."""
-    try:
-        return path.send(loss)
-    except StopIteration:
-        return None
+    if start is not None and start.shape != z[0].shape:
+        raise ValueError(f"start (v_0) has shape {tuple(start.shape)}, its latent {tuple(z[0].shape)}")
+    seg = Segment(predict, step_loss, z, t, given, None if start is None else start.detach())
+    if mode is UpdateMode.exact:
+        _exact(seg, batched=exact_batched)
+    elif mode is UpdateMode.jagg_sequential:
+        _sequential(seg)
+    else:
+        _joint(seg, correct=mode is UpdateMode.jagg)
+    seg.stats.losses = dict(sorted(seg.stats.losses.items()))
+    seg.stats.metrics = dict(sorted(seg.stats.metrics.items()))
+    return seg.stats

@@ -48,13 +48,13 @@ import torch
 from torch import Tensor, nn
 
 from train.algorithm.jagg import BoundPredict, backward_segment
-from train.algorithm.segments import Segment, prefix_path, split_segments
+from train.algorithm.segments import Span, prefix_path, split_segments
 from train.algorithm.update import StepLoss, UpdateBatch, bind, kept_velocities, reference_velocities, step_loss
 from train.algorithm.update_config import UpdateMode
 
 MIN_ROLLOUTS = 10  # fewer trajectories per segment: the report says its spread and recommendation are rough
 
-Samples = dict[Segment, list[tuple[float, float]]]  # segment -> (cos, rho) per measured trajectory
+Samples = dict[Span, list[tuple[float, float]]]  # segment -> (cos, rho) per measured trajectory
 T = TypeVar("T")
 
 
@@ -200,7 +200,7 @@ class SegmentQuality:
 
 
 def summarize_segments(
-    samples: Mapping[Segment, Sequence[tuple[float, float]]], timesteps: Tensor
+    samples: Mapping[Span, Sequence[tuple[float, float]]], timesteps: Tensor
 ) -> list[SegmentQuality]:
     """One ``SegmentQuality`` per segment, high noise first; ``timesteps`` [N] are the trajectory's t."""
     t = timesteps.detach().float().cpu().tolist()

@@ -37,7 +37,7 @@ from torch import nn
 
 from samplers.rollout import Trajectory
 from train.algorithm.quality import Ranks, SegmentQuality, measure_trajectories, recommend_jagg_frac, summarize_segments
-from train.algorithm.segments import RoutedSegment, Segment, pick_segments, route_segments
+from train.algorithm.segments import RoutedSegment, Span, pick_segments, route_segments
 from train.algorithm.update import UpdateBatch
 from train.algorithm.update_config import UpdateMode
 
@@ -85,14 +85,14 @@ class PrefixRouter(Router):
 
 def route_by_cosine(
     segments: Sequence[SegmentQuality], *, threshold: float, mode: UpdateMode
-) -> dict[Segment, UpdateMode]:
+) -> dict[Span, UpdateMode]:
     """``mode`` for every segment whose mean cosine is >= ``threshold``, else exact (also with no sample)."""
     return {(s.start, s.stop): mode if s.cos_mean >= threshold else UpdateMode.exact for s in segments}
 
 
 def routing_metrics(
     segments: Sequence[SegmentQuality],
-    modes: dict[Segment, UpdateMode],
+    modes: dict[Span, UpdateMode],
     *,
     mode: UpdateMode,
     threshold: float,
@@ -122,13 +122,9 @@ class AutoRouter(Router):
         threshold: float,
         num_rollouts: int,
     ) -> None:
-        if mode == UpdateMode.exact:
-            raise ValueError("update.routing=auto routes between update.mode and exact: pick update.mode=jagg")
-        if every < 1 or num_rollouts < 1:
-            raise ValueError(f"update.auto_every ({every}) and update.auto_rollouts ({num_rollouts}) must be >= 1")
         super().__init__(mode=mode, segment_length=segment_length, timestep_fraction=timestep_fraction)
         self.every, self.threshold, self.num_rollouts = every, threshold, num_rollouts
-        self.modes: dict[Segment, UpdateMode] | None = None  # the last probe's table; None before the first
+        self.modes: dict[Span, UpdateMode] | None = None  # the last probe's table; None before the first
 
     def due(self, step: int) -> bool:
         return self.modes is None or step % self.every == 0

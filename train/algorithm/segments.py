@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from train.algorithm.jagg import UPDATE_MODES
 from train.algorithm.update_config import UpdateMode
 
-Segment = tuple[int, int]  # transitions [start, stop)
+Span = tuple[int, int]  # transitions [start, stop)
 
 
 @dataclass(frozen=True)
@@ -28,13 +27,12 @@ class RoutedSegment:
     mode: UpdateMode
 
 
-def split_segments(trainable: Sequence[int], length: int) -> list[Segment]:
+def split_segments(trainable: Sequence[int], length: int) -> list[Span]:
     """Cut the trainable transitions (sorted indices) into consecutive segments of ``length``.
 
     Every contiguous run of trainable transitions must split into whole segments.
     """
-    if length < 2:
-        raise ValueError(f"update.segment_length must be >= 2 (JAGG needs two endpoints), got {length}")
+    assert length >= 2, "UpdateConfig checks segment_length"
     steps = sorted(int(k) for k in trainable)
     if not steps:
         raise ValueError("no trainable transitions: check sampler.num_steps and the SDE window")
@@ -62,11 +60,6 @@ def prefix_path(start: int, stop: int, *, mode: UpdateMode, jagg_frac: float, nu
     minus the ignored last one), so jagg_frac picks the same high-noise region whatever window
     of the trajectory is trained.
     """
-    if mode not in UPDATE_MODES:
-        raise ValueError(f"update.mode must be one of {UPDATE_MODES}, got {mode!r}")
-    mode = UpdateMode(mode)
-    if not 0.0 <= jagg_frac <= 1.0:
-        raise ValueError(f"update.jagg_frac must be in [0, 1], got {jagg_frac}")
     return mode if stop <= round(jagg_frac * num_transitions) else UpdateMode.exact
 
 
@@ -76,11 +69,9 @@ def pick_segments(
     length: int,
     timestep_fraction: float = 1.0,
     generator: torch.Generator | None = None,
-) -> list[Segment]:
+) -> list[Span]:
     """Split, then pick int(timestep_fraction * num_segments) segments at random (at least one; all when
     the fraction is 1). Returned high noise first."""
-    if not 0.0 < timestep_fraction <= 1.0:
-        raise ValueError(f"update.timestep_fraction must be in (0, 1], got {timestep_fraction}")
     segments = split_segments(trainable, length)
     num_picked = max(1, int(len(segments) * timestep_fraction + 1e-9))
     if num_picked < len(segments):

@@ -27,7 +27,7 @@ one backward: J^T sum_i s_i, the per-row sum by linearity. Only rows of one opti
 shared forward is its own call before the optimizer step's micro-batches, and its graph (one row per
 group) stays alive until the last of them.
 
-``update.exact_batched``: the segments routed to exact run ``train.algorithm.jagg``'s exact_batched path.
+``update.exact_batched``: the segments routed to exact run ``train.algorithm.jagg``'s exact path batched.
 
 The route (which segments train, Flow-GRPO-Fast's window) is drawn from a generator shared by all
 ranks, never a per-rank one: under FSDP every rank must run the same sequence of forward and
@@ -47,10 +47,10 @@ from torch import Tensor
 from samplers.rollout import Predict, Trajectory
 from samplers.sde import SDE, step
 from train.algorithm.grpo import kl_to_reference, ppo_clip_loss, ppo_step_loss, ratio_norm_log_ratio
-from train.algorithm.jagg import EXACT_BATCHED, BoundPredict, Counts, Metrics, SegmentStats, backward_segment
+from train.algorithm.jagg import BoundPredict, Counts, Metrics, SegmentStats, backward_segment
 from train.algorithm.metrics import Metric, Reduce, Stat
 from train.algorithm.segments import RoutedSegment
-from train.algorithm.update_config import MIDDLE_MODES, UpdateConfig, UpdateMode
+from train.algorithm.update_config import MIDDLE_MODES, UpdateConfig
 
 
 class GRPOSettings(Protocol):
@@ -342,10 +342,11 @@ def update_micro_batch(
         loss = step_loss(batch, rows, span, scale=scale, reference=reference)
         reuse = reuse_velocities and segment.mode in MIDDLE_MODES
         given = kept_velocities(batch.traj, rows, span) if reuse else None
-        exact_batched = segment.mode == UpdateMode.exact and batch.config.exact_batched
-        path = EXACT_BATCHED if exact_batched else segment.mode
         v0 = None if shared is None else shared.velocity_of(rows)
-        result = backward_segment(path, policy, loss, loss.z, loss.timesteps, velocities=given, start=v0)
+        batched = batch.config.exact_batched
+        result = backward_segment(
+            segment.mode, policy, loss, loss.z, loss.timesteps, velocities=given, start=v0, exact_batched=batched
+        )
         if shared is not None:
             shared.add(rows, result.start_upstream)
         ran = loss.reference_forwards - (shared is not None and reference is not None)

@@ -15,12 +15,11 @@ from models.base import Conditioning, parse_dtype
 from models.diffusers_backbone import DiffusersBackbone
 from samplers.rollout import Predict, Trajectory, stochastic_flags, trainable_flags
 from samplers.schedule import shifted_sigmas
-from train.algorithm.jagg import EXACT_BATCHED
 from train.algorithm.segments import RoutedSegment
 from train.algorithm.update import UpdateBatch, update_micro_batch
 from train.algorithm.update_config import UpdateMode
 from train.distributed.parallelize import clip_grad_norm_
-from train.plan.counts import text_tokens
+from train.plan.counts import EXACT_BATCHED, text_tokens
 from train.plan.fake import known
 from train.plan.fake_run import TracedRun
 from train.step import decode_images, sample_trajectories, step_weights
