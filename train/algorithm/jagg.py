@@ -119,6 +119,7 @@ class Segment:
 
     @property
     def last(self) -> int:
+        """W - 1, the last step (the endpoint opposite step 0)."""
         return len(self.z) - 1
 
     def forward(self, steps: Sequence[int], *, grad: bool = True) -> list[Tensor]:
@@ -169,10 +170,10 @@ class Segment:
 def _exact(seg: Segment, *, batched: bool = False) -> None:
     """sum_j J_j^T s_j: each step's forward with grad and the backward of its loss; ``batched``: the steps in
     one forward with grad and one backward of their s_j. With a given v_0, s_0 is left to the caller."""
-    first = 0
-    if seg.start is not None:
-        seg.stats.start_upstream, first = seg.upstream(0, seg.start), 1
-    steps = range(first, seg.last + 1)
+    steps = range(len(seg.z))
+    if seg.start is not None:  # step 0's backward is the caller's
+        seg.stats.start_upstream = seg.upstream(0, seg.start)
+        steps = steps[1:]
     if batched:
         v = seg.forward(steps)
         seg.backward(v, [seg.upstream(j, v_j) for j, v_j in zip(steps, v)])
@@ -190,13 +191,17 @@ def _joint(seg: Segment, *, correct: bool) -> None:
     with grad, their s_j, (s_base, s_corr), one backward. Without ``correct`` (ablate) the endpoints' own s_j.
     With a given v_0 only endpoint W-1 runs, and v_0's share is left to the caller."""
     s_mid = seg.middle() if correct else []
-    v = seg.forward([seg.last] if seg.start is not None else [0, seg.last])
-    s0 = seg.upstream(0, v[0] if seg.start is None else seg.start)
-    s_last = seg.upstream(seg.last, v[-1])
+    if seg.start is None:
+        v0, v_last = seg.forward([0, seg.last])
+    else:
+        v0, (v_last,) = seg.start, seg.forward([seg.last])
+    s0, s_last = seg.upstream(0, v0), seg.upstream(seg.last, v_last)
     g0, g_last = aggregate([s0, *s_mid, s_last], seg.t.to(s0.dtype)) if correct else (s0, s_last)
-    if seg.start is not None:
+    if seg.start is None:
+        seg.backward([v0, v_last], [g0, g_last])
+    else:  # endpoint 0's backward is the caller's
         seg.stats.start_upstream = g0
-    seg.backward(v, [g0, g_last][-len(v) :])  # with a given v_0, v is endpoint W-1 alone
+        seg.backward([v_last], [g_last])
 
 
 def _sequential(seg: Segment) -> None:
@@ -261,6 +266,6 @@ def backward_segment(
         _sequential(seg)
     else:
         _joint(seg, correct=mode is UpdateMode.jagg)
-    seg.stats.losses = dict(sorted(seg.stats.losses.items()))
+    seg.stats.losses = dict(sorted(seg.stats.losses.items()))  # in step order: the paths run the middle first
     seg.stats.metrics = dict(sorted(seg.stats.metrics.items()))
     return seg.stats
