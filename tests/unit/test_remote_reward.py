@@ -128,7 +128,7 @@ def test_a_slow_answer_past_timeout_s():
         scorer = RemoteScorer(url, timeout_s=0.3, retries=0)
         with warnings_of_remote() as lines:
             assert scorer(_images(), PROMPTS).isnan().all()
-    assert len(lines) == 1 and f"reward server {url} did not answer within timeout_s=0.3" in lines[0]
+    assert len(lines) == 1 and f"reward server {url} did not answer POST /score within timeout_s=0.3" in lines[0]
 
 
 def test_a_server_restarted_with_another_scorer_is_not_used():
