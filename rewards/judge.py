@@ -33,6 +33,7 @@ tries on connection errors, timeouts, 429 (``Retry-After`` honoured) and 5xx. Fa
 from __future__ import annotations
 
 import base64
+import io
 import logging
 import math
 import os
@@ -42,8 +43,8 @@ from typing import ClassVar
 
 import httpx
 import torch
+from PIL import Image
 from torch import Tensor
-from torchvision.io import encode_png
 
 from rewards.base import Scorer
 from rewards.served import RemoteRewardError, RemoteUnavailable, Server, request
@@ -259,6 +260,9 @@ def parsed_number(text: str) -> float | None:
 
 
 def png_data_url(image: Tensor) -> str:
-    """A [3, H, W] image in [0, 1] as a PNG data URL (round(255 x) on the uint8 grid)."""
-    pixels = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
-    return "data:image/png;base64," + base64.b64encode(encode_png(pixels).numpy().tobytes()).decode("ascii")
+    """A [3, H, W] image in [0, 1] as a PNG data URL, its pixels round(255 x). PIL encodes it, as for the JPEG
+    rewards (torchvision's encode_png is deprecated since 0.29)."""
+    pixels = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
