@@ -110,6 +110,24 @@ class JudgeScorer(Scorer):
         url = base_url.rstrip("/")
         name = f"judge {model!r} at {url}"
         self.server = Server(url, name, float(timeout_s), int(retries), api_key_headers(api_key_env))
+        self._check_model()
+
+    def _check_model(self) -> None:
+        """At start-up (before the transformer loads): the server answers and serves ``model``, or one line."""
+        try:
+            answer = request(self.server, "GET", "/models")[0]
+        except RemoteUnavailable as err:
+            raise RemoteRewardError(f"{err} at start-up: start it, or check base_url") from None
+        if answer.status_code == 404:
+            return  # a server without the model list: the first request will say whether it serves the model
+        body = self._json(answer)
+        data = body.get("data") if isinstance(body, dict) else None
+        listed = [str(m.get("id")) for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+        if self.model not in listed:
+            shown = ", ".join(repr(name) for name in listed[:10]) or "none"
+            raise RemoteRewardError(
+                f"{self.server.name}: the server does not serve it (it serves {shown}): check model"
+            )
 
     def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
         bodies = [self._body(image, prompt) for image, prompt in zip(images, prompts)]
@@ -150,15 +168,19 @@ class JudgeScorer(Scorer):
             value = self._expected(choice.get("logprobs"), match.start(1), text)
         return (value - self.low) / (self.high - self.low)
 
-    def _choice(self, answer: httpx.Response) -> dict:
-        """The first choice of a chat answer; RemoteRewardError for any other status or shape."""
+    def _json(self, answer: httpx.Response) -> object:
+        """The JSON of a 200 answer; RemoteRewardError for any other status (429 and 5xx were retried) or no JSON."""
         if answer.status_code != 200:
             hint = " (is api_key_env's variable the server's key?)" if answer.status_code in (401, 403) else ""
             raise self._error(f"refused the request: {answer.status_code}{hint}", answer.text)
         try:
-            body = answer.json()
+            return answer.json()
         except ValueError:
             raise self._error("answered non-JSON", answer.text) from None
+
+    def _choice(self, answer: httpx.Response) -> dict:
+        """The first choice of a chat answer; RemoteRewardError for any other status or shape."""
+        body = self._json(answer)
         choices = body.get("choices") if isinstance(body, dict) else None
         if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
             raise self._error("answered without 'choices' (not the chat completions API?)", answer.text)

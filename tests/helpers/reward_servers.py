@@ -84,6 +84,10 @@ def judge_server(answer: Callable[[dict, int], object], *, delay_s: float = 0.0)
     after ``delay_s`` (a Response as it is, anything else as JSON), and the log of what it saw."""
     app, seen = FastAPI(), JudgeLog()
 
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": "judge", "object": "model"}]}
+
     @app.post("/v1/chat/completions")
     async def completions(request: Request) -> object:
         body = await request.json()

@@ -8,6 +8,7 @@ import io
 import logging
 import math
 import re
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from PIL import Image
 
 pytest.importorskip("fastapi")
 from fastapi.responses import JSONResponse, PlainTextResponse  # noqa: E402
-from reward_servers import chat, judge_server, serve  # noqa: E402
+from reward_servers import chat, judge_server, serve, silent_server  # noqa: E402
 
 from rewards.base import build_scorer  # noqa: E402
 from rewards.judge import FINAL_SCORE_PATTERN, UNIFIED_REWARD_TEMPLATE, JudgeScorer  # noqa: E402
@@ -167,7 +168,7 @@ def test_a_slow_answer_fails_at_its_deadline_and_the_batch_scores_nan():
         with warnings_of_judge() as lines:
             scores = scorer(_images(), PROMPTS)
         elapsed = time.monotonic() - start
-    assert scores.isnan().all() and elapsed < 2.5  # the deadline, not the 3 s answer
+    assert scores.isnan().all() and elapsed < 2.0  # the deadline, not the 3 s answer
     assert len(lines) == 1 and "did not answer POST /chat/completions within timeout_s=0.3 after 1 tries" in lines[0]
 
 
@@ -226,6 +227,27 @@ def test_the_api_key_comes_from_the_variable_api_key_env_names(monkeypatch):
     with judge(unified, api_key_env="JUDGE_KEY") as (scorer, seen):
         scorer(_images(1), PROMPTS[:1])
     assert seen.headers[0]["authorization"] == "Bearer s3cret"
+
+
+def _free_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_the_server_and_the_model_are_checked_when_the_judge_is_built():
+    """Before the transformer loads: a server that is down, one that never answers, and one that serves
+    another model are each one line."""
+    url = _free_url()
+    with pytest.raises(RemoteRewardError, match=rf"^judge 'judge' at {url}/v1 is unreachable \(ConnectError\) at st"):
+        JudgeScorer(f"{url}/v1", "judge", retries=0)
+    with silent_server() as url:
+        with pytest.raises(RemoteRewardError, match=r"did not answer GET /models within timeout_s=0.5 at start-up"):
+            JudgeScorer(f"{url}/v1", "judge", timeout_s=0.5, retries=0)
+    app, _ = judge_server(unified)
+    with serve(app) as url:
+        with pytest.raises(RemoteRewardError, match=r"^judge 'Qwen/Qwen3-VL-8B' at \S+: the server does not serve"):
+            JudgeScorer(f"{url}/v1", "Qwen/Qwen3-VL-8B", retries=0)
 
 
 BAD_ARGUMENTS = {
