@@ -1133,6 +1133,28 @@ def test_a_reward_server_that_never_answers_its_health_check_is_named_as_such(ti
     ), line
 
 
+def test_a_judge_answer_without_a_score_is_one_line_after_the_steps_before_it(tiny_flux_dir, tmp_path, capsys):
+    """A judge (reward=judge's component against a stand-in OpenAI-compatible server) scores step 0, then answers
+    step 1 without a score: step 0 is checkpointed and one line quotes the answer, status 2."""
+    pytest.importorskip("fastapi")
+    from reward_servers import chat, judge_server, serve
+
+    def answer(body: dict, number: int) -> dict:
+        return chat(f"Final Score: {1 + number % 5}") if number < 2 else chat("I cannot rate this image.")
+
+    app, seen = judge_server(answer)
+    with serve(app) as url:
+        judge = f"+reward.components.judge={{base_url: '{url}/v1', model: judge, score_range: [1, 5], retries: 0}}"
+        overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "checkpoint.every=5", judge]
+        status, stderr = command(capsys, tmp_path / "run", overrides)
+    line = the_error(stderr)
+    assert (
+        status == 2 and f"judge 'judge' at {url}/v1 answered without a score matching score_pattern: 'I cannot" in line
+    )
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000001"]
+    assert metrics(tmp_path / "run")[0]["reward/judge"] == pytest.approx((0.0 + 0.25) / 2)  # scores 1 and 2 -> 0, 1/4
+
+
 def nan_weights(tiny_flux_dir: Path, tmp_path: Path) -> Path:
     from safetensors.torch import save_file
 
