@@ -33,6 +33,7 @@ _REGISTRY: dict[str, str] = {
     "jpeg_incompressibility": "rewards.compressibility:JPEGIncompressibilityScorer",
     "shape_alignment": "rewards.shapes:ShapeAlignmentScorer",
     "remote": "rewards.remote:RemoteScorer",
+    "judge": "rewards.judge:JudgeScorer",
 }
 SCORER_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 

@@ -15,17 +15,19 @@ unpickled or evaluated, only decoded as bytes of a stated shape. When the enviro
 refuses any other; it is read from the environment on both ends, never from a config file (configs
 are logged and copied into run folders).
 
-Failures:
-    * the server is unreachable when the scorer is built (before the transformer loads): one line
-      naming the URL;
-    * a connection error, a timeout past ``timeout_s`` or a 5xx answer during the run is retried
-      ``retries`` times; then the batch scores NaN, which skips the step on every rank as a NaN reward
-      does (rewards/combine.py), with a warning naming the URL and the last error. Skipping, not
-      stopping: raising on one rank would leave the others waiting in the next collective until
-      dist.timeout_s, and a restarted server costs one step instead of the run;
-    * an answer that breaks the protocol (not JSON, a wrong number of scores, a non-number, another scorer, a
-      redirect, a 4xx such as a refused token) is a bug or a setting, not a hiccup: ``RemoteRewardError``, one
-      sentence naming the URL, stops the run.
+Failures (the requests themselves: rewards/served.py):
+    * the server is unreachable, stuck (it accepts the connection but does not answer within ``timeout_s``)
+      or answers 5xx when the scorer is built (before the transformer loads): one line naming the URL and
+      which of these it was;
+    * a connection error, a try past ``timeout_s`` (the whole request, not one read: a server that answers a
+      byte at a time fails at its deadline), a 429 or a 5xx answer during the run is retried ``retries`` times;
+      then the batch scores NaN, which skips the step on every rank as a NaN reward does (rewards/combine.py),
+      with a warning naming the URL and the last error. Skipping, not stopping: raising on one rank would leave
+      the others waiting in the next collective until dist.timeout_s, and a restarted server costs one step
+      instead of the run;
+    * an answer that breaks the protocol (not JSON, a wrong number of scores, a non-number or one beyond
+      float32's range, another scorer, a redirect, a 4xx such as a refused token) is a bug or a setting, not a
+      hiccup: ``RemoteRewardError``, one sentence naming the URL, stops the run.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ import base64
 import logging
 import math
 import os
-import time
 from collections.abc import Sequence
+from typing import ClassVar
 
 import httpx
 import numpy as np
@@ -43,18 +45,12 @@ import torch
 from torch import Tensor
 
 from rewards.base import Scorer
+from rewards.served import RemoteRewardError, RemoteUnavailable, Server, request
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "JAGG_REWARD_TOKEN"
-
-
-class RemoteRewardError(ValueError):
-    """The reward server answered outside the protocol, refused the request, or was unreachable at start-up."""
-
-
-class RemoteUnavailable(ConnectionError):
-    """The reward server did not answer (down, too slow, or a server-side error): worth a retry."""
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def encode_batch(images: Tensor, prompts: Sequence[str]) -> dict:
@@ -107,7 +103,22 @@ def decode_scores(body: object, *, url: str, expected: int) -> Tensor:
     for score in scores:
         if isinstance(score, bool) or not isinstance(score, int | float):
             raise RemoteRewardError(f"reward server {url} returned a non-number score {score!r}")
+        if not fits_float32(score):
+            shown = f"an integer of {len(str(abs(score)))} digits" if isinstance(score, int) else f"{score:g}"
+            raise RemoteRewardError(
+                f"reward server {url} returned a score beyond float32's range (+-{FLOAT32_MAX:.3g}): {shown}"
+            )
     return torch.tensor(scores, dtype=torch.float32)
+
+
+def fits_float32(score: int | float) -> bool:
+    """Whether a number becomes a float32 without overflowing to inf (inf and NaN themselves pass: a non-finite
+    reward skips the step, rewards/combine.py)."""
+    try:
+        value = float(score)
+    except OverflowError:  # an integer beyond float64 itself
+        return False
+    return not math.isfinite(value) or abs(value) <= FLOAT32_MAX
 
 
 def auth_headers() -> dict[str, str]:
@@ -116,32 +127,33 @@ def auth_headers() -> dict[str, str]:
 
 
 class RemoteScorer(Scorer):
-    """Scores from the server at ``url`` (module docstring): ``timeout_s`` per request, ``retries`` more tries."""
+    """Scores from the server at ``url`` (module docstring): each try of a request within ``timeout_s``, whole;
+    ``retries`` more tries (rewards/served.py)."""
 
     name = "remote"
+    runs_remotely: ClassVar[bool] = True
 
     def __init__(self, url: str, *, timeout_s: float = 60.0, retries: int = 2) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be an http(s) URL, got {url!r}")
         if not timeout_s > 0 or retries < 0:
             raise ValueError(f"timeout_s must be > 0 and retries >= 0, got {timeout_s} and {retries}")
-        self.url, self.timeout_s, self.retries = url.rstrip("/"), float(timeout_s), int(retries)
-        self.client = httpx.Client(timeout=self.timeout_s, headers=auth_headers())
+        url = url.rstrip("/")
+        self.server = Server(url, f"reward server {url}", float(timeout_s), int(retries), auth_headers())
         try:
-            answer = self.client.get(f"{self.url}/health")
-            self.scorer = scorer_identity(self._payload(answer), url=self.url)  # the one every answer must name
-        except httpx.HTTPError as err:
-            # a setting (a wrong url, a server not started): a ValueError, which the trainer prints as one line
-            reason = type(err).__name__
-            raise RemoteRewardError(f"reward server {self.url} is unreachable ({reason}): start it first") from None
+            answer = request(self.server, "GET", "/health")[0]
         except RemoteUnavailable as err:
-            raise RemoteRewardError(f"{err} at start-up: check that it runs") from None
+            # a setting (a wrong url, a server not started or stuck): one line, before the transformer loads
+            raise RemoteRewardError(f"{err} at start-up: start it, or check that it runs") from None
+        self.scorer = scorer_identity(self._payload(answer), url=url)  # the one every answer must name
+
+    @property
+    def url(self) -> str:
+        return self.server.url
 
     def _payload(self, answer: httpx.Response) -> object:
-        """The JSON of a 2xx answer; RemoteUnavailable for a 5xx (worth a retry), else RemoteRewardError."""
+        """The JSON of a 2xx answer (429 and 5xx were retried by ``request``); else RemoteRewardError."""
         status = answer.status_code
-        if status >= 500:
-            raise RemoteUnavailable(f"reward server {self.url} answered {status}")
         if 300 <= status < 400:
             where = answer.headers.get("location", "elsewhere")
             raise RemoteRewardError(
@@ -156,14 +168,13 @@ class RemoteScorer(Scorer):
         except ValueError:
             raise RemoteRewardError(f"reward server {self.url} answered non-JSON: {answer.text[:200]!r}") from None
 
-    def _post(self, body: dict, expected: int) -> Tensor:
+    def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
         try:
-            answer = self.client.post(f"{self.url}/score", json=body)
-        except httpx.TimeoutException:
-            late = f"reward server {self.url} did not answer within timeout_s={self.timeout_s:g}"
-            raise RemoteUnavailable(late) from None
-        except httpx.HTTPError as err:
-            raise RemoteUnavailable(f"reward server {self.url} is unreachable ({type(err).__name__})") from None
+            answer = request(self.server, "POST", "/score", [encode_batch(images, prompts)])[0]
+        except RemoteUnavailable as err:
+            tries = self.server.retries + 1
+            log.warning("%s after %d tries: this step's rewards are NaN and its update is skipped", err, tries)
+            return torch.full((images.shape[0],), math.nan)
         payload = self._payload(answer)
         scorer = scorer_identity(payload, url=self.url)
         if scorer != self.scorer:
@@ -171,19 +182,7 @@ class RemoteScorer(Scorer):
                 f"reward server {self.url} now scores with {scorer}, not {self.scorer} as when the run started (was "
                 "it restarted with another scorer?): restart it as it was, or start a new run for the new scorer"
             )
-        return decode_scores(payload, url=self.url, expected=expected)
-
-    def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
-        body = encode_batch(images, prompts)
-        for attempt in range(self.retries + 1):
-            try:
-                return self._post(body, images.shape[0])
-            except RemoteUnavailable as err:
-                last = err
-                if attempt < self.retries:
-                    time.sleep(min(0.5 * 2**attempt, 10.0))  # a restarting server gets a moment
-        log.warning("%s after %d tries: this step's rewards are NaN and its update is skipped", last, self.retries + 1)
-        return torch.full((images.shape[0],), math.nan)
+        return decode_scores(payload, url=self.url, expected=images.shape[0])
 
     def to(self, device: torch.device | str) -> RemoteScorer:
         return self  # the model lives in the server; scores come back to the images' device

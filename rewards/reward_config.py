@@ -16,6 +16,15 @@ from dataclasses import dataclass, field
 from rewards.base import SCORER_NAMES
 from samplers.choices import Choice, member
 
+# what a served reward cannot start without, and the hint when it is missing
+SERVED_REQUIRED: dict[str, dict[str, str]] = {
+    "remote": {"url": "give the reward server's address, e.g. http://127.0.0.1:8100 (scripts/reward_server.py)"},
+    "judge": {
+        "base_url": "give the judge's OpenAI-compatible address, e.g. http://127.0.0.1:8000/v1 (docs/rewards.md)",
+        "model": "give the served model's name, e.g. CodeGoat24/UnifiedReward-2.0-qwen3vl-2b (docs/rewards.md)",
+    },
+}
+
 
 class CombineMode(Choice):
     """How the components make one reward (rewards/combine.py)."""
@@ -41,11 +50,9 @@ class RewardConfig:
             weight = component.get("weight", 1.0) if isinstance(component, Mapping) else None
             if not isinstance(weight, int | float) or isinstance(weight, bool):
                 raise ValueError(f"components.{name} must be {{weight: <number>, <scorer arguments>}}, got {component}")
-            if name == "remote" and not component.get("url"):
-                raise ValueError(
-                    "components.remote.url is not set: give the reward server's address, e.g. "
-                    "http://127.0.0.1:8100 (scripts/reward_server.py)"
-                )
+            for key in SERVED_REQUIRED.get(name, ()):
+                if not component.get(key):
+                    raise ValueError(f"components.{name}.{key} is not set: {SERVED_REQUIRED[name][key]}")
         weights = {name: component.get("weight", 1.0) for name, component in self.components.items()}
         for name, weight in weights.items():
             check_weight(name, weight)

@@ -10,7 +10,7 @@ when ``JAGG_REWARD_TOKEN`` is set in its environment, every request without that
 Requests are scored one at a time (one lock), so a GPU scorer never sees two batches at once. Every answer
 names the scorer and its arguments, so a trainer notices a server restarted with another one. A mistake in
 the arguments is one line naming the ``--arg`` (or option) and exit status 2.
-Needs the ``server`` extra: pip install -e .[server] (FastAPI and uvicorn).
+Needs the ``server`` extra: pip install -e ".[server]" (FastAPI and uvicorn); without it, one line says so.
 """
 
 from __future__ import annotations
@@ -30,13 +30,23 @@ from collections.abc import Mapping
 from typing import NoReturn
 
 import torch
-import uvicorn
-from fastapi import FastAPI, HTTPException, Request
 
 from rewards.base import SCORER_NAMES, Scorer, scorer_class
 from rewards.remote import TOKEN_ENV, decode_batch
 
+try:
+    import uvicorn
+    from fastapi import FastAPI, HTTPException, Request
+except ImportError as missing:  # the extra is not installed here: one line that says how, not a traceback
+    print(
+        f"reward_server.py: error: {missing.name or 'fastapi'} is not installed: the reward server needs the server "
+        'extra, pip install -e ".[server]" (FastAPI and uvicorn)',
+        file=sys.stderr,
+    )
+    raise SystemExit(2) from None
+
 PROG = "reward_server.py"
+CLIENTS = ("remote", "judge")  # scorers that call a server themselves: nothing to serve
 
 
 def make_app(
@@ -141,7 +151,7 @@ def arg_value(text: str) -> object:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = Parser(prog=PROG, description=__doc__.split("\n")[0])
     which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--scorer", choices=[n for n in SCORER_NAMES if n != "remote"], help="a registered scorer")
+    which.add_argument("--scorer", choices=[n for n in SCORER_NAMES if n not in CLIENTS], help="a registered scorer")
     which.add_argument("--scorer-class", help="module:Class of a Scorer (rewards/base.py) to import")
     parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="a constructor argument")
     parser.add_argument("--device", default="cpu", help="where the scorer runs (cpu, cuda:0, ...)")

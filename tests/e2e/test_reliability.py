@@ -1067,6 +1067,7 @@ SERVER_FAULTS = {
     "non-json": ("text", r"answered non-JSON: 'Bad Gateway'"),
     "another-scorer": ("other", r"now scores with pickscore\(\), not fake\(\) as when the run started"),
     "refused-token": ("401", r"refused the request: 401 .*JAGG_REWARD_TOKEN"),
+    "too-large": ("huge", r"returned a score beyond float32's range \(\+-3\.4e\+38\): an integer of 401 digits"),
 }
 
 
@@ -1085,6 +1086,7 @@ def test_a_reward_server_answer_outside_the_protocol_is_one_line(case, tiny_flux
         "text": PlainTextResponse("Bad Gateway"),
         "other": lambda count: {**good(count), "scorer": "pickscore"},
         "401": JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401),
+        "huge": lambda count: {**good(count), "scores": [10**400] * count},
     }[SERVER_FAULTS[case][0]]
     with serve(fake_server(good, fault)) as url:
         remote = f"+reward.components.remote={{url: '{url}', timeout_s: 10, retries: 0}}"
@@ -1094,6 +1096,63 @@ def test_a_reward_server_answer_outside_the_protocol_is_one_line(case, tiny_flux
     line = the_error(stderr)
     assert status == 2 and re.search(rf"reward\.components\.remote: reward server {url} {SERVER_FAULTS[case][1]}", line)
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000001"]
+
+
+def test_a_reward_server_that_answers_a_byte_at_a_time_ends_each_step_at_its_deadline(tiny_flux_dir, tmp_path, capsys):
+    """Every byte of /score's answer comes within timeout_s, the whole answer would take a minute: each step ends
+    at the request's deadline (its rewards NaN, skipped), and the run, none of whose steps learned, ends in one
+    line within seconds."""
+    pytest.importorskip("fastapi")
+    from reward_servers import dripping_server
+
+    with dripping_server() as url:
+        remote = f"+reward.components.remote={{url: '{url}', timeout_s: 1, retries: 0}}"
+        start = time.monotonic()
+        status, stderr = command(
+            capsys, tmp_path / "run", [*FAST, f"model.path={tiny_flux_dir}", "num_steps=2", remote]
+        )
+        elapsed = time.monotonic() - start
+    line = the_error(stderr)
+    assert status == 2 and "health.max_bad_steps: none of steps 0 to 1 could change the weights" in line, line
+    log = (tmp_path / "run" / "__main__.log").read_text()
+    assert elapsed < 60 and log.count(f"reward server {url} did not answer POST /score within timeout_s=1") == 2
+
+
+def test_a_reward_server_that_never_answers_its_health_check_is_named_as_such(tiny_flux_dir, tmp_path, capsys):
+    """A server that accepts the connection and never answers is stuck, not unreachable: one line, status 2."""
+    pytest.importorskip("fastapi")
+    from reward_servers import silent_server
+
+    with silent_server() as url:
+        remote = f"+reward.components.remote={{url: '{url}', timeout_s: 1, retries: 0}}"
+        status, stderr = command(capsys, tmp_path / "run", [*FAST, f"model.path={tiny_flux_dir}", remote])
+    line = the_error(stderr)
+    assert status == 2 and line.startswith(
+        f"python -m train: error: reward.components.remote: reward server {url} did not answer GET /health within "
+        "timeout_s=1 at start-up"
+    ), line
+
+
+def test_a_judge_answer_without_a_score_is_one_line_after_the_steps_before_it(tiny_flux_dir, tmp_path, capsys):
+    """A judge (reward=judge's component against a stand-in OpenAI-compatible server) scores step 0, then answers
+    step 1 without a score: step 0 is checkpointed and one line quotes the answer, status 2."""
+    pytest.importorskip("fastapi")
+    from reward_servers import chat, judge_server, serve
+
+    def answer(body: dict, number: int) -> dict:
+        return chat(f"Final Score: {1 + number % 5}") if number < 2 else chat("I cannot rate this image.")
+
+    app, seen = judge_server(answer)
+    with serve(app) as url:
+        judge = f"+reward.components.judge={{base_url: '{url}/v1', model: judge, score_range: [1, 5], retries: 0}}"
+        overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "checkpoint.every=5", judge]
+        status, stderr = command(capsys, tmp_path / "run", overrides)
+    line = the_error(stderr)
+    assert (
+        status == 2 and f"judge 'judge' at {url}/v1 answered without a score matching score_pattern: 'I cannot" in line
+    )
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000001"]
+    assert metrics(tmp_path / "run")[0]["reward/judge"] == pytest.approx((0.0 + 0.25) / 2)  # scores 1 and 2 -> 0, 1/4
 
 
 def nan_weights(tiny_flux_dir: Path, tmp_path: Path) -> Path:

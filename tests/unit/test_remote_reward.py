@@ -7,6 +7,9 @@ import logging
 import math
 import re
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +20,7 @@ import torch
 pytest.importorskip("fastapi")
 from fastapi import FastAPI  # noqa: E402
 from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response  # noqa: E402
-from reward_servers import FAKE, fake_server, serve  # noqa: E402
+from reward_servers import FAKE, dripping_server, fake_server, serve, silent_server  # noqa: E402
 
 from rewards.base import build_scorer  # noqa: E402
 from rewards.remote import TOKEN_ENV, RemoteRewardError, RemoteScorer  # noqa: E402
@@ -128,7 +131,75 @@ def test_a_slow_answer_past_timeout_s():
         scorer = RemoteScorer(url, timeout_s=0.3, retries=0)
         with warnings_of_remote() as lines:
             assert scorer(_images(), PROMPTS).isnan().all()
-    assert len(lines) == 1 and f"reward server {url} did not answer within timeout_s=0.3" in lines[0]
+    assert len(lines) == 1 and f"reward server {url} did not answer POST /score within timeout_s=0.3" in lines[0]
+
+
+def test_an_answer_sent_a_byte_at_a_time_fails_at_the_deadline_of_the_request():
+    """Each byte comes well within timeout_s, the whole answer would take a minute: the request's deadline, not a
+    read's, ends it, so the step ends (and a SIGTERM's checkpoint can come)."""
+    with dripping_server() as url:
+        scorer = RemoteScorer(url, timeout_s=1, retries=0)
+        start = time.monotonic()
+        with warnings_of_remote() as lines:
+            scores = scorer(_images(), PROMPTS)
+        elapsed = time.monotonic() - start
+    assert scores.isnan().all() and elapsed < 5
+    assert len(lines) == 1 and f"reward server {url} did not answer POST /score within timeout_s=1" in lines[0]
+
+
+def test_a_server_that_accepts_connections_and_never_answers_is_not_called_unreachable():
+    with silent_server() as url:
+        start = time.monotonic()
+        with pytest.raises(RemoteRewardError) as err:
+            RemoteScorer(url, timeout_s=0.5, retries=0)
+    assert time.monotonic() - start < 5
+    assert str(err.value).startswith(f"reward server {url} did not answer GET /health within timeout_s=0.5 at start-up")
+    assert "unreachable" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "score, shown",
+    [(10**400, "an integer of 401 digits"), (1e300, "1e[+]300"), (-(2**200), "an integer of 61 digits")],
+    ids=["int-beyond-float64", "float-beyond-float32", "int-beyond-float32"],
+)
+def test_a_score_beyond_float32_is_one_line(score, shown):
+    with serve(fake_server({"scores": [1.0, score, 2.0], **FAKE})) as url:
+        scorer = RemoteScorer(url, timeout_s=5, retries=0)
+        with pytest.raises(RemoteRewardError, match=rf"^reward server {url} returned a score beyond float32's range"):
+            scorer(_images(), PROMPTS)
+        with pytest.raises(RemoteRewardError, match=shown):
+            scorer(_images(), PROMPTS)
+
+
+def test_a_server_that_answers_429_is_retried_after_the_time_it_asks():
+    busy = JSONResponse({"detail": "busy"}, status_code=429, headers={"Retry-After": "1"})
+    with serve(fake_server(busy, {"scores": [1.0, 2.0, 3.0], **FAKE})) as url:
+        scorer = RemoteScorer(url, timeout_s=5, retries=1)
+        start = time.monotonic()
+        assert scorer(_images(), PROMPTS).tolist() == [1.0, 2.0, 3.0]
+    assert time.monotonic() - start >= 0.9  # the second try after the 1 s the server asked, not 0.5 s of back-off
+
+
+def test_the_server_without_its_extra_installed_is_one_line(tmp_path):
+    """scripts/reward_server.py run where FastAPI cannot be imported (a package that refuses to import stands in
+    for the missing extra): one line naming the extra, status 2."""
+    (tmp_path / "fastapi").mkdir()
+    (tmp_path / "fastapi" / "__init__.py").write_text(
+        "raise ImportError(\"No module named 'fastapi'\", name='fastapi')\n"
+    )
+    root = SCRIPT.parents[1]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{tmp_path}:{root}", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--scorer", "jpeg_compressibility"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "reward_server.py: error: fastapi is not installed: the reward server needs the server extra, pip install -e "
+        '".[server]" (FastAPI and uvicorn)'
+    ], done.stderr
 
 
 def test_a_server_restarted_with_another_scorer_is_not_used():

@@ -116,6 +116,7 @@ def test_registry_builds_by_name_and_lists_names_on_error() -> None:
         "jpeg_incompressibility",
         "shape_alignment",
         "remote",
+        "judge",
     }
     assert set(SCORER_NAMES) == expected
     assert isinstance(build_scorer("jpeg_compressibility"), JPEGCompressibilityScorer)

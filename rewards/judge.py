@@ -1,0 +1,290 @@
+"""A reward read from a vision-language judge served behind the OpenAI-compatible chat API (vLLM, SGLang).
+
+Each image of a batch is one request, ``POST <base_url>/chat/completions``, at most ``max_in_flight`` at once:
+
+    {"model": model, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,<the image as PNG>"}},
+        {"type": "text", "text": prompt_template with {prompt} replaced by the image's caption}]}],
+     "temperature": 0, "seed": seed, "max_tokens": max_tokens[, "logprobs": true, "top_logprobs": 20]}
+
+The score is read from the answer's text by ``score_pattern`` (a regular expression with one group; its last
+match counts, the final verdict coming after any reasoning), or with ``score_from="logprobs"`` as the
+expected value over the candidate tokens at the position of that number, weighted by their probabilities
+(``top_logprobs``, those that are numbers inside ``score_range``): a smoother reward than the sampled digit.
+It is mapped to [0, 1] by (x - low) / (high - low) over ``score_range`` (UnifiedReward's 1 to 5: (x - 1) / 4, as
+verl-omni maps it). Temperature 0 and a fixed seed make a score reproducible.
+
+The default template asks in UnifiedReward-2.0's pointwise format: the caption, three axes scored 1 to 5, and a
+closing ``Final Score: <1-5>`` line, which the default pattern reads.
+
+The requests go through rewards/served.py: each try within ``timeout_s`` (the whole request), ``retries`` more
+tries on connection errors, timeouts, 429 (``Retry-After`` honoured) and 5xx. Failures:
+    * the tries run out: the batch scores NaN and the step's update is skipped, as for the remote reward
+      (a warning names the judge and the last error);
+    * an answer that holds no score (no match of the pattern, a refusal: ``finish_reason`` content_filter or
+      a ``refusal`` message), a score outside ``score_range`` or not finite, logprobs asked for and not
+      returned, an answer that is not the chat API's JSON, a 4xx other than 429 (a wrong model, a refused key):
+      ``RemoteRewardError``, one line quoting the start of the answer, which stops the run;
+    * the API key: ``api_key_env`` names an environment variable (the key itself never goes in a config,
+      which is logged and copied into run folders); a variable that is not set is one line when the scorer
+      is built.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import math
+import os
+import re
+from collections.abc import Sequence
+from typing import ClassVar
+
+import httpx
+import torch
+from PIL import Image
+from torch import Tensor
+
+from rewards.base import Scorer
+from rewards.served import RemoteRewardError, RemoteUnavailable, Server, request
+from samplers.choices import Choice, member
+
+log = logging.getLogger(__name__)
+
+UNIFIED_REWARD_TEMPLATE = (
+    "You are given an image generated from a text caption. Judge the image against the caption on three axes, "
+    "each scored from 1 (poor) to 5 (excellent):\n"
+    "- Alignment: how well the image shows what the caption describes.\n"
+    "- Coherence: how consistent and free of visual errors (distorted objects, glitches) the image is.\n"
+    "- Style: how aesthetically pleasing the image is, regardless of the caption.\n"
+    "Then give one overall score from 1 to 5. Answer in exactly this format:\n\n"
+    "Alignment Score: X\nCoherence Score: Y\nStyle Score: Z\nFinal Score: W\n\n"
+    "Text caption: {prompt}"
+)
+FINAL_SCORE_PATTERN = r"Final Score(?:\s*\(1-5\))?\s*:\s*\**\s*([-+]?\d+(?:\.\d+)?)"
+TOP_LOGPROBS = 20  # candidates per position asked for with score_from=logprobs (OpenAI's maximum)
+QUOTED = 100  # characters of an answer quoted in an error
+
+
+class ScoreFrom(Choice):
+    """Where a judge's score is read (rewards/judge.py)."""
+
+    text = "text"
+    logprobs = "logprobs"
+
+
+class JudgeScorer(Scorer):
+    """Scores from the vision-language judge ``model`` served at ``base_url`` (module docstring)."""
+
+    name = "judge"
+    runs_remotely: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        prompt_template: str = UNIFIED_REWARD_TEMPLATE,
+        score_pattern: str = FINAL_SCORE_PATTERN,
+        score_range: Sequence[float] = (1.0, 5.0),
+        score_from: ScoreFrom | str = ScoreFrom.text,
+        timeout_s: float = 60.0,
+        retries: int = 2,
+        api_key_env: str | None = None,
+        temperature: float = 0.0,
+        seed: int = 0,
+        max_tokens: int = 512,
+        max_in_flight: int = 8,
+    ) -> None:
+        check_arguments(base_url, model, prompt_template, score_range, timeout_s, retries)
+        check_sampling(temperature, seed, max_tokens, max_in_flight)
+        self.pattern = compiled_pattern(score_pattern)
+        self.template, self.model = prompt_template, model
+        self.low, self.high = float(score_range[0]), float(score_range[1])
+        self.score_from = member(ScoreFrom, score_from, "score_from")
+        self.sampling = {"temperature": float(temperature), "seed": int(seed), "max_tokens": int(max_tokens)}
+        if self.score_from is ScoreFrom.logprobs:
+            self.sampling |= {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
+        self.max_in_flight = int(max_in_flight)
+        url = base_url.rstrip("/")
+        name = f"judge {model!r} at {url}"
+        self.server = Server(url, name, float(timeout_s), int(retries), api_key_headers(api_key_env))
+        self._check_model()
+
+    def _check_model(self) -> None:
+        """At start-up (before the transformer loads): the server answers and serves ``model``, or one line."""
+        try:
+            answer = request(self.server, "GET", "/models")[0]
+        except RemoteUnavailable as err:
+            raise RemoteRewardError(f"{err} at start-up: start it, or check base_url") from None
+        if answer.status_code == 404:
+            return  # a server without the model list: the first request will say whether it serves the model
+        body = self._json(answer)
+        data = body.get("data") if isinstance(body, dict) else None
+        listed = [str(m.get("id")) for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+        if self.model not in listed:
+            shown = ", ".join(repr(name) for name in listed[:10]) or "none"
+            raise RemoteRewardError(
+                f"{self.server.name}: the server does not serve it (it serves {shown}): check model"
+            )
+
+    def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+        bodies = [self._body(image, prompt) for image, prompt in zip(images, prompts)]
+        try:
+            answers = request(self.server, "POST", "/chat/completions", bodies, max_in_flight=self.max_in_flight)
+        except RemoteUnavailable as err:
+            tries = self.server.retries + 1
+            log.warning("%s after %d tries: this step's rewards are NaN and its update is skipped", err, tries)
+            return torch.full((images.shape[0],), math.nan)
+        return torch.tensor([self._score(answer) for answer in answers], dtype=torch.float32)
+
+    def _body(self, image: Tensor, prompt: str) -> dict:
+        text = self.template.replace("{prompt}", prompt)
+        content = [{"type": "image_url", "image_url": {"url": png_data_url(image)}}, {"type": "text", "text": text}]
+        return {"model": self.model, "messages": [{"role": "user", "content": content}], **self.sampling}
+
+    def _score(self, answer: httpx.Response) -> float:
+        """The score of one answer in [0, 1]; RemoteRewardError, one line quoting it, when it holds none."""
+        choice = self._choice(answer)
+        message = choice.get("message")
+        message = message if isinstance(message, dict) else {}
+        content = message.get("content")
+        text = content if isinstance(content, str) else ""
+        refusal = message.get("refusal") or (choice.get("finish_reason") == "content_filter" and "content_filter")
+        if refusal:
+            raise self._error(f"refused to score ({str(refusal)[:QUOTED]!r})", text)
+        matches = list(self.pattern.finditer(text))  # the last counts: the verdict after any reasoning
+        if not matches:
+            cut = " (cut at max_tokens: raise it)" if choice.get("finish_reason") == "length" else ""
+            raise self._error(f"answered without a score matching score_pattern{cut}", text)
+        match = matches[-1]
+        value = parsed_number(match.group(1))
+        if value is None:
+            raise self._error(f"answered {match.group(1)!r} where score_pattern reads a number", text)
+        if not self.low <= value <= self.high:  # a NaN or inf fails it too
+            raise self._error(f"gave a score outside score_range [{self.low:g}, {self.high:g}]: {value:g}", text)
+        if self.score_from is ScoreFrom.logprobs:
+            value = self._expected(choice.get("logprobs"), match.start(1), text)
+        return (value - self.low) / (self.high - self.low)
+
+    def _json(self, answer: httpx.Response) -> object:
+        """The JSON of a 200 answer; RemoteRewardError for any other status (429 and 5xx were retried) or no JSON."""
+        if answer.status_code != 200:
+            hint = " (is api_key_env's variable the server's key?)" if answer.status_code in (401, 403) else ""
+            raise self._error(f"refused the request: {answer.status_code}{hint}", answer.text)
+        try:
+            return answer.json()
+        except ValueError:
+            raise self._error("answered non-JSON", answer.text) from None
+
+    def _choice(self, answer: httpx.Response) -> dict:
+        """The first choice of a chat answer; RemoteRewardError for any other status or shape."""
+        body = self._json(answer)
+        choices = body.get("choices") if isinstance(body, dict) else None
+        if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
+            raise self._error("answered without 'choices' (not the chat completions API?)", answer.text)
+        return choices[0]
+
+    def _expected(self, logprobs: object, start: int, text: str) -> float:
+        """The probability-weighted mean of the numbers in ``score_range`` among the top_logprobs of the token
+        where the score starts (character ``start`` of ``text``)."""
+        tokens = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if not isinstance(tokens, list) or not tokens:
+            raise self._error("answered without logprobs, which score_from=logprobs needs (use text)", text)
+        position = 0
+        for token in tokens:
+            position += len(str(token.get("token", ""))) if isinstance(token, dict) else 0
+            if position > start:
+                return self._mean_of(token.get("top_logprobs"), text)
+        raise self._error("answered logprobs that do not spell its text", text)
+
+    def _mean_of(self, candidates: object, text: str) -> float:
+        weighted = [
+            (math.exp(c["logprob"]), value)
+            for c in (candidates if isinstance(candidates, list) else [])
+            if isinstance(c, dict) and isinstance(c.get("logprob"), int | float)
+            for value in [parsed_number(str(c.get("token", "")))]
+            if value is not None and self.low <= value <= self.high
+        ]
+        total = sum(weight for weight, _ in weighted)
+        if not total > 0:
+            raise self._error("answered no score token among the top_logprobs at the score", text)
+        return sum(weight * value for weight, value in weighted) / total
+
+    def _error(self, what: str, answer: str) -> RemoteRewardError:
+        quoted = " ".join(answer.split())[:QUOTED]
+        return RemoteRewardError(f"{self.server.name} {what}: {quoted!r}")
+
+    def to(self, device: torch.device | str) -> JudgeScorer:
+        return self  # the judge lives in its server; scores come back to the images' device
+
+
+def check_arguments(
+    base_url: str, model: str, template: str, score_range: Sequence[float], timeout_s: float, retries: int
+) -> None:
+    """The judge's address, model, template, score range and request limits, in the scorer's words."""
+    if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+        raise ValueError(f"base_url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {base_url!r}")
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must name the served model (its name in <base_url>/models), got {model!r}")
+    if not isinstance(template, str) or "{prompt}" not in template:
+        raise ValueError("prompt_template must contain {prompt}, where each image's caption goes")
+    bounds = list(score_range) if isinstance(score_range, Sequence) and not isinstance(score_range, str) else []
+    finite = all(isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b) for b in bounds)
+    if len(bounds) != 2 or not finite or bounds[0] >= bounds[1]:
+        raise ValueError(f"score_range must be [low, high] with finite numbers low < high, got {score_range!r}")
+    if not (isinstance(timeout_s, int | float) and 0 < timeout_s < math.inf):
+        raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
+
+
+def check_sampling(temperature: float, seed: int, max_tokens: int, max_in_flight: int) -> None:
+    """What each request asks of the judge, and how many go at once, in the scorer's words."""
+    if not (isinstance(temperature, int | float) and 0 <= temperature < math.inf):
+        raise ValueError(f"temperature must be a number >= 0 (0: the most likely answer), got {temperature!r}")
+    for name, value, least in (("seed", seed, 0), ("max_tokens", max_tokens, 1), ("max_in_flight", max_in_flight, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def compiled_pattern(pattern: str) -> re.Pattern[str]:
+    """``score_pattern`` compiled; ValueError unless it is a regular expression with exactly one group."""
+    try:
+        compiled = re.compile(pattern)
+    except (re.error, TypeError) as err:
+        raise ValueError(f"score_pattern {pattern!r} is not a regular expression: {err}") from None
+    if compiled.groups != 1:
+        raise ValueError(f"score_pattern must have exactly one group (the score), {pattern!r} has {compiled.groups}")
+    return compiled
+
+
+def api_key_headers(api_key_env: str | None) -> dict[str, str]:
+    """``Authorization: Bearer <key>`` with the key read from the variable ``api_key_env`` names (None: no key)."""
+    if api_key_env is None:
+        return {}
+    if not isinstance(api_key_env, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", api_key_env):
+        # a key pasted here would end up in every logged config: refuse it without repeating it
+        raise ValueError("api_key_env must be the NAME of an environment variable (e.g. OPENAI_API_KEY), not a key")
+    key = os.environ.get(api_key_env)
+    if not key:
+        raise ValueError(f"api_key_env: the environment variable {api_key_env} is not set: export it with the key")
+    return {"Authorization": f"Bearer {key}"}
+
+
+def parsed_number(text: str) -> float | None:
+    """The number ``text`` spells (spaces around it allowed), or None."""
+    try:
+        return float(text.strip())
+    except ValueError:
+        return None
+
+
+def png_data_url(image: Tensor) -> str:
+    """A [3, H, W] image in [0, 1] as a PNG data URL, its pixels round(255 x). PIL encodes it, as for the JPEG
+    rewards (torchvision's encode_png is deprecated since 0.29)."""
+    pixels = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")

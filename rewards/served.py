@@ -1,0 +1,117 @@
+"""HTTP for the served rewards (rewards/remote.py, rewards/judge.py): requests whose every try has one deadline
+for the whole of it, retried with back-off.
+
+A try's deadline (``timeout_s``) bounds all of it: connecting, sending, and reading the whole answer. A timeout
+per read would not: a server that sends its answer a byte at a time restarts it with every byte and holds the
+step forever (and SIGTERM's checkpoint, which waits for the step, never comes). Each try runs as an asyncio
+task cancelled at its deadline, which closes its connection. The event loop, the client and its connections
+are made and closed inside each call, so nothing outlives it, and at most ``max_in_flight`` requests of a call
+are in flight at once.
+
+Retried, ``retries`` more times: a connection error, a try past its deadline, a 429 or a 5xx answer. The wait
+before the next try is the server's ``Retry-After`` when it sends one (seconds or an HTTP date), else
+0.5 s x 2^k after the k-th failed try (at most 10 s), and never longer than ``timeout_s``: a server that asks for
+an hour does not hold a step for an hour. A request thus ends within (retries + 1) x timeout_s plus its waits.
+When the tries run out: ``RemoteUnavailable``. Every other answer (2xx, 3xx, other 4xx) is the caller's to read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
+
+import httpx
+
+MAX_BACKOFF_S = 10.0
+
+
+class RemoteRewardError(ValueError):
+    """A served reward answered outside its protocol, refused the request, or could not be used: one line to show."""
+
+
+class RemoteUnavailable(RemoteRewardError):
+    """A served reward did not answer in time, or answered 429 or 5xx, on every try: worth trying again later."""
+
+
+@dataclass(frozen=True)
+class Server:
+    """A served reward: where it is, how messages name it, and how each request to it goes."""
+
+    url: str  # the base URL, without a trailing slash; a request's path is appended to it
+    name: str  # how messages call it, e.g. "reward server http://127.0.0.1:8100"
+    timeout_s: float  # the deadline of one try, whole (connect, send, every read)
+    retries: int  # more tries after the first
+    headers: Mapping[str, str] = field(default_factory=dict)  # sent with every request (a bearer token)
+
+
+def request(
+    server: Server, method: str, path: str, bodies: Sequence[object] = (None,), *, max_in_flight: int = 1
+) -> list[httpx.Response]:
+    """The answers to ``method server.url+path``, one per JSON body in ``bodies`` (None: no body), in order, at
+    most ``max_in_flight`` at once; RemoteUnavailable when one of them ran out of tries (the others are
+    cancelled)."""
+    return asyncio.run(_all(server, method, path, bodies, max_in_flight))
+
+
+async def _all(
+    server: Server, method: str, path: str, bodies: Sequence[object], max_in_flight: int
+) -> list[httpx.Response]:
+    limit = asyncio.Semaphore(max_in_flight)
+    # no timeout of httpx's own: the deadline of each try bounds it whole
+    async with httpx.AsyncClient(headers=dict(server.headers), timeout=None) as client:
+
+        async def one(body: object) -> httpx.Response:
+            async with limit:
+                return await _tries(client, server, method, path, body)
+
+        tasks = [asyncio.ensure_future(one(body)) for body in bodies]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # a failed request ends the call: the others stop too, before the client closes
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _tries(client: httpx.AsyncClient, server: Server, method: str, path: str, body: object) -> httpx.Response:
+    """The first answer that is neither 429 nor 5xx, within ``server.retries`` more tries."""
+    failure = ""
+    for attempt in range(server.retries + 1):
+        wait = min(0.5 * 2**attempt, MAX_BACKOFF_S)
+        try:
+            answer = await asyncio.wait_for(
+                client.request(method, server.url + path, json=body), timeout=server.timeout_s
+            )
+        except asyncio.TimeoutError:
+            failure = f"{server.name} did not answer {method} {path} within timeout_s={server.timeout_s:g}"
+        except httpx.HTTPError as err:
+            failure = f"{server.name} is unreachable ({type(err).__name__})"
+        else:
+            if answer.status_code != 429 and answer.status_code < 500:
+                return answer
+            failure = f"{server.name} answered {answer.status_code}"
+            asked = retry_after(answer.headers.get("retry-after"))
+            wait = wait if asked is None else asked
+        if attempt < server.retries:
+            await asyncio.sleep(min(wait, server.timeout_s))
+    raise RemoteUnavailable(failure)
+
+
+def retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """The seconds a ``Retry-After`` header asks to wait (a number of seconds, or an HTTP date: its distance from
+    ``now``, a Unix time, default the clock's); None when there is none or it is neither."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    return max(seconds, 0.0) if math.isfinite(seconds) else None
