@@ -27,6 +27,7 @@ pixel rounding (tested against the ``image-reward`` package, which we do not dep
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -102,18 +103,19 @@ def read_json(path: Path, *, field: str) -> dict[str, Any]:
 
 def build_model(med_config: Path, vision_config: Path | None = None) -> ImageRewardModel:
     """The architecture (random weights) from BLIP's ``med_config.json`` and a BLIP ViT (default ViT-L/16)."""
-    vision = VIT_LARGE_16 if vision_config is None else read_json(vision_config, field="vision_config")
+    vision_fields = VIT_LARGE_16 if vision_config is None else read_json(vision_config, field="vision_config")
+    vision = BlipVisionConfig(**vision_fields)
     med = read_json(med_config, field="med_config")
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "max_position_embeddings", "hidden_act", "layer_norm_eps", "pad_token_id")  # fmt: skip
     missing = [key for key in keys if key not in med]
     if missing:
         raise ValueError(f"med_config: {str(med_config)!r} lacks {missing}; expected BLIP's med_config.json")
-    # BLIP sets the cross-attention's key/value width to the ViT's (blip_pretrain.py: encoder_width)
-    # the generation token ids stay unset: scoring never generates, and BLIP's defaults may lie outside a vocabulary
-    text = BlipTextConfig(**{key: med[key] for key in keys}, encoder_hidden_size=vision["hidden_size"],
+    # BLIP sets the cross-attention's key/value width to the ViT's (blip_pretrain.py: encoder_width); the
+    # generation token ids stay unset: scoring never generates, and BLIP's defaults may lie outside a vocabulary
+    text = BlipTextConfig(**{key: med[key] for key in keys}, encoder_hidden_size=vision.hidden_size,
                           bos_token_id=None, eos_token_id=None, sep_token_id=None)  # fmt: skip
-    return ImageRewardModel(BlipVisionConfig(**vision), text)
+    return ImageRewardModel(vision, text)
 
 
 def _rename(key: str, names: Sequence[tuple[str, str]]) -> str:
@@ -146,17 +148,27 @@ def to_blip_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def load_model(checkpoint: Path, med_config: Path, vision_config: Path | None) -> ImageRewardModel:
-    """``build_model`` with ``checkpoint``'s weights, every one of them required."""
-    model = build_model(med_config, vision_config)
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    """``build_model`` with ``checkpoint``'s weights, every one of them required at its shape."""
     try:
-        model.load_state_dict(from_blip_names(state), strict=True)
-    except RuntimeError as err:
-        first = str(err).strip().splitlines()[1].strip() if "\n" in str(err) else str(err)
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"checkpoint: {str(checkpoint)!r} is not a readable torch file ({reason})") from None
+    weights = from_blip_names(state) if isinstance(state, dict) else {}
+    model = build_model(med_config, vision_config)
+    expected = model.state_dict()
+    missing, unexpected = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
+    reshaped = sorted(key for key in expected.keys() & weights.keys() if weights[key].shape != expected[key].shape)
+    if missing or unexpected or reshaped:
+        found = {"missing": missing, "unexpected": unexpected, "of another shape": reshaped}
+        listed = "; ".join(
+            f"{what} {names[:3]}{' ...' if len(names) > 3 else ''}" for what, names in found.items() if names
+        )
         raise ValueError(
-            f"checkpoint: {str(checkpoint)!r} does not fit this ImageReward architecture ({first}); expected "
-            "ImageReward.pt with its med_config.json"
-        ) from None
+            f"checkpoint: {str(checkpoint)!r} does not fit the architecture of med_config and the ViT "
+            f"(weights {listed}); expected ImageReward.pt with its own med_config.json"
+        )
+    model.load_state_dict(weights)
     return model
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import types
 from collections.abc import Iterator
@@ -211,8 +212,18 @@ def test_checkpoint_of_another_architecture_is_refused(tiny_ir: dict[str, Path],
     state = torch.load(tiny_ir["checkpoint"], weights_only=True)
     del state["mlp.layers.7.weight"]
     torch.save(state, tmp_path / "ImageReward.pt")
-    with pytest.raises(ValueError, match=r"^checkpoint: '.*ImageReward\.pt' does not fit .*head\.4\.weight"):
+    with pytest.raises(
+        ValueError, match=r"^checkpoint: '.*ImageReward\.pt' does not fit .*missing \['head\.4\.weight'\]"
+    ):
         ImageRewardScorer(**{**tiny_ir, "checkpoint": tmp_path / "ImageReward.pt"})
+    # another med_config: the checkpoint's feed-forward weights no longer fit
+    med = json.loads(tiny_ir["med_config"].read_text()) | {"intermediate_size": 32}
+    (tmp_path / "med_config.json").write_text(json.dumps(med))
+    with pytest.raises(ValueError, match=r"does not fit .*of another shape \['text_encoder\.encoder\.layer\.0\.inter"):
+        ImageRewardScorer(**{**tiny_ir, "med_config": tmp_path / "med_config.json"})
+    (tmp_path / "damaged.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match=r"^checkpoint: '.*damaged\.pt' is not a readable torch file"):
+        ImageRewardScorer(**{**tiny_ir, "checkpoint": tmp_path / "damaged.pt"})
 
 
 def test_bad_med_config_names_the_file(tiny_ir: dict[str, Path], tmp_path: Path) -> None:
