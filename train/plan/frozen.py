@@ -108,13 +108,13 @@ def scorer_module(name: str, args: dict[str, Any]) -> nn.Module | None:
             return _imagereward_module(args)
         from transformers import CLIPModel
 
-        return build_component(CLIPModel, read_json(_own_or_shipped(args.get("model_path"), "config.json", name)))
+        own = Path(str(args.get("model_path", NOT_READ))) / "config.json"
+        return build_component(CLIPModel, read_json(_own_or_shipped(own, name, "config.json")))
 
 
-def _own_or_shipped(own: Any, file_name: str, name: str) -> Path:
-    """``own`` (a scorer's config file, or the folder holding ``file_name``) if present, else the shipped one."""
+def _own_or_shipped(own: Any, name: str, file_name: str) -> Path:
+    """The scorer's own config file ``own`` if present, else the shipped ``file_name`` of scorer ``name``."""
     path = Path(str(own if own is not None else NOT_READ))
-    path = path / file_name if path.is_dir() else path
     return path if path.is_file() else ARCH_ROOT / str(SCORER_ARCH[name]) / file_name
 
 
@@ -136,7 +136,7 @@ def _imagereward_module(args: dict[str, Any]) -> nn.Module:
     from rewards.imagereward import build_model
 
     vision = args.get("vision_config")
-    med_config = _own_or_shipped(args.get("med_config"), "med_config.json", "imagereward")
+    med_config = _own_or_shipped(args.get("med_config"), "imagereward", "med_config.json")
     return build_model(med_config, None if vision is None else Path(str(vision)))
 
 
