@@ -44,9 +44,12 @@ $(VENV)/.installed: setup.py constraints.txt
 	touch $@
 
 # The HPSv2.1 parity test compares against the reference package; it is not a dependency (it pins
-# protobuf<4 and pytest 7), so it is installed without its requirements. The remote reward's tests
-# serve a scorer with scripts/reward_server.py: the server extra (FastAPI, uvicorn).
+# protobuf<4 and pytest 7), so it is installed without its requirements. So is ImageReward's, image-reward
+# (it pins timm 0.6 and fairscale, and imports diffusers, datasets and OpenAI's clip for its trainer): its
+# model's modules need only timm (open_clip's) and fairscale's checkpoint wrapper, imported by its ViT.
+# The remote reward's tests serve a scorer with scripts/reward_server.py: the server extra (FastAPI, uvicorn).
 $(VENV)/.test-extras: $(VENV)/.installed
 	$(BIN)/python -m pip install --no-deps hpsv2x==1.2.0 clint==0.5.1 args==0.1.0
+	$(BIN)/python -m pip install --no-deps image-reward==1.5 fairscale==0.4.13
 	$(BIN)/python -m pip install -c constraints.txt -e ".[server]"
 	touch $@

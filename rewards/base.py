@@ -29,6 +29,7 @@ _REGISTRY: dict[str, str] = {
     "hpsv2": "rewards.hpsv2:HPSv2Scorer",
     "clipscore": "rewards.clipscore:CLIPScoreScorer",
     "pickscore": "rewards.pickscore:PickScoreScorer",
+    "imagereward": "rewards.imagereward:ImageRewardScorer",
     "jpeg_compressibility": "rewards.compressibility:JPEGCompressibilityScorer",
     "jpeg_incompressibility": "rewards.compressibility:JPEGIncompressibilityScorer",
     "shape_alignment": "rewards.shapes:ShapeAlignmentScorer",

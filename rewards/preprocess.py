@@ -67,15 +67,21 @@ def resize_shortest(images: Tensor, shortest_edge: int, *, mode: str = "bicubic"
     return resize(images, new_size, mode=mode).clamp(0.0, 1.0)
 
 
-def center_crop(images: Tensor, crop: tuple[int, int]) -> Tensor:
-    """Center crop to (h, w), zero-padding first where the image is smaller (as the processor does)."""
+def center_crop(images: Tensor, crop: tuple[int, int], *, round_offset: bool = False) -> Tensor:
+    """Center crop to (h, w), zero-padding first where the image is smaller (as the processor does).
+    The processor truncates the offset ``(side - crop) / 2``; torchvision's ``CenterCrop`` rounds it
+    (``round_offset``, half to even): the two differ by a pixel when ``side - crop`` is 3 mod 4."""
     crop_h, crop_w = crop
     height, width = images.shape[-2:]
     if crop_h > height or crop_w > width:
         pad_h, pad_w = max(crop_h - height, 0), max(crop_w - width, 0)
         images = F.pad(images, (pad_w // 2, (pad_w + 1) // 2, pad_h // 2, (pad_h + 1) // 2), value=0.0)
         height, width = images.shape[-2:]
-    top, left = int((height - crop_h) / 2.0), int((width - crop_w) / 2.0)
+
+    def offset(excess: int) -> int:
+        return int(round(excess / 2.0)) if round_offset else int(excess / 2.0)
+
+    top, left = offset(height - crop_h), offset(width - crop_w)
     return images[..., top : top + crop_h, left : left + crop_w]
 
 

@@ -2,7 +2,7 @@
 
     python scripts/bench_rewards.py [--batch 16] [--size 64] [--reps 5] [--device cpu]
 
-Builds the tiny HPSv2 / CLIPScore / PickScore models of ``rewards.tiny`` in a temporary folder,
+Builds the tiny HPSv2 / CLIPScore / PickScore / ImageReward models of ``rewards.tiny`` in a temporary folder,
 then times ``scorer(images, prompts)`` on one batch of ``--batch`` images (a GRPO group: one
 prompt repeated) against ``--batch`` calls of one image each. Median of ``--reps`` after a warm-up,
 under ``torch.no_grad`` as the trainer calls scorers.
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from rewards.base import Scorer, build_scorer
-from rewards.tiny import save_tiny_clip, save_tiny_hps, tiny_clip_processor
+from rewards.tiny import save_tiny_clip, save_tiny_hps, save_tiny_imagereward, tiny_clip_processor
 
 
 def build_tiny_scorers(directory: Path, device: str) -> dict[str, Scorer]:
@@ -32,6 +32,7 @@ def build_tiny_scorers(directory: Path, device: str) -> dict[str, Scorer]:
         "hpsv2": build_scorer("hpsv2", checkpoint=checkpoint, arch=str(config), device=device),
         "clipscore": build_scorer("clipscore", model_path=clip_dir, device=device),
         "pickscore": build_scorer("pickscore", model_path=pick_dir, processor_path=directory / "clip_h", device=device),
+        "imagereward": build_scorer("imagereward", **save_tiny_imagereward(directory / "imagereward"), device=device),
         "jpeg_compressibility": build_scorer("jpeg_compressibility"),
     }
 

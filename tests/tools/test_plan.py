@@ -45,7 +45,15 @@ from train.plan.counts import (
 )
 from train.plan.fake import fake_process_group
 from train.plan.fake_run import traced_run
-from train.plan.frozen import ARCH_ROOT, SCORER_ARCH, build_component, frozen_models, read_json, scorer_module
+from train.plan.frozen import (
+    ARCH_ROOT,
+    NOT_READ,
+    SCORER_ARCH,
+    build_component,
+    frozen_models,
+    read_json,
+    scorer_module,
+)
 from train.plan.plan_config import register
 from train.plan.report import GIB
 from train.plan.report_text import format_report
@@ -115,6 +123,20 @@ def test_frozen_models_are_counted_from_their_configs():
     assert qwen[("reward", "hpsv2")].num_bytes / 986_109_441 == pytest.approx(2, rel=1e-3)
     qwen = {m.name: m for m in frozen_models(config(["experiment=qwenimage_dance"])[0], ARCH_ROOT / "qwen-image")}
     assert qwen["text_encoder"].num_params == 8_292_166_656
+
+
+def test_imagereward_is_counted_from_its_med_config(tmp_path):
+    """ImageReward v1.0: BLIP's ViT-L/16 and a BERT-base whose layers also cross-attend to the ViT's 1024-wide
+    tokens, 446 M parameters; the scorer's own med_config.json, when present, replaces the shipped one."""
+    shipped_count = num_params(scorer_module("imagereward", {"med_config": NOT_READ}))
+    assert shipped_count == 446_206_689
+    fewer = tmp_path / "med_config.json"
+    fewer.write_text(json.dumps(read_json(ARCH_ROOT / "imagereward" / "med_config.json") | {"num_hidden_layers": 6}))
+    self_attention = 4 * (768 * 768 + 768) + 2 * 768  # q, k, v, out and the LayerNorm
+    cross_attention = 2 * (768 * 768 + 768) + 2 * (1024 * 768 + 768) + 2 * 768  # k and v read the ViT's tokens
+    feed_forward = (768 * 3072 + 3072) + (3072 * 768 + 768) + 2 * 768
+    per_layer = self_attention + cross_attention + feed_forward
+    assert num_params(scorer_module("imagereward", {"med_config": str(fewer)})) == shipped_count - 6 * per_layer
 
 
 def test_every_scorer_has_a_known_architecture():

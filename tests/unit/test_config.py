@@ -111,8 +111,11 @@ def test_paper_experiments_compose_and_validate(experiment, paths, tmp_path):
 @pytest.mark.parametrize("experiment", MIX_EXPERIMENTS)
 def test_mixgrpo_experiments_compose_and_validate(experiment, paths, tmp_path):
     """MixGRPO's recipes (docs/recipes.md): 25 steps, a window of 4 that moves every 25 (Flash: 20) steps, and
-    in the Flash one DPM-Solver++ 2M on 0.4 of the steps after it; HPSv2.1 + PickScore advantages."""
+    in the Flash one DPM-Solver++ 2M on 0.4 of the steps after it; HPSv2.1 + ImageReward + PickScore advantages,
+    1/3 each, evaluated with HPSv2.1 + PickScore."""
     pick = [f"reward.components.pickscore.{key}={paths['model']}" for key in ("model_path", "processor_path")]
+    pick += [f"reward.components.imagereward.{key}={paths['file']}" for key in ("checkpoint", "med_config")]
+    pick += [f"reward.components.imagereward.tokenizer={paths['model']}"]
     common = [f"model.path={paths['model']}", f"data.train_prompts={paths['prompts']}"]
     common += [f"eval.prompts={paths['prompts']}", f"reward.components.hpsv2.checkpoint={paths['file']}"]
     cfg = load([f"experiment={experiment}", *common, *pick], tmp_path)
@@ -121,7 +124,9 @@ def test_mixgrpo_experiments_compose_and_validate(experiment, paths, tmp_path):
     assert (s.num_steps, s.sde_window_size, s.sde_window_schedule, s.sde_window_stride) == (25, 4, "progressive", 1)
     assert s.sde_window_iters == (20 if flash else 25) and cfg.reward.combine == "advantage"
     assert (s.post_window.solver, s.post_window.ratio) == (("dpmpp_2m", 0.4) if flash else ("euler", 1.0))
-    assert set(cfg.reward.components) == set(cfg.eval.scorers) == {"hpsv2", "pickscore"}
+    assert set(cfg.reward.components) == {"hpsv2", "imagereward", "pickscore"}
+    assert [comp["weight"] for comp in cfg.reward.components.values()] == pytest.approx([1 / 3] * 3)
+    assert set(cfg.eval.scorers) == {"hpsv2", "pickscore"}
 
 
 def test_an_evaluation_larger_than_eval_max_images_is_refused(paths, tmp_path):

@@ -112,6 +112,7 @@ def test_registry_builds_by_name_and_lists_names_on_error() -> None:
         "hpsv2",
         "clipscore",
         "pickscore",
+        "imagereward",
         "jpeg_compressibility",
         "jpeg_incompressibility",
         "shape_alignment",
@@ -121,7 +122,7 @@ def test_registry_builds_by_name_and_lists_names_on_error() -> None:
     assert set(SCORER_NAMES) == expected
     assert isinstance(build_scorer("jpeg_compressibility"), JPEGCompressibilityScorer)
     assert rewards.build_scorer is build_scorer
-    with pytest.raises(ValueError, match="hpsv2, clipscore, pickscore, jpeg_compressibility"):
+    with pytest.raises(ValueError, match="hpsv2, clipscore, pickscore, imagereward, jpeg_compressibility"):
         build_scorer("aesthetic")
 
 

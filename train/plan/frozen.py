@@ -28,9 +28,12 @@ ARCH_ROOT = shipped("configs/arch")
 NOT_READ = "<not read by the planner>"  # stands in for the required paths the planner never opens
 
 
-# Model-based scorers: their architecture (a shipped CLIPModel config, or open_clip's own for HPSv2),
-# used unless the scorer's model_path folder holds a config.json. The other scorers hold no weights.
-SCORER_ARCH = {"clipscore": "clip-vit-large-patch14", "pickscore": "pickscore", "hpsv2": None}
+# Model-based scorers: their architecture (a shipped CLIPModel config, ImageReward's med_config.json with its
+# ViT-L/16, or open_clip's own for HPSv2), used unless the scorer's own config file is there (model_path's
+# config.json, med_config). The other scorers hold no weights.
+SCORER_ARCH = {
+    "clipscore": "clip-vit-large-patch14", "pickscore": "pickscore", "imagereward": "imagereward", "hpsv2": None
+}  # fmt: skip
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -100,24 +103,41 @@ def scorer_module(name: str, args: dict[str, Any]) -> nn.Module | None:
         raise ConfigError(f"reward {name!r}: the planner does not know its architecture; known: {sorted(SCORER_ARCH)}")
     with torch.device("meta"):
         if name == "hpsv2":
-            import open_clip
-
-            from rewards.hpsv2 import register_arch
-
-            # open_clip logs "No pretrained weights loaded" as a warning: none are wanted here
-            previous = logging.root.manager.disable
-            logging.disable(logging.WARNING)
-            try:
-                return open_clip.create_model(register_arch(args.get("arch", _default(name, "arch"))), device="meta")
-            finally:
-                logging.disable(previous)
+            return _open_clip_module(args)
+        if name == "imagereward":
+            return _imagereward_module(args)
         from transformers import CLIPModel
 
-        folder = Path(str(args.get("model_path", NOT_READ)))
-        config = folder / "config.json"
-        if not config.is_file():
-            config = ARCH_ROOT / str(SCORER_ARCH[name]) / "config.json"
-        return build_component(CLIPModel, read_json(config))
+        own = Path(str(args.get("model_path", NOT_READ))) / "config.json"
+        return build_component(CLIPModel, read_json(_own_or_shipped(own, name, "config.json")))
+
+
+def _own_or_shipped(own: Any, name: str, file_name: str) -> Path:
+    """The scorer's own config file ``own`` if present, else the shipped ``file_name`` of scorer ``name``."""
+    path = Path(str(own if own is not None else NOT_READ))
+    return path if path.is_file() else ARCH_ROOT / str(SCORER_ARCH[name]) / file_name
+
+
+def _open_clip_module(args: dict[str, Any]) -> nn.Module:
+    import open_clip
+
+    from rewards.hpsv2 import register_arch
+
+    # open_clip logs "No pretrained weights loaded" as a warning: none are wanted here
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        return open_clip.create_model(register_arch(args.get("arch", _default("hpsv2", "arch"))), device="meta")
+    finally:
+        logging.disable(previous)
+
+
+def _imagereward_module(args: dict[str, Any]) -> nn.Module:
+    from rewards.imagereward import build_model
+
+    vision = args.get("vision_config")
+    med_config = _own_or_shipped(args.get("med_config"), "imagereward", "med_config.json")
+    return build_model(med_config, None if vision is None else Path(str(vision)))
 
 
 def _default(name: str, arg: str) -> Any:
