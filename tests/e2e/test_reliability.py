@@ -244,6 +244,15 @@ BAD_SETTINGS = {
         ["checkpoint.allow_changed=[optimizer.lr]"],
         r"checkpoint\.allow_changed: 'optimizer\.lr' may change on resume without it",
     ),
+    # settings that would do nothing on the tiny experiment, which has no SDE window
+    "post_window-without-window": (
+        ["sampler.post_window.solver=dpmpp_2m"],
+        r"sampler\.post_window\.solver=dpmpp_2m sets the steps after the SDE window, and sampler\.sde_window_size=0",
+    ),
+    "moving-window-without-window": (
+        ["sampler.sde_window_schedule=progressive"],
+        r"sampler\.sde_window_schedule=progressive moves the SDE window, and sde_window_size=0 has none",
+    ),
     "max_bad_steps-negative": (["health.max_bad_steps=-1"], r"health\.max_bad_steps must be >= 0"),
     "max_weight_growth-below-one": (["health.max_weight_growth=0.5"], r"health\.max_weight_growth must be > 1"),
     "flat_image_range-one": (["health.flat_image_range=1"], r"health\.flat_image_range must be in \[0, 1\)"),
