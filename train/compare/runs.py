@@ -133,7 +133,8 @@ def _cut_short(run: RunMetrics, others: list[RunMetrics]) -> list[str]:
     files = [o.config for o in others if o.config and o.config_file]
     if not run.config_file or not run.config or not files:
         return []
-    order = list(max(files, key=len))
+    fullest: dict[str, Any] = max(files, key=len)
+    order = list(fullest)
     missing = [k for k in order if k not in run.config]
     last = next((k for k in reversed(run.config) if k in order), None)
     if not missing or last is None or order.index(missing[0]) < order.index(last):
@@ -187,7 +188,8 @@ def discover(specs: list[str]) -> tuple[list[RunMetrics], list[str]]:
     """(runs, notes): each spec is a run folder, a sweep folder (run folders or offline wandb runs below
     it), an offline wandb run folder or its ``.wandb`` file, or wandb:<entity>/<project>/<run id or group:name>.
     """
-    runs, notes = [], []
+    runs: list[RunMetrics] = []
+    notes: list[str] = []
     for spec in specs:
         if spec.startswith(WANDB_PREFIX):
             runs += _read_wandb(spec[len(WANDB_PREFIX) :])
