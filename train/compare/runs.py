@@ -148,7 +148,8 @@ def _left_out(runs: list[RunMetrics]) -> tuple[list[RunMetrics], list[str]]:
     for i, run in enumerate(runs):
         missing = _cut_short(run, runs[:i] + runs[i + 1 :])
         if missing:
-            notes.append(_not_read(run.source, f"its configuration stops before {missing[0]} (cut short)"))
+            why = f"its configuration stops before {missing[0]}, which the other runs record (cut short?)"
+            notes.append(_not_read(run.source, why))
         else:
             kept.append(run)
     return kept, notes
