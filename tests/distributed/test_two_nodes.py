@@ -57,6 +57,7 @@ def start_nodes(run_dir: Path, args: list[str], *, restarts: int) -> list[subpro
         "RUN_DIR": str(run_dir),
         "MAX_RESTARTS": str(restarts),
         "TORCHRUN": str(Path(sys.executable).parent / "torchrun"),
+        "PYTHON": sys.executable,  # the launcher's settings check before torchrun
     }
     return [
         subprocess.Popen(
@@ -119,12 +120,19 @@ def workers_of(pid: int) -> list[int]:
 
 
 def agent_of(node: subprocess.Popen) -> int:
-    """The torchrun agent the launcher's bash started (its only child)."""
-    deadline = time.monotonic() + 60
-    while not (children := workers_of(node.pid)):
+    """The torchrun agent the launcher's bash started (its child after the settings check)."""
+    deadline = time.monotonic() + 120
+    while not (agents := [pid for pid in workers_of(node.pid) if "torchrun" in _cmdline(pid)]):
         assert time.monotonic() < deadline and node.poll() is None, "the launcher started no torchrun"
         time.sleep(0.1)
-    return children[0]
+    return agents[0]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # it ended meanwhile
+        return ""
 
 
 def rows(run_dir: Path) -> list[dict]:

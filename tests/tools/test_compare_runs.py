@@ -302,7 +302,8 @@ def test_a_sweep_counts_runs_not_timelines_and_names_configs_it_could_not_read(t
     assert f"left out 1 retired timeline(s) of {sweep / 'exact_s0'}" in printed
     for name in cut:
         assert sum(f"not read: {sweep / f'jagg_{name}'}" in line for line in printed.splitlines()) == 1
-    assert "stops before update.mode, which the other runs record (cut short?)" in printed and "ends mid-line" in printed
+    assert "stops before update.mode, which the other runs record (cut short?)" in printed
+    assert "ends mid-line (cut short)" in printed and "does not read as the YAML" in printed
     # a run folder named on its own whose config is damaged: named, the others compared
     assert main([str(sweep / "exact_s0"), str(sweep / "jagg_damaged"), "--out", str(tmp_path / "cmp")]) == 0
     assert "not read:" in capsys.readouterr().out
