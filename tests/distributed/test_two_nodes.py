@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,7 +47,10 @@ def overrides(tiny_flux_dir: Path, tiny_clip_dir: Path) -> list[str]:
 
 
 def start_nodes(run_dir: Path, args: list[str], *, restarts: int) -> list[subprocess.Popen]:
-    """Both nodes' ``scripts/launch/multinode.sh tiny args``, each in its own session (a node to kill)."""
+    """Both nodes' ``scripts/launch/multinode.sh tiny args``, each in its own session (a node to kill). Node 1
+    starts once node 0's agent listens at the rendezvous endpoint: on one machine either agent can host the
+    store (on a cluster only the first node, whose address it is), and the launchers' settings checks take
+    unequal times; the node these tests kill must not be the store's host."""
     port = free_port()
     common = {
         **env(),
@@ -59,8 +63,9 @@ def start_nodes(run_dir: Path, args: list[str], *, restarts: int) -> list[subpro
         "TORCHRUN": str(Path(sys.executable).parent / "torchrun"),
         "PYTHON": sys.executable,  # the launcher's settings check before torchrun
     }
-    return [
-        subprocess.Popen(
+
+    def start(node: int) -> subprocess.Popen:
+        return subprocess.Popen(
             ["bash", "scripts/launch/multinode.sh", "tiny", *args],
             cwd=ROOT,
             env={**common, "NODE_RANK": str(node)},
@@ -69,8 +74,22 @@ def start_nodes(run_dir: Path, args: list[str], *, restarts: int) -> list[subpro
             text=True,
             start_new_session=True,
         )
-        for node in (0, 1)
-    ]
+
+    first = start(0)
+    wait_for_listener(port, first)
+    return [first, start(1)]
+
+
+def wait_for_listener(port: int, node: subprocess.Popen, timeout: float = 180) -> None:
+    """Until something accepts connections on 127.0.0.1:``port`` (node's torchrun agent, the store's host)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert node.poll() is None and time.monotonic() < deadline, node.communicate()[1][-3000:]
+            time.sleep(0.2)
 
 
 def finish(nodes: list[subprocess.Popen], timeout: float = 600) -> list[tuple[int, str]]:
