@@ -307,6 +307,10 @@ def test_a_sweep_counts_runs_not_timelines_and_names_configs_it_could_not_read(t
     # a run folder named on its own whose config is damaged: named, the others compared
     assert main([str(sweep / "exact_s0"), str(sweep / "jagg_damaged"), "--out", str(tmp_path / "cmp")]) == 0
     assert "not read:" in capsys.readouterr().out
+    # --labels counts the runs given: one left out is named in the refusal
+    labels = ["--labels", "a,b", "--out", str(tmp_path / "cmp")]
+    assert main([str(sweep / "exact_s0"), str(sweep / "jagg_damaged"), *labels]) == 2
+    assert "--labels names 2 runs but 1 runs are given; not read: " in capsys.readouterr().err
     # nothing readable: one line, exit status 2
     assert main([str(sweep / "jagg_damaged"), "--out", str(tmp_path / "cmp")]) == 2
     err = capsys.readouterr().err

@@ -155,8 +155,11 @@ def _left_out(runs: list[RunMetrics]) -> tuple[list[RunMetrics], list[str]]:
     return kept, notes
 
 
+NOT_READ = "not read: "  # the start of the line that names a run left out
+
+
 def _not_read(source: str, why: str) -> str:
-    return f"not read: {source}: {why}; left out, the other runs compared (put back a whole copy to include it)"
+    return f"{NOT_READ}{source}: {why}; left out, the other runs compared (put back a whole copy to include it)"
 
 
 def _from_wandb(run: WandbRun) -> RunMetrics:
