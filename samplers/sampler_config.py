@@ -83,9 +83,9 @@ class SamplerConfig:
     sde_window_range: list[int] = field(default_factory=lambda: [0, 12])
     """[lo, hi): the window lies inside, its start in [lo, hi - size]"""
     sde_window_schedule: WindowSchedule = WindowSchedule.fixed
-    """fixed | random (the start drawn per step in [lo, hi - size] from the run's seed stream, the same on every
-    rank and after a resume; fixed when the range holds one start) | progressive (MixGRPO: the start is
-    lo + floor(step / sde_window_iters) * sde_window_stride, back to lo past hi - size)"""
+    """with sde_window_size > 0: fixed | random (the start drawn per step in [lo, hi - size] from the run's seed
+    stream, the same on every rank and after a resume; fixed when the range holds one start) | progressive
+    (MixGRPO: the start is lo + floor(step / sde_window_iters) * sde_window_stride, back to lo past hi - size)"""
     sde_window_iters: int = 25
     """progressive: training steps at each window position, >= 1 (MixGRPO 25, MixGRPO-Flash 20)"""
     sde_window_stride: int = 1
@@ -120,6 +120,13 @@ class SamplerConfig:
         check_range(self.sde_window_size, "sde_window_size", low=0, why=" (0 = SDE on every step)")
         if len(self.sde_window_range) != 2:
             raise ValueError(f"sde_window_range must be [lo, hi], got {list(self.sde_window_range)}")
+        if self.sde_window_size == 0 and self.sde_window_schedule is not WindowSchedule.fixed:
+            # without a window every step is SDE: a schedule that moves the window would be read by nothing
+            raise ValueError(
+                f"sde_window_schedule={self.sde_window_schedule.value} moves the SDE window, and sde_window_size=0 "
+                "has none (SDE on every step): set sde_window_size > 0 (and sde_window_range), or "
+                "sde_window_schedule=fixed"
+            )
         lo, hi = self.sde_window_range
         if self.sde_window_size > 0 and not (0 <= lo and lo + self.sde_window_size <= hi <= self.num_steps - 1):
             raise ValueError(

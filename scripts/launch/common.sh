@@ -16,9 +16,13 @@
 # MAX_RESTARTS=0 turns it off), and a training launch passes resume=auto (unless you pass a resume=
 # of your own), so a restart continues from the run's latest checkpoint: a crash costs the steps since
 # that checkpoint (checkpoint.every) plus a model load, not the run. A folder holding a run of other
-# settings is still refused. The launchers export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (unless it is set):
-# the restarted workers then get a fresh store of their own round; sharing the agents' store, they
-# read the dead workers' addresses still in it and gloo failed to connect (measured on 2 nodes).
+# settings is still refused. torchrun restarts a failed launch whatever its exit status, so a training
+# launch first checks its settings once, in one process (python -m train.cli.check with the same
+# overrides, PYTHON the interpreter, default python): a refused setting or a missing file is one line,
+# exit status 2, and torchrun does not start (DRY_RUN, and Hydra's flags such as --cfg, skip the check).
+# The launchers export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (unless it is set): the restarted workers
+# then get a fresh store of their own round; sharing the agents' store, they read the dead workers'
+# addresses still in it and gloo failed to connect (measured on 2 nodes).
 # PREFLIGHT=1 launches python -m train.preflight in place of the training run, with the same layout and
 # overrides and without restarts: the run's checks, machine, collectives, a step at reduced depth and the
 # corrected plan, written to <run folder>/preflight.json (docs/preflight.md); set RUN_DIR to check the run's
@@ -106,6 +110,15 @@ has_setting() {
     return 1
 }
 
+# has_flag [args...]: whether an argument is one of Hydra's flags (--cfg, --help, ...): the job then does not train.
+has_flag() {
+    local arg
+    for arg in "$@"; do
+        [[ "$arg" == -* ]] && return 0
+    done
+    return 1
+}
+
 # launch MODULE EXPERIMENT RUN_DIR [hydra overrides...]: torchrun on this node (one of NNODES).
 launch() {
     local module="$1" experiment="$2" run_dir="$3"
@@ -128,9 +141,14 @@ launch() {
     fi
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
     # hydra.run.dir is passed explicitly: Hydra's default folder is a timestamp taken per process.
+    local settings=("experiment=$experiment" "hydra.run.dir=$run_dir" ${PATH_OVERRIDES[@]+"${PATH_OVERRIDES[@]}"}
+        ${resume[@]+"${resume[@]}"} "$@")
+    if [[ "$module" == train && -z "${DRY_RUN:-}" ]] && ! has_flag "$@"; then
+        # torchrun restarts a failed launch whatever its exit status: a refused setting is said once, here
+        "${PYTHON:-python}" -m train.cli.check "${settings[@]}" || exit $?
+    fi
     run_cmd "$TORCHRUN" "${rendezvous[@]}" --max-restarts "$restarts" \
-        --nproc_per_node "${NPROC_PER_NODE:-$DEFAULT_NPROC}" -m "$module" "experiment=$experiment" \
-        "hydra.run.dir=$run_dir" ${PATH_OVERRIDES[@]+"${PATH_OVERRIDES[@]}"} ${resume[@]+"${resume[@]}"} "$@"
+        --nproc_per_node "${NPROC_PER_NODE:-$DEFAULT_NPROC}" -m "$module" "${settings[@]}"
 }
 
 # The run folder: RUN_DIR when set, else runs/<experiment>/<tag>_<date>.

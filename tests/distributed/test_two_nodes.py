@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,7 +47,10 @@ def overrides(tiny_flux_dir: Path, tiny_clip_dir: Path) -> list[str]:
 
 
 def start_nodes(run_dir: Path, args: list[str], *, restarts: int) -> list[subprocess.Popen]:
-    """Both nodes' ``scripts/launch/multinode.sh tiny args``, each in its own session (a node to kill)."""
+    """Both nodes' ``scripts/launch/multinode.sh tiny args``, each in its own session (a node to kill). Node 1
+    starts once node 0's agent listens at the rendezvous endpoint: on one machine either agent can host the
+    store (on a cluster only the first node, whose address it is), and the launchers' settings checks take
+    unequal times; the node these tests kill must not be the store's host."""
     port = free_port()
     common = {
         **env(),
@@ -57,9 +61,11 @@ def start_nodes(run_dir: Path, args: list[str], *, restarts: int) -> list[subpro
         "RUN_DIR": str(run_dir),
         "MAX_RESTARTS": str(restarts),
         "TORCHRUN": str(Path(sys.executable).parent / "torchrun"),
+        "PYTHON": sys.executable,  # the launcher's settings check before torchrun
     }
-    return [
-        subprocess.Popen(
+
+    def start(node: int) -> subprocess.Popen:
+        return subprocess.Popen(
             ["bash", "scripts/launch/multinode.sh", "tiny", *args],
             cwd=ROOT,
             env={**common, "NODE_RANK": str(node)},
@@ -68,8 +74,22 @@ def start_nodes(run_dir: Path, args: list[str], *, restarts: int) -> list[subpro
             text=True,
             start_new_session=True,
         )
-        for node in (0, 1)
-    ]
+
+    first = start(0)
+    wait_for_listener(port, first)
+    return [first, start(1)]
+
+
+def wait_for_listener(port: int, node: subprocess.Popen, timeout: float = 180) -> None:
+    """Until something accepts connections on 127.0.0.1:``port`` (node's torchrun agent, the store's host)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert node.poll() is None and time.monotonic() < deadline, node.communicate()[1][-3000:]
+            time.sleep(0.2)
 
 
 def finish(nodes: list[subprocess.Popen], timeout: float = 600) -> list[tuple[int, str]]:
@@ -119,12 +139,19 @@ def workers_of(pid: int) -> list[int]:
 
 
 def agent_of(node: subprocess.Popen) -> int:
-    """The torchrun agent the launcher's bash started (its only child)."""
-    deadline = time.monotonic() + 60
-    while not (children := workers_of(node.pid)):
+    """The torchrun agent the launcher's bash started (its child after the settings check)."""
+    deadline = time.monotonic() + 120
+    while not (agents := [pid for pid in workers_of(node.pid) if "torchrun" in _cmdline(pid)]):
         assert time.monotonic() < deadline and node.poll() is None, "the launcher started no torchrun"
         time.sleep(0.1)
-    return children[0]
+    return agents[0]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # it ended meanwhile
+        return ""
 
 
 def rows(run_dir: Path) -> list[dict]:

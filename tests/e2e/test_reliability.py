@@ -37,6 +37,7 @@ from small_run import FAST, command, the_error
 from two_ranks import HELPERS, free_port, run_torchrun
 
 import train.__main__ as train_command
+import train.cli.check as check_command
 import train.eval.command as eval_command
 import train.probe.command as probe_command
 import train.trainer as trainer
@@ -243,6 +244,15 @@ BAD_SETTINGS = {
     "allow_changed-unknown": (
         ["checkpoint.allow_changed=[optimizer.lr]"],
         r"checkpoint\.allow_changed: 'optimizer\.lr' may change on resume without it",
+    ),
+    # settings that would do nothing on the tiny experiment, which has no SDE window
+    "post_window-without-window": (
+        ["sampler.post_window.solver=dpmpp_2m"],
+        r"sampler\.post_window\.solver=dpmpp_2m sets the steps after the SDE window, and sampler\.sde_window_size=0",
+    ),
+    "moving-window-without-window": (
+        ["sampler.sde_window_schedule=progressive"],
+        r"sampler\.sde_window_schedule=progressive moves the SDE window, and sde_window_size=0 has none",
     ),
     "max_bad_steps-negative": (["health.max_bad_steps=-1"], r"health\.max_bad_steps must be >= 0"),
     "max_weight_growth-below-one": (["health.max_weight_growth=0.5"], r"health\.max_weight_growth must be > 1"),
@@ -712,6 +722,48 @@ def test_a_refused_launch_leaves_no_folder(tiny_flux_dir, tmp_path, capsys):
     status, stderr = command(capsys, run_dir, [*FAST, f"model.path={tiny_flux_dir}", "optimizer.lr=nan"])
     assert status == 2 and "optimizer.lr" in the_error(stderr)
     assert not (tmp_path / "runs").exists()  # nor the parent Hydra created for it
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["sampler.post_window.solver=dpmpp_2m"], r"sampler\.post_window\.solver=dpmpp_2m sets the steps after"),
+        (["optimizer.lrr=1"], r"optimizer\.lrr"),  # Hydra's refusal, as python -m train words it
+        (["data.train_prompts=/nonexistent.txt"], r"data\.train_prompts"),
+    ],
+)
+def test_the_launchers_check_refuses_in_one_line_and_writes_nothing(overrides, expected, tmp_path, capsys):
+    """python -m train.cli.check: the launch's settings validated as python -m train validates them."""
+    run_dir = tmp_path / "run"
+    try:
+        status = check_command.main(["experiment=tiny", f"hydra.run.dir={run_dir}", *overrides])
+    except SystemExit as end:  # a refusal after the settings composed ends the process, as the trainer's does
+        status = end.code
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert re.search(expected, the_error(err)) and err.startswith("python -m train: error: ")
+    assert check_command.main(["experiment=tiny", f"hydra.run.dir={run_dir}"]) == 0
+    assert not run_dir.exists()  # the check writes nothing
+
+
+@pytest.mark.slow
+def test_a_refused_launch_is_not_restarted_by_the_launcher(tmp_path):
+    """torchrun restarts a failed launch whatever its exit status (a bad setting printed its line four times under
+    MAX_RESTARTS=3): the launcher checks the settings once first, and torchrun never starts."""
+    torchrun = tmp_path / "torchrun"  # a stand-in that records how it was started
+    torchrun.write_text('#!/usr/bin/env bash\necho "$@" > "$(dirname "$0")/started"\n')
+    torchrun.chmod(0o755)
+    env = {**os.environ, "TORCHRUN": str(torchrun), "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
+    env |= {"RUN_DIR": str(tmp_path / "run"), "OMP_NUM_THREADS": "1"}
+    script = [str(ROOT / "scripts" / "launch" / "train.sh"), "tiny"]
+    bad = subprocess.run([*script, "sampler.sde_window_schedule=progressive"], env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.count("python -m train: error: sampler.sde_window_schedule") == 1
+    assert not (tmp_path / "started").exists() and not (tmp_path / "run").exists()
+    good = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300)
+    assert good.returncode == 0, good.stderr
+    started = (tmp_path / "started").read_text().split()
+    assert started[:4] == ["--standalone", "--max-restarts", "3", "--nproc_per_node"] and "resume=auto" in started
 
 
 def test_rank_1_of_a_refused_launch_leaves_the_take_back_to_rank_0(

@@ -1,6 +1,6 @@
 """scripts/launch/slurm.sbatch without Slurm: its DRY_RUN lines (the job's SLURM_* variables set by hand, a
 stand-in scontrol reading the node list), and its batch shell's answer to SIGTERM, with stand-ins for srun,
-scancel, scontrol and torchrun that record what they were asked to do."""
+scancel, scontrol and torchrun that record what they were asked to do (and for the settings check's python)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,7 @@ def start_job(fakes: Path, torchrun: str, **env: str) -> subprocess.Popen:
     (its pid in torchrun.pid); scancel records its call and signals torchrun and the shell around it, as Slurm
     signals every process of a step."""
     tool(fakes, "srun", 'while [[ "$1" != bash ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n')
+    tool(fakes, "python", "exit 0\n")  # the settings check before torchrun passes (tests/e2e/test_reliability.py)
     tool(fakes, "torchrun", 'echo $$ > "$FAKES/torchrun.pid"\n' + torchrun)
     tool(fakes, "scancel", 'echo "scancel $*" >> "$FAKES/events"\npid=$(cat "$FAKES/torchrun.pid")\n'
          'kill -TERM "$pid" "$(cut -d" " -f4 /proc/$pid/stat)"\n')  # fmt: skip

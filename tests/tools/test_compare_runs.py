@@ -278,6 +278,45 @@ def test_sweep_over_seeds_by_hand(tmp_path, capsys):
     assert "*" not in printed  # no "best" marks
 
 
+def test_a_sweep_counts_runs_not_timelines_and_names_configs_it_could_not_read(tmp_path, capsys):
+    """A resumed run's retired timeline (checkpoints/retired/<time>_after_step_N/ with its rows) is not an arm;
+    a run whose config is damaged or cut short (mid-line, or at a line's end) is named once and left out, and
+    the others compare with their seeds together."""
+    sweep = tmp_path / "sweep"
+    for mode in ("exact", "jagg"):
+        for seed in (0, 1):
+            write_run(sweep / f"{mode}_s{seed}", evals({0: 0.40, 10: 0.50 + 0.01 * seed}), config(mode, seed))
+    retired = sweep / "exact_s0" / "checkpoints" / "retired" / "2026-12-05T01-00-00_after_step_00000005"
+    write_run(retired, evals({10: 0.9}))
+    whole = config("jagg", 2)
+    cut = {"mid_line": whole[: whole.index("jagg") + 2], "line_end": whole[: whole.index("update:")]}
+    cut["damaged"] = "seed: 2\nupdate: [\n"
+    for name, text in cut.items():
+        write_run(sweep / f"jagg_{name}", evals({0: 0.40, 10: 0.7}), text)
+    assert main([str(sweep)]) == 0
+    printed = capsys.readouterr().out
+    assert "- exact: seeds [0, 1]" in printed and "- jagg: seeds [0, 1]" in printed
+    summary = json.loads((sweep / "compare" / "summary.json").read_text())
+    assert list(summary["arms"]) == ["exact", "jagg"]
+    assert summary["arms"]["exact"]["eval/hps"]["final"] == {"0": 0.5, "1": 0.51}  # not the retired 0.9
+    assert f"left out 1 retired timeline(s) of {sweep / 'exact_s0'}" in printed
+    for name in cut:
+        assert sum(f"not read: {sweep / f'jagg_{name}'}" in line for line in printed.splitlines()) == 1
+    assert "stops before update.mode, which the other runs record (cut short?)" in printed
+    assert "ends mid-line (cut short)" in printed and "does not read as the YAML" in printed
+    # a run folder named on its own whose config is damaged: named, the others compared
+    assert main([str(sweep / "exact_s0"), str(sweep / "jagg_damaged"), "--out", str(tmp_path / "cmp")]) == 0
+    assert "not read:" in capsys.readouterr().out
+    # --labels counts the runs given: one left out is named in the refusal
+    labels = ["--labels", "a,b", "--out", str(tmp_path / "cmp")]
+    assert main([str(sweep / "exact_s0"), str(sweep / "jagg_damaged"), *labels]) == 2
+    assert "--labels names 2 runs but 1 runs are given; not read: " in capsys.readouterr().err
+    # nothing readable: one line, exit status 2
+    assert main([str(sweep / "jagg_damaged"), "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "no run to compare" in err and "jagg_damaged" in err
+
+
 def test_training_time_to_a_reward_threshold_over_seeds(tmp_path, capsys):
     """--reward-threshold 0.06: per seed, the sum of the step times before its first evaluation 0.06 over step 0
     (exact 2 s a step, jagg 1 s); the mean and 95% interval over the seeds that reach it, the others counted."""

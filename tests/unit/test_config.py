@@ -268,6 +268,31 @@ def test_a_group_names_the_full_key_of_its_refused_field(overrides, message, tmp
     assert str(refused.value).startswith(message)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["sampler.post_window.solver=dpmpp_2m"],
+            "sampler.post_window.solver=dpmpp_2m sets the steps after the SDE window, and sampler.sde_window_size=0 "
+            "has none (SDE on every step): leave sampler.post_window at its defaults, or set",
+        ),
+        (["sampler.post_window.ratio=0.4", "sampler.post_window.min_steps=1"], "sampler.post_window.ratio=0.4, "),
+        (
+            ["sampler.sde_window_schedule=progressive"],
+            "sampler.sde_window_schedule=progressive moves the SDE window, and sde_window_size=0 has none",
+        ),
+        (["sampler.sde_window_schedule=random"], "sampler.sde_window_schedule=random moves the SDE window"),
+    ],
+)
+def test_a_window_setting_on_a_sampler_without_a_window_is_refused(overrides, message, tmp_path):
+    """python -m train experiment=tiny (no SDE window) sampler.post_window.solver=dpmpp_2m would do nothing."""
+    with pytest.raises(ConfigError) as refused:
+        check(load(["experiment=tiny", *overrides], tmp_path))
+    assert str(refused.value).startswith(message)
+    window = ["sampler.sde_window_size=4", "sampler.sde_window_range=[0,4]", "update.segment_length=4"]
+    check(load(["experiment=tiny", *window, *overrides], tmp_path))  # with a window they act: accepted
+
+
 @dataclass
 class _Inner:
     size: int = 1

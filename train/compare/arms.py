@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from train.algorithm.jagg import UPDATE_MODES
-from train.compare.runs import RunMetrics, discover
+from train.compare.runs import NOT_READ, RunMetrics, discover
 from train.evaluation.summary import HELD_OUT, PHASES
 from train.observe.stats import Estimate, estimate, median, quantile, trapezoid_mean
 
@@ -258,7 +258,10 @@ def build_comparison(
 ) -> Comparison:
     runs, notes = discover(specs)
     notes += experiments_note(runs)
-    arms = group_arms(runs, labels)
+    try:
+        arms = group_arms(runs, labels)
+    except ValueError as err:  # a run left out shifts --labels: the refusal says which
+        raise ValueError("; ".join([str(err), *(n for n in notes if n.startswith(NOT_READ))])) from None
     base, why = pick_baseline(arms, baseline)
     arms = [base] + [a for a in arms if a is not base]
     names = eval_metrics(arms, metrics)

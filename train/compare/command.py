@@ -13,7 +13,9 @@ sweep folder, else ``comparison``): ``table.md``, ``summary.json``, ``eval_<metr
 ``eval_<metric>_vs_training_time.png`` (against the sum of step times), ``eval_<metric>_vs_wall.png`` (evaluations
 and stalls included), ``training_curves.png`` (metrics.jsonl's reward, advantage spread, KL, clip fraction,
 gradient norm and step time) and ``time_per_phase.png``. Exit status 2, with one line naming the
-run and the reason, when a run is missing or malformed.
+run and the reason, when a run is missing or its metrics are malformed. A run counts once: its retired
+timelines are left out, and a run whose recorded configuration cannot be read whole is named in one line and
+left out, the others compared (train/compare/runs.py).
 """
 
 from __future__ import annotations

@@ -2,17 +2,18 @@
 
 Each group checks its own ranges in ``__post_init__``; ``validate`` runs those again and then applies the few
 rules across groups: every float finite, a segment that divides the trainable steps, the batch that divides
-the samples, files that exist and read as UTF-8, the size of an evaluation. It raises ConfigError or
-PathError (train/run/errors.py), which the commands print as one line.
+the samples, no solver after a window the job does not have, files that exist and read as UTF-8, the size of
+an evaluation. It raises ConfigError or PathError (train/run/errors.py), which the commands print as one line.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from samplers.sampler_config import SamplerConfig
+from samplers.sampler_config import PostWindowConfig, SamplerConfig
 from samplers.sde import SDEKind
 from train.algorithm.segments import split_segments
 from train.algorithm.update_config import Routing
@@ -72,6 +73,24 @@ def _check_across(cfg: TrainConfig) -> None:
         raise ConfigError(str(err)) from None
 
 
+def _check_post_window(sampler: SamplerConfig) -> None:
+    """``sampler.post_window`` changes only the steps after an SDE window, and the trainer draws one only with
+    ``sde_window_size`` > 0 (samplers/window.py). The sampler's rollout also takes a window its caller gives, so
+    this rule is the trainer's, not the sampler's own."""
+    default = PostWindowConfig()
+    changed = [
+        f"sampler.post_window.{f.name}={getattr(sampler.post_window, f.name)}"
+        for f in fields(PostWindowConfig)
+        if getattr(sampler.post_window, f.name) != getattr(default, f.name)
+    ]
+    if sampler.sde_window_size == 0 and changed:
+        raise ConfigError(
+            f"{', '.join(changed)} sets the steps after the SDE window, and sampler.sde_window_size=0 has none (SDE "
+            "on every step): leave sampler.post_window at its defaults, or set sampler.sde_window_size > 0 (and "
+            "sampler.sde_window_range), e.g. sampler=flow_fast"
+        )
+
+
 def _validate_files(cfg: TrainConfig) -> None:
     model_path = Path(cfg.model.path)
     if cfg.model.build_tiny is None and not model_path.is_dir():
@@ -122,6 +141,7 @@ def validate(
     check_finite(cfg, "")
     checked(cfg)
     _validate_training(cfg, known_backbones)
+    _check_post_window(cfg.sampler)
     for name in cfg.eval.scorers:
         _choice(name, known_scorers, "eval.scorers (scorer name)")
     _check_across(cfg)
