@@ -27,7 +27,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import hydra
+import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from rewards.summary import overall
 from train.checkpoint.export import Weights, export_description, find_weights
@@ -82,8 +84,7 @@ def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
     saved = RunLayout(weights.run_dir).hydra_config if weights.run_dir is not None else None
     if weights.kind != "checkpoint" or saved is None or not saved.is_file():
         return
-    recorded = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
-    trained = OmegaConf.create(moved_tree(recorded))  # an older run's keys under today's names
+    trained = _recorded(saved, weights)
     here = OmegaConf.structured(cfg)
     for key in STRUCTURE:
         was, now = OmegaConf.select(trained, key), OmegaConf.select(here, key)
@@ -99,6 +100,24 @@ def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
             "evaluations scored (%s holds that)",
             export if export is not None and export.is_dir() else f"a finished run's {EXPORT}/",
         )
+
+
+def _recorded(saved: Path, weights: Weights) -> DictConfig:
+    """The configuration the run recorded (an older run's keys under today's names); ConfigError when it does not
+    read as one."""
+    try:
+        recorded = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, OmegaConfBaseException) as err:
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        recorded = f"unreadable ({why[:80]})"
+    if not isinstance(recorded, dict):
+        shown = recorded if isinstance(recorded, str) else f"a {type(recorded).__name__}, not a mapping"
+        raise ConfigError(
+            f"{weights.path}: its run's recorded configuration {saved} is damaged ({shown}), so the model settings "
+            "it was trained with cannot be checked: put back a copy of it, or move it away and pass the run's "
+            "model settings (model.*) yourself"
+        )
+    return OmegaConf.create(moved_tree(recorded))
 
 
 def check_checkpoint(weights: Weights) -> None:

@@ -28,12 +28,14 @@ from models.base import Backbone
 from rewards.base import Scorer
 from rewards.summary import overall
 from samplers.rollout import Predict
+from train.checkpoint.files import write_failure
 from train.config.schema import TrainConfig
-from train.distributed.collectives import DistInfo
+from train.distributed.collectives import DistInfo, broadcast_object
 from train.evaluation.protocol import EvalResult, before_after, evaluate, read_scores
 from train.evaluation.summary import HELD_OUT, eval_line, eval_tag, heldout_tag
 from train.observe.logger import RunLogger
 from train.optim.ema import EMA
+from train.run.errors import DiskFull, SaveFailed
 from train.run.layout import RunLayout
 from train.run.prompts import PromptRecord, read_prompts
 from train.run.scorers import build_eval_scorers
@@ -64,15 +66,33 @@ class Evaluator:
         return done % self.cfg.eval.every == 0 or done == self.cfg.num_steps
 
     def __call__(self, step: int) -> None:
-        """Evaluate the policy after ``step`` training steps: log it on all ranks, show it on rank 0."""
+        """Evaluate the policy after ``step`` training steps: log it on all ranks, show it on rank 0. A file the
+        disk refuses (rank 0 writes them) ends the run on every rank with SaveFailed (DiskFull), in one line;
+        the evaluation's row is not logged, so a resumed run evaluates it again."""
+        failed = None
+        try:
+            self._run(step)
+        except SaveFailed as err:  # the row of metrics.jsonl (train/observe/logger.py)
+            failed = str(err), isinstance(err, DiskFull)
+        except (OSError, RuntimeError) as err:  # torch.save says a full disk in a RuntimeError
+            failure = write_failure(err, RunLayout(self.cfg.run_dir).eval, f"the evaluation after step {step}")
+            if failure is None:
+                raise
+            failed = str(failure), isinstance(failure, DiskFull)
+        failed = broadcast_object(failed)
+        if failed is not None:
+            line, full = failed
+            raise DiskFull(line) if full else SaveFailed(line)
+
+    def _run(self, step: int) -> None:
         result = self._evaluate(self.records, eval_tag(step))
         metrics = logged_metrics(result.summary, "")
         heldout = self._evaluate(self.heldout, heldout_tag(step)).summary if self.heldout else None
         if heldout is not None:
             metrics |= logged_metrics(heldout, f"/{HELD_OUT}")
-        self.logger.log(metrics, step)
-        if self.dist.is_main:
+        if self.dist.is_main:  # the files first: the row says the evaluation is whole (a resume looks for it)
             self._show(result, heldout, step)
+        self.logger.log(metrics, step)
 
     def _evaluate(self, records: list[PromptRecord], tag: str) -> EvalResult:
         with self.ema.swapped() if self.ema is not None else nullcontext():
@@ -166,12 +186,14 @@ def build_evaluator(
     ema: EMA | None,
     logger: RunLogger,
     before_writing: Callable[[], None] | None = None,
+    again: bool = False,
 ) -> Evaluator | None:
     """The trainer's evaluation of ``predict`` (the policy; the EMA's weights when kept) for a session that
     starts at step ``start``, or None when it would evaluate nothing (eval.every=0, or no step
     left). A resumed session's rank 0 reads the step-0 result back from the run folder, for its comparisons.
-    ``before_writing`` runs on every rank once an evaluation's scores are gathered, before it writes anything."""
-    if not cfg.eval.every or start == cfg.num_steps:
+    ``before_writing`` runs on every rank once an evaluation's scores are gathered, before it writes anything.
+    ``again``: the evaluation after step ``start`` is done again (lost to a crash), even after the last step."""
+    if not cfg.eval.every or (start == cfg.num_steps and not again):
         return None
     records, heldout = read_eval_prompts(cfg), read_heldout_prompts(cfg)
     resumed = start > 0 and dist.is_main
