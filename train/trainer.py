@@ -31,7 +31,13 @@ an error raised alike, or one rank's exception in the reward phase, which the ra
 train/step.py); every save first checks the disk's free space (``DiskFull`` names the disk);
 ``health.max_bad_steps`` steps in a row that cannot change the weights (or a session none of whose steps could)
 end the run with ``NotLearning`` after a checkpoint; weights or images that left any sane range end it with
-``Diverged`` before the diverged weights are saved, naming the last checkpoint before them (train/observe/health.py).
+``Diverged`` before the diverged weights are saved, naming the last checkpoint before them (train/observe/health.py);
+the health counters go into every checkpoint and a resumed session goes on counting.
+
+A record with no hole: the run folder is the first console line; a resumed run evaluates again the evaluation
+of its checkpoint's step that a crash lost (no row in metrics.jsonl), and names one lost at an earlier step
+(its weights are gone) in the console, the summary and ``eval/curve.png``, the curve of the run's evaluations
+written at the end (train/run/record.py, train/evaluation/curve.py).
 """
 
 from __future__ import annotations

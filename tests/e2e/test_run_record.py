@@ -256,7 +256,7 @@ def test_eval_names_an_export_cut_short(cut, trained, tiny_flux_dir, tmp_path, c
         weights.rename(export / "diffusion_pytorch_model-00001-of-00002.safetensors")
         (export / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
     saved = contents(run_dir)
-    overrides = small(tiny_flux_dir, f"eval.transformer={export}")
+    overrides = small(tiny_flux_dir, f"eval.transformer={export}", "+eval.scorers.jpeg_compressibility={}")
     status, stderr = command(capsys, tmp_path / "eval", overrides, eval_command)
     line = the_error(stderr, eval_command.PROG)
     assert status == 2 and re.search(r"eval\.transformer=.*export'.*(an export cut short|cannot be read)", line), line
@@ -266,7 +266,8 @@ def test_eval_names_an_export_cut_short(cut, trained, tiny_flux_dir, tmp_path, c
 def test_eval_names_a_damaged_recorded_config(trained, tiny_flux_dir, tmp_path, capsys):
     run_dir = copy_run(trained, tmp_path)
     (run_dir / ".hydra" / "config.yaml").write_text("model: [name: flux\n")  # cut short mid-write
-    overrides = small(tiny_flux_dir, f"eval.transformer={run_dir / 'checkpoints' / 'step_00000002'}")
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+    overrides = small(tiny_flux_dir, f"eval.transformer={checkpoint}", "+eval.scorers.jpeg_compressibility={}")
     status, stderr = command(capsys, tmp_path / "eval", overrides, eval_command)
     line = the_error(stderr, eval_command.PROG)
     assert status == 2 and re.search(r"recorded configuration .*\.hydra/config\.yaml is damaged", line), line

@@ -3,11 +3,11 @@
 
 A call runs the protocol of train/evaluation/protocol.py (with the EMA weights when kept) on the
 evaluation prompts and, when ``eval.heldout_prompts`` is set, on those as a second evaluation; logs
-``eval/<metric>[/<category>]`` and ``eval/<metric>/held-out[/<category>]`` at ``step``; then rank 0
-prints the line against step 0 (``eval step 20: shape_alignment 0.5735 (step 0: 0.5862); held-out:
-shape_alignment 0.5401 (step 0: 0.5362)``), sends
-the captioned grid to wandb and writes ``eval/before_after_<tag>.png``: the same prompts and noise
-at step 0 and after ``step`` steps.
+``eval/<metric>[/<category>]`` and ``eval/<metric>/held-out[/<category>]`` at ``step``, last (a resumed run
+evaluates again a step whose row is missing); before that rank 0 prints the line against step 0 (``eval step
+20: shape_alignment 0.5735 (step 0: 0.5862); held-out: shape_alignment 0.5401 (step 0: 0.5362)``), sends the
+captioned grid to wandb and writes ``eval/before_after_<tag>.png``: the same prompts and noise at step 0 and
+after ``step`` steps. A file the disk refuses ends the run in one line on every rank (``SaveFailed``).
 
 The step-0 grid is saved as ``eval/step_00000000.grid.pt`` (uint8) beside its scores: a resumed
 session does not evaluate step 0 again, and ``build_evaluator`` reads the step-0 result back from the files.

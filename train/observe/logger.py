@@ -243,12 +243,14 @@ class RunLogger:
             return 0
         lines = self._reopened_lines()
         kept = [line for line in lines if _logged_before(line, step)]
-        cut = [number for number, line in enumerate(lines, start=1) if _row(line) is None and line.strip()]
+        cut = [number for number, line in enumerate(lines, start=1) if metrics_row(line) is None and line.strip()]
         if cut:
             where = f"line {cut[0]} was" if len(cut) == 1 else f"lines {', '.join(map(str, cut))} were"
             log.warning("%s: %s cut short by the crash that ended a session: dropped", self.metrics_path, where)
         if aside is not None:
-            _write_lines(aside, [line for line in lines if _row(line) is not None and not _logged_before(line, step)])
+            _write_lines(
+                aside, [line for line in lines if metrics_row(line) is not None and not _logged_before(line, step)]
+            )
         if len(kept) != len(lines):
             _write_lines(self.metrics_path, kept)
         self._start = time.time() - last_wall_time(kept)  # the replayed steps' time is not counted twice
@@ -339,7 +341,7 @@ class RunLogger:
             self._wandb = None
 
 
-def _row(line: str) -> dict[str, Any] | None:
+def metrics_row(line: str) -> dict[str, Any] | None:
     """A metrics.jsonl row (a JSON object with an integer step), or None (a line cut short)."""
     try:
         row = json.loads(line)
@@ -349,14 +351,18 @@ def _row(line: str) -> dict[str, Any] | None:
     return row if isinstance(row, dict) else None
 
 
+def evaluation_only(row: dict[str, Any]) -> bool:
+    """Whether a metrics.jsonl row is an evaluation's (``eval/*`` metrics only), not a training step's."""
+    return all(key.startswith("eval/") for key in row if key not in ("step", "wall_time"))
+
+
 def _logged_before(line: str, step: int) -> bool:
     """Whether a metrics.jsonl row was logged before the checkpoint of ``step`` (see ``RunLogger.rewind``)."""
-    row = _row(line)
+    row = metrics_row(line)
     if row is None:
         return False
     logged = int(row["step"])
-    metrics = [key for key in row if key not in ("step", "wall_time")]
-    return logged < step or (logged == step > 0 and all(key.startswith("eval/") for key in metrics))
+    return logged < step or (logged == step > 0 and evaluation_only(row))
 
 
 class PhaseTimer:

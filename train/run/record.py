@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import yaml
 
 from train.checkpoint.files import MARKER, STEP_DIR
 from train.config.keys import moved_tree
+from train.observe.logger import evaluation_only, metrics_row, read_lines
 from train.run.errors import CheckpointError
 from train.run.layout import RunLayout
 from train.run.prompts import prompts_digest, read_prompts
@@ -41,31 +41,15 @@ def steps_text(steps: Iterable[int]) -> str:
 
 
 def rows(path: Path) -> list[dict[str, Any]]:
-    """The readable rows of a metrics.jsonl (JSON objects with an integer step); none when there is no file."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-            int(row["step"])
-        except (ValueError, KeyError, TypeError):  # a line cut short by a crash
-            continue
-        if isinstance(row, dict):
-            out.append(row)
-    return out
-
-
-def is_eval_row(row: dict[str, Any]) -> bool:
-    metrics = [key for key in row if key not in ("step", "wall_time")]
-    return bool(metrics) and all(key.startswith("eval/") for key in metrics)
+    """The readable rows of a metrics.jsonl (a line cut short by a crash left out); none when there is no file."""
+    return [row for line in read_lines(path) if (row := metrics_row(line)) is not None]
 
 
 def lost_rows(metrics: Path, step: int) -> list[int]:
     """The training steps before ``step`` (the resumed checkpoint's) that ``metrics`` holds no row of, from its
     first row on (a run continued from another run's checkpoint logs from that checkpoint's step); all of them
     when it holds none."""
-    logged = {int(row["step"]) for row in rows(metrics) if not is_eval_row(row)}
+    logged = {int(row["step"]) for row in rows(metrics) if not evaluation_only(row)}
     return [k for k in range(min(logged, default=0), step) if k not in logged]
 
 
