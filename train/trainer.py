@@ -434,7 +434,7 @@ def _evaluate_first(run: Run, evaluator: Evaluator | None, start: int, lost: lis
     # eval/<metric> at step k is the policy after k training steps: k = 0 is the model as loaded.
     again = start > 0 and start in lost
     if evaluator is not None and (start == 0 or again):
-        if again:
+        if again and run.dist.is_main:
             log.warning("the evaluation after step %d was lost (no row in metrics.jsonl): evaluating it again", start)
         with activity(f"the evaluation after step {start}" if again else "the evaluation before training"):
             evaluator(start)

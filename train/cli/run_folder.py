@@ -44,8 +44,8 @@ class RunFolder(Callback):
             folder = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
         except OmegaConfBaseException:
             return  # Hydra resolves it again in a moment and reports the error its own way
-        if self.one_run and config.get("resume") == "auto" and _new_each_launch(config):
-            folder = _resume_latest(config, folder)
+        if self.one_run and config.get("resume") == "auto" and _new_each_launch(config) and env_rank() == 0:
+            folder = _resume_latest(config, folder)  # the other ranks train where rank 0 does (train/run/build.py)
         problem = self._refusal(folder, config)
         if problem is not None:
             raise SystemExit(report_error(problem, progress.prog))  # Hydra's callbacks swallow Exceptions
