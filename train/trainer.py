@@ -400,30 +400,31 @@ def fit(run: Run) -> None:
                 is_main=run.dist.is_main,
             )
     if run.dist.is_main:
-        missing = _curve(run)
+        missing = [step for step in lost if step < start]  # the one at ``start`` was evaluated again
+        _curve(run.io.layout, missing)
         seconds = time.perf_counter() - began
         summary = run_summary(cfg, start=start, history=history, seconds=seconds, peak=run.perf.peak, missing=missing)
         log.info(summary)
 
 
-def _curve(run: Run) -> list[int]:
-    """Rank 0 at the end: ``eval/curve.png`` of the run's evaluations, those missing from metrics.jsonl marked;
-    the missing ones."""
-    layout, every, steps = run.io.layout, run.cfg.eval.every, run.cfg.num_steps
-    missing = missing_evaluations(layout.metrics, due_evaluations(every, steps, steps))
+def _curve(layout: RunLayout, missing: list[int]) -> None:
+    """Rank 0 at the end: ``eval/curve.png`` of the run's evaluations, the ``missing`` ones marked."""
     try:
         write_curve(layout.metrics, layout.eval_curve, missing)
     except OSError as err:
         raise write_failure(err, layout.eval_curve, "the curve of the evaluations") or err from None
-    return missing
 
 
 def _lost_evaluations(run: Run, start: int) -> list[int]:
-    """The evaluations due after steps ``<= start`` of a resumed run that metrics.jsonl holds no row of (lost to
-    a crash or a full disk); rank 0 reads, every rank gets them."""
-    cfg = run.cfg
-    due = due_evaluations(cfg.eval.every, cfg.num_steps, start) if cfg.resume is not None and start > 0 else []
-    lost = missing_evaluations(run.io.layout.metrics, due) if run.dist.is_main else []
+    """The evaluations due after steps ``<= start`` of a run resumed from a checkpoint of its folder that
+    metrics.jsonl holds no row of (lost to a crash or a full disk), on the cadence that checkpoint recorded
+    (``eval.every``; today's for one that recorded none); rank 0 reads, every rank gets them."""
+    cfg, checkpoints = run.cfg, run.io.checkpoints
+    path = checkpoints.path_for(start)  # none for another run's checkpoint: its evaluations are in its folder
+    lost = []
+    if run.dist.is_main and cfg.resume is not None and start > 0 and path.is_dir():
+        every = (checkpoints.settings_of(path) or {}).get("eval.every", cfg.eval.every)
+        lost = missing_evaluations(run.io.layout.metrics, due_evaluations(int(every), cfg.num_steps, start))
     return list(broadcast_object(lost))
 
 

@@ -83,6 +83,19 @@ def test_an_evaluation_lost_before_an_earlier_checkpoint_is_named_missing(traine
     assert evaluated(run_dir) == [0, 2, 3]
 
 
+def test_a_cadence_changed_on_resume_loses_no_evaluation(tiny_flux_dir, tmp_path, capsys):
+    """Trained with eval.every=2 (evaluations after steps 0 and 2), resumed with eval.every=1: the evaluation
+    after step 1 was never due, so nothing is named lost or missing; the change itself is named."""
+    run_dir = tmp_path / "run"
+    overrides = small(tiny_flux_dir, "num_steps=2", "checkpoint.every=1", *EVAL, "eval.every=2")
+    assert command(capsys, run_dir, overrides)[0] == 0
+    resumed = [*overrides, "num_steps=3", "eval.every=1", "resume=auto"]
+    status, stderr, stdout = command(capsys, run_dir, resumed, stdout=True)
+    assert status == 0, stderr
+    assert "eval.every 2 -> 1" in stdout and "lost" not in stdout and "missing" not in stdout
+    assert evaluated(run_dir) == [0, 2, 3]
+
+
 def test_the_health_counters_go_on_across_a_resume(tiny_flux_dir, tmp_path, capsys, monkeypatch):
     """Every reward NaN, health.max_bad_steps=3, SIGTERM after step 1: the resumed run stops after its first step
     (the third bad one in a row), as the uninterrupted run would, not three steps later."""
