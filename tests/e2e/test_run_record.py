@@ -218,6 +218,40 @@ def test_a_disk_that_fills_during_an_evaluation_is_one_line_and_resume_evaluates
     assert evaluated(run_dir) == [0, 1, 2]
 
 
+def test_a_disk_that_fills_during_a_sample_grid_is_one_line(tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    """A neighbour of the evaluation's: the sample grid of step 0 (logging.sample_every=1) that the disk refuses is
+    one line naming the samples' disk, not a traceback."""
+    from PIL import Image
+
+    real = Image.Image.save
+
+    def full(self, target, *args, **kwargs):
+        if isinstance(target, str | Path):  # a file; the JPEG reward's in-memory saves go on
+            raise OSError(28, "No space left on device")
+        return real(self, target, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", full)
+    run_dir = tmp_path / "run"
+    status, stderr = command(capsys, run_dir, small(tiny_flux_dir, "num_steps=2", "logging.sample_every=1"))
+    line = the_error(stderr)
+    assert status == 2 and re.search(r"the disk of .*samples .* filled up while the sample grid of step", line), line
+
+
+def test_eval_on_a_full_disk_is_one_line(trained, tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    real = pathlib.Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name.startswith("eval_"):
+            raise OSError(28, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    overrides = small(tiny_flux_dir, f"eval.transformer={trained / 'export'}", "+eval.scorers.jpeg_compressibility={}")
+    status, stderr = command(capsys, tmp_path / "eval", overrides, eval_command)
+    line = the_error(stderr, eval_command.PROG)
+    assert status == 2 and re.search(r"filled up while the evaluation eval_export was written: .*untouched", line)
+
+
 def test_a_run_folder_that_turns_read_only_is_one_line(tiny_flux_dir, tmp_path, capsys, monkeypatch):
     """The folder turns read-only after step 0: the metrics row of step 1 is refused, and so is the removal of the
     lock; the refused row is the one line, exit 2 (not a traceback of the lock's release)."""

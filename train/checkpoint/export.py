@@ -33,10 +33,10 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from train.checkpoint.files import checksum_problem, file_info, is_complete, write_failure
+from train.checkpoint.files import agree_on_write, checksum_problem, file_info, is_complete
 from train.checkpoint.manager import CheckpointManager
-from train.distributed.collectives import broadcast_object, get_rank
-from train.run.errors import DiskFull, PathError, SaveFailed
+from train.distributed.collectives import get_rank
+from train.run.errors import PathError
 from train.run.layout import CHECKPOINTS, EXPORT, RAW_EXPORT, RunLayout
 
 log = logging.getLogger(__name__)
@@ -64,21 +64,19 @@ def export_model(
     # Full tensors are gathered on every rank but kept only on rank 0 (cpu_offload), in CPU memory.
     full: dict[str, Any] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out = Path(out_dir)
-    failed = None
-    if get_rank() == 0:
-        if dtype is not None:
-            full = {key: value.to(dtype) for key, value in full.items()}
+    if dtype is not None and get_rank() == 0:
+        full = {key: value.to(dtype) for key, value in full.items()}
+
+    def write() -> None:
+        if get_rank() != 0:
+            return
         try:
             _write_export(model, full, out, adapter_name, lora_prefix)
-        except Exception as err:  # the writers' own errors too (safetensors says a full disk in its words)
-            if (failure := write_failure(err, out, "the export")) is None:
-                raise
+        except Exception:
             shutil.rmtree(out, ignore_errors=True)  # no export cut short is left for train.eval to find
-            failed = str(failure), isinstance(failure, DiskFull)
-    failed = broadcast_object(failed)  # every rank waits for rank 0's files, and hears how they went
-    if failed is not None:
-        line, full_disk = failed
-        raise DiskFull(line) if full_disk else SaveFailed(line)
+            raise
+
+    agree_on_write(write, out, "the export")  # every rank waits for rank 0's files and hears how they went
     return out
 
 

@@ -9,6 +9,7 @@ import hashlib
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +188,25 @@ NO_SPACE = re.compile(r"No space left|unexpected pos|Errno 28|disk quota", re.IG
 
 def is_no_space(err: BaseException) -> bool:
     return (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or bool(NO_SPACE.search(str(err)))
+
+
+def agree_on_write(write: Callable[[], None], path: Path, what: str, kept: str = KEPT) -> None:
+    """Run ``write`` on every rank (rank 0 writes the files; collectives may run inside it); a file the disk of
+    ``path`` refuses ends it on every rank with rank 0's one line (SaveFailed, DiskFull), instead of a traceback on
+    rank 0 and a hang elsewhere. A collective."""
+    failed = None
+    try:
+        write()
+    except SaveFailed as err:  # a row of metrics.jsonl (train/observe/logger.py) said it already
+        failed = str(err), isinstance(err, DiskFull)
+    except Exception as err:  # the writers' own errors too: torch.save and safetensors say a full disk their way
+        if (failure := write_failure(err, path, what, kept)) is None:
+            raise
+        failed = str(failure), isinstance(failure, DiskFull)
+    failed = broadcast_object(failed)
+    if failed is not None:
+        line, full = failed
+        raise DiskFull(line) if full else SaveFailed(line)
 
 
 def write_failure(err: BaseException, path: Path, what: str, kept: str = KEPT) -> SaveFailed | None:

@@ -33,6 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rewards.summary import overall
 from train.checkpoint.export import Weights, export_description, find_weights
+from train.checkpoint.files import agree_on_write, write_failure
 from train.checkpoint.manager import CheckpointManager, deleted
 from train.cli.compose import setup
 from train.cli.help_text import show_value
@@ -52,6 +53,7 @@ setup()
 PROG = "python -m train.eval"
 log = logging.getLogger(__name__)
 STRUCTURE = ("model.name", "model.lora.enabled", "model.lora.rank", "model.lora.alpha")
+NOTHING_CHANGED = "the weights it evaluates are untouched: run it again once there is room"
 
 
 def check_scorers(cfg: TrainConfig) -> None:
@@ -174,11 +176,15 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
         scorers = build_eval_scorers(config, device)
 
         def run(tag: str) -> EvalResult:
-            result = evaluate(backbone, predict, scorers, records, config, dist, device=device, tag=tag, out=out)
+            def evaluated() -> None:
+                results[tag] = evaluate(
+                    backbone, predict, scorers, records, config, dist, device=device, tag=tag, out=out
+                )
+
+            agree_on_write(evaluated, out, f"the evaluation {tag}", kept=NOTHING_CHANGED)  # one line on every rank
             if dist.is_main:
-                log.info(_line(result))
-            results[tag] = result
-            return result
+                log.info(_line(results[tag]))
+            return results[tag]
 
         if weights is None or config.eval.compare_pretrained:
             run("eval_pretrained")
@@ -186,7 +192,10 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
             load_weights(config, backbone, weights, device)
             after = run(f"eval_{weights.tag}")
             if config.eval.compare_pretrained and dist.is_main:
-                lines = _compare(results["eval_pretrained"], after, [r.prompt for r in records], out)
+                try:
+                    lines = _compare(results["eval_pretrained"], after, [r.prompt for r in records], out)
+                except OSError as err:
+                    raise write_failure(err, out, "the comparison", NOTHING_CHANGED) or err from None
                 log.info("\n".join(lines))
     if dist.is_main:
         log.info("wrote %s: %s (.json means, .scores.jsonl per prompt, .png grids)", out, ", ".join(results))

@@ -28,14 +28,13 @@ from models.base import Backbone
 from rewards.base import Scorer
 from rewards.summary import overall
 from samplers.rollout import Predict
-from train.checkpoint.files import write_failure
+from train.checkpoint.files import agree_on_write
 from train.config.schema import TrainConfig
-from train.distributed.collectives import DistInfo, broadcast_object
+from train.distributed.collectives import DistInfo
 from train.evaluation.protocol import EvalResult, before_after, evaluate, read_scores
 from train.evaluation.summary import HELD_OUT, eval_line, eval_tag, heldout_tag
 from train.observe.logger import RunLogger
 from train.optim.ema import EMA
-from train.run.errors import DiskFull, SaveFailed
 from train.run.layout import RunLayout
 from train.run.prompts import PromptRecord, read_prompts
 from train.run.scorers import build_eval_scorers
@@ -69,20 +68,8 @@ class Evaluator:
         """Evaluate the policy after ``step`` training steps: log it on all ranks, show it on rank 0. A file the
         disk refuses (rank 0 writes them) ends the run on every rank with SaveFailed (DiskFull), in one line;
         the evaluation's row is not logged, so a resumed run evaluates it again."""
-        failed = None
-        try:
-            self._run(step)
-        except SaveFailed as err:  # the row of metrics.jsonl (train/observe/logger.py)
-            failed = str(err), isinstance(err, DiskFull)
-        except (OSError, RuntimeError) as err:  # torch.save says a full disk in a RuntimeError
-            failure = write_failure(err, RunLayout(self.cfg.run_dir).eval, f"the evaluation after step {step}")
-            if failure is None:
-                raise
-            failed = str(failure), isinstance(failure, DiskFull)
-        failed = broadcast_object(failed)
-        if failed is not None:
-            line, full = failed
-            raise DiskFull(line) if full else SaveFailed(line)
+        folder = RunLayout(self.cfg.run_dir).eval
+        agree_on_write(lambda: self._run(step), folder, f"the evaluation after step {step}")
 
     def _run(self, step: int) -> None:
         result = self._evaluate(self.records, eval_tag(step))
