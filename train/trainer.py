@@ -84,7 +84,7 @@ from train.run.errors import (
 from train.run.folder import FolderLost
 from train.run.layout import RunLayout
 from train.run.parts import Run
-from train.run.record import due_evaluations, missing_evaluations, steps_text
+from train.run.record import after_steps, due_evaluations, missing_evaluations
 from train.run.start import load_config, process_group
 from train.run.timeline import branch
 from train.step import train_step
@@ -442,8 +442,8 @@ def _evaluate_first(run: Run, evaluator: Evaluator | None, start: int, lost: lis
     earlier = [step for step in lost if step < start]
     if earlier and run.dist.is_main:
         log.warning(
-            "the evaluations after steps %s were lost (no row in metrics.jsonl) and their weights are gone: the "
+            "the evaluations %s were lost (no row in metrics.jsonl) and their weights are gone: the "
             "curve (%s) and the summary mark them missing",
-            steps_text(earlier),
+            after_steps(earlier),
             run.io.layout.eval_curve,
         )

@@ -77,9 +77,9 @@ def test_an_evaluation_lost_before_an_earlier_checkpoint_is_named_missing(traine
     (run_dir / "metrics.jsonl").write_text("".join(kept))
     status, stderr, stdout = command(capsys, run_dir, [*overrides, "num_steps=3", "resume=auto"], stdout=True)
     assert status == 0, stderr
-    assert re.search(r"the evaluations after steps 1 were lost .* the curve \(.*curve\.png\) and the summary", stdout)
-    assert "evaluations missing (lost before a resume, their weights gone): after steps 1" in stdout
-    assert re.search(r"eval/curve\.png +the evaluations against the step \(missing: after steps 1\)", stdout)
+    assert re.search(r"the evaluations after step 1 were lost .* the curve \(.*curve\.png\) and the summary", stdout)
+    assert "evaluations missing (lost before a resume, their weights gone): after step 1" in stdout
+    assert re.search(r"eval/curve\.png +the evaluations against the step \(missing: after step 1\)", stdout)
     assert evaluated(run_dir) == [0, 2, 3]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from train.evaluation.summary import HELD_OUT
-from train.run.record import rows
+from train.run.record import after_steps, rows
 
 
 def eval_series(metrics: Path) -> dict[str, dict[int, float]]:
@@ -55,7 +55,7 @@ def _panel(ax: Any, key: str, series: dict[str, dict[int, float]], missing: list
             ax.plot(steps, [series[name][s] for s in steps], marker="o", label=label)
     for n, step in enumerate(missing):
         ax.axvline(step, color="grey", linestyle="--", label="missing" if n == 0 else None)
-    title = key + (f" (missing: step {', '.join(map(str, missing))})" if missing else "")
+    title = key + (f" (missing: {after_steps(missing)})" if missing else "")
     ax.set(xlabel="training step", ylabel=key, title=title)
     ax.grid(alpha=0.3)
     ax.legend()

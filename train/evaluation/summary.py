@@ -24,7 +24,7 @@ from train.observe.logger import format_seconds
 from train.observe.perf import Peak
 from train.observe.stats import median
 from train.run.layout import RunLayout
-from train.run.record import steps_text
+from train.run.record import after_steps
 
 HELD_OUT = "held-out"  # the held-out prompts' evaluation: eval/<metric>/held-out, eval/<tag>_held-out.*
 PHASES = ("step", "rollout", "reward", "update", "optimizer", "probe")  # the timed phases of a step (time/<phase>)
@@ -127,7 +127,7 @@ def _listing(folder: Path, pattern: str) -> list[str]:
 def _missing(missing: Sequence[int]) -> str:
     if not missing:
         return ""
-    return f" (missing: after steps {steps_text(missing)})"
+    return f" (missing: {after_steps(list(missing))})"
 
 
 def files_section(cfg: TrainConfig, wandb_mode: str, missing: Sequence[int] = ()) -> list[str]:
@@ -180,9 +180,7 @@ def run_summary(
     lines = [f"finished {cfg.experiment} ({cfg.update.mode}, seed {cfg.seed}): {done} in {format_seconds(seconds)}"]
     lines += _rewards(cfg, history)
     if missing:
-        lines.append(
-            f"evaluations missing (lost before a resume, their weights gone): after steps {steps_text(missing)}"
-        )
+        lines.append(f"evaluations missing (lost before a resume, their weights gone): {after_steps(list(missing))}")
     lines.append(_timing(history))
     lines += _perf(history, peak)
     lines += files_section(cfg, cfg.logging.wandb_mode, missing)

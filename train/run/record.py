@@ -29,6 +29,11 @@ from train.run.layout import RunLayout
 from train.run.prompts import prompts_digest, read_prompts
 
 
+def after_steps(steps: list[int]) -> str:
+    """``after step 4``, ``after steps 2, 4-6``."""
+    return f"after step{'s' if len(steps) > 1 else ''} {steps_text(steps)}"
+
+
 def steps_text(steps: Iterable[int]) -> str:
     """``0-3, 6, 8-9``: sorted steps as runs of consecutive ones."""
     spans: list[list[int]] = []
