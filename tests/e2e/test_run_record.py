@@ -135,25 +135,45 @@ def drop_settings(run_dir: Path, key: str | None) -> None:
 
 @pytest.mark.parametrize(
     "case",
-    ["kl-none-recorded", "kl-not-recorded", "prompts-none-recorded", "same-settings"],
+    ["kl-none-recorded", "kl-not-recorded", "prompts-none-recorded", "kl-hydra-only", "same-settings"],
 )
 def test_an_older_run_resumed_with_other_settings_is_refused(case, trained, tiny_flux_dir, tmp_path, capsys):
-    """Checkpoints that recorded no settings (or not grpo.kl_beta): the run folder's config.yaml stands in for
-    them; another KL or other prompts are refused in one line, nothing changed; the same settings resume."""
+    """Checkpoints that recorded no settings (or not grpo.kl_beta): the run folder's config.yaml (or, in a folder
+    without one, Hydra's copy when this launch did not rewrite it: run_dir= given, Hydra's output elsewhere)
+    stands in for them; another KL or other prompts are refused in one line, nothing changed; the same settings
+    resume."""
     run_dir = copy_run(trained, tmp_path)
     drop_settings(run_dir, "grpo.kl_beta" if case == "kl-not-recorded" else None)
+    launch = run_dir
+    if case == "kl-hydra-only":
+        (run_dir / "config.yaml").unlink()
+        launch = tmp_path / "launch"  # Hydra writes its own files there; the trainer resumes run_dir
     other = tmp_path / "other.txt"
     other.write_text("a red cube\n")
     change = {"kl": ["grpo.kl_beta=0.1"], "prompts": [f"data.train_prompts={other}"], "same": []}[case.split("-")[0]]
+    change += [f"run_dir={run_dir}"] if launch != run_dir else []
     saved = contents(run_dir)
-    status, stderr = command(capsys, run_dir, small(tiny_flux_dir, "num_steps=3", "resume=auto", *change))
+    status, stderr = command(capsys, launch, small(tiny_flux_dir, "num_steps=3", "resume=auto", *change))
     if case == "same-settings":
         assert status == 0, stderr
         return
     line = the_error(stderr)
     changed = r"grpo\.kl_beta 0\.0 -> 0\.1" if case.startswith("kl") else r"data\.train_prompts '.*' -> '1 prompts"
     assert status == 2 and re.search(rf"as its run folder's .*config\.yaml records .*{changed}", line), line
+    if case == "kl-hydra-only":
+        assert ".hydra/config.yaml" in line
     assert contents(run_dir) == saved
+
+
+def test_an_older_run_with_no_recorded_configuration_is_named(trained, tiny_flux_dir, tmp_path, capsys):
+    """Neither the checkpoint nor the folder records the settings (Hydra's copy rewritten by this launch): the
+    resume goes on, saying in one line that they cannot be compared."""
+    run_dir = copy_run(trained, tmp_path)
+    drop_settings(run_dir, None)
+    (run_dir / "config.yaml").unlink()
+    status, stderr, stdout = command(capsys, run_dir, small(tiny_flux_dir, "num_steps=3", "resume=auto"), stdout=True)
+    assert status == 0, stderr
+    assert re.search(r"checkpoint .*step_00000002 records no settings and its run folder no configuration", stdout)
 
 
 def test_resume_auto_with_every_checkpoint_unfinished_is_refused(trained, tiny_flux_dir, tmp_path, capsys):

@@ -8,6 +8,7 @@
   ``resume=auto`` refuses to start again over (``no_complete_checkpoint``).
 * ``lost_rows``: the training steps before the resumed checkpoint that metrics.jsonl no longer holds (emptied or
   cut short since), named in one line.
+* ``not_a_folder``: a file where the export's folder goes, refused before training.
 * ``due_evaluations`` and ``missing_evaluations``: the evaluations the cadence (``eval.every``) asked for, and
   those without a row in metrics.jsonl (lost to a crash, a full disk): the trainer evaluates again the one
   at the step it resumes from, and the curve and the summary name the others.
@@ -20,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra.core.hydra_config import HydraConfig
 
 from train.checkpoint.files import MARKER, STEP_DIR
 from train.config.keys import moved_tree
 from train.observe.logger import evaluation_only, metrics_row, read_lines
 from train.run.errors import CheckpointError
-from train.run.layout import RunLayout
+from train.run.layout import CHECKPOINTS, RunLayout
 from train.run.prompts import prompts_digest, read_prompts
 
 
@@ -93,10 +95,14 @@ def no_complete_checkpoint(checkpoints: Path, names: list[str]) -> CheckpointErr
 
 
 def _config_files(layout: RunLayout) -> list[Path]:
-    """The configurations the folder's sessions wrote, the latest first (Hydra's copy last: a launch rewrites it)."""
+    """The configurations the folder's sessions wrote, the latest first; Hydra's copy last, unless this launch
+    rewrote it (its output folder is the run folder: it holds this launch's settings, not the run's)."""
     sessions = [p for p in layout.root.glob("config.*.yaml") if p.name.split(".")[1].isdigit()]
     sessions.sort(key=lambda p: int(p.name.split(".")[1]), reverse=True)
-    return [*sessions, layout.config, layout.hydra_config]
+    rewritten = (
+        HydraConfig.initialized() and Path(HydraConfig.get().runtime.output_dir).resolve() == layout.root.resolve()
+    )
+    return [*sessions, layout.config, *([] if rewritten else [layout.hydra_config])]
 
 
 def recorded_config(layout: RunLayout) -> tuple[dict[str, Any], Path] | None:
@@ -110,6 +116,12 @@ def recorded_config(layout: RunLayout) -> tuple[dict[str, Any], Path] | None:
         if isinstance(tree, dict):
             return moved_tree(tree), path
     return None
+
+
+def run_folder_of(checkpoint: Path) -> RunLayout:
+    """The run folder that wrote ``checkpoint`` (``<run>/checkpoints/[retired/<timeline>/]step_N``)."""
+    folder = next((p for p in checkpoint.absolute().parents if p.name == CHECKPOINTS), checkpoint.absolute().parent)
+    return RunLayout(folder.parent)
 
 
 def _select(tree: dict[str, Any], key: str) -> tuple[bool, Any]:

@@ -35,6 +35,7 @@ from train.run.record import (
     no_complete_checkpoint,
     not_a_folder,
     recorded_config,
+    run_folder_of,
     settings_from_config,
     steps_text,
     unfinished,
@@ -148,7 +149,14 @@ def _saved_settings(
     the run folder's recorded configuration for the keys an older checkpoint did not record (train/run/record.py)."""
     saved = moved_settings(checkpoints.settings_of(path) or {})  # an older run's keys under today's names
     saved.pop(LORA_MODULES, None)  # known once LoRA is on (train/model/builder.py checks it)
-    recorded = recorded_config(RunLayout(checkpoints.root.parent)) if now.keys() - saved.keys() else None
+    recorded = recorded_config(run_folder_of(path)) if now.keys() - saved.keys() else None
+    if recorded is None and not saved:
+        log.warning(
+            "resume=%s: checkpoint %s records no settings and its run folder no configuration of its own: the "
+            "settings it was trained with cannot be compared with these (resume with the same ones)",
+            cfg.resume,
+            path,
+        )
     if recorded is None:
         return saved, str(path)
     tree, config = recorded
