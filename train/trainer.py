@@ -31,7 +31,13 @@ an error raised alike, or one rank's exception in the reward phase, which the ra
 train/step.py); every save first checks the disk's free space (``DiskFull`` names the disk);
 ``health.max_bad_steps`` steps in a row that cannot change the weights (or a session none of whose steps could)
 end the run with ``NotLearning`` after a checkpoint; weights or images that left any sane range end it with
-``Diverged`` before the diverged weights are saved, naming the last checkpoint before them (train/observe/health.py).
+``Diverged`` before the diverged weights are saved, naming the last checkpoint before them (train/observe/health.py);
+the health counters go into every checkpoint and a resumed session goes on counting.
+
+A record with no hole: the run folder is the first console line; a resumed run evaluates again the evaluation
+of its checkpoint's step that a crash lost (no row in metrics.jsonl), and names one lost at an earlier step
+(its weights are gone) in the console, the summary and ``eval/curve.png``, the curve of the run's evaluations
+written at the end (train/run/record.py, train/evaluation/curve.py).
 """
 
 from __future__ import annotations
@@ -50,13 +56,14 @@ from torch import nn
 from torch.optim import Optimizer
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from train.checkpoint.export import export_model, write_export_note
-from train.checkpoint.files import state_bytes
+from train.checkpoint.export import EXPORT_NOTE, export_model, write_export_note
+from train.checkpoint.files import state_bytes, write_failure
 from train.checkpoint.manager import CheckpointManager
 from train.config.keys import LORA_MODULES, recorded_settings
 from train.config.schema import TrainConfig
 from train.distributed.collectives import activity, broadcast_object
 from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInterrupt, stop_requests
+from train.evaluation.curve import write_curve
 from train.evaluation.evaluator import Evaluator, build_evaluator
 from train.evaluation.summary import run_summary
 from train.model.builder import non_finite
@@ -77,6 +84,7 @@ from train.run.errors import (
 from train.run.folder import FolderLost
 from train.run.layout import RunLayout
 from train.run.parts import Run
+from train.run.record import after_steps, due_evaluations, missing_evaluations
 from train.run.start import load_config, process_group
 from train.run.timeline import branch
 from train.step import train_step
@@ -85,10 +93,13 @@ log = logging.getLogger(__name__)
 
 
 def run(cfg: DictConfig) -> None:
-    """Entry point behind ``python -m train``: validate, build, train, export."""
+    """Entry point behind ``python -m train``: validate, build, train, export; the run folder named first."""
     config = load_config(cfg)
-    with process_group(config.dist.timeout_s) as dist, open_run(config, dist) as state:
-        fit(state)
+    with process_group(config.dist.timeout_s) as dist:
+        if dist.is_main:
+            log.info("run folder: %s", Path(config.run_dir).absolute())
+        with open_run(config, dist) as state:
+            fit(state)
 
 
 def _needed_bytes(run: Run) -> int:
@@ -111,10 +122,10 @@ def _check_owner(run: Run) -> None:
         raise FolderLost(lost)
 
 
-def _save(run: Run, step: int) -> Path:
-    """The checkpoint of ``step`` steps, once the disk has room for it (DiskFull otherwise) and while the run
-    folder is still this run's (FolderLost otherwise)."""
-    extra: dict[str, Any] = {"step": step}
+def _save(run: Run, step: int, health: Health) -> Path:
+    """The checkpoint of ``step`` steps with the ``health`` counters, once the disk has room for it (DiskFull
+    otherwise) and while the run folder is still this run's (FolderLost otherwise)."""
+    extra: dict[str, Any] = {"step": step, "health": health.state_dict()}
     ema, checkpoints = run.optim.ema, run.io.checkpoints
     if ema is not None:
         extra["ema"] = ema.state_dict()
@@ -149,7 +160,10 @@ def export(
         with ema.swapped() if weights == "ema" and ema is not None else nullcontext():
             export_model(transformer, folder)
         if is_main:
-            write_export_note(folder, weights=weights, step=step, ema_decay=ema_decay)
+            try:
+                write_export_note(folder, weights=weights, step=step, ema_decay=ema_decay)
+            except OSError as err:
+                raise write_failure(err, folder / EXPORT_NOTE, "the export's note") or err from None
 
 
 def _configured_optimizer(optimizer: Optimizer, cfg: TrainConfig) -> None:
@@ -160,7 +174,13 @@ def _configured_optimizer(optimizer: Optimizer, cfg: TrainConfig) -> None:
 
 
 def resume(run: Run) -> int:
-    """The step to start from: 0, or the step of the checkpoint ``resume`` names.
+    """The step to start from: 0, or the step of the checkpoint ``resume`` names (``resumed``)."""
+    return resumed(run)[0]
+
+
+def resumed(run: Run) -> tuple[int, dict[str, Any]]:
+    """The step to start from and the health counters to go on from: (0, {}), or the step and the counters of
+    the checkpoint ``resume`` names ({} for one saved before they were kept).
 
     ``run.io.resume_from[0]`` passed the file checks before the model loaded; a checkpoint whose tensors
     still do not read back, or whose weights are not finite, is damaged, and ``resume=auto`` falls back
@@ -186,18 +206,20 @@ def resume(run: Run) -> int:
             ema.load_state_dict(extra["ema"])
         _configured_optimizer(run.optim.optimizer, run.cfg)
         log.info("resumed from %s at step %d", path, extra["step"])
-        return int(extra["step"])
+        return int(extra["step"]), dict(extra.get("health", {}))
     if run.io.resume_from:
         raise CheckpointError(f"resume=auto: no checkpoint under {checkpoints.root} could be loaded", damaged=True)
-    return 0
+    return 0, {}
 
 
 @dataclass
 class _Session:
-    """Where the loop stands: steps trained, the last step checkpointed, optimizer steps taken (a hook counts them)."""
+    """Where the loop stands: steps trained, the last step checkpointed, optimizer steps taken (a hook counts them),
+    and the health counters (checkpointed with the weights)."""
 
     done: int
     saved: int
+    health: Health
     moved: int = 0
     moved_when_done: int = 0  # ``moved`` when step ``done`` ended: more since then means the weights changed
 
@@ -245,7 +267,7 @@ def _after_step(run: Run, evaluator: Evaluator | None, session: _Session, verdic
         raise Diverged(f"{verdict.line}; {left}")
     every = cfg.checkpoint.every
     if stop or verdict or done == cfg.num_steps or (every and done % every == 0):
-        path = _save(run, done)
+        path = _save(run, done, session.health)
         session.saved = done
     if verdict:
         raise NotLearning(f"{verdict.line}; wrote checkpoint {path}")
@@ -280,7 +302,7 @@ def _rescue(run: Run, session: _Session, err: Exception) -> None:
     if isinstance(err, SaveFailed | FolderLost | Diverged) or not session.unsaved() or not everyone:
         return
     try:
-        path = _save(run, session.done)
+        path = _save(run, session.done, session.health)
     except Exception as failed:  # the original error is the one to report
         log.warning(
             "could not checkpoint the %d steps trained since the last checkpoint: %s",
@@ -291,9 +313,12 @@ def _rescue(run: Run, session: _Session, err: Exception) -> None:
     log.warning("wrote checkpoint %s of the steps trained before this error; resume=auto continues from it", path)
 
 
-def _train(run: Run, evaluator: Evaluator | None, start: int, start_norm: float) -> list[dict[str, float]]:
+def _train(
+    run: Run, evaluator: Evaluator | None, start: int, start_norm: float, counters: dict[str, Any]
+) -> list[dict[str, float]]:
     """Training steps ``start`` to the last, with the bar or the heartbeat; the metrics of each step.
-    ``start_norm``: the norm of the trainable weights at the start of the run (health/weight_growth's unit)."""
+    ``start_norm``: the norm of the trainable weights at the start of the run (health/weight_growth's unit);
+    ``counters``: the health counters the resumed checkpoint kept."""
     cfg, main = run.cfg, run.dist.is_main
     show_bar = main and cfg.logging.progress_bar
     bar = progress_bar(cfg.num_steps, is_main=show_bar, initial=start)
@@ -305,7 +330,8 @@ def _train(run: Run, evaluator: Evaluator | None, start: int, start_norm: float)
         last=cfg.num_steps - 1,
         start_norm=start_norm,
     )
-    session = _Session(done=start, saved=start)
+    health.load_state_dict(counters)
+    session = _Session(done=start, saved=start, health=health)
     hook = run.optim.optimizer.register_step_post_hook(session.count)
     history = []
     # console lines go through tqdm.write while the bar is shown, so they do not break it
@@ -340,13 +366,14 @@ def fit(run: Run) -> None:
     cfg = run.cfg
     began = time.perf_counter()
     start_norm = weight_norm(run.model.params)  # before a checkpoint loads: the start of the run, in every session
-    start = resume(run)  # the disk's room for a checkpoint was checked before the model loaded (train/run/build.py)
+    start, counters = resumed(run)  # the disk's room for a checkpoint was checked before the model loaded (build.py)
     if cfg.resume not in (None, "auto"):  # one timeline in the folder: a branch retires the later checkpoints
         branch(cfg.resume, run.io.resume_from[0], run.io.checkpoints, start, run.io.logger, is_main=run.dist.is_main)
     if cfg.resume is not None:
         run.io.logger.rewind(start)  # a resumed run logs every step once: rows of the steps it replays go
     if start == cfg.num_steps:
         log.warning("the checkpoint holds all num_steps=%d steps: nothing to train (raise num_steps to go on)", start)
+    lost = _lost_evaluations(run, start)
     evaluator = build_evaluator(
         cfg,
         run.dist,
@@ -357,12 +384,10 @@ def fit(run: Run) -> None:
         ema=run.optim.ema,
         logger=run.io.logger,
         before_writing=lambda: _check_owner(run),  # a holder suspended while it sampled writes nothing
+        again=start in lost,
     )
-    # eval/<metric> at step k is the policy after k training steps: k = 0 is the model as loaded.
-    if evaluator is not None and start == 0:
-        with activity("the evaluation before training"):
-            evaluator(0)
-    history = _train(run, evaluator, start, start_norm)
+    _evaluate_first(run, evaluator, start, lost)
+    history = _train(run, evaluator, start, start_norm, counters)
     if cfg.checkpoint.export:
         with activity("the export"):
             _check_owner(run)
@@ -375,5 +400,50 @@ def fit(run: Run) -> None:
                 is_main=run.dist.is_main,
             )
     if run.dist.is_main:
+        missing = [step for step in lost if step < start]  # the one at ``start`` was evaluated again
+        _curve(run.io.layout, missing)
         seconds = time.perf_counter() - began
-        log.info(run_summary(cfg, start=start, history=history, seconds=seconds, peak=run.perf.peak))
+        summary = run_summary(cfg, start=start, history=history, seconds=seconds, peak=run.perf.peak, missing=missing)
+        log.info(summary)
+
+
+def _curve(layout: RunLayout, missing: list[int]) -> None:
+    """Rank 0 at the end: ``eval/curve.png`` of the run's evaluations, the ``missing`` ones marked."""
+    try:
+        write_curve(layout.metrics, layout.eval_curve, missing)
+    except OSError as err:
+        raise write_failure(err, layout.eval_curve, "the curve of the evaluations") or err from None
+
+
+def _lost_evaluations(run: Run, start: int) -> list[int]:
+    """The evaluations due after steps ``<= start`` of a run resumed from a checkpoint of its folder that
+    metrics.jsonl holds no row of (lost to a crash or a full disk), on the cadence that checkpoint recorded
+    (``eval.every``; today's for one that recorded none); rank 0 reads, every rank gets them."""
+    cfg, checkpoints = run.cfg, run.io.checkpoints
+    path = checkpoints.path_for(start)  # none for another run's checkpoint: its evaluations are in its folder
+    lost = []
+    if run.dist.is_main and cfg.resume is not None and start > 0 and path.is_dir():
+        every = (checkpoints.settings_of(path) or {}).get("eval.every", cfg.eval.every)
+        lost = missing_evaluations(run.io.layout.metrics, due_evaluations(int(every), cfg.num_steps, start))
+    return list(broadcast_object(lost))
+
+
+def _evaluate_first(run: Run, evaluator: Evaluator | None, start: int, lost: list[int]) -> None:
+    """Before the first step: the evaluation of the model as loaded (step 0), or of the resumed checkpoint's
+    weights when its evaluation was lost (the same weights: done again); an evaluation lost at an earlier step
+    cannot be done again (those weights are gone) and is named, as the curve and the summary name it."""
+    # eval/<metric> at step k is the policy after k training steps: k = 0 is the model as loaded.
+    again = start > 0 and start in lost
+    if evaluator is not None and (start == 0 or again):
+        if again and run.dist.is_main:
+            log.warning("the evaluation after step %d was lost (no row in metrics.jsonl): evaluating it again", start)
+        with activity(f"the evaluation after step {start}" if again else "the evaluation before training"):
+            evaluator(start)
+    earlier = [step for step in lost if step < start]
+    if earlier and run.dist.is_main:
+        log.warning(
+            "the evaluations %s were lost (no row in metrics.jsonl) and their weights are gone: the "
+            "curve (%s) and the summary mark them missing",
+            after_steps(earlier),
+            run.io.layout.eval_curve,
+        )

@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_folders import ROOT, contents, copy_run, files_of, metrics, nan_rewards, sigterm_at
 from safetensors.torch import load_file
 from small_run import FAST, command, the_error
 from two_ranks import HELPERS, free_port, run_torchrun
@@ -47,32 +47,7 @@ from train.model import builder
 from train.run import scorers
 from train.run.errors import Preempted
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(autouse=True)
-def _repo_root(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the tiny experiment's prompt file is relative to the repository root
-
-
-def files_of(folder: Path) -> dict[str, tuple[int, int, str]]:
-    """Every file under ``folder``: (size, mtime in ns, sha1), to show that nothing was written."""
-    return {
-        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha1(p.read_bytes()).hexdigest())
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
-
-
-def contents(folder: Path) -> dict[str, str]:
-    """Every file under ``folder`` -> its sha1 (a refused launch may rewrite a file with the same bytes)."""
-    return {
-        str(p.relative_to(folder)): hashlib.sha1(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()
-    }
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 
 
 def exported(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -90,20 +65,6 @@ def assert_same_run(straight: Path, resumed: Path, steps: int) -> None:
     final_a, final_b = exported(straight), exported(resumed)
     for name in final_a:
         assert torch.equal(final_a[name], final_b[name]), name
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_flux_dir) -> Path:
-    """A finished 2-step run with checkpoints after steps 1 and 2 (do not modify: copy it)."""
-    run_dir = tmp_path_factory.mktemp("trained") / "run"
-    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=2", "checkpoint.every=1"]
-    run_hydra(train_command.main, prog=train_command.PROG, argv=[*overrides, f"hydra.run.dir={run_dir}"])
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
-    return run_dir
-
-
-def copy_run(trained: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(trained, tmp_path / "run"))
 
 
 def non_utf8(tmp_path: Path) -> str:
@@ -505,19 +466,6 @@ def test_eval_names_a_damaged_checkpoint(trained, tiny_flux_dir, tmp_path, capsy
     status, stderr = command(capsys, tmp_path / "eval", overrides, eval_command)
     line = the_error(stderr, eval_command.PROG)
     assert status == 2 and str(latest) in line and re.search(DAMAGED["truncated-distcp"][1], line), line
-
-
-def sigterm_at(step: int, monkeypatch, signum: int = signal.SIGTERM) -> None:
-    """SIGTERM (or ``signum``) to this process during training step ``step``, as a scheduler would send it."""
-    real = trainer.train_step
-
-    def step_then_signal(run, k):
-        out = real(run, k)
-        if k == step:
-            os.kill(os.getpid(), signum)
-        return out
-
-    monkeypatch.setattr(trainer, "train_step", step_then_signal)
 
 
 def test_sighup_checkpoints_like_sigterm(tiny_flux_dir, tmp_path, capsys, monkeypatch):
@@ -1001,15 +949,6 @@ def test_a_live_owner_of_the_folder_is_named_and_a_dead_one_taken_over(holder, t
         assert not (run_dir / "LOCK").exists()  # released at the end
 
 
-def nan_rewards(monkeypatch) -> None:
-    from rewards.combine import NonFiniteRewardError, RewardCombiner
-
-    def score(self, images, prompts):
-        raise NonFiniteRewardError("reward.components.jpeg_compressibility: NaN scores")
-
-    monkeypatch.setattr(RewardCombiner, "score", score)
-
-
 @pytest.mark.parametrize("why", ["nan-reward", "cancelling-rewards"])
 def test_a_run_that_cannot_learn_stops_after_max_bad_steps(why, tiny_flux_dir, tmp_path, capsys, monkeypatch):
     """Every step skipped (NaN rewards) or with a zero gradient (weights that cancel): after 2 such steps the
@@ -1474,20 +1413,6 @@ def test_plan_output_is_checked_before_the_trace(output, tmp_path, capsys):
         plan_command.main(["experiment=flux_dance", f"plan.output={path}"])
     line = the_error(capsys.readouterr().err, plan_command.PROG)
     assert stop.value.code == 2 and re.search(r"plan\.output=.* (is a folder|which is not a folder)", line)
-
-
-def test_resume_auto_with_only_unfinished_saves_says_it_starts_again(trained, tiny_flux_dir, tmp_path, capsys):
-    run_dir = copy_run(trained, tmp_path)
-    for path in (run_dir / "checkpoints").iterdir():  # saves cut before their COMPLETE marker and rename
-        (path / "COMPLETE").unlink()
-        path.rename(path.with_name(path.name + ".tmp"))
-    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=1", "resume=auto"]
-    status, stderr, stdout = command(capsys, run_dir, overrides, stdout=True)
-    assert status == 0, stderr
-    assert re.search(
-        r"resume=auto: no complete checkpoint under .*step_00000001\.tmp, step_00000002\.tmp unfinished", stdout
-    )
-    assert [m["step"] for m in metrics(run_dir)] == [0]
 
 
 def test_a_read_only_run_folder_is_one_line_before_hydra_writes(trained, tiny_flux_dir, tmp_path, capsys, monkeypatch):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from diffusers import ModelMixin
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
+from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
 from peft import PeftModel
 from peft.utils import get_peft_model_state_dict
 from safetensors import safe_open
@@ -31,9 +33,9 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from train.checkpoint.files import checksum_problem, file_info, is_complete
+from train.checkpoint.files import agree_on_write, checksum_problem, file_info, is_complete
 from train.checkpoint.manager import CheckpointManager
-from train.distributed.collectives import barrier, get_rank
+from train.distributed.collectives import get_rank
 from train.run.errors import PathError
 from train.run.layout import CHECKPOINTS, EXPORT, RAW_EXPORT, RunLayout
 
@@ -62,17 +64,32 @@ def export_model(
     # Full tensors are gathered on every rank but kept only on rank 0 (cpu_offload), in CPU memory.
     full: dict[str, Any] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out = Path(out_dir)
-    if get_rank() == 0:
-        if dtype is not None:
-            full = {key: value.to(dtype) for key, value in full.items()}
-        if isinstance(model, PeftModel):
-            model.save_pretrained(str(out), state_dict=full)
-        elif getattr(model, "peft_config", None):
-            _export_diffusers_lora(model, full, out, adapter_name, lora_prefix)
-        else:
-            _export_full(model, full, out)
-    barrier()
+    if dtype is not None and get_rank() == 0:
+        full = {key: value.to(dtype) for key, value in full.items()}
+
+    def write() -> None:
+        if get_rank() != 0:
+            return
+        try:
+            _write_export(model, full, out, adapter_name, lora_prefix)
+        except Exception:
+            shutil.rmtree(out, ignore_errors=True)  # no export cut short is left for train.eval to find
+            raise
+
+    agree_on_write(write, out, "the export")  # every rank waits for rank 0's files and hears how they went
     return out
+
+
+def _write_export(
+    model: ModelMixin | PeftModel, full: dict[str, Any], out: Path, adapter_name: str | None, lora_prefix: str
+) -> None:
+    """Rank 0's files of ``export_model``."""
+    if isinstance(model, PeftModel):
+        model.save_pretrained(str(out), state_dict=full)
+    elif getattr(model, "peft_config", None):
+        _export_diffusers_lora(model, full, out, adapter_name, lora_prefix)
+    else:
+        _export_full(model, full, out)
 
 
 def _export_full(model: ModelMixin, state: dict[str, Tensor], out: Path) -> None:
@@ -138,6 +155,8 @@ def _export_problem(folder: Path) -> str | None:
             return f"{EXPORT_NOTE} is not the JSON the trainer writes"
         if isinstance(files, dict):
             return checksum_problem(folder, files, "export")
+    if problem := _weights_missing(folder):
+        return problem
     for file in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(str(file), "pt") as weights:
@@ -145,6 +164,22 @@ def _export_problem(folder: Path) -> str | None:
         except Exception as err:  # safetensors raises its own error type for any unreadable header
             return f"{file.name} cannot be read ({str(err).splitlines()[0][:80]})"
     return None
+
+
+def _weights_missing(folder: Path) -> str | None:
+    """A full export (``config.json``) without its weights file, or without a shard its index lists: cut short."""
+    if not (folder / "config.json").is_file():
+        return None
+    index = folder / f"{SAFETENSORS_WEIGHTS_NAME}.index.json"
+    if not index.is_file():
+        found = (folder / SAFETENSORS_WEIGHTS_NAME).is_file()
+        return None if found else f"has no {SAFETENSORS_WEIGHTS_NAME} (an export cut short)"
+    try:
+        shards = set(json.loads(index.read_bytes())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"{index.name} is not the index save_pretrained writes (an export cut short)"
+    gone = sorted(name for name in shards if not (folder / name).is_file())
+    return f"{gone[0]} is missing (an export cut short)" if gone else None
 
 
 def find_weights(value: str, field: str) -> Weights:

@@ -9,6 +9,7 @@ import hashlib
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch.optim import Optimizer
 
 from train.distributed.collectives import broadcast_object, gather_objects, get_rank, get_world_size
 from train.optim.ema import EMA
+from train.run.errors import DiskFull, SaveFailed
 
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d{8})$")  # a complete checkpoint's folder; a save writes <name>.tmp first
@@ -169,15 +171,16 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
-def disk_line(path: Path, why: str, fix: str = "free space there or move the run") -> str:
-    """The one line about the disk of ``path`` (named by its mount point) that ``why`` happened on."""
+KEPT = "the checkpoints already written are intact, and resume=auto continues"
+
+
+def disk_line(path: Path, why: str, fix: str = "free space there or move the run", kept: str = KEPT) -> str:
+    """The one line about the disk of ``path`` (named by its mount point) that ``why`` happened on, then the fix
+    and what is ``kept``."""
     folder = path
     while not folder.exists():
         folder = folder.parent
-    return (
-        f"the disk of {path} (the file system mounted at {mount_point(folder)}) {why}: {fix}; the checkpoints "
-        "already written are intact, and resume=auto continues"
-    )
+    return f"the disk of {path} (the file system mounted at {mount_point(folder)}) {why}: {fix}; {kept}"
 
 
 NO_SPACE = re.compile(r"No space left|unexpected pos|Errno 28|disk quota", re.IGNORECASE)
@@ -185,6 +188,38 @@ NO_SPACE = re.compile(r"No space left|unexpected pos|Errno 28|disk quota", re.IG
 
 def is_no_space(err: BaseException) -> bool:
     return (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or bool(NO_SPACE.search(str(err)))
+
+
+def agree_on_write(write: Callable[[], None], path: Path, what: str, kept: str = KEPT) -> None:
+    """Run ``write`` on every rank (rank 0 writes the files; collectives may run inside it); a file the disk of
+    ``path`` refuses ends it on every rank with rank 0's one line (SaveFailed, DiskFull), instead of a traceback on
+    rank 0 and a hang elsewhere. A collective."""
+    failed = None
+    try:
+        write()
+    except SaveFailed as err:  # a row of metrics.jsonl (train/observe/logger.py) said it already
+        failed = str(err), isinstance(err, DiskFull)
+    except Exception as err:  # the writers' own errors too: torch.save and safetensors say a full disk their way
+        if (failure := write_failure(err, path, what, kept)) is None:
+            raise
+        failed = str(failure), isinstance(failure, DiskFull)
+    failed = broadcast_object(failed)
+    if failed is not None:
+        line, full = failed
+        raise DiskFull(line) if full else SaveFailed(line)
+
+
+def write_failure(err: BaseException, path: Path, what: str, kept: str = KEPT) -> SaveFailed | None:
+    """The one line for ``what`` (``the export``, ``the evaluation after step 4``) that the disk of ``path``
+    refused (full, read-only, gone; a writer's own error that says the disk is full), or None for another error."""
+    if is_no_space(err):
+        return DiskFull(disk_line(path, f"filled up while {what} was written", kept=kept))
+    if isinstance(err, OSError):
+        words = err.strerror or str(err)
+        return SaveFailed(
+            disk_line(path, f"cannot be written ({words}) while {what} was written", "make it writable", kept)
+        )
+    return None
 
 
 def state_bytes(model: nn.Module, optimizer: Optimizer | None, ema: EMA | None = None) -> int:

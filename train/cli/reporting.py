@@ -65,6 +65,7 @@ class _Progress:
     launches: dict[Path, Launch] = field(default_factory=dict)  # a sweep's: each job's folder before it began
     failed_jobs: list[tuple[str, int]] = field(default_factory=list)  # a sweep's failed jobs and their statuses
     jobs: int = 0  # a sweep's jobs started
+    note: str | None = None  # a line for the console once the task has started (the run folder resume=auto chose)
 
 
 progress = _Progress()
@@ -180,6 +181,8 @@ def _ctrl_c_stops() -> Iterator[None]:
 def reported(prog: str) -> Iterator[None]:
     """Around a command's body: a ``Stop``, Ctrl+C or a failed collective ends the process with one line."""
     progress.task_started = True
+    if progress.note is not None and env_rank() == 0:
+        logging.getLogger("train").warning(progress.note)
     job = _sweep_job()
     progress.jobs += job is not None
     try:
@@ -289,6 +292,7 @@ def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None 
         raise SystemExit(report_error(ConfigError(problem), prog))
     progress.task_started, progress.debug, progress.prog = False, saved_debug == "1", prog
     progress.launch, progress.launches, progress.failed_jobs, progress.jobs = None, {}, [], 0
+    progress.note = None
     os.environ[DEBUG_ENV] = "1"  # Hydra re-raises instead of printing its own multi-line report
     try:
         main()

@@ -24,6 +24,7 @@ from train.cli.launch import Launch
 from train.cli.reporting import env_rank, progress, report_error
 from train.run.errors import ConfigError, Stop, UserError
 from train.run.folder import RunLock, check_one_run
+from train.run.layout import RunLayout
 
 
 class RunFolder(Callback):
@@ -43,6 +44,8 @@ class RunFolder(Callback):
             folder = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
         except OmegaConfBaseException:
             return  # Hydra resolves it again in a moment and reports the error its own way
+        if self.one_run and config.get("resume") == "auto" and _new_each_launch(config) and env_rank() == 0:
+            folder = _resume_latest(config, folder)  # the other ranks train where rank 0 does (train/run/build.py)
         problem = self._refusal(folder, config)
         if problem is not None:
             raise SystemExit(report_error(problem, progress.prog))  # Hydra's callbacks swallow Exceptions
@@ -120,3 +123,49 @@ def _sweep_jobs(config: DictConfig) -> list[tuple[int, Path, DictConfig]] | None
     finally:
         HydraConfig.instance().cfg = hydra_config
     return jobs
+
+
+def _new_each_launch(config: DictConfig) -> bool:
+    """The run folder is the default one, named by the launch's time (no hydra.run.dir= nor run_dir= given)."""
+    raw = OmegaConf.to_container(config.hydra.run, resolve=False)
+    named = isinstance(raw, dict) and "${now:" in str(raw.get("dir", ""))
+    return named and not config.get("run_dir")
+
+
+def _interrupted(parent: Path, num_steps: int) -> list[tuple[float, Path, int]]:
+    """The runs under ``parent`` that ``resume=auto`` can continue: (when their latest checkpoint was written,
+    the folder, its step), newest first; a run whose latest checkpoint holds num_steps, or that a live process
+    owns, is not one."""
+    from train.checkpoint.files import MARKER, complete_in  # torch: only for this search, not every launch
+
+    found = []
+    for folder in sorted(p for p in parent.iterdir() if p.is_dir()) if parent.is_dir() else []:
+        saved = list(complete_in(RunLayout(folder).checkpoints).items())
+        if not saved or saved[-1][1] >= num_steps or RunLock(folder).busy():
+            continue
+        latest, step = saved[-1]
+        found.append(((latest / MARKER).stat().st_mtime, folder, step))
+    return sorted(found, reverse=True)
+
+
+def _resume_latest(config: DictConfig, default: Path) -> Path:
+    """``resume=auto`` without a run folder: the latest interrupted run of the experiment beside the folder this
+    launch would have made (``runs/<experiment>/``) becomes its run folder, named in the console; none: one line."""
+    parent, experiment, num_steps = default.parent, config.get("experiment"), int(config.get("num_steps", 0))
+    runs = _interrupted(parent, num_steps)
+    if not runs:
+        message = (
+            f"resume=auto names no run folder and {parent} holds no interrupted run of experiment {experiment} "
+            f"(a folder with a complete checkpoint before num_steps={num_steps}, owned by no live process): start "
+            "a new run without resume=auto, or name the folder to continue with hydra.run.dir=<folder>"
+        )
+        raise SystemExit(report_error(ConfigError(message), progress.prog))
+    _, folder, step = runs[0]
+    others = f"; the others: {', '.join(f.name for _, f, _ in runs[1:])}" if runs[1:] else ""
+    progress.note = (
+        f"resume=auto: continuing {folder}, the latest interrupted run of experiment {experiment} (its latest "
+        f"checkpoint after step {step}){others}; hydra.run.dir=<folder> resumes another one"
+    )
+    with open_dict(config):
+        config.hydra.run.dir = str(folder)
+    return folder

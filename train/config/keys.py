@@ -74,6 +74,7 @@ GLOBAL_BATCH = ("batch.prompts_per_rank", "batch.gradient_accumulation_steps")
 NOTED_SETTINGS = (
     "optimizer",
     "health",
+    "eval.every",  # the cadence the evaluations up to a checkpoint were due on (train/run/record.py)
     "eval.prompts",
     "eval.num_prompts",
     "eval.heldout_prompts",

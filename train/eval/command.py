@@ -27,10 +27,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import hydra
+import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from rewards.summary import overall
 from train.checkpoint.export import Weights, export_description, find_weights
+from train.checkpoint.files import agree_on_write, write_failure
 from train.checkpoint.manager import CheckpointManager, deleted
 from train.cli.compose import setup
 from train.cli.help_text import show_value
@@ -50,6 +53,7 @@ setup()
 PROG = "python -m train.eval"
 log = logging.getLogger(__name__)
 STRUCTURE = ("model.name", "model.lora.enabled", "model.lora.rank", "model.lora.alpha")
+NOTHING_CHANGED = "the weights it evaluates are untouched: run it again once there is room"
 
 
 def check_scorers(cfg: TrainConfig) -> None:
@@ -82,8 +86,7 @@ def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
     saved = RunLayout(weights.run_dir).hydra_config if weights.run_dir is not None else None
     if weights.kind != "checkpoint" or saved is None or not saved.is_file():
         return
-    recorded = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
-    trained = OmegaConf.create(moved_tree(recorded))  # an older run's keys under today's names
+    trained = _recorded(saved, weights)
     here = OmegaConf.structured(cfg)
     for key in STRUCTURE:
         was, now = OmegaConf.select(trained, key), OmegaConf.select(here, key)
@@ -99,6 +102,24 @@ def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
             "evaluations scored (%s holds that)",
             export if export is not None and export.is_dir() else f"a finished run's {EXPORT}/",
         )
+
+
+def _recorded(saved: Path, weights: Weights) -> DictConfig:
+    """The configuration the run recorded (an older run's keys under today's names); ConfigError when it does not
+    read as one."""
+    try:
+        recorded = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, OmegaConfBaseException) as err:
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        recorded = f"unreadable ({why[:80]})"
+    if not isinstance(recorded, dict):
+        shown = recorded if isinstance(recorded, str) else f"a {type(recorded).__name__}, not a mapping"
+        raise ConfigError(
+            f"{weights.path}: its run's recorded configuration {saved} is damaged ({shown}), so the model settings "
+            "it was trained with cannot be checked: put back a copy of it, or move it away and pass the run's "
+            "model settings (model.*) yourself"
+        )
+    return OmegaConf.create(moved_tree(recorded))
 
 
 def check_checkpoint(weights: Weights) -> None:
@@ -155,11 +176,15 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
         scorers = build_eval_scorers(config, device)
 
         def run(tag: str) -> EvalResult:
-            result = evaluate(backbone, predict, scorers, records, config, dist, device=device, tag=tag, out=out)
+            def evaluated() -> None:
+                results[tag] = evaluate(
+                    backbone, predict, scorers, records, config, dist, device=device, tag=tag, out=out
+                )
+
+            agree_on_write(evaluated, out, f"the evaluation {tag}", kept=NOTHING_CHANGED)  # one line on every rank
             if dist.is_main:
-                log.info(_line(result))
-            results[tag] = result
-            return result
+                log.info(_line(results[tag]))
+            return results[tag]
 
         if weights is None or config.eval.compare_pretrained:
             run("eval_pretrained")
@@ -167,7 +192,10 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
             load_weights(config, backbone, weights, device)
             after = run(f"eval_{weights.tag}")
             if config.eval.compare_pretrained and dist.is_main:
-                lines = _compare(results["eval_pretrained"], after, [r.prompt for r in records], out)
+                try:
+                    lines = _compare(results["eval_pretrained"], after, [r.prompt for r in records], out)
+                except OSError as err:
+                    raise write_failure(err, out, "the comparison", NOTHING_CHANGED) or err from None
                 log.info("\n".join(lines))
     if dist.is_main:
         log.info("wrote %s: %s (.json means, .scores.jsonl per prompt, .png grids)", out, ", ".join(results))

@@ -3,11 +3,11 @@
 
 A call runs the protocol of train/evaluation/protocol.py (with the EMA weights when kept) on the
 evaluation prompts and, when ``eval.heldout_prompts`` is set, on those as a second evaluation; logs
-``eval/<metric>[/<category>]`` and ``eval/<metric>/held-out[/<category>]`` at ``step``; then rank 0
-prints the line against step 0 (``eval step 20: shape_alignment 0.5735 (step 0: 0.5862); held-out:
-shape_alignment 0.5401 (step 0: 0.5362)``), sends
-the captioned grid to wandb and writes ``eval/before_after_<tag>.png``: the same prompts and noise
-at step 0 and after ``step`` steps.
+``eval/<metric>[/<category>]`` and ``eval/<metric>/held-out[/<category>]`` at ``step``, last (a resumed run
+evaluates again a step whose row is missing); before that rank 0 prints the line against step 0 (``eval step
+20: shape_alignment 0.5735 (step 0: 0.5862); held-out: shape_alignment 0.5401 (step 0: 0.5362)``), sends the
+captioned grid to wandb and writes ``eval/before_after_<tag>.png``: the same prompts and noise at step 0 and
+after ``step`` steps. A file the disk refuses ends the run in one line on every rank (``SaveFailed``).
 
 The step-0 grid is saved as ``eval/step_00000000.grid.pt`` (uint8) beside its scores: a resumed
 session does not evaluate step 0 again, and ``build_evaluator`` reads the step-0 result back from the files.
@@ -28,6 +28,7 @@ from models.base import Backbone
 from rewards.base import Scorer
 from rewards.summary import overall
 from samplers.rollout import Predict
+from train.checkpoint.files import agree_on_write
 from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo
 from train.evaluation.protocol import EvalResult, before_after, evaluate, read_scores
@@ -64,15 +65,21 @@ class Evaluator:
         return done % self.cfg.eval.every == 0 or done == self.cfg.num_steps
 
     def __call__(self, step: int) -> None:
-        """Evaluate the policy after ``step`` training steps: log it on all ranks, show it on rank 0."""
+        """Evaluate the policy after ``step`` training steps: log it on all ranks, show it on rank 0. A file the
+        disk refuses (rank 0 writes them) ends the run on every rank with SaveFailed (DiskFull), in one line;
+        the evaluation's row is not logged, so a resumed run evaluates it again."""
+        folder = RunLayout(self.cfg.run_dir).eval
+        agree_on_write(lambda: self._run(step), folder, f"the evaluation after step {step}")
+
+    def _run(self, step: int) -> None:
         result = self._evaluate(self.records, eval_tag(step))
         metrics = logged_metrics(result.summary, "")
         heldout = self._evaluate(self.heldout, heldout_tag(step)).summary if self.heldout else None
         if heldout is not None:
             metrics |= logged_metrics(heldout, f"/{HELD_OUT}")
-        self.logger.log(metrics, step)
-        if self.dist.is_main:
+        if self.dist.is_main:  # the files first: the row says the evaluation is whole (a resume looks for it)
             self._show(result, heldout, step)
+        self.logger.log(metrics, step)
 
     def _evaluate(self, records: list[PromptRecord], tag: str) -> EvalResult:
         with self.ema.swapped() if self.ema is not None else nullcontext():
@@ -166,12 +173,14 @@ def build_evaluator(
     ema: EMA | None,
     logger: RunLogger,
     before_writing: Callable[[], None] | None = None,
+    again: bool = False,
 ) -> Evaluator | None:
     """The trainer's evaluation of ``predict`` (the policy; the EMA's weights when kept) for a session that
     starts at step ``start``, or None when it would evaluate nothing (eval.every=0, or no step
     left). A resumed session's rank 0 reads the step-0 result back from the run folder, for its comparisons.
-    ``before_writing`` runs on every rank once an evaluation's scores are gathered, before it writes anything."""
-    if not cfg.eval.every or start == cfg.num_steps:
+    ``before_writing`` runs on every rank once an evaluation's scores are gathered, before it writes anything.
+    ``again``: the evaluation after step ``start`` is done again (lost to a crash), even after the last step."""
+    if not cfg.eval.every or (start == cfg.num_steps and not again):
         return None
     records, heldout = read_eval_prompts(cfg), read_heldout_prompts(cfg)
     resumed = start > 0 and dist.is_main

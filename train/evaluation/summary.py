@@ -24,6 +24,7 @@ from train.observe.logger import format_seconds
 from train.observe.perf import Peak
 from train.observe.stats import median
 from train.run.layout import RunLayout
+from train.run.record import after_steps
 
 HELD_OUT = "held-out"  # the held-out prompts' evaluation: eval/<metric>/held-out, eval/<tag>_held-out.*
 PHASES = ("step", "rollout", "reward", "update", "optimizer", "probe")  # the timed phases of a step (time/<phase>)
@@ -123,8 +124,15 @@ def _listing(folder: Path, pattern: str) -> list[str]:
     return sorted(p.name for p in folder.glob(pattern)) if folder.is_dir() else []
 
 
-def files_section(cfg: TrainConfig, wandb_mode: str) -> list[str]:
-    """The summary's lines of what the run folder holds (what each file is, how to use it)."""
+def _missing(missing: Sequence[int]) -> str:
+    if not missing:
+        return ""
+    return f" (missing: {after_steps(list(missing))})"
+
+
+def files_section(cfg: TrainConfig, wandb_mode: str, missing: Sequence[int] = ()) -> list[str]:
+    """The summary's lines of what the run folder holds (what each file is, how to use it); ``missing``: the
+    evaluations due that metrics.jsonl holds no row of."""
     layout = RunLayout(cfg.run_dir)
     run = layout.root
     lines = [f"run folder: {run}", f"  {layout.metrics.name}   every logged step (python -m train.compare reads it)"]
@@ -144,6 +152,8 @@ def files_section(cfg: TrainConfig, wandb_mode: str) -> list[str]:
             f"  eval/           {len(evals)} evaluations ({evals[0]} ... {evals[-1]}): means (.json), scores per "
             f"prompt (.scores.jsonl), grids (.png)" + (f", before/after sheets ({sheets[-1]})" if sheets else "")
         )
+    if layout.eval_curve.is_file():
+        lines.append(f"  eval/{layout.eval_curve.name:<10} the evaluations against the step{_missing(missing)}")
     checkpoints = _listing(layout.checkpoints, "step_????????")
     if checkpoints:
         lines.append(f"  checkpoints/    {', '.join(checkpoints)} (continue with resume=auto)")
@@ -156,13 +166,22 @@ def files_section(cfg: TrainConfig, wandb_mode: str) -> list[str]:
 
 
 def run_summary(
-    cfg: TrainConfig, *, start: int, history: Sequence[Mapping[str, float]], seconds: float, peak: Peak
+    cfg: TrainConfig,
+    *,
+    start: int,
+    history: Sequence[Mapping[str, float]],
+    seconds: float,
+    peak: Peak,
+    missing: Sequence[int] = (),
 ) -> str:
-    """The end-of-run summary: rewards before -> after, timing, throughput, files."""
+    """The end-of-run summary: rewards before -> after, timing, throughput, files; ``missing``: the evaluations
+    due that metrics.jsonl holds no row of (named with the rewards and the curve)."""
     done = f"steps {start}-{cfg.num_steps - 1}" if start < cfg.num_steps else "no step left to run"
     lines = [f"finished {cfg.experiment} ({cfg.update.mode}, seed {cfg.seed}): {done} in {format_seconds(seconds)}"]
     lines += _rewards(cfg, history)
+    if missing:
+        lines.append(f"evaluations missing (lost before a resume, their weights gone): {after_steps(list(missing))}")
     lines.append(_timing(history))
     lines += _perf(history, peak)
-    lines += files_section(cfg, cfg.logging.wandb_mode)
+    lines += files_section(cfg, cfg.logging.wandb_mode, missing)
     return "\n".join(lines)

@@ -28,6 +28,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -83,13 +84,24 @@ class Verdict:
 
 class Health:
     """Counts bad steps in a row and steps without spread per reward, and bounds the weights and images of a
-    session of steps ``first`` to ``last``; ``observe`` says when to stop."""
+    session of steps ``first`` to ``last``; ``observe`` says when to stop. The counters go into each checkpoint
+    (``state_dict``) and a resumed session goes on from them, so a run preempted often still stops when it cannot
+    learn."""
 
     def __init__(self, config: HealthConfig, *, optimizer_steps: int, first: int, last: int, start_norm: float) -> None:
         self.config, self.optimizer_steps = config, optimizer_steps
         self.first, self.last, self.start_norm = first, last, start_norm
         self.bad_in_a_row = 0
         self._flat: dict[str, int] = {}  # reward -> steps in a row without spread
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the counters, so that a resumed session goes on counting."""
+        return {"bad_in_a_row": self.bad_in_a_row, "flat": dict(self._flat)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The counters a checkpoint kept (``state_dict``)."""
+        self.bad_in_a_row = int(state.get("bad_in_a_row", 0))
+        self._flat = {str(name): int(steps) for name, steps in dict(state.get("flat", {})).items()}
 
     def measure(self, params: list[nn.Parameter]) -> dict[str, float]:
         """``health/weight_growth`` of the weights ``params`` now (a collective)."""
@@ -117,7 +129,7 @@ class Health:
                 f"health.max_bad_steps={limit}: steps {first} to {step} could not change the weights "
                 f"(the last: {why}); the run cannot learn: {fix}"
             )
-        if step == self.last and first == self.first:
+        if step == self.last and first <= self.first:  # the streak began in this session or before it
             return Verdict(
                 f"health.max_bad_steps: none of steps {first} to {step} could change the weights (the last: {why}), "
                 f"so nothing is exported as trained: {fix}"

@@ -48,9 +48,9 @@ from tqdm import tqdm
 
 from rewards.summary import MIN_TILE, image_grid
 from samplers.choices import member
-from train.checkpoint.files import disk_line, is_no_space
+from train.checkpoint.files import write_failure
 from train.config.schema import WandbMode
-from train.run.errors import DiskFull, SaveFailed
+from train.run.errors import SaveFailed
 from train.run.layout import RunLayout
 
 if TYPE_CHECKING:
@@ -151,7 +151,11 @@ class RunLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if config is not None:  # what ran, next to what it logged (train.compare.command labels runs from it)
-            session_config(self.run_dir, resumed=resumed).write_text(OmegaConf.to_yaml(dict(config)), encoding="utf-8")
+            path = session_config(self.run_dir, resumed=resumed)
+            try:
+                path.write_text(OmegaConf.to_yaml(dict(config)), encoding="utf-8")
+            except OSError as err:
+                raise write_failure(err, path, "the run's configuration") or err from None
         self._start -= last_wall_time(read_lines(self.metrics_path))
         if wandb_mode is not WandbMode.disabled:
             self._guard(
@@ -223,12 +227,9 @@ class RunLogger:
             except OSError:
                 pass
             self._file = None
-        where = f"while the row of step {step} was written to {self.metrics_path.name}"
-        if is_no_space(err):
-            return DiskFull(disk_line(self.metrics_path, f"filled up {where}"))
-        return SaveFailed(
-            disk_line(self.metrics_path, f"cannot be written ({err.strerror}) {where}", "make it writable")
-        )
+        failure = write_failure(err, self.metrics_path, f"the row of step {step}")
+        assert failure is not None  # an OSError always names the disk
+        return failure
 
     def rewind(self, step: int, aside: Path | None = None) -> int:
         """Drop the rows that a run resumed at ``step`` logs again; returns how many were dropped.
@@ -243,12 +244,14 @@ class RunLogger:
             return 0
         lines = self._reopened_lines()
         kept = [line for line in lines if _logged_before(line, step)]
-        cut = [number for number, line in enumerate(lines, start=1) if _row(line) is None and line.strip()]
+        cut = [number for number, line in enumerate(lines, start=1) if metrics_row(line) is None and line.strip()]
         if cut:
             where = f"line {cut[0]} was" if len(cut) == 1 else f"lines {', '.join(map(str, cut))} were"
             log.warning("%s: %s cut short by the crash that ended a session: dropped", self.metrics_path, where)
         if aside is not None:
-            _write_lines(aside, [line for line in lines if _row(line) is not None and not _logged_before(line, step)])
+            _write_lines(
+                aside, [line for line in lines if metrics_row(line) is not None and not _logged_before(line, step)]
+            )
         if len(kept) != len(lines):
             _write_lines(self.metrics_path, kept)
         self._start = time.time() - last_wall_time(kept)  # the replayed steps' time is not counted twice
@@ -307,10 +310,13 @@ class RunLogger:
         values = [f"{score:.4f}" for score in scores] if scores is not None else [""] * len(captions)
         labels = [f"#{i}  {value}\n{caption}" for i, (value, caption) in enumerate(zip(values, captions))]
         title = f"{key}, step {shown}" + (f": #index {score_name}" if scores is not None else "")
-        image_grid(images, nrow, labels=labels, title=title, min_tile=MIN_TILE).save(path)
         lines = [f"{i}\t{value}\t{caption}" for i, (value, caption) in enumerate(zip(values, captions))]
         header = f"index\t{score_name}\tcaption" if scores is not None else "index\t\tcaption"
-        (folder / f"{stem}.txt").write_text("\n".join([header, *lines]) + "\n", encoding="utf-8")
+        try:
+            image_grid(images, nrow, labels=labels, title=title, min_tile=MIN_TILE).save(path)
+            (folder / f"{stem}.txt").write_text("\n".join([header, *lines]) + "\n", encoding="utf-8")
+        except OSError as err:
+            raise write_failure(err, folder, f"the sample grid of step {shown}") or err from None
         self.log_wandb_images(key, images, [f"{v} {c}".strip() for v, c in zip(values, captions)], step)
         return path
 
@@ -339,7 +345,7 @@ class RunLogger:
             self._wandb = None
 
 
-def _row(line: str) -> dict[str, Any] | None:
+def metrics_row(line: str) -> dict[str, Any] | None:
     """A metrics.jsonl row (a JSON object with an integer step), or None (a line cut short)."""
     try:
         row = json.loads(line)
@@ -349,14 +355,18 @@ def _row(line: str) -> dict[str, Any] | None:
     return row if isinstance(row, dict) else None
 
 
+def evaluation_only(row: dict[str, Any]) -> bool:
+    """Whether a metrics.jsonl row is an evaluation's (``eval/*`` metrics only), not a training step's."""
+    return all(key.startswith("eval/") for key in row if key not in ("step", "wall_time"))
+
+
 def _logged_before(line: str, step: int) -> bool:
     """Whether a metrics.jsonl row was logged before the checkpoint of ``step`` (see ``RunLogger.rewind``)."""
-    row = _row(line)
+    row = metrics_row(line)
     if row is None:
         return False
     logged = int(row["step"])
-    metrics = [key for key in row if key not in ("step", "wall_time")]
-    return logged < step or (logged == step > 0 and all(key.startswith("eval/") for key in metrics))
+    return logged < step or (logged == step > 0 and evaluation_only(row))
 
 
 class PhaseTimer:

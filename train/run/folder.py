@@ -290,4 +290,12 @@ class RunLock:
         if self._thread is not None:
             self._thread.join()
         if not self._shared and self._mine(self.holder()):
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as err:  # the folder turned read-only or its disk went: the error that ended the run
+                # is the one to report; a lock left behind is taken over once this process is gone
+                log.warning(
+                    "could not remove the lock %s (%s): it is taken for dead once this process ends",
+                    self.path,
+                    err.strerror or err,
+                )

@@ -5,7 +5,7 @@
   metrics.jsonl          one JSON row per training step (train/observe/logger.py)
   checkpoints/step_*/    training checkpoints (train/checkpoint/manager.py)
   checkpoints/retired/   the checkpoints of a timeline a resume branched away from (train/run/timeline.py)
-  eval/                  evaluation results and before/after sheets (train/evaluation/)
+  eval/                  evaluation results, before/after sheets and curve.png (train/evaluation/)
   samples/               sample grids of training steps
   export/                the weights the trainer's evaluations scored (the EMA when kept)
   export_raw/            with an EMA: the trained weights without it
@@ -71,6 +71,11 @@ class RunLayout:
     @property
     def eval(self) -> Path:
         return self.root / EVAL
+
+    @property
+    def eval_curve(self) -> Path:
+        """The run's evaluations against the step, written at its end (train/evaluation/curve.py)."""
+        return self.eval / "curve.png"
 
     @property
     def samples(self) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,6 +30,16 @@ from train.observe.logger import metrics_problem
 from train.run.errors import ConfigError, UserError
 from train.run.folder import RunLock, check_one_run, clear_run, held_run
 from train.run.layout import RunLayout
+from train.run.record import (
+    lost_rows,
+    no_complete_checkpoint,
+    not_a_folder,
+    recorded_config,
+    run_folder_of,
+    settings_from_config,
+    steps_text,
+    unfinished,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +60,7 @@ def unwritable(run_dir: Path) -> str | None:
 def _claim(cfg: TrainConfig, *, training: bool) -> RunLock:
     """Rank 0's part of ``claim_folder``; raises the UserError that refuses the folder."""
     run_dir = Path(cfg.run_dir)
-    problem = unwritable(run_dir)
+    problem = unwritable(run_dir) or (not_a_folder(RunLayout(run_dir)) if training and cfg.checkpoint.export else None)
     if problem:
         raise ConfigError(f"run_dir={cfg.run_dir!r}: {problem}; pass a writable hydra.run.dir=<folder>")
     lock = RunLock(run_dir)
@@ -98,8 +109,8 @@ def check_resume(
     found = checkpoints.usable(cfg.resume)
     if max_step is not None and found:  # before the logger writes: room for a checkpoint like it
         checkpoints.check_space(checkpoints.size_of(found[0]), "a checkpoint of this run")
-    if not found and cfg.resume == "auto":
-        _starting_again(checkpoints)
+    if not found and cfg.resume == "auto" and (cut := unfinished(checkpoints.root)):
+        raise no_complete_checkpoint(checkpoints.root, cut)
     if found and max_step is not None and (step := checkpoints.step_of(found[0])) > max_step:
         raise ConfigError(
             f"resume={cfg.resume}: checkpoint {found[0]} holds step {step}, past "
@@ -107,7 +118,7 @@ def check_resume(
         )
     if found and max_step is not None:
         check_settings(cfg, dist, checkpoints, found[0], prompts=prompts)
-        check_metrics(cfg, dist)
+        check_metrics(cfg, dist, checkpoints, found[0])
     return found
 
 
@@ -116,17 +127,13 @@ def check_settings(
 ) -> None:
     """Resuming checkpoint ``path`` keeps the settings it recorded (RESUME_SETTINGS, unless
     checkpoint.allow_changed names them) and its global batch; a change of NOTED_SETTINGS is named in one line."""
-    saved = checkpoints.settings_of(path)
-    if saved is None:  # saved before settings were recorded
-        return
-    saved = moved_settings(saved)  # an older run's keys under today's names
-    saved.pop(LORA_MODULES, None)  # known once LoRA is on (train/model/builder.py checks it)
     now = recorded_settings(cfg, prompts=prompts)
+    saved, where = _saved_settings(cfg, checkpoints, path, now)
     allowed = cfg.checkpoint.allow_changed
     changed = [key for key in changed_keys(saved, now, allowed) if not covered(key, GLOBAL_BATCH)]
     refused = [change(key, saved[key], now[key]) for key in changed if not covered(key, NOTED_SETTINGS)]
     if refused:
-        raise changed_refusal(cfg.resume, path, refused)
+        raise changed_refusal(cfg.resume, where, refused)
     batch = global_batch_refusal(saved, checkpoints.world_size_of(path), now, dist.world_size, allowed)
     if batch:
         raise ConfigError(f"resume={cfg.resume}: checkpoint {path} was trained with another batch: {batch}")
@@ -135,12 +142,48 @@ def check_settings(
         log.warning("resume=%s: changed since checkpoint %s, used as given: %s", cfg.resume, path, "; ".join(noted))
 
 
-def check_metrics(cfg: TrainConfig, dist: DistInfo) -> None:
-    """A resumed run's metrics.jsonl reads (rank 0 looks; every rank gets the verdict)."""
-    problem = metrics_problem(RunLayout(cfg.run_dir).metrics) if dist.is_main else None
+def _saved_settings(
+    cfg: TrainConfig, checkpoints: CheckpointManager, path: Path, now: dict[str, Any]
+) -> tuple[dict[str, Any], str]:
+    """The settings checkpoint ``path`` was trained with, and where they were read: its own record, completed by
+    the run folder's recorded configuration for the keys an older checkpoint did not record (train/run/record.py)."""
+    saved = moved_settings(checkpoints.settings_of(path) or {})  # an older run's keys under today's names
+    saved.pop(LORA_MODULES, None)  # known once LoRA is on (train/model/builder.py checks it)
+    recorded = recorded_config(run_folder_of(path)) if now.keys() - saved.keys() else None
+    if recorded is None and not saved:
+        log.warning(
+            "resume=%s: checkpoint %s records no settings and its run folder no configuration of its own: the "
+            "settings it was trained with cannot be compared with these (resume with the same ones)",
+            cfg.resume,
+            path,
+        )
+    if recorded is None:
+        return saved, str(path)
+    tree, config = recorded
+    older = {k: v for k, v in settings_from_config(tree, now, cfg.data.train_prompts).items() if k not in saved}
+    return {**older, **saved}, f"{path} (as its run folder's {config} records the settings it did not)"
+
+
+def check_metrics(cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, path: Path) -> None:
+    """A resumed run's metrics.jsonl reads (rank 0 looks; every rank gets the verdict), and the rows of the steps
+    before the resumed checkpoint of this folder lost since it was written are named in one line."""
+    metrics = RunLayout(cfg.run_dir).metrics
+    problem = metrics_problem(metrics) if dist.is_main else None
     problem = broadcast_object(problem)
     if problem:
         raise ConfigError(f"resume={cfg.resume}: {problem}")
+    own = path.resolve().parent == checkpoints.root.resolve()  # not a retired timeline's, nor another run's
+    if dist.is_main and own and (lost := lost_rows(metrics, checkpoints.step_of(path))):
+        log.warning(
+            "resume=%s: %s holds no row of steps %s, which checkpoint %s trained (the file was emptied or cut "
+            "short since): those rows are lost (put back a copy of the file to keep them); the run goes on from "
+            "step %d",
+            cfg.resume,
+            metrics,
+            steps_text(lost),
+            path,
+            checkpoints.step_of(path),
+        )
 
 
 def check_mesh(cfg: TrainConfig, world_size: int) -> None:
@@ -149,19 +192,6 @@ def check_mesh(cfg: TrainConfig, world_size: int) -> None:
         mesh_shape(world_size, cfg.dist.replicate_degree)
     except ValueError as err:
         raise ConfigError(f"{err}: pick a divisor of it, or dist.replicate_degree=1") from None
-
-
-def _starting_again(checkpoints: CheckpointManager) -> None:
-    """resume=auto without a complete checkpoint starts from step 0: say so when that drops work."""
-    unfinished = sorted(p.name for p in checkpoints.root.glob("step_*.tmp")) if checkpoints.root.is_dir() else []
-    held = held_run(checkpoints.root.parent)
-    if unfinished or held:
-        log.warning(
-            "resume=auto: no complete checkpoint under %s (%s): training starts again from step 0 and the rows "
-            "of metrics.jsonl go",
-            checkpoints.root,
-            ", ".join(unfinished) + " unfinished" if unfinished else held,
-        )
 
 
 def resolve_device(cfg: TrainConfig, dist: DistInfo) -> torch.device:

@@ -1,0 +1,20 @@
+"""Fixtures the end-to-end tests of the trainer's faults share (tests/e2e/test_reliability.py,
+tests/e2e/test_run_record.py); their helpers are tests/helpers/run_folders.py."""
+
+from pathlib import Path
+
+import pytest
+from run_folders import ROOT, train_small
+
+
+@pytest.fixture
+def repo_root(monkeypatch) -> Path:
+    """The repository as the current folder: the tiny experiment's prompt file is relative to it."""
+    monkeypatch.chdir(ROOT)
+    return ROOT
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_flux_dir) -> Path:
+    """A finished 2-step run with checkpoints after steps 1 and 2, one per test module (do not modify: copy it)."""
+    return train_small(tmp_path_factory.mktemp("trained") / "run", tiny_flux_dir)

@@ -1,0 +1,80 @@
+"""The run folders the end-to-end tests of the trainer's faults share (tests/e2e/test_reliability.py,
+tests/e2e/test_run_record.py).
+
+* ``train_small``: a finished 2-step run with checkpoints after steps 1 and 2 (tests/e2e/conftest.py's ``trained``
+  fixture; copy it: ``copy_run``).
+* ``files_of`` and ``contents``: every file under a folder, to show that a refused command wrote nothing.
+* ``metrics``: the rows of a run's metrics.jsonl.
+* ``sigterm_at`` and ``nan_rewards``: a scheduler's signal during a step, and rewards that are all NaN.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+from small_run import FAST
+
+import train.__main__ as train_command
+import train.trainer as trainer
+from train.cli.reporting import run_hydra
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def files_of(folder: Path) -> dict[str, tuple[int, int, str]]:
+    """Every file under ``folder``: (size, mtime in ns, sha1), to show that nothing was written."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha1(p.read_bytes()).hexdigest())
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def contents(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` -> its sha1 (a refused launch may rewrite a file with the same bytes)."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha1(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()
+    }
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_small(run_dir: Path, tiny_flux_dir: Path) -> Path:
+    """A finished 2-step run in ``run_dir`` with checkpoints after steps 1 and 2."""
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=2", "checkpoint.every=1"]
+    run_hydra(train_command.main, prog=train_command.PROG, argv=[*overrides, f"hydra.run.dir={run_dir}"])
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
+    return run_dir
+
+
+def copy_run(trained: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(trained, tmp_path / "run"))
+
+
+def sigterm_at(step: int, monkeypatch, signum: int = signal.SIGTERM) -> None:
+    """SIGTERM (or ``signum``) to this process during training step ``step``, as a scheduler would send it."""
+    real = trainer.train_step
+
+    def step_then_signal(run, k):
+        out = real(run, k)
+        if k == step:
+            os.kill(os.getpid(), signum)
+        return out
+
+    monkeypatch.setattr(trainer, "train_step", step_then_signal)
+
+
+def nan_rewards(monkeypatch) -> None:
+    from rewards.combine import NonFiniteRewardError, RewardCombiner
+
+    def score(self, images, prompts):
+        raise NonFiniteRewardError("reward.components.jpeg_compressibility: NaN scores")
+
+    monkeypatch.setattr(RewardCombiner, "score", score)
