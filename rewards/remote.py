@@ -119,6 +119,7 @@ class RemoteScorer(Scorer):
     """Scores from the server at ``url`` (module docstring): ``timeout_s`` per request, ``retries`` more tries."""
 
     name = "remote"
+    runs_remotely = True
 
     def __init__(self, url: str, *, timeout_s: float = 60.0, retries: int = 2) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
