@@ -220,6 +220,16 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
         (["+reward.components.aesthetic.weight=1"], ValueError, "reward.components.*aesthetic.*hpsv2"),
         (["+reward.components.remote.weight=1"], ValueError, "reward.components.remote.url is not set"),
         (
+            ["reward.chunk_groups=-1"],
+            ValueError,
+            r"^reward\.chunk_groups must be an integer >= 0 \(0: one chunk\), got -1$",
+        ),
+        (
+            ["+reward.components.shape_alignment.required=maybe"],
+            ValueError,
+            r"^reward\.components\.shape_alignment\.required must be true or false, got 'maybe'$",
+        ),
+        (
             ["batch.gradient_accumulation_steps=3", "batch.micro_batch=1"],
             ValueError,
             "batch.gradient_accumulation_steps=3 must",
