@@ -4,6 +4,7 @@ once; required ones skip or stop the step as before."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 
@@ -188,3 +189,23 @@ def test_advantages_of_a_chunked_step_use_the_whole_steps_groups() -> None:
     traj, _, scored = run_stage(stage, ToyRollout(num_groups=3))
     rewards = brightness(torch.sigmoid(traj.latents[:, -1]).reshape(-1, 3, 4, 4))
     torch.testing.assert_close(scored.advantages, advantage_fn(stage.grpo)(rewards, traj.group_ids))
+
+
+@pytest.mark.slow
+def test_an_optional_term_failing_on_one_rank_is_left_out_on_both(tmp_path) -> None:
+    """2 ranks over gloo; the judge fails on rank 1 only: both ranks leave it out (the same advantages as a
+    stage without it, from the one all-reduce of outcomes), count it, and say why once: rank 1 its error,
+    rank 0 that another rank could not score it."""
+    from two_ranks import HELPERS, run_torchrun
+
+    done = run_torchrun(str(HELPERS / "stage_worker.py"), str(tmp_path), timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, result in enumerate(results):
+        assert result["metrics"]["reward/judge/missing"] == 1.0 and "reward/judge" not in result["metrics"]
+        alone = toy_stage({"a": (ToyScorer(brightness), 2.0)})
+        want = run_stage(alone, ToyRollout(num_groups=2, first_group=2 * rank))[2].advantages
+        torch.testing.assert_close(torch.tensor(result["advantages"]), want)
+        said = [line for line in result["lines"] if "reward.components.judge (optional) is left out" in line]
+        why = "the judge went away" if rank == 1 else "another rank could not score it"
+        assert len(said) == 1 and why in said[0], result["lines"]
