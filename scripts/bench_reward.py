@@ -1,7 +1,7 @@
 """The reward stage's overlap (reward.chunk_groups) on the default job, with a served reward and with its local one.
 
     OMP_NUM_THREADS=1 python scripts/bench_reward.py [--rounds 3] [--steps 3] [--chunks 0 1 2 4]
-        [--ms-per-image 15]
+        [--ms-per-image 8]
 
 A stand-in reward server (scripts/reward_server.py, the remote protocol) serves ``SleepyScorer``: it takes
 ``--ms-per-image`` per image without using the CPU, under the server's one lock, so it scores one image at a time
@@ -45,7 +45,7 @@ class SleepyScorer(Scorer):
 
     name = "sleepy"
 
-    def __init__(self, ms_per_image: float = 15.0) -> None:
+    def __init__(self, ms_per_image: float = 8.0) -> None:
         self.ms_per_image = float(ms_per_image)
 
     def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="steps per process, the first one dropped")
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1, 2, 4], help="reward.chunk_groups per run")
-    parser.add_argument("--ms-per-image", type=float, default=15.0, help="the slow server's time per image")
+    parser.add_argument("--ms-per-image", type=float, default=8.0, help="the slow server's time per image")
     parser.add_argument("--port", type=int, default=8731, help="the slow server's port; the instant one's is +1")
     args = parser.parse_args()
     results: dict[str, dict[str, list[float]]] = {}
