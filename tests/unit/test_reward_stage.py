@@ -147,11 +147,15 @@ def test_an_optional_term_that_scores_is_counted_as_present() -> None:
 
 
 def test_a_required_nan_still_skips_the_step(caplog) -> None:
-    stage = toy_stage({"a": (ToyScorer(nan_scores), 1.0), "judge": (ToyScorer(redness), 1.0)}, optional=["judge"])
+    """A required term's NaN in the first chunk skips the step; the later chunks are decoded (their images are
+    logged) but no longer scored."""
+    nan = ToyScorer(nan_scores)
+    stage = toy_stage({"a": (nan, 1.0), "judge": (ToyScorer(redness), 1.0)}, chunk_groups=1, optional=["judge"])
     with caplog.at_level(logging.WARNING):
         _, _, scored = run_stage(stage, ToyRollout(num_groups=2))
     assert scored.advantages is None and scored.metrics["train/skipped_nan_reward"] == 1.0
     assert "skipping the update of this step: reward component 'a'" in caplog.text
+    assert scored.images.shape[0] == 4 and len(nan.calls) == 1
 
 
 @pytest.mark.parametrize("served", [False, True])

@@ -223,14 +223,14 @@ class RewardStage:
         return traj, prompts, scored
 
     def _score_chunk(self, scores: StepScores, traj: Trajectory, prompts: list[str], images: list[Tensor]) -> None:
-        if scores.outcome != OK:  # the step is skipped or fails: roll out the rest, score nothing
+        if scores.outcome == FAILED:  # the step ends: roll out the rest (collectives), decode and score nothing
             return
         try:
             images.append(decode_images(self.backbone, traj.latents[:, -1], self.model))
         except Exception as err:
             scores.fail(None, err)
             return
-        scores.add(images[-1], prompts)
+        scores.add(images[-1], prompts)  # nothing once a NaN skips the step; its images are still logged
 
     def _agree(
         self, scores: StepScores, collected: dict[str, Tensor], group_ids: Tensor, images: Tensor | None
