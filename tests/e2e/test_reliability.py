@@ -952,10 +952,10 @@ def test_a_live_owner_of_the_folder_is_named_and_a_dead_one_taken_over(holder, t
 def nan_rewards(monkeypatch) -> None:
     from rewards.combine import NonFiniteRewardError, RewardCombiner
 
-    def score(self, images, prompts):
+    def score_term(self, name, images, prompts):
         raise NonFiniteRewardError("reward.components.jpeg_compressibility: NaN scores")
 
-    monkeypatch.setattr(RewardCombiner, "score", score)
+    monkeypatch.setattr(RewardCombiner, "score_term", score_term)
 
 
 @pytest.mark.parametrize("why", ["nan-reward", "cancelling-rewards"])
