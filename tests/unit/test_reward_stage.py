@@ -213,3 +213,22 @@ def test_an_optional_term_failing_on_one_rank_is_left_out_on_both(tmp_path) -> N
         said = [line for line in result["lines"] if "reward.components.judge (optional) is left out" in line]
         why = "the judge went away" if rank == 1 else "another rank could not score it"
         assert len(said) == 1 and why in said[0], result["lines"]
+
+
+def test_the_console_says_each_cause_once(caplog) -> None:
+    """An optional judge that fails, scores NaN, fails, scores NaN in four steps: two lines, one per cause."""
+    causes = iter([FAILURE, None, FAILURE, None])
+
+    class Flaky(ToyScorer):
+        def score(self, images, prompts):
+            cause = next(causes)
+            if cause is None:
+                return nan_scores(images)
+            raise cause
+
+    stage = toy_stage({"a": (ToyScorer(brightness), 1.0), "judge": (Flaky(brightness), 1.0)}, optional=["judge"])
+    with caplog.at_level(logging.WARNING):
+        missing = [run_stage(stage, ToyRollout(num_groups=1))[2].metrics["reward/judge/missing"] for _ in range(4)]
+    lines = [r.getMessage() for r in caplog.records if "reward.components.judge (optional)" in r.getMessage()]
+    assert missing == [1.0] * 4 and len(lines) == 2, lines
+    assert "it failed (RuntimeError): the judge went away" in lines[0] and "it scored NaN or inf" in lines[1]

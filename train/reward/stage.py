@@ -155,9 +155,8 @@ class StepScores:
     def fail(self, name: str | None, err: Exception) -> None:
         """Term ``name`` (None: the decode) raised ``err``: drop an optional term, else skip or stop the step."""
         if name in self.rewards.optional:
-            self.dropped[name] = (
-                "it scored NaN or inf" if isinstance(err, NonFiniteRewardError) else f"it failed: {err}"
-            )
+            nan = isinstance(err, NonFiniteRewardError)  # the cause is the text before the first colon
+            self.dropped[name] = "it scored NaN or inf" if nan else f"it failed ({type(err).__name__}): {err}"
         elif isinstance(err, NonFiniteRewardError):  # it names its scorer; skip the update on every rank
             log.warning("skipping the update of this step: %s", err)
             self.outcome = max(self.outcome, NAN_REWARD)
