@@ -15,7 +15,8 @@ Exposed reward time of a chunking = step(slow server) - step(instant server); it
 (``--chunks`` 0) is how much of the served reward's time the overlap did not hide. The same difference of the
 reward phase alone (``time/reward``: what the step waited for) is printed beside it: it leaves out the rollout's
 noise, and also any slowdown of the rollout by the background requests, which the step's difference holds. The
-local runs' step time is given as a ratio to the unchunked one.
+local runs' step time is given as a ratio to the unchunked one, by the wall clock and by the process's CPU time,
+which other processes on a busy machine do not stretch.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from rewards.base import Scorer
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("step", "rollout", "reward", "reward_hidden")
+CLOCKS = [f"time/{phase}" for phase in PHASES] + ["cpu/step"]  # cpu: the process's CPU time (bench_train.py)
 
 
 class SleepyScorer(Scorer):
@@ -102,14 +104,14 @@ def main() -> None:
     results: dict[str, dict[str, list[float]]] = {}
     with reward_server(args.ms_per_image, args.port) as slow, reward_server(0.0, args.port + 1) as instant:
         runs = arms(args.chunks, slow, instant)
-        results = {name: {p: [] for p in PHASES} for name in runs}
+        results = {name: {clock: [] for clock in CLOCKS} for name in runs}
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(args.rounds):
                 for i, (name, overrides) in enumerate(runs.items()):
                     metrics, _ = run_once([*JOBS["demo"], *overrides], args.steps, Path(tmp) / f"{i}_{r}")
-                    for phase in PHASES:
-                        results[name][phase] += [m.get(f"time/{phase}", 0.0) for m in metrics[1:]]
-                    print(f"round {r} {name}: step {statistics.median(results[name]['step']):.2f}s", flush=True)
+                    for clock in CLOCKS:
+                        results[name][clock] += [m.get(clock, 0.0) for m in metrics[1:]]
+                    print(f"round {r} {name}: step {statistics.median(results[name]['time/step']):.2f}s", flush=True)
     report(args, {name: {p: statistics.median(v) for p, v in res.items()} for name, res in results.items()})
 
 
@@ -118,19 +120,26 @@ def report(args: argparse.Namespace, med: dict[str, dict[str, float]]) -> None:
     timed = args.rounds * (args.steps - 1)
     print(f"default job; median of {timed} steps per run ({args.rounds} processes); slow server "
           f"{args.ms_per_image:g} ms per image")  # fmt: skip
-    print(f"{'run':<18}{'step s':>8}{'rollout s':>11}{'reward s':>10}{'hidden s':>10}")
+    print(f"{'run':<18}{'step s':>8}{'rollout s':>11}{'reward s':>10}{'hidden s':>10}{'CPU step s':>12}")
     for name, m in med.items():
-        print(f"{name:<18}{m['step']:>8.2f}{m['rollout']:>11.2f}{m['reward']:>10.2f}{m['reward_hidden']:>10.2f}")
+        times = "".join(f"{m[f'time/{p}']:>{w}.2f}" for p, w in zip(PHASES, (8, 11, 10, 10)))
+        print(f"{name:<18}{times}{m['cpu/step']:>12.2f}")
     first = args.chunks[0]
-    exposed = {c: {p: med[f"slow chunks {c}"][p] - med[f"instant chunks {c}"][p] for p in PHASES} for c in args.chunks}
+    exposed = {
+        c: {p: med[f"slow chunks {c}"][f"time/{p}"] - med[f"instant chunks {c}"][f"time/{p}"] for p in PHASES}
+        for c in args.chunks
+    }
     print("exposed = slow - instant: of the step, and of the reward phase alone (less noise from the rollout)")
     header = f"{'exposed s':>10}{'/ unchunked':>12}{'reward phase s':>16}{'/ unchunked':>12}"
-    print(f"{'chunk_groups':<14}{header}{'local step / unchunked':>24}")
+    print(f"{'chunk_groups':<14}{header}{'local step / unchunked: wall':>30}{'CPU':>6}")
     for c in args.chunks:
-        local = med[f"local chunks {c}"]["step"] / med[f"local chunks {first}"]["step"]
+        local = "".join(
+            f"{med[f'local chunks {c}'][clock] / med[f'local chunks {first}'][clock]:>{w}.3f}"
+            for clock, w in (("time/step", 30), ("cpu/step", 6))
+        )
         step, phase = exposed[c]["step"], exposed[c]["reward"]
         to_first = step / exposed[first]["step"], phase / exposed[first]["reward"]
-        print(f"{c:<14}{step:>10.2f}{to_first[0]:>12.3f}{phase:>16.2f}{to_first[1]:>12.3f}{local:>24.3f}")
+        print(f"{c:<14}{step:>10.2f}{to_first[0]:>12.3f}{phase:>16.2f}{to_first[1]:>12.3f}{local}")
 
 
 if __name__ == "__main__":
