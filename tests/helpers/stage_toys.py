@@ -35,12 +35,14 @@ class ToyRollout:
     group_size: int = 2
     first_group: int = 0  # the id of the first group (another rank's groups start elsewhere)
     interrupt_at: int | None = None
+    delay_s: float = 0.0  # each chunk's rollout takes this long
     chunks: int = 0  # chunks rolled out so far
 
     def chunk(self, groups: range) -> tuple[Trajectory, list[str]]:
         if self.chunks == self.interrupt_at:
             raise KeyboardInterrupt
         self.chunks += 1
+        time.sleep(self.delay_s)
         ids = [self.first_group + g for g in groups]
         rows = [torch.randn(self.group_size, 3 * SIDE * SIDE, generator=torch.Generator().manual_seed(i)) for i in ids]
         latents = torch.stack([torch.zeros(len(ids) * self.group_size, 3 * SIDE * SIDE), torch.cat(rows)], dim=1)

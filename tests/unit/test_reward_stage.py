@@ -94,11 +94,13 @@ def test_served_terms_score_in_workers_while_the_rollout_goes_on() -> None:
     whole rollout; the workers are gone when the step ends."""
     served, local = ToyScorer(brightness, served=True, delay_s=0.05), ToyScorer(redness)
     components = {"judge": (served, 1.0), "local": (local, 1.0)}
-    _, _, chunked = run_stage(toy_stage(components, chunk_groups=1), ToyRollout(num_groups=4))
+    # each chunk rolls out in 0.1 s: the judge's 0.05 s per chunk hide behind the next one, but the last
+    _, _, chunked = run_stage(toy_stage(components, chunk_groups=1), ToyRollout(num_groups=4, delay_s=0.1))
     _, _, whole = run_stage(toy_stage(components), ToyRollout(num_groups=4))
     assert set(served.calls) == {"reward-judge_0"} and set(local.calls) == {threading.current_thread().name}
     torch.testing.assert_close(chunked.advantages, whole.advantages)
-    assert chunked.metrics["time/reward_hidden"] >= 0.0 and reward_threads() == []
+    assert chunked.metrics["time/reward_hidden"] > 0.05 and whole.metrics["time/reward_hidden"] < 0.05
+    assert reward_threads() == []
 
 
 def test_an_interrupted_step_leaves_no_worker_behind() -> None:
