@@ -13,14 +13,14 @@ scorer runs on this thread between chunks, where it does not compete with the ro
 worker is shut down when the step's scoring ends, however it ends (pending chunks cancelled, a request in flight
 waited for within its own deadline): a step that fails or is interrupted (Ctrl+C) leaves no thread behind.
 
-Failures keep today's rules, per chunk. A required term's NaN or inf skips the update on every rank; its
-protocol error (``RemoteRewardError``) stops the run with one line naming ``reward.components.<name>``
-(``ScorerFailed``); any other exception ends the step on every rank at the same point (``RankFailed`` on the
-others). An optional term (``required: false``) that fails or scores NaN is left out of the step's advantages
-on every rank, the other weights renormalised (rewards/combine.py), counted by ``reward/<name>/missing`` and
-said on the console once per cause; a step with no weighted term left is skipped. After a failure this rank
-still rolls out its remaining chunks without scoring them: a sharded transformer's forwards are collectives
-the other ranks wait in.
+Failures follow the rules of scoring after the whole rollout, per chunk. A required term's NaN or inf skips
+the update on every rank; its protocol error (``RemoteRewardError``) stops the run with one line naming
+``reward.components.<name>`` (``ScorerFailed``); any other exception ends the step on every rank at the same
+point (``RankFailed`` on the others). An optional term (``required: false``) that fails or scores NaN is left
+out of the step's advantages on every rank, the other weights renormalised (rewards/combine.py), counted by
+``reward/<name>/missing`` and said on the console once per cause; a step with no weighted term left is skipped.
+After a failure this rank still rolls out its remaining chunks without scoring them: a sharded transformer's
+forwards are collectives the other ranks wait in.
 """
 
 from __future__ import annotations
