@@ -43,6 +43,9 @@ class Scorer(abc.ABC):
     """A reward: ``scorer(images, prompts) -> Tensor[B] float32`` (see the module docstring)."""
 
     name: ClassVar[str]
+    runs_remotely: ClassVar[bool] = False
+    """True for a scorer served by another process (HTTP): the trainer scores with it in a background thread,
+    while the next rollout chunk runs, where a local scorer would compete with the rollout for the device."""
 
     def __call__(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
         check_inputs(images, prompts, scorer=self.name)

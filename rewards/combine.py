@@ -12,11 +12,20 @@ With components k = 1..K, weights w_k, raw scores s_k [B] and a group advantage 
 Every component is always returned separately, so each can be logged. A NaN or inf score is a
 ``NonFiniteRewardError`` naming the component and its scorer, never a value that flows into the
 advantages; the trainer skips such a step, while any other error of a scorer stops the run.
+
+A component is required (the default) or optional. Scores may leave out optional components (the
+trainer leaves out one that failed or scored NaN in a step); the weights of the present ones P are then
+renormalised so that their absolute values keep the sum of all of them:
+
+    w'_k = w_k * sum_j |w_j| / sum_{j in P} |w_j|      (k in P)
+
+so a step with a term missing keeps the reward's scale (weights 1 : 1 with one term gone -> 2 for the
+other, as the advantage of a sum does not change with its scale and a per-term advantage's does).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -33,17 +42,25 @@ class NonFiniteRewardError(ValueError):
 
 
 class RewardCombiner:
-    """``components`` maps a component name to (scorer, weight)."""
+    """``components`` maps a component name to (scorer, weight); the names in ``optional`` may be left out of
+    the scores (module docstring), the others are required."""
 
     def __init__(
-        self, components: Mapping[str, tuple[Scorer, float]], *, mode: CombineMode | str = CombineMode.sum
+        self,
+        components: Mapping[str, tuple[Scorer, float]],
+        *,
+        mode: CombineMode | str = CombineMode.sum,
+        optional: Collection[str] = (),
     ) -> None:
         self.mode = member(CombineMode, mode, "mode")
         if not components:
             raise ValueError("components is empty; name at least one reward with a weight")
         for name, (_, weight) in components.items():
             check_weight(name, weight)
+        if unknown := sorted(set(optional) - set(components)):
+            raise ValueError(f"optional names {unknown}, which are not components ({sorted(components)})")
         self.components = dict(components)
+        self.optional = frozenset(optional)
 
     @property
     def weights(self) -> dict[str, float]:
@@ -51,10 +68,13 @@ class RewardCombiner:
 
     def score(self, images: Tensor, prompts: Sequence[str]) -> dict[str, Tensor]:
         """Raw scores [B] of every component, in order; NaN or inf raises NonFiniteRewardError naming it."""
-        scores = {}
-        for name, (scorer, _) in self.components.items():
-            scores[name] = scorer(images, prompts)
-            check_finite(scores[name], component=name, scorer=scorer.name)
+        return {name: self.score_term(name, images, prompts) for name in self.components}
+
+    def score_term(self, name: str, images: Tensor, prompts: Sequence[str]) -> Tensor:
+        """Raw scores [B] of component ``name``; NaN or inf raises NonFiniteRewardError naming it."""
+        scorer = self.components[name][0]
+        scores = scorer(images, prompts)
+        check_finite(scores, component=name, scorer=scorer.name)
         return scores
 
     def combine(
@@ -85,7 +105,8 @@ class RewardCombiner:
         return self._weighted_sum(self._checked(scores))
 
     def _weighted_sum(self, parts: Mapping[str, Tensor]) -> Tensor:
-        terms = [self.weights[name] * part for name, part in parts.items()]
+        weights = renormalised_weights(self.weights, parts)
+        terms = [weights[name] * part for name, part in parts.items()]
         total = terms[0]
         for term in terms[1:]:
             total = total + term
@@ -106,11 +127,26 @@ class RewardCombiner:
         return self
 
     def _checked(self, scores: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        if set(scores) != set(self.components):
-            raise ValueError(f"scores have components {sorted(scores)}, expected {sorted(self.components)}")
+        """``scores`` in the components' order: every required component, and no name that is not one."""
+        required = set(self.components) - self.optional
+        if not required <= set(scores) <= set(self.components) or not scores:
+            raise ValueError(
+                f"scores have components {sorted(scores)}, expected {sorted(self.components)} "
+                f"(optional ones may be missing: {sorted(self.optional)}, not all of them)"
+            )
         for name, score in scores.items():
             check_finite(score, component=name, scorer=self.components[name][0].name)
-        return {name: scores[name] for name in self.components}
+        return {name: scores[name] for name in self.components if name in scores}
+
+
+def renormalised_weights(weights: Mapping[str, float], present: Collection[str]) -> dict[str, float]:
+    """The weights of the ``present`` components, scaled so that the sum of their absolute values is that of all
+    ``weights`` (module docstring); ValueError when every present weight is 0 (nothing to learn from)."""
+    kept = sum(abs(weights[name]) for name in present)
+    if kept == 0:
+        raise ValueError(f"every weight of the components left ({sorted(present)}) is 0")
+    scale = sum(abs(weight) for weight in weights.values()) / kept
+    return {name: weight * scale for name, weight in weights.items() if name in present}
 
 
 def check_finite(score: Tensor, *, component: str, scorer: str) -> None:

@@ -39,17 +39,30 @@ class RewardConfig:
     """sum: weighted sum of raw scores; advantage: weighted sum of per-reward advantages"""
     components: dict = field(default_factory=dict)
     """scorer registry key (hpsv2 | clipscore | pickscore | jpeg_compressibility | ...) -> {weight: float
-    (default 1), <the scorer's arguments, e.g. checkpoint: /path>} (docs/rewards.md). Untyped so that
-    `+reward.components.pickscore.weight=0.5` can add a component from the command line."""
+    (default 1), required: bool (default true; false: a failure or NaN of this term leaves it out of the step's
+    advantages, the other weights renormalised), <the scorer's arguments, e.g. checkpoint: /path>}
+    (docs/rewards.md). Untyped so that `+reward.components.pickscore.weight=0.5` can add a component from the
+    command line."""
+    chunk_groups: int = 0
+    """GRPO groups per rollout chunk on a rank (>= 0; 0 = all of the rank's groups in one chunk). Each chunk is
+    decoded and handed to the reward as soon as it is rolled out, so a served reward (remote, judge) scores it
+    while the next chunk rolls out; the results equal one chunk's to float rounding. Default 0, from
+    docs/benchmarks/2026-12-reward-overlap-cpu.md: on the default job (CPU) chunks of 1 or 2 of its 8 groups made
+    the local reward's step 1.23x or 1.08x slower (smaller rollout batches) and hide nothing there; with a served
+    reward, 1 left 17% of its time exposed and 2 gave the fastest step. Set it with a served reward."""
 
     def __post_init__(self) -> None:
         self.combine = member(CombineMode, self.combine, "combine")
+        if isinstance(self.chunk_groups, bool) or not isinstance(self.chunk_groups, int) or self.chunk_groups < 0:
+            raise ValueError(f"chunk_groups must be an integer >= 0 (0: one chunk), got {self.chunk_groups!r}")
         for name, component in self.components.items():
             if name not in SCORER_NAMES:
                 raise ValueError(f"components.{name} is not a scorer; accepted names: {', '.join(SCORER_NAMES)}")
             weight = component.get("weight", 1.0) if isinstance(component, Mapping) else None
             if not isinstance(weight, int | float) or isinstance(weight, bool):
                 raise ValueError(f"components.{name} must be {{weight: <number>, <scorer arguments>}}, got {component}")
+            if not isinstance(component.get("required", True), bool):
+                raise ValueError(f"components.{name}.required must be true or false, got {component['required']!r}")
             for key in SERVED_REQUIRED.get(name, ()):
                 if not component.get(key):
                     raise ValueError(f"components.{name}.{key} is not set: {SERVED_REQUIRED[name][key]}")
@@ -58,6 +71,11 @@ class RewardConfig:
             check_weight(name, weight)
         if weights and not any(weights.values()):
             raise ValueError("components: every weight is 0, so every advantage would be 0; give one a weight")
+
+
+def optional_terms(components: Mapping[str, Mapping]) -> list[str]:
+    """The names of the ``components`` (``RewardConfig.components``) marked ``required: false``."""
+    return [name for name, component in components.items() if not component.get("required", True)]
 
 
 def check_weight(name: str, weight: float) -> None:

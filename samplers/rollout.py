@@ -117,6 +117,30 @@ class Trajectory:
         )
 
 
+def cat_trajectories(parts: Sequence[Trajectory]) -> Trajectory:
+    """The rows of every trajectory batch in ``parts``, in order: the chunks of one rollout (same schedule,
+    steps and transition), e.g. rolled out a few groups at a time; one part is returned as it is."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    for part in parts[1:]:
+        same = torch.equal(part.stochastic, first.stochastic) and torch.equal(part.timesteps, first.timesteps)
+        if not same or part.sde != first.sde or (part.velocities is None) != (first.velocities is None):
+            raise ValueError("cat_trajectories: the parts come from rollouts with different settings")
+    velocities = None
+    if first.velocities is not None:
+        velocities = torch.cat([part.velocities for part in parts if part.velocities is not None])
+        velocities = velocities.pin_memory() if first.velocities.is_pinned() else velocities
+    return replace(
+        first,
+        latents=torch.cat([part.latents for part in parts]),
+        log_probs=torch.cat([part.log_probs for part in parts]),
+        velocities=velocities,
+        cond=type(first.cond).cat([part.cond for part in parts]),
+        group_ids=torch.cat([part.group_ids for part in parts]),
+    )
+
+
 def group_noise(
     initial_noise: Callable[..., Tensor],
     seeds: Sequence[int],

@@ -3,8 +3,10 @@
 On each rank:
   1. draw ``prompts_per_rank`` prompts (train/run/prompts.py); each is a group of G samples on this rank
      that starts from one initial noise drawn from the stream (seed, "initial_noise", group id);
-  2. roll out the N-step trajectory without gradients (SDE or Flow-GRPO-Fast window);
-  3. decode, score every reward component, combine, and take group advantages;
+  2. roll out the N-step trajectory without gradients (SDE or Flow-GRPO-Fast window), in chunks of whole
+     groups (``reward.chunk_groups``);
+  3. decode and score each chunk as it finishes, a served reward while the next chunk rolls out; once every
+     score is in, combine and take group advantages (the reward stage, train/reward/stage.py);
   4. update: the router (train/algorithm/routing.py) may measure first; then micro-batches through
      train/algorithm/update.py (exact or JAGG per segment), one optimizer step per
      ``gradient_accumulation_steps`` samples, after clipping the global gradient norm. The routes of an
@@ -18,8 +20,9 @@ checkpointed: a resumed step rolls out again and keeps them anew.
 
 A NaN or inf reward (``rewards.combine.NonFiniteRewardError``) or a non-finite gradient skips the
 update (all ranks together) instead of corrupting the weights; an exception while a rank decodes and scores
-its samples ends the step on every rank at the same point (``reward_phase``); the remote reward's answer outside
-its protocol is a ``ScorerFailed`` (one line naming reward.components.remote).
+its samples ends the step on every rank at the same point; the remote reward's answer outside its protocol is a
+``ScorerFailed`` (one line naming reward.components.remote); an optional reward term that fails is left out of
+the step (train/reward/stage.py).
 """
 
 from __future__ import annotations
@@ -31,65 +34,101 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from models.base import Backbone, Conditioning, decode_in_chunks
-from models.model_config import ModelConfig
-from rewards.combine import AdvantageFn, NonFiniteRewardError
-from rewards.remote import RemoteRewardError, RemoteScorer
+from models.base import Conditioning
 from samplers.rollout import KeptVelocities, Predict, Trajectory, group_noise, rollout, shared_start_steps
 from samplers.schedule import check_timesteps
 from samplers.window import rollout_forwards, sde_window
-from train.algorithm.grpo import group_advantages
 from train.algorithm.jagg import Counts
 from train.algorithm.metrics import Reduce, Stat
 from train.algorithm.update import UpdateBatch, UpdateStats, shared_start, update_micro_batch
 from train.algorithm.update_config import ReuseVelocities
-from train.config.schema import AdvStd, GRPOConfig, TrainConfig
-from train.distributed.collectives import all_gather_tensor, all_reduce_max, all_reduce_sum
+from train.config.schema import TrainConfig
+from train.distributed.collectives import all_reduce_max, all_reduce_sum
 from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
 from train.distributed.seeds import stream_generator, stream_seed
 from train.observe.health import FLAT_IMAGES, flat_fraction
 from train.observe.logger import PhaseTimer, RunLogger
 from train.observe.perf import perf_metrics
 from train.optim.ema import EMA
-from train.run.errors import RankFailed, ScorerFailed, config_key, mark_agreed
+from train.reward.stage import Scored
+from train.reward.stage import decode_images as decode_images  # its home until train/plan imports it there
+from train.run.errors import config_key
 from train.run.parts import ModelParts, Run
 
 log = logging.getLogger(__name__)
 
 
-def rollout_phase(run: Run, step: int, *, keep_velocities: bool | None = None) -> tuple[Trajectory, list[str]]:
-    """The step's rollout and its prompts; it keeps its velocities when ``keep_velocities`` says so,
-    by default when the update can reuse them."""
+@dataclass(frozen=True)
+class StepRollout:
+    """A step's rollout on this rank, drawn once (the groups' initial noise and SDE-noise streams, the SDE window,
+    the schedule, the conditioning) and run in chunks of whole groups (train/reward/stage.py): a group's samples
+    depend on its own streams only, so any chunking gives the same trajectories to float rounding."""
+
+    predict: Predict
+    cfg: TrainConfig
+    cond: Conditioning  # B rows, G consecutive rows per group
+    noise: Tensor  # [B, ...] z_0
+    sigmas: Tensor  # [N+1]
+    group_ids: Tensor  # [B]
+    window: tuple[int, int] | None  # the SDE window, the same on every rank
+    sde_noise: list[torch.Generator]  # one per group
+    prompts: list[str]  # B, one per row
+    keep_velocities: bool
+    velocity_dtype: torch.dtype
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.sde_noise)
+
+    def chunk(self, groups: range) -> tuple[Trajectory, list[str]]:
+        """The trajectories of ``groups`` (indices among this rank's groups) and their prompts."""
+        size = self.cfg.grpo.group_size
+        rows = range(groups.start * size, groups.stop * size)
+        traj = sample_trajectories(
+            self.predict,
+            self.cfg,
+            self.cond.index(list(rows)),
+            self.noise[rows.start : rows.stop],
+            sigmas=self.sigmas,
+            group_ids=self.group_ids[rows.start : rows.stop],
+            sde_window=self.window,
+            sde_noise=self.sde_noise[groups.start : groups.stop],
+            keep_velocities=self.keep_velocities,
+            velocity_dtype=self.velocity_dtype,
+        )
+        return traj, self.prompts[rows.start : rows.stop]
+
+
+def step_rollout(run: Run, step: int, *, keep_velocities: bool | None = None) -> StepRollout:
+    """The step's rollout, ready to run; it keeps its velocities when ``keep_velocities`` says so, by default
+    when the update can reuse them."""
     cfg, backbone, device = run.cfg, run.model.backbone, run.device
     batch = run.data.prompts.batch(step)
     size, s = cfg.grpo.group_size, cfg.sampler
     seeds = [stream_seed(cfg.seed, "initial_noise", gid) for gid in batch.group_ids]
     h, w = cfg.model.height, cfg.model.width
     noise = group_noise(backbone.initial_noise, seeds, group_size=size, height=h, width=w, device=device)
-    # the window decides which transitions train: the same on every rank
-    window = sde_window(s, step, stream_generator(cfg.seed, "sde_window", step))
     with config_key("sampler", ["shift"]):
         sigmas = backbone.sigmas(s.num_steps, height=h, width=w, shift=s.shift)
         check_timesteps(sigmas, quantize=s.quantize_timesteps)
-    # SDE noise per group, from (seed, group id): the same samples however groups spread over ranks.
-    sde_noise = [stream_generator(cfg.seed, "sde_noise", gid, device) for gid in batch.group_ids]
     keep = cfg.update.keeps_velocities(ratio_norm=cfg.grpo.ratio_norm) if keep_velocities is None else keep_velocities
     with torch.no_grad():
         cond = backbone.encode(batch.prompts).repeat(size)
-    traj = sample_trajectories(
-        run.model.policy,
-        cfg,
-        cond,
-        noise,
+    return StepRollout(
+        predict=run.model.policy,
+        cfg=cfg,
+        cond=cond,
+        noise=noise,
         sigmas=sigmas,
         group_ids=torch.tensor(batch.group_ids, device=device).repeat_interleave(size),
-        sde_window=window,
-        sde_noise=sde_noise,
+        # the window decides which transitions train: the same on every rank
+        window=sde_window(s, step, stream_generator(cfg.seed, "sde_window", step)),
+        # SDE noise per group, from (seed, group id): the same samples however groups spread over ranks or chunks
+        sde_noise=[stream_generator(cfg.seed, "sde_noise", gid, device) for gid in batch.group_ids],
+        prompts=[p for p in batch.prompts for _ in range(size)],
         keep_velocities=keep,
         velocity_dtype=run.model.compute_dtype,  # the transformer's output precision: nothing is lost
     )
-    prompts = [p for p in batch.prompts for _ in range(size)]
-    return traj, prompts
 
 
 def sample_trajectories(
@@ -146,93 +185,6 @@ def rollout_metrics(cfg: TrainConfig, traj: Trajectory) -> dict[str, float]:
     return metrics if window is None else metrics | {"sampler/window_start": window[0]}
 
 
-def decode_images(backbone: Backbone, latents: Tensor, model: ModelConfig) -> Tensor:
-    """Images [B, 3, H, W] of the final ``latents`` [B, ...], ``model.decode_batch`` per VAE call."""
-    with torch.no_grad():
-        return decode_in_chunks(backbone, latents, rows=model.decode_batch, height=model.height, width=model.width)
-
-
-def advantage_fn(g: GRPOConfig) -> AdvantageFn:
-    """Group advantages with ``grpo``'s settings (a global std all-gathers the step's rewards)."""
-
-    def fn(rewards: Tensor, group_ids: Tensor) -> Tensor:
-        unbiased = g.adv_std is AdvStd.unbiased
-        global_std = all_gather_tensor(rewards).std(unbiased=unbiased) if g.global_std else None
-        return group_advantages(
-            rewards, group_ids, eps=g.adv_eps, adv_clip_max=g.adv_clip_max, global_std=global_std, unbiased=unbiased
-        )
-
-    return fn
-
-
-@dataclass
-class Scored:
-    """The reward phase's result on this rank."""
-
-    advantages: Tensor | None  # [B]; None when the step must be skipped (a non-finite reward on some rank)
-    images: Tensor  # [B, 3, H, W] in [0, 1]
-    rewards: Tensor | None  # [B] combined reward per sample (None when skipped)
-    metrics: dict[str, float]
-
-
-OK, NAN_REWARD, FAILED = 0, 1, 2  # a rank's outcome of its own part of the reward phase
-
-
-def reward_phase(run: Run, traj: Trajectory, prompts: list[str]) -> Scored:
-    """Decode and score this rank's samples (its own VAE and reward models: no collective), then agree with
-    the other ranks, in one all-reduce, on what each got: a NaN reward anywhere skips the update; an
-    exception on some rank ends the step on every rank at this point (``RankFailed`` on the others), so
-    that they can still checkpoint the steps trained before it together (train/trainer.py)."""
-    outcome, scores, images = OK, {}, None
-    failure: Exception | None = None
-    try:
-        images = decode_images(run.model.backbone, traj.latents[:, -1], run.cfg.model)
-        with torch.no_grad():
-            scores = run.data.rewards.score(images, prompts)
-    except NonFiniteRewardError as err:  # it names its scorer; skip the update on every rank
-        log.warning("skipping the update of this step: %s", err)
-        outcome = NAN_REWARD
-    except RemoteRewardError as err:  # the server's answer or refusal: a setting or the server to fix, in one line
-        outcome, failure = FAILED, ScorerFailed(f"reward.components.{RemoteScorer.name}: {err}")
-    except Exception as err:  # the other ranks learn of it below, then it is re-raised
-        outcome, failure = FAILED, err
-    outcomes = torch.zeros(run.dist.world_size, device=run.device)
-    outcomes[run.dist.rank] = outcome
-    outcomes = all_reduce_max(outcomes)
-    failed = [rank for rank, value in enumerate(outcomes.tolist()) if value == FAILED]
-    if failure is not None:
-        raise mark_agreed(failure)
-    if failed:
-        raise RankFailed(
-            f"rank {', '.join(map(str, failed))} failed in the reward phase of this step (its error is in its "
-            "own output); this rank stopped with it"
-        )
-    assert images is not None
-    if outcomes.max() == NAN_REWARD:
-        return Scored(None, images, None, {"train/skipped_nan_reward": 1.0})
-    advantages, _ = run.data.rewards.advantages(scores, traj.group_ids, advantage_fn(run.cfg.grpo))
-    total = run.data.rewards.total(scores)
-    # every rank holds as many samples: the gathered tensors are the whole step's
-    metrics = {f"reward/{name}": float(all_gather_tensor(s).mean()) for name, s in scores.items()}
-    metrics |= {f"spread/{name}": group_spread(s, traj.group_ids) for name, s in scores.items()}
-    everyone = all_gather_tensor(advantages)
-    metrics |= {
-        "reward/total": float(all_gather_tensor(total).mean()),
-        "adv/mean": float(everyone.mean()),
-        "adv/std": float(everyone.std(unbiased=False)),
-        "adv/abs_max": float(everyone.abs().max()),
-        "train/skipped_nan_reward": 0.0,
-    }
-    return Scored(advantages, images, total, metrics)
-
-
-def group_spread(scores: Tensor, group_ids: Tensor) -> float:
-    """The largest range (max - min) of ``scores`` [B] within a group, over the groups of every rank: 0 when
-    every group ties, so the reward adds no advantage (train/observe/health.py warns)."""
-    everyone, ids = all_gather_tensor(scores.float()), all_gather_tensor(group_ids)
-    return max(float(everyone[ids == gid].max() - everyone[ids == gid].min()) for gid in ids.unique())
-
-
 def optimizer_step(
     params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, ema: EMA | None, *, max_grad_norm: float
 ) -> tuple[float, bool]:
@@ -279,9 +231,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         run.perf.compiles.begin()
     with timer.phase("step"):
         with timer.phase("rollout"):
-            traj, prompts = rollout_phase(run, step)
-        with timer.phase("reward"):
-            scored = reward_phase(run, traj, prompts)
+            rollout = step_rollout(run, step)
+        traj, prompts, scored = run.data.reward_stage.run(rollout, timer)
         metrics = scored.metrics | {FLAT_IMAGES: flat_fraction(scored.images, run.cfg.health.flat_image_range)}
         if scored.advantages is not None:
             batch = update_batch(run.model, run.cfg, traj, scored.advantages)

@@ -4,9 +4,11 @@ once; before training it is one line, not a traceback; under torchrun the same."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -109,3 +111,41 @@ def test_ctrl_c_under_torchrun_checkpoints_on_both_ranks(tiny_flux_dir, tmp_path
     lines = [line for line in stderr.splitlines() if line.startswith("python -m train: stopped: Ctrl+C (SIGINT)")]
     assert len(lines) == 1 and checkpoints[0] in lines[0], stderr[-3000:]
     assert "Traceback" not in stderr.split("python -m train: stopped:")[0], stderr[-3000:]
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_a_served_reward_is_mid_request_leaves_no_thread_and_resumes_exactly(
+    tiny_flux_dir, tmp_path, capsys
+):
+    """The rollout in chunks of one group, a served reward (a slow stand-in server) scoring each chunk in the
+    background; Ctrl+C arrives while step 1's first request is in flight: the step finishes, its checkpoint is
+    written, no worker thread is left, and resume=auto ends where the uninterrupted run ends, bit for bit."""
+    pytest.importorskip("fastapi")
+    from reward_servers import FAKE, fake_server, serve
+
+    def good(count):
+        return {"scores": [0.25 * i for i in range(count)], **FAKE}
+
+    def ctrl_c_then_good(count):
+        os.kill(os.getpid(), signal.SIGINT)
+        return good(count)
+
+    chunked = ["batch.prompts_per_rank=2", "reward.chunk_groups=1", f"model.path={tiny_flux_dir}", "num_steps=3"]
+    with serve(fake_server(good, delay_s=0.2)) as url:
+        served = [*chunked, f"+reward.components.remote={{url: '{url}', timeout_s: 10, retries: 0}}"]
+        assert train(capsys, tmp_path / "straight", *served)[0] == 0
+    # requests 0 and 1 score step 0's two chunks; request 2, step 1's first, brings the Ctrl+C
+    with serve(fake_server(good, good, ctrl_c_then_good, good, delay_s=0.2), port=int(url.rsplit(":", 1)[1])):
+        status, stderr = train(capsys, tmp_path / "stopped", *served)
+        assert status == 130 and "after step 2" in stopped_line(stderr), stderr
+        assert [t.name for t in threading.enumerate() if t.name.startswith("reward-")] == []
+        assert train(capsys, tmp_path / "stopped", *served, "resume=auto")[0] == 0
+    straight, resumed = rows(tmp_path / "straight"), rows(tmp_path / "stopped")
+    assert [row["step"] for row in resumed] == [0, 1, 2]
+    for a, b in zip(straight, resumed):
+        for key in ("train/loss", "reward/total", "reward/remote", "adv/std", "train/grad_norm"):
+            assert a[key] == b[key], (a["step"], key)

@@ -43,7 +43,7 @@ def main() -> None:
 
             def step(run, k, sigterm=sigterm, fail=fail):
                 if fail and dist.rank == fail["rank"] and k == fail["step"]:
-                    run.data.rewards.score = _server_gone
+                    next(iter(run.data.reward_stage.rewards.components.values()))[0].score = _server_gone
                 out = real_step(run, k)
                 if sigterm and dist.rank == sigterm["rank"] and k == sigterm["step"]:
                     os.kill(os.getpid(), signal.SIGTERM)

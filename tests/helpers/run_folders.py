@@ -74,7 +74,7 @@ def sigterm_at(step: int, monkeypatch, signum: int = signal.SIGTERM) -> None:
 def nan_rewards(monkeypatch) -> None:
     from rewards.combine import NonFiniteRewardError, RewardCombiner
 
-    def score(self, images, prompts):
+    def score_term(self, name, images, prompts):
         raise NonFiniteRewardError("reward.components.jpeg_compressibility: NaN scores")
 
-    monkeypatch.setattr(RewardCombiner, "score", score)
+    monkeypatch.setattr(RewardCombiner, "score_term", score_term)

@@ -225,6 +225,16 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
         (["+reward.components.aesthetic.weight=1"], ValueError, "reward.components.*aesthetic.*hpsv2"),
         (["+reward.components.remote.weight=1"], ValueError, "reward.components.remote.url is not set"),
         (
+            ["reward.chunk_groups=-1"],
+            ValueError,
+            r"^reward\.chunk_groups must be an integer >= 0 \(0: one chunk\), got -1$",
+        ),
+        (
+            ["+reward.components.shape_alignment.required=maybe"],
+            ValueError,
+            r"^reward\.components\.shape_alignment\.required must be true or false, got 'maybe'$",
+        ),
+        (
             ["batch.gradient_accumulation_steps=3", "batch.micro_batch=1"],
             ValueError,
             "batch.gradient_accumulation_steps=3 must",
@@ -495,3 +505,24 @@ def test_pickscore_reward_option_is_flow_grpo_scaled(paths, tmp_path):
     )
     check(cfg)
     assert cfg.reward.components["pickscore"]["scale"] == "flow_grpo"
+
+
+def test_an_optional_reward_term_reaches_the_combiner_and_not_its_scorer(tmp_path):
+    """reward.components.<name>.required=false: the combiner may leave the term out; the scorer is built without
+    the key (it is the combiner's, as weight is) and the arguments check passes it."""
+    import torch
+
+    from train.run.scorers import build_rewards, check_scorer_inputs
+
+    overrides = [
+        "+reward.components.jpeg_compressibility.required=false",
+        "+reward.components.jpeg_compressibility.quality=80",
+    ]
+    cfg = load(overrides, tmp_path)
+    check_scorer_inputs(cfg)
+    rewards = build_rewards(cfg, torch.device("cpu"))
+    assert rewards.optional == {"jpeg_compressibility"} and set(rewards.components) == {
+        "shape_alignment",
+        "jpeg_compressibility",
+    }
+    assert cfg.reward.chunk_groups == 0  # one chunk: the rollout and scoring of before the reward stage

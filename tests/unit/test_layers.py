@@ -4,7 +4,7 @@ train/ the sub-packages form layers (CONTRIBUTING.md, Layout):
     commands (train.cli, train.eval, train.probe, train.compare, train.plan, train.preflight, train.__main__)
       -> the trainer (train.trainer, train.step)
         -> run parts (train.run, train.model, train.optim, train.checkpoint, train.evaluation,
-           train.observe, and the configuration train.config)
+           train.observe, train.reward, and the configuration train.config)
           -> the algorithm (train.algorithm)
             -> distribution (train.distributed)
 
@@ -34,6 +34,7 @@ LAYERS = [
         "train.checkpoint",
         "train.evaluation",
         "train.observe",
+        "train.reward",
     },
     {"train.trainer", "train.step"},
     {"train.cli", "train.eval", "train.probe", "train.compare", "train.plan", "train.preflight", "train.__main__"},

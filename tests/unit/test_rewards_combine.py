@@ -12,7 +12,7 @@ from torch import Tensor
 
 import rewards
 from rewards.base import SCORER_NAMES, Scorer, build_scorer
-from rewards.combine import RewardCombiner
+from rewards.combine import RewardCombiner, renormalised_weights
 from rewards.compressibility import JPEGCompressibilityScorer, JPEGIncompressibilityScorer
 from rewards.summary import image_grid, summarize
 from train.algorithm.grpo import group_advantages
@@ -105,6 +105,60 @@ def test_combiner_rejects_bad_settings() -> None:
         _combiner("sum").combine({"hps": torch.ones(4)})
     with pytest.raises(ValueError, match=r"components\.x\.weight must be a finite number"):
         RewardCombiner({"x": (FixedScorer("x", [1.0]), float("nan"))})
+
+
+def test_renormalised_weights_keep_the_sum_of_absolute_weights() -> None:
+    """w'_k = w_k * sum_j |w_j| / sum_(j present) |w_j|: 1 : -2 : 3 with the -2 gone -> 1.5 : 4.5 (sum 6); all
+    present: the weights as they are, bit for bit; nothing weighted left: an error."""
+    weights = {"a": 1.0, "b": -2.0, "c": 3.0}
+    assert renormalised_weights(weights, ["a", "c"]) == {"a": 1.5, "c": 4.5}
+    assert renormalised_weights(weights, ["b"]) == {"b": -6.0}
+    assert renormalised_weights(weights, ["a", "b", "c"]) == weights
+    with pytest.raises(ValueError, match=r"every weight of the components left \(\['z'\]\) is 0"):
+        renormalised_weights({"a": 1.0, "z": 0.0}, ["z"])
+
+
+def _optional(mode: str) -> RewardCombiner:
+    return RewardCombiner(
+        {"hps": (FixedScorer("hpsv2", [0.0]), 1.0), "clip": (FixedScorer("clipscore", [0.0]), 0.5)},
+        mode=mode,
+        optional=["clip"],
+    )
+
+
+def test_a_missing_optional_component_renormalises_in_sum_mode(float64) -> None:
+    """hps alone, its weight 1 -> 1.5 (the sum of |w| kept): the reward is 1.5 hps, in float64."""
+    hps = torch.tensor([1.0, 3.0, 2.0, 2.0], dtype=torch.float64) / 3
+    total, parts = _optional("sum").combine({"hps": hps})
+    assert total.dtype == torch.float64 and list(parts) == ["hps"]
+    torch.testing.assert_close(total, 1.5 * hps, rtol=1e-15, atol=0)
+    advantages, _ = _optional("sum").advantages({"hps": hps}, GROUPS, _hand_advantages)
+    torch.testing.assert_close(advantages, _hand_advantages(1.5 * hps, GROUPS), rtol=1e-15, atol=1e-15)
+
+
+def test_a_missing_optional_component_renormalises_in_advantage_mode(float64) -> None:
+    """clip alone, its weight 0.5 -> 1.5: the advantage is 1.5 A(clip) (per-term advantages scale with it)."""
+    clip = torch.tensor([0.1, 0.7, 5.0, 1.0], dtype=torch.float64)
+    total, _ = _optional("advantage").combine(
+        {"clip": clip, "hps": torch.zeros(4, dtype=torch.float64)}, group_ids=GROUPS, advantage_fn=_hand_advantages
+    )
+    torch.testing.assert_close(total, 0.5 * _hand_advantages(clip, GROUPS), rtol=1e-15, atol=1e-15)
+    optional = RewardCombiner(
+        {"hps": (FixedScorer("hpsv2", [0.0]), 1.0), "clip": (FixedScorer("clipscore", [0.0]), 0.5)},
+        mode="advantage",
+        optional=["hps", "clip"],
+    )
+    alone, _ = optional.advantages({"clip": clip}, GROUPS, _hand_advantages)
+    torch.testing.assert_close(alone, 1.5 * _hand_advantages(clip, GROUPS), rtol=1e-15, atol=1e-15)
+
+
+def test_only_optional_components_may_be_missing() -> None:
+    with pytest.raises(
+        ValueError, match=r"scores have components \['clip'\].*optional ones may be missing: \['clip'\]"
+    ):
+        _optional("sum").combine({"clip": torch.ones(4)})
+    with pytest.raises(ValueError, match=r"optional names \['pick'\], which are not components"):
+        RewardCombiner({"hps": (FixedScorer("hpsv2", [0.0]), 1.0)}, optional=["pick"])
 
 
 def test_registry_builds_by_name_and_lists_names_on_error() -> None:

@@ -43,13 +43,14 @@ from train.algorithm.update import UpdateBatch, update_micro_batch
 from train.algorithm.update_config import MIDDLE_MODES, ReuseVelocities
 from train.config.schema import TrainConfig, WandbMode
 from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
+from train.observe.logger import PhaseTimer
 from train.optim.optimizer import adamw_settings
 from train.probe.probe_config import ProbeConfig, probe_settings
 from train.run.build import open_run
 from train.run.layout import RunLayout
 from train.run.parts import Run
 from train.run.start import load_config, process_group
-from train.step import reward_phase, rollout_phase
+from train.step import step_rollout
 from train.trainer import resume
 
 log = logging.getLogger(__name__)
@@ -138,9 +139,10 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
     traj, done = None, 0
     max_batches = MAX_BATCHES_PER_K * math.ceil(p.num_rollouts / per_batch)
     for batch in range(max_batches):
-        traj, prompts = rollout_phase(run, batch, keep_velocities=stale or cfg.grpo.ratio_norm)
-        advantages = reward_phase(run, traj, prompts).advantages
-        if advantages is None:  # a NaN reward (reward_phase warned); this batch is not measured
+        rollout = step_rollout(run, batch, keep_velocities=stale or cfg.grpo.ratio_norm)
+        traj, _, scored = run.data.reward_stage.run(rollout, PhaseTimer(run.device))
+        advantages = scored.advantages
+        if advantages is None:  # a NaN reward (the reward stage warned); this batch is not measured
             continue
         count = min(per_batch, p.num_rollouts - done)
         accumulation = cfg.batch.gradient_accumulation_steps

@@ -18,6 +18,8 @@ from typing import Any, cast
 import torch
 from omegaconf import OmegaConf
 
+from models.base import Backbone
+from rewards.combine import RewardCombiner
 from train.algorithm.routing import AutoRouter, PrefixRouter, Router
 from train.algorithm.update_config import Routing, UpdateConfig
 from train.checkpoint.manager import CheckpointManager
@@ -29,6 +31,7 @@ from train.model.builder import build_model, check_room, model_folder
 from train.observe.logger import RunLogger
 from train.observe.perf import CompileWatch, device_peak
 from train.optim.optimizer import adamw_settings, build_ema
+from train.reward.stage import RewardStage
 from train.run.errors import ConfigError
 from train.run.folder import RunLock
 from train.run.layout import RunLayout
@@ -94,7 +97,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
             ema=build_ema(model.params, cfg.ema.decay),
             router=build_router(cfg.update),
         ),
-        data=DataParts(prompts=prompts, rewards=rewards),
+        data=DataParts(prompts=prompts, reward_stage=build_reward_stage(cfg, dist, device, rewards, model.backbone)),
         io=IOParts(
             layout=layout, checkpoints=checkpoints, logger=logger, resume_from=resume_from, run_id=run_id, lock=lock
         ),
@@ -121,6 +124,16 @@ def open_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Iter
     finally:
         if lock is not None:
             lock.release()
+
+
+def build_reward_stage(
+    cfg: TrainConfig, dist: DistInfo, device: torch.device, rewards: RewardCombiner, backbone: Backbone
+) -> RewardStage:
+    """The reward stage of every step: ``rewards`` on the images ``backbone`` decodes, in chunks of
+    ``reward.chunk_groups`` groups."""
+    return RewardStage(
+        rewards, backbone, cfg.model, cfg.grpo, chunk_groups=cfg.reward.chunk_groups, dist=dist, device=device
+    )
 
 
 def build_router(update: UpdateConfig) -> Router:

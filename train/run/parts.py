@@ -5,7 +5,7 @@
       cfg, dist, device
       model  ModelParts   the backbone, what trains, the KL reference's module, the predictors
       optim  OptimParts   the optimizer, the EMA, the router
-      data   DataParts    the prompt sampler and the rewards
+      data   DataParts    the prompt sampler and the reward stage
       io     IOParts      the run folder's layout, checkpoints, the logger, the checkpoints to resume from,
                           the run's id and the folder's lock
       perf   PerfParts    the FLOP meter, the device's peak rate, the compile watch
@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from models.base import Backbone
-from rewards.combine import RewardCombiner
 from samplers.rollout import Predict
 from train.algorithm.routing import Router
 from train.checkpoint.manager import CheckpointManager
@@ -29,6 +28,7 @@ from train.distributed.collectives import DistInfo
 from train.observe.logger import RunLogger
 from train.observe.perf import CompileWatch, FlopMeter, Peak
 from train.optim.ema import EMA
+from train.reward.stage import RewardStage
 from train.run.folder import RunLock
 from train.run.layout import RunLayout
 from train.run.prompts import PromptSampler
@@ -62,7 +62,7 @@ class DataParts:
     """What a step draws and scores."""
 
     prompts: PromptSampler
-    rewards: RewardCombiner
+    reward_stage: RewardStage  # the rewards, scored chunk by chunk (train/reward/stage.py)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import torch
 
 from rewards.base import Scorer, build_scorer, scorer_class
 from rewards.combine import RewardCombiner
+from rewards.reward_config import optional_terms
 from train.config.schema import TrainConfig
 from train.run.errors import ConfigError, PathError, config_key
 
@@ -34,7 +35,8 @@ def check_scorer(field_name: str, name: str, kwargs: dict[str, Any]) -> None:
 
 
 def _reward_arguments(component: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in component.items() if key != "weight"}
+    """A component's scorer arguments: its settings but the combiner's (weight, required)."""
+    return {key: value for key, value in component.items() if key not in ("weight", "required")}
 
 
 def check_scorer_inputs(cfg: TrainConfig) -> None:
@@ -68,7 +70,7 @@ def build_rewards(cfg: TrainConfig, device: torch.device) -> RewardCombiner:
         )
         for name, comp in cfg.reward.components.items()
     }
-    return RewardCombiner(components, mode=cfg.reward.combine)
+    return RewardCombiner(components, mode=cfg.reward.combine, optional=optional_terms(cfg.reward.components))
 
 
 def build_eval_scorers(cfg: TrainConfig, device: torch.device) -> dict[str, Scorer]:

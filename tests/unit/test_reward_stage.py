@@ -1,0 +1,236 @@
+"""The reward stage (train/reward/stage.py): a chunked step equals one chunk; served scorers run in background
+workers that no step outlives; optional terms that fail or score NaN are left out, renormalised, counted and said
+once; required ones skip or stop the step as before."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from stage_toys import ToyRollout, ToyScorer, brightness, nan_scores, redness, toy_stage
+
+from rewards.combine import RewardCombiner
+from rewards.remote import RemoteRewardError
+from train.config.schema import register_schema
+from train.observe.logger import PhaseTimer
+from train.reward.stage import RewardStage, advantage_fn, group_chunks
+from train.run.errors import ScorerFailed, ranks_agreed
+
+FAILURE = RuntimeError("the judge went away")
+
+
+def reward_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("reward-")]
+
+
+def run_stage(stage: RewardStage, rollout: ToyRollout):
+    return stage.run(rollout, PhaseTimer())
+
+
+def test_group_chunks_cover_every_group_once() -> None:
+    assert group_chunks(5, 0) == [range(0, 5)]
+    assert group_chunks(5, 2) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert group_chunks(2, 8) == [range(0, 2)]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_flux_dir, tmp_path_factory):
+    """The tiny experiment's run, 3 groups of 2 per step, its velocities kept, a Flow-GRPO-Fast window."""
+    from train.run.build import open_run
+    from train.run.start import load_config, process_group
+
+    register_schema()
+    overrides = [
+        "experiment=tiny",
+        f"model.path={tiny_flux_dir}",
+        f"run_dir={tmp_path_factory.mktemp('stage')}",
+        "grpo.group_size=2",
+        "batch.prompts_per_rank=3",
+        "batch.micro_batch=6",
+        "batch.gradient_accumulation_steps=6",
+        "sampler.sde_window_size=4",
+        "sampler.sde_window_range=[0,6]",
+    ]
+    with initialize_config_module(config_module="configs", version_base=None):
+        config = load_config(compose(config_name="train", overrides=overrides))
+    with process_group() as dist, open_run(config, dist) as run:
+        yield run
+
+
+@pytest.mark.parametrize("chunk_groups", [1, 2])
+def test_a_chunked_step_equals_one_chunk(tiny_run, chunk_groups) -> None:
+    """The tiny model's rollout in chunks of 1 or 2 of its 3 groups (the last chunk smaller), scored by its JPEG
+    reward on this thread and a served term in a worker: the trajectories, velocities, rewards and advantages of
+    one chunk, to float rounding (other batch shapes in the transformer's matmuls)."""
+    from train.step import step_rollout
+
+    run, served = tiny_run, ToyScorer(brightness, served=True)
+    rewards = RewardCombiner({**run.data.reward_stage.rewards.components, "served": (served, 0.5)})
+    results = []
+    for chunks in (0, chunk_groups):
+        parts = (rewards, run.model.backbone, run.cfg.model, run.cfg.grpo)
+        stage = RewardStage(*parts, chunk_groups=chunks, dist=run.dist, device=run.device)
+        results.append(stage.run(step_rollout(run, 3), PhaseTimer()))
+    (one, _, whole), (chunked, prompts, parts) = results
+    assert served.calls[0].startswith("reward-served") and len(served.calls) == 1 + len(group_chunks(3, chunk_groups))
+    assert one.velocities is not None and chunked.velocities is not None and one.trainable.any()
+    for name in ("latents", "log_probs", "velocities"):
+        torch.testing.assert_close(getattr(chunked, name), getattr(one, name), rtol=1e-4, atol=1e-5, msg=name)
+    assert torch.equal(chunked.group_ids, one.group_ids)
+    for name, tensor in one.cond.tensors().items():
+        assert torch.equal(chunked.cond.tensors()[name], tensor), name
+    assert len(prompts) == 6 and whole.advantages is not None and parts.advantages is not None
+    torch.testing.assert_close(parts.rewards, whole.rewards, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(parts.advantages, whole.advantages, rtol=1e-3, atol=1e-4)
+    assert reward_threads() == []
+
+
+def test_served_terms_score_in_workers_while_the_rollout_goes_on() -> None:
+    """A served scorer's chunks run in its own worker, one at a time, and the step equals scoring after the
+    whole rollout; the workers are gone when the step ends."""
+    served, local = ToyScorer(brightness, served=True, delay_s=0.05), ToyScorer(redness)
+    components = {"judge": (served, 1.0), "local": (local, 1.0)}
+    # each chunk rolls out in 0.1 s: the judge's 0.05 s per chunk hide behind the next one, but the last
+    _, _, chunked = run_stage(toy_stage(components, chunk_groups=1), ToyRollout(num_groups=4, delay_s=0.1))
+    _, _, whole = run_stage(toy_stage(components), ToyRollout(num_groups=4))
+    assert set(served.calls) == {"reward-judge_0"} and set(local.calls) == {threading.current_thread().name}
+    torch.testing.assert_close(chunked.advantages, whole.advantages)
+    assert chunked.metrics["time/reward_hidden"] > 0.05 and whole.metrics["time/reward_hidden"] < 0.05
+    assert reward_threads() == []
+
+
+def test_an_interrupted_step_leaves_no_worker_behind() -> None:
+    """Ctrl+C (KeyboardInterrupt) in the rollout of the third chunk while the served scorer is mid-request:
+    the interrupt goes on, the pending chunks are cancelled, the request in flight ends, no thread is left."""
+    served = ToyScorer(brightness, served=True, delay_s=0.3)
+    stage = toy_stage({"judge": (served, 1.0)}, chunk_groups=1)
+    with pytest.raises(KeyboardInterrupt):
+        run_stage(stage, ToyRollout(num_groups=4, interrupt_at=2))
+    assert len(served.calls) <= 2 and reward_threads() == []
+
+
+@pytest.mark.parametrize("mode", ["sum", "advantage"])
+@pytest.mark.parametrize("served", [False, True])
+@pytest.mark.parametrize("cause", ["failure", "nan"])
+def test_an_optional_term_that_fails_is_left_out_and_counted(mode, served, cause, caplog) -> None:
+    """An optional term that raises (in the second chunk) or scores NaN: the step's advantages are those of the
+    other terms with their weights renormalised (1 : 3 with the 2 of the missing term -> 1.5 : 4.5), its
+    reward/<name>/missing is 1, and the console says it once over two steps."""
+    fn, fail = (brightness, FAILURE) if cause == "failure" else (nan_scores, None)
+    judge = ToyScorer(fn, served=served, fail=fail, fail_from=1)
+    a, b = ToyScorer(brightness), ToyScorer(redness)
+    stage = toy_stage(
+        {"a": (a, 1.0), "judge": (judge, 2.0), "b": (b, 3.0)}, chunk_groups=1, mode=mode, optional=["judge"]
+    )
+    expected = toy_stage({"a": (a, 1.5), "b": (b, 4.5)}, mode=mode)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            _, _, scored = run_stage(stage, ToyRollout(num_groups=3))
+    _, _, want = run_stage(expected, ToyRollout(num_groups=3))
+    torch.testing.assert_close(scored.advantages, want.advantages)
+    torch.testing.assert_close(scored.rewards, want.rewards)
+    assert scored.metrics["reward/judge/missing"] == 1.0 and "reward/judge" not in scored.metrics
+    lines = [
+        r.getMessage() for r in caplog.records if "reward.components.judge (optional) is left out" in r.getMessage()
+    ]
+    why = "the judge went away" if cause == "failure" else "NaN or inf"
+    assert len(lines) == 1 and why in lines[0], lines
+    assert reward_threads() == []
+
+
+def test_an_optional_term_that_scores_is_counted_as_present() -> None:
+    stage = toy_stage({"a": (ToyScorer(brightness), 1.0), "judge": (ToyScorer(redness), 1.0)}, optional=["judge"])
+    _, _, scored = run_stage(stage, ToyRollout(num_groups=2))
+    assert scored.metrics["reward/judge/missing"] == 0.0 and "reward/judge" in scored.metrics
+
+
+def test_a_required_nan_still_skips_the_step(caplog) -> None:
+    """A required term's NaN in the first chunk skips the step; the later chunks are decoded (their images are
+    logged) but no longer scored."""
+    nan = ToyScorer(nan_scores)
+    stage = toy_stage({"a": (nan, 1.0), "judge": (ToyScorer(redness), 1.0)}, chunk_groups=1, optional=["judge"])
+    with caplog.at_level(logging.WARNING):
+        _, _, scored = run_stage(stage, ToyRollout(num_groups=2))
+    assert scored.advantages is None and scored.metrics["train/skipped_nan_reward"] == 1.0
+    assert "skipping the update of this step: reward component 'a'" in caplog.text
+    assert scored.images.shape[0] == 4 and len(nan.calls) == 1
+
+
+@pytest.mark.parametrize("served", [False, True])
+def test_a_required_failure_still_stops_the_step(served) -> None:
+    """A required term's exception ends the step (marked as known to every rank); a served term's protocol
+    error is one line naming reward.components.<name>; the rollout's remaining chunks still run (a sharded
+    transformer's forwards are collectives) but are not scored."""
+    judge = ToyScorer(brightness, served=served, fail=FAILURE, fail_from=1)
+    rollout = ToyRollout(num_groups=4)
+    with pytest.raises(RuntimeError, match="the judge went away") as raised:
+        run_stage(toy_stage({"judge": (judge, 1.0)}, chunk_groups=1), rollout)
+    assert ranks_agreed(raised.value) and rollout.chunks == 4 and (served or len(judge.calls) == 2)
+    protocol = ToyScorer(brightness, served=served, fail=RemoteRewardError("reward server http://x answered 42"))
+    with pytest.raises(ScorerFailed, match=r"^reward\.components\.judge: reward server http://x answered 42$"):
+        run_stage(toy_stage({"judge": (protocol, 1.0)}, chunk_groups=1), ToyRollout(num_groups=2))
+    assert reward_threads() == []
+
+
+def test_a_step_with_no_weighted_term_left_is_skipped(caplog) -> None:
+    """Every term optional and every one failing, or only terms of weight 0 left: skipped, as a NaN reward is."""
+    failing = ToyScorer(brightness, fail=FAILURE)
+    stage = toy_stage({"judge": (failing, 1.0), "other": (ToyScorer(nan_scores), 1.0)}, optional=["judge", "other"])
+    with caplog.at_level(logging.WARNING):
+        _, _, scored = run_stage(stage, ToyRollout(num_groups=2))
+    assert scored.advantages is None and scored.metrics["train/skipped_nan_reward"] == 1.0
+    assert scored.metrics["reward/judge/missing"] == scored.metrics["reward/other/missing"] == 1.0
+    assert "every weighted reward term was left out" in caplog.text
+    weightless = toy_stage({"zero": (ToyScorer(redness), 0.0), "judge": (failing, 1.0)}, optional=["judge"])
+    assert run_stage(weightless, ToyRollout(num_groups=2))[2].advantages is None
+
+
+def test_advantages_of_a_chunked_step_use_the_whole_steps_groups() -> None:
+    """The advantages wait for every chunk: each group's are those of its own rewards, whichever chunk held it."""
+    stage = toy_stage({"a": (ToyScorer(brightness), 1.0)}, chunk_groups=2)
+    traj, _, scored = run_stage(stage, ToyRollout(num_groups=3))
+    rewards = brightness(torch.sigmoid(traj.latents[:, -1]).reshape(-1, 3, 4, 4))
+    torch.testing.assert_close(scored.advantages, advantage_fn(stage.grpo)(rewards, traj.group_ids))
+
+
+@pytest.mark.slow
+def test_an_optional_term_failing_on_one_rank_is_left_out_on_both(tmp_path) -> None:
+    """2 ranks over gloo; the judge fails on rank 1 only: both ranks leave it out (the same advantages as a
+    stage without it, from the one all-reduce of outcomes), count it, and say why once: rank 1 its error,
+    rank 0 that another rank could not score it."""
+    from two_ranks import HELPERS, run_torchrun
+
+    done = run_torchrun(str(HELPERS / "stage_worker.py"), str(tmp_path), timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, result in enumerate(results):
+        assert result["metrics"]["reward/judge/missing"] == 1.0 and "reward/judge" not in result["metrics"]
+        alone = toy_stage({"a": (ToyScorer(brightness), 2.0)})
+        want = run_stage(alone, ToyRollout(num_groups=2, first_group=2 * rank))[2].advantages
+        torch.testing.assert_close(torch.tensor(result["advantages"]), want)
+        said = [line for line in result["lines"] if "reward.components.judge (optional) is left out" in line]
+        why = "the judge went away" if rank == 1 else "another rank could not score it"
+        assert len(said) == 1 and why in said[0], result["lines"]
+
+
+def test_the_console_says_each_cause_once(caplog) -> None:
+    """An optional judge that fails, scores NaN, fails, scores NaN in four steps: two lines, one per cause."""
+    causes = iter([FAILURE, None, FAILURE, None])
+
+    class Flaky(ToyScorer):
+        def score(self, images, prompts):
+            cause = next(causes)
+            if cause is None:
+                return nan_scores(images)
+            raise cause
+
+    stage = toy_stage({"a": (ToyScorer(brightness), 1.0), "judge": (Flaky(brightness), 1.0)}, optional=["judge"])
+    with caplog.at_level(logging.WARNING):
+        missing = [run_stage(stage, ToyRollout(num_groups=1))[2].metrics["reward/judge/missing"] for _ in range(4)]
+    lines = [r.getMessage() for r in caplog.records if "reward.components.judge (optional)" in r.getMessage()]
+    assert missing == [1.0] * 4 and len(lines) == 2, lines
+    assert "it failed (RuntimeError): the judge went away" in lines[0] and "it scored NaN or inf" in lines[1]
