@@ -102,9 +102,10 @@ def test_compile_watch_warns_once_when_compiling_goes_on(monkeypatch):
     assert len(warnings) == 1 and "model.compile: step 3 compiled 1 more graph" in warnings[0]
 
 
-def test_no_cpp_compiler_is_named(monkeypatch):
+def test_no_cpp_compiler_is_named():
     from torch._inductor import config
 
-    monkeypatch.setattr(config.cpp, "cxx", (None, "no-such-compiler++"))
-    why = compile_unavailable("cpu")
+    # config.patch, not monkeypatch: a setattr undone on inductor's config leaves cpp.cxx hidden for later readers
+    with config.patch({"cpp.cxx": (None, "no-such-compiler++")}):
+        why = compile_unavailable("cpu")
     assert why is not None and "C++ compiler" in why and "no-such-compiler++" in why
