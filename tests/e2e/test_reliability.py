@@ -73,6 +73,13 @@ def non_utf8(tmp_path: Path) -> str:
     return str(path)
 
 
+def fifo(tmp_path: Path) -> str:
+    """A named pipe, as a shell's <(...) hands one: it could be read once (nobody writes it here)."""
+    path = tmp_path / "fifo.txt"
+    os.mkfifo(path)
+    return str(path)
+
+
 def prompt_file(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text, encoding="utf-8")
@@ -158,6 +165,7 @@ BAD_SETTINGS = {
     "model-path": (["model.build_tiny=null", "model.path=/nonexistent/flux"], r"model\.path='/nonexistent/flux'"),
     "prompts-missing": (["data.train_prompts=/nonexistent.txt"], r"data\.train_prompts='/nonexistent\.txt' does not"),
     "prompts-folder": (["data.train_prompts={tmp}"], r"data\.train_prompts=.* is a folder"),
+    "prompts-fifo": (["data.train_prompts={fifo}"], r"data\.train_prompts=.*fifo\.txt' is a pipe or another file"),
     "prompts-latin1": (["data.train_prompts={latin1}"], r"latin1\.txt': line 2 is not UTF-8 \(byte 0xe9 at column 7\)"),
     "prompts-utf16": (["eval.prompts={utf16}"], r"eval\.prompts=.*utf16\.txt' is UTF-16"),
     "resume-missing": (["resume=/nonexistent/step_00000001"], r"resume='/nonexistent/step_00000001': no such"),
@@ -257,6 +265,7 @@ def test_a_bad_setting_is_one_line_before_anything_loads(case, trained, tiny_flu
         monkeypatch.setattr(module, name, lambda *args, what=name, **kwargs: pytest.fail(f"{what} ran"))
     paths = {
         "tmp": str(tmp_path),
+        "fifo": fifo(tmp_path),
         "latin1": non_utf8(tmp_path),
         "utf16": utf16(tmp_path),
         "null_prompt": prompt_file(tmp_path, "null.jsonl", '{"prompt": "a cat"}\n{"prompt": null}\n'),

@@ -30,6 +30,11 @@ def read_prompts(path: str | Path, *, field_name: str = "data.train_prompts") ->
     path = Path(path)
     if path.is_dir():
         raise PathError(f"{field_name}={str(path)!r} is a folder; name the prompt file in it")
+    if path.exists() and not path.is_file():  # a FIFO or a shell's <(...): read once, and the run reads it again
+        raise PathError(
+            f"{field_name}={str(path)!r} is a pipe or another file that is not a regular one; the trainer reads the "
+            "prompts more than once (every rank, the evaluation, a resume): write them to a file and name that"
+        )
     if not path.is_file():
         raise PathError(f"{field_name}={str(path)!r} does not exist")
     records = []
