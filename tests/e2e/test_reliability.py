@@ -1023,9 +1023,9 @@ def test_a_run_none_of_whose_steps_learned_is_not_exported(tiny_flux_dir, tmp_pa
 
 def black_images(monkeypatch) -> None:
     """Every rollout decodes to black images, as a policy that collapsed samples them."""
-    from train import step
+    from train.reward import stage
 
-    monkeypatch.setattr(step, "decode_images", lambda backbone, latents, model: torch.zeros(len(latents), 3, 8, 8))
+    monkeypatch.setattr(stage, "decode_images", lambda backbone, latents, model: torch.zeros(len(latents), 3, 8, 8))
 
 
 # How a resumed run diverges (steps 2 and 3 after the trained run's 2): the line's cause, and the checkpoint it
