@@ -78,6 +78,7 @@ from train.run.folder import FolderLost
 from train.run.layout import RunLayout
 from train.run.parts import Run
 from train.run.start import load_config, process_group
+from train.run.startup_checks import agreed
 from train.run.timeline import branch
 from train.step import train_step
 
@@ -86,9 +87,11 @@ log = logging.getLogger(__name__)
 
 def run(cfg: DictConfig) -> None:
     """Entry point behind ``python -m train``: validate, build, train, export."""
-    config = load_config(cfg)
-    with process_group(config.dist.timeout_s) as dist, open_run(config, dist) as state:
-        fit(state)
+    with process_group(cfg.dist.timeout_s) as dist:
+        # a file missing on some ranks stops every rank with their lines, none waiting for the others
+        config = agreed(lambda: load_config(cfg))
+        with open_run(config, dist) as state:
+            fit(state)
 
 
 def _needed_bytes(run: Run) -> int:

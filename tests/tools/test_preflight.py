@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from small_run import FAST, command
-from two_ranks import run_torchrun
+from two_ranks import run_ranks, run_torchrun
 
 import train.preflight.command as preflight_command
 from train.plan.comm import ModelBytes
@@ -92,7 +92,7 @@ def _failed(out: dict) -> list[str]:
 def _ready_for_the_run(run_dir: Path) -> None:
     layout = RunLayout(run_dir)
     assert held_run(run_dir) is None and not layout.lock.exists() and not layout.preflight_scratch.exists()
-    assert not layout.metrics.exists() and not list(layout.checkpoints.glob("*"))
+    assert not layout.metrics.exists() and not layout.checkpoints.exists()
 
 
 def test_a_world_size_the_replicate_degree_does_not_divide(tmp_path, capsys):
@@ -102,6 +102,34 @@ def test_a_world_size_the_replicate_degree_does_not_divide(tmp_path, capsys):
     assert _failed(out) == ["mesh: dist.replicate_degree=2 must divide the world size 1: pick a divisor of it, or "
                             "dist.replicate_degree=1"]  # fmt: skip
     _ready_for_the_run(tmp_path)
+
+
+def test_settings_that_fail_still_give_a_verdict_naming_every_missing_file(tmp_path, capsys):
+    """The settings check fails (two prompt files that do not exist): both named in its one line, the verdict written
+    to the run folder, and the folder left as the run will find it."""
+    missing = ["data.train_prompts=/nonexistent/train.txt", "eval.prompts=/nonexistent/eval.txt"]
+    status, _ = command(capsys, tmp_path, missing, preflight_command)
+    out = _verdict(tmp_path)
+    assert status == 2 and out["exit_status"] == 2
+    (line,) = _failed(out)
+    assert line.startswith("settings and files: data.train_prompts='/nonexistent/train.txt' does not exist; ")
+    assert "eval.prompts='/nonexistent/eval.txt' does not exist" in line
+    _ready_for_the_run(tmp_path)
+
+
+@pytest.mark.slow
+def test_the_model_folder_missing_on_one_rank_stops_both_ranks_in_seconds(tmp_path):
+    """Two ranks of the tiny preset whose model folder rank 0 builds (model.build_tiny) and rank 1 reads at another
+    path, where none is: the ranks agree on the failure before the checks that are collectives (the checkpoints,
+    the disk), so both exit 2 long before dist.timeout_s, and rank 0 writes the verdict naming rank 1's folder."""
+    model = f"model.path={tmp_path}/model_${{oc.env:RANK}}"
+    args = ["-m", "train.preflight", *FAST, model, "dist.timeout_s=600", f"hydra.run.dir={tmp_path / 'run'}"]
+    ranks = run_ranks(*args, timeout=300)  # a rank waiting in a collective would wait 600 s
+    assert [rank.returncode for rank in ranks] == [2, 2], [rank.stderr[-2000:] for rank in ranks]
+    out = _verdict(tmp_path / "run")
+    (failed,) = [c for c in out["checks"] if c["status"] == "failed"]
+    assert failed["ranks"] == [1] and f"{tmp_path}/model_1" in failed["line"]
+    _ready_for_the_run(tmp_path / "run")
 
 
 def test_compile_without_a_cpp_compiler(tmp_path, capsys, monkeypatch):
