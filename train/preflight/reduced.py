@@ -13,7 +13,7 @@ import copy
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +23,15 @@ from models.base import parse_dtype
 from models.components import quiet_progress_bars
 from train.config.schema import WandbMode
 from train.distributed.collectives import DistInfo
+from train.plan.depth import DEPTH_KEYS
 from train.plan.fake import default_dtype
 from train.plan.frozen import build_component, diffusers_backbone_class, read_json
 from train.preflight.preflight_config import PreflightRunConfig
+from train.preflight.scorers import ScorerTiming
 from train.run.build import open_run
 from train.run.parts import Run
 from train.step import train_step
 
-DEPTH_KEYS = ("num_layers", "num_single_layers")  # blocks of each kind in Flux's and Qwen-Image's configs
 STAND_IN_REWARD: dict[str, dict] = {"jpeg_compressibility": {}}  # scores images without weights
 TIMED_PHASES = ("rollout", "update", "optimizer")  # the transformer's phases, as the planner times them
 
@@ -88,6 +89,7 @@ class StepMeasure:
     allocated_bytes: int | None  # CUDA: the peak allocated by tensors
     other_bytes: int | None  # CUDA: device memory in use that is not torch's (the context, NCCL's buffers)
     total_bytes: int | None  # CUDA: the device's memory
+    scorers: list[ScorerTiming] = field(default_factory=list)  # each reward's scorer timed after the steps
 
     @property
     def mfu(self) -> float | None:

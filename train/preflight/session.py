@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from train.preflight.links import LinkRate, block_numel, measure_links
 from train.preflight.machine import check_attention, check_compile, describe
 from train.preflight.preflight_config import PreflightRunConfig
 from train.preflight.reduced import StepMeasure, reduced_folder, reduced_run, run_steps
+from train.preflight.scorers import time_scorers
 from train.preflight.verdict import RankChecks, Status
 from train.run.folder import RunLock, check_one_run
 from train.run.layout import RunLayout
@@ -123,7 +124,7 @@ def train_reduced(
             mesh = world_mesh(replicate=cfg.dist.replicate_degree)
             links = measure_links(mesh, numel, dtype=cfg.model.dtype, nodes=nodes, device=run.device,
                                   repeats=cfg.preflight.collective_repeats)  # fmt: skip
-        measured = run_steps(run, full)
+        measured = replace(run_steps(run, full), scorers=time_scorers(run))
     return measured, links
 
 
