@@ -709,12 +709,11 @@ def test_figures_are_extended_by_each_kinds_blocks():
         calls: tuple[float, float]
         name: str
 
-    # Flux-like: 2+2 blocks give 100 bytes; each double block adds 10, each single block 3
+    # Flux-like: 3+3 blocks give 100 bytes; each double block adds 10, each single block 3
     base = Figures(100, 1.5, (4.0, 2.0), "rollout")
     doubles, singles = Figures(110, 2.5, (4.0, 2.0), "rollout"), Figures(103, 1.75, (4.0, 2.0), "rollout")
-    assert extend(base, [(doubles, 17.0), (singles, 36.0)]) == Figures(
-        100 + 170 + 108, 1.5 + 17 + 9, (4.0, 2.0), "rollout"
-    )
+    expected = Figures(100 + 160 + 105, 1.5 + 16 + 8.75, (4.0, 2.0), "rollout")  # to 19+38 blocks
+    assert extend(base, [(doubles, 16.0), (singles, 35.0)]) == expected
     calls = []
 
     def plan_at(cut):  # affine in each kind: extended; a peak that moved with the depth: not
@@ -723,7 +722,7 @@ def test_figures_are_extended_by_each_kinds_blocks():
 
     assert at_depth({"num_layers": 19, "num_single_layers": 38}, plan_at) == Figures(304, 0.0, (1.0, 1.0), "x")
     assert len(calls) == 5 and probes({"num_layers": 4}) is None
-    assert at_depth({"num_layers": 60}, lambda cut: Figures(max(cut["num_layers"], 3), 0.0, (0.0, 0.0), "")) is None
+    assert at_depth({"num_layers": 60}, lambda cut: Figures(max(cut["num_layers"], 4), 0.0, (0.0, 0.0), "")) is None
 
 
 @pytest.mark.slow

@@ -9,8 +9,9 @@ added blocks, extends every figure to the configured depth d:
 
     v(d) = v(p) + sum over kinds k of (d_k - p_k) (v(p + e_k) - v(p))
 
-Otherwise (a peak that moved between the probes) it traces the configured depth. Three traces of 2-4 blocks
-(Qwen-Image) or five (Flux) instead of one of 60 or 57 blocks; tests/tools/test_plan.py holds the extension equal
+Otherwise (a peak that moved between the probes) it traces the configured depth. Three traces of 3-5 blocks
+(Qwen-Image) or five (Flux) instead of one of 60 or 57 blocks; with 2 blocks a step never has a block gathered
+ahead of the one it runs (FSDP2's prefetch), hence 3; tests/tools/test_plan.py holds the extension equal
 to the full trace.
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 DEPTH_KEYS = ("num_layers", "num_single_layers")  # blocks of each kind in Flux's and Qwen-Image's configs
-PROBE_BLOCKS = 2  # blocks of each kind in the smallest probe: a first and a last block
+PROBE_BLOCKS = 3  # blocks of each kind in the smallest probe: a first, a last, and one between them
 T = TypeVar("T")
 
 
