@@ -9,7 +9,7 @@ import math
 import shutil
 import subprocess
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -35,7 +35,7 @@ from train.config.schema import register_schema
 from train.distributed.parallelize import parallelize
 from train.model.builder import FSDP_VIEW_WARNING
 from train.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
-from train.plan.command import SHIPPED_ARCH, plan, plan_config, traced_plan
+from train.plan.command import SHIPPED_ARCH, plan, plan_config
 from train.plan.counts import (
     drawn_windows,
     expected_segments,
@@ -43,7 +43,6 @@ from train.plan.counts import (
     expected_shared_rows,
     update_variants,
 )
-from train.plan.depth import at_depth, extend, figures, probes
 from train.plan.fake import fake_process_group
 from train.plan.fake_run import traced_run
 from train.plan.frozen import ARCH_ROOT, SCORER_ARCH, build_component, frozen_models, read_json, scorer_module
@@ -696,43 +695,3 @@ def test_the_step_time_adds_the_exposed_reward():
     # the rollout: 8e15 FLOPs at 500 TFLOP/s, 16 s (4 a chunk); hpsv2 2 s on the rank; 3 x 3 s hidden
     assert report.reward_seconds() == pytest.approx((2.0 + 4 * 3.0 - 9.0, 9.0), rel=1e-12)
     assert report.step_seconds() == pytest.approx(16.0 + 5.0, rel=1e-12)
-
-
-# ---- the full depth from a few blocks ------------------------------------------------------------------
-
-
-def test_figures_are_extended_by_each_kinds_blocks():
-    @dataclass(frozen=True)
-    class Figures:
-        peak: int
-        flops: float
-        calls: tuple[float, float]
-        name: str
-
-    # Flux-like: 3+3 blocks give 100 bytes; each double block adds 10, each single block 3
-    base = Figures(100, 1.5, (4.0, 2.0), "rollout")
-    doubles, singles = Figures(110, 2.5, (4.0, 2.0), "rollout"), Figures(103, 1.75, (4.0, 2.0), "rollout")
-    expected = Figures(100 + 160 + 105, 1.5 + 16 + 8.75, (4.0, 2.0), "rollout")  # to 19+38 blocks
-    assert extend(base, [(doubles, 16.0), (singles, 35.0)]) == expected
-    calls = []
-
-    def plan_at(cut):  # affine in each kind: extended; a peak that moved with the depth: not
-        calls.append(cut)
-        return Figures(10 * cut["num_layers"] + 3 * cut["num_single_layers"], 0.0, (1.0, 1.0), "x")
-
-    assert at_depth({"num_layers": 19, "num_single_layers": 38}, plan_at) == Figures(304, 0.0, (1.0, 1.0), "x")
-    assert len(calls) == 5 and probes({"num_layers": 4}) is None
-    assert at_depth({"num_layers": 60}, lambda cut: Figures(max(cut["num_layers"], 4), 0.0, (0.0, 0.0), "")) is None
-
-
-@pytest.mark.slow
-def test_a_deep_transformer_plans_as_its_full_trace(tiny_flux_dir, tmp_path):
-    """The tiny Flux deepened to 6+5 blocks: the plan from its probes equals the trace of every block."""
-    arch = tmp_path / "arch"
-    shutil.copytree(tiny_flux_dir, arch, symlinks=True)
-    path = arch / "transformer" / "config.json"
-    path.write_text(json.dumps(read_json(path) | {"num_layers": 6, "num_single_layers": 5}))
-    cfg, _ = config([*TINY, f"plan.arch={arch}", "model.activation_checkpointing=false"])
-    extended = plan(cfg)
-    full = traced_plan(cfg, arch, frozen_models(cfg, arch), {"num_layers": 6, "num_single_layers": 5})
-    assert figures(replace(extended, seconds=0.0)) == pytest.approx(figures(replace(full, seconds=0.0)), rel=1e-9)

@@ -99,10 +99,9 @@ from train.config.schema import TrainConfig
 from train.observe.perf import GPU_PEAK_TFLOPS
 from train.plan.comm import ModelBytes
 from train.plan.counts import evaluation, expected_segments, expected_shared_calls, expected_shared_rows, text_tokens
-from train.plan.depth import at_depth, cut_arch, depth_of, probes
 from train.plan.fake import fake_process_group, fake_tensors
 from train.plan.fake_run import traced_run
-from train.plan.frozen import ARCH_ROOT, NOT_READ, FrozenModel, diffusers_backbone_class, frozen_models, read_json
+from train.plan.frozen import ARCH_ROOT, NOT_READ, FrozenModel, frozen_models
 from train.plan.plan_config import PlanRunConfig, register, validate_plan
 from train.plan.report import Phase, PlanReport
 from train.plan.report_text import format_report
@@ -153,11 +152,6 @@ def _fill_missing(node: DictConfig) -> None:
             _fill_missing(node[key])
 
 
-def transformer_config_file(backbone: str) -> str:
-    """The transformer's config file name in a pipeline folder of ``backbone``."""
-    return next(c.config_file for c in diffusers_backbone_class(backbone).components if c.name == "transformer")
-
-
 def arch_folder(cfg: PlanRunConfig, model_path_given: bool) -> Path:
     """Where the architecture configs are read: plan.arch, else model.path, else the shipped ones."""
     if cfg.plan.arch is not None:
@@ -179,39 +173,19 @@ def arch_folder(cfg: PlanRunConfig, model_path_given: bool) -> Path:
 
 
 def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
-    """Trace one training step of ``cfg`` on rank 0 of plan.world_size fake ranks (module docstring); a transformer
-    deeper than a few blocks of each kind is traced cut to them and its figures extended (train/plan/depth.py)."""
+    """Trace one training step of ``cfg`` on rank 0 of plan.world_size fake ranks (module docstring)."""
     started = time.perf_counter()
     check_mesh(cfg, cfg.plan.world_size)
     arch = arch_folder(cfg, model_path_given)
+    progress(f"tracing one training step of experiment={cfg.experiment} on fake tensors (the frozen models first)")
     frozen = frozen_models(cfg, arch)
-    config_file = transformer_config_file(cfg.model.name)
-    depth = depth_of(read_json(arch / "transformer" / config_file))
-    if probes(depth) is None:
-        report = traced_plan(cfg, arch, frozen, depth)
-    else:
-
-        def plan_cut(cut: dict[str, int]) -> PlanReport:
-            with cut_arch(arch, config_file, cut) as folder:
-                return traced_plan(cfg, folder, frozen, cut)
-
-        extended = at_depth(depth, plan_cut)
-        if extended is None:
-            progress("the probes' peaks moved with the depth: tracing every block")
-        report = extended if extended is not None else traced_plan(cfg, arch, frozen, depth)
-    return replace(report, arch=str(arch), seconds=time.perf_counter() - started)
-
-
-def traced_plan(cfg: PlanRunConfig, arch: Path, frozen: list[FrozenModel], depth: dict[str, int]) -> PlanReport:
-    """The plan of the transformer of ``arch`` (``depth`` blocks of each kind) as traced."""
-    progress(f"tracing the step with {'+'.join(map(str, depth.values()))} transformer blocks")
     segments = expected_segments(cfg)
     traced, updates = trace(cfg, arch, segments)
     frozen_bytes = sum(m.num_bytes for m in frozen)
     for phase in [*traced.phases, *updates]:
         phase.peak_bytes += frozen_bytes
     report = plan_report(cfg, arch, frozen, segments, traced, updates)
-    return with_estimates(report, cfg, traced, updates)
+    return replace(with_estimates(report, cfg, traced, updates), seconds=time.perf_counter() - started)
 
 
 def trace(cfg: PlanRunConfig, arch: Path, segments: dict[str, float]) -> tuple[Traced, list[Phase]]:

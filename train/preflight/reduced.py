@@ -23,7 +23,6 @@ from models.base import parse_dtype
 from models.components import quiet_progress_bars
 from train.config.schema import WandbMode
 from train.distributed.collectives import DistInfo
-from train.plan.depth import DEPTH_KEYS
 from train.plan.fake import default_dtype
 from train.plan.frozen import build_component, diffusers_backbone_class, read_json
 from train.preflight.preflight_config import PreflightRunConfig
@@ -34,6 +33,9 @@ from train.step import train_step
 
 STAND_IN_REWARD: dict[str, dict] = {"jpeg_compressibility": {}}  # scores images without weights
 TIMED_PHASES = ("rollout", "update", "optimizer")  # the transformer's phases, as the planner times them
+
+
+DEPTH_KEYS = ("num_layers", "num_single_layers")  # blocks of each kind in Flux's and Qwen-Image's configs
 
 
 def reduced_config(config: dict[str, Any], blocks: int) -> dict[str, Any]:
