@@ -79,13 +79,15 @@ def _folder(path: str, message: str) -> None:
         raise PathError(message)
 
 
-def _validate_files(cfg: TrainConfig) -> None:
-    """Every file and folder the run reads before its model loads; those missing named together."""
+def _validate_files(cfg: TrainConfig, *, rewards: bool) -> None:
+    """Every file and folder the command reads before its model loads (``rewards``: the scorers' too); those
+    missing named together."""
     m = cfg.model
     checks: list[Callable[[], object]] = [
-        partial(read_prompts, cfg.data.train_prompts, field_name="data.train_prompts"),
-        partial(check_scorer_inputs, cfg),
+        partial(read_prompts, cfg.data.train_prompts, field_name="data.train_prompts")
     ]
+    if rewards:
+        checks.append(partial(check_scorer_inputs, cfg))
     if m.build_tiny is None:
         fix = "point it at a local diffusers pipeline folder"
         checks.append(partial(_folder, m.path, f"model.path={m.path!r} is not a folder; {fix}"))
@@ -125,14 +127,20 @@ def _check_eval_size(cfg: TrainConfig) -> None:
 
 
 def validate(
-    cfg: TrainConfig, *, known_scorers: tuple[str, ...], known_backbones: tuple[str, ...], check_files: bool = True
+    cfg: TrainConfig,
+    *,
+    known_scorers: tuple[str, ...],
+    known_backbones: tuple[str, ...],
+    check_files: bool = True,
+    rewards: bool = True,
 ) -> None:
     """Reject impossible settings, naming the field and the accepted values. Loads no model.
 
     Raises ConfigError (a ValueError) for a setting, PathError (a FileNotFoundError) for a missing file.
     Each group's own checks (its ``__post_init__``) run again, so a config changed after it was built is
     checked too. ``check_files=False`` skips the checks of model, prompt and checkpoint paths, for a command
-    that reads none of them.
+    that reads none of them; ``rewards=False`` skips the files of the rewards and evaluation scorers, for a command
+    that checks its own (``python -m train.eval``).
     """
     check_known_keys(cfg, "")
     check_finite(cfg, "")
@@ -142,5 +150,5 @@ def validate(
         _choice(name, known_scorers, "eval.scorers (scorer name)")
     _check_across(cfg)
     if check_files:
-        _validate_files(cfg)
+        _validate_files(cfg, rewards=rewards)
         _check_eval_size(cfg)
