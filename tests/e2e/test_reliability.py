@@ -704,25 +704,28 @@ def test_every_missing_path_is_named_in_one_line(tmp_path, capsys, monkeypatch):
         assert name in line, line
 
 
+# Where rank 1 finds no model folder: its settings check (a folder rank 0 has), or the model's check once rank 0
+# built its tiny folder (model.build_tiny; rank 1 reads another path): (overrides, rank 1's line)
+MISSING_ON_RANK_1 = {
+    "settings": (["model.build_tiny=null"], "model.path='{tmp}/model_1' is not a folder"),
+    "model-folder": ([], "model: flux: component 'vae' is missing: {tmp}/model_1/vae/config.json does not exist"),
+}
+
+
 @pytest.mark.slow
-def test_a_model_folder_missing_on_one_rank_stops_both_ranks_in_seconds(tiny_flux_dir, tmp_path):
+@pytest.mark.parametrize("case", list(MISSING_ON_RANK_1))
+def test_a_model_folder_missing_on_one_rank_stops_both_ranks_in_seconds(case, tiny_flux_dir, tmp_path):
     """Two ranks (gloo), the model folder at rank 0's path only: both exit 2 in seconds, not after dist.timeout_s,
     and rank 0's one line names rank 1's folder."""
-    (tmp_path / "model_0").symlink_to(tiny_flux_dir)
+    overrides, expected = MISSING_ON_RANK_1[case]
+    if overrides:
+        (tmp_path / "model_0").symlink_to(tiny_flux_dir)
     model = f"model.path={tmp_path}/model_${{oc.env:RANK}}"
-    args = [
-        "-m",
-        "train",
-        *FAST,
-        model,
-        "model.build_tiny=null",
-        "dist.timeout_s=600",
-        f"hydra.run.dir={tmp_path / 'run'}",
-    ]
+    args = ["-m", "train", *FAST, model, *overrides, "dist.timeout_s=600", f"hydra.run.dir={tmp_path / 'run'}"]
     ranks = run_ranks(*args, timeout=300)  # a rank waiting in a collective would wait 600 s
     assert [rank.returncode for rank in ranks] == [2, 2], [rank.stderr[-2000:] for rank in ranks]
     line = the_error(ranks[0].stderr)
-    assert f"rank 1: model.path='{tmp_path}/model_1' is not a folder" in line, line
+    assert "rank 1: " + expected.format(tmp=tmp_path) in line, line
     assert not [x for x in ranks[1].stderr.splitlines() if "error:" in x], ranks[1].stderr  # rank 0 says it
 
 
