@@ -51,7 +51,6 @@ from train.observe.logger import PhaseTimer, RunLogger
 from train.observe.perf import perf_metrics
 from train.optim.ema import EMA
 from train.reward.stage import Scored
-from train.reward.stage import decode_images as decode_images  # its home until train/plan imports it there
 from train.run.errors import config_key
 from train.run.parts import ModelParts, Run
 

@@ -86,6 +86,7 @@ from train.run.layout import RunLayout
 from train.run.parts import Run
 from train.run.record import after_steps, due_evaluations, missing_evaluations
 from train.run.start import load_config, process_group
+from train.run.startup_checks import agreed
 from train.run.timeline import branch
 from train.step import train_step
 
@@ -94,8 +95,9 @@ log = logging.getLogger(__name__)
 
 def run(cfg: DictConfig) -> None:
     """Entry point behind ``python -m train``: validate, build, train, export; the run folder named first."""
-    config = load_config(cfg)
-    with process_group(config.dist.timeout_s) as dist:
+    with process_group(cfg.dist.timeout_s) as dist:
+        # a file missing on some ranks stops every rank with their lines, none waiting for the others
+        config = agreed(lambda: load_config(cfg))
         if dist.is_main:
             log.info("run folder: %s", Path(config.run_dir).absolute())
         with open_run(config, dist) as state:

@@ -34,7 +34,7 @@ import torch
 from run_folders import ROOT, contents, copy_run, files_of, metrics, nan_rewards, sigterm_at
 from safetensors.torch import load_file
 from small_run import FAST, command, the_error
-from two_ranks import HELPERS, free_port, run_torchrun
+from two_ranks import HELPERS, free_port, run_ranks, run_torchrun
 
 import train.__main__ as train_command
 import train.cli.check as check_command
@@ -648,6 +648,52 @@ def test_a_stopped_rank_makes_the_other_fail_naming_the_collective(tiny_flux_dir
     assert re.search(r"the collective \w*(all_reduce|all_gather|broadcast|barrier|reduce_scatter)\w*", line), line
     assert re.search(r"during training step \d+, timed out after 10 s \(dist\.timeout_s\)", line), line
     assert 9 < waited < 60, waited
+
+
+def test_every_missing_path_is_named_in_one_line(tmp_path, capsys, monkeypatch):
+    """The model folder, a prompt file and a reward's file, all missing: one line names the three, before anything
+    loads."""
+    monkeypatch.setattr(builder, "load_backbone", lambda *args, **kwargs: pytest.fail("load_backbone ran"))
+    missing = [
+        "model.path=/nonexistent/model",
+        "model.build_tiny=null",
+        "data.train_prompts=/nonexistent/train.txt",
+        "+reward.components.clipscore.model_path=/nonexistent/clip",
+    ]
+    status, stderr = command(capsys, tmp_path, [*FAST, *missing])
+    line = the_error(stderr)
+    assert status == 2
+    for name in (
+        "data.train_prompts='/nonexistent/train.txt' does not exist",
+        "reward.components.clipscore.model_path='/nonexistent/clip' does not exist",
+        "model.path='/nonexistent/model' is not a folder",
+    ):
+        assert name in line, line
+
+
+# Where rank 1 finds no model folder: its settings check (a folder rank 0 has), or the model's check once rank 0
+# built its tiny folder (model.build_tiny; rank 1 reads another path): (overrides, rank 1's line)
+MISSING_ON_RANK_1 = {
+    "settings": (["model.build_tiny=null"], "model.path='{tmp}/model_1' is not a folder"),
+    "model-folder": ([], "model: flux: component 'vae' is missing: {tmp}/model_1/vae/config.json does not exist"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(MISSING_ON_RANK_1))
+def test_a_model_folder_missing_on_one_rank_stops_both_ranks_in_seconds(case, tiny_flux_dir, tmp_path):
+    """Two ranks (gloo), the model folder at rank 0's path only: both exit 2 in seconds, not after dist.timeout_s,
+    and rank 0's one line names rank 1's folder."""
+    overrides, expected = MISSING_ON_RANK_1[case]
+    if overrides:
+        (tmp_path / "model_0").symlink_to(tiny_flux_dir)
+    model = f"model.path={tmp_path}/model_${{oc.env:RANK}}"
+    args = ["-m", "train", *FAST, model, *overrides, "dist.timeout_s=600", f"hydra.run.dir={tmp_path / 'run'}"]
+    ranks = run_ranks(*args, timeout=300)  # a rank waiting in a collective would wait 600 s
+    assert [rank.returncode for rank in ranks] == [2, 2], [rank.stderr[-2000:] for rank in ranks]
+    line = the_error(ranks[0].stderr)
+    assert "rank 1: " + expected.format(tmp=tmp_path) in line, line
+    assert not [x for x in ranks[1].stderr.splitlines() if "error:" in x], ranks[1].stderr  # rank 0 says it
 
 
 def test_a_folder_that_holds_a_run_is_refused_before_anything_is_written(trained, tiny_flux_dir, tmp_path, capsys):

@@ -33,3 +33,36 @@ def run_torchrun(*args: str, timeout: float, nproc: int = 2) -> subprocess.Compl
     """Run ``torchrun(*args, nproc=nproc)`` from the repository root and capture its output."""
     cmd = torchrun(*args, nproc=nproc)
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_ranks(*args: str, timeout: float, nproc: int = 2) -> list[subprocess.CompletedProcess]:
+    """``python args`` as ``nproc`` ranks of one world, each started by hand (torchrun would stop the others once one
+    fails): each rank's exit status and output, once all have ended (killed after ``timeout`` seconds)."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            cwd=ROOT,
+            env={
+                **env(),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(nproc)
+    ]
+    try:
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    return [
+        subprocess.CompletedProcess(proc.args, proc.returncode, out, err) for proc, (out, err) in zip(procs, outputs)
+    ]

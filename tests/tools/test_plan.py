@@ -55,8 +55,9 @@ from train.plan.frozen import (
     scorer_module,
 )
 from train.plan.plan_config import register
-from train.plan.report import GIB
+from train.plan.report import GIB, Phase, PlanReport
 from train.plan.report_text import format_report
+from train.plan.reward import RewardStage, reward_stage, scorer_flops
 from train.plan.step_calls import EXACT_TRACED_STEPS
 from train.run.build import build_router
 from train.step import micro_batches
@@ -661,3 +662,58 @@ def test_the_planned_windows_are_those_the_run_draws(overrides, starts):
     size = cfg.sampler.sde_window_size
     expected = {(start, start + size): pytest.approx(n / total) for start, n in starts.items()}
     assert drawn_windows(cfg) == expected
+
+
+# ---- the reward stage --------------------------------------------------------------------------------
+
+
+def test_served_scoring_hides_behind_the_next_chunks_rollout():
+    # 4 chunks; a rollout of 8 s is 2 s a chunk. A served answer of 3 s: the first 3 chunks' answers each hide 2 s
+    # behind the next chunk's rollout (6 s), the rest is exposed: 2 s of local scoring + 4 x 3 - 6 = 8 s.
+    stage = RewardStage(chunks=4, local=("jpeg_compressibility",), served=("remote",), local_flops=0.0,
+                        served_seconds=3.0, source="plan.served_reward_seconds")  # fmt: skip
+    assert stage.split(2.0, 8.0) == pytest.approx((8.0, 6.0), rel=1e-12)
+    # an answer faster than a chunk's rollout: only the last chunk's is exposed, 2 + 1
+    assert replace(stage, served_seconds=1.0).split(2.0, 8.0) == pytest.approx((3.0, 3.0), rel=1e-12)
+    # one chunk (reward.chunk_groups=0): everything is exposed
+    assert replace(stage, chunks=1).split(2.0, 8.0) == pytest.approx((5.0, 0.0), rel=1e-12)
+    # the preflight's measurement of the local scorers replaces the planner's estimate
+    assert replace(stage, chunks=1, local_seconds=0.5).split(2.0, 8.0) == pytest.approx((3.5, 0.0), rel=1e-12)
+
+
+def test_the_reward_stage_of_a_run_with_a_served_scorer(monkeypatch):
+    monkeypatch.setattr(scorer_class("remote"), "runs_remotely", True, raising=False)
+    cfg, _ = config(
+        ["experiment=flux_dance", "+reward.components.remote.url=http://127.0.0.1:1", "plan.served_reward_seconds=5"]
+    )
+    cfg.reward.chunk_groups = 3  # type: ignore[attr-defined]  # the chunked rollout's setting, 8 prompts a rank
+    stage = reward_stage(cfg, {"hpsv2": 10.0, "clipscore": 1.0}, cfg.plan.served_reward_seconds)
+    assert stage.chunks == 3 and stage.served == ("remote",) and set(stage.local) == {"hpsv2", "clipscore"}
+    assert stage.local_flops == pytest.approx(11.0 * cfg.grpo.group_size * cfg.batch.prompts_per_rank, rel=1e-12)
+    assert stage.served_seconds == 5.0
+
+
+def test_a_reward_models_flops_are_its_towers_on_one_image_and_prompt():
+    # CLIP ViT-L/14 at 224 px: its vision tower's 257 tokens and its text tower's 77 through their parameters,
+    # 2 FLOPs per multiply-add (attention adds a few percent)
+    module = scorer_module("clipscore", {})
+    vision = sum(p.numel() for p in module.vision_model.parameters())
+    text = sum(p.numel() for p in module.text_model.parameters())
+    assert scorer_flops(module) == pytest.approx(2 * (257 * vision + 77 * text), rel=0.05)
+
+
+def test_the_step_time_adds_the_exposed_reward():
+    report = PlanReport(
+        experiment="x", backbone="x", arch="x", world_size=8, gpu_memory_gib=80.0, reserved_gib=4.0,
+        num_params=0, num_trainable=0, lora=False, checkpointing=True, image_tokens=0, text_tokens=0,
+        samples_per_rank=1, decode_batch=1, micro_batch=1, segments={}, param_bytes=0, grad_bytes=0,
+        optimizer_bytes=0, reference_bytes=0, ema_bytes=0, step_tensor_bytes=0, velocity_bytes=0, frozen=[],
+        phases=[Phase(name, 0, 0, 0, 0, flops=int(f), calls_per_step=1) for name, f in
+                (("rollout", 8e15), ("decode", 0), ("optimizer", 0))],
+        updates=[], model_bytes=ModelBytes(0.0, 0.0), peak_tflops=1000.0, mfu=0.5, intra_gbps=1.0, inter_gbps=1.0,
+        reward=RewardStage(chunks=4, local=("hpsv2",), served=("remote",), local_flops=1e15, served_seconds=3.0,
+                           source="plan.served_reward_seconds"),
+    )  # fmt: skip
+    # the rollout: 8e15 FLOPs at 500 TFLOP/s, 16 s (4 a chunk); hpsv2 2 s on the rank; 3 x 3 s hidden
+    assert report.reward_seconds() == pytest.approx((2.0 + 4 * 3.0 - 9.0, 9.0), rel=1e-12)
+    assert report.step_seconds() == pytest.approx(16.0 + 5.0, rel=1e-12)

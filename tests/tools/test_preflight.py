@@ -6,19 +6,22 @@ The preflights here run on CPU over gloo: the collectives' rates and the step's 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from small_run import FAST, command
-from two_ranks import run_torchrun
+from two_ranks import run_ranks, run_torchrun
 
 import train.preflight.command as preflight_command
 from train.plan.comm import ModelBytes
 from train.plan.report import GIB, Phase, PlanReport
+from train.plan.reward import RewardStage
 from train.preflight.compare import MemoryCompare, corrected_memory
 from train.preflight.links import LinkRate, link_checks
 from train.preflight.machine import sdpa_backend
+from train.preflight.scorers import ScorerTiming, measured_reward, reward_check
 from train.preflight.verdict import Check, RankChecks, Status, Verdict, merged
 from train.run.folder import held_run
 from train.run.layout import RunLayout
@@ -92,7 +95,7 @@ def _failed(out: dict) -> list[str]:
 def _ready_for_the_run(run_dir: Path) -> None:
     layout = RunLayout(run_dir)
     assert held_run(run_dir) is None and not layout.lock.exists() and not layout.preflight_scratch.exists()
-    assert not layout.metrics.exists() and not list(layout.checkpoints.glob("*"))
+    assert not layout.metrics.exists() and not layout.checkpoints.exists()
 
 
 def test_a_world_size_the_replicate_degree_does_not_divide(tmp_path, capsys):
@@ -102,6 +105,34 @@ def test_a_world_size_the_replicate_degree_does_not_divide(tmp_path, capsys):
     assert _failed(out) == ["mesh: dist.replicate_degree=2 must divide the world size 1: pick a divisor of it, or "
                             "dist.replicate_degree=1"]  # fmt: skip
     _ready_for_the_run(tmp_path)
+
+
+def test_settings_that_fail_still_give_a_verdict_naming_every_missing_file(tmp_path, capsys):
+    """The settings check fails (two prompt files that do not exist): both named in its one line, the verdict written
+    to the run folder, and the folder left as the run will find it."""
+    missing = ["data.train_prompts=/nonexistent/train.txt", "eval.prompts=/nonexistent/eval.txt"]
+    status, _ = command(capsys, tmp_path, missing, preflight_command)
+    out = _verdict(tmp_path)
+    assert status == 2 and out["exit_status"] == 2
+    (line,) = _failed(out)
+    assert line.startswith("settings and files: data.train_prompts='/nonexistent/train.txt' does not exist; ")
+    assert "eval.prompts='/nonexistent/eval.txt' does not exist" in line
+    _ready_for_the_run(tmp_path)
+
+
+@pytest.mark.slow
+def test_the_model_folder_missing_on_one_rank_stops_both_ranks_in_seconds(tmp_path):
+    """Two ranks of the tiny preset whose model folder rank 0 builds (model.build_tiny) and rank 1 reads at another
+    path, where none is: the ranks agree on the failure before the checks that are collectives (the checkpoints,
+    the disk), so both exit 2 long before dist.timeout_s, and rank 0 writes the verdict naming rank 1's folder."""
+    model = f"model.path={tmp_path}/model_${{oc.env:RANK}}"
+    args = ["-m", "train.preflight", *FAST, model, "dist.timeout_s=600", f"hydra.run.dir={tmp_path / 'run'}"]
+    ranks = run_ranks(*args, timeout=300)  # a rank waiting in a collective would wait 600 s
+    assert [rank.returncode for rank in ranks] == [2, 2], [rank.stderr[-2000:] for rank in ranks]
+    out = _verdict(tmp_path / "run")
+    (failed,) = [c for c in out["checks"] if c["status"] == "failed"]
+    assert failed["ranks"] == [1] and f"{tmp_path}/model_1" in failed["line"]
+    _ready_for_the_run(tmp_path / "run")
 
 
 def test_compile_without_a_cpp_compiler(tmp_path, capsys, monkeypatch):
@@ -126,6 +157,11 @@ def test_tiny_preset_on_a_disk_too_small(tmp_path, capsys, monkeypatch, tiny_flu
     (step,) = out["step"]["ranks"]
     assert step["blocks"] == "1+1" and step["seconds"]["step"] > 0 and step["peak_bytes"] is None
     assert out["plan"]["corrected"]["step_seconds"] > 0 and out["machine"][0]["torch"] == torch.__version__
+    # the reward's scorer timed on one image and on a chunk (the rank's 2 images), and the stage against the rollout
+    assert by_name["reward"] == "passed"
+    (scorer,) = out["plan"]["reward"]["scorers"]
+    assert scorer["name"] == "jpeg_compressibility" and not scorer["served"] and scorer["batch"] == 2
+    assert scorer["latency_s"] > 0 and scorer["batch_s"] > 0 and out["plan"]["reward"]["hidden_s"] == 0
     _ready_for_the_run(tmp_path)
 
 
@@ -159,6 +195,24 @@ def test_tiny_preset_on_two_ranks_and_a_file_one_rank_cannot_read(tmp_path, tiny
     (failed,) = [c for c in out["checks"] if c["status"] == "failed"]
     assert done.returncode != 0 and failed["ranks"] == [1] and "prompts_1.txt" in failed["line"]
     _ready_for_the_run(tmp_path / "one")
+
+
+def test_served_scoring_hides_when_a_chunk_scores_faster_than_the_next_rolls_out():
+    report = replace(_report({"rollout": 1.0, "decode": 1.0, "optimizer": 1.0}), samples_per_rank=8,
+                     peak_tflops=1000.0, mfu=0.5, intra_gbps=1.0, inter_gbps=1.0)  # fmt: skip
+    report.phases[0].flops = int(8e15)  # 16 s of rollout at 500 TFLOP/s: 4 s a chunk
+    stage = RewardStage(chunks=4, local=(), served=("remote",), local_flops=0.0, served_seconds=2.0,
+                        source="plan.served_reward_seconds")  # fmt: skip
+    report = replace(report, reward=stage)
+    fast = [ScorerTiming("remote", served=True, latency_s=0.5, batch=2, batch_s=3.0)]
+    check = reward_check(measured_reward(report, fast), fast)
+    assert check.status is Status.passed and "served scoring hides behind the rollout" in check.line
+    assert "remote (served) 0.5 s for 1 image, 0.667 images/s in a batch of 2" in check.line
+    # 6 s a chunk: 3 x 4 s hide behind the next chunks' rollout, 4 x 6 - 12 s are exposed
+    slow = [ScorerTiming("remote", served=True, latency_s=0.5, batch=2, batch_s=6.0)]
+    check = reward_check(measured_reward(report, slow), slow)
+    assert check.status is Status.warned and "12 s exposed per step, 12 s hidden" in check.line
+    assert "reward.chunk_groups" in check.fix
 
 
 def test_a_link_far_below_the_plan_warns_with_its_fix():

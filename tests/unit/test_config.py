@@ -45,7 +45,9 @@ def paths(tmp_path):
     prompts.write_text("a cat\na dog\n")
     model = tmp_path / "model"
     model.mkdir()
-    return {"prompts": prompts, "model": model, "file": tmp_path / "weights.pt"}
+    weights = tmp_path / "weights.pt"  # a scorer's file: validate checks that it exists
+    weights.write_bytes(b"")
+    return {"prompts": prompts, "model": model, "file": weights}
 
 
 def load(overrides: list[str], tmp_path: Path) -> TrainConfig:

@@ -8,8 +8,9 @@ an evaluation. It raises ConfigError or PathError (train/run/errors.py), which t
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,9 @@ from train.algorithm.segments import split_segments
 from train.algorithm.update_config import Routing
 from train.config.keys import check_finite, check_known_keys, checked
 from train.config.schema import TrainConfig
-from train.run.errors import ConfigError, PathError
+from train.run.errors import ConfigError, PathError, every_missing
 from train.run.prompts import read_prompts
+from train.run.scorers import check_scorer_inputs
 
 
 def trainable_transitions(sampler: SamplerConfig, window_start: int | None = None) -> list[int]:
@@ -91,19 +93,35 @@ def _check_post_window(sampler: SamplerConfig) -> None:
         )
 
 
-def _validate_files(cfg: TrainConfig) -> None:
-    model_path = Path(cfg.model.path)
-    if cfg.model.build_tiny is None and not model_path.is_dir():
-        raise PathError(f"model.path={cfg.model.path!r} is not a folder; point it at a local diffusers pipeline folder")
+def _folder(path: str, message: str) -> None:
+    if not Path(path).is_dir():
+        raise PathError(message)
+
+
+def _validate_files(cfg: TrainConfig, *, rewards: bool) -> None:
+    """Every file and folder the command reads before its model loads (``rewards``: the scorers' too); those
+    missing named together."""
+    m = cfg.model
+    checks: list[Callable[[], object]] = [
+        partial(read_prompts, cfg.data.train_prompts, field_name="data.train_prompts")
+    ]
+    if rewards:
+        checks.append(partial(check_scorer_inputs, cfg))
+    if m.build_tiny is None:
+        fix = "point it at a local diffusers pipeline folder"
+        checks.append(partial(_folder, m.path, f"model.path={m.path!r} is not a folder; {fix}"))
     # eval.transformer: python -m train.eval checks it (train.cli.find_weights), naming what it accepts
-    if cfg.model.embedding_cache is not None and not Path(cfg.model.embedding_cache).is_dir():
-        raise PathError(f"model.embedding_cache={cfg.model.embedding_cache!r} is not a folder")
-    if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_dir():
-        raise PathError(f"resume={cfg.resume!r}: no such checkpoint folder (use resume=auto or a path)")
-    read_prompts(cfg.data.train_prompts, field_name="data.train_prompts")
+    if m.embedding_cache is not None:
+        checks.append(
+            partial(_folder, m.embedding_cache, f"model.embedding_cache={m.embedding_cache!r} is not a folder")
+        )
+    if cfg.resume not in (None, "auto"):
+        message = f"resume={cfg.resume!r}: no such checkpoint folder (use resume=auto or a path)"
+        checks.append(partial(_folder, str(cfg.resume), message))
     for key, path in (("eval.prompts", cfg.eval.prompts), ("eval.heldout_prompts", cfg.eval.heldout_prompts)):
         if path is not None:
-            read_prompts(path, field_name=key)
+            checks.append(partial(read_prompts, path, field_name=key))
+    every_missing(checks)
 
 
 def _check_eval_size(cfg: TrainConfig) -> None:
@@ -128,14 +146,20 @@ def _check_eval_size(cfg: TrainConfig) -> None:
 
 
 def validate(
-    cfg: TrainConfig, *, known_scorers: tuple[str, ...], known_backbones: tuple[str, ...], check_files: bool = True
+    cfg: TrainConfig,
+    *,
+    known_scorers: tuple[str, ...],
+    known_backbones: tuple[str, ...],
+    check_files: bool = True,
+    rewards: bool = True,
 ) -> None:
     """Reject impossible settings, naming the field and the accepted values. Loads no model.
 
     Raises ConfigError (a ValueError) for a setting, PathError (a FileNotFoundError) for a missing file.
     Each group's own checks (its ``__post_init__``) run again, so a config changed after it was built is
     checked too. ``check_files=False`` skips the checks of model, prompt and checkpoint paths, for a command
-    that reads none of them.
+    that reads none of them; ``rewards=False`` skips the files of the rewards and evaluation scorers, for a command
+    that checks its own (``python -m train.eval``).
     """
     check_known_keys(cfg, "")
     check_finite(cfg, "")
@@ -146,5 +170,5 @@ def validate(
         _choice(name, known_scorers, "eval.scorers (scorer name)")
     _check_across(cfg)
     if check_files:
-        _validate_files(cfg)
+        _validate_files(cfg, rewards=rewards)
         _check_eval_size(cfg)

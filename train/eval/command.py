@@ -157,7 +157,7 @@ def _compare(before: EvalResult, after: EvalResult, prompts: list[str], out: Pat
 
 def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
     """Everything ``main`` does: check, load, evaluate, compare; the results by tag (rows on rank 0)."""
-    config = load_config(cfg)
+    config = load_config(cfg, rewards=False)  # it scores with eval.scorers, checked below
     weights = target(config)
     if weights is not None:
         check_training_config(config, weights)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from models.base import Backbone, check_image_multiple, parse_dtype
-from models.model_config import ModelConfig
+from models.model_config import ModelConfig, TinySize
 from models.registry import get_backbone_class, load_backbone
 from models.tiny import build_tiny
 from samplers.rollout import Predict
@@ -24,14 +24,14 @@ from train.checkpoint.export import Weights
 from train.checkpoint.manager import CheckpointManager
 from train.config.keys import LORA_MODULES, changed_refusal, changed_settings
 from train.config.schema import TrainConfig
-from train.distributed.collectives import DistInfo, broadcast_object, gather_objects
+from train.distributed.collectives import DistInfo, gather_objects
 from train.distributed.parallelize import compile_blocks, parallelize
 from train.distributed.seeds import stream_seed
 from train.model.predict import predictor, predictors
 from train.observe.perf import FlopMeter
 from train.run.errors import ConfigError, config_key
 from train.run.parts import ModelParts
-from train.run.startup_checks import resolve_device
+from train.run.startup_checks import main_decides, resolve_device
 
 MODEL_FIELDS = [f.name for f in fields(ModelConfig)]  # the words of the model's own messages (config_key)
 
@@ -42,11 +42,9 @@ def model_folder(cfg: TrainConfig, dist: DistInfo) -> nn.Module:
     samples (a multiple of its VAE's scale times its 2x2 patches), and with LoRA each of its targets against
     the transformer's module names (peft wraps the modules whose name ends with one), read from the
     folder's config files. Returns the transformer's skeleton (on the meta device)."""
-    if cfg.model.build_tiny is not None:
-        if dist.is_main:
-            with config_key("model.build_tiny"):
-                build_tiny(cfg.model.name, cfg.model.path, size=cfg.model.build_tiny)
-        broadcast_object(None)  # the other ranks wait for the folder
+    if cfg.model.build_tiny is not None:  # the other ranks wait for the folder, and stop with rank 0 if it fails
+        size = cfg.model.build_tiny
+        main_decides(dist, lambda: _build_tiny(cfg.model, size))
     m = cfg.model
     backbone = get_backbone_class(m.name)
     with config_key("model", MODEL_FIELDS):  # a component missing from the folder
@@ -62,6 +60,11 @@ def model_folder(cfg: TrainConfig, dist: DistInfo) -> nn.Module:
             f"{m.path} (a target is a module name or its end, e.g. {modules[-1] if modules else 'attn.to_q'})"
         )
     return skeleton
+
+
+def _build_tiny(model: ModelConfig, size: TinySize) -> None:
+    with config_key("model.build_tiny"):
+        build_tiny(model.name, model.path, size=size)
 
 
 def _wraps(target: str, name: str) -> bool:

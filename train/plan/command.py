@@ -13,7 +13,7 @@ and ``FlopCounterMode``:
                 the rank, keeping the velocities when the update reuses them; the transformer is
                 traced on the first step of each shape (the shared start's steps run one row per
                 group), its FLOPs scaled by the rows of every step
-    decode      ``train.step.decode_images`` of those samples (the reward models score the images next)
+    decode      ``train.reward.stage.decode_images`` of those samples (the reward models score the images next)
     update      ``train.algorithm.update.update_micro_batch``: one segment of W steps of one micro-batch (the GRPO loss,
                 the KL reference's batched call, ``train.algorithm.jagg.backward_segment``), once per update path
                 the run routes to (and exact), on the rollout's velocities or recomputing them as the
@@ -105,7 +105,8 @@ from train.plan.frozen import ARCH_ROOT, NOT_READ, FrozenModel, frozen_models
 from train.plan.plan_config import PlanRunConfig, register, validate_plan
 from train.plan.report import Phase, PlanReport
 from train.plan.report_text import format_report
-from train.plan.tracing import Traced, trace_other_checkpointing, trace_step
+from train.plan.reward import reward_stage
+from train.plan.tracing import Traced, progress, trace_other_checkpointing, trace_step
 from train.run.errors import ConfigError
 from train.run.start import typed_config
 from train.run.startup_checks import check_mesh
@@ -176,6 +177,7 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
     started = time.perf_counter()
     check_mesh(cfg, cfg.plan.world_size)
     arch = arch_folder(cfg, model_path_given)
+    progress(f"tracing one training step of experiment={cfg.experiment} on fake tensors (the frozen models first)")
     frozen = frozen_models(cfg, arch)
     segments = expected_segments(cfg)
     traced, updates = trace(cfg, arch, segments)
@@ -183,7 +185,7 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
     for phase in [*traced.phases, *updates]:
         phase.peak_bytes += frozen_bytes
     report = plan_report(cfg, arch, frozen, segments, traced, updates)
-    return with_estimates(report, cfg, traced, updates, started=started)
+    return replace(with_estimates(report, cfg, traced, updates), seconds=time.perf_counter() - started)
 
 
 def trace(cfg: PlanRunConfig, arch: Path, segments: dict[str, float]) -> tuple[Traced, list[Phase]]:
@@ -242,14 +244,18 @@ def plan_report(
         frozen=frozen,
         phases=traced.phases,
         updates=updates,
+        reward=reward_stage(cfg, scorer_flops(frozen), cfg.plan.served_reward_seconds),
     )
 
 
-def with_estimates(
-    report: PlanReport, cfg: PlanRunConfig, traced: Traced, updates: list[Phase], *, started: float
-) -> PlanReport:
-    """``report`` with what the shared start saves and adds, the time the plan took (``started``: when it began,
-    ``time.perf_counter``), and the inputs of the communication and time estimate."""
+def scorer_flops(frozen: list[FrozenModel]) -> dict[str, float]:
+    """FLOPs of each reward model's forward on one image and prompt, where the planner counted them."""
+    return {m.name: m.flops for m in frozen if m.role == "reward" and m.flops is not None}
+
+
+def with_estimates(report: PlanReport, cfg: PlanRunConfig, traced: Traced, updates: list[Phase]) -> PlanReport:
+    """``report`` with what the shared start saves and adds, and the inputs of the communication and time
+    estimate."""
     peak, source = assumed_peak(cfg)
     return replace(
         report,
@@ -258,7 +264,6 @@ def with_estimates(
         shared_update_flops=shared_update_flops(cfg, updates),
         shared_calls=expected_shared_calls(cfg),
         shared_calls_exact=expected_shared_calls(cfg, "exact"),
-        seconds=time.perf_counter() - started,
         replicate=cfg.dist.replicate_degree,
         gpus_per_node=cfg.plan.gpus_per_node,
         model_bytes=ModelBytes(

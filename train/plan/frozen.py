@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from models.registry import get_backbone_class
 from rewards.base import FrozenModelScorer, scorer_class
 from train.config.schema import TrainConfig
 from train.config.shipped import shipped
+from train.plan.reward import scorer_flops
 from train.run.errors import ConfigError, config_key
 
 ARCH_ROOT = shipped("configs/arch")
@@ -56,6 +57,7 @@ class FrozenModel:
     name: str
     num_params: int
     num_bytes: int  # parameters and buffers
+    flops: float | None = None  # rewards: the forward on one image and prompt (train/plan/reward.py), None: not counted
 
 
 def module_bytes(module: nn.Module, dtype: torch.dtype) -> int:
@@ -152,7 +154,8 @@ def scorers_frozen(role: str, scorers: dict[str, dict]) -> list[FrozenModel]:
         if module is not None:
             with config_key(f"{role}.{name}", ["dtype"]):
                 dtype = parse_dtype(args.get("dtype", _default(name, "dtype")))
-            out.append(_frozen(role, name, module, dtype))
+            flops = scorer_flops(module) if role == "reward" else None
+            out.append(replace(_frozen(role, name, module, dtype), flops=flops))
     return out
 
 

@@ -44,6 +44,10 @@ class PlanConfig:
     """
     mfu: float = 0.35
     """the model FLOP utilization assumed for the compute time, in (0, 1]"""
+    served_reward_seconds: float = 2.0
+    """seconds a served reward (the remote scorer, the judge) is assumed to take to answer one chunk of a rank's
+    images (reward.chunk_groups groups), whatever its size: the planner cannot see the server; the preflight measures
+    it. > 0"""
 
 
 @dataclass
@@ -98,3 +102,5 @@ def _check_cluster(p: PlanConfig) -> None:
         raise ConfigError(f"plan.gpu={p.gpu!r} is not one of {sorted(GPU_PEAK_TFLOPS)}; or set perf.peak_tflops")
     if not 0 < p.mfu <= 1:
         raise ConfigError(f"plan.mfu must be in (0, 1], got {p.mfu}")
+    if not p.served_reward_seconds > 0:
+        raise ConfigError(f"plan.served_reward_seconds must be > 0 (seconds per chunk), got {p.served_reward_seconds}")

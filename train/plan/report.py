@@ -10,6 +10,7 @@ from typing import Any
 from train.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
 from train.plan.fake import Measured
 from train.plan.frozen import FrozenModel
+from train.plan.reward import RewardStage
 
 GIB = 2**30
 
@@ -101,6 +102,7 @@ class PlanReport:
     inter_gbps: float = 0.0
     num_steps: int = 0  # training steps of the run
     evaluation: Evaluation | None = None  # None: the run does not evaluate (eval.every=0)
+    reward: RewardStage | None = None  # the scorers' time and what the rollout hides of it (train/plan/reward.py)
 
     @property
     def frozen_bytes(self) -> int:
@@ -178,8 +180,17 @@ class PlanReport:
             flops, traffic, tflops=self.peak_tflops, mfu=self.mfu, intra=self.intra_gbps, inter=self.inter_gbps
         )
 
+    def reward_seconds(self) -> tuple[float, float]:
+        """(exposed, hidden) seconds of the reward stage per step: what adds to the step, what the rollout hides."""
+        if self.reward is None:
+            return 0.0, 0.0
+        (_, flops, traffic), *_ = self.time_terms()
+        return self.reward.split(self.seconds_of(self.reward.local_flops, Traffic()), self.seconds_of(flops, traffic))
+
     def step_seconds(self) -> float:
-        return sum(self.seconds_of(flops, traffic) for _, flops, traffic in self.time_terms())
+        """The transformer's parts and the reward stage's exposed time."""
+        parts = sum(self.seconds_of(flops, traffic) for _, flops, traffic in self.time_terms())
+        return parts + self.reward_seconds()[0]
 
     def evaluation_seconds(self) -> float:
         """All the run's evaluations."""

@@ -127,6 +127,25 @@ def _shape_lines(r: PlanReport) -> list[str]:
     return lines
 
 
+def _reward_lines(r: PlanReport) -> list[str]:
+    """The reward stage: exposed (added to the step) and hidden behind the rollout, and what it assumes."""
+    stage = r.reward
+    if stage is None:
+        return []
+    exposed, hidden = r.reward_seconds()
+    local = ", ".join(stage.local) or "none"
+    if stage.local_seconds is None:
+        local += f" ({stage.local_flops / 1e12:.1f} TFLOP at the MFU above)"
+    served = "none"
+    if stage.served:
+        what = "assumed" if stage.source != "measured" else "measured"
+        served = f"{', '.join(stage.served)} ({stage.served_seconds:.3g} s per chunk, {what}: {stage.source})"
+    return [
+        f"  reward     exposed  {exposed:>8.1f} s   hidden behind the rollout {hidden:>8.1f} s   "
+        f"({stage.chunks} chunk(s) of reward.chunk_groups; local {local}; served {served})"
+    ]
+
+
 def _time_lines(r: PlanReport) -> list[str]:
     lines = [
         f"time estimate per rank: compute at {r.mfu:g} MFU of {r.peak_tflops:g} TFLOP/s ({r.peak_source}), links "
@@ -138,6 +157,7 @@ def _time_lines(r: PlanReport) -> list[str]:
         comm = traffic.seconds(r.intra_gbps, r.inter_gbps)
         bound = "compute" if compute >= comm else "communication"
         lines.append(f"  {name:<10} compute {compute:>8.1f} s   communication {comm:>8.1f} s   -> {bound}-bound")
+    lines += _reward_lines(r)
     step = r.step_seconds()
     lines.append(f"  training step {step:.1f} s; {r.num_steps} steps {_duration(r.num_steps * step)}")
     e = r.evaluation
@@ -146,9 +166,7 @@ def _time_lines(r: PlanReport) -> list[str]:
             f"  evaluation: {e.count} x {e.images} images ({e.images_per_rank} per rank, {e.flops / 1e12:.1f} TFLOP"
             f" each) {_duration(r.evaluation_seconds())}"
         )
-    lines.append(
-        f"  run: {_duration(r.run_seconds())} (not counted: text encoding, reward scoring, VAE decode, checkpoints)"
-    )
+    lines.append(f"  run: {_duration(r.run_seconds())} (not counted: text encoding, VAE decode, checkpoints)")
     return lines
 
 

@@ -22,7 +22,8 @@ from train.distributed.parallelize import clip_grad_norm_
 from train.plan.counts import EXACT_BATCHED, text_tokens
 from train.plan.fake import known
 from train.plan.fake_run import TracedRun
-from train.step import decode_images, sample_trajectories, step_weights
+from train.reward.stage import decode_images
+from train.step import sample_trajectories, step_weights
 
 EXACT_TRACED_STEPS = 2  # the exact path's steps are alike and run one after another: two show its peak
 
@@ -100,7 +101,7 @@ def rollout_call(
 ) -> Callable[[], None]:
     """The rollout of every sample of the rank with the SDE ``window`` (``train.step.sample_trajectories``: the
     sampler's N steps, the transformer traced on the first, ``TracedOnce``) from conditioning and noise shaped as
-    ``rollout_phase`` makes them."""
+    ``train.step.step_rollout`` makes them."""
     cfg, backbone = run.cfg, cast(DiffusersBackbone, run.backbone)
     g, b, s = cfg.grpo, cfg.batch, cfg.sampler
 
@@ -130,7 +131,7 @@ def rollout_call(
 
 
 def decode_call(run: TracedRun, tensors: StepTensors) -> Callable[[], None]:
-    """The decode of the rollout's final latents before scoring (``train.step.decode_images``)."""
+    """The decode of the rollout's final latents before scoring (``train.reward.stage.decode_images``)."""
     cfg = run.cfg
 
     def call() -> None:

@@ -5,6 +5,7 @@ a step runs them."""
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,6 +33,11 @@ from train.plan.step_calls import (
 )
 
 
+def progress(what: str) -> None:
+    """A line on stderr while the planner traces (a preset takes a minute or two on 2 cores)."""
+    print(f"plan: {what}", file=sys.stderr, flush=True)
+
+
 def measure_counting(run: TracedRun, resident: Sequence[Tensor], call: Callable[[], None]) -> tuple[Measured, Forwards]:
     """``measure`` of ``call``, with the forwards of the transformer and of the KL reference copy counted."""
     forwards = Forwards()
@@ -57,6 +63,8 @@ def trace_updates(run: TracedRun, tensors: StepTensors, segments: dict[str, floa
     resident = tensors.resident(offloaded_velocities=offloaded) + reference_shards(run) + ema_shards(run)
     out = []
     for mode, reuse, calls in update_variants(cfg, segments, kept_velocities=cfg.update.reuses_velocities):
+        recompute = "on" if cfg.model.activation_checkpointing else "off"
+        progress(f"  update {mode}{', rollout velocities' if reuse else ''}, activation checkpointing {recompute}")
         m, forwards = measure_counting(run, resident, update_call(run, tensors, mode, reuse=reuse))
         backwards = float(forwards.with_grad)  # each graph is backpropagated once
         if mode == "exact":  # its W steps, each freed before the next, traced on EXACT_TRACED_STEPS
@@ -97,6 +105,7 @@ def _rollout_calls(
     first, *others = windows
     rows, calls = predict.called_rows * windows[first], predict.calls * windows[first]
     for window in others:
+        progress(f"  rollout with the SDE window {window}")
         rows_before, calls_before = predict.called_rows, predict.calls
         measure(run.backbone.transformer, run.optimizer, resident, rollout_call(run, StepTensors(), predict, window))
         rows += (predict.called_rows - rows_before) * windows[window]
@@ -113,6 +122,7 @@ def trace_step(run: TracedRun, segments: dict[str, float]) -> Traced:
     tensors = StepTensors()
     # the rollout and the decode run after the last optimizer step's zero_grad(set_to_none)
     predict, windows = TracedOnce(run.policy()), drawn_windows(cfg)
+    progress(f"  rollout of {cfg.grpo.group_size * b.prompts_per_rank} samples, SDE window {first_window(cfg)}")
     rollout = measure(root, opt, always, rollout_call(run, tensors, predict, first_window(cfg)))
     assert tensors.traj is not None
     if offloaded and tensors.traj.velocities is not None:  # allocated during the rollout, in host memory
@@ -125,12 +135,14 @@ def trace_step(run: TracedRun, segments: dict[str, float]) -> Traced:
     shared_rollout_flops = per_row * (forwards * batch - rows)
     post_window_flops = per_row * (cfg.sampler.num_steps - forwards) * batch
     phases = [to_phase("rollout", rollout, 1, forwards=calls)]
+    progress("  decode")
     decode = measure(root, opt, always + tensors.resident(offloaded_velocities=offloaded), decode_call(run, tensors))
     phases.append(to_phase("decode", decode, 1))
     tensors.advantages = torch.zeros(tensors.traj.batch_size)
     hold_gradients(run)
     updates = trace_updates(run, tensors, segments)
     resident = always + tensors.resident(offloaded_velocities=offloaded)
+    progress("  optimizer step")
     optimizer = measure(root, opt, resident, optimizer_call(run))
     phases.append(
         to_phase("optimizer", optimizer, cfg.grpo.group_size * b.prompts_per_rank / b.gradient_accumulation_steps)

@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import logging
 import shutil
+from contextlib import suppress
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from train.cli.compose import setup
 from train.cli.reporting import reported, run_hydra
-from train.distributed.collectives import DistInfo
+from train.distributed.collectives import DistInfo, barrier
 from train.preflight.conclude import conclude
 from train.preflight.machine import machine_line
 from train.preflight.preflight_config import register
@@ -63,24 +65,43 @@ def report_lines(found: Found, verdict: Verdict, dist: DistInfo) -> list[str]:
     return lines + verdict.lines()
 
 
+def verdict_folder(found: Found) -> Path:
+    """The run folder, or where Hydra writes this command's log when the settings did not read (run_dir unknown)."""
+    return Path(found.config.run_dir) if found.config is not None else Path(HydraConfig.get().runtime.output_dir)
+
+
+def tidy(run_dir: Path) -> None:
+    """The run folder as the run will find it: no reduced model, and no checkpoints/ folder while it is empty (the
+    run-folder check created it to test that it can be written)."""
+    layout = RunLayout(run_dir)
+    shutil.rmtree(layout.preflight_scratch, ignore_errors=True)
+    with suppress(OSError):  # a folder that holds checkpoints stays
+        layout.checkpoints.rmdir()
+
+
+def conclude_on_main(found: Found, dist: DistInfo) -> int:
+    """Rank 0's verdict, printed and written; its exit status."""
+    run_dir = verdict_folder(found)
+    try:
+        out = conclude(found)
+    finally:
+        tidy(run_dir)
+    for line in report_lines(found, out, dist):
+        log.info(line)
+    out.write(RunLayout(run_dir).preflight)
+    log.info("written to %s", RunLayout(run_dir).preflight)
+    return out.exit_status
+
+
 def run_preflight(cfg: DictConfig) -> int:
     """Every rank's part, then rank 0's verdict (printed and written); the exit status of this rank."""
     with process_group(cfg.dist.timeout_s) as dist:
         found = on_every_rank(cfg, dist)
-    if not dist.is_main:
-        return FAILED_STATUS if any(rc.failed() for rc in found.checks) else 0
-    try:
-        verdict = conclude(found)
-    finally:
-        if found.config is not None:
-            shutil.rmtree(RunLayout(found.config.run_dir).preflight_scratch, ignore_errors=True)
-    for line in report_lines(found, verdict, dist):
-        log.info(line)
-    if found.config is not None:
-        out = RunLayout(found.config.run_dir).preflight
-        verdict.write(out)
-        log.info("written to %s", Path(out))
-    return verdict.exit_status
+        if not found.passed():  # every rank exits 2, once rank 0 wrote the verdict: torchrun stops the other ranks
+            status = conclude_on_main(found, dist) if dist.is_main else FAILED_STATUS  # when one exits with an error
+            barrier()
+            return status
+    return conclude_on_main(found, dist) if dist.is_main else 0
 
 
 @hydra.main(config_path="pkg://configs", config_name="preflight", version_base=None)

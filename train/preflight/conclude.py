@@ -4,7 +4,7 @@ depth), the disk, the comparison with what was measured, and the verdict (train/
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from train.preflight.compare import MemoryCompare, corrected_memory, plan_summar
 from train.preflight.links import LinkRate, link_checks
 from train.preflight.preflight_config import PreflightRunConfig
 from train.preflight.reduced import STAND_IN_REWARD, StepMeasure
+from train.preflight.scorers import measured_reward, reward_check
 from train.preflight.session import Found
 from train.preflight.verdict import Check, Status, Verdict, merged
 from train.run.errors import UserError
@@ -99,12 +100,24 @@ def full_plan(found: Found, cfg: PreflightRunConfig, step: StepMeasure) -> tuple
     else:
         report = retimed(report, peak_tflops=report.peak_tflops, peak_source=report.peak_source, mfu=report.mfu,
                          intra_gbps=intra, inter_gbps=inter)  # fmt: skip
-    summary = plan_summary(report, step.seconds.get("reward", 0.0))
+    report = measured_reward(report, step.scorers)
+    if step.scorers:
+        checks.append(reward_check(report, step.scorers))
+        exposed, hidden = report.reward_seconds()
+        out["reward"] = {"scorers": [asdict(t) for t in step.scorers], "exposed_s": exposed, "hidden_s": hidden}
+    summary = plan_summary(report, _decode_seconds(step, report.samples_per_rank))
     out["corrected"] = summary
     checks.append(
         _plan_check(summary, report, planned_world=plan_cfg.plan.world_size, world=found.machines[0]["world_size"])
     )
     return checks, out
+
+
+def _decode_seconds(step: StepMeasure, samples: int) -> float:
+    """The measured reward phase less its scorers' time on the rank's ``samples`` images (the plan's reward stage
+    holds them, measured): the VAE decode, which does not grow with the transformer's depth."""
+    scoring = sum(t.batch_s * samples / t.batch for t in step.scorers)
+    return max(0.0, step.seconds.get("reward", 0.0) - scoring)
 
 
 def _plan_check(s: dict[str, Any], report: PlanReport, *, planned_world: int, world: int) -> Check:

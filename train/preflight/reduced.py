@@ -13,7 +13,7 @@ import copy
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,16 @@ from train.distributed.collectives import DistInfo
 from train.plan.fake import default_dtype
 from train.plan.frozen import build_component, diffusers_backbone_class, read_json
 from train.preflight.preflight_config import PreflightRunConfig
+from train.preflight.scorers import ScorerTiming
 from train.run.build import open_run
 from train.run.parts import Run
 from train.step import train_step
 
-DEPTH_KEYS = ("num_layers", "num_single_layers")  # blocks of each kind in Flux's and Qwen-Image's configs
 STAND_IN_REWARD: dict[str, dict] = {"jpeg_compressibility": {}}  # scores images without weights
 TIMED_PHASES = ("rollout", "update", "optimizer")  # the transformer's phases, as the planner times them
+
+
+DEPTH_KEYS = ("num_layers", "num_single_layers")  # blocks of each kind in Flux's and Qwen-Image's configs
 
 
 def reduced_config(config: dict[str, Any], blocks: int) -> dict[str, Any]:
@@ -88,6 +91,7 @@ class StepMeasure:
     allocated_bytes: int | None  # CUDA: the peak allocated by tensors
     other_bytes: int | None  # CUDA: device memory in use that is not torch's (the context, NCCL's buffers)
     total_bytes: int | None  # CUDA: the device's memory
+    scorers: list[ScorerTiming] = field(default_factory=list)  # each reward's scorer timed after the steps
 
     @property
     def mfu(self) -> float | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,11 @@ from train.preflight.links import LinkRate, block_numel, measure_links
 from train.preflight.machine import check_attention, check_compile, describe
 from train.preflight.preflight_config import PreflightRunConfig
 from train.preflight.reduced import StepMeasure, reduced_folder, reduced_run, run_steps
+from train.preflight.scorers import time_scorers
 from train.preflight.verdict import RankChecks, Status
 from train.run.folder import RunLock, check_one_run
 from train.run.layout import RunLayout
 from train.run.prompts import prompts_digest, read_prompts
-from train.run.scorers import check_scorer_inputs
 from train.run.start import load_config
 from train.run.startup_checks import check_mesh, check_resume, unwritable
 
@@ -49,9 +49,9 @@ class Found:
         return not any(rc.failed() for rc in self.checks)
 
 
-def _agreed(checks: RankChecks) -> bool:
-    """Every rank passed its checks so far (a collective)."""
-    return not any(gather_objects(checks.failed()))
+def _failed_ranks(checks: RankChecks) -> list[int]:
+    """The ranks that failed a check so far (a collective)."""
+    return [rank for rank, failed in enumerate(gather_objects(checks.failed())) if failed]
 
 
 def _run_folder(checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo) -> None:
@@ -77,16 +77,16 @@ def startup_checks(checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo) 
     checks.attempt("mesh", lambda: check_mesh(cfg, dist.world_size),
                    f"{dist.world_size} rank(s), dist.replicate_degree={cfg.dist.replicate_degree}")  # fmt: skip
 
-    def files() -> None:
-        model_folder(cfg, dist)
-        check_scorer_inputs(cfg)
-
-    checks.attempt("model and reward files", files, f"model.path={cfg.model.path} and the reward files read here")
+    checks.attempt("model folder", lambda: model_folder(cfg, dist), f"model.path={cfg.model.path} reads here")
     _run_folder(checks, cfg, dist)
-    if not checks.failed():  # the checkpoints resume names, read by this rank; room for the run's checkpoint
-        resumed = f"resume={cfg.resume}: its checkpoints read on this rank; " if cfg.resume else ""
-        checks.attempt("checkpoints", lambda: _checkpoints(cfg, dist), f"{resumed}room for the run's checkpoint")
     check_compile(checks, cfg, dist.device)
+    # every rank's own checks agreed on before the collectives of the checkpoints and the disk: a rank that failed
+    # would skip them, and the others wait in them for dist.timeout_s
+    if failed := _failed_ranks(checks):
+        checks.add("checkpoints", Status.skipped, f"not checked: rank {','.join(map(str, failed))} failed a check")
+        return
+    resumed = f"resume={cfg.resume}: its checkpoints read on this rank; " if cfg.resume else ""
+    checks.attempt("checkpoints", lambda: _checkpoints(cfg, dist), f"{resumed}room for the run's checkpoint")
 
 
 def _checkpoints(cfg: PreflightRunConfig, dist: DistInfo) -> None:
@@ -124,7 +124,7 @@ def train_reduced(
             mesh = world_mesh(replicate=cfg.dist.replicate_degree)
             links = measure_links(mesh, numel, dtype=cfg.model.dtype, nodes=nodes, device=run.device,
                                   repeats=cfg.preflight.collective_repeats)  # fmt: skip
-        measured = run_steps(run, full)
+        measured = replace(run_steps(run, full), scorers=time_scorers(run))
     return measured, links
 
 
@@ -152,9 +152,9 @@ def on_every_rank(cfg: DictConfig, dist: DistInfo) -> Found:
     config = checks.attempt("settings and files", lambda: load_config(cfg), "the trainer's checks pass on this rank")
     measured: StepMeasure | None = None
     links: list[LinkRate] = []
-    if _agreed(checks) and config is not None:
+    if not _failed_ranks(checks) and config is not None:
         startup_checks(checks, config, dist)  # type: ignore[arg-type]
-        if _agreed(checks):
+        if not _failed_ranks(checks):
             measured, links = _step(checks, config, dist, nodes)  # type: ignore[arg-type]
     return Found(
         config=config,  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import torch
 from omegaconf import OmegaConf
+from torch import nn
 
 from models.base import Backbone
 from rewards.combine import RewardCombiner
@@ -36,9 +37,9 @@ from train.run.errors import ConfigError
 from train.run.folder import RunLock
 from train.run.layout import RunLayout
 from train.run.parts import DataParts, IOParts, OptimParts, PerfParts, Run
-from train.run.prompts import PromptSampler, prompts_digest, read_prompts
-from train.run.scorers import build_rewards, check_scorer_inputs
-from train.run.startup_checks import check_mesh, check_resume, claim_folder, resolve_device
+from train.run.prompts import PromptRecord, PromptSampler, prompts_digest, read_prompts
+from train.run.scorers import build_rewards
+from train.run.startup_checks import agreed, check_mesh, check_resume, claim_folder, resolve_device
 from train.run.timeline import run_identity
 
 
@@ -60,22 +61,28 @@ def build_logger(cfg: TrainConfig, dist: DistInfo, *, resumed: bool) -> RunLogge
     )
 
 
+def _own_checks(cfg: TrainConfig, dist: DistInfo) -> tuple[list[PromptRecord], torch.device, nn.Module]:
+    """What this rank reads and runs on, before any model loads: the training prompts, the mesh, its device (and
+    inductor on it), the model's folder (``model_folder``); the prompts, the device and the transformer's skeleton."""
+    records = read_prompts(cfg.data.train_prompts)
+    check_mesh(cfg, dist.world_size)
+    device = resolve_device(cfg, dist)
+    if cfg.model.compile and (why := compile_unavailable(device.type)):
+        raise ConfigError(f"model.compile=true: {why}; or set model.compile=false")
+    return records, device, model_folder(cfg, dist)
+
+
 def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: RunLock | None = None) -> Run:
     """The run state in the claimed run folder (``lock``: rank 0's); ``training``: refuse a checkpoint past
     num_steps, of other settings or of another run (the probe only measures one)."""
     seed_everything(cfg.seed, dist.rank)
     layout = RunLayout(cfg.run_dir)
     checkpoints = CheckpointManager(layout.root, keep_last=cfg.checkpoint.keep_last)
-    records = read_prompts(cfg.data.train_prompts)
+    # each rank's own checks first, agreed on before the collectives of the checkpoints and the disk
+    records, device, skeleton = agreed(lambda: _own_checks(cfg, dist))
     max_step = cfg.num_steps if training else None
     resume_from = check_resume(cfg, dist, checkpoints, max_step=max_step, prompts=prompts_digest(records))
     run_id = run_identity(cfg.resume, checkpoints, resume_from, dist) if training else None
-    check_mesh(cfg, dist.world_size)
-    device = resolve_device(cfg, dist)
-    if cfg.model.compile and (why := compile_unavailable(device.type)):
-        raise ConfigError(f"model.compile=true: {why}; or set model.compile=false")
-    check_scorer_inputs(cfg)
-    skeleton = model_folder(cfg, dist)
     if training and not resume_from:  # a resumed run checked room for a checkpoint like its own (check_resume)
         check_room(cfg, checkpoints, skeleton)
     rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds

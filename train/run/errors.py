@@ -24,7 +24,7 @@ Any other exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 
@@ -109,8 +109,28 @@ class ScorerFailed(UserError):
     protocol, a refused token, another scorer behind the URL); raised by the rank whose scorer failed."""
 
 
+class StartRefused(UserError):
+    """A start-up check failed on some ranks: every rank raises it, naming each failing rank's line, once the ranks
+    have agreed (train/run/startup_checks.py ``agreed``), so that no rank waits in a collective the others skip."""
+
+    same_on_every_rank = True
+
+
 class RankFailed(Stop):
     """Another rank failed where the ranks check together (train/step.py's reward phase)."""
+
+
+def every_missing(checks: Iterable[Callable[[], object]]) -> None:
+    """Run every check; the files and folders they find missing (each PathError's line) raised together in one
+    PathError, so that a user fixes them all in one attempt. Another error stops at once."""
+    missing = []
+    for check in checks:
+        try:
+            check()
+        except PathError as err:
+            missing.append(str(err))
+    if missing:
+        raise PathError("; ".join(missing))
 
 
 def prefixed(key: str, message: str, names: Iterable[str] = ()) -> str:

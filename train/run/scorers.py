@@ -4,6 +4,7 @@ start-up (before any of them, or the model, loads), then built on the run's devi
 from __future__ import annotations
 
 import inspect
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,25 +14,28 @@ from rewards.base import Scorer, build_scorer, scorer_class
 from rewards.combine import RewardCombiner
 from rewards.reward_config import optional_terms
 from train.config.schema import TrainConfig
-from train.run.errors import ConfigError, PathError, config_key
+from train.run.errors import ConfigError, PathError, config_key, every_missing
 
 
 def check_scorer(field_name: str, name: str, kwargs: dict[str, Any]) -> None:
     """The settings under ``field_name`` are arguments scorer ``name`` takes, and the files and folders among
-    them (the constructor's parameters typed ``Path``) exist; nothing is built."""
+    them (the constructor's parameters typed ``Path``) exist, every missing one named; nothing is built."""
     signature = inspect.signature(scorer_class(name))
     try:
         signature.bind(**kwargs)
     except TypeError as err:
         raise ConfigError(f"{field_name}: {err} (the scorer's arguments are in docs/rewards.md)") from None
-    for key, value in kwargs.items():
-        parameter = signature.parameters.get(key)
-        typed_path = parameter is not None and "Path" in str(parameter.annotation)
-        if typed_path and value is not None and not Path(str(value)).expanduser().exists():
-            raise PathError(
-                f"{field_name}.{key}={str(value)!r} does not exist: point it at the scorer's file or folder "
-                "(docs/rewards.md lists them)"
-            )
+    paths = {key for key, parameter in signature.parameters.items() if "Path" in str(parameter.annotation)}
+    every_missing(partial(_exists, field_name, key, value) for key, value in kwargs.items()
+                  if key in paths and value is not None)  # fmt: skip
+
+
+def _exists(field_name: str, key: str, value: Any) -> None:
+    if not Path(str(value)).expanduser().exists():
+        raise PathError(
+            f"{field_name}.{key}={str(value)!r} does not exist: point it at the scorer's file or folder "
+            "(docs/rewards.md lists them)"
+        )
 
 
 def _reward_arguments(component: dict[str, Any]) -> dict[str, Any]:
@@ -40,19 +44,20 @@ def _reward_arguments(component: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_scorer_inputs(cfg: TrainConfig) -> None:
-    """What the scorers read, checked at start-up before any of them (or the model) loads, rather than when
-    each one builds: the rewards' arguments and files, and with an evaluation (eval.every) those of
-    eval.scorers (validate() has read the prompt files)."""
-    for name, component in cfg.reward.components.items():
-        check_scorer(f"reward.components.{name}", name, _reward_arguments(dict(component)))
-    if cfg.eval.every:
-        check_eval_scorers(cfg)
+    """What the scorers read, checked at start-up (``validate``) before any of them (or the model) loads, rather
+    than when each one builds: the rewards' arguments and files, and with an evaluation (eval.every) those of
+    eval.scorers; every missing file named at once."""
+    checks = [
+        partial(check_scorer, f"reward.components.{name}", name, _reward_arguments(dict(component)))
+        for name, component in cfg.reward.components.items()
+    ]
+    every_missing([*checks, partial(check_eval_scorers, cfg)] if cfg.eval.every else checks)
 
 
 def check_eval_scorers(cfg: TrainConfig) -> None:
     """``check_scorer`` on each of eval.scorers."""
-    for name, kwargs in cfg.eval.scorers.items():
-        check_scorer(f"eval.scorers.{name}", name, dict(kwargs))
+    every_missing(partial(check_scorer, f"eval.scorers.{name}", name, dict(kwargs))
+                  for name, kwargs in cfg.eval.scorers.items())  # fmt: skip
 
 
 def _scorer(field_name: str, name: str, kwargs: dict[str, Any], device: torch.device) -> Scorer:

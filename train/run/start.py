@@ -44,17 +44,18 @@ def typed_config(cfg: DictConfig) -> TrainConfig:
         raise ConfigError(f"{key}: {str(err).splitlines()[0]}" if key else str(err).splitlines()[0]) from None
 
 
-def load_config(cfg: DictConfig) -> TrainConfig:
+def load_config(cfg: DictConfig, *, rewards: bool = True) -> TrainConfig:
     """The typed config of a composed Hydra tree, validated (no model is loaded).
 
     An empty ``run_dir`` becomes Hydra's output folder of the job (``hydra.run.dir``, or the sweep job's folder).
+    ``rewards=False``: the rewards' and evaluation scorers' files are not checked (a command that checks its own).
     """
     config = typed_config(cfg)
     if not config.run_dir:
         if not HydraConfig.initialized():
             raise ConfigError("run_dir is not set and no Hydra command is running: pass run_dir=<folder>")
         config.run_dir = HydraConfig.get().runtime.output_dir
-    validate(config, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()))
+    validate(config, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()), rewards=rewards)
     return config
 
 
