@@ -702,6 +702,23 @@ def test_a_reward_models_flops_are_its_towers_on_one_image_and_prompt():
     assert scorer_flops(module) == pytest.approx(2 * (257 * vision + 77 * text), rel=0.05)
 
 
+def test_imagereward_flops_are_those_of_its_scores_forward(tmp_path):
+    # the count on the meta device (the planner's) against the FLOPs of the scorer's own call on a tiny checkpoint:
+    # the same image side and prompt length (35 tokens) as the score runs
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from rewards.imagereward import ImageRewardScorer, build_model
+    from rewards.tiny import save_tiny_imagereward
+
+    paths = save_tiny_imagereward(tmp_path)
+    scorer = ImageRewardScorer(**paths)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        scorer(torch.rand(1, 3, 40, 40), ["a red cube"])
+    with torch.device("meta"):
+        module = build_model(paths["med_config"], paths["vision_config"])
+    assert scorer_flops(module) == counter.get_total_flops() > 0
+
+
 def test_the_step_time_adds_the_exposed_reward():
     report = PlanReport(
         experiment="x", backbone="x", arch="x", world_size=8, gpu_memory_gib=80.0, reserved_gib=4.0,

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from rewards.base import scorer_class
+from rewards.imagereward import MAX_PROMPT_TOKENS
 from train.config.schema import TrainConfig
 
 
@@ -61,8 +62,8 @@ def runs_remotely(name: str) -> bool:
 
 def scorer_flops(scorer: nn.Module) -> float | None:
     """FLOPs of a frozen scorer's forward on one image and one prompt at its own input sizes, counted on the meta
-    device: open_clip's ``model(image, text)`` or transformers' CLIP ``model(input_ids=, pixel_values=)``; None for
-    another architecture (not counted)."""
+    device: open_clip's ``model(image, text)``, ImageReward's ``model(pixels, input_ids, attention_mask)`` or
+    transformers' CLIP ``model(input_ids=, pixel_values=)``; None for another architecture (not counted)."""
     module: Any = scorer  # a third-party model (open_clip, transformers): its own attributes
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         if hasattr(module, "encode_image"):  # open_clip
@@ -70,6 +71,10 @@ def scorer_flops(scorer: nn.Module) -> float | None:
             side = size[0] if isinstance(size, (tuple, list)) else size
             image = torch.empty(1, 3, side, side, device="meta")
             module(image, torch.zeros(1, module.context_length, dtype=torch.long, device="meta"))
+        elif hasattr(module, "visual_encoder") and hasattr(module, "text_encoder"):  # ImageReward (BLIP)
+            side = module.visual_encoder.config.image_size
+            tokens = torch.zeros(1, MAX_PROMPT_TOKENS, dtype=torch.long, device="meta")
+            module(torch.empty(1, 3, side, side, device="meta"), tokens, None)  # no mask: its check reads values
         elif hasattr(module, "vision_model") and hasattr(module, "text_model"):  # transformers' CLIPModel
             config = module.config
             side = config.vision_config.image_size
