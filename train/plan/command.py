@@ -99,13 +99,15 @@ from train.config.schema import TrainConfig
 from train.observe.perf import GPU_PEAK_TFLOPS
 from train.plan.comm import ModelBytes
 from train.plan.counts import evaluation, expected_segments, expected_shared_calls, expected_shared_rows, text_tokens
+from train.plan.depth import cut_arch, extended, full_depths, traced_depths
 from train.plan.fake import fake_process_group, fake_tensors
 from train.plan.fake_run import traced_run
 from train.plan.frozen import ARCH_ROOT, NOT_READ, FrozenModel, frozen_models
-from train.plan.plan_config import PlanRunConfig, register, validate_plan
+from train.plan.plan_config import Depth, PlanRunConfig, register, validate_plan
 from train.plan.report import Phase, PlanReport
 from train.plan.report_text import format_report
 from train.plan.reward import reward_stage
+from train.plan.step_calls import StepTensors
 from train.plan.tracing import Traced, progress, trace_other_checkpointing, trace_step
 from train.run.errors import ConfigError
 from train.run.start import typed_config
@@ -190,7 +192,22 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
 
 def trace(cfg: PlanRunConfig, arch: Path, segments: dict[str, float]) -> tuple[Traced, list[Phase]]:
     """The step traced on fake ranks and fake tensors, and its update calls with activation checkpointing as
-    configured and flipped."""
+    configured and flipped: at full depth, or at a few blocks of each kind extended to it (plan.depth)."""
+    full = full_depths(arch)
+    if cfg.plan.depth is Depth.full or not traced_depths(full):
+        return trace_full(cfg, arch, segments)
+
+    def trace_at(depths: dict[str, int]) -> tuple[Traced, list[Phase]]:
+        progress(f"tracing the transformer with {depths} blocks, to extend to {full} (plan.depth=extended)")
+        with cut_arch(arch, depths) as folder:
+            traced, updates = trace_full(cfg, folder, segments)
+        return replace(traced, tensors=StepTensors()), updates  # the tensors are the cut model's, not extended
+
+    return extended(full, trace_at)
+
+
+def trace_full(cfg: PlanRunConfig, arch: Path, segments: dict[str, float]) -> tuple[Traced, list[Phase]]:
+    """The step traced with every block of ``arch``'s transformer."""
     # setup_trainable filters FSDP2's warning about blocks that return views (train/model/builder.py),
     # for the duration of the trace
     with fake_process_group(cfg.plan.world_size, cfg.dist.replicate_degree), fake_tensors(), warnings.catch_warnings():
