@@ -58,6 +58,10 @@ Limits, by construction:
   window the run draws (the trajectory keeps every step's latents wherever the window is), on a fixed-shift
   schedule; the values of the schedule and of the step's flags are real,
   every other tensor a shape.
+* ``plan.depth=extended`` (the default) traces the transformer with 4 and 6 blocks of each kind and extends
+  every figure linearly to its full depth (train/plan/depth.py): parameters, FLOPs and the bytes sent are the full
+  trace's; a peak moves by a block's saved input per block from depth to depth (and from run to run), so the
+  peaks are within a fraction of a percent of the full trace's (``plan.depth=full``, every block traced).
 * What reads a value is left out: the finiteness test of the gradient norm, the update's logged
   metrics (``train.algorithm.update.UpdateStats``).
 * The exact path's trace runs the KL reference's batched call on its 2 traced steps, not W: the
@@ -66,7 +70,8 @@ Limits, by construction:
 The planner's files: this one (the settings as read, the plan, the command), plan_config.py (``plan.*``,
 composed by configs/plan.yaml), fake.py (the fake process group and tensors, the tracker and FLOP
 counter: every private torch name), frozen.py (the replicated models), fake_run.py (the run's parts),
-step_calls.py (the step's phases as calls), tracing.py (the traced step), counts.py (what the settings
+step_calls.py (the step's phases as calls), tracing.py (the traced step), depth.py (a few blocks traced,
+extended to full depth), counts.py (what the settings
 alone give: segments, update calls, the shared start, evaluations), comm.py (communication and time),
 report.py (what was found, the verdict), advice.py (the changes that lower the peak), report_text.py
 (the printed report).
