@@ -71,9 +71,8 @@ The planner's files: this one (the settings as read, the plan, the command), pla
 composed by configs/plan.yaml), fake.py (the fake process group and tensors, the tracker and FLOP
 counter: every private torch name), frozen.py (the replicated models), fake_run.py (the run's parts),
 step_calls.py (the step's phases as calls), tracing.py (the traced step), depth.py (a few blocks traced,
-extended to full depth), counts.py (what the settings
-alone give: segments, update calls, the shared start, evaluations), comm.py (communication and time),
-report.py (what was found, the verdict), advice.py (the changes that lower the peak), report_text.py
+extended to full depth), counts.py (what the settings alone give: segments, update calls, the shared start,
+evaluations), comm.py (communication and time), report.py (what was found, the verdict), advice.py (the changes that lower the peak), report_text.py
 (the printed report).
 """
 
