@@ -72,8 +72,8 @@ composed by configs/plan.yaml), fake.py (the fake process group and tensors, the
 counter: every private torch name), frozen.py (the replicated models), fake_run.py (the run's parts),
 step_calls.py (the step's phases as calls), tracing.py (the traced step), depth.py (a few blocks traced,
 extended to full depth), counts.py (what the settings alone give: segments, update calls, the shared start,
-evaluations), comm.py (communication and time), report.py (what was found, the verdict), advice.py (the changes that lower the peak), report_text.py
-(the printed report).
+evaluations), comm.py (communication and time), report.py (what was found, the verdict), advice.py (the changes
+that lower the peak), report_text.py (the printed report).
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ class PlanConfig:
     """the model FLOP utilization assumed for the compute time, in (0, 1]"""
     depth: Depth = Depth.extended
     """extended: trace the transformer with 4 and 6 blocks of each kind and extend every figure linearly to its full
-    depth (a preset in about a minute on 2 cores; memory within 1%, FLOPs and bytes sent within 0.1% of the full
-    trace, docs/planner.md); full: trace every block (several minutes)"""
+    depth (a preset in one to two minutes of CPU; the peaks within 1% of the full trace's, parameters, FLOPs and bytes
+    sent equal, docs/planner.md); full: trace every block (several minutes)"""
     served_reward_seconds: float = 2.0
     """seconds a served reward (the remote scorer, the judge) is assumed to take to answer one chunk of a rank's
     images (reward.chunk_groups groups), whatever its size: the planner cannot see the server; the preflight measures
