@@ -35,7 +35,7 @@ from train.config.schema import register_schema
 from train.distributed.parallelize import parallelize
 from train.model.builder import FSDP_VIEW_WARNING
 from train.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
-from train.plan.command import SHIPPED_ARCH, plan, plan_config
+from train.plan.command import SHIPPED_ARCH, main, plan, plan_config
 from train.plan.counts import (
     drawn_windows,
     expected_segments,
@@ -43,6 +43,7 @@ from train.plan.counts import (
     expected_shared_rows,
     update_variants,
 )
+from train.plan.depth import extended, traced_depths
 from train.plan.fake import fake_process_group
 from train.plan.fake_run import traced_run
 from train.plan.frozen import (
@@ -734,3 +735,74 @@ def test_the_step_time_adds_the_exposed_reward():
     # the rollout: 8e15 FLOPs at 500 TFLOP/s, 16 s (4 a chunk); hpsv2 2 s on the rank; 3 x 3 s hidden
     assert report.reward_seconds() == pytest.approx((2.0 + 4 * 3.0 - 9.0, 9.0), rel=1e-12)
     assert report.step_seconds() == pytest.approx(16.0 + 5.0, rel=1e-12)
+
+
+# ---- plan.depth=extended: a few blocks traced, every figure extended to full depth ------------------------------
+
+
+def test_only_deep_kinds_are_extended():
+    """FLUX's two kinds each add 2 blocks to the base of 4; a kind of at most 6 blocks is traced whole, and a model
+    with no deeper kind is traced at full depth."""
+    assert traced_depths({"num_layers": 19, "num_single_layers": 38}) == [
+        {"num_layers": 4, "num_single_layers": 4},
+        {"num_layers": 6, "num_single_layers": 4},
+        {"num_layers": 4, "num_single_layers": 6},
+    ]
+    assert traced_depths({"num_layers": 60, "num_single_layers": 3}) == [
+        {"num_layers": 4, "num_single_layers": 3},
+        {"num_layers": 6, "num_single_layers": 3},
+    ]
+    assert traced_depths({"num_layers": 6, "num_single_layers": 1}) == []
+
+
+def test_every_figure_is_extended_by_what_its_blocks_add():
+    """A trace whose figures grow linearly in each kind's blocks is extended to their values at full depth: integers
+    rounded, dictionaries per key, names and flags as traced."""
+    full = {"num_layers": 19, "num_single_layers": 38}
+
+    def trace_at(depths: dict[str, int]) -> tuple[Phase, dict[str, int]]:
+        double, single = depths["num_layers"], depths["num_single_layers"]
+        flops = 1000 + 30 * double + 7 * single
+        phase = Phase("update exact", 5 * flops, flops, 0, 0, flops, 2.5, forwards=2.0, checkpointing=True)
+        return phase, {"Sharded Param": 3 * double + single, "Temp": 11}
+
+    phase, at = extended(full, trace_at)
+    assert phase == trace_at(full)[0]
+    assert at == trace_at(full)[1]
+
+
+def test_an_unknown_depth_stops_with_the_choices(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["experiment=flux_dance", "plan.depth=half"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "plan.depth" in err and "extended" in err and "full" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_extended_plan_agrees_with_the_full_trace(tmp_path):
+    """Qwen-Image cut to 8 blocks, extended from its traces at 4 and 6 blocks against all 8 traced. Per block the
+    update's peak moves by one block's saved input between depths and between runs (about 16 MB here,
+    docs/benchmarks/2026-12-planner-speed.md), a fraction of a percent of its peak, so every peak is within 1%;
+    parameters, FLOPs and the bytes the collectives send grow exactly by block and agree within float rounding."""
+    shutil.copytree(ARCH_ROOT / SHIPPED_ARCH["qwenimage"], tmp_path / "arch")
+    path = tmp_path / "arch" / "transformer" / "config.json"
+    path.write_text(json.dumps(read_json(path) | {"num_layers": 8}))
+    reports = {}
+    for depth in ("extended", "full"):
+        cfg, given = config(["experiment=qwenimage_flow_fast", f"plan.arch={tmp_path / 'arch'}", f"plan.depth={depth}"])
+        reports[depth] = plan(cfg, model_path_given=given)
+    ext, full = reports["extended"], reports["full"]
+    assert (ext.num_params, ext.param_bytes, ext.optimizer_bytes) == (
+        full.num_params,
+        full.param_bytes,
+        full.optimizer_bytes,
+    )
+    assert ext.model_bytes == full.model_bytes
+    assert [p.name for p in ext.phases + ext.updates] == [p.name for p in full.phases + full.updates]
+    for e, f in zip(ext.phases + ext.updates, full.phases + full.updates, strict=True):
+        assert e.peak_bytes == pytest.approx(f.peak_bytes, rel=0.01), e.name
+        assert e.flops == pytest.approx(f.flops, rel=1e-3), e.name
+        assert (e.forwards, e.backwards, e.calls_per_step) == (f.forwards, f.backwards, f.calls_per_step), e.name
+    assert ext.flops_per_step() == pytest.approx(full.flops_per_step(), rel=1e-3)
+    assert ext.step_seconds() == pytest.approx(full.step_seconds(), rel=1e-3)

@@ -58,6 +58,10 @@ Limits, by construction:
   window the run draws (the trajectory keeps every step's latents wherever the window is), on a fixed-shift
   schedule; the values of the schedule and of the step's flags are real,
   every other tensor a shape.
+* ``plan.depth=extended`` (the default) traces the transformer with 4 and 6 blocks of each kind and extends
+  every figure linearly to its full depth (train/plan/depth.py): parameters, FLOPs and the bytes sent are the full
+  trace's; a peak moves by a block's saved input per block from depth to depth (and from run to run), so the
+  peaks are within a fraction of a percent of the full trace's (``plan.depth=full``, every block traced).
 * What reads a value is left out: the finiteness test of the gradient norm, the update's logged
   metrics (``train.algorithm.update.UpdateStats``).
 * The exact path's trace runs the KL reference's batched call on its 2 traced steps, not W: the
@@ -66,10 +70,10 @@ Limits, by construction:
 The planner's files: this one (the settings as read, the plan, the command), plan_config.py (``plan.*``,
 composed by configs/plan.yaml), fake.py (the fake process group and tensors, the tracker and FLOP
 counter: every private torch name), frozen.py (the replicated models), fake_run.py (the run's parts),
-step_calls.py (the step's phases as calls), tracing.py (the traced step), counts.py (what the settings
-alone give: segments, update calls, the shared start, evaluations), comm.py (communication and time),
-report.py (what was found, the verdict), advice.py (the changes that lower the peak), report_text.py
-(the printed report).
+step_calls.py (the step's phases as calls), tracing.py (the traced step), depth.py (a few blocks traced,
+extended to full depth), counts.py (what the settings alone give: segments, update calls, the shared start,
+evaluations), comm.py (communication and time), report.py (what was found, the verdict), advice.py (the changes
+that lower the peak), report_text.py (the printed report).
 """
 
 from __future__ import annotations
@@ -99,13 +103,15 @@ from train.config.schema import TrainConfig
 from train.observe.perf import GPU_PEAK_TFLOPS
 from train.plan.comm import ModelBytes
 from train.plan.counts import evaluation, expected_segments, expected_shared_calls, expected_shared_rows, text_tokens
+from train.plan.depth import cut_arch, extended, full_depths, traced_depths
 from train.plan.fake import fake_process_group, fake_tensors
 from train.plan.fake_run import traced_run
 from train.plan.frozen import ARCH_ROOT, NOT_READ, FrozenModel, frozen_models
-from train.plan.plan_config import PlanRunConfig, register, validate_plan
+from train.plan.plan_config import Depth, PlanRunConfig, register, validate_plan
 from train.plan.report import Phase, PlanReport
 from train.plan.report_text import format_report
 from train.plan.reward import reward_stage
+from train.plan.step_calls import StepTensors
 from train.plan.tracing import Traced, progress, trace_other_checkpointing, trace_step
 from train.run.errors import ConfigError
 from train.run.start import typed_config
@@ -190,7 +196,22 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
 
 def trace(cfg: PlanRunConfig, arch: Path, segments: dict[str, float]) -> tuple[Traced, list[Phase]]:
     """The step traced on fake ranks and fake tensors, and its update calls with activation checkpointing as
-    configured and flipped."""
+    configured and flipped: at full depth, or at a few blocks of each kind extended to it (plan.depth)."""
+    full = full_depths(arch)
+    if cfg.plan.depth is Depth.full or not traced_depths(full):
+        return trace_full(cfg, arch, segments)
+
+    def trace_at(depths: dict[str, int]) -> tuple[Traced, list[Phase]]:
+        progress(f"tracing the transformer with {depths} blocks, to extend to {full} (plan.depth=extended)")
+        with cut_arch(arch, depths) as folder:
+            traced, updates = trace_full(cfg, folder, segments)
+        return replace(traced, tensors=StepTensors()), updates  # the tensors are the cut model's, not extended
+
+    return extended(full, trace_at)
+
+
+def trace_full(cfg: PlanRunConfig, arch: Path, segments: dict[str, float]) -> tuple[Traced, list[Phase]]:
+    """The step traced with every block of ``arch``'s transformer."""
     # setup_trainable filters FSDP2's warning about blocks that return views (train/model/builder.py),
     # for the duration of the trace
     with fake_process_group(cfg.plan.world_size, cfg.dist.replicate_degree), fake_tensors(), warnings.catch_warnings():

@@ -6,10 +6,18 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from samplers.choices import Choice
 from train.config.schema import TrainConfig, register_schema
 from train.observe.perf import GPU_PEAK_TFLOPS
 from train.plan.comm import INTER_NODE_GBPS, INTRA_NODE_GBPS
 from train.run.errors import ConfigError
+
+
+class Depth(Choice):
+    """How deep the planner traces the transformer (plan.depth)."""
+
+    extended = "extended"
+    full = "full"
 
 
 @dataclass
@@ -44,6 +52,10 @@ class PlanConfig:
     """
     mfu: float = 0.35
     """the model FLOP utilization assumed for the compute time, in (0, 1]"""
+    depth: Depth = Depth.extended
+    """extended: trace the transformer with 4 and 6 blocks of each kind and extend every figure linearly to its full
+    depth (a preset in one to two minutes of CPU; the peaks within 1% of the full trace's, parameters, FLOPs and bytes
+    sent equal, docs/planner.md); full: trace every block (several minutes)"""
     served_reward_seconds: float = 2.0
     """seconds a served reward (the remote scorer, the judge) is assumed to take to answer one chunk of a rank's
     images (reward.chunk_groups groups), whatever its size: the planner cannot see the server; the preflight measures
