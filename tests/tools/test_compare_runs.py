@@ -461,7 +461,9 @@ def test_experiment_launchers_compose_and_validate(experiment, tmp_path, monkeyp
     prompts.write_text("a cat\n")
     model = str(tmp_path)
     paths = dict(FLUX_PATH=model, QWENIMAGE_PATH=model, TRAIN_PROMPTS=str(prompts), EVAL_PROMPTS=str(prompts))
-    paths |= dict(HPS_CKPT="/ckpt/hps.pt")
+    hps = tmp_path / "hps.pt"  # the settings check looks for every scorer's files
+    hps.write_bytes(b"")
+    paths |= dict(HPS_CKPT=str(hps))
     paths |= dict(CLIP_PATH=model, PICKSCORE_PATH=model, PICKSCORE_PROCESSOR=model)
     result = dry_run(f"{experiment}.sh", "update=ablate", **paths)
     assert result.returncode == 0, result.stderr
@@ -474,7 +476,7 @@ def test_experiment_launchers_compose_and_validate(experiment, tmp_path, monkeyp
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = OmegaConf.to_object(compose(config_name="train", overrides=[f"run_dir={tmp_path}", *overrides]))
     validate(cfg, known_scorers=SCORER_NAMES, known_backbones=tuple(backbone_names()))
-    assert cfg.update.mode == "ablate" and cfg.reward.components["hpsv2"]["checkpoint"] == "/ckpt/hps.pt"
+    assert cfg.update.mode == "ablate" and cfg.reward.components["hpsv2"]["checkpoint"] == str(hps)
 
 
 def test_compare_modes_runs_three_modes_in_one_group_then_compares():
