@@ -45,11 +45,12 @@ def _timed(run: Run, score: object, images: torch.Tensor, prompts: list[str]) ->
 
 
 def time_scorers(run: Run) -> list[ScorerTiming]:
-    """Every reward's scorer on images of the run's size (uniform noise) after one warm-up call: one image, then a
-    chunk's images in one call."""
+    """Every reward's scorer on images of the run's size (uniform noise) and the run's prompts after one warm-up
+    call: one image, then a chunk's images in one call."""
     cfg, batch = run.cfg, chunk_images(run.cfg)
     images = torch.rand(batch, 3, cfg.model.height, cfg.model.width, device=run.device, generator=None)
-    prompts = ["a photo of a red apple on a wooden table"] * batch
+    records = run.data.prompts.records  # the run's own prompts: a scorer may read them (the testbed's shapes do)
+    prompts = [records[i % len(records)].prompt for i in range(batch)]
     out = []
     with torch.no_grad():
         for name, (scorer, _) in run.data.reward_stage.rewards.components.items():
