@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -183,3 +184,17 @@ def silent_server() -> Iterator[str]:
     """A server that accepts TCP connections (the kernel does, up to its backlog) and never answers; yields its URL."""
     with socket.create_server(("127.0.0.1", 0), backlog=16) as listener:
         yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+@contextmanager
+def warnings_of(logger_name: str) -> Iterator[list[str]]:
+    """The warning lines logger ``logger_name`` logs inside the block (without pytest's logging plugin)."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)

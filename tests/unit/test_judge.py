@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import io
-import logging
 import math
 import re
 import socket
@@ -21,7 +20,7 @@ from PIL import Image
 
 pytest.importorskip("fastapi")
 from fastapi.responses import JSONResponse, PlainTextResponse  # noqa: E402
-from reward_servers import chat, judge_server, serve, silent_server  # noqa: E402
+from reward_servers import chat, judge_server, serve, silent_server, warnings_of  # noqa: E402
 
 from rewards.base import build_scorer  # noqa: E402
 from rewards.judge import FINAL_SCORE_PATTERN, UNIFIED_REWARD_TEMPLATE, JudgeScorer  # noqa: E402
@@ -58,19 +57,6 @@ def judge(answer, *, delay_s: float = 0.0, **arguments) -> Iterator[tuple[JudgeS
     app, seen = judge_server(answer, delay_s=delay_s)
     with serve(app) as url:
         yield JudgeScorer(f"{url}/v1", "judge", **{"timeout_s": 10, "retries": 0, **arguments}), seen
-
-
-@contextmanager
-def warnings_of_judge() -> Iterator[list[str]]:
-    lines: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("rewards.judge")
-    logger.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
 
 
 def test_scores_are_read_from_the_final_score_and_mapped_to_0_1():
@@ -165,7 +151,7 @@ def test_logprobs_asked_for_and_not_returned_is_one_line():
 def test_a_slow_answer_fails_at_its_deadline_and_the_batch_scores_nan():
     with judge(unified, delay_s=3.0, timeout_s=0.3) as (scorer, seen):
         start = time.monotonic()
-        with warnings_of_judge() as lines:
+        with warnings_of("rewards.judge") as lines:
             scores = scorer(_images(), PROMPTS)
         elapsed = time.monotonic() - start
     assert scores.isnan().all() and elapsed < 2.0  # the deadline, not the 3 s answer
@@ -195,7 +181,7 @@ def test_a_server_error_is_retried():
 
 def test_when_the_retries_run_out_the_batch_scores_nan_with_one_warning():
     with judge(lambda body, n: JSONResponse({"error": "down"}, 503), retries=1) as (scorer, seen):
-        with warnings_of_judge() as lines:
+        with warnings_of("rewards.judge") as lines:
             scores = scorer(_images(1), PROMPTS[:1])
     assert scores.isnan().all() and len(seen.bodies) == 2  # the try and one retry
     assert len(lines) == 1 and re.search(r"judge 'judge' at \S+ answered 503 after 2 tries", lines[0])

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
 import math
 import re
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,7 @@ import torch
 pytest.importorskip("fastapi")
 from fastapi import FastAPI  # noqa: E402
 from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response  # noqa: E402
-from reward_servers import FAKE, dripping_server, fake_server, serve, silent_server  # noqa: E402
+from reward_servers import FAKE, dripping_server, fake_server, serve, silent_server, warnings_of  # noqa: E402
 
 from rewards.base import build_scorer  # noqa: E402
 from rewards.remote import TOKEN_ENV, RemoteRewardError, RemoteScorer  # noqa: E402
@@ -35,20 +32,6 @@ def _server_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@contextmanager
-def warnings_of_remote() -> Iterator[list[str]]:
-    """The warning lines rewards.remote logs inside the block (without pytest's logging plugin)."""
-    lines: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("rewards.remote")
-    logger.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
 
 
 def _images(seed: int = 0) -> torch.Tensor:
@@ -89,7 +72,7 @@ def test_server_down_at_start_up_names_the_url():
 def test_server_that_dies_mid_run_is_retried_then_the_step_skips(jpeg_app):
     with serve(jpeg_app) as url:
         scorer = RemoteScorer(url, timeout_s=2, retries=1)
-    with warnings_of_remote() as lines:
+    with warnings_of("rewards.remote") as lines:
         scores = scorer(_images(), PROMPTS)
     assert scores.shape == (3,) and all(math.isnan(s) for s in scores.tolist())  # a NaN reward: the step skips
     assert len(lines) == 1 and f"reward server {url} is unreachable" in lines[0] and "after 2 tries" in lines[0]
@@ -129,7 +112,7 @@ def test_answers_outside_the_protocol_stop_the_run(case):
 def test_a_slow_answer_past_timeout_s():
     with serve(fake_server({"scores": [1.0, 2.0, 3.0], **FAKE}, delay_s=1.5)) as url:
         scorer = RemoteScorer(url, timeout_s=0.3, retries=0)
-        with warnings_of_remote() as lines:
+        with warnings_of("rewards.remote") as lines:
             assert scorer(_images(), PROMPTS).isnan().all()
     assert len(lines) == 1 and f"reward server {url} did not answer POST /score within timeout_s=0.3" in lines[0]
 
@@ -140,7 +123,7 @@ def test_an_answer_sent_a_byte_at_a_time_fails_at_the_deadline_of_the_request():
     with dripping_server() as url:
         scorer = RemoteScorer(url, timeout_s=1, retries=0)
         start = time.monotonic()
-        with warnings_of_remote() as lines:
+        with warnings_of("rewards.remote") as lines:
             scores = scorer(_images(), PROMPTS)
         elapsed = time.monotonic() - start
     assert scores.isnan().all() and elapsed < 5
