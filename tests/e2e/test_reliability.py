@@ -31,7 +31,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_folders import ROOT, contents, copy_run, files_of, metrics, nan_rewards, sigterm_at
+from run_folders import (
+    ROOT,
+    contents,
+    copy_run,
+    files_of,
+    metrics,
+    metrics_refused_after_one_row,
+    nan_rewards,
+    sigterm_at,
+)
 from safetensors.torch import load_file
 from small_run import FAST, command, the_error
 from two_ranks import HELPERS, free_port, run_ranks, run_torchrun
@@ -1327,28 +1336,7 @@ def test_a_checkpoint_save_the_file_system_refuses_is_one_line(trained, tiny_flu
 def test_a_disk_that_fills_while_a_metrics_row_is_written_is_one_line(tiny_flux_dir, tmp_path, capsys, monkeypatch):
     """ENOSPC from the metrics file's write after step 1: one line naming the file's disk, no chained tracebacks;
     the steps before it are checkpointed."""
-    from train.observe import logger as logger_module
-
-    real_open, rows = open, []
-
-    class FullAfterOneRow:
-        def __init__(self, file):
-            self.file = file
-
-        def write(self, text):
-            rows.append(text)
-            if len(rows) > 1:
-                raise OSError(28, "No space left on device")
-            return self.file.write(text)
-
-        def __getattr__(self, name):
-            return getattr(self.file, name)
-
-    def opened(path, *args, **kwargs):
-        file = real_open(path, *args, **kwargs)
-        return FullAfterOneRow(file) if str(path).endswith("metrics.jsonl") else file
-
-    monkeypatch.setattr(logger_module, "open", opened, raising=False)
+    metrics_refused_after_one_row(monkeypatch, 28, "No space left on device")
     overrides = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=3", "checkpoint.every=0"]
     status, stderr = command(capsys, tmp_path / "run", overrides)
     line = the_error(stderr)

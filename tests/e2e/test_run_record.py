@@ -24,7 +24,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from run_folders import contents, copy_run, metrics, nan_rewards, sigterm_at
+from run_folders import contents, copy_run, metrics, metrics_refused_after_one_row, nan_rewards, sigterm_at
 from small_run import FAST, command, the_error
 
 import train.__main__ as train_command
@@ -275,33 +275,14 @@ def test_eval_on_a_full_disk_is_one_line(trained, tiny_flux_dir, tmp_path, capsy
 def test_a_run_folder_that_turns_read_only_is_one_line(tiny_flux_dir, tmp_path, capsys, monkeypatch):
     """The folder turns read-only after step 0: the metrics row of step 1 is refused, and so is the removal of the
     lock; the refused row is the one line, exit 2 (not a traceback of the lock's release)."""
-    from train.observe import logger as logger_module
-
-    real_open, real_unlink, rows = open, pathlib.Path.unlink, []
-
-    class ReadOnlyAfterOneRow:
-        def __init__(self, file):
-            self.file = file
-
-        def write(self, text):
-            rows.append(text)
-            if len(rows) > 1:
-                raise OSError(30, "Read-only file system")
-            return self.file.write(text)
-
-        def __getattr__(self, name):
-            return getattr(self.file, name)
-
-    def opened(path, *args, **kwargs):
-        file = real_open(path, *args, **kwargs)
-        return ReadOnlyAfterOneRow(file) if str(path).endswith("metrics.jsonl") else file
+    real_unlink = pathlib.Path.unlink
 
     def unlink(self, *args, **kwargs):
         if self.name == "LOCK":
             raise OSError(30, "Read-only file system")
         return real_unlink(self, *args, **kwargs)
 
-    monkeypatch.setattr(logger_module, "open", opened, raising=False)
+    metrics_refused_after_one_row(monkeypatch, 30, "Read-only file system")
     monkeypatch.setattr(pathlib.Path, "unlink", unlink)
     status, stderr = command(capsys, tmp_path / "run", small(tiny_flux_dir, "num_steps=3", "checkpoint.every=0"))
     line = the_error(stderr)

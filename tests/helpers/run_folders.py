@@ -78,3 +78,30 @@ def nan_rewards(monkeypatch) -> None:
         raise NonFiniteRewardError("reward.components.jpeg_compressibility: NaN scores")
 
     monkeypatch.setattr(RewardCombiner, "score_term", score_term)
+
+
+def metrics_refused_after_one_row(monkeypatch, errno: int, message: str) -> None:
+    """The metrics file accepts its first row and refuses every later write with OSError(errno, message), as a
+    disk that fills or a folder that turns read-only after step 0 does."""
+    from train.observe import logger as logger_module
+
+    real_open, rows = open, []
+
+    class RefusedAfterOneRow:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, text):
+            rows.append(text)
+            if len(rows) > 1:
+                raise OSError(errno, message)
+            return self.file.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    def opened(path, *args, **kwargs):
+        file = real_open(path, *args, **kwargs)
+        return RefusedAfterOneRow(file) if str(path).endswith("metrics.jsonl") else file
+
+    monkeypatch.setattr(logger_module, "open", opened, raising=False)
