@@ -332,6 +332,9 @@ def test_training_time_to_a_reward_threshold_over_seeds(tmp_path, capsys):
     exact_line = next(line for line in printed.splitlines() if line.strip().startswith("exact "))
     assert "training time to +0.06 [s]" in printed and f"26.7 ± {half:.1f}" in exact_line
     assert "10.0 ± 0.0 (2 of 3 seeds; the others never)" in printed
+    # paired on the seeds: jagg's time over exact's, where both reached it (seeds 0 and 2: 10 / 20 s)
+    assert "time to +0.06 / exact's" in printed
+    assert "0.500 ± 0.000 (2 of 3 seeds reached it in both)" in printed
     summary = json.loads((tmp_path / "sweep" / "compare" / "summary.json").read_text())
     assert summary["arms"]["exact"]["eval/hps"]["time_to_threshold"] == {"0": 20.0, "1": 40.0, "2": 20.0}
     assert summary["arms"]["jagg"]["eval/hps"]["time_to_threshold"] == {"0": 10.0, "1": None, "2": 10.0}

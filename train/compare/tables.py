@@ -65,6 +65,8 @@ def summary_rows(c: Comparison, metric: str) -> list[list[str]]:
 
 def paired_rows(c: Comparison, metric: str) -> list[list[str]]:
     rows = [[f"arm - {c.baseline.label}", "seeds", "final", "mean over training", "distinguishable from 0"]]
+    if c.threshold is not None:
+        rows[0].append(f"time to {c.threshold:+g} / {c.baseline.label}'s")
     base = c.rewards[metric][c.baseline.label]
     for arm in c.arms:
         r = c.rewards[metric][arm.label]
@@ -73,7 +75,20 @@ def paired_rows(c: Comparison, metric: str) -> list[list[str]]:
         final, auc = paired(r.final, base.final), paired(r.auc, base.auc)
         verdict = "n=1: no interval" if final.n < 2 else _verdict(final, auc)
         rows.append([arm.label, str(final.n), final.format(signed=True), auc.format(signed=True), verdict])
+        if c.threshold is not None:
+            rows[-1].append(ratio_cell(r.reached, base.reached))
     return rows
+
+
+def ratio_cell(reached: dict[int, float], base: dict[int, float]) -> str:
+    """The per-seed ratio of two arms' training times to the threshold, mean ± 95% interval over the seeds
+    where both reached it, and how many seeds that is."""
+    both = [s for s in sorted(set(reached) & set(base)) if math.isfinite(reached[s]) and math.isfinite(base[s])]
+    if not both:
+        return "-"
+    cell = estimate([reached[s] / base[s] for s in both]).format(3)
+    n = len(set(reached) & set(base))
+    return cell if len(both) == n else f"{cell} ({len(both)} of {n} seeds reached it in both)"
 
 
 def _verdict(final: Estimate, auc: Estimate) -> str:
