@@ -645,6 +645,12 @@ def test_rollout_flops_follow_the_schedule_after_the_window(tiny_flux_dir):
     assert report.post_window_flops == pytest.approx(per_row * 2 * (9 - mean_forwards), rel=1e-6)
     assert report.shared_rollout_flops == pytest.approx(per_row * (2 * mean_forwards - mean_rows), rel=1e-6)
     assert "after the SDE window (sampler.post_window) the rollout is" in format_report(report)
+    # the reference trainers' step: every segment exact, no shared start, every row on all 9 steps
+    exact_update, _ = report.flops_per_step(exact=True, shared=False)
+    others = sum(p.calls_per_step * p.flops for p in report.phases if p is not phase)
+    rollout_all = per_row * 2 * 9 * phase.calls_per_step
+    assert report.reference_step_flops() == pytest.approx(exact_update + others + rollout_all, rel=1e-6)
+    assert "the step as the reference trainers run it" in format_report(report)
 
 
 @pytest.mark.parametrize(

@@ -140,6 +140,11 @@ class PlanReport:
         rollout = 0.0 if shared else self.shared_rollout_flops
         return update, update + rollout + sum(p.calls_per_step * p.flops for p in self.phases)
 
+    def reference_step_flops(self) -> float:
+        """The whole step's FLOPs per rank as the reference trainers run it: every segment exact, no shared
+        start, the rollout on every step of the schedule (no post-window solver)."""
+        return self.flops_per_step(exact=True, shared=False)[1] + self.post_window_flops
+
     @property
     def cluster(self) -> Cluster:
         return Cluster(self.world_size, self.replicate, self.gpus_per_node)

@@ -68,6 +68,11 @@ def _flop_lines(r: PlanReport) -> list[str]:
             f"{step / 1e12:.1f} instead of {(step + r.post_window_flops) / 1e12:.1f}"
             f" -> {(step + r.post_window_flops) / step:.3f}x"
         )
+    reference = r.reference_step_flops()
+    lines.append(
+        f"  the step as the reference trainers run it (every segment exact, no shared start, every step of the "
+        f"schedule): {reference / 1e12:.1f} -> {reference / step:.2f}x fewer FLOPs"
+    )
     return lines
 
 
