@@ -1,13 +1,10 @@
-"""The keys of the configuration tree: where a group's error is, which keys moved, which settings a run records.
+"""The keys of the configuration tree: where a group's error is, which settings a run records.
 
 * ``typed`` turns the composed tree into the schema's dataclasses as ``OmegaConf.to_object`` does (bottom-up,
   each dataclass's ``__post_init__`` checking its own fields), but knows each dataclass's path: the plain
   ValueError of a group ("num_steps must be >= 2 ...", which names the field relative to its group) becomes
   ConfigError("sampler.num_steps must be >= 2 ..."). ``checked`` runs the same checks again on a built tree.
   (OmegaConf 2.3's ``to_object`` runs ``__post_init__`` but lets its ValueError through with no key.)
-* ``MOVED``: settings that moved to another group. A moved key given on the command line or in a YAML file
-  is refused in one line naming its new place ("grpo.lr is now optimizer.lr"); what an older run recorded
-  (a checkpoint's settings, its config.yaml) is read under the new names (``moved_settings``, ``moved_tree``).
 * What a checkpoint records (``recorded_settings``) and what a resume may change: ``RESUME_SETTINGS`` change what the
   next steps compute and are refused unless ``checkpoint.allow_changed`` names them (``changed_refusal``); the
   per-rank batch is compared as the global batch it makes with the world size (``global_batch_refusal``);
@@ -27,23 +24,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from train.run.errors import ConfigError, config_key
 
-# Old key -> new key, for every setting that moved (a key under an old key moves with it).
-MOVED = {
-    "grpo.prompts_per_rank": "batch.prompts_per_rank",
-    "grpo.micro_batch": "batch.micro_batch",
-    "grpo.gradient_accumulation_steps": "batch.gradient_accumulation_steps",
-    "grpo.lr": "optimizer.lr",
-    "grpo.weight_decay": "optimizer.weight_decay",
-    "grpo.betas": "optimizer.betas",
-    "grpo.max_grad_norm": "optimizer.max_grad_norm",
-    "grpo.ema_decay": "ema.decay",
-    "grpo.max_bad_steps": "health.max_bad_steps",
-    "logging.eval_every": "eval.every",
-    "data.eval_prompts": "eval.prompts",
-    "data.num_eval_prompts": "eval.num_prompts",
-    "data.heldout_prompts": "eval.heldout_prompts",
-    "update.window": "update.segment_length",
-}
 # Settings that change what a checkpoint's weights mean or what the next steps compute: a resumed run keeps them
 # unless checkpoint.allow_changed names them (a key or a group of keys). The prompt file counts by its prompts
 # (train/run/prompts.py's ``prompts_digest``: the same prompts at another path are the same run). The world size
@@ -88,35 +68,8 @@ NOTED_SETTINGS = (
 LORA_MODULES = "model.lora.modules"
 
 
-def moved_to(key: str) -> str | None:
-    """The new name of ``key`` (or of a key under it: ``grpo.betas[0]``) if it moved, else None."""
-    for old, new in MOVED.items():
-        if key == old or key.startswith((f"{old}.", f"{old}[")):
-            return new + key[len(old) :]
-    return None
-
-
-def moved_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """Dotted key -> value as an older run recorded them, under today's names."""
-    return {moved_to(key) or key: value for key, value in settings.items()}
-
-
-def moved_tree(tree: Any) -> dict[str, Any]:
-    """A nested configuration as an older run wrote it (its config.yaml), with each moved key at its new place."""
-    assert isinstance(tree, dict), f"a configuration is a mapping, got {type(tree).__name__}"
-    out = {key: dict(value) if isinstance(value, dict) else value for key, value in tree.items()}
-    for old, new in MOVED.items():
-        (group, key), (new_group, new_key) = old.split("."), new.split(".")
-        if isinstance(out.get(group), dict) and key in out[group] and isinstance(out.setdefault(new_group, {}), dict):
-            out[new_group].setdefault(new_key, out[group].pop(key))
-    return out
-
-
 def unknown_setting(prefix: str, key: str, schema: type) -> str:
-    """The error for ``<prefix><key>``, which the dataclass ``schema`` does not declare: its new place if it
-    moved, else the closest name."""
-    if (new := moved_to(f"{prefix}{key}")) is not None:
-        return f"{prefix}{key} is now {new}"
+    """The error for ``<prefix><key>``, which the dataclass ``schema`` does not declare, with the closest name."""
     close = difflib.get_close_matches(key, sorted(f.name for f in fields(schema)), n=1)
     hint = f"; did you mean {prefix}{close[0]}?" if close else ""
     where = schema.__module__.replace(".", "/") + ".py"  # the module that declares the schema
@@ -164,7 +117,7 @@ def typed(node: DictConfig, path: str = "") -> Any:
     init = {f.name for f in fields(kind) if f.init}
     values = {}
     for key in node:
-        if key not in init:  # added with + although the schema does not declare it (moved, or a typo)
+        if key not in init:  # added with + although the schema does not declare it (a typo)
             raise ConfigError(unknown_setting(f"{path}." if path else "", str(key), kind))
         child = node[key]  # resolves an interpolation
         if isinstance(child, DictConfig) and is_dataclass(OmegaConf.get_type(child)):

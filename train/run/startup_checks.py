@@ -21,7 +21,6 @@ from train.config.keys import (
     changed_refusal,
     covered,
     global_batch_refusal,
-    moved_settings,
     recorded_settings,
 )
 from train.config.schema import Device, TrainConfig
@@ -187,7 +186,7 @@ def _saved_settings(
 ) -> tuple[dict[str, Any], str]:
     """The settings checkpoint ``path`` was trained with, and where they were read: its own record, completed by
     the run folder's recorded configuration for the keys an older checkpoint did not record (train/run/record.py)."""
-    saved = moved_settings(checkpoints.settings_of(path) or {})  # an older run's keys under today's names
+    saved = checkpoints.settings_of(path) or {}  # read from its marker: ours to change
     saved.pop(LORA_MODULES, None)  # known once LoRA is on (train/model/builder.py checks it)
     recorded = recorded_config(run_folder_of(path)) if now.keys() - saved.keys() else None
     if recorded is None and not saved:
