@@ -59,7 +59,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from train.checkpoint.export import EXPORT_NOTE, export_model, write_export_note
 from train.checkpoint.files import state_bytes, write_failure
 from train.checkpoint.manager import CheckpointManager
-from train.config.keys import LORA_MODULES, recorded_settings
+from train.checkpoint.settings import LORA_MODULES, recorded_settings
 from train.config.schema import TrainConfig
 from train.distributed.collectives import activity, broadcast_object
 from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInterrupt, stop_requests

@@ -142,7 +142,7 @@ def _prompts_then(recorded: Any, now: str) -> str:
 
 
 def settings_from_config(tree: dict[str, Any], now: dict[str, Any], train_prompts: str) -> dict[str, Any]:
-    """The values of the settings ``now`` (a checkpoint's recorded settings, train/config/keys.py) as the
+    """The values of the settings ``now`` (a checkpoint's recorded settings, train/checkpoint/settings.py) as the
     configuration ``tree`` gives them; the prompts as their digest (``train_prompts``: the file given now)."""
     found = {}
     for key in now:

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import torch
 
 from train.checkpoint.manager import CheckpointManager
-from train.config.keys import (
+from train.checkpoint.settings import (
     GLOBAL_BATCH,
     LORA_MODULES,
     NOTED_SETTINGS,
