@@ -67,8 +67,8 @@ from train.evaluation.curve import write_curve
 from train.evaluation.evaluator import Evaluator, build_evaluator
 from train.evaluation.summary import run_summary
 from train.model.builder import non_finite
+from train.observe.console import Heartbeat, progress_bar
 from train.observe.health import Health, Verdict, weight_norm
-from train.observe.logger import Heartbeat, progress_bar
 from train.optim.ema import EMA
 from train.optim.optimizer import adamw_settings
 from train.run.build import open_run

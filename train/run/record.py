@@ -24,7 +24,7 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 
 from train.checkpoint.files import MARKER, STEP_DIR
-from train.observe.logger import evaluation_only, metrics_row, read_lines
+from train.observe.metrics import evaluation_only, metrics_row, read_lines
 from train.run.errors import CheckpointError
 from train.run.layout import CHECKPOINTS, RunLayout
 from train.run.prompts import prompts_digest, read_prompts

@@ -26,7 +26,7 @@ from train.checkpoint.settings import (
 from train.config.schema import Device, TrainConfig
 from train.distributed.collectives import DistInfo, broadcast_object, gather_objects
 from train.distributed.parallelize import mesh_shape
-from train.observe.logger import metrics_problem
+from train.observe.metrics import metrics_problem
 from train.run.errors import ConfigError, StartRefused, UserError
 from train.run.folder import RunLock, check_one_run, clear_run, held_run
 from train.run.layout import RunLayout
