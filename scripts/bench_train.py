@@ -119,7 +119,7 @@ def child(out: Path, steps: int, overrides: list[str]) -> None:
 
     import train.step
     from train.config.schema import register_schema
-    from train.observe.logger import PhaseTimer
+    from train.observe.perf import PhaseTimer
     from train.run.build import open_run
     from train.run.start import load_config, process_group
 

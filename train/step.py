@@ -47,8 +47,8 @@ from train.distributed.collectives import all_reduce_max, all_reduce_sum
 from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
 from train.distributed.seeds import stream_generator, stream_seed
 from train.observe.health import FLAT_IMAGES, flat_fraction
-from train.observe.logger import PhaseTimer, RunLogger
-from train.observe.perf import perf_metrics
+from train.observe.logger import RunLogger
+from train.observe.perf import PhaseTimer, perf_metrics
 from train.optim.ema import EMA
 from train.reward.stage import Scored
 from train.run.errors import config_key

@@ -59,7 +59,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from train.checkpoint.export import EXPORT_NOTE, export_model, write_export_note
 from train.checkpoint.files import state_bytes, write_failure
 from train.checkpoint.manager import CheckpointManager
-from train.config.keys import LORA_MODULES, recorded_settings
+from train.checkpoint.settings import LORA_MODULES, recorded_settings
 from train.config.schema import TrainConfig
 from train.distributed.collectives import activity, broadcast_object
 from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInterrupt, stop_requests
@@ -67,8 +67,8 @@ from train.evaluation.curve import write_curve
 from train.evaluation.evaluator import Evaluator, build_evaluator
 from train.evaluation.summary import run_summary
 from train.model.builder import non_finite
+from train.observe.console import Heartbeat, progress_bar
 from train.observe.health import Health, Verdict, weight_norm
-from train.observe.logger import Heartbeat, progress_bar
 from train.optim.ema import EMA
 from train.optim.optimizer import adamw_settings
 from train.run.build import open_run

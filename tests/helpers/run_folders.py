@@ -83,7 +83,7 @@ def nan_rewards(monkeypatch) -> None:
 def metrics_refused_after_one_row(monkeypatch, errno: int, message: str) -> None:
     """The metrics file accepts its first row and refuses every later write with OSError(errno, message), as a
     disk that fills or a folder that turns read-only after step 0 does."""
-    from train.observe import logger as logger_module
+    from train.observe import metrics as metrics_module
 
     real_open, rows = open, []
 
@@ -104,4 +104,4 @@ def metrics_refused_after_one_row(monkeypatch, errno: int, message: str) -> None
         file = real_open(path, *args, **kwargs)
         return RefusedAfterOneRow(file) if str(path).endswith("metrics.jsonl") else file
 
-    monkeypatch.setattr(logger_module, "open", opened, raising=False)
+    monkeypatch.setattr(metrics_module, "open", opened, raising=False)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from stage_toys import ToyRollout, ToyScorer, brightness, redness, toy_stage
 
-from train.observe.logger import PhaseTimer
+from train.observe.perf import PhaseTimer
 from train.run.start import process_group
 
 

@@ -244,7 +244,7 @@ def step(i: int, reward: float, t_step: float, t_update: float) -> dict:
 
 
 def config(mode: str, seed: int, lr: float = 1e-4) -> str:
-    return f"seed: {seed}\nrun_dir: /r/{mode}{seed}\nupdate:\n  mode: {mode}\ngrpo:\n  lr: {lr}\n"
+    return f"seed: {seed}\nrun_dir: /r/{mode}{seed}\nupdate:\n  mode: {mode}\noptimizer:\n  lr: {lr}\n"
 
 
 def evals(values: dict[int, float]) -> list[dict]:
@@ -376,23 +376,6 @@ def test_arms_are_labelled_by_the_settings_that_differ(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "- optimizer.lr=0.0001: seeds [0]" in printed and "- optimizer.lr=0.0003: seeds [0]" in printed
     assert "the first arm given" in printed  # no exact arm: the first is the baseline, and it says why
-
-
-def test_runs_logged_under_the_old_names_read_as_todays(tmp_path, capsys):
-    """A run logged before the JAGG unit was called a segment (``count/groups_<path>``, ``update.window``)
-    reads as one logged after it, so the two compare as one arm with the same metrics."""
-    old_config = config("jagg", 0).replace("  mode: jagg\n", "  mode: jagg\n  window: 4\n")
-    new_config = config("jagg", 1).replace("  mode: jagg\n", "  mode: jagg\n  segment_length: 4\n")
-    old_counts = {"count/groups_jagg": 3, "count/groups_exact": 2}
-    old = write_run(tmp_path / "old", [{**step(0, 0.1, 1, 1), **old_counts}], old_config)
-    new = write_run(
-        tmp_path / "new", [{**step(0, 0.2, 1, 1), "count/segments_jagg": 3, "count/segments_exact": 2}], new_config
-    )
-    runs = [load_run(old), load_run(new)]
-    assert runs[0].steps[0] == {**runs[1].steps[0], "reward/hpsv2": 0.1}
-    assert runs[0].config["update.segment_length"] == 4 and "update.window" not in runs[0].config
-    assert len(group_arms(runs)) == 1  # seeds 0 and 1 of one arm: no setting differs
-    assert main([str(old), str(new), "--out", str(tmp_path / "cmp")]) == 0
 
 
 def test_median_time_ignores_a_stalled_step(tmp_path, capsys):

@@ -15,10 +15,9 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from models.base import DTYPES, parse_dtype
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
-from train.cli.help_text import field_docs
 from train.cli.reporting import hydra_message
 from train.config.checks import trainable_transitions, validate
-from train.config.keys import MOVED, changed_settings, checked, moved_settings, moved_tree, typed
+from train.config.keys import checked, typed
 from train.config.schema import TrainConfig, register_schema
 from train.config.shipped import shipped
 from train.run.errors import ConfigError
@@ -337,46 +336,6 @@ def test_a_nested_group_is_named_by_its_whole_path():
     built.outer.inner.size = 0  # changed after it was built: the checks run again
     with pytest.raises(ConfigError, match=r"^outer\.inner\.size must be >= 1"):
         checked(built)
-
-
-# The keys that moved and no longer exist (update.window stays until the update group renames it).
-GONE = [(old, new) for old, new in MOVED.items() if old not in field_docs()]
-
-
-@pytest.mark.parametrize("old, new", GONE)
-def test_a_moved_key_names_its_new_place(old, new, tmp_path):
-    value = "[0.9,0.99]" if old.endswith("betas") else "null" if old.endswith("prompts") else "1"
-    for override in (f"{old}={value}", f"+{old}={value}"):  # set where it was, or added there
-        with pytest.raises(ConfigError) as refused:
-            load([override], tmp_path)
-        assert str(refused.value) == f"{old} is now {new}"
-    assert len(GONE) >= 13
-
-
-def test_an_older_runs_recorded_settings_read_under_the_new_names():
-    """A checkpoint's recorded settings and a run's config.yaml, as a run before the split wrote them."""
-    recorded = {"update.window": 4, "grpo.betas[0]": 0.9, "seed": 1, "sampler.num_steps": 9}
-    assert moved_settings(recorded) == {
-        "update.segment_length": 4, "optimizer.betas[0]": 0.9, "seed": 1, "sampler.num_steps": 9
-    }  # fmt: skip
-    now = {"update.segment_length": 4, "optimizer.betas[0]": 0.9, "seed": 1, "sampler.num_steps": 9}
-    assert changed_settings(moved_settings(recorded), now, []) == []
-    old = {
-        "grpo": {"group_size": 12, "lr": 1e-5, "ema_decay": 0.9, "max_bad_steps": 3},
-        "data": {"train_prompts": "a.txt", "heldout_prompts": "b.txt"},
-        "logging": {"eval_every": 25},
-        "eval": {"num_steps": 28},
-    }
-    assert moved_tree(old) == {
-        "grpo": {"group_size": 12},
-        "optimizer": {"lr": 1e-5},
-        "ema": {"decay": 0.9},
-        "health": {"max_bad_steps": 3},
-        "data": {"train_prompts": "a.txt"},
-        "eval": {"num_steps": 28, "heldout_prompts": "b.txt", "every": 25},
-        "logging": {},
-    }
-    assert old["grpo"]["lr"] == 1e-5  # the recorded tree itself is left as it was
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""RunLogger (JSONL, sample grids, wandb offline and wandb failures), PhaseTimer, progress bar."""
+"""RunLogger (JSONL, sample grids, wandb offline and wandb failures), the console lines, PhaseTimer."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from PIL import Image
 from rewards.summary import MIN_TILE, image_grid
 from train.config.schema import TrainConfig
 from train.evaluation.summary import files_section
-from train.observe.logger import Heartbeat, PhaseTimer, RunLogger, format_seconds, progress_bar
+from train.observe.console import Heartbeat, format_seconds, progress_bar
+from train.observe.logger import RunLogger
+from train.observe.perf import PhaseTimer
 from train.run.layout import RunLayout
 
 
@@ -256,7 +258,7 @@ def test_rewind_drops_the_rows_a_resumed_run_replays(tmp_path) -> None:
     logger = RunLogger(tmp_path, is_main=True)
     for step, metrics in [(0, {"eval/r": 1}), (0, {"loss": 1}), (1, {"loss": 2}), (2, {"eval/r": 3}), (2, {"loss": 4})]:
         logger.log(metrics, step)
-    with logger.metrics_path.open("a", encoding="utf-8") as file:
+    with (tmp_path / "metrics.jsonl").open("a", encoding="utf-8") as file:
         file.write('{"step": 3, "lo')  # the crash: a line cut short
     assert logger.rewind(2) == 2
     logger.log({"loss": 5}, 2)

@@ -8,8 +8,7 @@ import torch
 from models.registry import load_backbone
 from train.distributed.parallelize import CompileStats, compile_unavailable
 from train.observe import perf
-from train.observe.logger import PhaseTimer
-from train.observe.perf import CompileWatch, FlopMeter, Peak, device_peak, perf_metrics
+from train.observe.perf import CompileWatch, FlopMeter, Peak, PhaseTimer, device_peak, perf_metrics
 
 
 @pytest.fixture(scope="module")

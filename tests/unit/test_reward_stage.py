@@ -16,7 +16,7 @@ from stage_toys import ToyRollout, ToyScorer, brightness, nan_scores, redness, t
 from rewards.combine import RewardCombiner
 from rewards.remote import RemoteRewardError
 from train.config.schema import register_schema
-from train.observe.logger import PhaseTimer
+from train.observe.perf import PhaseTimer
 from train.reward.stage import RewardStage, advantage_fn, group_chunks
 from train.run.errors import ScorerFailed, ranks_agreed
 

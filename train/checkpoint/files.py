@@ -197,7 +197,7 @@ def agree_on_write(write: Callable[[], None], path: Path, what: str, kept: str =
     failed = None
     try:
         write()
-    except SaveFailed as err:  # a row of metrics.jsonl (train/observe/logger.py) said it already
+    except SaveFailed as err:  # a row of metrics.jsonl (train/observe/metrics.py) said it already
         failed = str(err), isinstance(err, DiskFull)
     except Exception as err:  # the writers' own errors too: torch.save and safetensors say a full disk their way
         if (failure := write_failure(err, path, what, kept)) is None:

@@ -9,7 +9,7 @@ Layout of ``run_dir/checkpoints/step_00000040/``:
   picklable object) and this rank's RNG states (torch CPU, CUDA if any, python, numpy). RNG
   states differ per rank, so they are per-rank files, not DCP entries (DCP would keep rank 0's).
 * ``COMPLETE``: a JSON marker: step, world size, the settings that give the weights their meaning
-  (``RESUME_SETTINGS`` of train/config/keys.py, compared on resume), the id of the run that wrote it
+  (``RESUME_SETTINGS`` of train/checkpoint/settings.py, compared on resume), the id of the run that wrote it
   (train/run/timeline.py, checked on resume), and the size and SHA-256 of
   every other file of the folder. The ranks share the hashing: with R ranks, rank r hashes every R-th
   file of the sorted listing, at save and again when the checkpoint is checked.

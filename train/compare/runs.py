@@ -10,8 +10,7 @@ probe's) are skipped and named, and so are a run's retired timelines (``checkpoi
 resume branched away from: a run counts once, as the timeline its folder holds). A run whose recorded
 configuration cannot be read whole (damaged YAML, empty, ended mid-line, or holding only the beginning of
 the keys every other run records: a write or a copy cut short) is left out and named, so that it neither
-stops the comparison nor stands as an arm of its own that splits the seeds of its real one. A run logged
-under older metric names or settings is read under today's, so that runs of either age compare.
+stops the comparison nor stands as an arm of its own that splits the seeds of its real one.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from typing import Any
 import yaml
 
 from train.compare.wandb_runs import WandbRun, read_offline, read_offline_file, read_online, run_file
-from train.config.keys import moved_settings
 from train.run.layout import METRICS, RunLayout
 
 WANDB_PREFIX = "wandb:"
@@ -47,23 +45,8 @@ class RunMetrics:
         return {step: values[key] for step, values in sorted(self.steps.items()) if key in values}
 
 
-# Names a run logged before they were renamed, read as today's, so that runs of either age compare
-# (docs/changes.md): a metric's old prefix -> its new one (settings: train/config/keys.py).
-RENAMED_METRICS = {"count/groups_": "count/segments_"}  # the JAGG unit of W transitions is a segment
-
-
-def current_metric(name: str) -> str:
-    """Today's name of a logged metric (``count/groups_jagg`` -> ``count/segments_jagg``)."""
-    for old, new in RENAMED_METRICS.items():
-        if name.startswith(old):
-            return new + name[len(old) :]
-    return name
-
-
 def _numbers(record: dict[str, Any]) -> dict[str, float]:
-    return {
-        current_metric(k): float(v) for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)
-    }
+    return {k: float(v) for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)}
 
 
 def read_metrics_file(path: Path) -> dict[int, dict[str, float]]:
@@ -105,9 +88,8 @@ class UnreadConfig(ValueError):
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
-    """The run's resolved configuration: the trainer's ``config.yaml``, else Hydra's; {} if neither. An older run's
-    moved keys are read under their new names, so that it compares with a newer one. UnreadConfig when the file
-    is damaged or cut short (the YAML writers end every line, the last one included, with a newline)."""
+    """The run's resolved configuration: the trainer's ``config.yaml``, else Hydra's; {} if neither. UnreadConfig
+    when the file is damaged or cut short (the YAML writers end every line, the last one included, with a newline)."""
     from omegaconf import OmegaConf
 
     layout = RunLayout(folder)
@@ -122,7 +104,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
                 raise UnreadConfig(f"{path} does not read as the YAML the trainer writes ({first})") from None
             if not isinstance(tree, dict) or not tree:
                 raise UnreadConfig(f"{path} holds no setting")
-            return moved_settings(flatten(tree))
+            return flatten(tree)
     return {}
 
 
@@ -166,7 +148,7 @@ def _from_wandb(run: WandbRun) -> RunMetrics:
     if not run.steps:
         raise ValueError(f"wandb run {run.source} has no logged step")
     steps = {step: _numbers(values) for step, values in run.steps.items()}
-    return RunMetrics(run.source, steps, moved_settings(flatten(run.config)), run.name or run.run_id)
+    return RunMetrics(run.source, steps, flatten(run.config), run.name or run.run_id)
 
 
 def _read_wandb(path: str) -> list[RunMetrics]:

@@ -22,7 +22,7 @@ from rewards.reward_config import RewardConfig
 from samplers.choices import Choice
 from samplers.sampler_config import SamplerConfig, check_range
 from train.algorithm.update_config import UpdateConfig
-from train.config.keys import not_allowable
+from train.checkpoint.settings import not_allowable
 from train.config.shipped import shipped
 
 # An override that adds an evaluation scorer to an empty eval.scorers, as typed on the command line
@@ -238,7 +238,7 @@ class CheckpointConfig:
     """
     allow_changed: list[str] = field(default_factory=list)
     """Settings a resumed run may change although they change what the weights mean or what the next steps compute
-    (RESUME_SETTINGS of train/config/keys.py: model.name/path/dtype/height/width/options, model.lora.*, seed,
+    (RESUME_SETTINGS of train/checkpoint/settings.py: model.name/path/dtype/height/width/options, model.lora.*, seed,
     data.train_prompts (its prompts), sampler.*, update.*, grpo.*, batch.* (per rank: compared as the global batch
     with the world size), reward.*, ema.*), e.g. [seed]; any other change of these is refused.
     """

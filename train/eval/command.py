@@ -38,7 +38,6 @@ from train.checkpoint.manager import CheckpointManager, deleted
 from train.cli.compose import setup
 from train.cli.help_text import show_value
 from train.cli.reporting import reported, run_hydra
-from train.config.keys import moved_tree
 from train.config.schema import SCORERS_HINT, TrainConfig
 from train.evaluation.evaluator import read_eval_prompts
 from train.evaluation.protocol import EvalResult, before_after, evaluate, paired_difference
@@ -105,8 +104,7 @@ def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
 
 
 def _recorded(saved: Path, weights: Weights) -> DictConfig:
-    """The configuration the run recorded (an older run's keys under today's names); ConfigError when it does not
-    read as one."""
+    """The configuration the run recorded; ConfigError when it does not read as one."""
     try:
         recorded = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
     except (OSError, UnicodeDecodeError, yaml.YAMLError, OmegaConfBaseException) as err:
@@ -119,7 +117,7 @@ def _recorded(saved: Path, weights: Weights) -> DictConfig:
             "it was trained with cannot be checked: put back a copy of it, or move it away and pass the run's "
             "model settings (model.*) yourself"
         )
-    return OmegaConf.create(moved_tree(recorded))
+    return OmegaConf.create(recorded)
 
 
 def check_checkpoint(weights: Weights) -> None:

@@ -47,7 +47,7 @@ from samplers.sde import SDEKind
 from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo, all_gather_tensor
 from train.distributed.seeds import stream_seed
-from train.observe.logger import format_seconds
+from train.observe.console import format_seconds
 from train.observe.stats import standard_error
 from train.run.errors import config_key
 from train.run.layout import RunLayout

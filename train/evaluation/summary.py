@@ -20,7 +20,7 @@ from rewards.summary import overall
 from train.checkpoint.export import export_description
 from train.config.schema import TrainConfig
 from train.evaluation.protocol import paired_difference, read_scores
-from train.observe.logger import format_seconds
+from train.observe.console import format_seconds
 from train.observe.perf import Peak
 from train.observe.stats import median
 from train.run.layout import RunLayout

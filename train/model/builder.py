@@ -22,7 +22,7 @@ from models.tiny import build_tiny
 from samplers.rollout import Predict
 from train.checkpoint.export import Weights
 from train.checkpoint.manager import CheckpointManager
-from train.config.keys import LORA_MODULES, changed_refusal, changed_settings
+from train.checkpoint.settings import LORA_MODULES, changed_refusal, changed_settings
 from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo, gather_objects
 from train.distributed.parallelize import compile_blocks, parallelize

@@ -1,4 +1,4 @@
-"""How far a run is from the hardware: FLOPs per phase, achieved TFLOP/s and MFU; and what
+"""How far a run is from the hardware: time and FLOPs per phase, achieved TFLOP/s and MFU; and what
 compiling the transformer costs (``CompileWatch``).
 
     perf/tflops/<phase> = flops/<phase> / time/<phase> / 1e12
@@ -16,6 +16,9 @@ decode and the reward models are not counted: ``perf/mfu/step`` is the transform
 The peak (``perf.peak_tflops``) is one device's: by default the dense bf16 rate of the usual GPUs
 (``GPU_PEAK_TFLOPS``, by the name CUDA reports) and, on CPU, this machine's float32 matmul rate
 measured once at start-up (``cpu_matmul_tflops``).
+
+``PhaseTimer`` sums wall-clock seconds per phase (``time/<phase>``); on CUDA it synchronizes before reading the
+clock, since kernels run asynchronously and would be billed to the next phase.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import copy
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,3 +207,37 @@ class CompileWatch:
                 step, grew, self.settle_steps, after.graphs,
             )  # fmt: skip
         return {"time/compile": after.seconds - before.seconds, "count/compilations": after.graphs}
+
+
+class PhaseTimer:
+    """``with timer.phase("rollout"): ...`` sums seconds per phase until ``pop()``, and the FLOPs that
+    ``flops`` counted in each phase when given."""
+
+    def __init__(self, device: torch.device | str = "cpu", flops: FlopMeter | None = None) -> None:
+        self.device = torch.device(device)
+        self.flops = flops
+        self._totals: dict[str, float] = defaultdict(float)
+        self._flops: dict[str, int] = defaultdict(int)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start, counted = self._now(), self.flops.total if self.flops is not None else 0
+        try:
+            yield
+        finally:
+            self._totals[name] += self._now() - start
+            if self.flops is not None:
+                self._flops[name] += self.flops.total - counted
+
+    def pop(self) -> dict[str, float]:
+        """{"time/<phase>": seconds, "flops/<phase>": FLOPs} accumulated since the last pop; resets the totals."""
+        out = {f"time/{name}": seconds for name, seconds in self._totals.items()}
+        out |= {f"flops/{name}": float(flops) for name, flops in self._flops.items() if flops}
+        self._totals.clear()
+        self._flops.clear()
+        return out

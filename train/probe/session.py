@@ -43,7 +43,7 @@ from train.algorithm.update import UpdateBatch, update_micro_batch
 from train.algorithm.update_config import MIDDLE_MODES, ReuseVelocities
 from train.config.schema import TrainConfig, WandbMode
 from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
-from train.observe.logger import PhaseTimer
+from train.observe.perf import PhaseTimer
 from train.optim.optimizer import adamw_settings
 from train.probe.probe_config import ProbeConfig, probe_settings
 from train.run.build import open_run

@@ -2,7 +2,7 @@
 
 <run>/
   config.yaml            the resolved configuration (config.<n>.yaml for each resumed session)
-  metrics.jsonl          one JSON row per training step (train/observe/logger.py)
+  metrics.jsonl          one JSON row per training step (train/observe/metrics.py)
   checkpoints/step_*/    training checkpoints (train/checkpoint/manager.py)
   checkpoints/retired/   the checkpoints of a timeline a resume branched away from (train/run/timeline.py)
   eval/                  evaluation results, before/after sheets and curve.png (train/evaluation/)

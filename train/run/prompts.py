@@ -86,7 +86,7 @@ def _decode(raw: bytes, path: Path, field_name: str) -> str:
 
 
 def prompts_digest(records: list[PromptRecord]) -> str:
-    """What a checkpoint records of the training prompts (train/config/keys.py): their number and a hash of the
+    """What a checkpoint records of the training prompts (train/checkpoint/settings.py): their number and a hash of the
     prompts in order, which is what a step draws from (not the file's path, format or blank lines)."""
     digest = hashlib.sha256(json.dumps([r.prompt for r in records]).encode()).hexdigest()
     return f"{len(records)} prompts, sha256 {digest[:16]}"

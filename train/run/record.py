@@ -24,8 +24,7 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 
 from train.checkpoint.files import MARKER, STEP_DIR
-from train.config.keys import moved_tree
-from train.observe.logger import evaluation_only, metrics_row, read_lines
+from train.observe.metrics import evaluation_only, metrics_row, read_lines
 from train.run.errors import CheckpointError
 from train.run.layout import CHECKPOINTS, RunLayout
 from train.run.prompts import prompts_digest, read_prompts
@@ -106,15 +105,15 @@ def _config_files(layout: RunLayout) -> list[Path]:
 
 
 def recorded_config(layout: RunLayout) -> tuple[dict[str, Any], Path] | None:
-    """The configuration the folder's latest session wrote (an older run's keys under today's names) and its
-    file; None when the folder holds none that reads as one."""
+    """The configuration the folder's latest session wrote and its file; None when the folder holds none that
+    reads as one."""
     for path in _config_files(layout):
         try:
             tree = yaml.safe_load(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
             continue
         if isinstance(tree, dict):
-            return moved_tree(tree), path
+            return tree, path
     return None
 
 
@@ -143,7 +142,7 @@ def _prompts_then(recorded: Any, now: str) -> str:
 
 
 def settings_from_config(tree: dict[str, Any], now: dict[str, Any], train_prompts: str) -> dict[str, Any]:
-    """The values of the settings ``now`` (a checkpoint's recorded settings, train/config/keys.py) as the
+    """The values of the settings ``now`` (a checkpoint's recorded settings, train/checkpoint/settings.py) as the
     configuration ``tree`` gives them; the prompts as their digest (``train_prompts``: the file given now)."""
     found = {}
     for key in now:

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import torch
 
 from train.checkpoint.manager import CheckpointManager
-from train.config.keys import (
+from train.checkpoint.settings import (
     GLOBAL_BATCH,
     LORA_MODULES,
     NOTED_SETTINGS,
@@ -21,13 +21,12 @@ from train.config.keys import (
     changed_refusal,
     covered,
     global_batch_refusal,
-    moved_settings,
     recorded_settings,
 )
 from train.config.schema import Device, TrainConfig
 from train.distributed.collectives import DistInfo, broadcast_object, gather_objects
 from train.distributed.parallelize import mesh_shape
-from train.observe.logger import metrics_problem
+from train.observe.metrics import metrics_problem
 from train.run.errors import ConfigError, StartRefused, UserError
 from train.run.folder import RunLock, check_one_run, clear_run, held_run
 from train.run.layout import RunLayout
@@ -187,7 +186,7 @@ def _saved_settings(
 ) -> tuple[dict[str, Any], str]:
     """The settings checkpoint ``path`` was trained with, and where they were read: its own record, completed by
     the run folder's recorded configuration for the keys an older checkpoint did not record (train/run/record.py)."""
-    saved = moved_settings(checkpoints.settings_of(path) or {})  # an older run's keys under today's names
+    saved = checkpoints.settings_of(path) or {}  # read from its marker: ours to change
     saved.pop(LORA_MODULES, None)  # known once LoRA is on (train/model/builder.py checks it)
     recorded = recorded_config(run_folder_of(path)) if now.keys() - saved.keys() else None
     if recorded is None and not saved:
