@@ -37,12 +37,13 @@ def merged(*lists: list[str]) -> list[str]:
 
 
 def command(
-    capsys, run_dir: Path, overrides: list[str], module: ModuleType = train_command, *, stdout: bool = False
+    capsys, run_dir: Path | None, overrides: list[str], module: ModuleType = train_command, *, stdout: bool = False
 ) -> tuple:
-    """Run ``python -m <module> overrides`` in this process as its entry point does: (exit status, stderr),
-    with ``stdout`` (exit status, stderr, stdout)."""
+    """Run ``python -m <module> overrides`` in this process as its entry point does, in ``run_dir`` (None: Hydra's
+    default folder under the current one): (exit status, stderr), with ``stdout`` (exit status, stderr, stdout)."""
+    folder = [f"hydra.run.dir={run_dir}"] if run_dir else []
     try:
-        run_hydra(module.main, prog=module.PROG, argv=[*merged(overrides), f"hydra.run.dir={run_dir}"])
+        run_hydra(module.main, prog=module.PROG, argv=[*merged(overrides), *folder])
         status = 0
     except SystemExit as stop:
         status = stop.code if isinstance(stop.code, int) else 1
