@@ -5,20 +5,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from run_folders import ROOT, train_small
+from run_folders import train_small
 from small_run import FAST, command
 
 
-@pytest.fixture
-def repo_root(monkeypatch) -> Path:
-    """The repository as the current folder: the tiny experiment's prompt file is relative to it."""
-    monkeypatch.chdir(ROOT)
-    return ROOT
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def trained(tmp_path_factory, tiny_flux_dir) -> Path:
-    """A finished 2-step run with checkpoints after steps 1 and 2, one per test module (do not modify: copy it)."""
+    """A finished 2-step run with checkpoints after steps 1 and 2, one per test session (do not modify: copy it)."""
     return train_small(tmp_path_factory.mktemp("trained") / "run", tiny_flux_dir)
 
 

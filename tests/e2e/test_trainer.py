@@ -95,9 +95,7 @@ def tiny_flux(tiny_flux_dir) -> Path:
     return tiny_flux_dir
 
 
-@pytest.fixture(autouse=True)
-def _repo_root(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the demo's prompt file is relative to the repository root
+pytestmark = pytest.mark.usefixtures("repo_root")  # the demo's prompt file is relative to the repository root
 
 
 def train(run_dir: Path, model: Path, overrides: list[str]) -> list[dict]:

@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from PIL import Image
 from run_folders import metrics
+from small_run import FAST
 
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
@@ -30,16 +31,9 @@ from train.config.schema import register_schema
 ROOT = Path(__file__).resolve().parents[2]
 register_schema()
 TINY_RUN = [
-    "experiment=tiny",
+    *FAST,
     "num_steps=2",
-    "sampler.num_steps=5",
     "update.segment_length=2",
-    "grpo.group_size=2",
-    "batch.prompts_per_rank=1",
-    "batch.micro_batch=2",
-    "batch.gradient_accumulation_steps=2",
-    "logging.progress_bar=false",
-    "logging.sample_every=0",
     "checkpoint.export=false",
     "eval.every=1",
     "+eval.scorers.jpeg_compressibility={}",
