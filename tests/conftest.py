@@ -10,6 +10,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
 @pytest.fixture
+def repo_root(monkeypatch) -> Path:
+    """The repository as the current folder: the tiny experiment's prompt file is relative to it."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    return root
+
+
+@pytest.fixture
 def float64():
     """Math tests run in float64; restore the default so other tests are unaffected."""
     previous = torch.get_default_dtype()

@@ -11,7 +11,6 @@ the tiny experiment as one process does; then a cluster's faults:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_folders import metrics
 from safetensors.torch import load_file
 from small_run import SMALL_RUN
 from two_ranks import ROOT, env, free_port
@@ -154,12 +154,8 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def assert_bit_for_bit(straight: Path, other: Path) -> None:
-    a, b = rows(straight), rows(other)
+    a, b = metrics(straight), metrics(other)
     assert [r["step"] for r in b] == list(range(STEPS))
     for x, y in zip(a, b):
         for key in ("train/loss", "reward/total", "train/grad_norm"):
@@ -193,7 +189,7 @@ def test_two_nodes_train_as_one_process(straight, tiny_flux_dir, tiny_clip_dir, 
         cfg = compose(config_name="train", overrides=["experiment=tiny", *args, f"run_dir={one}"])
     monkeypatch.chdir(ROOT)  # the tiny experiment's prompt file is relative to the repository root
     run(cfg)
-    for a, b in zip(rows(one), rows(straight), strict=True):
+    for a, b in zip(metrics(one), metrics(straight), strict=True):
         for key in ("train/loss", "reward/total", "train/grad_norm", "train/approx_kl"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
 

@@ -4,7 +4,6 @@ once; before training it is one line, not a traceback; under torchrun the same."
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,19 +13,17 @@ from pathlib import Path
 
 import pytest
 import small_run
+from run_folders import ROOT, metrics
 from two_ranks import env, torchrun
 
 import train.trainer as trainer
 from train.distributed import preemption
 from train.model import builder
 
-ROOT = Path(__file__).resolve().parents[2]
 FAST = [*small_run.FAST, "checkpoint.export=false"]
 
 
-@pytest.fixture(autouse=True)
-def _repo_root(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the tiny experiment's prompt file is relative to the repository root
+pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 
 
 def train(capsys, run_dir: Path, *overrides: str) -> tuple[int, str]:
@@ -48,19 +45,12 @@ def ctrl_c_in(monkeypatch, steps: dict[int, int]) -> None:
     monkeypatch.setattr(trainer, "train_step", step_then_signal)
 
 
-def stopped_line(stderr: str) -> str:
-    assert "Traceback" not in stderr, stderr
-    lines = [line for line in stderr.splitlines() if line.startswith("python -m train: stopped: ")]
-    assert len(lines) == 1, stderr
-    return lines[0]
-
-
 def test_first_ctrl_c_checkpoints_and_two_at_once_count_once(tiny_flux_dir, tmp_path, capsys, monkeypatch):
     """Ctrl+C printed a KeyboardInterrupt traceback and wrote nothing; two SIGINTs within REPEAT_S (the
     terminal's and torchrun's copies of one Ctrl+C) are one request."""
     ctrl_c_in(monkeypatch, {1: 2})
     status, stderr = train(capsys, tmp_path / "run", f"model.path={tiny_flux_dir}", "num_steps=4")
-    line = stopped_line(stderr)
+    line = small_run.the_error(stderr, kind="stopped")
     assert status == 130 and "Ctrl+C (SIGINT): wrote checkpoint" in line and "after step 2" in line, stderr
     assert "resume=auto" in line and "Ctrl+C again stops at once" in stderr
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000002"]
@@ -73,7 +63,7 @@ def test_second_ctrl_c_stops_at_once_naming_the_unsaved_steps(tiny_flux_dir, tmp
     monkeypatch.setattr(preemption.Preemption, "requested", lambda self, device, folder_lost=False: (0, folder_lost))
     overrides = [f"model.path={tiny_flux_dir}", "num_steps=4", "checkpoint.every=1"]
     status, stderr = train(capsys, tmp_path / "run", *overrides)
-    line = stopped_line(stderr)
+    line = small_run.the_error(stderr, kind="stopped")
     assert status == 130 and "a second Ctrl+C stopped training step 1 at once" in line, line
     assert "step 1 was not saved" in line and "step_00000001 (after step 1)" in line, line
 
@@ -88,7 +78,8 @@ def test_ctrl_c_before_training_is_one_line(tiny_flux_dir, tmp_path, capsys, mon
 
     monkeypatch.setattr(builder, "build_backbone", load_then_ctrl_c)
     status, stderr = train(capsys, tmp_path / "run", f"model.path={tiny_flux_dir}", "num_steps=2")
-    assert status == 130 and "Ctrl+C during start-up: the command ended there" in stopped_line(stderr)
+    line = small_run.the_error(stderr, kind="stopped")
+    assert status == 130 and "Ctrl+C during start-up: the command ended there" in line
 
 
 @pytest.mark.slow
@@ -111,10 +102,6 @@ def test_ctrl_c_under_torchrun_checkpoints_on_both_ranks(tiny_flux_dir, tmp_path
     lines = [line for line in stderr.splitlines() if line.startswith("python -m train: stopped: Ctrl+C (SIGINT)")]
     assert len(lines) == 1 and checkpoints[0] in lines[0], stderr[-3000:]
     assert "Traceback" not in stderr.split("python -m train: stopped:")[0], stderr[-3000:]
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -141,10 +128,10 @@ def test_ctrl_c_while_a_served_reward_is_mid_request_leaves_no_thread_and_resume
     # requests 0 and 1 score step 0's two chunks; request 2, step 1's first, brings the Ctrl+C
     with serve(fake_server(good, good, ctrl_c_then_good, good, delay_s=0.2), port=int(url.rsplit(":", 1)[1])):
         status, stderr = train(capsys, tmp_path / "stopped", *served)
-        assert status == 130 and "after step 2" in stopped_line(stderr), stderr
+        assert status == 130 and "after step 2" in small_run.the_error(stderr, kind="stopped"), stderr
         assert [t.name for t in threading.enumerate() if t.name.startswith("reward-")] == []
         assert train(capsys, tmp_path / "stopped", *served, "resume=auto")[0] == 0
-    straight, resumed = rows(tmp_path / "straight"), rows(tmp_path / "stopped")
+    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "stopped")
     assert [row["step"] for row in resumed] == [0, 1, 2]
     for a, b in zip(straight, resumed):
         for key in ("train/loss", "reward/total", "reward/remote", "adv/std", "train/grad_norm"):

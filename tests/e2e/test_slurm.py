@@ -93,7 +93,7 @@ def start_job(fakes: Path, torchrun: str, **env: str) -> subprocess.Popen:
     (its pid in torchrun.pid); scancel records its call and signals torchrun and the shell around it, as Slurm
     signals every process of a step."""
     tool(fakes, "srun", 'while [[ "$1" != bash ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n')
-    tool(fakes, "python", "exit 0\n")  # the settings check before torchrun passes (tests/e2e/test_reliability.py)
+    tool(fakes, "python", "exit 0\n")  # the settings check before torchrun passes (tests/e2e/test_faults_mistakes.py)
     tool(fakes, "torchrun", 'echo $$ > "$FAKES/torchrun.pid"\n' + torchrun)
     tool(fakes, "scancel", 'echo "scancel $*" >> "$FAKES/events"\npid=$(cat "$FAKES/torchrun.pid")\n'
          'kill -TERM "$pid" "$(cut -d" " -f4 /proc/$pid/stat)"\n')  # fmt: skip

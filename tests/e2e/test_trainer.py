@@ -7,8 +7,6 @@ approx_kl of a 3-step run for every update mode and sampler preset. Regenerate i
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import logging
 import math
@@ -18,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import BUILDERS
 from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 from two_ranks import HELPERS, run_torchrun
@@ -98,9 +95,7 @@ def tiny_flux(tiny_flux_dir) -> Path:
     return tiny_flux_dir
 
 
-@pytest.fixture(autouse=True)
-def _repo_root(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the demo's prompt file is relative to the repository root
+pytestmark = pytest.mark.usefixtures("repo_root")  # the demo's prompt file is relative to the repository root
 
 
 def train(run_dir: Path, model: Path, overrides: list[str]) -> list[dict]:
@@ -208,39 +203,6 @@ def test_counts_per_update_mode(golden_runs, tiny_flux, tmp_path):
     off = train(tmp_path / "unshared", tiny_flux, ["update=jagg", "num_steps=1", "update.share_group_start=false"])[0]
     assert tuple(off[key] for key in SHARED) == (0, 0)
     assert tuple(off[key] for key in COUNTED) == (12, 0, 10, 4)  # endpoint 0 in jagg's batched forward again
-
-
-def test_the_update_calls_no_builder(tiny_flux, tmp_path, monkeypatch):
-    """What a segment's loss needs is built before the update runs: while a micro-batch trains its
-    segments (a jagg and an exact one here), no function of the builders' modules runs, so no predictor,
-    router or setting is built again per segment or micro-batch."""
-    import train.step as step_module
-
-    training, called = [], []
-    for module_name in BUILDERS:
-        module = importlib.import_module(module_name)
-        for name, fn in list(vars(module).items()):
-            if inspect.isfunction(fn) and fn.__module__ == module.__name__:
-
-                def spy(*args, _fn=fn, _name=name, **kwargs):
-                    if training:
-                        called.append(_name)
-                    return _fn(*args, **kwargs)
-
-                monkeypatch.setattr(module, name, spy)
-    update_micro_batch = step_module.update_micro_batch
-
-    def in_the_update(*args, **kwargs):
-        training.append(True)
-        try:
-            return update_micro_batch(*args, **kwargs)
-        finally:
-            training.pop()
-
-    monkeypatch.setattr(step_module, "update_micro_batch", in_the_update)
-    metrics = train(tmp_path / "run", tiny_flux, ["update=jagg", "num_steps=1"])  # jagg_frac 0.6: jagg and exact
-    assert metrics[0]["count/segments_jagg"] > 0 and metrics[0]["count/segments_exact"] > 0
-    assert called == []
 
 
 @pytest.mark.slow

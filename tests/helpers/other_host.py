@@ -1,5 +1,5 @@
 """``python other_host.py HOST LEASE_S [overrides]``: ``python -m train [overrides]`` as a process on host HOST
-whose run-folder lock has a lease of LEASE_S seconds (tests/e2e/test_reliability.py: a holder suspended past
+whose run-folder lock has a lease of LEASE_S seconds (tests/e2e/test_faults_run_folder.py: a holder suspended past
 its lease on one host, the launch that takes the folder over from another, on one machine)."""
 
 from __future__ import annotations

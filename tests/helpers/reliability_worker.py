@@ -1,4 +1,4 @@
-"""Worker of the 2-rank tests of tests/e2e/test_reliability.py: ``torchrun --nproc_per_node 2 THIS CASES``.
+"""Worker of the 2-rank tests of tests/e2e/test_faults_lost_work.py: ``torchrun --nproc_per_node 2 THIS CASES``.
 
 CASES is a JSON file {name: {"overrides": [...], "sigterm": {"rank": r, "step": k}, "fail": {"rank": r,
 "step": k}}}; the cases train in turn in one process group, through the library the trainer's entry point

@@ -1,10 +1,11 @@
-"""The run folders the end-to-end tests of the trainer's faults share (tests/e2e/test_reliability.py,
+"""The run folders the end-to-end tests of the trainer's faults share (tests/e2e/test_faults_*.py,
 tests/e2e/test_run_record.py).
 
 * ``train_small``: a finished 2-step run with checkpoints after steps 1 and 2 (tests/e2e/conftest.py's ``trained``
   fixture; copy it: ``copy_run``).
 * ``files_of`` and ``contents``: every file under a folder, to show that a refused command wrote nothing.
-* ``metrics``: the rows of a run's metrics.jsonl.
+* ``metrics``: the rows of a run's metrics.jsonl; ``exported``: its export's weights; ``assert_same_run``: a resumed
+  run logged and exported what an uninterrupted one did.
 * ``sigterm_at`` and ``nan_rewards``: a scheduler's signal during a step, and rewards that are all NaN.
 """
 
@@ -17,6 +18,8 @@ import shutil
 import signal
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
 from small_run import FAST
 
 import train.__main__ as train_command
@@ -44,6 +47,23 @@ def contents(folder: Path) -> dict[str, str]:
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def exported(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "export" / "diffusion_pytorch_model.safetensors")
+
+
+def assert_same_run(straight: Path, resumed: Path, steps: int) -> None:
+    """The resumed run logged each of ``steps`` steps once, with the uninterrupted run's loss, reward
+    and gradient norm, and exported the same weights, bit for bit."""
+    rows_a, rows_b = metrics(straight), metrics(resumed)
+    assert [m["step"] for m in rows_b] == list(range(steps))
+    for a, b in zip(rows_a, rows_b):
+        for key in ("train/loss", "reward/total", "train/grad_norm"):
+            assert a[key] == b[key], (a["step"], key)
+    final_a, final_b = exported(straight), exported(resumed)
+    for name in final_a:
+        assert torch.equal(final_a[name], final_b[name]), name
 
 
 def train_small(run_dir: Path, tiny_flux_dir: Path) -> Path:

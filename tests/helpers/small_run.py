@@ -4,7 +4,8 @@
   per step, no sample grids, no progress bar. ``FAST`` is it on the tiny experiment.
 * ``command(capsys, run_dir, overrides)``: ``python -m <module> overrides`` through the command's own
   entry (``train.cli.reporting.run_hydra``), as its console script runs it: the exit status and what it printed.
-* ``the_error(stderr)``: the command's one error line, with no traceback on stderr.
+* ``the_error(stderr)``: the command's one error line (``kind="stopped"``: its line when a signal stopped it), with
+  no traceback on stderr.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ def merged(*lists: list[str]) -> list[str]:
 
 
 def command(
-    capsys, run_dir: Path, overrides: list[str], module: ModuleType = train_command, *, stdout: bool = False
+    capsys, run_dir: Path | None, overrides: list[str], module: ModuleType = train_command, *, stdout: bool = False
 ) -> tuple:
-    """Run ``python -m <module> overrides`` in this process as its entry point does: (exit status, stderr),
-    with ``stdout`` (exit status, stderr, stdout)."""
+    """Run ``python -m <module> overrides`` in this process as its entry point does, in ``run_dir`` (None: Hydra's
+    default folder under the current one): (exit status, stderr), with ``stdout`` (exit status, stderr, stdout)."""
+    folder = [f"hydra.run.dir={run_dir}"] if run_dir else []
     try:
-        run_hydra(module.main, prog=module.PROG, argv=[*merged(overrides), f"hydra.run.dir={run_dir}"])
+        run_hydra(module.main, prog=module.PROG, argv=[*merged(overrides), *folder])
         status = 0
     except SystemExit as stop:
         status = stop.code if isinstance(stop.code, int) else 1
@@ -49,9 +51,9 @@ def command(
     return (status, captured.err, captured.out) if stdout else (status, captured.err)
 
 
-def the_error(stderr: str, prog: str = "python -m train") -> str:
-    """The one error line of a command (other lines on stderr are library warnings); no traceback."""
+def the_error(stderr: str, prog: str = "python -m train", *, kind: str = "error") -> str:
+    """The one ``<prog>: <kind>: `` line of a command (other lines on stderr are library warnings); no traceback."""
     assert "Traceback" not in stderr, stderr
-    lines = [line for line in stderr.splitlines() if line.startswith(f"{prog}: error: ")]
+    lines = [line for line in stderr.splitlines() if line.startswith(f"{prog}: {kind}: ")]
     assert len(lines) == 1, stderr
     return lines[0]

@@ -35,11 +35,11 @@ def run_torchrun(*args: str, timeout: float, nproc: int = 2) -> subprocess.Compl
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
-def run_ranks(*args: str, timeout: float, nproc: int = 2) -> list[subprocess.CompletedProcess]:
+def start_ranks(*args: str, nproc: int = 2) -> list[subprocess.Popen]:
     """``python args`` as ``nproc`` ranks of one world, each started by hand (torchrun would stop the others once one
-    fails): each rank's exit status and output, once all have ended (killed after ``timeout`` seconds)."""
+    fails), their output piped."""
     port = str(free_port())
-    procs = [
+    return [
         subprocess.Popen(
             [sys.executable, *args],
             cwd=ROOT,
@@ -57,6 +57,12 @@ def run_ranks(*args: str, timeout: float, nproc: int = 2) -> list[subprocess.Com
         )
         for rank in range(nproc)
     ]
+
+
+def run_ranks(*args: str, timeout: float, nproc: int = 2) -> list[subprocess.CompletedProcess]:
+    """``start_ranks(*args)``: each rank's exit status and output, once all have ended (killed after ``timeout``
+    seconds)."""
+    procs = start_ranks(*args, nproc=nproc)
     try:
         outputs = [proc.communicate(timeout=timeout) for proc in procs]
     finally:

@@ -16,6 +16,8 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from PIL import Image
+from run_folders import metrics
+from small_run import FAST
 
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
@@ -29,16 +31,9 @@ from train.config.schema import register_schema
 ROOT = Path(__file__).resolve().parents[2]
 register_schema()
 TINY_RUN = [
-    "experiment=tiny",
+    *FAST,
     "num_steps=2",
-    "sampler.num_steps=5",
     "update.segment_length=2",
-    "grpo.group_size=2",
-    "batch.prompts_per_rank=1",
-    "batch.micro_batch=2",
-    "batch.gradient_accumulation_steps=2",
-    "logging.progress_bar=false",
-    "logging.sample_every=0",
     "checkpoint.export=false",
     "eval.every=1",
     "+eval.scorers.jpeg_compressibility={}",
@@ -64,10 +59,6 @@ def tiny_runs(tiny_flux_dir, tmp_path_factory) -> list[Path]:
     return [root / "exact", root / "jagg"]
 
 
-def records(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_two_tiny_runs_give_tables_and_plots(tiny_runs, tmp_path, capsys):
     out = tmp_path / "cmp"
     assert main([*map(str, tiny_runs), "--out", str(out), "--warmup", "0"]) == 0
@@ -76,7 +67,7 @@ def test_two_tiny_runs_give_tables_and_plots(tiny_runs, tmp_path, capsys):
     assert "- exact: seeds [42]" in printed and "- jagg: seeds [42]" in printed
     assert "baseline: exact; its update.mode is exact" in printed
     key = "eval/jpeg_compressibility"
-    evals = {run.name: {r["step"]: r[key] for r in records(run) if key in r} for run in tiny_runs}
+    evals = {run.name: {r["step"]: r[key] for r in metrics(run) if key in r} for run in tiny_runs}
     assert sorted(evals["exact"]) == [0, 1, 2]  # before training, after step 1 and after step 2
     for step in (0, 1, 2):
         line = next(row for row in printed.splitlines() if row.split()[:1] == [str(step)])
@@ -85,7 +76,7 @@ def test_two_tiny_runs_give_tables_and_plots(tiny_runs, tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["baseline"] == "exact"
     # --warmup 0: the median of the two steps' times (two values: their mean)
-    med = {run.name: sum(r["time/step"] for r in records(run) if "time/step" in r) / 2 for run in tiny_runs}
+    med = {run.name: sum(r["time/step"] for r in metrics(run) if "time/step" in r) / 2 for run in tiny_runs}
     assert summary["arms"]["jagg"]["time_median_s"]["step"] == pytest.approx(med["jagg"])
     expected = (med["exact"] - med["jagg"]) / med["exact"] * 100
     assert f"{expected:.1f}%" in printed

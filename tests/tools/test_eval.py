@@ -52,9 +52,7 @@ TRAIN = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _repo_root(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the tiny experiment's prompt file is relative to the repository root
+pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 
 
 def compose_config(name: str, overrides: list[str]):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ from train.config.schema import register_schema
 from train.distributed.parallelize import ProcessRanks, global_dots
 from train.probe.probe_config import register
 
-ROOT = Path(__file__).resolve().parents[2]
 register_schema()
 register()
 RANKS = ProcessRanks()  # one process: the measurement's reductions are local
@@ -158,11 +156,6 @@ def test_recommendation_routes_exactly_the_qualifying_segments():
         assert g["path"] == prefix_path(g["start"], g["stop"], mode="jagg", jagg_frac=0.4, num_transitions=20)
 
 
-@pytest.fixture
-def _repo_root(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the demo's prompt file is relative to the repository root
-
-
 # 9 sampling steps -> 8 trainable transitions -> 2 segments of W = 4; G = 2 samples per prompt.
 PROBE = [
     "experiment=tiny",
@@ -173,7 +166,7 @@ PROBE = [
 ]
 
 
-def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, caplog, _repo_root):
+def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, caplog, repo_root):
     from train.probe.session import run_probe
 
     caplog.set_level(logging.INFO)
@@ -196,7 +189,7 @@ def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, caplog, _repo_root):
     assert not (tmp_path / "metrics.jsonl").exists()  # the probe logs no training metric
 
 
-def test_probe_measures_stale_velocities_and_restores_the_weights(tiny_flux_dir, tmp_path, _repo_root):
+def test_probe_measures_stale_velocities_and_restores_the_weights(tiny_flux_dir, tmp_path, repo_root):
     """update.reuse_velocities=stale: the report carries fresh and stale cosines after one optimizer
     step; the probe's step is undone (the run's weights and optimizer are as built)."""
     from train.probe.session import probe as run_probe_on
@@ -220,7 +213,7 @@ def test_probe_measures_stale_velocities_and_restores_the_weights(tiny_flux_dir,
 
 
 @pytest.mark.slow
-def test_probe_under_torchrun_fsdp_matches_one_process(tiny_flux_dir, tmp_path, _repo_root):
+def test_probe_under_torchrun_fsdp_matches_one_process(tiny_flux_dir, tmp_path, repo_root):
     """2 ranks x 1 prompt under FSDP2 (gloo) measure the same 4 trajectories as 1 process x 2 prompts
     (group noise does not depend on the rank layout): the cosines and ratios over the sharded,
     global gradient equal the single-process ones."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ pytest.importorskip("fastapi")
 from fastapi import FastAPI  # noqa: E402
 from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response  # noqa: E402
 from reward_servers import FAKE, dripping_server, fake_server, serve, silent_server, warnings_of  # noqa: E402
+from two_ranks import free_port  # noqa: E402
 
 from rewards.base import build_scorer  # noqa: E402
 from rewards.remote import TOKEN_ENV, RemoteRewardError, RemoteScorer  # noqa: E402
@@ -40,14 +40,8 @@ def _images(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (3, 3, 24, 32), generator=g).float() / 255
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _free_port_url() -> str:
-    return f"http://127.0.0.1:{_free_port()}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +182,7 @@ def test_the_server_without_its_extra_installed_is_one_line(tmp_path):
 def test_a_server_restarted_with_another_scorer_is_not_used():
     """The scorer and its arguments read at start-up are checked on every answer: the same scorer restarted on the
     same port is used, another one (or other arguments) is refused."""
-    module, port = _server_module(), _free_port()
+    module, port = _server_module(), free_port()
     jpeg = build_scorer("jpeg_compressibility", quality=80)
     with serve(module.make_app(jpeg, max_bytes=2**20, token=None, arguments={"quality": 80}), port=port) as url:
         scorer = RemoteScorer(url, timeout_s=5, retries=0)
