@@ -102,8 +102,6 @@ BAD_SETTINGS = {
     "wandb_mode": (["logging.wandb_mode=off"], r"logging\.wandb_mode='off' is not valid"),
     # Hydra's own errors while composing
     "unknown-key": (["sampler.sde_windw=3"], r"sampler\.sde_windw is not a setting.*sde_window_size"),
-    "moved-key": (["grpo.lr=1e-4"], r"error: grpo\.lr is now optimizer\.lr$"),
-    "moved-key-added": (["+logging.eval_every=1"], r"error: logging\.eval_every is now eval\.every$"),
     "added-key": (["+grpo.clip_rnage=0.1"], r"grpo\.clip_rnage is not a setting.*grpo\.clip_range"),
     "wrong-type": (["optimizer.lr=abc"], r"optimizer\.lr: Value 'abc' of type 'str' could not be converted to Float"),
     "unknown-option": (["update=fast"], r"update=fast is not an option of update; accepted values: ablate"),
