@@ -37,7 +37,7 @@ the health counters go into every checkpoint and a resumed session goes on count
 A record with no hole: the run folder is the first console line; a resumed run evaluates again the evaluation
 of its checkpoint's step that a crash lost (no row in metrics.jsonl), and names one lost at an earlier step
 (its weights are gone) in the console, the summary and ``eval/curve.png``, the curve of the run's evaluations
-written at the end (train/run/record.py, train/evaluation/curve.py).
+written at the end (train/observe/record.py, train/evaluation/curve.py).
 """
 
 from __future__ import annotations
@@ -61,18 +61,13 @@ from train.checkpoint.files import state_bytes, write_failure
 from train.checkpoint.manager import CheckpointManager
 from train.config.keys import LORA_MODULES, recorded_settings
 from train.config.schema import TrainConfig
+from train.distributed.agreement import agreed
 from train.distributed.collectives import activity, broadcast_object
 from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInterrupt, stop_requests
 from train.evaluation.curve import write_curve
 from train.evaluation.evaluator import Evaluator, build_evaluator
 from train.evaluation.summary import run_summary
-from train.model.builder import non_finite
-from train.observe.health import Health, Verdict, weight_norm
-from train.observe.logger import Heartbeat, progress_bar
-from train.optim.ema import EMA
-from train.optim.optimizer import adamw_settings
-from train.run.build import open_run
-from train.run.errors import (
+from train.ground.errors import (
     CheckpointError,
     Diverged,
     Interrupted,
@@ -81,12 +76,17 @@ from train.run.errors import (
     SaveFailed,
     ranks_agreed,
 )
+from train.ground.layout import RunLayout
+from train.model.builder import non_finite
+from train.observe.health import Health, Verdict, weight_norm
+from train.observe.logger import Heartbeat, progress_bar
+from train.observe.record import after_steps, due_evaluations, missing_evaluations
+from train.optim.ema import EMA
+from train.optim.optimizer import adamw_settings
+from train.run.build import open_run
 from train.run.folder import FolderLost
-from train.run.layout import RunLayout
 from train.run.parts import Run
-from train.run.record import after_steps, due_evaluations, missing_evaluations
 from train.run.start import load_config, process_group
-from train.run.startup_checks import agreed
 from train.run.timeline import branch
 from train.step import train_step
 

@@ -20,8 +20,8 @@ import train.checkpoint.manager as checkpoint
 from train.checkpoint.export import export_model
 from train.checkpoint.manager import CheckpointManager
 from train.distributed.parallelize import parallelize
+from train.ground.errors import CheckpointError
 from train.optim.ema import EMA
-from train.run.errors import CheckpointError
 
 
 def tiny_flux() -> FluxTransformer2DModel:

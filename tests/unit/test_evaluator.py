@@ -19,9 +19,9 @@ from train.distributed.collectives import DistInfo
 from train.evaluation.evaluator import Evaluator, build_evaluator, read_result
 from train.evaluation.protocol import EvalResult, write_result
 from train.evaluation.summary import run_summary
+from train.ground.layout import RunLayout
 from train.observe.logger import RunLogger
 from train.observe.perf import Peak
-from train.run.layout import RunLayout
 
 SCORER = "jpeg_compressibility"
 # the made-up mean score of each evaluation

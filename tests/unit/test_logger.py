@@ -17,8 +17,8 @@ from PIL import Image
 from rewards.summary import MIN_TILE, image_grid
 from train.config.schema import TrainConfig
 from train.evaluation.summary import files_section
+from train.ground.layout import RunLayout
 from train.observe.logger import Heartbeat, PhaseTimer, RunLogger, format_seconds, progress_bar
-from train.run.layout import RunLayout
 
 
 def read_lines(run_dir) -> list[dict]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from train.config.schema import HealthConfig
 from train.evaluation.curve import eval_series, write_curve
 from train.observe.health import Health
-from train.run.record import due_evaluations, lost_rows, missing_evaluations, steps_text
+from train.observe.record import due_evaluations, lost_rows, missing_evaluations, steps_text
 
 
 def write_rows(path: Path, rows: list[dict]) -> Path:

@@ -14,10 +14,10 @@ from probe_toys import ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.algorithm.routing import AutoRouter, PrefixRouter
-from train.config.checks import validate
 from train.config.schema import TrainConfig, register_schema
 from train.distributed.parallelize import ProcessRanks
 from train.run.build import build_router
+from train.run.checks import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 register_schema()

@@ -77,8 +77,8 @@ from train.distributed.collectives import (
     get_world_size,
     is_distributed,
 )
-from train.run.errors import CheckpointError, DiskFull, SaveFailed
-from train.run.layout import RunLayout
+from train.ground.errors import CheckpointError, DiskFull, SaveFailed
+from train.ground.layout import RunLayout
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import yaml
 
 from train.compare.wandb_runs import WandbRun, read_offline, read_offline_file, read_online, run_file
 from train.config.keys import moved_settings
-from train.run.layout import METRICS, RunLayout
+from train.ground.layout import METRICS, RunLayout
 
 WANDB_PREFIX = "wandb:"
 

@@ -6,7 +6,7 @@ option ``train`` of the ``schema`` group, the first entry of ``configs/train.yam
 misspelled key, a wrong type or an unknown choice (an Enum) fails at compose time. Each group checks its own
 ranges in ``__post_init__`` with a plain ValueError that starts with the field's name in the group; the trainer
 prefixes the group's path (train/config/keys.py: "optimizer.lr must be > 0, got 0"). The rules across groups
-are train/config/checks.py's ``validate``.
+are train/run/checks.py's ``validate``.
 """
 
 from __future__ import annotations

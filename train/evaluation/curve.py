@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from train.evaluation.summary import HELD_OUT
-from train.run.record import after_steps, rows
+from train.observe.record import after_steps, rows
 
 
 def eval_series(metrics: Path) -> dict[str, dict[int, float]]:

@@ -50,8 +50,8 @@ from rewards.summary import MIN_TILE, image_grid
 from samplers.choices import member
 from train.checkpoint.files import write_failure
 from train.config.schema import WandbMode
-from train.run.errors import SaveFailed
-from train.run.layout import RunLayout
+from train.ground.errors import SaveFailed
+from train.ground.layout import RunLayout
 
 if TYPE_CHECKING:
     from train.observe.perf import FlopMeter

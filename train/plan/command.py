@@ -98,8 +98,8 @@ from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.cli.compose import setup
 from train.cli.reporting import hydra_message, report_error, reported
-from train.config.checks import validate
 from train.config.schema import TrainConfig
+from train.ground.errors import ConfigError
 from train.observe.perf import GPU_PEAK_TFLOPS
 from train.plan.comm import ModelBytes
 from train.plan.counts import evaluation, expected_segments, expected_shared_calls, expected_shared_rows, text_tokens
@@ -113,7 +113,7 @@ from train.plan.report_text import format_report
 from train.plan.reward import reward_stage
 from train.plan.step_calls import StepTensors
 from train.plan.tracing import Traced, progress, trace_other_checkpointing, trace_step
-from train.run.errors import ConfigError
+from train.run.checks import validate
 from train.run.start import typed_config
 from train.run.startup_checks import check_mesh
 

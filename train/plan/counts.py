@@ -13,10 +13,10 @@ from samplers.window import progressive_start
 from train.algorithm.jagg import UPDATE_MODES
 from train.algorithm.segments import pick_segments, route_segments
 from train.algorithm.update_config import MIDDLE_MODES, UpdateMode
-from train.config.checks import trainable_transitions
 from train.config.schema import TrainConfig
 from train.plan.plan_config import PlanRunConfig
 from train.plan.report import Evaluation
+from train.run.checks import trainable_transitions
 from train.step import micro_batches
 
 EXACT_BATCHED = "exact_batched"  # the planner's path of an exact segment with update.exact_batched

@@ -15,8 +15,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from train.checkpoint.manager import CheckpointManager
+from train.data.prompts import prompts_digest, read_prompts
 from train.distributed.collectives import DistInfo, barrier, gather_objects
 from train.distributed.parallelize import world_mesh
+from train.ground.layout import RunLayout
 from train.model.builder import check_room, model_folder
 from train.plan.counts import text_tokens
 from train.plan.frozen import read_json
@@ -27,8 +29,6 @@ from train.preflight.reduced import StepMeasure, reduced_folder, reduced_run, ru
 from train.preflight.scorers import time_scorers
 from train.preflight.verdict import RankChecks, Status
 from train.run.folder import RunLock, check_one_run
-from train.run.layout import RunLayout
-from train.run.prompts import prompts_digest, read_prompts
 from train.run.start import load_config
 from train.run.startup_checks import check_mesh, check_resume, unwritable
 

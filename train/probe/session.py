@@ -43,11 +43,11 @@ from train.algorithm.update import UpdateBatch, update_micro_batch
 from train.algorithm.update_config import MIDDLE_MODES, ReuseVelocities
 from train.config.schema import TrainConfig, WandbMode
 from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
+from train.ground.layout import RunLayout
 from train.observe.logger import PhaseTimer
 from train.optim.optimizer import adamw_settings
 from train.probe.probe_config import ProbeConfig, probe_settings
 from train.run.build import open_run
-from train.run.layout import RunLayout
 from train.run.parts import Run
 from train.run.start import load_config, process_group
 from train.step import step_rollout

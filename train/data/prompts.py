@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from train.distributed.seeds import stream_generator
-from train.run.errors import ConfigError, PathError
+from train.ground.errors import ConfigError, PathError
 
 
 @dataclass(frozen=True)

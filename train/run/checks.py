@@ -3,7 +3,7 @@
 Each group checks its own ranges in ``__post_init__``; ``validate`` runs those again and then applies the few
 rules across groups: every float finite, a segment that divides the trainable steps, the batch that divides
 the samples, no solver after a window the job does not have, files that exist and read as UTF-8, the size of
-an evaluation. It raises ConfigError or PathError (train/run/errors.py), which the commands print as one line.
+an evaluation. It raises ConfigError or PathError (train/ground/errors.py), which the commands print as one line.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from train.algorithm.segments import split_segments
 from train.algorithm.update_config import Routing
 from train.config.keys import check_finite, check_known_keys, checked
 from train.config.schema import TrainConfig
-from train.run.errors import ConfigError, PathError, every_missing
-from train.run.prompts import read_prompts
-from train.run.scorers import check_scorer_inputs
+from train.data.prompts import read_prompts
+from train.ground.errors import ConfigError, PathError, every_missing
+from train.reward.scorers import check_scorer_inputs
 
 
 def trainable_transitions(sampler: SamplerConfig, window_start: int | None = None) -> list[int]:

@@ -25,10 +25,10 @@ from hydra.core.hydra_config import HydraConfig
 
 from train.checkpoint.files import MARKER, STEP_DIR
 from train.config.keys import moved_tree
+from train.data.prompts import prompts_digest, read_prompts
+from train.ground.errors import CheckpointError
+from train.ground.layout import CHECKPOINTS, RunLayout
 from train.observe.logger import evaluation_only, metrics_row, read_lines
-from train.run.errors import CheckpointError
-from train.run.layout import CHECKPOINTS, RunLayout
-from train.run.prompts import prompts_digest, read_prompts
 
 
 def after_steps(steps: list[int]) -> str:
