@@ -51,9 +51,9 @@ import train.eval.command as eval_command
 import train.probe.command as probe_command
 import train.trainer as trainer
 from train.cli.reporting import run_hydra
-from train.config.schema import HealthConfig
 from train.ground.errors import Preempted
 from train.model import builder
+from train.observe.observe_config import HealthConfig
 from train.reward import scorers
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository

@@ -1,19 +1,13 @@
-"""Imports point one way: samplers/, models/ and rewards/ never import the trainer's world, and inside
-train/ every package stands on one floor (CONTRIBUTING.md, Layout), lowest first:
+"""Imports point one way: samplers/, models/ and rewards/ never import the trainer's world, settings/ imports
+nothing of the project, and inside train/ every package stands on one floor of LAYERS (CONTRIBUTING.md, Layout):
+the ground (errors, the run folder's layout), distribution, the algorithm, the run parts each on its own floor,
+the assembly of a run above every part it builds, the trainer, the commands.
 
-    the ground (train.ground: the errors, the run folder's layout)
-    distribution (train.distributed)
-    the algorithm (train.algorithm)
-    the run parts, each on its own floor: the prompt data (train.data), the configuration (train.config),
-      optimization (train.optim), checkpoints (train.checkpoint), what a run shows of itself (train.observe),
-      the rewards (train.reward), the model side (train.model), evaluation (train.evaluation)
-    the assembly of a run (train.run), above every part it builds
-    the trainer (train.trainer, train.step)
-    the commands (train.cli, train.eval, train.probe, train.compare, train.plan, train.preflight, train.__main__)
-
-A module imports its own floor or those below it, never one above; no two packages import each other,
-directly or around a loop; no command imports another's package, but the preflight the memory planner's (it
-re-makes the plan with what it measured); and the modules import each other without a cycle."""
+A module imports its own floor or those below it, never one above; no two packages import each other, directly
+or around a loop; no command imports another's package, but the preflight the memory planner's (it re-makes the
+plan with what it measured); and the modules import each other without a cycle. The configuration's tree stands
+above the parts whose groups it composes (each group is a dataclass beside the part that reads it, which never
+imports train.config back) and below the parts that read the whole tree."""
 
 import ast
 from itertools import pairwise
@@ -30,10 +24,10 @@ LAYERS = [
     {"train.distributed"},
     {"train.algorithm"},
     {"train.data"},
-    {"train.config"},
     {"train.optim"},
     {"train.checkpoint"},
     {"train.observe"},
+    {"train.config"},
     {"train.reward"},
     {"train.model"},
     {"train.evaluation"},
@@ -54,12 +48,13 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("package", ["samplers", "models", "rewards"])
+@pytest.mark.parametrize("package", ["samplers", "models", "rewards", "settings"])
 def test_lower_layers_do_not_import_trainer(package):
+    forbidden = (*FORBIDDEN, "samplers", "models", "rewards") if package == "settings" else FORBIDDEN
     files = sorted((ROOT / package).rglob("*.py"))
     assert files, f"{package}/ has no modules"
     for path in files:
-        bad = {m for m in imported_modules(path) if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)}
+        bad = {m for m in imported_modules(path) if any(m == f or m.startswith(f + ".") for f in forbidden)}
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
@@ -101,7 +96,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
     def visit(node: str, path: list[str]) -> list[str] | None:
         state[node] = 1
-        for nxt in sorted(graph[node]):
+        for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
                 return [*path[path.index(nxt) :], nxt]
             if nxt not in state and (cycle := visit(nxt, [*path, nxt])):
@@ -152,12 +147,7 @@ def test_layer_rule_sees_an_upward_import():
     for low, high in pairwise(parts):
         assert upward_imports({f"{low}.a": {f"{high}.b"}, f"{high}.b": set()}) == [f"{low}.a -> {high}.b"]
     # two packages that import each other through different modules: no module cycle, a package cycle
-    graph = {
-        "train.run.a": {"train.model.b"},
-        "train.model.b": set(),
-        "train.model.c": {"train.run.d"},
-        "train.run.d": set(),
-    }
+    graph = {"train.run.a": {"train.model.b"}, "train.model.c": {"train.run.d"}}
     assert find_cycle(graph) is None
     assert find_cycle(package_graph(graph)) == ["train.model", "train.run", "train.model"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]

@@ -74,7 +74,7 @@ GLOBAL_BATCH = ("batch.prompts_per_rank", "batch.gradient_accumulation_steps")
 NOTED_SETTINGS = (
     "optimizer",
     "health",
-    "eval.every",  # the cadence the evaluations up to a checkpoint were due on (train/observe/record.py)
+    "eval.every",  # the cadence the evaluations up to a checkpoint were due on (train/config/record.py)
     "eval.prompts",
     "eval.num_prompts",
     "eval.heldout_prompts",

@@ -24,8 +24,7 @@ from train.checkpoint.export import Weights
 from train.checkpoint.manager import CheckpointManager
 from train.config.keys import LORA_MODULES, changed_refusal, changed_settings
 from train.config.schema import Device, TrainConfig
-from train.distributed.agreement import main_decides
-from train.distributed.collectives import DistInfo, gather_objects
+from train.distributed.collectives import DistInfo, gather_objects, main_decides
 from train.distributed.parallelize import compile_blocks, parallelize
 from train.distributed.seeds import stream_seed
 from train.ground.errors import ConfigError, config_key

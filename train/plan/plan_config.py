@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from samplers.choices import Choice
+from settings import Choice
 from train.config.schema import TrainConfig, register_schema
 from train.ground.errors import ConfigError
 from train.observe.perf import GPU_PEAK_TFLOPS

@@ -44,7 +44,7 @@ def disk_check(cfg: PreflightRunConfig, report: PlanReport) -> Check:
     """Room on the run folder's disk for checkpoint.keep_last checkpoints of the full-depth run, and the next one."""
     count = cfg.checkpoint.keep_last + KEEP_ROOM
     needed = count * checkpoint_bytes(report)
-    manager = CheckpointManager(RunLayout(cfg.run_dir).root, keep_last=cfg.checkpoint.keep_last)
+    manager = CheckpointManager(RunLayout(cfg.run_dir).root, cfg.checkpoint)
     what = f"{count} checkpoints (checkpoint.keep_last={cfg.checkpoint.keep_last} and the next one being written)"
     try:
         manager.check_space(int(needed), what)

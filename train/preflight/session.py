@@ -91,7 +91,7 @@ def startup_checks(checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo) 
 
 def _checkpoints(cfg: PreflightRunConfig, dist: DistInfo) -> None:
     """The trainer's checks of the checkpoints to resume from, else of the room for a new run's first one."""
-    checkpoints = CheckpointManager(RunLayout(cfg.run_dir).root, keep_last=cfg.checkpoint.keep_last)
+    checkpoints = CheckpointManager(RunLayout(cfg.run_dir).root, cfg.checkpoint)
     digest = prompts_digest(read_prompts(cfg.data.train_prompts))
     if not check_resume(cfg, dist, checkpoints, max_step=cfg.num_steps, prompts=digest):
         check_room(cfg, checkpoints, model_folder(cfg, dist))

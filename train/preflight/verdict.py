@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from samplers.choices import Choice
+from settings import Choice
 from train.ground.errors import UserError
 
 SCHEMA_VERSION = 1

@@ -21,13 +21,11 @@ from torch import nn
 
 from models.base import Backbone
 from rewards.combine import RewardCombiner
-from train.algorithm.routing import AutoRouter, PrefixRouter, Router
-from train.algorithm.update_config import Routing, UpdateConfig
+from train.algorithm.routing import build_router
 from train.checkpoint.manager import CheckpointManager
 from train.config.schema import TrainConfig
 from train.data.prompts import PromptRecord, PromptSampler, prompts_digest, read_prompts
-from train.distributed.agreement import agreed
-from train.distributed.collectives import DistInfo, broadcast_object
+from train.distributed.collectives import DistInfo, agreed, broadcast_object
 from train.distributed.parallelize import compile_unavailable
 from train.distributed.seeds import seed_everything
 from train.ground.errors import ConfigError
@@ -46,17 +44,13 @@ from train.run.timeline import run_identity
 
 def build_logger(cfg: TrainConfig, dist: DistInfo, *, resumed: bool) -> RunLogger:
     """The run's logger (``logging.*``): wandb's group, name and tags carry the experiment and the update mode."""
-    lg = cfg.logging
     return RunLogger(
-        cfg.run_dir,
+        cfg.logging,
+        RunLayout(cfg.run_dir),
         is_main=dist.is_main,
-        wandb_mode=lg.wandb_mode,
-        project=lg.project,
-        entity=lg.entity,
-        group=lg.group or cfg.experiment,
-        name=lg.name or f"{cfg.experiment}-{cfg.update.mode}-s{cfg.seed}",
-        tags=list(dict.fromkeys([cfg.update.mode, f"seed{cfg.seed}", cfg.sampler.sde, *lg.tags])),
-        notes=lg.notes,
+        experiment=cfg.experiment,
+        name=f"{cfg.experiment}-{cfg.update.mode}-s{cfg.seed}",
+        tags=[cfg.update.mode, f"seed{cfg.seed}", cfg.sampler.sde],
         config=cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)),
         resumed=resumed,
     )
@@ -78,7 +72,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
     num_steps, of other settings or of another run (the probe only measures one)."""
     seed_everything(cfg.seed, dist.rank)
     layout = RunLayout(cfg.run_dir)
-    checkpoints = CheckpointManager(layout.root, keep_last=cfg.checkpoint.keep_last)
+    checkpoints = CheckpointManager(layout.root, cfg.checkpoint)
     # each rank's own checks first, agreed on before the collectives of the checkpoints and the disk
     records, device, skeleton = agreed(lambda: _own_checks(cfg, dist))
     max_step = cfg.num_steps if training else None
@@ -90,7 +84,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
     # the checkpoint must have wrapped the modules LoRA wraps now: its weights load by their names
     lora_checkpoint = (checkpoints, resume_from) if training else None
     model, flops = build_model(cfg, dist, device, lora_checkpoint=lora_checkpoint)
-    optimizer = torch.optim.AdamW(model.params, **adamw_settings(cfg))
+    optimizer = torch.optim.AdamW(model.params, **adamw_settings(cfg.optimizer))
     logger = build_logger(cfg, dist, resumed=bool(resume_from))
     prompts = PromptSampler(
         records, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, prompts_per_rank=cfg.batch.prompts_per_rank
@@ -141,21 +135,4 @@ def build_reward_stage(
     ``reward.chunk_groups`` groups."""
     return RewardStage(
         rewards, backbone, cfg.model, cfg.grpo, chunk_groups=cfg.reward.chunk_groups, dist=dist, device=device
-    )
-
-
-def build_router(update: UpdateConfig) -> Router:
-    """The router ``update.routing`` names."""
-    u = update
-    if u.routing is Routing.auto:
-        return AutoRouter(
-            mode=u.mode,
-            segment_length=u.segment_length,
-            timestep_fraction=u.timestep_fraction,
-            every=u.auto_every,
-            threshold=u.auto_threshold,
-            num_rollouts=u.auto_rollouts,
-        )
-    return PrefixRouter(
-        mode=u.mode, segment_length=u.segment_length, timestep_fraction=u.timestep_fraction, jagg_frac=u.jagg_frac
     )

@@ -18,7 +18,7 @@ from samplers.sampler_config import PostWindowConfig, SamplerConfig
 from samplers.sde import SDEKind
 from train.algorithm.segments import split_segments
 from train.algorithm.update_config import Routing
-from train.config.keys import check_finite, check_known_keys, checked
+from train.config.keys import check_finite, check_known_keys, checked, not_allowable
 from train.config.schema import TrainConfig
 from train.data.prompts import read_prompts
 from train.ground.errors import ConfigError, PathError, every_missing
@@ -65,6 +65,9 @@ def _check_across(cfg: TrainConfig) -> None:
             "grpo.ratio_norm=true normalises a Gaussian log-prob, which sampler.sde=cps does not have: "
             "use sampler.sde=flow or dance, or grpo.ratio_norm=false"
         )
+    for key in cfg.checkpoint.allow_changed:
+        if problem := not_allowable(key):
+            raise ConfigError(f"checkpoint.allow_changed: {problem}")
     if cfg.checkpoint.overwrite and cfg.resume:
         raise ConfigError(
             f"checkpoint.overwrite=true starts the run in run_dir again, resume={cfg.resume} continues one: pick one"

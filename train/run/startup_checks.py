@@ -21,14 +21,7 @@ from train.config.keys import (
     moved_settings,
     recorded_settings,
 )
-from train.config.schema import TrainConfig
-from train.distributed.agreement import main_decides
-from train.distributed.collectives import DistInfo, broadcast_object
-from train.distributed.parallelize import mesh_shape
-from train.ground.errors import ConfigError
-from train.ground.layout import RunLayout
-from train.observe.logger import metrics_problem
-from train.observe.record import (
+from train.config.record import (
     lost_rows,
     no_complete_checkpoint,
     not_a_folder,
@@ -38,6 +31,12 @@ from train.observe.record import (
     steps_text,
     unfinished,
 )
+from train.config.schema import TrainConfig
+from train.distributed.collectives import DistInfo, broadcast_object, main_decides
+from train.distributed.parallelize import mesh_shape
+from train.ground.errors import ConfigError
+from train.ground.layout import RunLayout
+from train.observe.logger import metrics_problem
 from train.run.folder import RunLock, check_one_run, clear_run, held_run
 
 log = logging.getLogger(__name__)
@@ -136,7 +135,7 @@ def _saved_settings(
 ) -> tuple[dict[str, Any], str]:
     """The settings checkpoint ``path`` was trained with, and where they were read: its own record, completed by
     the run folder's recorded configuration for the keys an older checkpoint did not record
-    (train/observe/record.py)."""
+    (train/config/record.py)."""
     saved = moved_settings(checkpoints.settings_of(path) or {})  # an older run's keys under today's names
     saved.pop(LORA_MODULES, None)  # known once LoRA is on (train/model/builder.py checks it)
     recorded = recorded_config(run_folder_of(path)) if now.keys() - saved.keys() else None
