@@ -6,7 +6,7 @@ setup(
     license="Apache-2.0",
     description="GRPO for flow-matching text-to-image transformers, with JAGG group gradients",
     python_requires=">=3.10",
-    packages=find_packages(include=["train*", "models*", "rewards*", "samplers*", "configs*", "testbed*"]),
+    packages=find_packages(include=["train*", "models*", "rewards*", "samplers*", "settings*", "configs*", "testbed*"]),
     # the shipped defaults, found through importlib.resources (train/config/shipped.py): the configuration
     # tree, the architecture configs the planner reads, the testbed's pipeline and prompt lists
     package_data={

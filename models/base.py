@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from samplers.choices import Choice
+from settings import Choice
 
 C = TypeVar("C", bound="Conditioning")
 

@@ -12,8 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from models.base import DType
-from samplers.choices import Choice, member
-from samplers.sampler_config import check_range
+from settings import Choice, check_range, member
 
 # peft's init_lora_weights that need no extra config; pissa_niter_<n> too
 LORA_INITS = ("gaussian", "olora", "pissa", "orthogonal")

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from rewards.base import Scorer
 from rewards.reward_config import CombineMode, check_weight
-from samplers.choices import member
+from settings import member
 
 AdvantageFn = Callable[[Tensor, Tensor], Tensor]  # (rewards [B], group_ids [B]) -> advantages [B]
 

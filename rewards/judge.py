@@ -48,7 +48,7 @@ from torch import Tensor
 
 from rewards.base import Scorer
 from rewards.served import RemoteRewardError, RemoteUnavailable, Server, request
-from samplers.choices import Choice, member
+from settings import Choice, member
 
 log = logging.getLogger(__name__)
 

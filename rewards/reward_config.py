@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rewards.base import SCORER_NAMES
-from samplers.choices import Choice, member
+from settings import Choice, member
 
 # what a served reward cannot start without, and the hint when it is missing
 SERVED_REQUIRED: dict[str, dict[str, str]] = {

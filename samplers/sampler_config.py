@@ -7,12 +7,11 @@ path of the group in front.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from samplers.choices import Choice, member
 from samplers.schedule import QuantizeTimesteps
 from samplers.sde import SDE, SDEKind
+from settings import Choice, check_range, member
 
 
 class PostWindowSolver(Choice):
@@ -138,31 +137,3 @@ class SamplerConfig:
     def transition(self) -> SDE:
         """The transition of the SDE steps."""
         return SDE(self.sde, eta=self.eta, noise_level=self.noise_level)
-
-
-def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
-    if high is None:
-        return f"{'>' if low_open else '>='} {low:g}"
-    if low is None:
-        return f"{'<' if high_open else '<='} {high:g}"
-    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-
-
-def check_range(
-    value: float,
-    name: str,
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    low_open: bool = False,
-    high_open: bool = False,
-    why: str = "",
-) -> None:
-    """ValueError unless ``value`` is finite and within its bounds (an open end excludes the bound itself);
-    the message starts with ``name`` and ends with ``why``."""
-    ok = math.isfinite(value)
-    ok = ok and (low is None or (value > low if low_open else value >= low))
-    ok = ok and (high is None or (value < high if high_open else value <= high))
-    if not ok:
-        finite = "" if math.isfinite(value) else "a finite number "
-        raise ValueError(f"{name} must be {finite}{_bounds(low, high, low_open, high_open)}, got {value}{why}")

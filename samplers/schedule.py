@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from samplers.choices import Choice, member
+from settings import Choice, member
 
 
 def shifted_sigmas(num_steps: int, shift: float) -> Tensor:

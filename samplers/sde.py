@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from samplers.choices import Choice, member
+from settings import Choice, member
 
 
 class SDEKind(Choice):

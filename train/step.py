@@ -1,7 +1,7 @@
 """One training step, phase by phase: rollout -> decode and score -> advantages -> update -> optimizer.
 
 On each rank:
-  1. draw ``prompts_per_rank`` prompts (train/run/prompts.py); each is a group of G samples on this rank
+  1. draw ``prompts_per_rank`` prompts (train/data/prompts.py); each is a group of G samples on this rank
      that starts from one initial noise drawn from the stream (seed, "initial_noise", group id);
   2. roll out the N-step trajectory without gradients (SDE or Flow-GRPO-Fast window), in chunks of whole
      groups (``reward.chunk_groups``);
@@ -46,13 +46,14 @@ from train.config.schema import TrainConfig
 from train.distributed.collectives import all_reduce_max, all_reduce_sum
 from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
 from train.distributed.seeds import stream_generator, stream_seed
+from train.ground.errors import config_key
+from train.model.parts import ModelParts
 from train.observe.health import FLAT_IMAGES, flat_fraction
 from train.observe.logger import RunLogger
 from train.observe.perf import PhaseTimer, perf_metrics
 from train.optim.ema import EMA
 from train.reward.stage import Scored
-from train.run.errors import config_key
-from train.run.parts import ModelParts, Run
+from train.run.parts import Run
 
 log = logging.getLogger(__name__)
 

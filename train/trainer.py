@@ -37,7 +37,7 @@ the health counters go into every checkpoint and a resumed session goes on count
 A record with no hole: the run folder is the first console line; a resumed run evaluates again the evaluation
 of its checkpoint's step that a crash lost (no row in metrics.jsonl), and names one lost at an earlier step
 (its weights are gone) in the console, the summary and ``eval/curve.png``, the curve of the run's evaluations
-written at the end (train/run/record.py, train/evaluation/curve.py).
+written at the end (train/config/record.py, train/evaluation/curve.py).
 """
 
 from __future__ import annotations
@@ -60,19 +60,14 @@ from train.checkpoint.export import EXPORT_NOTE, export_model, write_export_note
 from train.checkpoint.files import state_bytes, write_failure
 from train.checkpoint.manager import CheckpointManager
 from train.checkpoint.settings import LORA_MODULES, recorded_settings
+from train.config.record import after_steps, due_evaluations, missing_evaluations
 from train.config.schema import TrainConfig
-from train.distributed.collectives import activity, broadcast_object
+from train.distributed.collectives import activity, agreed, broadcast_object
 from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInterrupt, stop_requests
 from train.evaluation.curve import write_curve
 from train.evaluation.evaluator import Evaluator, build_evaluator
 from train.evaluation.summary import run_summary
-from train.model.builder import non_finite
-from train.observe.console import Heartbeat, progress_bar
-from train.observe.health import Health, Verdict, weight_norm
-from train.optim.ema import EMA
-from train.optim.optimizer import adamw_settings
-from train.run.build import open_run
-from train.run.errors import (
+from train.ground.errors import (
     CheckpointError,
     Diverged,
     Interrupted,
@@ -81,12 +76,16 @@ from train.run.errors import (
     SaveFailed,
     ranks_agreed,
 )
+from train.ground.layout import RunLayout
+from train.model.builder import non_finite
+from train.observe.console import Heartbeat, progress_bar
+from train.observe.health import Health, Verdict, weight_norm
+from train.optim.ema import EMA
+from train.optim.optimizer import adamw_settings
+from train.run.build import open_run
 from train.run.folder import FolderLost
-from train.run.layout import RunLayout
 from train.run.parts import Run
-from train.run.record import after_steps, due_evaluations, missing_evaluations
 from train.run.start import load_config, process_group
-from train.run.startup_checks import agreed
 from train.run.timeline import branch
 from train.step import train_step
 
@@ -172,7 +171,7 @@ def _configured_optimizer(optimizer: Optimizer, cfg: TrainConfig) -> None:
     """The optimizer state restores the checkpoint's hyperparameters; the configured ones win (a change is named
     before the model loads: train/run/startup_checks.py's check_settings)."""
     for group in optimizer.param_groups:
-        group.update(adamw_settings(cfg))
+        group.update(adamw_settings(cfg.optimizer))
 
 
 def resume(run: Run) -> int:

@@ -19,7 +19,7 @@ from two_ranks import HELPERS, run_torchrun, start_ranks
 import train.__main__ as train_command
 import train.trainer as trainer
 from train.cli.reporting import run_hydra
-from train.run.errors import Preempted
+from train.ground.errors import Preempted
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 

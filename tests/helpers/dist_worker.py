@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from train.algorithm.jagg import UPDATE_MODES, backward_segment
 from train.algorithm.update_config import MIDDLE_MODES
+from train.checkpoint.checkpoint_config import CheckpointConfig
 from train.checkpoint.export import export_model
 from train.checkpoint.manager import CheckpointManager
 from train.distributed.collectives import (
@@ -174,7 +175,7 @@ def check_checkpoint(rank: int, model, opt, batch, run_dir: Path, out: dict) -> 
     seed_everything(1234, rank)  # build_model() reset the global RNG; make the ranks draw differently again
     ema = EMA(model.parameters(), decay=0.5)
     ema.update()
-    manager = CheckpointManager(run_dir, keep_last=2)
+    manager = CheckpointManager(run_dir, CheckpointConfig(keep_last=2))
     manager.save(1, model=model, optimizer=opt, extra={"ema": ema.state_dict(), "data": {"index": 7 + rank}})
     rand_after_save = torch.rand(3)
     saved_params = [full(p).clone() for p in model.parameters()]

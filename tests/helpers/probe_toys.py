@@ -65,8 +65,8 @@ def toy_trajectory(
 
 @dataclass(frozen=True)
 class ToySettings:
-    """The update's settings of a toy run: its ``UpdateConfig`` fields, and the GRPO settings the update
-    reads (``train.algorithm.update.GRPOSettings``: this object serves as them)."""
+    """The update's settings of a toy run: its ``UpdateConfig`` fields, and the ``GRPOConfig`` fields the update
+    reads (this object serves as them: a toy's groups may have one row, which GRPOConfig refuses)."""
 
     mode: str = "jagg"
     segment_length: int = 4

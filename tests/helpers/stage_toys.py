@@ -19,7 +19,7 @@ from rewards.base import Scorer
 from rewards.combine import RewardCombiner
 from samplers.rollout import Trajectory
 from samplers.sampler_config import SamplerConfig
-from train.config.schema import GRPOConfig
+from train.algorithm.grpo_config import GRPOConfig
 from train.distributed.collectives import DistInfo
 from train.reward.stage import RewardStage
 

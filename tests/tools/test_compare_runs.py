@@ -25,8 +25,8 @@ from train.compare.arms import arm_rewards, group_arms
 from train.compare.command import main
 from train.compare.runs import load_run
 from train.compare.tables import reach_cell
-from train.config.checks import validate
 from train.config.schema import register_schema
+from train.run.checks import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 register_schema()

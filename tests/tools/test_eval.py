@@ -23,8 +23,8 @@ from train.eval.command import check_scorers, eval_command, target
 from train.evaluation import protocol as evaluation
 from train.evaluation.protocol import first_occurrences, paired_difference, read_scores
 from train.evaluation.summary import files_section
+from train.ground.errors import ConfigError
 from train.observe.stats import standard_error
-from train.run.errors import ConfigError
 from train.run.start import load_config
 from train.trainer import run
 

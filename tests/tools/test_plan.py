@@ -30,6 +30,7 @@ from samplers.rollout import rollout
 from samplers.schedule import shifted_sigmas
 from samplers.window import rollout_forwards
 from train.algorithm.jagg import UPDATE_MODES, Counts, backward_segment
+from train.algorithm.routing import build_router
 from train.algorithm.update import UpdateBatch, shared_start, update_micro_batch
 from train.config.schema import register_schema
 from train.distributed.parallelize import parallelize
@@ -60,7 +61,6 @@ from train.plan.report import GIB, Phase, PlanReport
 from train.plan.report_text import format_report
 from train.plan.reward import RewardStage, reward_stage, scorer_flops
 from train.plan.step_calls import EXACT_TRACED_STEPS
-from train.run.build import build_router
 from train.step import micro_batches
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,6 +15,7 @@ from small_run import FAST, command
 from two_ranks import run_ranks, run_torchrun
 
 import train.preflight.command as preflight_command
+from train.ground.layout import RunLayout
 from train.plan.comm import ModelBytes
 from train.plan.report import GIB, Phase, PlanReport
 from train.plan.reward import RewardStage
@@ -24,7 +25,6 @@ from train.preflight.machine import sdpa_backend
 from train.preflight.scorers import ScorerTiming, measured_reward, reward_check
 from train.preflight.verdict import Check, RankChecks, Status, Verdict, merged
 from train.run.folder import held_run
-from train.run.layout import RunLayout
 
 STATUSES = {"passed", "warned", "failed", "skipped"}
 

@@ -17,11 +17,12 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
 import train.checkpoint.manager as checkpoint
+from train.checkpoint.checkpoint_config import CheckpointConfig
 from train.checkpoint.export import export_model
 from train.checkpoint.manager import CheckpointManager
 from train.distributed.parallelize import parallelize
+from train.ground.errors import CheckpointError
 from train.optim.ema import EMA
-from train.run.errors import CheckpointError
 
 
 def tiny_flux() -> FluxTransformer2DModel:
@@ -91,7 +92,7 @@ def test_round_trip_restores_model_optimizer_ema_rng_and_extra(tmp_path, trained
 
 def test_keep_last_and_latest(tmp_path, trained) -> None:
     model, optimizer, _ = trained
-    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager = CheckpointManager(tmp_path, CheckpointConfig(keep_last=2))
     assert manager.latest() is None
     for step in (10, 20, 30):
         manager.save(step, model=model, optimizer=optimizer, extra={"step": step})
@@ -108,7 +109,7 @@ def test_keep_last_and_latest(tmp_path, trained) -> None:
     assert {name: info["size"] for name, info in marker["files"].items()} == files
     assert all(len(info["sha256"]) == 64 for info in marker["files"].values())
     with pytest.raises(ValueError, match="keep_last"):
-        CheckpointManager(tmp_path, keep_last=0)
+        CheckpointConfig(keep_last=0)
 
 
 def test_crash_mid_save_leaves_previous_checkpoint_usable(tmp_path, trained, monkeypatch) -> None:
@@ -143,7 +144,7 @@ def test_a_save_whose_folder_was_taken_over_replaces_and_prunes_nothing(tmp_path
     """The folder became another run's during the save (a holder suspended mid-save): ``check_owner`` raises
     before the save replaces the checkpoint of its step or prunes an older one."""
     model, optimizer, _ = trained
-    manager = CheckpointManager(tmp_path, keep_last=1)
+    manager = CheckpointManager(tmp_path, CheckpointConfig(keep_last=1))
     first, second = (manager.save(step, model=model, optimizer=optimizer, extra={"step": step}) for step in (1, 2))
     assert not first.exists()
     before = {p.name: p.read_bytes() for p in second.iterdir()}

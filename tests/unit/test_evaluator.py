@@ -19,9 +19,10 @@ from train.distributed.collectives import DistInfo
 from train.evaluation.evaluator import Evaluator, build_evaluator, read_result
 from train.evaluation.protocol import EvalResult, write_result
 from train.evaluation.summary import run_summary
+from train.ground.layout import RunLayout
 from train.observe.logger import RunLogger
+from train.observe.observe_config import LoggingConfig
 from train.observe.perf import Peak
-from train.run.layout import RunLayout
 
 SCORER = "jpeg_compressibility"
 # the made-up mean score of each evaluation
@@ -57,7 +58,7 @@ def session(tmp_path: Path, *, start: int, heldout: bool = False) -> Evaluator:
     cfg.eval.samples_per_prompt = 1
     cpu = torch.device("cpu")
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=cpu, is_main=True)
-    logger = RunLogger(tmp_path, is_main=True)
+    logger = RunLogger(LoggingConfig(), RunLayout(tmp_path), is_main=True)
     evaluator = build_evaluator(
         cfg, dist, start=start, device=cpu, backbone=None, predict=lambda z, t, cond: z, ema=None, logger=logger
     )

@@ -1,40 +1,36 @@
-"""Imports point one way: samplers/, models/ and rewards/ never import the trainer's world, and inside
-train/ the sub-packages form layers (CONTRIBUTING.md, Layout):
+"""Imports point one way: samplers/, models/ and rewards/ never import the trainer's world, settings/ imports
+nothing of the project, and inside train/ every package stands on one floor of LAYERS (CONTRIBUTING.md, Layout):
+the ground (errors, the run folder's layout), distribution, the algorithm, the run parts each on its own floor,
+the assembly of a run above every part it builds, the trainer, the commands.
 
-    commands (train.cli, train.eval, train.probe, train.compare, train.plan, train.preflight, train.__main__)
-      -> the trainer (train.trainer, train.step)
-        -> run parts (train.run, train.model, train.optim, train.checkpoint, train.evaluation,
-           train.observe, train.reward, and the configuration train.config)
-          -> the algorithm (train.algorithm)
-            -> distribution (train.distributed)
-
-A module imports its own layer or those below it, never one above; no command imports another's package, but
-the preflight the memory planner's (it re-makes the plan with what it measured); and the modules import each
-other without a cycle."""
+A module imports its own floor or those below it, never one above; no two packages import each other, directly
+or around a loop; no command imports another's package, but the preflight the memory planner's (it re-makes the
+plan with what it measured); and the modules import each other without a cycle. The configuration's tree stands
+above the parts whose groups it composes (each group is a dataclass beside the part that reads it, which never
+imports train.config back) and below the parts that read the whole tree."""
 
 import ast
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = ("train", "torch.distributed", "hydra", "omegaconf", "wandb")
-# the layer of each part of train/, lowest first; a part is a sub-package or a top-level module
+# the floor of each part of train/, lowest first; a part is a sub-package or a top-level module
 LAYERS = [
+    {"train.ground"},
     {"train.distributed"},
     {"train.algorithm"},
-    # the run parts: the schema, a run and its folder, the model side, optimization, checkpoints,
-    # evaluation, what a run shows of itself
-    {
-        "train.config",
-        "train.run",
-        "train.model",
-        "train.optim",
-        "train.checkpoint",
-        "train.evaluation",
-        "train.observe",
-        "train.reward",
-    },
+    {"train.data"},
+    {"train.optim"},
+    {"train.checkpoint"},
+    {"train.observe"},
+    {"train.config"},
+    {"train.reward"},
+    {"train.model"},
+    {"train.evaluation"},
+    {"train.run"},
     {"train.trainer", "train.step"},
     {"train.cli", "train.eval", "train.probe", "train.compare", "train.plan", "train.preflight", "train.__main__"},
 ]
@@ -51,12 +47,13 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("package", ["samplers", "models", "rewards"])
+@pytest.mark.parametrize("package", ["samplers", "models", "rewards", "settings"])
 def test_lower_layers_do_not_import_trainer(package):
+    forbidden = (*FORBIDDEN, "samplers", "models", "rewards") if package == "settings" else FORBIDDEN
     files = sorted((ROOT / package).rglob("*.py"))
     assert files, f"{package}/ has no modules"
     for path in files:
-        bad = {m for m in imported_modules(path) if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)}
+        bad = {m for m in imported_modules(path) if any(m == f or m.startswith(f + ".") for f in forbidden)}
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
@@ -98,7 +95,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
     def visit(node: str, path: list[str]) -> list[str] | None:
         state[node] = 1
-        for nxt in sorted(graph[node]):
+        for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
                 return [*path[path.index(nxt) :], nxt]
             if nxt not in state and (cycle := visit(nxt, [*path, nxt])):
@@ -112,6 +109,14 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The parts' graph: part -> the other parts its modules import."""
+    parts: dict[str, set[str]] = {part_of(a): set() for a in graph}
+    for a, imports in graph.items():
+        parts[part_of(a)] |= {part_of(b) for b in imports} - {part_of(a)}
+    return parts
+
+
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return sorted(f"{a} -> {b}" for a, imports in graph.items() for b in imports if layer_of(b) > layer_of(a))
 
@@ -121,6 +126,7 @@ def test_train_layers_import_downwards_only():
     assert {"train.run.build", "train.trainer", "train.step", "train.algorithm.jagg"} <= set(graph)
     assert upward_imports(graph) == []
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+    assert find_cycle(package_graph(graph)) is None, " -> ".join(find_cycle(package_graph(graph)) or [])
     # the commands are rooms of their own: none imports another's package (the trainer's `python -m
     # train` and the shared train.cli aside), and only the preflight imports the memory planner
     commands = ("train.eval", "train.probe", "train.compare", "train.plan", "train.preflight")
@@ -135,6 +141,14 @@ def test_train_layers_import_downwards_only():
 def test_layer_rule_sees_an_upward_import():
     graph = {"train.algorithm.update": {"train.config.schema"}, "train.config.schema": set()}
     assert upward_imports(graph) == ["train.algorithm.update -> train.config.schema"]
+    # every run part on its own floor: a part that imports one above it fails, wherever the two sit
+    parts = [next(iter(floor)) for floor in LAYERS[LAYERS.index({"train.data"}) : LAYERS.index({"train.run"}) + 1]]
+    for low, high in pairwise(parts):
+        assert upward_imports({f"{low}.a": {f"{high}.b"}, f"{high}.b": set()}) == [f"{low}.a -> {high}.b"]
+    # two packages that import each other through different modules: no module cycle, a package cycle
+    graph = {"train.run.a": {"train.model.b"}, "train.model.c": {"train.run.d"}}
+    assert find_cycle(graph) is None
+    assert find_cycle(package_graph(graph)) == ["train.model", "train.run", "train.model"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 

@@ -17,10 +17,16 @@ from PIL import Image
 from rewards.summary import MIN_TILE, image_grid
 from train.config.schema import TrainConfig
 from train.evaluation.summary import files_section
+from train.ground.layout import RunLayout
 from train.observe.console import Heartbeat, format_seconds, progress_bar
 from train.observe.logger import RunLogger
+from train.observe.observe_config import LoggingConfig
 from train.observe.perf import PhaseTimer
-from train.run.layout import RunLayout
+
+
+def run_logger(run_dir, *, is_main: bool = True, config: dict | None = None, **logging) -> RunLogger:
+    """The RunLogger of ``run_dir`` with the settings ``logging`` (LoggingConfig's fields)."""
+    return RunLogger(LoggingConfig(**logging), RunLayout(run_dir), is_main=is_main, config=config)
 
 
 def read_lines(run_dir) -> list[dict]:
@@ -28,7 +34,7 @@ def read_lines(run_dir) -> list[dict]:
 
 
 def test_jsonl_has_one_flushed_line_per_call(tmp_path) -> None:
-    logger = RunLogger(tmp_path, is_main=True)
+    logger = run_logger(tmp_path)
     logger.log({"loss": torch.tensor(0.25), "reward/hps": 0.5, "count/grad_forwards": 4}, step=1)
     # flushed at once: readable before finish()
     assert read_lines(tmp_path)[0]["loss"] == 0.25
@@ -46,11 +52,11 @@ def test_jsonl_has_one_flushed_line_per_call(tmp_path) -> None:
 
 
 def test_rejects_non_scalar_metrics_and_unknown_mode(tmp_path) -> None:
-    logger = RunLogger(tmp_path, is_main=True)
+    logger = run_logger(tmp_path)
     with pytest.raises(ValueError, match="'rewards'"):
         logger.log({"rewards": torch.zeros(3)}, step=0)
     with pytest.raises(ValueError, match="wandb_mode"):
-        RunLogger(tmp_path, is_main=True, wandb_mode="cloud")
+        LoggingConfig(wandb_mode="cloud")
 
 
 def test_off_rank_zero_nothing_is_written(tmp_path, monkeypatch) -> None:
@@ -59,7 +65,7 @@ def test_off_rank_zero_nothing_is_written(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(wandb, "init", must_not_run)
     run_dir = tmp_path / "run"
-    logger = RunLogger(run_dir, is_main=False, wandb_mode="offline")
+    logger = run_logger(run_dir, is_main=False, wandb_mode="offline")
     logger.log({"loss": 1.0}, step=0)
     assert logger.log_images("samples", torch.rand(1, 3, 4, 4), ["a"], step=0) is None
     logger.finish()
@@ -67,7 +73,7 @@ def test_off_rank_zero_nothing_is_written(tmp_path, monkeypatch) -> None:
 
 
 def test_log_images_writes_a_captioned_upscaled_grid(tmp_path) -> None:
-    logger = RunLogger(tmp_path, is_main=True)
+    logger = run_logger(tmp_path)
     images = torch.zeros(4, 3, 8, 8)
     images[1] = 1.0  # second image white
     images[2] = 0.5  # the one below the first grey
@@ -115,7 +121,7 @@ def test_wandb_init_failure_warns_once_and_training_goes_on(tmp_path, monkeypatc
 
     monkeypatch.setattr(wandb, "init", broken_init)
     with pytest.warns(RuntimeWarning, match="no network"):
-        logger = RunLogger(tmp_path, is_main=True, wandb_mode="online", project="p", config={"a": 1})
+        logger = run_logger(tmp_path, wandb_mode="online", project="p", config={"a": 1})
     assert wandb.run is None  # wandb's own state: no run was started
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no further warning
@@ -139,7 +145,7 @@ class BrokenRun:
 def test_wandb_log_failure_disables_wandb_for_the_run(tmp_path, monkeypatch) -> None:
     run = BrokenRun()
     monkeypatch.setattr(wandb, "init", lambda **kwargs: run)
-    logger = RunLogger(tmp_path, is_main=True, wandb_mode="offline")
+    logger = run_logger(tmp_path, wandb_mode="offline")
     with pytest.warns(RuntimeWarning, match="disk full"):
         logger.log({"loss": 1.0}, step=1)
     logger.log({"loss": 2.0}, step=2)
@@ -152,8 +158,8 @@ def test_wandb_log_failure_disables_wandb_for_the_run(tmp_path, monkeypatch) -> 
 def test_wandb_offline_writes_into_run_dir(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("WANDB_SILENT", raising=False)  # restored after the test
     monkeypatch.delenv("WANDB_DIR", raising=False)
-    logger = RunLogger(
-        tmp_path, is_main=True, wandb_mode="offline", project="p", group="exp", name="jagg-s0", tags=["jagg", "seed0"]
+    logger = run_logger(
+        tmp_path, wandb_mode="offline", project="p", group="exp", name="jagg-s0", tags=["jagg", "seed0"]
     )
     assert wandb.run is not None  # wandb's own state: the run the logger started
     sheet = tmp_path / "sheet.png"
@@ -181,13 +187,13 @@ def test_a_later_session_continues_the_wandb_run_and_the_wall_clock(tmp_path, mo
     """A resumed run (a new RunLogger on the same folder) keeps its wandb run id, so offline runs sync
     into one wandb run, and its wall_time goes on from the last record instead of restarting at 0."""
     monkeypatch.delenv("WANDB_DIR", raising=False)
-    first = RunLogger(tmp_path, is_main=True, wandb_mode="offline", project="p", entity="team", notes="why")
+    first = run_logger(tmp_path, wandb_mode="offline", project="p", entity="team", notes="why")
     first.log({"loss": 1.0}, step=0)
     first.finish()
     run_id = RunLayout(tmp_path).wandb_run_id.read_text().strip()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     (tmp_path / "metrics.jsonl").write_text("\n".join([*lines, '{"step": 1, "wall_time": 100.0}', '{"step": 2, "wa']))
-    second = RunLogger(tmp_path, is_main=True, wandb_mode="offline", project="p")
+    second = run_logger(tmp_path, wandb_mode="offline", project="p")
     second.log({"loss": 2.0}, step=2)
     second.finish()
     assert RunLayout(tmp_path).wandb_run_id.read_text().strip() == run_id
@@ -207,7 +213,7 @@ def read_lines_tolerant(run_dir) -> list[dict]:
 
 
 def test_metrics_file_is_created_by_the_first_record(tmp_path) -> None:
-    logger = RunLogger(tmp_path, is_main=True)
+    logger = run_logger(tmp_path)
     logger.finish()
     assert not (tmp_path / "metrics.jsonl").exists()  # a tool that logs nothing leaves no empty file
     with pytest.raises(RuntimeError, match="after finish"):
@@ -255,7 +261,7 @@ def test_progress_bar_only_on_rank_zero() -> None:
 def test_rewind_drops_the_rows_a_resumed_run_replays(tmp_path) -> None:
     """Resumed at step 2: training rows of steps >= 2 go, the evaluation after 2 steps stays (it was logged
     before the checkpoint of step 2), and a line cut short by a crash goes; resumed at 0 everything goes."""
-    logger = RunLogger(tmp_path, is_main=True)
+    logger = run_logger(tmp_path)
     for step, metrics in [(0, {"eval/r": 1}), (0, {"loss": 1}), (1, {"loss": 2}), (2, {"eval/r": 3}), (2, {"loss": 4})]:
         logger.log(metrics, step)
     with (tmp_path / "metrics.jsonl").open("a", encoding="utf-8") as file:
@@ -270,7 +276,7 @@ def test_rewind_drops_the_rows_a_resumed_run_replays(tmp_path) -> None:
         (2, None),
         (2, 5),
     ]
-    again = RunLogger(tmp_path, is_main=True)
+    again = run_logger(tmp_path)
     assert again.rewind(0) == 5 and read_lines(tmp_path) == []
     again.finish()
-    assert RunLogger(tmp_path, is_main=False).rewind(0) == 0
+    assert run_logger(tmp_path, is_main=False).rewind(0) == 0

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from train.config.schema import HealthConfig
+from train.config.record import due_evaluations, lost_rows, missing_evaluations, steps_text
 from train.evaluation.curve import eval_series, write_curve
 from train.observe.health import Health
-from train.run.record import due_evaluations, lost_rows, missing_evaluations, steps_text
+from train.observe.observe_config import HealthConfig
 
 
 def write_rows(path: Path, rows: list[dict]) -> Path:

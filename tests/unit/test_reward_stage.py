@@ -16,9 +16,9 @@ from stage_toys import ToyRollout, ToyScorer, brightness, nan_scores, redness, t
 from rewards.combine import RewardCombiner
 from rewards.remote import RemoteRewardError
 from train.config.schema import register_schema
+from train.ground.errors import ScorerFailed, ranks_agreed
 from train.observe.perf import PhaseTimer
 from train.reward.stage import RewardStage, advantage_fn, group_chunks
-from train.run.errors import ScorerFailed, ranks_agreed
 
 FAILURE = RuntimeError("the judge went away")
 

@@ -16,8 +16,8 @@ from PIL import Image
 
 from rewards.imagereward import SCORE_STD, ImageRewardScorer
 from rewards.tiny import TINY_BLIP_VISION, save_tiny_imagereward
-from train.run.errors import PathError
-from train.run.scorers import check_scorer
+from train.ground.errors import PathError
+from train.reward.scorers import check_scorer
 
 PROMPTS = [
     "a photo of a cat",

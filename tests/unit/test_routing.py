@@ -13,20 +13,18 @@ from probe_toys import ToyVelocity, toy_batch, toy_settings, toy_trajectory
 
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
-from train.algorithm.routing import AutoRouter, PrefixRouter
-from train.config.checks import validate
+from train.algorithm.routing import AutoRouter, PrefixRouter, build_router
+from train.algorithm.update_config import UpdateConfig
 from train.config.schema import TrainConfig, register_schema
 from train.distributed.parallelize import ProcessRanks
-from train.run.build import build_router
+from train.run.checks import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 register_schema()
 
 
 def auto_router(*, every: int = 2, threshold: float = 0.95) -> AutoRouter:
-    return AutoRouter(
-        mode="jagg", segment_length=4, timestep_fraction=1.0, every=every, threshold=threshold, num_rollouts=4
-    )
+    return AutoRouter(UpdateConfig(routing="auto", auto_every=every, auto_threshold=threshold, auto_rollouts=4))
 
 
 def refresh(router: AutoRouter, step: int, model: ToyVelocity) -> dict[str, float]:
@@ -66,7 +64,7 @@ def test_segments_the_probe_did_not_see_take_the_exact_path():
 
 def test_prefix_router_is_the_jagg_frac_rule():
     """M = 12 trainable transitions, W = 4, jagg_frac 0.7 -> round(8.4) = 8: segments 0 and 4 take jagg."""
-    router = PrefixRouter(mode="jagg", segment_length=4, timestep_fraction=1.0, jagg_frac=0.7)
+    router = PrefixRouter(UpdateConfig(jagg_frac=0.7))
     assert not router.due(0) and router.refresh(0, None, [], ranks=ProcessRanks()) == {}  # measures nothing
     route = router.route(toy_trajectory(ToyVelocity()), generator=None)
     assert [(p.start, p.stop, p.mode) for p in route] == [(0, 4, "jagg"), (4, 8, "jagg"), (8, 12, "exact")]

@@ -14,9 +14,9 @@ import pytest
 
 import train.cli.launch as launch_module
 from train.cli.launch import Launch
-from train.run.errors import ConfigError
+from train.ground.errors import ConfigError
+from train.ground.layout import RunLayout
 from train.run.folder import FolderInUse, RunLock, check_one_run, clear_run, held_run
-from train.run.layout import RunLayout
 
 
 class Clock:

@@ -23,6 +23,7 @@ from samplers.sampler_config import SamplerConfig
 from samplers.schedule import shifted_sigmas
 from train.algorithm.routing import PrefixRouter
 from train.algorithm.update import UpdateStats, shared_start, update_micro_batch
+from train.algorithm.update_config import UpdateConfig
 
 G, NUM_GROUPS = 4, 2
 SDES = {
@@ -102,9 +103,7 @@ def _gradient(predict, params, traj, settings: ToySettings, *, micro_batch: int,
         p.grad = None
     advantages = torch.linspace(-1.0, 1.2, traj.batch_size, dtype=torch.float64)
     batch = toy_batch(predict, traj, settings, advantages=advantages, reference=reference)
-    router = PrefixRouter(
-        mode=settings.mode, segment_length=4, timestep_fraction=settings.timestep_fraction, jagg_frac=1.0
-    )
+    router = PrefixRouter(UpdateConfig(mode=settings.mode, timestep_fraction=settings.timestep_fraction, jagg_frac=1.0))
     route_gen, stats, accumulation = (
         torch.Generator().manual_seed(3),
         UpdateStats(),
@@ -222,7 +221,7 @@ def test_no_start_is_shared_when_no_two_rows_of_a_group_train_it_together():
     model = ToyVelocity()
     settings = replace(toy_settings(), group_size=2)
     batch = toy_batch(model, toy_trajectory(model), settings)
-    router = PrefixRouter(mode="jagg", segment_length=4, timestep_fraction=1.0, jagg_frac=1.0)
+    router = PrefixRouter(UpdateConfig(jagg_frac=1.0))
     route = router.route(batch.traj, None)
     assert shared_start(batch, [range(0, 1)], [route]) is None
     assert shared_start(batch, [range(0, 1), range(2, 3)], [route, route]) is None  # rows of two groups

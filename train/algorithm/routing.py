@@ -39,14 +39,14 @@ from samplers.rollout import Trajectory
 from train.algorithm.quality import Ranks, SegmentQuality, measure_trajectories, recommend_jagg_frac, summarize_segments
 from train.algorithm.segments import RoutedSegment, Span, pick_segments, route_segments
 from train.algorithm.update import UpdateBatch
-from train.algorithm.update_config import UpdateMode
+from train.algorithm.update_config import Routing, UpdateConfig, UpdateMode
 
 
 class Router(abc.ABC):
     """Routes the segments of a trajectory; ``refresh`` lets a router measure before a step's update."""
 
-    def __init__(self, *, mode: UpdateMode, segment_length: int, timestep_fraction: float) -> None:
-        self.mode, self.segment_length, self.timestep_fraction = UpdateMode(mode), segment_length, timestep_fraction
+    def __init__(self, update: UpdateConfig) -> None:
+        self.update = update
 
     def due(self, step: int) -> bool:
         """Whether ``refresh`` measures something at ``step``."""
@@ -67,18 +67,15 @@ class Router(abc.ABC):
 class PrefixRouter(Router):
     """``update.routing=prefix``: the segments ending at or before round(jagg_frac * M) take the mode's path."""
 
-    def __init__(self, *, mode: UpdateMode, segment_length: int, timestep_fraction: float, jagg_frac: float) -> None:
-        super().__init__(mode=mode, segment_length=segment_length, timestep_fraction=timestep_fraction)
-        self.jagg_frac = jagg_frac
-
     def route(self, traj: Trajectory, generator: torch.Generator | None) -> list[RoutedSegment]:
+        u = self.update
         return route_segments(
             traj.trainable_steps(),
-            length=self.segment_length,
-            mode=self.mode,
-            jagg_frac=self.jagg_frac,
+            length=u.segment_length,
+            mode=u.mode,
+            jagg_frac=u.jagg_frac,
             num_transitions=traj.num_transitions,
-            timestep_fraction=self.timestep_fraction,
+            timestep_fraction=u.timestep_fraction,
             generator=generator,
         )
 
@@ -112,35 +109,25 @@ def routing_metrics(
 class AutoRouter(Router):
     """``update.routing=auto``: the routing table measured every ``every`` steps."""
 
-    def __init__(
-        self,
-        *,
-        mode: UpdateMode,
-        segment_length: int,
-        timestep_fraction: float,
-        every: int,
-        threshold: float,
-        num_rollouts: int,
-    ) -> None:
-        super().__init__(mode=mode, segment_length=segment_length, timestep_fraction=timestep_fraction)
-        self.every, self.threshold, self.num_rollouts = every, threshold, num_rollouts
+    def __init__(self, update: UpdateConfig) -> None:
+        super().__init__(update)
         self.modes: dict[Span, UpdateMode] | None = None  # the last probe's table; None before the first
 
     def due(self, step: int) -> bool:
-        return self.modes is None or step % self.every == 0
+        return self.modes is None or step % self.update.auto_every == 0
 
     def refresh(
         self, step: int, batch: UpdateBatch, params: Sequence[nn.Parameter], *, ranks: Ranks
     ) -> dict[str, float]:
         if not self.due(step):
             return {}
-        traj = batch.traj
-        count = min(self.num_rollouts, traj.batch_size * ranks.world_size)
-        samples = measure_trajectories(batch, params, num_rollouts=count, mode=self.mode, ranks=ranks)
+        traj, u = batch.traj, self.update
+        count = min(u.auto_rollouts, traj.batch_size * ranks.world_size)
+        samples = measure_trajectories(batch, params, num_rollouts=count, mode=u.mode, ranks=ranks)
         segments = summarize_segments(samples, traj.timesteps)
-        self.modes = ranks.broadcast(route_by_cosine(segments, threshold=self.threshold, mode=self.mode))
+        self.modes = ranks.broadcast(route_by_cosine(segments, threshold=u.auto_threshold, mode=u.mode))
         return routing_metrics(
-            segments, self.modes, mode=self.mode, threshold=self.threshold, num_transitions=traj.num_transitions
+            segments, self.modes, mode=u.mode, threshold=u.auto_threshold, num_transitions=traj.num_transitions
         )
 
     def route(self, traj: Trajectory, generator: torch.Generator | None) -> list[RoutedSegment]:
@@ -148,8 +135,13 @@ class AutoRouter(Router):
             raise RuntimeError("AutoRouter.route before the first refresh: the routing table is empty")
         segments = pick_segments(
             traj.trainable_steps(),
-            length=self.segment_length,
-            timestep_fraction=self.timestep_fraction,
+            length=self.update.segment_length,
+            timestep_fraction=self.update.timestep_fraction,
             generator=generator,
         )
         return [RoutedSegment(a, b, self.modes.get((a, b), UpdateMode.exact)) for a, b in segments]
+
+
+def build_router(update: UpdateConfig) -> Router:
+    """The router ``update.routing`` names."""
+    return AutoRouter(update) if update.routing is Routing.auto else PrefixRouter(update)

@@ -39,7 +39,6 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -47,19 +46,11 @@ from torch import Tensor
 from samplers.rollout import Predict, Trajectory
 from samplers.sde import SDE, step
 from train.algorithm.grpo import kl_to_reference, ppo_clip_loss, ppo_step_loss, ratio_norm_log_ratio
+from train.algorithm.grpo_config import GRPOConfig
 from train.algorithm.jagg import BoundPredict, Counts, Metrics, SegmentStats, backward_segment
 from train.algorithm.metrics import Metric, Reduce, Stat
 from train.algorithm.segments import RoutedSegment
 from train.algorithm.update_config import MIDDLE_MODES, UpdateConfig
-
-
-class GRPOSettings(Protocol):
-    """What the update reads of the algorithm's ``grpo`` settings (the config's ``grpo`` group)."""
-
-    group_size: int  # G: rows come in consecutive blocks of G that share z_0 and the prompt
-    clip_range: float
-    kl_beta: float
-    ratio_norm: bool  # GRPO-Guard's normalised log-ratio
 
 
 @dataclass(frozen=True)
@@ -71,7 +62,7 @@ class UpdateBatch:
     predict: Predict  # the policy being trained: (z, t, cond) -> v
     reference: Predict | None  # the KL reference; needed when grpo.kl_beta > 0
     config: UpdateConfig
-    grpo: GRPOSettings
+    grpo: GRPOConfig
     gradient_accumulation_steps: int  # samples per rank per optimizer step
 
 

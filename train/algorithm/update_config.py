@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from samplers.choices import Choice
+from settings import Choice
 
 
 class UpdateMode(Choice):

@@ -5,7 +5,7 @@ transformer as diffusers ``save_pretrained`` output (loadable with ``from_pretra
 injected with diffusers' ``add_adapter`` as ``pytorch_lora_weights.safetensors`` (keys prefixed
 with the pipeline component, loadable with ``pipe.load_lora_weights`` or
 ``transformer.load_lora_adapter``), or a ``peft.PeftModel`` as a PEFT adapter folder. A run exports
-into ``export/`` (the weights its evaluations scored) and, with an EMA, ``export_raw/`` (train/run/layout.py),
+into ``export/`` (the weights its evaluations scored) and, with an EMA, ``export_raw/`` (train/ground/layout.py),
 each with a ``weights.json`` saying which weights it holds and the size and SHA-256 of each of its files.
 
 ``find_weights`` says what a path on ``python -m train.eval``'s command line points at: an export, a
@@ -36,8 +36,8 @@ from torch.distributed.fsdp import FSDPModule
 from train.checkpoint.files import agree_on_write, checksum_problem, file_info, is_complete
 from train.checkpoint.manager import CheckpointManager
 from train.distributed.collectives import get_rank
-from train.run.errors import PathError
-from train.run.layout import CHECKPOINTS, EXPORT, RAW_EXPORT, RunLayout
+from train.ground.errors import PathError
+from train.ground.layout import CHECKPOINTS, EXPORT, RAW_EXPORT, RunLayout
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from train.distributed.collectives import broadcast_object, gather_objects, get_rank, get_world_size
+from train.ground.errors import DiskFull, SaveFailed
 from train.optim.ema import EMA
-from train.run.errors import DiskFull, SaveFailed
 
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d{8})$")  # a complete checkpoint's folder; a save writes <name>.tmp first

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from train.checkpoint.checkpoint_config import CheckpointConfig
 from train.checkpoint.files import (
     MARKER,
     checksums,
@@ -77,8 +78,8 @@ from train.distributed.collectives import (
     get_world_size,
     is_distributed,
 )
-from train.run.errors import CheckpointError, DiskFull, SaveFailed
-from train.run.layout import RunLayout
+from train.ground.errors import CheckpointError, DiskFull, SaveFailed
+from train.ground.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +95,10 @@ def _single_process_ok() -> Iterator[None]:
 class CheckpointManager:
     """Save, find and load the checkpoints of one run (every rank constructs one, same run_dir)."""
 
-    def __init__(self, run_dir: str | Path, *, keep_last: int = 3) -> None:
-        if keep_last < 1:
-            raise ValueError(f"checkpoint keep_last must be >= 1, got {keep_last}")
+    def __init__(self, run_dir: str | Path, settings: CheckpointConfig | None = None) -> None:
+        """``settings``: the run's ``checkpoint`` group (None: its defaults, to read a folder's checkpoints)."""
         self.root = RunLayout(run_dir).checkpoints
-        self.keep_last = keep_last
+        self.keep_last = (settings or CheckpointConfig()).keep_last
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"

@@ -13,11 +13,11 @@ from dataclasses import fields, is_dataclass
 from enum import Enum
 from typing import Any
 
-from train.run.errors import ConfigError
+from train.ground.errors import ConfigError
 
 # Settings that change what a checkpoint's weights mean or what the next steps compute: a resumed run keeps them
 # unless checkpoint.allow_changed names them (a key or a group of keys). The prompt file counts by its prompts
-# (train/run/prompts.py's ``prompts_digest``: the same prompts at another path are the same run). The world size
+# (train/data/prompts.py's ``prompts_digest``: the same prompts at another path are the same run). The world size
 # and the replicate degree are not among them (a checkpoint reshards), but the global batch they make is.
 RESUME_SETTINGS = (
     "model.name",
@@ -45,7 +45,7 @@ GLOBAL_BATCH = ("batch.prompts_per_rank", "batch.gradient_accumulation_steps")
 NOTED_SETTINGS = (
     "optimizer",
     "health",
-    "eval.every",  # the cadence the evaluations up to a checkpoint were due on (train/run/record.py)
+    "eval.every",  # the cadence the evaluations up to a checkpoint were due on (train/config/record.py)
     "eval.prompts",
     "eval.num_prompts",
     "eval.heldout_prompts",
@@ -67,7 +67,7 @@ def covered(key: str, prefixes: Sequence[str]) -> bool:
 def recorded_settings(cfg: Any, *, prompts: str) -> dict[str, Any]:
     """What a checkpoint records of ``cfg`` (a TrainConfig): the ``RESUME_SETTINGS`` and ``NOTED_SETTINGS`` but the
     ``SAME_NUMBERS``, dotted key -> value as JSON holds it (a dict or a list is one value); ``data.train_prompts``
-    as ``prompts`` (train/run/prompts.py's ``prompts_digest``)."""
+    as ``prompts`` (train/data/prompts.py's ``prompts_digest``)."""
     flat: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str) -> None:

@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from train.cli.compose import setup
 from train.cli.reporting import hydra_message, report_error, reported
-from train.run.errors import ConfigError
+from train.ground.errors import ConfigError
 
 PROG = "python -m train"  # the refusal reads as the trainer's own
 

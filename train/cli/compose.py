@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from train.cli.help_text import fields_help
 from train.config.schema import register_schema
-from train.run.layout import RunLayout
+from train.ground.layout import RunLayout
 
 
 class ConsoleFormatter(logging.Formatter):

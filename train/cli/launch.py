@@ -19,8 +19,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from train.ground.layout import LOCK_FILE, RUN_ID_FILE
 from train.run.folder import RunLock
-from train.run.layout import LOCK_FILE, RUN_ID_FILE
 
 
 def _stat(path: Path) -> tuple[int, int] | None:

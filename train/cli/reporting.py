@@ -5,7 +5,7 @@ share this:
 * ``run_hydra(main, prog=...)`` runs a ``@hydra.main`` function. Hydra's own errors while it composes
   the settings (an unknown key, a value of the wrong type, an unknown option of a group, an override
   it cannot parse) and a run folder it cannot create become one line and exit status 2.
-* ``reported(prog)`` wraps the body of the task: a ``Stop`` (train/run/errors.py: a setting, a path, a
+* ``reported(prog)`` wraps the body of the task: a ``Stop`` (train/ground/errors.py: a setting, a path, a
   file, a checkpoint, SIGTERM) prints ``<prog>: error: <message>`` and exits with its status (2 for a
   user error); a collective that timed out or lost a peer prints which one, from where, and exits 1;
   Ctrl+C prints what the command was doing and exits 130 (the training loop handles it itself:
@@ -42,7 +42,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from train.cli.launch import Launch
 from train.config.keys import unknown_setting
-from train.run.errors import ConfigError, Interrupted, Stop, UserError
+from train.ground.errors import ConfigError, Interrupted, Stop, UserError
 
 DEBUG_ENV = "HYDRA_FULL_ERROR"  # Hydra's own switch for full tracebacks; it shows ours too
 # What gloo raises when a peer does not answer within the timeout or has gone away.

@@ -22,9 +22,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from train.cli.launch import Launch
 from train.cli.reporting import env_rank, progress, report_error
-from train.run.errors import ConfigError, Stop, UserError
+from train.ground.errors import ConfigError, Stop, UserError
+from train.ground.layout import RunLayout
 from train.run.folder import RunLock, check_one_run
-from train.run.layout import RunLayout
 
 
 class RunFolder(Callback):

@@ -33,8 +33,8 @@ from train.cli.reporting import report_error
 from train.compare.arms import build_comparison
 from train.compare.plots import plot
 from train.compare.tables import comparison_tables, summary
-from train.run.errors import UserError
-from train.run.layout import RunLayout
+from train.ground.errors import UserError
+from train.ground.layout import RunLayout
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

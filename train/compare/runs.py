@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from train.compare.wandb_runs import WandbRun, read_offline, read_offline_file, read_online, run_file
-from train.run.layout import METRICS, RunLayout
+from train.ground.layout import METRICS, RunLayout
 
 WANDB_PREFIX = "wandb:"
 

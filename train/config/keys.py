@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from train.run.errors import ConfigError, config_key
+from train.ground.errors import ConfigError, config_key
 
 
 def unknown_setting(prefix: str, key: str, schema: type) -> str:

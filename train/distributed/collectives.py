@@ -1,4 +1,6 @@
-"""Process groups and the cross-rank helpers every layer of the trainer calls.
+"""Process groups and the cross-rank helpers every layer of the trainer calls, with their settings (the ``dist``
+group) and the start-up checks the ranks agree on (``agreed``, ``main_decides``): a check that fails on one rank
+stops every rank together, in one line, rather than leaving the others waiting in the next collective.
 
 * Launch: ``torchrun`` sets RANK / WORLD_SIZE / LOCAL_RANK; without them (``python -m train``) the
   run is one process and no process group is created. Every helper below is then the identity,
@@ -12,14 +14,36 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from settings import positive
+from train.ground.errors import StartRefused, UserError
+
+
+@dataclass
+class DistConfig:
+    """The process group and the device mesh (train/distributed/)."""
+
+    timeout_s: float = 1800.0
+    """Seconds a collective may wait for the other ranks before this rank fails with a message naming it (a hung,
+    stopped or dead rank). Longer than any legitimate wait: a slow checkpoint save or evaluation.
+    """
+    replicate_degree: int = 1
+    """HSDP: R > 1 replicates the model over R groups of world / R ranks, each group sharding it (one group per
+    node: all-gathers stay inside a node, gradients are all-reduced across nodes); R must divide the world size.
+    1 = FSDP over every rank. Checkpoints load across a change of R or of the world size.
+    """
+
+    def __post_init__(self) -> None:
+        positive(self.timeout_s, "timeout_s")
+        positive(self.replicate_degree, "replicate_degree", " (1 = shard over every rank)")
 
 
 @dataclass(frozen=True)
@@ -159,3 +183,54 @@ def gather_objects(obj: Any) -> list[Any]:
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+T = TypeVar("T")
+
+
+def failed_ranks_line(lines: list[str | None]) -> str:
+    """Each rank's failure (``lines[rank]``, None where it passed) in one line: the line alone when every rank
+    failed alike, else ``rank 1: <line>; rank 0,2: <line>``."""
+    ranks: dict[str, list[int]] = {}
+    for rank, line in enumerate(lines):
+        if line is not None:
+            ranks.setdefault(line, []).append(rank)
+    if len(ranks) == 1 and len(next(iter(ranks.values()))) == len(lines):
+        return next(iter(ranks))
+    return "; ".join(f"rank {','.join(map(str, who))}: {line}" for line, who in ranks.items())
+
+
+def agreed(fn: Callable[[], T]) -> T:
+    """``fn()``, a rank's own checks (files read where this rank reads them, its device), then one gather: where it
+    raised a UserError on any rank, every rank raises StartRefused naming each failing rank's line (rank 0 prints
+    it). A rank that failed alone would otherwise skip the next collective, and the others wait in it for
+    dist.timeout_s."""
+    refusal: UserError | None = None
+    try:
+        result = fn()
+    except UserError as err:
+        refusal = err
+    lines = gather_objects(None if refusal is None else str(refusal))
+    if refusal is not None and len(lines) == 1:  # one process: its own error as it was raised
+        raise refusal
+    if any(line is not None for line in lines):
+        raise StartRefused(failed_ranks_line(lines))
+    return result
+
+
+def main_decides(dist: DistInfo, fn: Callable[[], T]) -> T | None:
+    """``fn()`` on rank 0 alone, the other ranks waiting for it (a collective every rank reaches, whatever rank 0
+    found): a UserError it raises is raised on every rank, in rank 0's words (rank 0 prints it). Rank 0's result,
+    None elsewhere."""
+    result, refusal = None, None
+    if dist.is_main:
+        try:
+            result = fn()
+        except UserError as err:
+            refusal = err
+    message = broadcast_object(None if refusal is None else str(refusal))
+    if refusal is not None:
+        raise refusal
+    if message is not None:
+        raise StartRefused(message)
+    return result

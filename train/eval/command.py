@@ -41,11 +41,11 @@ from train.cli.reporting import reported, run_hydra
 from train.config.schema import SCORERS_HINT, TrainConfig
 from train.evaluation.evaluator import read_eval_prompts
 from train.evaluation.protocol import EvalResult, before_after, evaluate, paired_difference
+from train.ground.errors import CheckpointError, ConfigError
+from train.ground.layout import EXPORT, RunLayout
 from train.model.builder import build_for_eval, load_weights
 from train.observe.stats import standard_error
-from train.run.errors import CheckpointError, ConfigError
-from train.run.layout import EXPORT, RunLayout
-from train.run.scorers import build_eval_scorers, check_eval_scorers
+from train.reward.scorers import build_eval_scorers, check_eval_scorers
 from train.run.start import load_config, process_group
 
 setup()

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from train.config.record import after_steps, rows
 from train.evaluation.summary import HELD_OUT
-from train.run.record import after_steps, rows
 
 
 def eval_series(metrics: Path) -> dict[str, dict[int, float]]:

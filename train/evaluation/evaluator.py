@@ -30,14 +30,14 @@ from rewards.summary import overall
 from samplers.rollout import Predict
 from train.checkpoint.files import agree_on_write
 from train.config.schema import TrainConfig
+from train.data.prompts import PromptRecord, read_prompts
 from train.distributed.collectives import DistInfo
 from train.evaluation.protocol import EvalResult, before_after, evaluate, read_scores
 from train.evaluation.summary import HELD_OUT, eval_line, eval_tag, heldout_tag
+from train.ground.layout import RunLayout
 from train.observe.logger import RunLogger
 from train.optim.ema import EMA
-from train.run.layout import RunLayout
-from train.run.prompts import PromptRecord, read_prompts
-from train.run.scorers import build_eval_scorers
+from train.reward.scorers import build_eval_scorers
 
 log = logging.getLogger(__name__)
 

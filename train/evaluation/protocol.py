@@ -45,13 +45,13 @@ from rewards.summary import MIN_TILE, before_after_sheet, image_grid, overall, s
 from samplers.rollout import Predict, group_noise, rollout
 from samplers.sde import SDEKind
 from train.config.schema import TrainConfig
+from train.data.prompts import PromptRecord
 from train.distributed.collectives import DistInfo, all_gather_tensor
 from train.distributed.seeds import stream_seed
+from train.ground.errors import config_key
+from train.ground.layout import RunLayout
 from train.observe.console import format_seconds
 from train.observe.stats import standard_error
-from train.run.errors import config_key
-from train.run.layout import RunLayout
-from train.run.prompts import PromptRecord
 
 log = logging.getLogger(__name__)
 PROGRESS_S = 10.0  # seconds between an evaluation's progress lines

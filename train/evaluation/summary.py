@@ -18,13 +18,13 @@ from pathlib import Path
 
 from rewards.summary import overall
 from train.checkpoint.export import export_description
+from train.config.record import after_steps
 from train.config.schema import TrainConfig
 from train.evaluation.protocol import paired_difference, read_scores
+from train.ground.layout import RunLayout
 from train.observe.console import format_seconds
 from train.observe.perf import Peak
 from train.observe.stats import median
-from train.run.layout import RunLayout
-from train.run.record import after_steps
 
 HELD_OUT = "held-out"  # the held-out prompts' evaluation: eval/<metric>/held-out, eval/<tag>_held-out.*
 PHASES = ("step", "rollout", "reward", "update", "optimizer", "probe")  # the timed phases of a step (time/<phase>)

@@ -23,15 +23,14 @@ from samplers.rollout import Predict
 from train.checkpoint.export import Weights
 from train.checkpoint.manager import CheckpointManager
 from train.checkpoint.settings import LORA_MODULES, changed_refusal, changed_settings
-from train.config.schema import TrainConfig
-from train.distributed.collectives import DistInfo, gather_objects
+from train.config.schema import Device, TrainConfig
+from train.distributed.collectives import DistInfo, gather_objects, main_decides
 from train.distributed.parallelize import compile_blocks, parallelize
 from train.distributed.seeds import stream_seed
+from train.ground.errors import ConfigError, config_key
+from train.model.parts import ModelParts
 from train.model.predict import predictor, predictors
 from train.observe.perf import FlopMeter
-from train.run.errors import ConfigError, config_key
-from train.run.parts import ModelParts
-from train.run.startup_checks import main_decides, resolve_device
 
 MODEL_FIELDS = [f.name for f in fields(ModelConfig)]  # the words of the model's own messages (config_key)
 
@@ -300,3 +299,11 @@ def load_weights(cfg: TrainConfig, backbone: Backbone, weights: Weights, device:
             add_lora(cfg, backbone)
         CheckpointManager(weights.path.parent.parent).load(weights.path, model=backbone.transformer, optimizer=None)
     backbone.transformer.eval()
+
+
+def resolve_device(cfg: TrainConfig, dist: DistInfo) -> torch.device:
+    if cfg.device is Device.cpu or (cfg.device is Device.auto and dist.device.type == "cpu"):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():  # validate() refuses device=cuda without CUDA: device=auto found a GPU rank
+        raise ConfigError("device=auto: this rank has no CUDA device; use device=cpu")
+    return dist.device

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from train.config.schema import HealthConfig
 from train.distributed.collectives import all_reduce_sum
 from train.distributed.parallelize import local_tensor, sum_over_shards
+from train.observe.observe_config import HealthConfig
 
 log = logging.getLogger(__name__)
 SPREAD_STEPS = 3  # steps in a row without spread before a reward is named in a warning

@@ -30,11 +30,10 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from rewards.summary import MIN_TILE, image_grid
-from samplers.choices import member
 from train.checkpoint.files import write_failure
-from train.config.schema import WandbMode
+from train.ground.layout import RunLayout
 from train.observe.metrics import MetricsFile
-from train.run.layout import RunLayout
+from train.observe.observe_config import LoggingConfig, WandbMode
 
 
 def session_config(run_dir: Path, *, resumed: bool) -> Path:
@@ -62,23 +61,22 @@ class RunLogger:
 
     def __init__(
         self,
-        run_dir: str | Path,
+        settings: LoggingConfig,
+        layout: RunLayout,
         *,
         is_main: bool,
-        wandb_mode: WandbMode | str = WandbMode.disabled,
-        project: str = "jagg-grpo",
-        entity: str | None = None,
-        group: str | None = None,
+        experiment: str | None = None,
         name: str | None = None,
         tags: Sequence[str] = (),
-        notes: str | None = None,
         config: Mapping[str, Any] | None = None,
         resumed: bool = False,
     ) -> None:
-        wandb_mode = member(WandbMode, wandb_mode, "wandb_mode")
-        self.run_dir = Path(run_dir)
+        """``experiment``, ``name`` and ``tags``: the run's own wandb group, name and tags, which the settings'
+        group and name replace and their tags add to; ``config``: the run's configuration, written into the run
+        folder (``session_config``) and given to wandb."""
+        self.run_dir = layout.root
         self.is_main = is_main
-        self.layout = RunLayout(run_dir)
+        self.layout = layout
         self.metrics: MetricsFile | None = None  # rank 0's
         self._wandb: Any = None
         if not is_main:
@@ -91,16 +89,16 @@ class RunLogger:
             except OSError as err:
                 raise write_failure(err, path, "the run's configuration") or err from None
         self.metrics = MetricsFile(self.layout.metrics)
-        if wandb_mode is not WandbMode.disabled:
+        if settings.wandb_mode is not WandbMode.disabled:
             self._guard(
                 self._init_wandb,
-                wandb_mode.value,
-                project=project,
-                entity=entity,
-                group=group,
-                name=name,
-                tags=tags,
-                notes=notes,
+                settings.wandb_mode.value,
+                project=settings.project,
+                entity=settings.entity,
+                group=settings.group or experiment,
+                name=settings.name or name,
+                tags=list(dict.fromkeys([*tags, *settings.tags])),
+                notes=settings.notes,
                 config=config,
             )
 
@@ -115,9 +113,8 @@ class RunLogger:
             # wandb's own ids are 8 characters of [a-z0-9]; its generator is not public API
             run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
             id_file.write_text(run_id + "\n", encoding="utf-8")
-        kwargs["tags"] = list(kwargs["tags"])
         kwargs["config"] = dict(kwargs["config"] or {})
-        # mode is a WandbMode (checked in __init__); wandb annotates it as a Literal.
+        # mode is a WandbMode (LoggingConfig checks it); wandb annotates it as a Literal.
         # resume="allow": the run of this id continues when it exists (a resumed training run), else starts.
         self._wandb = wandb.init(
             mode=mode,  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from train.checkpoint.files import write_failure
-from train.run.errors import SaveFailed
+from train.ground.errors import SaveFailed
 
 log = logging.getLogger(__name__)
 

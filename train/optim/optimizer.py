@@ -6,13 +6,12 @@ from typing import Any
 
 from torch import nn
 
-from train.config.schema import TrainConfig
 from train.optim.ema import EMA
+from train.optim.optim_config import OptimizerConfig
 
 
-def adamw_settings(cfg: TrainConfig) -> dict[str, Any]:
+def adamw_settings(o: OptimizerConfig) -> dict[str, Any]:
     """The optimizer's hyperparameters (optimizer.lr, optimizer.weight_decay, optimizer.betas) as AdamW's keywords."""
-    o = cfg.optimizer
     return {"lr": o.lr, "weight_decay": o.weight_decay, "betas": (o.betas[0], o.betas[1])}
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from train.algorithm.update_config import UpdateMode
 from train.plan.report import Phase, PlanReport, in_gib
 
 Saving = tuple[str, dict[str, float], str]  # (the change, bytes it frees per phase name, how that is known)
@@ -40,8 +41,8 @@ def _working_savings(report: PlanReport) -> list[Saving]:
         other = {u.name: u for u in report.updates if u.checkpointing}
         saved = {name: float(u.peak_bytes - other[name].peak_bytes) for name, u in current.items()}
         out.append(("model.activation_checkpointing=true", saved, "traced"))
-    if report.segments.get("jagg", 0) > 0:
-        saved = {name: u.activation_bytes / 2 for name, u in current.items() if u.mode == "jagg"}
+    if report.segments.get(UpdateMode.jagg, 0) > 0:
+        saved = {name: u.activation_bytes / 2 for name, u in current.items() if u.mode == UpdateMode.jagg}
         change = "update.mode=jagg_sequential: one endpoint graph alive instead of two"
         out.append((change, saved, "estimate; trace it with update.mode=jagg_sequential"))
     if report.micro_batch > 1:

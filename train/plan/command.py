@@ -96,10 +96,11 @@ from omegaconf.errors import OmegaConfBaseException
 from models.base import parse_dtype
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
+from train.algorithm.update_config import Routing, UpdateMode
 from train.cli.compose import setup
 from train.cli.reporting import hydra_message, report_error, reported
-from train.config.checks import validate
 from train.config.schema import TrainConfig
+from train.ground.errors import ConfigError
 from train.observe.perf import GPU_PEAK_TFLOPS
 from train.plan.comm import ModelBytes
 from train.plan.counts import evaluation, expected_segments, expected_shared_calls, expected_shared_rows, text_tokens
@@ -113,7 +114,7 @@ from train.plan.report_text import format_report
 from train.plan.reward import reward_stage
 from train.plan.step_calls import StepTensors
 from train.plan.tracing import Traced, progress, trace_other_checkpointing, trace_step
-from train.run.errors import ConfigError
+from train.run.checks import validate
 from train.run.start import typed_config
 from train.run.startup_checks import check_mesh
 
@@ -142,7 +143,7 @@ def plan_config(cfg: DictConfig) -> tuple[PlanRunConfig, bool]:
 
 def plannable(config: TrainConfig) -> None:
     """ConfigError for a run whose routing a plan cannot know (update.routing=auto)."""
-    if config.update.routing != "prefix":
+    if config.update.routing is not Routing.prefix:
         raise ConfigError(
             f"update.routing={config.update.routing} routes each segment by a cosine measured during the run, which "
             "a plan cannot know: plan with update.routing=prefix and a share, e.g. update.jagg_frac=0.6 (the paper's)"
@@ -194,7 +195,7 @@ def plan(cfg: PlanRunConfig, *, model_path_given: bool = False) -> PlanReport:
     return replace(with_estimates(report, cfg, traced, updates), seconds=time.perf_counter() - started)
 
 
-def trace(cfg: PlanRunConfig, arch: Path, segments: dict[str, float]) -> tuple[Traced, list[Phase]]:
+def trace(cfg: PlanRunConfig, arch: Path, segments: dict[UpdateMode, float]) -> tuple[Traced, list[Phase]]:
     """The step traced on fake ranks and fake tensors, and its update calls with activation checkpointing as
     configured and flipped: at full depth, or at a few blocks of each kind extended to it (plan.depth)."""
     full = full_depths(arch)
@@ -210,7 +211,7 @@ def trace(cfg: PlanRunConfig, arch: Path, segments: dict[str, float]) -> tuple[T
     return extended(full, trace_at)
 
 
-def trace_full(cfg: PlanRunConfig, arch: Path, segments: dict[str, float]) -> tuple[Traced, list[Phase]]:
+def trace_full(cfg: PlanRunConfig, arch: Path, segments: dict[UpdateMode, float]) -> tuple[Traced, list[Phase]]:
     """The step traced with every block of ``arch``'s transformer."""
     # setup_trainable filters FSDP2's warning about blocks that return views (train/model/builder.py),
     # for the duration of the trace
@@ -223,7 +224,9 @@ def trace_full(cfg: PlanRunConfig, arch: Path, segments: dict[str, float]) -> tu
 def shared_update_flops(cfg: PlanRunConfig, updates: list[Phase]) -> float:
     """FLOPs per rank and step the shared start saves in the update: the rows whose first trainable step it runs
     once per group, at the exact path's FLOPs per step and row."""
-    exact = next(u for u in updates if u.mode == "exact" and u.checkpointing == cfg.model.activation_checkpointing)
+    exact = next(
+        u for u in updates if u.mode == UpdateMode.exact and u.checkpointing == cfg.model.activation_checkpointing
+    )
     per_row = exact.flops / (cfg.update.segment_length * cfg.batch.micro_batch)  # one step of one row, with backward
     return expected_shared_rows(cfg) * per_row
 
@@ -232,7 +235,7 @@ def plan_report(
     cfg: PlanRunConfig,
     arch: Path,
     frozen: list[FrozenModel],
-    segments: dict[str, float],
+    segments: dict[UpdateMode, float],
     traced: Traced,
     updates: list[Phase],
 ) -> PlanReport:
@@ -284,7 +287,7 @@ def with_estimates(report: PlanReport, cfg: PlanRunConfig, traced: Traced, updat
         post_window_flops=traced.post_window_flops,
         shared_update_flops=shared_update_flops(cfg, updates),
         shared_calls=expected_shared_calls(cfg),
-        shared_calls_exact=expected_shared_calls(cfg, "exact"),
+        shared_calls_exact=expected_shared_calls(cfg, UpdateMode.exact),
         replicate=cfg.dist.replicate_degree,
         gpus_per_node=cfg.plan.gpus_per_node,
         model_bytes=ModelBytes(

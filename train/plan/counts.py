@@ -10,13 +10,12 @@ from collections import Counter
 
 from samplers.sampler_config import WindowSchedule
 from samplers.window import progressive_start
-from train.algorithm.jagg import UPDATE_MODES
 from train.algorithm.segments import pick_segments, route_segments
-from train.algorithm.update_config import MIDDLE_MODES, UpdateMode
-from train.config.checks import trainable_transitions
+from train.algorithm.update_config import MIDDLE_MODES, ReuseVelocities, UpdateMode
 from train.config.schema import TrainConfig
 from train.plan.plan_config import PlanRunConfig
 from train.plan.report import Evaluation
+from train.run.checks import trainable_transitions
 from train.step import micro_batches
 
 EXACT_BATCHED = "exact_batched"  # the planner's path of an exact segment with update.exact_batched
@@ -43,12 +42,12 @@ def drawn_windows(cfg: TrainConfig) -> dict[tuple[int, int] | None, float]:
     return {(start, start + s.sde_window_size): counts[start] / len(starts) for start in sorted(counts)}
 
 
-def expected_segments(cfg: TrainConfig, mode: str | None = None) -> dict[str, float]:
+def expected_segments(cfg: TrainConfig, mode: UpdateMode | None = None) -> dict[UpdateMode, float]:
     """Expected segments per micro-batch of each update path, over the random segment pick
     (update.timestep_fraction) and the windows the run draws (``drawn_windows``).
-    ``mode`` replaces update.mode (``"exact"``: the run without JAGG)."""
+    ``mode`` replaces update.mode (``exact``: the run without JAGG)."""
     s, u = cfg.sampler, cfg.update
-    counts: dict[str, float] = {}
+    counts: dict[UpdateMode, float] = {}
     for window, share in drawn_windows(cfg).items():
         trainable = trainable_transitions(s, None if window is None else window[0])
         every = route_segments(
@@ -76,7 +75,7 @@ def first_window(cfg: TrainConfig) -> tuple[int, int] | None:
 
 
 def update_variants(
-    cfg: TrainConfig, segments: dict[str, float], *, kept_velocities: bool
+    cfg: TrainConfig, segments: dict[UpdateMode, float], *, kept_velocities: bool
 ) -> list[tuple[str, bool, float]]:
     """(path, on the rollout's velocities, calls per rank per step) for each update call the run makes,
     and exact (the baseline of the speed-up) and exact_batched (its memory) in any case.
@@ -85,17 +84,17 @@ def update_variants(
     b = cfg.batch
     samples = cfg.grpo.group_size * b.prompts_per_rank
     num_micro_batches = samples // b.micro_batch
-    reused = 1.0 if cfg.update.reuse_velocities == "stale" else b.gradient_accumulation_steps / samples
-    out = []
-    for mode in UPDATE_MODES:
+    reused = 1.0 if cfg.update.reuse_velocities is ReuseVelocities.stale else b.gradient_accumulation_steps / samples
+    out: list[tuple[str, bool, float]] = []
+    for mode in UpdateMode:
         calls = num_micro_batches * segments.get(mode, 0.0)
-        if calls == 0 and mode != "exact":
+        if calls == 0 and mode is not UpdateMode.exact:
             continue
         if kept_velocities and mode in MIDDLE_MODES:
             out.append((mode, True, calls * reused))
             if reused < 1:
                 out.append((mode, False, calls * (1 - reused)))
-        elif mode == "exact":
+        elif mode is UpdateMode.exact:
             batched = cfg.update.exact_batched
             out += [(mode, False, 0.0 if batched else calls), (EXACT_BATCHED, False, calls if batched else 0.0)]
         else:
@@ -122,7 +121,7 @@ def _per_group(micro: list[dict[int, int]]) -> dict[int, list[int]]:
     return out
 
 
-def _start_step(cfg: TrainConfig, mode: str | None = None) -> tuple[float, str] | None:
+def _start_step(cfg: TrainConfig, mode: UpdateMode | None = None) -> tuple[float, UpdateMode] | None:
     """(probability that a micro-batch trains the shared step, the path of the segment that starts there),
     None where nothing is shared (update.share_group_start off, G = 1). ``mode`` as in ``expected_segments``."""
     g, u = cfg.grpo, cfg.update
@@ -163,7 +162,7 @@ def _shares(rows: list[int], p: float) -> float:
     return 1 - (1 - p) ** m - sum(p * (1 - p) ** (m - 1) for r in rows if r == 1)
 
 
-def expected_shared_calls(cfg: TrainConfig, mode: str | None = None) -> tuple[float, float]:
+def expected_shared_calls(cfg: TrainConfig, mode: UpdateMode | None = None) -> tuple[float, float]:
     """(transformer forwards, backwards) per rank and step that the shared start adds; negative: saves.
 
     An optimizer step whose rows share (two rows of one group train the step) runs the shared forward
@@ -177,7 +176,8 @@ def expected_shared_calls(cfg: TrainConfig, mode: str | None = None) -> tuple[fl
     if start is None:
         return 0.0, 0.0
     p, path = start
-    per_micro = 1.0 if path == "jagg_sequential" or (path == "exact" and not cfg.update.exact_batched) else 0.0
+    sequential = path is UpdateMode.jagg_sequential or (path is UpdateMode.exact and not cfg.update.exact_batched)
+    per_micro = 1.0 if sequential else 0.0
     shared_forwards = 1.0 + (cfg.grpo.kl_beta > 0)
     forwards = backwards = 0.0
     for step in _optimizer_steps(cfg):

@@ -20,8 +20,8 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from train.distributed.parallelize import world_mesh
+from train.ground.errors import ConfigError
 from train.observe.perf import StepFlopCounter
-from train.run.errors import ConfigError
 
 
 class StepMemTracker(FSDPMemTracker):

@@ -20,8 +20,8 @@ from models.registry import get_backbone_class
 from rewards.base import FrozenModelScorer, scorer_class
 from train.config.schema import TrainConfig
 from train.config.shipped import shipped
+from train.ground.errors import ConfigError, config_key
 from train.plan.reward import scorer_flops
-from train.run.errors import ConfigError, config_key
 
 ARCH_ROOT = shipped("configs/arch")
 

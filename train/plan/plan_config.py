@@ -6,11 +6,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from samplers.choices import Choice
+from settings import Choice
 from train.config.schema import TrainConfig, register_schema
+from train.ground.errors import ConfigError
 from train.observe.perf import GPU_PEAK_TFLOPS
 from train.plan.comm import INTER_NODE_GBPS, INTRA_NODE_GBPS
-from train.run.errors import ConfigError
 
 
 class Depth(Choice):

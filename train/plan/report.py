@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from train.algorithm.update_config import UpdateMode
 from train.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
 from train.plan.fake import Measured
 from train.plan.frozen import FrozenModel
@@ -69,7 +70,7 @@ class PlanReport:
     samples_per_rank: int
     decode_batch: int
     micro_batch: int
-    segments: dict[str, float]  # expected segments per micro-batch, per update path
+    segments: dict[UpdateMode, float]  # expected segments per micro-batch, per update path
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
@@ -133,7 +134,7 @@ class PlanReport:
         updates = self.configured_updates()
         if exact:
             calls = sum(u.calls_per_step for u in updates)
-            update = calls * next(u.flops for u in updates if u.mode == "exact")
+            update = calls * next(u.flops for u in updates if u.mode == UpdateMode.exact)
         else:
             update = sum(u.calls_per_step * u.flops for u in updates)
         update -= self.shared_update_flops if shared else 0.0
@@ -159,7 +160,7 @@ class PlanReport:
         updates = self.configured_updates()
         if exact:
             calls = sum(u.calls_per_step for u in updates)
-            exact_call = next(u for u in updates if u.mode == "exact")
+            exact_call = next(u for u in updates if u.mode == UpdateMode.exact)
             out = self.model_bytes.call(self.cluster, exact_call.forwards, exact_call.backwards) * calls
         else:
             out = sum((self.traffic(u) for u in updates), Traffic())

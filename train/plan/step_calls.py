@@ -157,8 +157,8 @@ def update_call(run: TracedRun, tensors: StepTensors, mode: str, *, reuse: bool)
         gradient_accumulation_steps=cfg.batch.gradient_accumulation_steps,
     )
     start = traj.trainable_steps()[0]
-    width = EXACT_TRACED_STEPS if mode == "exact" else cfg.update.segment_length
-    segment = RoutedSegment(start, start + width, UpdateMode("exact" if mode == EXACT_BATCHED else mode))
+    width = EXACT_TRACED_STEPS if mode == UpdateMode.exact else cfg.update.segment_length
+    segment = RoutedSegment(start, start + width, UpdateMode.exact if mode == EXACT_BATCHED else UpdateMode(mode))
     rows = torch.arange(cfg.batch.micro_batch)
 
     def call() -> None:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from models.diffusers_backbone import DiffusersBackbone
 from samplers.window import rollout_forwards
+from train.algorithm.update_config import UpdateMode
 from train.plan.counts import drawn_windows, first_window, update_variants
 from train.plan.fake import Measured, measure
 from train.plan.fake_run import TracedRun, ema_shards, hold_gradients, reference_shards, traced_run
@@ -54,7 +55,7 @@ def _storage_bytes(tensors: Sequence[Tensor]) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
-def trace_updates(run: TracedRun, tensors: StepTensors, segments: dict[str, float]) -> list[Phase]:
+def trace_updates(run: TracedRun, tensors: StepTensors, segments: dict[UpdateMode, float]) -> list[Phase]:
     """Every update call of the run (``update_variants``) on one segment of one micro-batch, with the
     run's activation checkpointing and gradients held."""
     cfg = run.cfg
@@ -67,7 +68,7 @@ def trace_updates(run: TracedRun, tensors: StepTensors, segments: dict[str, floa
         progress(f"  update {mode}{', rollout velocities' if reuse else ''}, activation checkpointing {recompute}")
         m, forwards = measure_counting(run, resident, update_call(run, tensors, mode, reuse=reuse))
         backwards = float(forwards.with_grad)  # each graph is backpropagated once
-        if mode == "exact":  # its W steps, each freed before the next, traced on EXACT_TRACED_STEPS
+        if mode == UpdateMode.exact:  # its W steps, each freed before the next, traced on EXACT_TRACED_STEPS
             m.flops = round(m.flops * cfg.update.segment_length / EXACT_TRACED_STEPS)
             backwards *= cfg.update.segment_length / EXACT_TRACED_STEPS
         name = f"update {mode}" + (", rollout velocities" if reuse else "")
@@ -113,7 +114,7 @@ def _rollout_calls(
     return rows, calls
 
 
-def trace_step(run: TracedRun, segments: dict[str, float]) -> Traced:
+def trace_step(run: TracedRun, segments: dict[UpdateMode, float]) -> Traced:
     """The phases in the order a step runs them, with gradients held where the trainer holds them."""
     cfg, b = run.cfg, run.cfg.batch
     root, opt = run.backbone.transformer, run.optimizer
@@ -167,7 +168,7 @@ def trace_step(run: TracedRun, segments: dict[str, float]) -> Traced:
 
 
 def trace_other_checkpointing(
-    cfg: PlanRunConfig, arch: Path, tensors: StepTensors, segments: dict[str, float]
+    cfg: PlanRunConfig, arch: Path, tensors: StepTensors, segments: dict[UpdateMode, float]
 ) -> list[Phase]:
     """The update traces with activation checkpointing flipped, on the same step's tensors (a second
     model: checkpointing wraps the blocks before FSDP2 shards them)."""

@@ -37,12 +37,12 @@ from omegaconf import DictConfig
 from train.cli.compose import setup
 from train.cli.reporting import reported, run_hydra
 from train.distributed.collectives import DistInfo, barrier
+from train.ground.layout import RunLayout
 from train.preflight.conclude import conclude
 from train.preflight.machine import machine_line
 from train.preflight.preflight_config import register
 from train.preflight.session import Found, on_every_rank
 from train.preflight.verdict import FAILED_STATUS, Verdict
-from train.run.layout import RunLayout
 from train.run.start import process_group
 
 PROG = "python -m train.preflight"

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from train.checkpoint.manager import CheckpointManager
+from train.ground.errors import UserError
+from train.ground.layout import RunLayout
 from train.plan.command import plan, plannable
 from train.plan.report import GIB, PlanReport
 from train.preflight.compare import MemoryCompare, corrected_memory, plan_summary, retimed
@@ -18,8 +20,6 @@ from train.preflight.reduced import STAND_IN_REWARD, StepMeasure
 from train.preflight.scorers import measured_reward, reward_check
 from train.preflight.session import Found
 from train.preflight.verdict import Check, Status, Verdict, merged
-from train.run.errors import UserError
-from train.run.layout import RunLayout
 
 KEEP_ROOM = 1  # the newest checkpoint is written before the oldest is deleted: keep_last + 1 at once
 
@@ -44,7 +44,7 @@ def disk_check(cfg: PreflightRunConfig, report: PlanReport) -> Check:
     """Room on the run folder's disk for checkpoint.keep_last checkpoints of the full-depth run, and the next one."""
     count = cfg.checkpoint.keep_last + KEEP_ROOM
     needed = count * checkpoint_bytes(report)
-    manager = CheckpointManager(RunLayout(cfg.run_dir).root, keep_last=cfg.checkpoint.keep_last)
+    manager = CheckpointManager(RunLayout(cfg.run_dir).root, cfg.checkpoint)
     what = f"{count} checkpoints (checkpoint.keep_last={cfg.checkpoint.keep_last} and the next one being written)"
     try:
         manager.check_space(int(needed), what)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from samplers.sampler_config import check_range
+from settings import check_range
 from train.config.schema import register_schema
 from train.plan.plan_config import PlanRunConfig
 

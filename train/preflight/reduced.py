@@ -21,8 +21,8 @@ import torch
 
 from models.base import parse_dtype
 from models.components import quiet_progress_bars
-from train.config.schema import WandbMode
 from train.distributed.collectives import DistInfo
+from train.observe.observe_config import WandbMode
 from train.plan.fake import default_dtype
 from train.plan.frozen import build_component, diffusers_backbone_class, read_json
 from train.preflight.preflight_config import PreflightRunConfig

@@ -15,8 +15,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from train.checkpoint.manager import CheckpointManager
+from train.data.prompts import prompts_digest, read_prompts
 from train.distributed.collectives import DistInfo, barrier, gather_objects
 from train.distributed.parallelize import world_mesh
+from train.ground.layout import RunLayout
 from train.model.builder import check_room, model_folder
 from train.plan.counts import text_tokens
 from train.plan.frozen import read_json
@@ -27,8 +29,6 @@ from train.preflight.reduced import StepMeasure, reduced_folder, reduced_run, ru
 from train.preflight.scorers import time_scorers
 from train.preflight.verdict import RankChecks, Status
 from train.run.folder import RunLock, check_one_run
-from train.run.layout import RunLayout
-from train.run.prompts import prompts_digest, read_prompts
 from train.run.start import load_config
 from train.run.startup_checks import check_mesh, check_resume, unwritable
 
@@ -91,7 +91,7 @@ def startup_checks(checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo) 
 
 def _checkpoints(cfg: PreflightRunConfig, dist: DistInfo) -> None:
     """The trainer's checks of the checkpoints to resume from, else of the room for a new run's first one."""
-    checkpoints = CheckpointManager(RunLayout(cfg.run_dir).root, keep_last=cfg.checkpoint.keep_last)
+    checkpoints = CheckpointManager(RunLayout(cfg.run_dir).root, cfg.checkpoint)
     digest = prompts_digest(read_prompts(cfg.data.train_prompts))
     if not check_resume(cfg, dist, checkpoints, max_step=cfg.num_steps, prompts=digest):
         check_room(cfg, checkpoints, model_folder(cfg, dist))

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from samplers.choices import Choice
-from train.run.errors import UserError
+from settings import Choice
+from train.ground.errors import UserError
 
 SCHEMA_VERSION = 1
 FAILED_STATUS = 2  # the exit status when the run would fail, as for a user's mistake

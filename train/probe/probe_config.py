@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from train.algorithm.jagg import UPDATE_MODES
 from train.config.schema import TrainConfig, register_schema
-from train.run.errors import ConfigError
+from train.ground.errors import ConfigError
 
 
 @dataclass

@@ -41,13 +41,14 @@ from train.algorithm.quality import (
 from train.algorithm.segments import route_segments
 from train.algorithm.update import UpdateBatch, update_micro_batch
 from train.algorithm.update_config import MIDDLE_MODES, ReuseVelocities
-from train.config.schema import TrainConfig, WandbMode
+from train.config.schema import TrainConfig
 from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
+from train.ground.layout import RunLayout
+from train.observe.observe_config import WandbMode
 from train.observe.perf import PhaseTimer
 from train.optim.optimizer import adamw_settings
 from train.probe.probe_config import ProbeConfig, probe_settings
 from train.run.build import open_run
-from train.run.layout import RunLayout
 from train.run.parts import Run
 from train.run.start import load_config, process_group
 from train.step import step_rollout
@@ -69,7 +70,7 @@ def one_step_later(
     """
     b = cfg.batch
     saved = [p.detach().clone() for p in params]
-    optimizer = torch.optim.AdamW(params, **adamw_settings(cfg))
+    optimizer = torch.optim.AdamW(params, **adamw_settings(cfg.optimizer))
     traj = batch.traj
     route = route_segments(
         traj.trainable_steps(),

@@ -41,10 +41,10 @@ from rewards.combine import AdvantageFn, NonFiniteRewardError, RewardCombiner
 from rewards.remote import RemoteRewardError
 from samplers.rollout import Trajectory, cat_trajectories
 from train.algorithm.grpo import group_advantages
-from train.config.schema import AdvStd, GRPOConfig
+from train.algorithm.grpo_config import AdvStd, GRPOConfig
 from train.distributed.collectives import DistInfo, all_gather_tensor, all_reduce_max
+from train.ground.errors import RankFailed, ScorerFailed, mark_agreed
 from train.observe.perf import PhaseTimer
-from train.run.errors import RankFailed, ScorerFailed, mark_agreed
 
 log = logging.getLogger(__name__)
 

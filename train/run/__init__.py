@@ -1,4 +1,3 @@
-"""A run and its folder: the assembly of a run (build.py) into its parts (parts.py), the run folder's
-layout (layout.py) and lock (folder.py), the checks before any model loads (start.py, startup_checks.py,
-scorers.py), the prompt data and the user errors. Like every run part it imports train.algorithm,
-train.distributed and its fellow run parts, never the trainer or a command."""
+"""The assembly of a run, above every part it builds: the run built (build.py) into its parts (parts.py), the
+folder's lock (folder.py) and timeline (timeline.py), the checks before any model loads (start.py, checks.py,
+startup_checks.py). It imports the parts below it, never the trainer or a command."""

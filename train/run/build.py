@@ -3,7 +3,7 @@
 ``build_run`` assembles the run (``train.run.parts.Run``) in a fixed order: seeds, the checks of the
 checkpoints to resume from (train/run/startup_checks.py) and of the run they belong to (train/run/timeline.py),
 the model's folder (and for a new run room on the disk for its checkpoint, estimated from the transformer's
-shapes), the rewards (a wrong reward path fails in seconds, before the transformer loads: train/run/scorers.py),
+shapes), the rewards (a wrong reward path fails in seconds, before the transformer loads: train/reward/scorers.py),
 the backbone, the trainable parameters and the KL reference (then sharding: train/model/builder.py), the
 optimizer, the logger, the predictors and the router.
 ``open_run`` builds it in the run folder claimed for it.
@@ -21,41 +21,36 @@ from torch import nn
 
 from models.base import Backbone
 from rewards.combine import RewardCombiner
-from train.algorithm.routing import AutoRouter, PrefixRouter, Router
-from train.algorithm.update_config import Routing, UpdateConfig
+from train.algorithm.routing import build_router
 from train.checkpoint.manager import CheckpointManager
 from train.config.schema import TrainConfig
-from train.distributed.collectives import DistInfo, broadcast_object
+from train.data.prompts import PromptRecord, PromptSampler, prompts_digest, read_prompts
+from train.distributed.collectives import DistInfo, agreed, broadcast_object
 from train.distributed.parallelize import compile_unavailable
 from train.distributed.seeds import seed_everything
-from train.model.builder import build_model, check_room, model_folder
+from train.ground.errors import ConfigError
+from train.ground.layout import RunLayout
+from train.model.builder import build_model, check_room, model_folder, resolve_device
 from train.observe.logger import RunLogger
 from train.observe.perf import CompileWatch, device_peak
 from train.optim.optimizer import adamw_settings, build_ema
+from train.reward.scorers import build_rewards
 from train.reward.stage import RewardStage
-from train.run.errors import ConfigError
 from train.run.folder import RunLock
-from train.run.layout import RunLayout
 from train.run.parts import DataParts, IOParts, OptimParts, PerfParts, Run
-from train.run.prompts import PromptRecord, PromptSampler, prompts_digest, read_prompts
-from train.run.scorers import build_rewards
-from train.run.startup_checks import agreed, check_mesh, check_resume, claim_folder, resolve_device
+from train.run.startup_checks import check_mesh, check_resume, claim_folder
 from train.run.timeline import run_identity
 
 
 def build_logger(cfg: TrainConfig, dist: DistInfo, *, resumed: bool) -> RunLogger:
     """The run's logger (``logging.*``): wandb's group, name and tags carry the experiment and the update mode."""
-    lg = cfg.logging
     return RunLogger(
-        cfg.run_dir,
+        cfg.logging,
+        RunLayout(cfg.run_dir),
         is_main=dist.is_main,
-        wandb_mode=lg.wandb_mode,
-        project=lg.project,
-        entity=lg.entity,
-        group=lg.group or cfg.experiment,
-        name=lg.name or f"{cfg.experiment}-{cfg.update.mode}-s{cfg.seed}",
-        tags=list(dict.fromkeys([cfg.update.mode, f"seed{cfg.seed}", cfg.sampler.sde, *lg.tags])),
-        notes=lg.notes,
+        experiment=cfg.experiment,
+        name=f"{cfg.experiment}-{cfg.update.mode}-s{cfg.seed}",
+        tags=[cfg.update.mode, f"seed{cfg.seed}", cfg.sampler.sde],
         config=cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)),
         resumed=resumed,
     )
@@ -77,7 +72,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
     num_steps, of other settings or of another run (the probe only measures one)."""
     seed_everything(cfg.seed, dist.rank)
     layout = RunLayout(cfg.run_dir)
-    checkpoints = CheckpointManager(layout.root, keep_last=cfg.checkpoint.keep_last)
+    checkpoints = CheckpointManager(layout.root, cfg.checkpoint)
     # each rank's own checks first, agreed on before the collectives of the checkpoints and the disk
     records, device, skeleton = agreed(lambda: _own_checks(cfg, dist))
     max_step = cfg.num_steps if training else None
@@ -89,7 +84,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
     # the checkpoint must have wrapped the modules LoRA wraps now: its weights load by their names
     lora_checkpoint = (checkpoints, resume_from) if training else None
     model, flops = build_model(cfg, dist, device, lora_checkpoint=lora_checkpoint)
-    optimizer = torch.optim.AdamW(model.params, **adamw_settings(cfg))
+    optimizer = torch.optim.AdamW(model.params, **adamw_settings(cfg.optimizer))
     logger = build_logger(cfg, dist, resumed=bool(resume_from))
     prompts = PromptSampler(
         records, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, prompts_per_rank=cfg.batch.prompts_per_rank
@@ -140,21 +135,4 @@ def build_reward_stage(
     ``reward.chunk_groups`` groups."""
     return RewardStage(
         rewards, backbone, cfg.model, cfg.grpo, chunk_groups=cfg.reward.chunk_groups, dist=dist, device=device
-    )
-
-
-def build_router(update: UpdateConfig) -> Router:
-    """The router ``update.routing`` names."""
-    u = update
-    if u.routing is Routing.auto:
-        return AutoRouter(
-            mode=u.mode,
-            segment_length=u.segment_length,
-            timestep_fraction=u.timestep_fraction,
-            every=u.auto_every,
-            threshold=u.auto_threshold,
-            num_rollouts=u.auto_rollouts,
-        )
-    return PrefixRouter(
-        mode=u.mode, segment_length=u.segment_length, timestep_fraction=u.timestep_fraction, jagg_frac=u.jagg_frac
     )

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from train.run.errors import ConfigError, Stop, UserError
-from train.run.layout import RunLayout
+from train.ground.errors import ConfigError, Stop, UserError
+from train.ground.layout import RunLayout
 
 log = logging.getLogger(__name__)
 LEASE_S = 60.0  # a holder that has not renewed its lock for this long is taken for dead

@@ -17,34 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from models.base import Backbone
-from samplers.rollout import Predict
 from train.algorithm.routing import Router
 from train.checkpoint.manager import CheckpointManager
 from train.config.schema import TrainConfig
+from train.data.prompts import PromptSampler
 from train.distributed.collectives import DistInfo
+from train.ground.layout import RunLayout
+from train.model.parts import ModelParts
 from train.observe.logger import RunLogger
 from train.observe.perf import CompileWatch, FlopMeter, Peak
 from train.optim.ema import EMA
 from train.reward.stage import RewardStage
 from train.run.folder import RunLock
-from train.run.layout import RunLayout
-from train.run.prompts import PromptSampler
-
-
-@dataclass
-class ModelParts:
-    """The transformer's side of a run."""
-
-    backbone: Backbone
-    params: list[nn.Parameter]  # the trainable parameters (LoRA's, or every weight of the transformer)
-    reference: nn.Module | None  # frozen copy for the KL term of full fine-tuning; None with LoRA or no KL
-    compute_dtype: torch.dtype
-    lora_modules: list[str]  # the full names of the modules LoRA wrapped (recorded with each checkpoint)
-    policy: Predict  # predict(z, t, cond) with the backbone's transformer, counted by the FLOP meter
-    kl_reference: Predict | None  # the KL term's reference predictor; None without a KL term
 
 
 @dataclass

@@ -13,11 +13,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
-from train.config.checks import validate
 from train.config.keys import typed
 from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo, init_distributed, shutdown
-from train.run.errors import ConfigError
+from train.ground.errors import ConfigError
+from train.run.checks import validate
 
 
 def _missing(tree: Any, name: str = "") -> list[str]:

@@ -1,15 +1,12 @@
 """Before any model loads: the run folder claimed (writable, not another run's, locked), the checkpoints to
-resume from checked, the device mesh and the device resolved."""
+resume from checked, the device mesh checked."""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
-
-import torch
+from typing import Any
 
 from train.checkpoint.manager import CheckpointManager
 from train.checkpoint.settings import (
@@ -23,14 +20,7 @@ from train.checkpoint.settings import (
     global_batch_refusal,
     recorded_settings,
 )
-from train.config.schema import Device, TrainConfig
-from train.distributed.collectives import DistInfo, broadcast_object, gather_objects
-from train.distributed.parallelize import mesh_shape
-from train.observe.metrics import metrics_problem
-from train.run.errors import ConfigError, StartRefused, UserError
-from train.run.folder import RunLock, check_one_run, clear_run, held_run
-from train.run.layout import RunLayout
-from train.run.record import (
+from train.config.record import (
     lost_rows,
     no_complete_checkpoint,
     not_a_folder,
@@ -40,57 +30,15 @@ from train.run.record import (
     steps_text,
     unfinished,
 )
+from train.config.schema import TrainConfig
+from train.distributed.collectives import DistInfo, broadcast_object, main_decides
+from train.distributed.parallelize import mesh_shape
+from train.ground.errors import ConfigError
+from train.ground.layout import RunLayout
+from train.observe.metrics import metrics_problem
+from train.run.folder import RunLock, check_one_run, clear_run, held_run
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-def failed_ranks_line(lines: list[str | None]) -> str:
-    """Each rank's failure (``lines[rank]``, None where it passed) in one line: the line alone when every rank
-    failed alike, else ``rank 1: <line>; rank 0,2: <line>``."""
-    ranks: dict[str, list[int]] = {}
-    for rank, line in enumerate(lines):
-        if line is not None:
-            ranks.setdefault(line, []).append(rank)
-    if len(ranks) == 1 and len(next(iter(ranks.values()))) == len(lines):
-        return next(iter(ranks))
-    return "; ".join(f"rank {','.join(map(str, who))}: {line}" for line, who in ranks.items())
-
-
-def agreed(fn: Callable[[], T]) -> T:
-    """``fn()``, a rank's own checks (files read where this rank reads them, its device), then one gather: where it
-    raised a UserError on any rank, every rank raises StartRefused naming each failing rank's line (rank 0 prints
-    it). A rank that failed alone would otherwise skip the next collective, and the others wait in it for
-    dist.timeout_s."""
-    refusal: UserError | None = None
-    try:
-        result = fn()
-    except UserError as err:
-        refusal = err
-    lines = gather_objects(None if refusal is None else str(refusal))
-    if refusal is not None and len(lines) == 1:  # one process: its own error as it was raised
-        raise refusal
-    if any(line is not None for line in lines):
-        raise StartRefused(failed_ranks_line(lines))
-    return result
-
-
-def main_decides(dist: DistInfo, fn: Callable[[], T]) -> T | None:
-    """``fn()`` on rank 0 alone, the other ranks waiting for it (a collective every rank reaches, whatever rank 0
-    found): a UserError it raises is raised on every rank, in rank 0's words (rank 0 prints it). Rank 0's result,
-    None elsewhere."""
-    result, refusal = None, None
-    if dist.is_main:
-        try:
-            result = fn()
-        except UserError as err:
-            refusal = err
-    message = broadcast_object(None if refusal is None else str(refusal))
-    if refusal is not None:
-        raise refusal
-    if message is not None:
-        raise StartRefused(message)
-    return result
 
 
 def unwritable(run_dir: Path) -> str | None:
@@ -185,7 +133,8 @@ def _saved_settings(
     cfg: TrainConfig, checkpoints: CheckpointManager, path: Path, now: dict[str, Any]
 ) -> tuple[dict[str, Any], str]:
     """The settings checkpoint ``path`` was trained with, and where they were read: its own record, completed by
-    the run folder's recorded configuration for the keys an older checkpoint did not record (train/run/record.py)."""
+    the run folder's recorded configuration for the keys an older checkpoint did not record
+    (train/config/record.py)."""
     saved = checkpoints.settings_of(path) or {}  # read from its marker: ours to change
     saved.pop(LORA_MODULES, None)  # known once LoRA is on (train/model/builder.py checks it)
     recorded = recorded_config(run_folder_of(path)) if now.keys() - saved.keys() else None
@@ -231,11 +180,3 @@ def check_mesh(cfg: TrainConfig, world_size: int) -> None:
         mesh_shape(world_size, cfg.dist.replicate_degree)
     except ValueError as err:
         raise ConfigError(f"{err}: pick a divisor of it, or dist.replicate_degree=1") from None
-
-
-def resolve_device(cfg: TrainConfig, dist: DistInfo) -> torch.device:
-    if cfg.device is Device.cpu or (cfg.device is Device.auto and dist.device.type == "cpu"):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():  # validate() refuses device=cuda without CUDA: device=auto found a GPU rank
-        raise ConfigError("device=auto: this rank has no CUDA device; use device=cpu")
-    return dist.device

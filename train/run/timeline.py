@@ -30,8 +30,8 @@ from train.checkpoint.export import EXPORT_NOTE
 from train.checkpoint.files import complete_in
 from train.checkpoint.manager import CheckpointManager
 from train.distributed.collectives import DistInfo, broadcast_object
-from train.run.errors import CheckpointError
-from train.run.layout import RunLayout
+from train.ground.errors import CheckpointError
+from train.ground.layout import RunLayout
 
 if TYPE_CHECKING:
     from train.observe.logger import RunLogger

@@ -14,7 +14,7 @@ from rewards.base import Scorer, build_scorer, scorer_class
 from rewards.combine import RewardCombiner
 from rewards.reward_config import optional_terms
 from train.config.schema import TrainConfig
-from train.run.errors import ConfigError, PathError, config_key, every_missing
+from train.ground.errors import ConfigError, PathError, config_key, every_missing
 
 
 def check_scorer(field_name: str, name: str, kwargs: dict[str, Any]) -> None:

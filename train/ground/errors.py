@@ -111,7 +111,7 @@ class ScorerFailed(UserError):
 
 class StartRefused(UserError):
     """A start-up check failed on some ranks: every rank raises it, naming each failing rank's line, once the ranks
-    have agreed (train/run/startup_checks.py ``agreed``), so that no rank waits in a collective the others skip."""
+    have agreed (train/distributed/collectives.py ``agreed``), so that no rank waits in a collective the others skip."""
 
     same_on_every_rank = True
 

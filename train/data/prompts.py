@@ -1,4 +1,5 @@
-"""Prompt files and the deterministic, resumable order in which ranks draw prompts.
+"""The training prompts' settings (the ``data`` group), prompt files and the deterministic, resumable order in
+which ranks draw prompts.
 
 Step ``k`` of a run deals the prompts ``k * P * R .. (k + 1) * P * R - 1`` of an endless sequence of
 epochs (each epoch a permutation of the file from the stream (seed, "prompt_order", epoch)); rank r
@@ -14,9 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import MISSING
 
 from train.distributed.seeds import stream_generator
-from train.run.errors import ConfigError, PathError
+from train.ground.errors import ConfigError, PathError
+
+
+@dataclass
+class DataConfig:
+    """The training prompts."""
+
+    train_prompts: str = MISSING
+    """Text file, one prompt per line."""
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Each group checks its own ranges in ``__post_init__``; ``validate`` runs those again and then applies the few
 rules across groups: every float finite, a segment that divides the trainable steps, the batch that divides
 the samples, no solver after a window the job does not have, files that exist and read as UTF-8, the size of
-an evaluation. It raises ConfigError or PathError (train/run/errors.py), which the commands print as one line.
+an evaluation. It raises ConfigError or PathError (train/ground/errors.py), which the commands print as one line.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from samplers.sampler_config import PostWindowConfig, SamplerConfig
 from samplers.sde import SDEKind
 from train.algorithm.segments import split_segments
 from train.algorithm.update_config import Routing
+from train.checkpoint.settings import not_allowable
 from train.config.keys import check_finite, check_known_keys, checked
 from train.config.schema import TrainConfig
-from train.run.errors import ConfigError, PathError, every_missing
-from train.run.prompts import read_prompts
-from train.run.scorers import check_scorer_inputs
+from train.data.prompts import read_prompts
+from train.ground.errors import ConfigError, PathError, every_missing
+from train.reward.scorers import check_scorer_inputs
 
 
 def trainable_transitions(sampler: SamplerConfig, window_start: int | None = None) -> list[int]:
@@ -65,6 +66,9 @@ def _check_across(cfg: TrainConfig) -> None:
             "grpo.ratio_norm=true normalises a Gaussian log-prob, which sampler.sde=cps does not have: "
             "use sampler.sde=flow or dance, or grpo.ratio_norm=false"
         )
+    for key in cfg.checkpoint.allow_changed:
+        if problem := not_allowable(key):
+            raise ConfigError(f"checkpoint.allow_changed: {problem}")
     if cfg.checkpoint.overwrite and cfg.resume:
         raise ConfigError(
             f"checkpoint.overwrite=true starts the run in run_dir again, resume={cfg.resume} continues one: pick one"

@@ -24,10 +24,10 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 
 from train.checkpoint.files import MARKER, STEP_DIR
+from train.data.prompts import prompts_digest, read_prompts
+from train.ground.errors import CheckpointError
+from train.ground.layout import CHECKPOINTS, RunLayout
 from train.observe.metrics import evaluation_only, metrics_row, read_lines
-from train.run.errors import CheckpointError
-from train.run.layout import CHECKPOINTS, RunLayout
-from train.run.prompts import prompts_digest, read_prompts
 
 
 def after_steps(steps: list[int]) -> str:
