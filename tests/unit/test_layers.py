@@ -2,7 +2,7 @@
 train/ the sub-packages form layers (CONTRIBUTING.md, Layout):
 
     commands (train.cli, train.eval, train.probe, train.compare, train.plan, train.preflight, train.__main__)
-      -> the trainer (train.trainer, train.step)
+      -> the trainer (train.trainer, train.step, train.faults)
         -> run parts (train.run, train.model, train.optim, train.checkpoint, train.evaluation,
            train.observe, train.reward, and the configuration train.config)
           -> the algorithm (train.algorithm)
@@ -36,7 +36,7 @@ LAYERS = [
         "train.observe",
         "train.reward",
     },
-    {"train.trainer", "train.step"},
+    {"train.trainer", "train.step", "train.faults"},
     {"train.cli", "train.eval", "train.probe", "train.compare", "train.plan", "train.preflight", "train.__main__"},
 ]
 
