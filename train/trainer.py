@@ -54,7 +54,6 @@ from train.observe.logger import Heartbeat, progress_bar
 from train.optim.optimizer import adamw_settings
 from train.run.build import open_run
 from train.run.errors import CheckpointError
-from train.run.layout import RunLayout
 from train.run.parts import Run
 from train.run.record import after_steps, due_evaluations, missing_evaluations
 from train.run.start import load_config, process_group
@@ -181,7 +180,10 @@ class Trainer:
             self.export()
         if run.dist.is_main:
             missing = [step for step in lost if step < start]  # the one at ``start`` was evaluated again
-            _curve(run.io.layout, missing)
+            try:  # eval/curve.png of the run's evaluations, the missing ones marked
+                write_curve(run.io.layout.metrics, run.io.layout.eval_curve, missing)
+            except OSError as err:
+                raise write_failure(err, run.io.layout.eval_curve, "the curve of the evaluations") or err from None
             seconds = time.perf_counter() - began
             summary = run_summary(
                 cfg, start=start, history=history, seconds=seconds, peak=run.perf.peak, missing=missing
@@ -282,11 +284,3 @@ class Trainer:
                 after_steps(earlier),
                 self.run.io.layout.eval_curve,
             )
-
-
-def _curve(layout: RunLayout, missing: list[int]) -> None:
-    """Rank 0 at the end: ``eval/curve.png`` of the run's evaluations, the ``missing`` ones marked."""
-    try:
-        write_curve(layout.metrics, layout.eval_curve, missing)
-    except OSError as err:
-        raise write_failure(err, layout.eval_curve, "the curve of the evaluations") or err from None
