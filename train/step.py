@@ -7,11 +7,11 @@ On each rank:
      groups (``reward.chunk_groups``);
   3. decode and score each chunk as it finishes, a served reward while the next chunk rolls out; once every
      score is in, combine and take group advantages (the reward stage, train/reward/stage.py);
-  4. update: the router (train/algorithm/routing.py) may measure first; then micro-batches through
-     train/algorithm/update.py (exact or JAGG per segment), one optimizer step per
-     ``gradient_accumulation_steps`` samples, after clipping the global gradient norm. The routes of an
-     optimizer step's micro-batches are drawn first, in order; its shared start (the first trainable
-     step, once per group) runs before them and its backward after them.
+  4. update (``update``, on the model's and the optimizer's parts): the router (train/algorithm/routing.py)
+     may measure first; then micro-batches through train/algorithm/update.py (exact or JAGG per segment), one
+     optimizer step per ``gradient_accumulation_steps`` samples, after clipping the global gradient norm. The
+     routes of an optimizer step's micro-batches are drawn first, in order; its shared start (the first
+     trainable step, once per group) runs before them and its backward after them.
 
 The rollout keeps its velocities when the JAGG path can reuse them (``update.reuse_velocities``):
 ``fresh`` hands them to the update until an optimizer step has changed the weights, ``stale`` for the
@@ -43,6 +43,7 @@ from train.algorithm.metrics import Reduce, Stat
 from train.algorithm.update import UpdateBatch, UpdateStats, shared_start, update_micro_batch
 from train.algorithm.update_config import ReuseVelocities
 from train.config.schema import TrainConfig
+from train.data.prompts import PromptSampler
 from train.distributed.collectives import all_reduce_max, all_reduce_sum
 from train.distributed.parallelize import ProcessRanks, clip_grad_norm_
 from train.distributed.seeds import stream_generator, stream_seed
@@ -53,7 +54,7 @@ from train.observe.logger import RunLogger
 from train.observe.perf import PhaseTimer, perf_metrics
 from train.optim.ema import EMA
 from train.reward.stage import Scored
-from train.run.parts import Run
+from train.run.parts import OptimParts, Run
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +100,18 @@ class StepRollout:
         return traj, self.prompts[rows.start : rows.stop]
 
 
-def step_rollout(run: Run, step: int, *, keep_velocities: bool | None = None) -> StepRollout:
-    """The step's rollout, ready to run; it keeps its velocities when ``keep_velocities`` says so, by default
-    when the update can reuse them."""
-    cfg, backbone, device = run.cfg, run.model.backbone, run.device
-    batch = run.data.prompts.batch(step)
+def step_rollout(
+    model: ModelParts,
+    prompts: PromptSampler,
+    cfg: TrainConfig,
+    step: int,
+    *,
+    device: torch.device,
+    keep_velocities: bool | None = None,
+) -> StepRollout:
+    """The rollout of step ``step``'s prompts with ``model``'s policy, ready to run on ``device``; it keeps its
+    velocities when ``keep_velocities`` says so, by default when the update can reuse them."""
+    backbone, batch = model.backbone, prompts.batch(step)
     size, s = cfg.grpo.group_size, cfg.sampler
     seeds = [stream_seed(cfg.seed, "initial_noise", gid) for gid in batch.group_ids]
     h, w = cfg.model.height, cfg.model.width
@@ -115,7 +123,7 @@ def step_rollout(run: Run, step: int, *, keep_velocities: bool | None = None) ->
     with torch.no_grad():
         cond = backbone.encode(batch.prompts).repeat(size)
     return StepRollout(
-        predict=run.model.policy,
+        predict=model.policy,
         cfg=cfg,
         cond=cond,
         noise=noise,
@@ -127,7 +135,7 @@ def step_rollout(run: Run, step: int, *, keep_velocities: bool | None = None) ->
         sde_noise=[stream_generator(cfg.seed, "sde_noise", gid, device) for gid in batch.group_ids],
         prompts=[p for p in batch.prompts for _ in range(size)],
         keep_velocities=keep,
-        velocity_dtype=run.model.compute_dtype,  # the transformer's output precision: nothing is lost
+        velocity_dtype=model.compute_dtype,  # the transformer's output precision: nothing is lost
     )
 
 
@@ -158,21 +166,9 @@ def sample_trajectories(
         sde_window=sde_window,
         generator=sde_noise,
         group_ids=group_ids,
-        group_size=rollout_group_size(cfg),
+        group_size=cfg.update.shared_rows(cfg.grpo.group_size),
         velocities=velocities if keep_velocities else None,
     )
-
-
-def rollout_group_size(cfg: TrainConfig) -> int:
-    """The rows that share a start in the rollout: G with ``update.share_group_start``, else 1."""
-    return cfg.update.shared_rows(cfg.grpo.group_size)
-
-
-def rollout_shared_rows(cfg: TrainConfig, traj: Trajectory) -> int:
-    """Rows of transformer forwards the rollout's shared start did not run (on this rank)."""
-    size = rollout_group_size(cfg)
-    steps = shared_start_steps(traj.stochastic.tolist()) if size > 1 else 0
-    return steps * (traj.batch_size - traj.batch_size // size)
 
 
 def rollout_metrics(cfg: TrainConfig, traj: Trajectory) -> dict[str, float]:
@@ -183,6 +179,88 @@ def rollout_metrics(cfg: TrainConfig, traj: Trajectory) -> dict[str, float]:
         window = (flags.index(True), flags.index(True) + sum(flags))
     metrics: dict[str, float] = {"count/rollout_forwards": rollout_forwards(cfg.sampler, window)}
     return metrics if window is None else metrics | {"sampler/window_start": window[0]}
+
+
+def train_step(run: Run, step: int) -> dict[str, float]:
+    """One step: the rollout, reward and update phases (above), each on the parts it reads; the step's metrics."""
+    cfg, timer = run.cfg, PhaseTimer(run.device, run.perf.flops)
+    if run.perf.compiles is not None:
+        run.perf.compiles.begin()
+    with timer.phase("step"):
+        with timer.phase("rollout"):
+            rollout = step_rollout(run.model, run.data.prompts, cfg, step, device=run.device)
+        traj, prompts, scored = run.data.reward_stage.run(rollout, timer)
+        metrics = scored.metrics | {FLAT_IMAGES: flat_fraction(scored.images, cfg.health.flat_image_range)}
+        if scored.advantages is not None:
+            advantages = scored.advantages
+            metrics |= update(
+                run.model, run.optim, cfg, step=step, traj=traj, advantages=advantages, timer=timer, device=run.device
+            )
+    metrics |= timer.pop()
+    metrics |= perf_metrics(metrics, run.perf.peak)
+    if run.perf.compiles is not None:
+        metrics |= run.perf.compiles.end(step)
+    metrics |= rollout_metrics(cfg, traj)
+    if traj.velocities is not None:  # what keeping them costs, per sample of the rollout, on every rank
+        metrics["memory/velocity_bytes_per_sample"] = traj.velocities[0].nbytes
+    every = cfg.logging.sample_every
+    if every and (step + 1) % every == 0:
+        log_samples(run.io.logger, scored, prompts, step, group_size=cfg.grpo.group_size)
+    return metrics
+
+
+def update(
+    model: ModelParts,
+    optim: OptimParts,
+    cfg: TrainConfig,
+    *,
+    step: int,
+    traj: Trajectory,
+    advantages: Tensor,
+    timer: PhaseTimer,
+    device: torch.device,
+) -> dict[str, float]:
+    """Train ``model``'s weights on step ``step``'s trajectories and advantages with ``optim``'s optimizer and
+    router; the phase's metrics, reduced over ranks (the update's tensors live on ``device``)."""
+    accumulation = cfg.batch.gradient_accumulation_steps
+    batch = UpdateBatch(traj, advantages, model.policy, model.kl_reference, cfg.update, cfg.grpo, accumulation)
+    routing: dict[str, float] = {}
+    if optim.router.due(step):  # it measures on the step's own rollout, before any gradient exists
+        with timer.phase("probe"):
+            routing = optim.router.refresh(step, batch, model.params, ranks=ProcessRanks())
+    route_gen = stream_generator(cfg.seed, "update_plan", step)  # same on every rank
+    stats = UpdateStats(counts=Counts(shared_start_forward_rows=rollout_shared_rows(cfg, traj)))
+    norms: list[tuple[float, bool]] = []
+    stale = cfg.update.reuse_velocities is ReuseVelocities.stale
+    for first in range(0, traj.batch_size, accumulation):
+        # the kept velocities are those of the current weights until an optimizer step moved them
+        reuse = cfg.update.reuses_velocities and (stale or not any(moved for _, moved in norms))
+        with timer.phase("update"):
+            micro = micro_batches(cfg, first)
+            routes = [optim.router.route(traj, route_gen) for _ in micro]  # drawn in micro-batch order
+            start = shared_start(batch, micro, routes)  # this optimizer step's, when rows share it
+            for rows, route in zip(micro, routes):
+                rows_t = torch.arange(rows.start, rows.stop, device=device)
+                stats += update_micro_batch(batch, rows_t, route, reuse_velocities=reuse, start=start)
+            if start is not None:
+                stats += start.backward()
+        with timer.phase("optimizer"):
+            clip = cfg.optimizer.max_grad_norm
+            norms.append(optimizer_step(model.params, optim.optimizer, optim.ema, max_grad_norm=clip))
+    return reduce_over_ranks(stats.metrics(), device) | routing | optimizer_metrics(optim.optimizer, norms)
+
+
+def micro_batches(cfg: TrainConfig, first: int) -> list[range]:
+    """The rows of each micro-batch of the optimizer step that starts at row ``first``."""
+    b = cfg.batch
+    return [range(r, r + b.micro_batch) for r in range(first, first + b.gradient_accumulation_steps, b.micro_batch)]
+
+
+def rollout_shared_rows(cfg: TrainConfig, traj: Trajectory) -> int:
+    """Rows of transformer forwards the rollout's shared start did not run (on this rank)."""
+    size = cfg.update.shared_rows(cfg.grpo.group_size)
+    steps = shared_start_steps(traj.stochastic.tolist()) if size > 1 else 0
+    return steps * (traj.batch_size - traj.batch_size // size)
 
 
 def optimizer_step(
@@ -202,76 +280,6 @@ def step_weights(optimizer: torch.optim.Optimizer, ema: EMA | None) -> None:
     optimizer.step()
     if ema is not None:
         ema.update()
-
-
-def update_batch(model: ModelParts, cfg: TrainConfig, traj: Trajectory, advantages: Tensor) -> UpdateBatch:
-    """The update stage's input: the step's trajectories and advantages, the run's predictors and settings."""
-    return UpdateBatch(
-        traj=traj,
-        advantages=advantages,
-        predict=model.policy,
-        reference=model.kl_reference,
-        config=cfg.update,
-        grpo=cfg.grpo,
-        gradient_accumulation_steps=cfg.batch.gradient_accumulation_steps,
-    )
-
-
-def micro_batches(cfg: TrainConfig, first: int) -> list[range]:
-    """The rows of each micro-batch of the optimizer step that starts at row ``first``."""
-    b = cfg.batch
-    return [range(r, r + b.micro_batch) for r in range(first, first + b.gradient_accumulation_steps, b.micro_batch)]
-
-
-def train_step(run: Run, step: int) -> dict[str, float]:
-    """One step (the phases above); the update runs here, micro-batch by micro-batch, so that the call
-    path from the trainer to a segment's loss stays short."""
-    b, timer, optim = run.cfg.batch, PhaseTimer(run.device, run.perf.flops), run.optim
-    if run.perf.compiles is not None:
-        run.perf.compiles.begin()
-    with timer.phase("step"):
-        with timer.phase("rollout"):
-            rollout = step_rollout(run, step)
-        traj, prompts, scored = run.data.reward_stage.run(rollout, timer)
-        metrics = scored.metrics | {FLAT_IMAGES: flat_fraction(scored.images, run.cfg.health.flat_image_range)}
-        if scored.advantages is not None:
-            batch = update_batch(run.model, run.cfg, traj, scored.advantages)
-            routing: dict[str, float] = {}
-            if optim.router.due(step):  # it measures on the step's own rollout, before any gradient exists
-                with timer.phase("probe"):
-                    routing = optim.router.refresh(step, batch, run.model.params, ranks=ProcessRanks())
-            route_gen = stream_generator(run.cfg.seed, "update_plan", step)  # same on every rank
-            stats = UpdateStats(counts=Counts(shared_start_forward_rows=rollout_shared_rows(run.cfg, traj)))
-            norms, moved = [], False
-            for chunk in range(0, traj.batch_size, b.gradient_accumulation_steps):
-                stale = batch.config.reuse_velocities is ReuseVelocities.stale
-                reuse = batch.config.reuses_velocities and (stale or not moved)
-                with timer.phase("update"):
-                    micro = micro_batches(run.cfg, chunk)
-                    routes = [optim.router.route(traj, route_gen) for _ in micro]  # drawn in micro-batch order
-                    start = shared_start(batch, micro, routes)  # this optimizer step's, when rows share it
-                    for rows, route in zip(micro, routes):
-                        rows_t = torch.arange(rows.start, rows.stop, device=run.device)
-                        stats += update_micro_batch(batch, rows_t, route, reuse_velocities=reuse, start=start)
-                    if start is not None:
-                        stats += start.backward()
-                with timer.phase("optimizer"):
-                    clip = run.cfg.optimizer.max_grad_norm
-                    norms.append(optimizer_step(run.model.params, optim.optimizer, optim.ema, max_grad_norm=clip))
-                    moved |= norms[-1][1]  # the kept velocities are no longer those of the current weights
-            metrics |= reduce_over_ranks(stats.metrics(), run.device) | routing
-            metrics |= optimizer_metrics(optim.optimizer, norms)
-    metrics |= timer.pop()
-    metrics |= perf_metrics(metrics, run.perf.peak)
-    if run.perf.compiles is not None:
-        metrics |= run.perf.compiles.end(step)
-    metrics |= rollout_metrics(run.cfg, traj)
-    if traj.velocities is not None:  # what keeping them costs, per sample of the rollout, on every rank
-        metrics["memory/velocity_bytes_per_sample"] = traj.velocities[0].nbytes
-    every = run.cfg.logging.sample_every
-    if every and (step + 1) % every == 0:
-        log_samples(run.io.logger, scored, prompts, step, group_size=run.cfg.grpo.group_size)
-    return metrics
 
 
 def reduce_over_ranks(stats: Mapping[str, Stat], device: torch.device) -> dict[str, float]:

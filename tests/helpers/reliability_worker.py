@@ -52,7 +52,7 @@ def main() -> None:
             trainer.train_step = step
             try:
                 with open_run(load_config(cfg), dist) as run:
-                    trainer.fit(run)
+                    trainer.Trainer(run).train()
                 ended = "done"
             except Exception as err:  # how the run ended on this rank, by name
                 ended = type(err).__name__

@@ -2,7 +2,7 @@
 
 CASES is a JSON file {name: [Hydra overrides]}; every case trains in turn in one process group (one
 torchrun start-up for all of them), through the library the trainer's entry point uses
-(train.run.build.open_run, then train.trainer.fit), each into the run_dir its overrides name.
+(train.run.build.open_run, then train.trainer.Trainer.train), each into the run_dir its overrides name.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_module
 from train.config.schema import register_schema
 from train.run.build import open_run
 from train.run.start import load_config, process_group
-from train.trainer import fit
+from train.trainer import Trainer
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
             with initialize_config_module(config_module="configs", version_base=None):
                 cfg = compose(config_name="train", overrides=overrides)
             with open_run(load_config(cfg), dist) as run:
-                fit(run)
+                Trainer(run).train()
 
 
 if __name__ == "__main__":

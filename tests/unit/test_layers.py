@@ -31,7 +31,7 @@ LAYERS = [
     {"train.model"},
     {"train.evaluation"},
     {"train.run"},
-    {"train.trainer", "train.step"},
+    {"train.trainer", "train.step", "train.faults"},
     {"train.cli", "train.eval", "train.probe", "train.compare", "train.plan", "train.preflight", "train.__main__"},
 ]
 

@@ -74,7 +74,8 @@ def test_a_chunked_step_equals_one_chunk(tiny_run, chunk_groups) -> None:
     for chunks in (0, chunk_groups):
         parts = (rewards, run.model.backbone, run.cfg.model, run.cfg.grpo)
         stage = RewardStage(*parts, chunk_groups=chunks, dist=run.dist, device=run.device)
-        results.append(stage.run(step_rollout(run, 3), PhaseTimer()))
+        rollout = step_rollout(run.model, run.data.prompts, run.cfg, 3, device=run.device)
+        results.append(stage.run(rollout, PhaseTimer()))
     (one, _, whole), (chunked, prompts, parts) = results
     assert served.calls[0].startswith("reward-served") and len(served.calls) == 1 + len(group_chunks(3, chunk_groups))
     assert one.velocities is not None and chunked.velocities is not None and one.trainable.any()

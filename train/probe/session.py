@@ -52,7 +52,7 @@ from train.run.build import open_run
 from train.run.parts import Run
 from train.run.start import load_config, process_group
 from train.step import step_rollout
-from train.trainer import resume
+from train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 MAX_BATCHES_PER_K = 10
@@ -140,7 +140,8 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
     traj, done = None, 0
     max_batches = MAX_BATCHES_PER_K * math.ceil(p.num_rollouts / per_batch)
     for batch in range(max_batches):
-        rollout = step_rollout(run, batch, keep_velocities=stale or cfg.grpo.ratio_norm)
+        keep = stale or cfg.grpo.ratio_norm
+        rollout = step_rollout(run.model, run.data.prompts, cfg, batch, device=run.device, keep_velocities=keep)
         traj, _, scored = run.data.reward_stage.run(rollout, PhaseTimer(run.device))
         advantages = scored.advantages
         if advantages is None:  # a NaN reward (the reward stage warned); this batch is not measured
@@ -194,7 +195,7 @@ def run_probe(cfg: DictConfig) -> dict[str, Any]:
             config.batch.prompts_per_rank = needed
         with open_run(config, dist, training=False) as run:
             if config.resume is not None:
-                resume(run)
+                Trainer(run).resume()
             rep = probe(run, p)
         if dist.is_main:
             out = Path(p.output or RunLayout(config.run_dir).probe)

@@ -292,7 +292,7 @@ class RewardStage:
 def raise_failures(own: Exception | None, failed: list[int]) -> None:
     """This rank's own error (``own``), marked as known to every rank, or ``RankFailed`` when ranks ``failed``: an
     exception on some rank ends the step on every rank at this point, so that they can still checkpoint the
-    steps trained before it together (train/trainer.py)."""
+    steps trained before it together (train/faults.py)."""
     if own is not None:
         raise mark_agreed(own)
     if failed:
