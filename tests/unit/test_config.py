@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -20,6 +21,7 @@ from train.config.keys import checked, typed
 from train.config.schema import TrainConfig, register_schema
 from train.config.shipped import shipped
 from train.ground.errors import ConfigError
+from train.optim.optimizer import adamw_settings
 from train.run.checks import trainable_transitions, validate
 from train.run.start import typed_config
 
@@ -263,6 +265,7 @@ def test_bad_values_fail_fast(overrides, error, message, tmp_path):
     [
         (["optimizer.lr=0"], "optimizer.lr must be > 0, got 0.0"),  # a group's own check, its path prefixed
         (["optimizer.betas=[0.9,1.0]"], "optimizer.betas[1] must be in [0, 1), got 1.0"),
+        (["optimizer.eps=0"], "optimizer.eps must be > 0, got 0.0"),
         (["ema.decay=1"], "ema.decay must be in [0, 1), got 1.0 (0 = no EMA)"),
         (["batch.micro_batch=3"], "batch.micro_batch=3 must divide gradient_accumulation_steps=64"),
         (["experiment=tiny", "eval.every=2"], "eval.every > 0 needs eval.scorers"),
@@ -277,6 +280,14 @@ def test_a_group_names_the_full_key_of_its_refused_field(overrides, message, tmp
     with pytest.raises(ConfigError) as refused:
         check(load(overrides, tmp_path))
     assert str(refused.value).startswith(message)
+
+
+def test_adamw_takes_the_configured_epsilon(tmp_path):
+    """optimizer.eps reaches AdamW; its default is torch's own, so a run that does not set it computes as before."""
+    param = [torch.nn.Parameter(torch.zeros(1))]
+    adamw = torch.optim.AdamW(param, **adamw_settings(load(["optimizer.eps=1e-6"], tmp_path).optimizer))
+    assert adamw.param_groups[0]["eps"] == 1e-6
+    assert adamw_settings(load([], tmp_path).optimizer)["eps"] == torch.optim.AdamW(param).defaults["eps"]
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,9 @@ class OptimizerConfig:
     """AdamW decoupled weight decay, >= 0."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW (beta1, beta2), each in [0, 1)."""
+    eps: float = 1e-8
+    """AdamW's epsilon, added to the root of the second moment, > 0 (Flow-GRPO's adam_epsilon; raise it to damp
+    the steps of weights whose gradients are tiny, e.g. in bf16)."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip, across all shards, > 0."""
 
@@ -31,6 +34,7 @@ class OptimizerConfig:
             raise ValueError(f"betas must be two numbers [beta1, beta2], got {list(self.betas)}")
         for i, beta in enumerate(self.betas):
             check_range(beta, f"betas[{i}]", low=0, high=1, high_open=True)
+        positive(self.eps, "eps")
         positive(self.max_grad_norm, "max_grad_norm")
 
 

@@ -11,8 +11,8 @@ from train.optim.optim_config import OptimizerConfig
 
 
 def adamw_settings(o: OptimizerConfig) -> dict[str, Any]:
-    """The optimizer's hyperparameters (optimizer.lr, optimizer.weight_decay, optimizer.betas) as AdamW's keywords."""
-    return {"lr": o.lr, "weight_decay": o.weight_decay, "betas": (o.betas[0], o.betas[1])}
+    """The optimizer's hyperparameters (optimizer.lr, weight_decay, betas, eps) as AdamW's keywords."""
+    return {"lr": o.lr, "weight_decay": o.weight_decay, "betas": (o.betas[0], o.betas[1]), "eps": o.eps}
 
 
 def build_ema(params: list[nn.Parameter], decay: float) -> EMA | None:
