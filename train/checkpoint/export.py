@@ -71,25 +71,18 @@ def export_model(
         if get_rank() != 0:
             return
         try:
-            _write_export(model, full, out, adapter_name, lora_prefix)
+            if isinstance(model, PeftModel):
+                model.save_pretrained(str(out), state_dict=full)
+            elif getattr(model, "peft_config", None):
+                _export_diffusers_lora(model, full, out, adapter_name, lora_prefix)
+            else:
+                _export_full(model, full, out)
         except Exception:
             shutil.rmtree(out, ignore_errors=True)  # no export cut short is left for train.eval to find
             raise
 
     agree_on_write(write, out, "the export")  # every rank waits for rank 0's files and hears how they went
     return out
-
-
-def _write_export(
-    model: ModelMixin | PeftModel, full: dict[str, Any], out: Path, adapter_name: str | None, lora_prefix: str
-) -> None:
-    """Rank 0's files of ``export_model``."""
-    if isinstance(model, PeftModel):
-        model.save_pretrained(str(out), state_dict=full)
-    elif getattr(model, "peft_config", None):
-        _export_diffusers_lora(model, full, out, adapter_name, lora_prefix)
-    else:
-        _export_full(model, full, out)
 
 
 def _export_full(model: ModelMixin, state: dict[str, Tensor], out: Path) -> None:

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from train.distributed.collectives import broadcast_object, gather_objects, get_rank, get_world_size
+from train.distributed.parallelize import local_tensor
 from train.ground.errors import DiskFull, SaveFailed
 from train.optim.ema import EMA
 
@@ -159,11 +159,16 @@ def mount_point(path: Path) -> Path:
     return path
 
 
-def free_bytes(path: Path) -> int:
-    """Free bytes of the file system of ``path`` (or of its nearest existing parent)."""
+def existing(path: Path) -> Path:
+    """``path``, or its nearest existing parent."""
     while not path.exists():
         path = path.parent
-    return shutil.disk_usage(path).free
+    return path
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes of the file system of ``path`` (or of its nearest existing parent)."""
+    return shutil.disk_usage(existing(path)).free
 
 
 def gb(n: float) -> str:
@@ -177,10 +182,7 @@ KEPT = "the checkpoints already written are intact, and resume=auto continues"
 def disk_line(path: Path, why: str, fix: str = "free space there or move the run", kept: str = KEPT) -> str:
     """The one line about the disk of ``path`` (named by its mount point) that ``why`` happened on, then the fix
     and what is ``kept``."""
-    folder = path
-    while not folder.exists():
-        folder = folder.parent
-    return f"the disk of {path} (the file system mounted at {mount_point(folder)}) {why}: {fix}; {kept}"
+    return f"the disk of {path} (the file system mounted at {mount_point(existing(path))}) {why}: {fix}; {kept}"
 
 
 NO_SPACE = re.compile(r"No space left|unexpected pos|Errno 28|disk quota", re.IGNORECASE)
@@ -229,8 +231,7 @@ def state_bytes(model: nn.Module, optimizer: Optimizer | None, ema: EMA | None =
     """
 
     def local(t: Tensor) -> int:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.numel() * t.element_size()
+        return local_tensor(t).numel() * t.element_size()
 
     total = sum(local(t) for t in model.state_dict().values() if isinstance(t, Tensor))
     if optimizer is not None:

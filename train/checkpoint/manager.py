@@ -109,8 +109,7 @@ class CheckpointManager:
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""
-        found = self.complete()
-        return found[-1] if found else None
+        return next(reversed(complete_in(self.root)), None)
 
     def usable(self, resume: str | None) -> list[Path]:
         """The checkpoints ``resume`` names whose files are whole, newest first; a collective.
@@ -235,8 +234,10 @@ class CheckpointManager:
         """Every rank's files of a save into ``tmp`` (a collective): the shards and its own state; a write that
         fails on any rank raises on every rank, the unfinished save deleted."""
         rng = rng_state()
-        if get_rank() == 0:
-            self._prepare()
+        if get_rank() == 0:  # the folder, without the leftovers of interrupted saves
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob("step_*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
         barrier()
         sharded_extra, local_extra = split_extra(extra)
         state = train_state(model, optimizer)
@@ -264,7 +265,8 @@ class CheckpointManager:
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        self._prune()
+        for old in self.complete()[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def _agree(self, tmp: Path, step: int, failed: tuple[bool, str] | None) -> None:
         """Every rank raises the failure of a save that any rank saw (``failed``: disk full?, the OS's words)."""
@@ -337,16 +339,6 @@ class CheckpointManager:
         else:
             set_rng_state(local["rng"])
         return local
-
-    def _prepare(self) -> None:
-        """Create the folder and delete the leftovers of interrupted saves."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        for stale in self.root.glob("step_*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-
-    def _prune(self) -> None:
-        for old in self.complete()[: -self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def deleted(path: Path) -> str:

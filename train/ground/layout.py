@@ -29,8 +29,37 @@ LOCK_FILE = "LOCK"
 RUN_ID_FILE = "run_id"
 
 
+class _Under:
+    """A path in the run folder, as an attribute of ``RunLayout`` (``layout.metrics``)."""
+
+    def __init__(self, *parts: str) -> None:
+        self.parts = parts
+
+    def __get__(self, layout: RunLayout, owner: type) -> Path:
+        return layout.root.joinpath(*self.parts)
+
+
 class RunLayout:
     """The paths of a run folder ``root``; nothing is created or read."""
+
+    config = _Under("config.yaml")
+    hydra = _Under(".hydra")
+    hydra_config = _Under(".hydra", "config.yaml")
+    metrics = _Under(METRICS)
+    checkpoints = _Under(CHECKPOINTS)
+    retired = _Under(CHECKPOINTS, "retired")
+    eval = _Under(EVAL)
+    eval_curve = _Under(EVAL, "curve.png")  # the evaluations against the step, written at the end of a run
+    samples = _Under("samples")
+    export = _Under(EXPORT)
+    export_raw = _Under(RAW_EXPORT)
+    wandb = _Under("wandb")
+    wandb_run_id = _Under("wandb_run_id")
+    lock = _Under(LOCK_FILE)
+    run_id = _Under(RUN_ID_FILE)
+    probe = _Under("probe.json")
+    preflight = _Under("preflight.json")
+    preflight_scratch = _Under(".preflight")  # the preflight's cut model and one-step run, removed when it ends
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -44,83 +73,9 @@ class RunLayout:
     def __hash__(self) -> int:
         return hash(self.root)
 
-    @property
-    def config(self) -> Path:
-        return self.root / "config.yaml"
-
     def session_config(self, n: int) -> Path:
         """The resolved configuration of a resumed session ``n`` (2, 3, ...)."""
         return self.root / f"config.{n}.yaml"
-
-    @property
-    def hydra_config(self) -> Path:
-        return self.root / ".hydra" / "config.yaml"
-
-    @property
-    def hydra(self) -> Path:
-        return self.root / ".hydra"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / METRICS
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / CHECKPOINTS
-
-    @property
-    def eval(self) -> Path:
-        return self.root / EVAL
-
-    @property
-    def eval_curve(self) -> Path:
-        """The run's evaluations against the step, written at its end (train/evaluation/curve.py)."""
-        return self.eval / "curve.png"
-
-    @property
-    def samples(self) -> Path:
-        return self.root / "samples"
-
-    @property
-    def export(self) -> Path:
-        return self.root / EXPORT
-
-    @property
-    def export_raw(self) -> Path:
-        return self.root / RAW_EXPORT
-
-    @property
-    def wandb(self) -> Path:
-        return self.root / "wandb"
-
-    @property
-    def wandb_run_id(self) -> Path:
-        return self.root / "wandb_run_id"
-
-    @property
-    def lock(self) -> Path:
-        return self.root / LOCK_FILE
-
-    @property
-    def run_id(self) -> Path:
-        return self.root / RUN_ID_FILE
-
-    @property
-    def retired(self) -> Path:
-        return self.checkpoints / "retired"
-
-    @property
-    def probe(self) -> Path:
-        return self.root / "probe.json"
-
-    @property
-    def preflight(self) -> Path:
-        return self.root / "preflight.json"
-
-    @property
-    def preflight_scratch(self) -> Path:
-        """The preflight's model cut to a few blocks and its one-step run, removed when it ends."""
-        return self.root / ".preflight"
 
     def run_files(self) -> tuple[Path, ...]:
         """What a run leaves in its folder that a second run would overwrite or mix with its own (Hydra's

@@ -7,13 +7,13 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from models.base import Backbone, check_image_multiple, parse_dtype
 from models.model_config import ModelConfig, TinySize
@@ -25,11 +25,11 @@ from train.checkpoint.manager import CheckpointManager
 from train.checkpoint.settings import LORA_MODULES, changed_refusal, changed_settings
 from train.config.schema import Device, TrainConfig
 from train.distributed.collectives import DistInfo, gather_objects, main_decides
-from train.distributed.parallelize import compile_blocks, parallelize
+from train.distributed.parallelize import compile_blocks, local_tensor, parallelize
 from train.distributed.seeds import stream_seed
 from train.ground.errors import ConfigError, config_key
 from train.model.parts import ModelParts
-from train.model.predict import predictor, predictors
+from train.model.predict import kl_reference, predictor
 from train.observe.perf import FlopMeter
 
 MODEL_FIELDS = [f.name for f in fields(ModelConfig)]  # the words of the model's own messages (config_key)
@@ -132,7 +132,7 @@ def non_finite(module: nn.Module) -> str | None:
     """
     count, first = 0, None
     for name, tensor in module.state_dict().items():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = local_tensor(tensor)
         if isinstance(local, Tensor) and local.is_floating_point():
             bad = int((~torch.isfinite(local)).sum())
             count, first = count + bad, first or (name if bad else None)
@@ -261,16 +261,12 @@ def build_model(
     if cfg.model.compile:
         compile_blocks(backbone.decoder_units())  # the rollout's and the evaluation's decode
     compute_dtype = parse_dtype(cfg.model.dtype)
-    policy, kl = predictors(
-        backbone,
-        reference,
-        kl=cfg.grpo.kl_beta != 0,
-        compute_dtype=compute_dtype,
-        world_size=dist.world_size,
-        device=device,
-        flops=flops,
+    # the policy's predictor of the backbone's transformer, or of another (the KL reference's), calls counted
+    policy = partial(
+        predictor, backbone, compute_dtype=compute_dtype, world_size=dist.world_size, device=device, flops=flops
     )
-    model = ModelParts(backbone, params, reference, compute_dtype, wrapped, policy=policy, kl_reference=kl)
+    kl = kl_reference(backbone, reference, policy) if cfg.grpo.kl_beta != 0 else None
+    model = ModelParts(backbone, params, reference, compute_dtype, wrapped, policy=policy(), kl_reference=kl)
     return model, flops
 
 

@@ -45,7 +45,7 @@ def kl_reference(backbone: Backbone, reference: nn.Module | None, policy: Callab
     """The KL reference: the frozen copy ``reference`` of full fine-tuning, else the LoRA-disabled
     policy. ``policy(transformer=None)``: the predictor of the backbone's transformer, or of another."""
     if reference is not None:
-        return policy(reference)
+        return policy(transformer=reference)
     lora = policy()
     transformer: Any = backbone.transformer  # diffusers' PEFT mixin: enable/disable_adapters
 
@@ -57,28 +57,3 @@ def kl_reference(backbone: Backbone, reference: nn.Module | None, policy: Callab
             transformer.enable_adapters()
 
     return predict
-
-
-def predictors(
-    backbone: Backbone,
-    reference: nn.Module | None,
-    *,
-    kl: bool,
-    compute_dtype: torch.dtype,
-    world_size: int,
-    device: torch.device,
-    flops: FlopMeter | None = None,
-) -> tuple[Predict, Predict | None]:
-    """The policy's predictor and, with a KL term (``kl``), the KL reference's (``kl_reference``); None without."""
-
-    def policy(transformer: nn.Module | None = None) -> Predict:
-        return predictor(
-            backbone,
-            compute_dtype=compute_dtype,
-            world_size=world_size,
-            device=device,
-            transformer=transformer,
-            flops=flops,
-        )
-
-    return policy(), kl_reference(backbone, reference, policy) if kl else None

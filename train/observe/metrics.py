@@ -14,11 +14,11 @@ import json
 import logging
 import os
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, TextIO
 
 from train.checkpoint.files import write_failure
-from train.ground.errors import SaveFailed
 
 log = logging.getLogger(__name__)
 
@@ -107,21 +107,12 @@ class MetricsFile:
                 self._file = open(self.path, "a", encoding="utf-8")
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
-        except OSError as err:
-            raise self._not_written(err, step) from None
-        return record["wall_time"]
-
-    def _not_written(self, err: OSError, step: int) -> SaveFailed:
-        """The one line for a row of ``step`` that the disk refused; the file is dropped (its buffer with it)."""
-        if self._file is not None:
-            try:
-                self._file.close()  # flushes the rest of the row again, which fails again
-            except OSError:
-                pass
+        except OSError as err:  # the disk refused the row: the file is dropped, its buffer with it
+            with suppress(OSError):  # closing flushes the rest of the row again, which fails again
+                self._close_file()
             self._file = None
-        failure = write_failure(err, self.path, f"the row of step {step}")
-        assert failure is not None  # an OSError always names the disk
-        return failure
+            raise write_failure(err, self.path, f"the row of step {step}") or err from None
+        return record["wall_time"]
 
     def rewind(self, step: int, aside: Path | None = None) -> int:
         """Drop the rows that a run resumed at ``step`` logs again; returns how many were dropped.
