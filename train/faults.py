@@ -36,8 +36,7 @@ log = logging.getLogger(__name__)
 def check_owner(lock: RunLock | None) -> None:
     """FolderLost on every rank when rank 0's ``lock`` of the run folder was taken over (a collective; the lock is
     None on the other ranks)."""
-    lost = broadcast_object(lock.lost() if lock is not None else None)
-    if lost is not None:
+    if (lost := broadcast_object(lock.lost() if lock is not None else None)) is not None:
         raise FolderLost(lost)
 
 

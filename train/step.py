@@ -50,10 +50,8 @@ from train.distributed.seeds import stream_generator, stream_seed
 from train.ground.errors import config_key
 from train.model.parts import ModelParts
 from train.observe.health import FLAT_IMAGES, flat_fraction
-from train.observe.logger import RunLogger
 from train.observe.perf import PhaseTimer, perf_metrics
 from train.optim.ema import EMA
-from train.reward.stage import Scored
 from train.run.parts import OptimParts, Run
 
 log = logging.getLogger(__name__)
@@ -205,7 +203,19 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         metrics["memory/velocity_bytes_per_sample"] = traj.velocities[0].nbytes
     every = cfg.logging.sample_every
     if every and (step + 1) % every == 0:
-        log_samples(run.io.logger, scored, prompts, step, group_size=cfg.grpo.group_size)
+        # one row per group (its G samples share the prompt and the initial noise), the files numbered step + 1 as
+        # the evaluation and the checkpoint after this step are (wandb: its row)
+        rewards = None if scored.rewards is None else scored.rewards.float().cpu().tolist()
+        run.io.logger.log_images(
+            "samples",
+            scored.images,
+            prompts,
+            step,
+            scores=rewards,
+            score_name="reward/total",
+            nrow=cfg.grpo.group_size,
+            shown_step=step + 1,
+        )
     return metrics
 
 
@@ -308,19 +318,3 @@ def optimizer_metrics(optimizer: torch.optim.Optimizer, steps: list[tuple[float,
         "train/skipped_optimizer_steps": sum(not stepped for _, stepped in steps),
         "train/lr": optimizer.param_groups[0]["lr"],
     }
-
-
-def log_samples(logger: RunLogger, scored: Scored, prompts: list[str], step: int, *, group_size: int) -> None:
-    """The step's images, one row per group: its G samples share the prompt and the initial noise. The
-    files are numbered step + 1, as the evaluation and the checkpoint after this step are (wandb: its row)."""
-    rewards = None if scored.rewards is None else scored.rewards.float().cpu().tolist()
-    logger.log_images(
-        "samples",
-        scored.images,
-        prompts,
-        step,
-        scores=rewards,
-        score_name="reward/total",
-        nrow=group_size,
-        shown_step=step + 1,
-    )

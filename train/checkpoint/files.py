@@ -71,10 +71,8 @@ def files_problem(path: Path) -> str | None:
     match = STEP_DIR.match(path.name)
     if match and int(match.group(1)) != step:
         return f"its {MARKER} marker says step {step}, its folder name step {int(match.group(1))}"
-    if get_rank() == 0:
-        problem = _shard_problem(path)
-        if problem:
-            return problem
+    if get_rank() == 0 and (problem := _shard_problem(path)):
+        return problem
     name = rank_file(world)
     try:  # memory-mapped: the check reads the pickled structure, not every tensor of the file
         local = torch.load(path / name, weights_only=False, mmap=True)

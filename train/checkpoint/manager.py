@@ -122,8 +122,7 @@ class CheckpointManager:
         if resume in (None, ""):
             return []
         if resume != "auto":
-            problem = self.problem(Path(resume))
-            if problem:
+            if problem := self.problem(Path(resume)):
                 raise CheckpointError(
                     f"resume={resume}: {problem}; resume from another checkpoint, or use resume=auto",
                     damaged=True,
@@ -191,8 +190,7 @@ class CheckpointManager:
             free = free_bytes(self.root)
             if free < needed * 1.05:
                 problem = disk_line(self.root, f"has {gb(free)} free, {what} needs about {gb(needed)}")
-        problem = broadcast_object(problem)
-        if problem:
+        if problem := broadcast_object(problem):
             raise DiskFull(problem)
 
     def save(

@@ -116,11 +116,6 @@ def changed_keys(saved: dict[str, Any], now: dict[str, Any], allowed: Sequence[s
     return sorted(key for key in saved.keys() & now.keys() if saved[key] != now[key] and not covered(key, allowed))
 
 
-def changed_settings(saved: dict[str, Any], now: dict[str, Any], allowed: Sequence[str]) -> list[str]:
-    """``key saved -> now`` for each of ``changed_keys``."""
-    return [change(key, saved[key], now[key]) for key in changed_keys(saved, now, allowed)]
-
-
 def changed_refusal(resume: str | None, path: Any, changed: list[str]) -> ConfigError:
     """The one line that refuses to resume checkpoint ``path`` with the ``changed`` settings."""
     keys = ",".join(change.split(" ")[0] for change in changed)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -257,13 +257,13 @@ def global_dots(a: Sequence[Tensor | None], b: Sequence[Tensor | None]) -> tuple
     return aa, bb, ab
 
 
-T = TypeVar("T")
-
-
 class ProcessRanks:
     """This process among the ranks, and the cross-rank reductions the algorithm's measurements use
     (``train.algorithm.quality.Ranks``): the gradient-quality probe and the auto router get it from their
     caller, so that train/algorithm/ runs no collective of its own."""
+
+    dots = staticmethod(global_dots)
+    broadcast = staticmethod(broadcast_object)  # rank 0's ``obj`` on every rank
 
     @property
     def rank(self) -> int:
@@ -272,10 +272,3 @@ class ProcessRanks:
     @property
     def world_size(self) -> int:
         return get_world_size()
-
-    def dots(self, a: Sequence[Tensor | None], b: Sequence[Tensor | None]) -> tuple[float, float, float]:
-        return global_dots(a, b)
-
-    def broadcast(self, obj: T) -> T:
-        """Rank 0's ``obj`` on every rank."""
-        return broadcast_object(obj)

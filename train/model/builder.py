@@ -22,7 +22,7 @@ from models.tiny import build_tiny
 from samplers.rollout import Predict
 from train.checkpoint.export import Weights
 from train.checkpoint.manager import CheckpointManager
-from train.checkpoint.settings import LORA_MODULES, changed_refusal, changed_settings
+from train.checkpoint.settings import LORA_MODULES, change, changed_refusal, covered
 from train.config.schema import Device, TrainConfig
 from train.distributed.collectives import DistInfo, gather_objects, main_decides
 from train.distributed.parallelize import compile_blocks, local_tensor, parallelize
@@ -116,8 +116,7 @@ def build_backbone(cfg: TrainConfig, dist: DistInfo, device: torch.device) -> Ba
         )
     if next(backbone.transformer.parameters()).dtype != torch.float32:  # float32 master weights
         backbone.transformer.to(torch.float32)
-    problem = non_finite(backbone.transformer)  # they would give a NaN loss and skip every update
-    if problem:
+    if problem := non_finite(backbone.transformer):  # they would give a NaN loss and skip every update
         raise ConfigError(
             f"model.path={cfg.model.path!r}: the transformer's weights hold {problem}: they are damaged; "
             "point model.path at an intact copy"
@@ -183,9 +182,8 @@ def check_lora_modules(
     saved = checkpoints.settings_of(resume_from[0]) if resume_from else None
     if not saved or LORA_MODULES not in saved:  # nothing to resume, or saved before the modules were recorded
         return
-    changed = changed_settings({LORA_MODULES: saved[LORA_MODULES]}, {LORA_MODULES: now}, cfg.checkpoint.allow_changed)
-    if changed:
-        raise changed_refusal(cfg.resume, resume_from[0], changed)
+    if saved[LORA_MODULES] != now and not covered(LORA_MODULES, cfg.checkpoint.allow_changed):
+        raise changed_refusal(cfg.resume, resume_from[0], [change(LORA_MODULES, saved[LORA_MODULES], now)])
 
 
 # FSDP2 warns on every forward with gradients that a sharded block returned a view (diffusers'

@@ -36,10 +36,9 @@ from train.observe.metrics import MetricsFile
 from train.observe.observe_config import LoggingConfig, WandbMode
 
 
-def session_config(run_dir: Path, *, resumed: bool) -> Path:
+def session_config(layout: RunLayout, *, resumed: bool) -> Path:
     """Where a session writes its configuration: ``config.yaml``, or for a resumed run, which keeps the first
     session's there, ``config.<n>.yaml`` (n = 2, 3, ... per resumed session)."""
-    layout = RunLayout(run_dir)
     if not resumed or not layout.config.exists():
         return layout.config
     n = 2
@@ -74,21 +73,19 @@ class RunLogger:
         """``experiment``, ``name`` and ``tags``: the run's own wandb group, name and tags, which the settings'
         group and name replace and their tags add to; ``config``: the run's configuration, written into the run
         folder (``session_config``) and given to wandb."""
-        self.run_dir = layout.root
-        self.is_main = is_main
-        self.layout = layout
+        self.is_main, self.layout = is_main, layout
         self.metrics: MetricsFile | None = None  # rank 0's
         self._wandb: Any = None
         if not is_main:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        layout.root.mkdir(parents=True, exist_ok=True)
         if config is not None:  # what ran, next to what it logged (train.compare.command labels runs from it)
-            path = session_config(self.run_dir, resumed=resumed)
+            path = session_config(layout, resumed=resumed)
             try:
                 path.write_text(OmegaConf.to_yaml(dict(config)), encoding="utf-8")
             except OSError as err:
                 raise write_failure(err, path, "the run's configuration") or err from None
-        self.metrics = MetricsFile(self.layout.metrics)
+        self.metrics = MetricsFile(layout.metrics)
         if settings.wandb_mode is not WandbMode.disabled:
             self._guard(
                 self._init_wandb,
@@ -118,7 +115,7 @@ class RunLogger:
         # resume="allow": the run of this id continues when it exists (a resumed training run), else starts.
         self._wandb = wandb.init(
             mode=mode,  # type: ignore[arg-type]
-            dir=str(self.run_dir),
+            dir=str(self.layout.root),
             id=run_id,
             resume="allow",
             **kwargs,

@@ -11,6 +11,7 @@ One seed has no interval (``half_width`` is NaN) and is never called distinguish
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,11 +86,7 @@ def paired(arm: dict[int, float], baseline: dict[int, float]) -> Estimate:
 
 
 def median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return statistics.median(values) if values else math.nan
 
 
 def quantile(values: Sequence[float], q: float) -> float:

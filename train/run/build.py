@@ -19,8 +19,6 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from models.base import Backbone
-from rewards.combine import RewardCombiner
 from train.algorithm.routing import build_router
 from train.checkpoint.manager import CheckpointManager
 from train.config.schema import TrainConfig
@@ -89,25 +87,21 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
     prompts = PromptSampler(
         records, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, prompts_per_rank=cfg.batch.prompts_per_rank
     )
+    # the reward stage of every step: the rewards on the images the backbone decodes, reward.chunk_groups at a time
+    reward_stage = RewardStage(
+        rewards, model.backbone, cfg.model, cfg.grpo, chunk_groups=cfg.reward.chunk_groups, dist=dist, device=device
+    )
     return Run(
         cfg=cfg,
         dist=dist,
         device=device,
         model=model,
-        optim=OptimParts(
-            optimizer=optimizer,
-            ema=build_ema(model.params, cfg.ema.decay),
-            router=build_router(cfg.update),
-        ),
-        data=DataParts(prompts=prompts, reward_stage=build_reward_stage(cfg, dist, device, rewards, model.backbone)),
+        optim=OptimParts(optimizer, build_ema(model.params, cfg.ema.decay), build_router(cfg.update)),
+        data=DataParts(prompts=prompts, reward_stage=reward_stage),
         io=IOParts(
             layout=layout, checkpoints=checkpoints, logger=logger, resume_from=resume_from, run_id=run_id, lock=lock
         ),
-        perf=PerfParts(
-            flops=flops,
-            peak=device_peak(cfg.perf.peak_tflops, device),
-            compiles=CompileWatch() if cfg.model.compile else None,
-        ),
+        perf=PerfParts(flops, device_peak(cfg.perf.peak_tflops, device), CompileWatch() if cfg.model.compile else None),
     )
 
 
@@ -126,13 +120,3 @@ def open_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True) -> Iter
     finally:
         if lock is not None:
             lock.release()
-
-
-def build_reward_stage(
-    cfg: TrainConfig, dist: DistInfo, device: torch.device, rewards: RewardCombiner, backbone: Backbone
-) -> RewardStage:
-    """The reward stage of every step: ``rewards`` on the images ``backbone`` decodes, in chunks of
-    ``reward.chunk_groups`` groups."""
-    return RewardStage(
-        rewards, backbone, cfg.model, cfg.grpo, chunk_groups=cfg.reward.chunk_groups, dist=dist, device=device
-    )

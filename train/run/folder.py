@@ -66,8 +66,7 @@ def check_one_run(folder: str | Path, *, resume: str | None, overwrite: bool) ->
     """ConfigError when ``folder`` holds a run and the launch neither resumes nor overwrites it."""
     if resume or overwrite:
         return
-    held = held_run(folder)
-    if held:
+    if held := held_run(folder):
         raise ConfigError(
             f"run_dir={str(folder)!r} already holds a run ({held}): continue it with resume=auto, replace it "
             "with checkpoint.overwrite=true, or pass another hydra.run.dir=<folder>"
@@ -248,8 +247,7 @@ class RunLock:
                 self._write()
                 self._shared = True
                 return
-            problem = self.busy()
-            if problem:
+            if problem := self.busy():
                 raise FolderInUse(problem)
             if holder is not None:
                 log.warning(

@@ -156,9 +156,7 @@ def check_metrics(cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManag
     """A resumed run's metrics.jsonl reads (rank 0 looks; every rank gets the verdict), and the rows of the steps
     before the resumed checkpoint of this folder lost since it was written are named in one line."""
     metrics = RunLayout(cfg.run_dir).metrics
-    problem = metrics_problem(metrics) if dist.is_main else None
-    problem = broadcast_object(problem)
-    if problem:
+    if problem := broadcast_object(metrics_problem(metrics) if dist.is_main else None):
         raise ConfigError(f"resume={cfg.resume}: {problem}")
     own = path.resolve().parent == checkpoints.root.resolve()  # not a retired timeline's, nor another run's
     if dist.is_main and own and (lost := lost_rows(metrics, checkpoints.step_of(path))):
