@@ -324,10 +324,9 @@ class CheckpointManager:
 
     def _read_rank_file(self, path: Path) -> dict[str, Any]:
         saved_world = read_marker(path)["world_size"]
-        resharded = saved_world != get_world_size()
         # weights_only=False: the file is written by save() above and holds numpy RNG state.
         local = torch.load(path / rank_file(saved_world), weights_only=False)
-        if resharded:
+        if saved_world != get_world_size():
             warnings.warn(
                 f"checkpoint {path} was saved with world size {saved_world}, now {get_world_size()}: "
                 "RNG states are not restored",

@@ -31,6 +31,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -192,11 +193,9 @@ def local_tensor(tensor: Tensor) -> Tensor:
 
 def _replication(tensor: DTensor) -> int:
     """How many ranks hold the same local shard of ``tensor`` (product of its Replicate mesh dims)."""
-    count = 1
-    for dim, placement in enumerate(tensor.placements):
-        if isinstance(placement, Replicate):
-            count *= tensor.device_mesh.size(dim)
-    return count
+    return math.prod(
+        tensor.device_mesh.size(dim) for dim, p in enumerate(tensor.placements) if isinstance(p, Replicate)
+    )
 
 
 def sum_over_shards(terms: Iterable[tuple[Tensor, Tensor]], *, zero: Tensor) -> Tensor:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from types import TracebackType
 from typing import Protocol
 
@@ -181,23 +181,19 @@ class StepScores:
         return {name: torch.cat(parts) for name, parts in self.parts.items() if self.scoring(name)}  # type: ignore[arg-type]
 
 
+@dataclass(eq=False)  # compared by identity, as a part of a run
 class RewardStage:
     """Decode and score a step's rollout chunk by chunk, then the step's advantages (module docstring)."""
 
-    def __init__(
-        self,
-        rewards: RewardCombiner,
-        backbone: Backbone,
-        model: ModelConfig,
-        grpo: GRPOConfig,
-        *,
-        chunk_groups: int,
-        dist: DistInfo,
-        device: torch.device,
-    ) -> None:
-        self.rewards, self.backbone, self.model, self.grpo = rewards, backbone, model, grpo
-        self.chunk_groups, self.dist, self.device = chunk_groups, dist, device
-        self._said: set[tuple[str, str]] = set()  # (term, cause) already said on the console
+    rewards: RewardCombiner
+    backbone: Backbone
+    model: ModelConfig
+    grpo: GRPOConfig
+    _: KW_ONLY
+    chunk_groups: int
+    dist: DistInfo
+    device: torch.device
+    _said: set[tuple[str, str]] = field(default_factory=set, init=False)  # (term, cause) already said on the console
 
     def run(self, rollout: ChunkedRollout, timer: PhaseTimer) -> tuple[Trajectory, list[str], Scored]:
         """Roll out and score the step chunk by chunk (timed as ``rollout`` and ``reward``: the reward time this

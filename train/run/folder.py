@@ -37,25 +37,17 @@ log = logging.getLogger(__name__)
 LEASE_S = 60.0  # a holder that has not renewed its lock for this long is taken for dead
 
 
-def _logged_steps(folder: Path) -> int:
-    path = RunLayout(folder).metrics
-    if not path.is_file():
-        return 0
-    with path.open("rb") as file:
-        return sum(1 for line in file if line.strip())
-
-
 def held_run(folder: str | Path) -> str | None:
     """What run ``folder`` holds ("3 checkpoints (the latest step_00000003), 4 rows of metrics.jsonl"), or None."""
-    folder = Path(folder)
     layout = RunLayout(folder)
-    checkpoints = sorted(p.name for p in layout.checkpoints.glob("step_*")) if folder.is_dir() else []
+    checkpoints = sorted(p.name for p in layout.checkpoints.glob("step_*")) if layout.root.is_dir() else []
     parts = []
     if checkpoints:
         parts.append(
             f"{len(checkpoints)} checkpoint{'s' if len(checkpoints) > 1 else ''} (the latest {checkpoints[-1]})"
         )
-    if rows := _logged_steps(folder):
+    metrics = layout.metrics.read_bytes().split(b"\n") if layout.metrics.is_file() else []
+    if rows := sum(1 for line in metrics if line.strip()):
         parts.append(f"{rows} row{'s' if rows > 1 else ''} of metrics.jsonl")
     if layout.export.is_dir():
         parts.append("an export")
