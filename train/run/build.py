@@ -87,7 +87,6 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
     prompts = PromptSampler(
         records, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, prompts_per_rank=cfg.batch.prompts_per_rank
     )
-    # the reward stage of every step: the rewards on the images the backbone decodes, reward.chunk_groups at a time
     reward_stage = RewardStage(
         rewards, model.backbone, cfg.model, cfg.grpo, chunk_groups=cfg.reward.chunk_groups, dist=dist, device=device
     )
