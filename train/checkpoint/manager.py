@@ -152,12 +152,10 @@ class CheckpointManager:
         A collective. Rank 0 checks the shared files (marker, metadata, shard lengths), every rank its
         own ``rank<r>.pt``; nothing is loaded into a model.
         """
-        local = files_problem(path)
-        problems = [(rank, p) for rank, p in enumerate(gather_objects(local)) if p]
-        if not problems:
-            return None
-        rank, problem = problems[0]
-        return f"checkpoint {path}: {problem}{f' (seen by rank {rank})' if rank else ''}"
+        for rank, problem in enumerate(gather_objects(files_problem(path))):
+            if problem:
+                return f"checkpoint {path}: {problem}{f' (seen by rank {rank})' if rank else ''}"
+        return None
 
     def step_of(self, path: Path) -> int:
         """The step a checkpoint holds, from its marker (``problem`` found nothing wrong with it)."""

@@ -150,19 +150,12 @@ class RunLock:
         holder = self.holder()
         return holder is not None and not self._mine(holder)
 
-    def live_holder(self) -> Holder | None:
-        """The holder when it is another process that is alive, else None."""
+    def busy(self) -> str | None:
+        """Why this process may not own the folder (another process that holds it and is alive, named), or None."""
         holder = self.holder()
         if holder is None or self._mine(holder):
             return None
-        if holder.host == self.me[0]:
-            return holder if _alive(holder.pid) else None
-        return holder if self.clock() - holder.renewed < holder.lease_s else None
-
-    def busy(self) -> str | None:
-        """Why this process may not own the folder (the live holder, named), or None."""
-        holder = self.live_holder()
-        if holder is None:
+        if not (_alive(holder.pid) if holder.host == self.me[0] else self.clock() - holder.renewed < holder.lease_s):
             return None
         ago = max(self.clock() - holder.renewed, 0.0)
         return (
