@@ -80,11 +80,11 @@ def meta_twin(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose parameters and buffers live on the meta device (same shapes, dtypes
     and ``requires_grad``; no storage): take it before the module is wrapped (checkpointing,
     compilation, FSDP2), to count the FLOPs of the eager model."""
-    memo: dict[int, Any] = {id(b): torch.empty_like(b, device="meta") for b in module.buffers()}
-    memo |= {
-        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-        for p in module.parameters()
-    }
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(module, memo)
 
 
