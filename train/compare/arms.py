@@ -12,9 +12,9 @@ Per arm, over its seeds (train/observe/stats.py):
     (``--reward-threshold``) the training time (the sum of its step times before the evaluation) at
     which each seed's run first evaluates at least that much over its step 0;
   * time per step and per phase: each run's median over its steps after ``warmup`` (a stalled
-    step on a contended machine moves a median little), with the interquartile range, then the
-    mean over seeds; speed-ups against the baseline arm as (T_base - T) / T_base (the paper's
-    definition: 279 s -> 228 s is 18.2%).
+    step on a contended machine moves a median little), then the mean over seeds; speed-ups
+    against the baseline arm as (T_base - T) / T_base (the paper's definition: 279 s -> 228 s
+    is 18.2%).
 Against the baseline (the arm whose ``update.mode`` is exact, unless named), each other arm's
 final value, gain and area are compared pairwise on the seeds both ran: the mean difference, its
 95% interval, and whether that interval excludes zero. Nothing is starred as "best".
@@ -25,12 +25,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from train.algorithm.jagg import UPDATE_MODES
 from train.compare.runs import NOT_READ, RunMetrics, discover
 from train.evaluation.summary import HELD_OUT, PHASES
-from train.observe.stats import Estimate, estimate, median, quantile, trapezoid_mean
+from train.observe.stats import Estimate, estimate, median, trapezoid_mean
 
 # Settings that never define an arm: where a run writes, how it logs, when it saves.
 IGNORED_KEYS = ("seed", "run_dir", "resume", "logging.", "checkpoint.", "hydra.", "probe.output")
@@ -40,15 +39,13 @@ def _defines_arm(key: str) -> bool:
     return not any(key == k or key.startswith(k) for k in IGNORED_KEYS)
 
 
-def _short(key: str, value: Any) -> str:
-    return str(value) if key == "update.mode" else f"{key}={value}"
-
-
 MAX_LABEL_SETTINGS = 3  # settings named in an arm's label; more are counted ("+5 more settings")
 
 
 def _label(run: RunMetrics, differing: list[str], named_at_most: int) -> str:
-    named = [_short(k, run.config.get(k)) for k in differing[:named_at_most]]
+    named = [
+        str(run.config.get(k)) if k == "update.mode" else f"{k}={run.config.get(k)}" for k in differing[:named_at_most]
+    ]
     more = len(differing) - named_at_most
     return ", ".join(named) + (f" (+{more} more settings)" if more > 0 else "")
 
@@ -203,30 +200,19 @@ def arm_rewards(arm: Arm, metric: str, threshold: float | None = None) -> ArmRew
     )
 
 
-@dataclass
-class RunTiming:
-    median: dict[str, float]  # phase -> median seconds per step
-    iqr: dict[str, tuple[float, float]]  # phase -> (25%, 75%) quantiles
-    num_steps: int
-
-
-def run_timing(run: RunMetrics, warmup: int) -> RunTiming:
+def _run_medians(run: RunMetrics, warmup: int) -> dict[str, float]:
+    """Phase -> the run's median seconds per step over its timed steps after ``warmup`` (all when it has fewer)."""
     timed = [v for _, v in sorted(run.steps.items()) if "time/step" in v]
     kept = timed[warmup:] if len(timed) > warmup else timed
-    med, iqr = {}, {}
-    for phase in PHASES:
-        values = [v[f"time/{phase}"] for v in kept if f"time/{phase}" in v]
-        med[phase] = median(values)
-        iqr[phase] = (quantile(values, 0.25), quantile(values, 0.75))
-    return RunTiming(med, iqr, len(kept))
+    return {phase: median([v[f"time/{phase}"] for v in kept if f"time/{phase}" in v]) for phase in PHASES}
 
 
 def arm_timing(arm: Arm, warmup: int) -> dict[str, float]:
     """Phase -> mean over the arm's runs of their median seconds per step (NaN where not timed)."""
-    timings = [run_timing(r, warmup) for r in arm.runs]
+    medians = [_run_medians(r, warmup) for r in arm.runs]
     out = {}
     for phase in PHASES:
-        values = [t.median[phase] for t in timings if not math.isnan(t.median[phase])]
+        values = [m[phase] for m in medians if not math.isnan(m[phase])]
         out[phase] = sum(values) / len(values) if values else math.nan
     return out
 
