@@ -147,8 +147,7 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
         if advantages is None:  # a NaN reward (the reward stage warned); this batch is not measured
             continue
         count = min(per_batch, p.num_rollouts - done)
-        accumulation = cfg.batch.gradient_accumulation_steps
-        update = UpdateBatch(traj, advantages, predict, reference, u, cfg.grpo, accumulation)
+        update = UpdateBatch(traj, advantages, predict, reference, u, cfg.grpo, cfg.batch.gradient_accumulation_steps)
         measure_batch(run, p, update, measured, count=count, stale=stale, ranks=ranks)
         done = measured.num_measured()
         if done >= p.num_rollouts:
