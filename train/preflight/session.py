@@ -25,9 +25,10 @@ from train.plan.frozen import read_json
 from train.preflight.links import LinkRate, block_numel, measure_links
 from train.preflight.machine import check_attention, check_compile, describe
 from train.preflight.preflight_config import PreflightRunConfig
-from train.preflight.reduced import StepMeasure, reduced_folder, reduced_run, run_steps
+from train.preflight.reduced import StepMeasure, reduced_folder, run_steps, step_config
 from train.preflight.scorers import time_scorers
 from train.preflight.verdict import RankChecks, Status
+from train.run.build import open_run
 from train.run.folder import RunLock, check_one_run
 from train.run.start import load_config
 from train.run.startup_checks import check_mesh, check_resume, unwritable
@@ -113,7 +114,7 @@ def train_reduced(
     """The reduced model's steps, its attention kernel and the collectives on its mesh."""
     scratch = _scratch(cfg, dist)
     full = read_json(Path(cfg.model.path) / "transformer" / "config.json")
-    with reduced_run(cfg, dist, scratch / "model", scratch / "run") as run:
+    with open_run(step_config(cfg, scratch / "model", scratch / "run"), dist) as run:  # claimed as the trainer's
         backbone = run.model.backbone
         grid = backbone.latent_grid(cfg.model.height, cfg.model.width)  # type: ignore[attr-defined]
         tokens = text_tokens(cfg) + math.prod(grid)
