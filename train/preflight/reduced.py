@@ -32,11 +32,6 @@ STAND_IN_REWARD: dict[str, dict] = {"jpeg_compressibility": {}}  # scores images
 TIMED_PHASES = ("rollout", "update", "optimizer")  # the transformer's phases, as the planner times them
 
 
-def reduced_config(config: dict[str, Any], blocks: int) -> dict[str, Any]:
-    """The transformer's config with at most ``blocks`` blocks of each kind."""
-    return {**config, **{key: min(int(config[key]), blocks) for key in BLOCK_KEYS if key in config}}
-
-
 def depth(config: dict[str, Any]) -> str:
     """ "19+38" (Flux's double and single blocks), "60" (Qwen-Image's)."""
     return "+".join(str(config[key]) for key in BLOCK_KEYS if key in config)
@@ -50,7 +45,8 @@ def reduced_folder(cfg: PreflightRunConfig, dest: Path) -> Path:
         if entry.name != "transformer":
             (dest / entry.name).symlink_to(entry)
     component = next(c for c in diffusers_backbone_class(cfg.model.name).components if c.name == "transformer")
-    config = reduced_config(read_json(source / "transformer" / component.config_file), cfg.preflight.blocks)
+    config = read_json(source / "transformer" / component.config_file)
+    config |= {key: min(int(config[key]), cfg.preflight.blocks) for key in BLOCK_KEYS if key in config}
     with torch.random.fork_rng(devices=[]), quiet_progress_bars():
         torch.manual_seed(cfg.seed)
         with default_dtype(parse_dtype(cfg.model.dtype)):  # built in it: a cast would warn about float32 modules
