@@ -35,14 +35,13 @@ from train.observe.stats import Estimate, estimate, median, trapezoid_mean
 IGNORED_KEYS = ("seed", "run_dir", "resume", "logging.", "checkpoint.", "hydra.", "probe.output")
 
 
-def _defines_arm(key: str) -> bool:
-    return not any(key == k or key.startswith(k) for k in IGNORED_KEYS)
-
-
 MAX_LABEL_SETTINGS = 3  # settings named in an arm's label; more are counted ("+5 more settings")
 
 
 def _label(run: RunMetrics, differing: list[str], named_at_most: int) -> str:
+    """The run's arm: its folder's name without a configuration, its update.mode when no setting differs."""
+    if not run.config or not differing:
+        return str(run.config.get("update.mode", run.name))
     named = [
         str(run.config.get(k)) if k == "update.mode" else f"{k}={run.config.get(k)}" for k in differing[:named_at_most]
     ]
@@ -64,21 +63,10 @@ def experiments_note(runs: list[RunMetrics]) -> list[str]:
 def arm_labels(runs: list[RunMetrics]) -> list[str]:
     """The arm of each run: the settings (other than the seed) in which it differs from the others, the
     experiment first, at most ``MAX_LABEL_SETTINGS`` of them named."""
-    keys = sorted({k for r in runs for k in r.config if _defines_arm(k)})
+    keys = sorted({k for r in runs for k in r.config if not k.startswith(IGNORED_KEYS)})
     differing = [k for k in keys if len({json.dumps(r.config.get(k), sort_keys=True) for r in runs}) > 1]
     differing.sort(key=lambda k: (k != "experiment", k != "update.mode", k))
-
-    def labels(named: int) -> list[str]:
-        return [
-            run.name
-            if not run.config
-            else _label(run, differing, named)
-            if differing
-            else str(run.config.get("update.mode", run.name))
-            for run in runs
-        ]
-
-    full, short = labels(len(differing)), labels(MAX_LABEL_SETTINGS)
+    full, short = ([_label(run, differing, n) for run in runs] for n in (len(differing), MAX_LABEL_SETTINGS))
     return short if len(set(short)) == len(set(full)) else full  # short labels must keep the arms apart
 
 
@@ -132,16 +120,8 @@ def pick_baseline(arms: list[Arm], wanted: str | None) -> tuple[Arm, str]:
 def eval_metrics(arms: list[Arm], wanted: list[str] | None) -> list[str]:
     """Names of the ``eval/<name>`` metrics that runs logged: the overall means by default, the held-out
     prompts' (``shape_alignment/held-out``) among them, or the ``wanted`` ones, which may name a category."""
-    logged = list(
-        dict.fromkeys(
-            k.split("/", 1)[1]
-            for arm in arms
-            for r in arm.runs
-            for v in r.steps.values()
-            for k in v
-            if k[:5] == "eval/"
-        )
-    )
+    keys = (k for arm in arms for r in arm.runs for values in r.steps.values() for k in values)
+    logged = list(dict.fromkeys(k.split("/", 1)[1] for k in keys if k.startswith("eval/")))
     if wanted:
         missing = [m for m in wanted if m not in logged]
         if missing:
