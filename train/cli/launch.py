@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
+from itertools import takewhile
 from pathlib import Path
 
 from train.ground.layout import LOCK_FILE, RUN_ID_FILE
@@ -62,11 +63,7 @@ class Launch:
     @classmethod
     def before(cls, folder: Path, *, within: Path | None = None) -> Launch:
         """``folder`` now; ``within``: a folder never to take back (a sweep's, which holds its other jobs)."""
-        missing = []
-        for candidate in (folder, *folder.parents):
-            if candidate.exists() or candidate == within:
-                break
-            missing.append(candidate)
+        missing = list(takewhile(lambda p: not p.exists() and p != within, (folder, *folder.parents)))
         folders = {p for p in folder.rglob("*") if p.is_dir()} if folder.is_dir() else set()
         launch = cls(folder, missing[::-1], {}, {}, {}, folders)
         for path in launch._files():

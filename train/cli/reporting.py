@@ -290,9 +290,7 @@ def run_hydra(main: Callable[[], Any], *, prog: str, argv: Sequence[str] | None 
     if problem := _repeated_override_keys(sys.argv[1:]):
         sys.argv = saved_argv
         raise SystemExit(report_error(ConfigError(problem), prog))
-    progress.task_started, progress.debug, progress.prog = False, saved_debug == "1", prog
-    progress.launch, progress.launches, progress.failed_jobs, progress.jobs = None, {}, [], 0
-    progress.note = None
+    vars(progress).update(vars(_Progress(debug=saved_debug == "1", prog=prog)))  # in place: run_folder.py holds it
     os.environ[DEBUG_ENV] = "1"  # Hydra re-raises instead of printing its own multi-line report
     try:
         main()

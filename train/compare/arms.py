@@ -12,9 +12,9 @@ Per arm, over its seeds (train/observe/stats.py):
     (``--reward-threshold``) the training time (the sum of its step times before the evaluation) at
     which each seed's run first evaluates at least that much over its step 0;
   * time per step and per phase: each run's median over its steps after ``warmup`` (a stalled
-    step on a contended machine moves a median little), with the interquartile range, then the
-    mean over seeds; speed-ups against the baseline arm as (T_base - T) / T_base (the paper's
-    definition: 279 s -> 228 s is 18.2%).
+    step on a contended machine moves a median little), then the mean over seeds; speed-ups
+    against the baseline arm as (T_base - T) / T_base (the paper's definition: 279 s -> 228 s
+    is 18.2%).
 Against the baseline (the arm whose ``update.mode`` is exact, unless named), each other arm's
 final value, gain and area are compared pairwise on the seeds both ran: the mean difference, its
 95% interval, and whether that interval excludes zero. Nothing is starred as "best".
@@ -25,30 +25,26 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from train.algorithm.jagg import UPDATE_MODES
 from train.compare.runs import NOT_READ, RunMetrics, discover
 from train.evaluation.summary import HELD_OUT, PHASES
-from train.observe.stats import Estimate, estimate, median, quantile, trapezoid_mean
+from train.observe.stats import Estimate, estimate, median, trapezoid_mean
 
 # Settings that never define an arm: where a run writes, how it logs, when it saves.
 IGNORED_KEYS = ("seed", "run_dir", "resume", "logging.", "checkpoint.", "hydra.", "probe.output")
-
-
-def _defines_arm(key: str) -> bool:
-    return not any(key == k or key.startswith(k) for k in IGNORED_KEYS)
-
-
-def _short(key: str, value: Any) -> str:
-    return str(value) if key == "update.mode" else f"{key}={value}"
 
 
 MAX_LABEL_SETTINGS = 3  # settings named in an arm's label; more are counted ("+5 more settings")
 
 
 def _label(run: RunMetrics, differing: list[str], named_at_most: int) -> str:
-    named = [_short(k, run.config.get(k)) for k in differing[:named_at_most]]
+    """The run's arm: its folder's name without a configuration, its update.mode when no setting differs."""
+    if not run.config or not differing:
+        return str(run.config.get("update.mode", run.name))
+    named = [
+        str(run.config.get(k)) if k == "update.mode" else f"{k}={run.config.get(k)}" for k in differing[:named_at_most]
+    ]
     more = len(differing) - named_at_most
     return ", ".join(named) + (f" (+{more} more settings)" if more > 0 else "")
 
@@ -67,21 +63,10 @@ def experiments_note(runs: list[RunMetrics]) -> list[str]:
 def arm_labels(runs: list[RunMetrics]) -> list[str]:
     """The arm of each run: the settings (other than the seed) in which it differs from the others, the
     experiment first, at most ``MAX_LABEL_SETTINGS`` of them named."""
-    keys = sorted({k for r in runs for k in r.config if _defines_arm(k)})
+    keys = sorted({k for r in runs for k in r.config if not k.startswith(IGNORED_KEYS)})
     differing = [k for k in keys if len({json.dumps(r.config.get(k), sort_keys=True) for r in runs}) > 1]
     differing.sort(key=lambda k: (k != "experiment", k != "update.mode", k))
-
-    def labels(named: int) -> list[str]:
-        return [
-            run.name
-            if not run.config
-            else _label(run, differing, named)
-            if differing
-            else str(run.config.get("update.mode", run.name))
-            for run in runs
-        ]
-
-    full, short = labels(len(differing)), labels(MAX_LABEL_SETTINGS)
+    full, short = ([_label(run, differing, n) for run in runs] for n in (len(differing), MAX_LABEL_SETTINGS))
     return short if len(set(short)) == len(set(full)) else full  # short labels must keep the arms apart
 
 
@@ -135,16 +120,8 @@ def pick_baseline(arms: list[Arm], wanted: str | None) -> tuple[Arm, str]:
 def eval_metrics(arms: list[Arm], wanted: list[str] | None) -> list[str]:
     """Names of the ``eval/<name>`` metrics that runs logged: the overall means by default, the held-out
     prompts' (``shape_alignment/held-out``) among them, or the ``wanted`` ones, which may name a category."""
-    logged = list(
-        dict.fromkeys(
-            k.split("/", 1)[1]
-            for arm in arms
-            for r in arm.runs
-            for v in r.steps.values()
-            for k in v
-            if k[:5] == "eval/"
-        )
-    )
+    keys = (k for arm in arms for r in arm.runs for values in r.steps.values() for k in values)
+    logged = list(dict.fromkeys(k.split("/", 1)[1] for k in keys if k.startswith("eval/")))
     if wanted:
         missing = [m for m in wanted if m not in logged]
         if missing:
@@ -203,30 +180,19 @@ def arm_rewards(arm: Arm, metric: str, threshold: float | None = None) -> ArmRew
     )
 
 
-@dataclass
-class RunTiming:
-    median: dict[str, float]  # phase -> median seconds per step
-    iqr: dict[str, tuple[float, float]]  # phase -> (25%, 75%) quantiles
-    num_steps: int
-
-
-def run_timing(run: RunMetrics, warmup: int) -> RunTiming:
+def _run_medians(run: RunMetrics, warmup: int) -> dict[str, float]:
+    """Phase -> the run's median seconds per step over its timed steps after ``warmup`` (all when it has fewer)."""
     timed = [v for _, v in sorted(run.steps.items()) if "time/step" in v]
     kept = timed[warmup:] if len(timed) > warmup else timed
-    med, iqr = {}, {}
-    for phase in PHASES:
-        values = [v[f"time/{phase}"] for v in kept if f"time/{phase}" in v]
-        med[phase] = median(values)
-        iqr[phase] = (quantile(values, 0.25), quantile(values, 0.75))
-    return RunTiming(med, iqr, len(kept))
+    return {phase: median([v[f"time/{phase}"] for v in kept if f"time/{phase}" in v]) for phase in PHASES}
 
 
 def arm_timing(arm: Arm, warmup: int) -> dict[str, float]:
     """Phase -> mean over the arm's runs of their median seconds per step (NaN where not timed)."""
-    timings = [run_timing(r, warmup) for r in arm.runs]
+    medians = [_run_medians(r, warmup) for r in arm.runs]
     out = {}
     for phase in PHASES:
-        values = [t.median[phase] for t in timings if not math.isnan(t.median[phase])]
+        values = [m[phase] for m in medians if not math.isnan(m[phase])]
         out[phase] = sum(values) / len(values) if values else math.nan
     return out
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +100,3 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as err:  # raised by this module's checks, naming the run and the fix
         return report_error(UserError(str(err)), "train.compare.command")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -53,13 +53,8 @@ def plot(c: Comparison, out: Path) -> list[Path]:
             ax.set(xlabel=xlabel, ylabel=f"eval/{metric}", title=f"eval/{metric}: mean, band = min..max over seeds")
             ax.grid(alpha=0.3)
             ax.legend()
-            path = out / f"eval_{metric.replace('/', '_')}_vs_{axis}.png"
-            fig.savefig(path, dpi=110, bbox_inches="tight")
-            plt.close(fig)
-            written.append(path)
-    written.append(_plot_training_curves(c, out, plt))
-    written.append(_plot_phases(c, out, plt))
-    return written
+            written.append(_save(fig, out / f"eval_{metric.replace('/', '_')}_vs_{axis}.png", plt))
+    return [*written, _plot_training_curves(c, out, plt), _plot_phases(c, out, plt)]
 
 
 def _plot_training_curves(c: Comparison, out: Path, plt: Any) -> Path:
@@ -82,10 +77,7 @@ def _plot_training_curves(c: Comparison, out: Path, plt: Any) -> Path:
         ax.set_visible(False)
     if logged:
         axes.flat[0].legend()
-    path = out / "training_curves.png"
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, out / "training_curves.png", plt)
 
 
 def _plot_phases(c: Comparison, out: Path, plt: Any) -> Path:
@@ -98,7 +90,10 @@ def _plot_phases(c: Comparison, out: Path, plt: Any) -> Path:
     ax.set_xticks([k + width * (len(c.arms) - 1) / 2 for k in range(len(phases))], phases)
     ax.set(ylabel="seconds per step (median)", title="time per phase")
     ax.legend()
-    path = out / "time_per_phase.png"
+    return _save(fig, out / "time_per_phase.png", plt)
+
+
+def _save(fig: Any, path: Path, plt: Any) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

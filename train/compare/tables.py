@@ -19,10 +19,7 @@ def curve_rows(c: Comparison, metric: str) -> list[list[str]]:
     steps = sorted({s for r in rewards.values() if r is not None for s in r.curve})
     rows = [["step", *[a.label for a in c.arms]]]
     for step in steps:
-        cells = []
-        for arm in c.arms:
-            r = rewards[arm.label]
-            cells.append(r.curve[step].format() if r is not None and step in r.curve else "-")
+        cells = [r.curve[step].format() if (r := rewards[a.label]) and step in r.curve else "-" for a in c.arms]
         rows.append([str(step), *cells])
     return rows
 

@@ -241,6 +241,8 @@ def plan_report(
 ) -> PlanReport:
     """What the trace found: the run, its memory per rank, its phases (their peaks with the frozen models added)."""
     at = traced.at_step
+    # FLOPs of each reward model's forward on one image and prompt, where the planner counted them
+    scorer_flops = {m.name: m.flops for m in frozen if m.role == "reward" and m.flops is not None}
     return PlanReport(
         experiment=cfg.experiment,
         backbone=cfg.model.name,
@@ -268,13 +270,8 @@ def plan_report(
         frozen=frozen,
         phases=traced.phases,
         updates=updates,
-        reward=reward_stage(cfg, scorer_flops(frozen), cfg.plan.served_reward_seconds),
+        reward=reward_stage(cfg, scorer_flops, cfg.plan.served_reward_seconds),
     )
-
-
-def scorer_flops(frozen: list[FrozenModel]) -> dict[str, float]:
-    """FLOPs of each reward model's forward on one image and prompt, where the planner counted them."""
-    return {m.name: m.flops for m in frozen if m.role == "reward" and m.flops is not None}
 
 
 def with_estimates(report: PlanReport, cfg: PlanRunConfig, traced: Traced, updates: list[Phase]) -> PlanReport:

@@ -10,7 +10,7 @@ from collections import Counter
 
 from samplers.sampler_config import WindowSchedule
 from samplers.window import progressive_start
-from train.algorithm.segments import pick_segments, route_segments
+from train.algorithm.segments import RoutedSegment, pick_segments, route_segments
 from train.algorithm.update_config import MIDDLE_MODES, ReuseVelocities, UpdateMode
 from train.config.schema import TrainConfig
 from train.plan.plan_config import PlanRunConfig
@@ -46,21 +46,30 @@ def expected_segments(cfg: TrainConfig, mode: UpdateMode | None = None) -> dict[
     """Expected segments per micro-batch of each update path, over the random segment pick
     (update.timestep_fraction) and the windows the run draws (``drawn_windows``).
     ``mode`` replaces update.mode (``exact``: the run without JAGG)."""
-    s, u = cfg.sampler, cfg.update
     counts: dict[UpdateMode, float] = {}
     for window, share in drawn_windows(cfg).items():
-        trainable = trainable_transitions(s, None if window is None else window[0])
-        every = route_segments(
-            trainable,
-            length=u.segment_length,
-            mode=UpdateMode(mode or u.mode),
-            jagg_frac=u.jagg_frac,
-            num_transitions=s.num_steps - 1,
-        )
-        picked = len(pick_segments(trainable, length=u.segment_length, timestep_fraction=u.timestep_fraction))
-        for segment in every:  # a uniform random subset: each segment is picked with probability picked / len
-            counts[segment.mode] = counts.get(segment.mode, 0.0) + picked / len(every) * share
+        every, p = _routed(cfg, window, mode)
+        for segment in every:
+            counts[segment.mode] = counts.get(segment.mode, 0.0) + p * share
     return counts
+
+
+def _routed(
+    cfg: TrainConfig, window: tuple[int, int] | None, mode: UpdateMode | None
+) -> tuple[list[RoutedSegment], float]:
+    """(every segment of a trajectory with SDE ``window``, routed; the probability that the random pick trains
+    one: it picks a uniform random subset). ``mode`` as in ``expected_segments``."""
+    u = cfg.update
+    trainable = trainable_transitions(cfg.sampler, None if window is None else window[0])
+    every = route_segments(
+        trainable,
+        length=u.segment_length,
+        mode=UpdateMode(mode or u.mode),
+        jagg_frac=u.jagg_frac,
+        num_transitions=cfg.sampler.num_steps - 1,
+    )
+    picked = len(pick_segments(trainable, length=u.segment_length, timestep_fraction=u.timestep_fraction))
+    return every, picked / len(every)
 
 
 def text_tokens(cfg: TrainConfig) -> int:
@@ -124,20 +133,9 @@ def _per_group(micro: list[dict[int, int]]) -> dict[int, list[int]]:
 def _start_step(cfg: TrainConfig, mode: UpdateMode | None = None) -> tuple[float, UpdateMode] | None:
     """(probability that a micro-batch trains the shared step, the path of the segment that starts there),
     None where nothing is shared (update.share_group_start off, G = 1). ``mode`` as in ``expected_segments``."""
-    g, u = cfg.grpo, cfg.update
-    if not u.share_group_start or g.group_size < 2:
+    if not cfg.update.share_group_start or cfg.grpo.group_size < 2:
         return None
-    window = first_window(cfg)
-    trainable = trainable_transitions(cfg.sampler, None if window is None else window[0])
-    transitions = cfg.sampler.num_steps - 1
-    segments = route_segments(
-        trainable,
-        length=u.segment_length,
-        mode=UpdateMode(mode or u.mode),
-        jagg_frac=u.jagg_frac,
-        num_transitions=transitions,
-    )
-    p = len(pick_segments(trainable, length=u.segment_length, timestep_fraction=u.timestep_fraction)) / len(segments)
+    segments, p = _routed(cfg, first_window(cfg), mode)
     return p, segments[0].mode
 
 

@@ -66,7 +66,7 @@ def extended(full: dict[str, int], trace_at: Callable[[dict[str, int]], T]) -> T
 def _combine(base: Any, steps: list[tuple[Any, float]]) -> Any:
     """``base`` plus, for each (traced, times), (traced - base) * times, field by field; what is not a number
     (names, flags, tensors) is the base's."""
-    if isinstance(base, bool) or base is None or isinstance(base, str):
+    if base is None or isinstance(base, bool | str):
         return base
     if isinstance(base, int | float):
         value = base + sum((other - base) * times for other, times in steps)
@@ -74,10 +74,8 @@ def _combine(base: Any, steps: list[tuple[Any, float]]) -> Any:
     if isinstance(base, dict):
         keys = set(base).union(*(other for other, _ in steps))
         return {k: _combine(base.get(k, 0), [(other.get(k, 0), t) for other, t in steps]) for k in keys}
-    if isinstance(base, list):
-        return [_combine(b, [(other[i], t) for other, t in steps]) for i, b in enumerate(base)]
-    if isinstance(base, tuple):
-        return tuple(_combine(b, [(other[i], t) for other, t in steps]) for i, b in enumerate(base))
+    if isinstance(base, list | tuple):
+        return type(base)(_combine(b, [(other[i], t) for other, t in steps]) for i, b in enumerate(base))
     if dataclasses.is_dataclass(base) and not isinstance(base, type):
         changes = {
             f.name: _combine(getattr(base, f.name), [(getattr(o, f.name), t) for o, t in steps])

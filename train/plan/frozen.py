@@ -62,11 +62,8 @@ class FrozenModel:
 
 def module_bytes(module: nn.Module, dtype: torch.dtype) -> int:
     """Bytes of ``module``'s parameters and buffers once cast to ``dtype`` (integer buffers keep theirs)."""
-    total = 0
-    for tensor in [*module.parameters(), *module.buffers()]:
-        size = dtype.itemsize if tensor.is_floating_point() else tensor.dtype.itemsize
-        total += tensor.numel() * size
-    return total
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.dtype.itemsize) for t in tensors)
 
 
 def build_component(loader: Any, config: dict[str, Any]) -> nn.Module:

@@ -4,7 +4,7 @@ train/plan/advice.py finds the changes that would lower the peak."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from train.algorithm.update_config import UpdateMode
@@ -131,13 +131,8 @@ class PlanReport:
     def flops_per_step(self, *, exact: bool = False, shared: bool = True) -> tuple[float, float]:
         """(update, whole step) FLOPs per rank: as routed, or with every segment on the exact path; with the
         shared start as configured, or (``shared=False``) without it."""
-        updates = self.configured_updates()
-        if exact:
-            calls = sum(u.calls_per_step for u in updates)
-            update = calls * next(u.flops for u in updates if u.mode == UpdateMode.exact)
-        else:
-            update = sum(u.calls_per_step * u.flops for u in updates)
-        update -= self.shared_update_flops if shared else 0.0
+        updates = [self._all_exact()] if exact else self.configured_updates()
+        update = sum(u.calls_per_step * u.flops for u in updates) - (self.shared_update_flops if shared else 0.0)
         rollout = 0.0 if shared else self.shared_rollout_flops
         return update, update + rollout + sum(p.calls_per_step * p.flops for p in self.phases)
 
@@ -157,14 +152,14 @@ class PlanReport:
     def update_traffic(self, *, exact: bool = False) -> Traffic:
         """The update's per rank per step, with the shared start as configured: as routed, or with every
         segment on the exact path."""
+        updates = [self._all_exact()] if exact else self.configured_updates()
+        return sum((self.traffic(u) for u in updates), Traffic()) + self.shared_traffic(exact=exact)
+
+    def _all_exact(self) -> Phase:
+        """The update with every segment on the exact path: the update's calls, each the exact path's."""
         updates = self.configured_updates()
-        if exact:
-            calls = sum(u.calls_per_step for u in updates)
-            exact_call = next(u for u in updates if u.mode == UpdateMode.exact)
-            out = self.model_bytes.call(self.cluster, exact_call.forwards, exact_call.backwards) * calls
-        else:
-            out = sum((self.traffic(u) for u in updates), Traffic())
-        return out + self.shared_traffic(exact=exact)
+        exact = next(u for u in updates if u.mode == UpdateMode.exact)
+        return replace(exact, calls_per_step=sum(u.calls_per_step for u in updates))
 
     def shared_traffic(self, *, exact: bool = False) -> Traffic:
         """What the shared start adds to the update's traffic per rank per step (negative: saves)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from train.plan.advice import advice, largest_term
+from train.plan.comm import Traffic
 from train.plan.report import GIB, PlanReport, in_gib
 
 
@@ -80,6 +81,12 @@ def _gb(num_bytes: float) -> str:
     return f"{num_bytes / 1e9:.4g}"
 
 
+def _sent(t: Traffic) -> str:
+    """A traffic's columns of the communication table, GB."""
+    gb = [_gb(x) for x in t.astuple()]  # all-gather, reduce-scatter, all-reduce, in node, across
+    return f" {gb[0]:>11} {gb[1]:>15} {gb[2]:>11} {gb[3]:>8} {gb[4]:>7}"
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 600 else f"{seconds / 3600:.1f} h"
 
@@ -95,19 +102,11 @@ def _comm_lines(r: PlanReport) -> list[str]:
     width = max(len(p.name) for p in r.phases + r.configured_updates())
     lines.append(f"  {'phase':<{width}}  forwards  backwards  all-gather  reduce-scatter  all-reduce  in node  across")
     for p in [*r.phases, *r.configured_updates()]:
-        t = r.traffic(p)
-        lines.append(
-            f"  {p.name:<{width}} {p.forwards * p.calls_per_step:>9g} {p.backwards * p.calls_per_step:>10g}"
-            f" {_gb(t.all_gather):>11} {_gb(t.reduce_scatter):>15} {_gb(t.all_reduce):>11}"
-            f" {_gb(t.intra):>8} {_gb(t.inter):>7}"
-        )
+        calls = f"{p.forwards * p.calls_per_step:>9g} {p.backwards * p.calls_per_step:>10g}"
+        lines.append(f"  {p.name:<{width}} {calls}{_sent(r.traffic(p))}")
     if r.shared_calls != (0.0, 0.0):
         forwards, backwards = r.shared_calls
-        t = r.shared_traffic()
-        lines.append(
-            f"  {'shared start':<{width}} {forwards:>+9.3g} {backwards:>+10.3g} {_gb(t.all_gather):>11}"
-            f" {_gb(t.reduce_scatter):>15} {_gb(t.all_reduce):>11} {_gb(t.intra):>8} {_gb(t.inter):>7}"
-        )
+        lines.append(f"  {'shared start':<{width}} {forwards:>+9.3g} {backwards:>+10.3g}{_sent(r.shared_traffic())}")
     routed, exact = r.update_traffic(), r.update_traffic(exact=True)
     lines.append(
         f"  update as routed sends {_gb(routed.total)} GB, every segment exact {_gb(exact.total)} GB: the routing "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -96,52 +97,41 @@ class TracedOnce:
         return torch.empty(shape, dtype=dtype, device=z.device)
 
 
-def rollout_call(
-    run: TracedRun, tensors: StepTensors, predict: TracedOnce, window: tuple[int, int] | None
-) -> Callable[[], None]:
+def run_rollout(run: TracedRun, tensors: StepTensors, predict: TracedOnce, window: tuple[int, int] | None) -> None:
     """The rollout of every sample of the rank with the SDE ``window`` (``train.step.sample_trajectories``: the
     sampler's N steps, the transformer traced on the first, ``TracedOnce``) from conditioning and noise shaped as
     ``train.step.step_rollout`` makes them."""
     cfg, backbone = run.cfg, cast(DiffusersBackbone, run.backbone)
     g, b, s = cfg.grpo, cfg.batch, cfg.sampler
-
-    def call() -> None:
-        cond = conditioning(backbone, b.prompts_per_rank, text_tokens(cfg)).repeat(g.group_size)
-        noise = backbone.initial_noise(b.prompts_per_rank, height=cfg.model.height, width=cfg.model.width)
-        # The schedule's values change no shape: a fixed shift stands in for a dynamic one.
-        sigmas = known(lambda: shifted_sigmas(s.num_steps, s.shift if s.shift is not None else 1.0))
-        traj = sample_trajectories(
-            predict,
-            cfg,
-            cond,
-            noise.repeat_interleave(g.group_size, dim=0),
-            sigmas=sigmas,
-            group_ids=torch.arange(b.prompts_per_rank).repeat_interleave(g.group_size),
-            sde_window=window,
-            sde_noise=[torch.Generator().manual_seed(i) for i in range(b.prompts_per_rank)],
-            keep_velocities=cfg.update.keeps_velocities(ratio_norm=cfg.grpo.ratio_norm),
-            velocity_dtype=parse_dtype(cfg.model.dtype),
-        )
-        flags = stochastic_flags(s.num_steps, traj.sde, window)  # readable, for transition() and the plan
-        stochastic = known(lambda: torch.tensor(flags, dtype=torch.bool))
-        trainable = known(lambda: torch.tensor(trainable_flags(flags), dtype=torch.bool))
-        tensors.traj = replace(traj, stochastic=stochastic, trainable=trainable)
-
-    return call
+    cond = conditioning(backbone, b.prompts_per_rank, text_tokens(cfg)).repeat(g.group_size)
+    noise = backbone.initial_noise(b.prompts_per_rank, height=cfg.model.height, width=cfg.model.width)
+    # The schedule's values change no shape: a fixed shift stands in for a dynamic one.
+    sigmas = known(lambda: shifted_sigmas(s.num_steps, s.shift if s.shift is not None else 1.0))
+    traj = sample_trajectories(
+        predict,
+        cfg,
+        cond,
+        noise.repeat_interleave(g.group_size, dim=0),
+        sigmas=sigmas,
+        group_ids=torch.arange(b.prompts_per_rank).repeat_interleave(g.group_size),
+        sde_window=window,
+        sde_noise=[torch.Generator().manual_seed(i) for i in range(b.prompts_per_rank)],
+        keep_velocities=cfg.update.keeps_velocities(ratio_norm=cfg.grpo.ratio_norm),
+        velocity_dtype=parse_dtype(cfg.model.dtype),
+    )
+    flags = stochastic_flags(s.num_steps, traj.sde, window)  # readable, for transition() and the plan
+    stochastic = known(lambda: torch.tensor(flags, dtype=torch.bool))
+    trainable = known(lambda: torch.tensor(trainable_flags(flags), dtype=torch.bool))
+    tensors.traj = replace(traj, stochastic=stochastic, trainable=trainable)
 
 
-def decode_call(run: TracedRun, tensors: StepTensors) -> Callable[[], None]:
+def run_decode(run: TracedRun, tensors: StepTensors) -> None:
     """The decode of the rollout's final latents before scoring (``train.reward.stage.decode_images``)."""
-    cfg = run.cfg
-
-    def call() -> None:
-        assert tensors.traj is not None
-        tensors.images = decode_images(run.backbone, tensors.traj.latents[:, -1], cfg.model)
-
-    return call
+    assert tensors.traj is not None
+    tensors.images = decode_images(run.backbone, tensors.traj.latents[:, -1], run.cfg.model)
 
 
-def update_call(run: TracedRun, tensors: StepTensors, mode: str, *, reuse: bool) -> Callable[[], None]:
+def update_call(run: TracedRun, tensors: StepTensors, mode: str, *, reuse: bool) -> Callable[[], object]:
     """One segment of W steps of one micro-batch through ``train.algorithm.update.update_micro_batch`` (the GRPO loss,
     the KL reference's batched call, ``backward_segment``), on the rollout's velocities when ``reuse``;
     ``mode`` exact_batched: an exact segment with update.exact_batched. Without the shared start."""
@@ -159,24 +149,16 @@ def update_call(run: TracedRun, tensors: StepTensors, mode: str, *, reuse: bool)
     start = traj.trainable_steps()[0]
     width = EXACT_TRACED_STEPS if mode == UpdateMode.exact else cfg.update.segment_length
     segment = RoutedSegment(start, start + width, UpdateMode.exact if mode == EXACT_BATCHED else UpdateMode(mode))
-    rows = torch.arange(cfg.batch.micro_batch)
-
-    def call() -> None:
-        update_micro_batch(batch, rows, [segment], reuse_velocities=reuse)  # its scale changes nothing traced
-
-    return call
+    rows = torch.arange(cfg.batch.micro_batch)  # built here, before the traced call, as the step holds them
+    return partial(update_micro_batch, batch, rows, [segment], reuse_velocities=reuse)  # its scale changes nothing
 
 
-def optimizer_call(run: TracedRun) -> Callable[[], None]:
+def run_optimizer_step(run: TracedRun) -> None:
     """``train.step.optimizer_step`` but for its finiteness test (a value): the global-norm clip, the
     AdamW step and the EMA, then zero_grad."""
-
-    def call() -> None:
-        clip_grad_norm_(run.params, run.cfg.optimizer.max_grad_norm)
-        step_weights(run.optimizer, run.ema)
-        run.optimizer.zero_grad(set_to_none=True)
-
-    return call
+    clip_grad_norm_(run.params, run.cfg.optimizer.max_grad_norm)
+    step_weights(run.optimizer, run.ema)
+    run.optimizer.zero_grad(set_to_none=True)
 
 
 @dataclass

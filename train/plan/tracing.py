@@ -8,6 +8,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import cast
 
@@ -27,9 +28,9 @@ from train.plan.step_calls import (
     Forwards,
     StepTensors,
     TracedOnce,
-    decode_call,
-    optimizer_call,
-    rollout_call,
+    run_decode,
+    run_optimizer_step,
+    run_rollout,
     update_call,
 )
 
@@ -39,7 +40,7 @@ def progress(what: str) -> None:
     print(f"plan: {what}", file=sys.stderr, flush=True)
 
 
-def measure_counting(run: TracedRun, resident: Sequence[Tensor], call: Callable[[], None]) -> tuple[Measured, Forwards]:
+def measure_counting(run: TracedRun, resident: Sequence[Tensor], call: Callable) -> tuple[Measured, Forwards]:
     """``measure`` of ``call``, with the forwards of the transformer and of the KL reference copy counted."""
     forwards = Forwards()
     roots = [m for m in (run.backbone.transformer, run.reference) if m is not None]
@@ -64,17 +65,15 @@ def trace_updates(run: TracedRun, tensors: StepTensors, segments: dict[UpdateMod
     resident = tensors.resident(offloaded_velocities=offloaded) + reference_shards(run) + ema_shards(run)
     out = []
     for mode, reuse, calls in update_variants(cfg, segments, kept_velocities=cfg.update.reuses_velocities):
-        recompute = "on" if cfg.model.activation_checkpointing else "off"
-        progress(f"  update {mode}{', rollout velocities' if reuse else ''}, activation checkpointing {recompute}")
+        name = f"update {mode}" + (", rollout velocities" if reuse else "")
+        progress(f"  {name}, activation checkpointing {'on' if cfg.model.activation_checkpointing else 'off'}")
         m, forwards = measure_counting(run, resident, update_call(run, tensors, mode, reuse=reuse))
         backwards = float(forwards.with_grad)  # each graph is backpropagated once
         if mode == UpdateMode.exact:  # its W steps, each freed before the next, traced on EXACT_TRACED_STEPS
             m.flops = round(m.flops * cfg.update.segment_length / EXACT_TRACED_STEPS)
             backwards *= cfg.update.segment_length / EXACT_TRACED_STEPS
-        name = f"update {mode}" + (", rollout velocities" if reuse else "")
         calls_of = {"forwards": forwards.without_grad + backwards, "backwards": backwards}
-        checkpointing = cfg.model.activation_checkpointing
-        out.append(to_phase(name, m, calls, checkpointing=checkpointing, mode=mode, **calls_of))
+        out.append(to_phase(name, m, calls, checkpointing=cfg.model.activation_checkpointing, mode=mode, **calls_of))
     return out
 
 
@@ -108,7 +107,8 @@ def _rollout_calls(
     for window in others:
         progress(f"  rollout with the SDE window {window}")
         rows_before, calls_before = predict.called_rows, predict.calls
-        measure(run.backbone.transformer, run.optimizer, resident, rollout_call(run, StepTensors(), predict, window))
+        call = partial(run_rollout, run, StepTensors(), predict, window)
+        measure(run.backbone.transformer, run.optimizer, resident, call)
         rows += (predict.called_rows - rows_before) * windows[window]
         calls += (predict.calls - calls_before) * windows[window]
     return rows, calls
@@ -124,7 +124,7 @@ def trace_step(run: TracedRun, segments: dict[UpdateMode, float]) -> Traced:
     # the rollout and the decode run after the last optimizer step's zero_grad(set_to_none)
     predict, windows = TracedOnce(run.policy()), drawn_windows(cfg)
     progress(f"  rollout of {cfg.grpo.group_size * b.prompts_per_rank} samples, SDE window {first_window(cfg)}")
-    rollout = measure(root, opt, always, rollout_call(run, tensors, predict, first_window(cfg)))
+    rollout = measure(root, opt, always, partial(run_rollout, run, tensors, predict, first_window(cfg)))
     assert tensors.traj is not None
     if offloaded and tensors.traj.velocities is not None:  # allocated during the rollout, in host memory
         rollout.peak_bytes -= _storage_bytes([tensors.traj.velocities])
@@ -137,18 +137,16 @@ def trace_step(run: TracedRun, segments: dict[UpdateMode, float]) -> Traced:
     post_window_flops = per_row * (cfg.sampler.num_steps - forwards) * batch
     phases = [to_phase("rollout", rollout, 1, forwards=calls)]
     progress("  decode")
-    decode = measure(root, opt, always + tensors.resident(offloaded_velocities=offloaded), decode_call(run, tensors))
+    resident = always + tensors.resident(offloaded_velocities=offloaded)
+    decode = measure(root, opt, resident, partial(run_decode, run, tensors))
     phases.append(to_phase("decode", decode, 1))
-    tensors.advantages = torch.zeros(tensors.traj.batch_size)
+    tensors.advantages = torch.zeros(batch)
     hold_gradients(run)
     updates = trace_updates(run, tensors, segments)
     resident = always + tensors.resident(offloaded_velocities=offloaded)
     progress("  optimizer step")
-    optimizer = measure(root, opt, resident, optimizer_call(run))
-    phases.append(
-        to_phase("optimizer", optimizer, cfg.grpo.group_size * b.prompts_per_rank / b.gradient_accumulation_steps)
-    )
-    velocities = tensors.traj.velocities
+    optimizer = measure(root, opt, resident, partial(run_optimizer_step, run))
+    phases.append(to_phase("optimizer", optimizer, batch / b.gradient_accumulation_steps))  # batch: the rank's samples
     return Traced(
         phases=phases,
         updates=updates,
@@ -159,7 +157,7 @@ def trace_step(run: TracedRun, segments: dict[UpdateMode, float]) -> Traced:
         step_tensor_bytes=_storage_bytes(tensors.resident(offloaded_velocities=offloaded)),
         reference_bytes=_storage_bytes(reference_shards(run)),
         ema_bytes=_storage_bytes(ema_shards(run)),
-        velocity_bytes=0 if offloaded or velocities is None else _storage_bytes([velocities]),
+        velocity_bytes=0 if offloaded or tensors.traj.velocities is None else _storage_bytes([tensors.traj.velocities]),
         shared_rollout_flops=shared_rollout_flops,
         post_window_flops=post_window_flops,
         forward_flops_per_row=per_row,

@@ -65,11 +65,6 @@ def report_lines(found: Found, verdict: Verdict, dist: DistInfo) -> list[str]:
     return lines + verdict.lines()
 
 
-def verdict_folder(found: Found) -> Path:
-    """The run folder, or where Hydra writes this command's log when the settings did not read (run_dir unknown)."""
-    return Path(found.config.run_dir) if found.config is not None else Path(HydraConfig.get().runtime.output_dir)
-
-
 def tidy(run_dir: Path) -> None:
     """The run folder as the run will find it: no reduced model, and no checkpoints/ folder while it is empty (the
     run-folder check created it to test that it can be written)."""
@@ -81,15 +76,16 @@ def tidy(run_dir: Path) -> None:
 
 def conclude_on_main(found: Found, dist: DistInfo) -> int:
     """Rank 0's verdict, printed and written; its exit status."""
-    run_dir = verdict_folder(found)
+    # the run folder, or where Hydra writes this command's log when the settings did not read (run_dir unknown)
+    run_dir = Path(found.config.run_dir if found.config is not None else HydraConfig.get().runtime.output_dir)
     try:
         out = conclude(found)
     finally:
         tidy(run_dir)
     for line in report_lines(found, out, dist):
         log.info(line)
-    out.write(RunLayout(run_dir).preflight)
-    log.info("written to %s", RunLayout(run_dir).preflight)
+    out.write(path := RunLayout(run_dir).preflight)
+    log.info("written to %s", path)
     return out.exit_status
 
 
@@ -116,7 +112,3 @@ def main(cfg: DictConfig) -> None:
 def command() -> None:
     """``python -m train.preflight`` and the console script ``jagg-preflight``."""
     run_hydra(main, prog=PROG)
-
-
-if __name__ == "__main__":
-    command()

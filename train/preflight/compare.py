@@ -61,14 +61,6 @@ def corrected_memory(
     )
 
 
-def retimed(
-    report: PlanReport, *, peak_tflops: float, peak_source: str, mfu: float, intra_gbps: float, inter_gbps: float
-) -> PlanReport:
-    return replace(
-        report, peak_tflops=peak_tflops, peak_source=peak_source, mfu=mfu, intra_gbps=intra_gbps, inter_gbps=inter_gbps
-    )
-
-
 def bound_parts(report: PlanReport) -> list[str]:
     """The parts of a step whose communication takes longer than their compute."""
     return [name for name, flops, traffic in report.time_terms() if report.seconds_of(flops, traffic) >

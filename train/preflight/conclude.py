@@ -13,7 +13,7 @@ from train.ground.errors import UserError
 from train.ground.layout import RunLayout
 from train.plan.command import plan, plannable
 from train.plan.report import GIB, PlanReport
-from train.preflight.compare import MemoryCompare, corrected_memory, plan_summary, retimed
+from train.preflight.compare import MemoryCompare, corrected_memory, plan_summary
 from train.preflight.links import LinkRate, link_checks
 from train.preflight.preflight_config import PreflightRunConfig
 from train.preflight.reduced import STAND_IN_REWARD, StepMeasure
@@ -29,8 +29,7 @@ def plan_settings(cfg: PreflightRunConfig, machine: dict[str, Any], arch: Path) 
     per node, its GPU's memory."""
     p = replace(cfg.plan, world_size=max(2, machine["world_size"]), arch=str(arch), output=None)
     p.gpus_per_node = max(1, min(machine["local_world_size"], p.world_size))
-    if "gpu_memory_gib" in machine:
-        p.gpu_memory_gib = machine["gpu_memory_gib"]
+    p.gpu_memory_gib = machine.get("gpu_memory_gib", p.gpu_memory_gib)
     return replace(cfg, plan=p)
 
 
@@ -56,12 +55,9 @@ def disk_check(cfg: PreflightRunConfig, report: PlanReport) -> Check:
 
 def _rates(links: list[list[LinkRate]], cfg: PreflightRunConfig) -> tuple[float, float]:
     """(in a node, across nodes) Gb/s: the slowest rank's slowest collective on that link, else the plan's."""
-    measured: dict[bool, list[float]] = {False: [], True: []}
-    for rates in links:
-        for rate in rates:
-            measured[rate.across_nodes].append(rate.gbps)
-    intra = min(measured[False], default=cfg.plan.intra_node_gbps)
-    return intra, min(measured[True], default=cfg.plan.inter_node_gbps)
+    rates = [rate for per_rank in links for rate in per_rank]
+    intra = min((r.gbps for r in rates if not r.across_nodes), default=cfg.plan.intra_node_gbps)
+    return intra, min((r.gbps for r in rates if r.across_nodes), default=cfg.plan.inter_node_gbps)
 
 
 def _memory(found: Found, plan_cfg: PreflightRunConfig, scratch_model: Path) -> MemoryCompare | None:
@@ -94,12 +90,9 @@ def full_plan(found: Found, cfg: PreflightRunConfig, step: StepMeasure) -> tuple
         checks.append(Check("planner memory", Status.skipped, "no allocator statistics on CPU: the planner's memory "
                             "is compared with a step on GPUs"))  # fmt: skip
     intra, inter = _rates(found.links, cfg)
+    report = replace(report, intra_gbps=intra, inter_gbps=inter)
     if step.mfu is not None and step.peak_tflops and math.isfinite(step.mfu):  # else a GPU of unknown peak
-        report = retimed(report, peak_tflops=step.peak_tflops, peak_source=step.peak_source, mfu=step.mfu,
-                         intra_gbps=intra, inter_gbps=inter)  # fmt: skip
-    else:
-        report = retimed(report, peak_tflops=report.peak_tflops, peak_source=report.peak_source, mfu=report.mfu,
-                         intra_gbps=intra, inter_gbps=inter)  # fmt: skip
+        report = replace(report, peak_tflops=step.peak_tflops, peak_source=step.peak_source, mfu=step.mfu)
     report = measured_reward(report, step.scorers)
     if step.scorers:
         checks.append(reward_check(report, step.scorers))

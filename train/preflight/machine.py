@@ -71,18 +71,11 @@ def describe(device: torch.device, *, rank: int, world_size: int, replicate: int
 
 
 def machine_line(info: dict[str, Any]) -> str:
-    gpu = (
-        f"{info['gpu']} {info['gpu_memory_gib']} GiB, bf16 {'yes' if info['bf16'] else 'no'}"
-        if "gpu" in info
-        else "CPU"
-    )
-    cuda = f", CUDA {info['cuda']}, NCCL {info['nccl']}, driver {info['driver']}" if "gpu" in info else ""
-    return f"{info['host']}: {gpu}; torch {info['torch']}{cuda}"
-
-
-def attention_shapes(transformer_config: dict[str, Any], tokens: int) -> tuple[int, int, int]:
-    """(heads, tokens, head dim) of the transformer's joint attention over ``tokens`` image and text tokens."""
-    return int(transformer_config["num_attention_heads"]), tokens, int(transformer_config["attention_head_dim"])
+    if "gpu" not in info:
+        return f"{info['host']}: CPU; torch {info['torch']}"
+    gpu = f"{info['gpu']} {info['gpu_memory_gib']} GiB, bf16 {'yes' if info['bf16'] else 'no'}"
+    versions = f"torch {info['torch']}, CUDA {info['cuda']}, NCCL {info['nccl']}, driver {info['driver']}"
+    return f"{info['host']}: {gpu}; {versions}"
 
 
 def sdpa_backend(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> str | None:
@@ -106,7 +99,7 @@ def sdpa_backend(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.
 def check_attention(
     checks: RankChecks, cfg: TrainConfig, config: dict[str, Any], tokens: int, device: torch.device
 ) -> None:
-    shape = attention_shapes(config, tokens)
+    shape = int(config["num_attention_heads"]), tokens, int(config["attention_head_dim"])  # (heads, tokens, head dim)
     what = f"{shape[0]} heads x {shape[1]} tokens x {shape[2]} dims in {cfg.model.dtype}"
     if device.type != "cuda":
         checks.add("attention", Status.skipped, f"CPU: no GPU kernel to check ({what})")

@@ -1,7 +1,7 @@
 """The configured model cut to a few blocks, and training steps of it through the trainer's own code.
 
 ``reduced_folder`` writes a pipeline folder whose transformer keeps ``preflight.blocks`` blocks of each kind at full
-width (``DEPTH_KEYS`` of its diffusers config), with random weights, and links every other component (VAE, text
+width (``BLOCK_KEYS`` of its diffusers config), with random weights, and links every other component (VAE, text
 encoders, tokenizers, scheduler) to the configured folder's. ``measured_steps`` opens a run on it in the scratch
 folder (``train.run.build.open_run``: LoRA or full fine-tuning, activation checkpointing, FSDP2 or HSDP, compile,
 the KL reference and the EMA as configured) and runs ``train.step.train_step``; the last step is measured.
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,13 +19,12 @@ import torch
 
 from models.base import parse_dtype
 from models.components import quiet_progress_bars
-from train.distributed.collectives import DistInfo
 from train.observe.observe_config import WandbMode
+from train.plan.depth import BLOCK_KEYS
 from train.plan.fake import default_dtype
 from train.plan.frozen import build_component, diffusers_backbone_class, read_json
 from train.preflight.preflight_config import PreflightRunConfig
 from train.preflight.scorers import ScorerTiming
-from train.run.build import open_run
 from train.run.parts import Run
 from train.step import train_step
 
@@ -35,17 +32,9 @@ STAND_IN_REWARD: dict[str, dict] = {"jpeg_compressibility": {}}  # scores images
 TIMED_PHASES = ("rollout", "update", "optimizer")  # the transformer's phases, as the planner times them
 
 
-DEPTH_KEYS = ("num_layers", "num_single_layers")  # blocks of each kind in Flux's and Qwen-Image's configs
-
-
-def reduced_config(config: dict[str, Any], blocks: int) -> dict[str, Any]:
-    """The transformer's config with at most ``blocks`` blocks of each kind."""
-    return {**config, **{key: min(int(config[key]), blocks) for key in DEPTH_KEYS if key in config}}
-
-
 def depth(config: dict[str, Any]) -> str:
     """ "19+38" (Flux's double and single blocks), "60" (Qwen-Image's)."""
-    return "+".join(str(config[key]) for key in DEPTH_KEYS if key in config)
+    return "+".join(str(config[key]) for key in BLOCK_KEYS if key in config)
 
 
 def reduced_folder(cfg: PreflightRunConfig, dest: Path) -> Path:
@@ -56,7 +45,8 @@ def reduced_folder(cfg: PreflightRunConfig, dest: Path) -> Path:
         if entry.name != "transformer":
             (dest / entry.name).symlink_to(entry)
     component = next(c for c in diffusers_backbone_class(cfg.model.name).components if c.name == "transformer")
-    config = reduced_config(read_json(source / "transformer" / component.config_file), cfg.preflight.blocks)
+    config = read_json(source / "transformer" / component.config_file)
+    config |= {key: min(int(config[key]), cfg.preflight.blocks) for key in BLOCK_KEYS if key in config}
     with torch.random.fork_rng(devices=[]), quiet_progress_bars():
         torch.manual_seed(cfg.seed)
         with default_dtype(parse_dtype(cfg.model.dtype)):  # built in it: a cast would warn about float32 modules
@@ -123,13 +113,6 @@ def measure(run: Run, metrics: dict[str, float], full: dict[str, Any]) -> StepMe
         other_bytes=other,
         total_bytes=total,
     )
-
-
-@contextmanager
-def reduced_run(cfg: PreflightRunConfig, dist: DistInfo, model: Path, run_dir: Path) -> Iterator[Run]:
-    """The trainer's run of the reduced model in ``run_dir`` (claimed, locked and released as the trainer's)."""
-    with open_run(step_config(cfg, model, run_dir), dist) as run:
-        yield run
 
 
 def run_steps(run: Run, full: dict[str, Any]) -> StepMeasure:

@@ -25,9 +25,10 @@ from train.plan.frozen import read_json
 from train.preflight.links import LinkRate, block_numel, measure_links
 from train.preflight.machine import check_attention, check_compile, describe
 from train.preflight.preflight_config import PreflightRunConfig
-from train.preflight.reduced import StepMeasure, reduced_folder, reduced_run, run_steps
+from train.preflight.reduced import StepMeasure, reduced_folder, run_steps, step_config
 from train.preflight.scorers import time_scorers
 from train.preflight.verdict import RankChecks, Status
+from train.run.build import open_run
 from train.run.folder import RunLock, check_one_run
 from train.run.start import load_config
 from train.run.startup_checks import check_mesh, check_resume, unwritable
@@ -107,33 +108,26 @@ def _scratch(cfg: PreflightRunConfig, dist: DistInfo) -> Path:
     return scratch
 
 
-def train_reduced(
-    checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo, nodes: list[int]
-) -> tuple[StepMeasure, list[LinkRate]]:
-    """The reduced model's steps, its attention kernel and the collectives on its mesh."""
-    scratch = _scratch(cfg, dist)
-    full = read_json(Path(cfg.model.path) / "transformer" / "config.json")
-    with reduced_run(cfg, dist, scratch / "model", scratch / "run") as run:
-        backbone = run.model.backbone
-        grid = backbone.latent_grid(cfg.model.height, cfg.model.width)  # type: ignore[attr-defined]
-        tokens = text_tokens(cfg) + math.prod(grid)
-        check_attention(checks, cfg, backbone.configs["transformer"], tokens, run.device)  # type: ignore[attr-defined]
-        links: list[LinkRate] = []
-        if dist.world_size > 1:
-            numel = block_numel(backbone.transformer, backbone.block_classes)
-            mesh = world_mesh(replicate=cfg.dist.replicate_degree)
-            links = measure_links(mesh, numel, dtype=cfg.model.dtype, nodes=nodes, device=run.device,
-                                  repeats=cfg.preflight.collective_repeats)  # fmt: skip
-        measured = replace(run_steps(run, full), scorers=time_scorers(run))
-    return measured, links
-
-
 def _step(
     checks: RankChecks, cfg: PreflightRunConfig, dist: DistInfo, nodes: list[int]
 ) -> tuple[StepMeasure | None, list[LinkRate]]:
-    """``train_reduced``, its failure one line (an out-of-memory error, a collective that failed, a bug)."""
+    """The reduced model's steps, its attention kernel and the collectives on its mesh; a failure (an out-of-memory
+    error, a collective that failed, a bug) one line."""
     try:
-        measured, links = train_reduced(checks, cfg, dist, nodes)
+        scratch = _scratch(cfg, dist)
+        full = read_json(Path(cfg.model.path) / "transformer" / "config.json")
+        with open_run(step_config(cfg, scratch / "model", scratch / "run"), dist) as run:  # claimed as the trainer's
+            backbone = run.model.backbone
+            grid = backbone.latent_grid(cfg.model.height, cfg.model.width)  # type: ignore[attr-defined]
+            tokens = text_tokens(cfg) + math.prod(grid)
+            check_attention(checks, cfg, backbone.configs["transformer"], tokens, run.device)  # type: ignore[attr-defined]
+            links: list[LinkRate] = []
+            if dist.world_size > 1:
+                numel = block_numel(backbone.transformer, backbone.block_classes)
+                mesh = world_mesh(replicate=cfg.dist.replicate_degree)
+                links = measure_links(mesh, numel, dtype=cfg.model.dtype, nodes=nodes, device=run.device,
+                                      repeats=cfg.preflight.collective_repeats)  # fmt: skip
+            measured = replace(run_steps(run, full), scorers=time_scorers(run))
     except Exception as err:
         log.warning("the step at reduced depth failed on rank %d", dist.rank, exc_info=True)
         line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

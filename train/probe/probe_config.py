@@ -37,15 +37,11 @@ def probe_settings(config: TrainConfig) -> ProbeConfig:
     """The validated ``probe.*`` of a config composed from configs/probe.yaml."""
     if not isinstance(config, ProbeRunConfig):
         raise TypeError(f"the probe's settings come from configs/probe.yaml, got a {type(config).__name__}")
-    _validate(config.probe)
-    return config.probe
-
-
-def _validate(p: ProbeConfig) -> None:
-    modes = tuple(m for m in UPDATE_MODES if m != "exact")
+    p, modes = config.probe, tuple(m for m in UPDATE_MODES if m != "exact")
     if p.num_rollouts < 1:
         raise ConfigError(f"probe.num_rollouts must be >= 1, got {p.num_rollouts}")
     if p.mode not in modes:
         raise ConfigError(f"probe.mode={p.mode!r} is not valid; accepted values: {', '.join(modes)}")
     if not -1 <= p.threshold <= 1:
         raise ConfigError(f"probe.threshold must be in [-1, 1] (a cosine), got {p.threshold}")
+    return p

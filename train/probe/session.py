@@ -147,8 +147,7 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
         if advantages is None:  # a NaN reward (the reward stage warned); this batch is not measured
             continue
         count = min(per_batch, p.num_rollouts - done)
-        accumulation = cfg.batch.gradient_accumulation_steps
-        update = UpdateBatch(traj, advantages, predict, reference, u, cfg.grpo, accumulation)
+        update = UpdateBatch(traj, advantages, predict, reference, u, cfg.grpo, cfg.batch.gradient_accumulation_steps)
         measure_batch(run, p, update, measured, count=count, stale=stale, ranks=ranks)
         done = measured.num_measured()
         if done >= p.num_rollouts:
@@ -162,18 +161,15 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
 def report(run: Run, p: ProbeConfig, measured: Measurements, traj: Trajectory, *, stale: bool) -> dict[str, Any]:
     """The probe's JSON report of what it measured (``traj``: the last batch's, for its timesteps)."""
     cfg = run.cfg
-    staleness = None
-    if stale:
-        staleness = (
-            summarize_segments(measured.fresh_after, traj.timesteps),
-            summarize_segments(measured.stale_after, traj.timesteps),
-        )
+    segments, fresh, old = [
+        summarize_segments(s, traj.timesteps) for s in (measured.samples, measured.fresh_after, measured.stale_after)
+    ]
     return probe_report(
-        summarize_segments(measured.samples, traj.timesteps),
+        segments,
         mode=p.mode,
         threshold=p.threshold,
         num_transitions=traj.num_transitions,
-        staleness=staleness,
+        staleness=(fresh, old) if stale else None,
         experiment=cfg.experiment,
         model=cfg.model.name,
         segment_length=cfg.update.segment_length,
