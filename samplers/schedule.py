@@ -22,15 +22,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from settings import Choice, member
+from settings import Choice, check_range, member, positive
 
 
 def shifted_sigmas(num_steps: int, shift: float) -> Tensor:
     """sigmas [num_steps + 1] of the fixed-shift schedule, float64, from 1 down to exactly 0."""
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    if shift <= 0:
-        raise ValueError(f"shift must be > 0, got {shift}")
+    check_range(num_steps, "num_steps", low=1)
+    positive(shift, "shift")
     u = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
     return shift * u / (1.0 + (shift - 1.0) * u)
 
@@ -56,8 +54,7 @@ def dynamic_sigmas(num_steps: int, mu: float, *, shift_terminal: float | None = 
     for the shift, float32 torch for the terminal stretch) so rollouts reproduce its pipelines to
     the last bit.
     """
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    check_range(num_steps, "num_steps", low=1)
     u = np.linspace(1.0, 1.0 / num_steps, num_steps).astype(np.float32)
     shifted = math.exp(mu) / (math.exp(mu) + (1.0 / u - 1.0) ** 1.0)
     sigmas = torch.from_numpy(np.asarray(shifted)).to(torch.float32)

@@ -80,13 +80,6 @@ class PrefixRouter(Router):
         )
 
 
-def route_by_cosine(
-    segments: Sequence[SegmentQuality], *, threshold: float, mode: UpdateMode
-) -> dict[Span, UpdateMode]:
-    """``mode`` for every segment whose mean cosine is >= ``threshold``, else exact (also with no sample)."""
-    return {(s.start, s.stop): mode if s.cos_mean >= threshold else UpdateMode.exact for s in segments}
-
-
 def routing_metrics(
     segments: Sequence[SegmentQuality],
     modes: dict[Span, UpdateMode],
@@ -101,8 +94,7 @@ def routing_metrics(
         out[f"routing/cos_{key}"] = s.cos_mean
         out[f"routing/rho_{key}"] = s.rho_mean
         out[f"routing/{mode}_{key}"] = float(modes[(s.start, s.stop)] == mode)
-    rule = recommend_jagg_frac(segments, threshold=threshold, num_transitions=num_transitions)
-    out["routing/rule_jagg_frac"] = rule
+    out["routing/rule_jagg_frac"] = recommend_jagg_frac(segments, threshold=threshold, num_transitions=num_transitions)
     return out
 
 
@@ -125,7 +117,9 @@ class AutoRouter(Router):
         count = min(u.auto_rollouts, traj.batch_size * ranks.world_size)
         samples = measure_trajectories(batch, params, num_rollouts=count, mode=u.mode, ranks=ranks)
         segments = summarize_segments(samples, traj.timesteps)
-        self.modes = ranks.broadcast(route_by_cosine(segments, threshold=u.auto_threshold, mode=u.mode))
+        # a segment without samples has a NaN mean cosine: exact
+        table = {(s.start, s.stop): u.mode if s.cos_mean >= u.auto_threshold else UpdateMode.exact for s in segments}
+        self.modes = ranks.broadcast(table)
         return routing_metrics(
             segments, self.modes, mode=u.mode, threshold=u.auto_threshold, num_transitions=traj.num_transitions
         )
