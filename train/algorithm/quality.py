@@ -154,8 +154,7 @@ def measure_staleness(
 ) -> tuple[Samples, Samples]:
     """(fresh, stale): (cos, rho) per segment of ``mode`` recomputing its middle velocities, and of ``mode``
     on the trajectory's kept velocities, both against the exact gradient at the current weights."""
-    paths = [(mode, False), (mode, True)]
-    fresh, stale = _measure(batch, params, num_rollouts=num_rollouts, paths=paths, ranks=ranks)
+    fresh, stale = _measure(batch, params, num_rollouts=num_rollouts, paths=[(mode, False), (mode, True)], ranks=ranks)
     return fresh, stale
 
 

@@ -115,8 +115,8 @@ class UpdateStats:
         order = {Reduce.mean: 0, Reduce.sum: 0, Reduce.max: 1, Reduce.min: 2}  # means, then maxima, then minima
         ranked = sorted(self.stats.items(), key=lambda item: (order[item[1].reduce], item[0]))
         out = {f"train/{name}": stat for name, stat in ranked}
-        out |= {f"count/{name}": Stat.count(value) for name, value in asdict(self.counts).items()}
-        out |= {f"count/segments_{mode}": Stat.count(num) for mode, num in sorted(self.segments.items())}
+        out |= {f"count/{name}": Stat(Reduce.sum, value) for name, value in asdict(self.counts).items()}
+        out |= {f"count/segments_{mode}": Stat(Reduce.sum, num) for mode, num in sorted(self.segments.items())}
         return out
 
 
