@@ -45,7 +45,7 @@ from torch import Tensor
 
 from samplers.rollout import Predict, Trajectory
 from samplers.sde import SDE, StepOutput, step
-from train.algorithm.grpo import kl_to_reference, ppo_clip_loss, ratio_norm_log_ratio
+from train.algorithm.grpo import kl_to_reference, ppo_clip_loss, ppo_step_loss, ratio_norm_log_ratio
 from train.algorithm.grpo_config import GRPOConfig
 from train.algorithm.jagg import BoundPredict, Counts, Metrics, SegmentStats, backward_segment
 from train.algorithm.metrics import Metric, Reduce, Stat
@@ -183,11 +183,11 @@ class StepLoss:
         assert out.log_prob is not None  # step_loss() refuses ODE steps
         old = self.old_log_probs[:, j]
         if self.sampled is None:
-            log_ratio = out.log_prob - old
+            loss, metrics = ppo_step_loss(out.log_prob, old, self.advantages, clip_range=self.clip_range)
         else:
             old_mean = self.transition(j, self.sampled[j].to(v.device, v.dtype)).mean
             log_ratio = ratio_norm_log_ratio(out.log_prob, old, out.mean, old_mean, out.std)
-        loss, metrics = ppo_clip_loss(log_ratio, self.advantages, clip_range=self.clip_range)
+            loss, metrics = ppo_clip_loss(log_ratio, self.advantages, clip_range=self.clip_range)
         if self.reference is not None:
             kl = kl_to_reference(out.mean, self.transition(j, self.reference[j]).mean, out.diffusion)
             loss = loss + self.kl_beta * kl
