@@ -260,7 +260,7 @@ def rollout(
     batch = noise.shape[0]
     _check_rows(batch, generator, group_size, group_ids)
     flags = stochastic_flags(sigmas.shape[0] - 1, sampler.transition, sde_window)  # python values: no tensor read
-    stop = window_stop(flags, sde_window)
+    stop = sde_window[1] if sde_window is not None and any(flags) else len(flags)  # N without a window or SDE step
     grid = after_window_grid(sigmas, stop, sampler.post_window) if stop < len(flags) else []  # read before any step
     traj = _empty_trajectory(noise, cond, flags, sampler, sigmas, group_ids)
     if velocities is not None:
@@ -278,11 +278,6 @@ def rollout(
     if grid:
         _after_window(traj, predict, sampler, v, grid, stop)
     return traj
-
-
-def window_stop(flags: Sequence[bool], sde_window: tuple[int, int] | None) -> int:
-    """The first step after the SDE window: ``sde_window``'s stop, or N without a window (or SDE step)."""
-    return sde_window[1] if sde_window is not None and any(flags) else len(flags)
 
 
 def _after_window(
