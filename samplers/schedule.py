@@ -112,8 +112,8 @@ def post_window_sigmas(sigmas: Tensor, stop: int, points: int) -> list[float]:
     last 0. ``points`` >= N - stop + 1, the points the schedule has there, gives those back unchanged. Reads
     ``sigmas`` one value at a time, as Python floats (so it also runs on constants that carry shapes only)."""
     num_steps = sigmas.shape[0] - 1
-    if not 0 < stop < num_steps or points < 2:
-        raise ValueError(f"stop={stop} must be in (0, {num_steps}) and points={points} >= 2")
+    check_range(stop, "stop", low=0, high=num_steps, low_open=True, high_open=True)
+    check_range(points, "points", low=2)
     if points >= num_steps - stop + 1:
         return [float(sigmas[k]) for k in range(stop, num_steps + 1)]
     shift = schedule_shift(sigmas)
