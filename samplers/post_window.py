@@ -41,12 +41,7 @@ def tail_timesteps(points: list[float], quantize: QuantizeTimesteps) -> Tensor:
 
 
 def post_window_step(
-    solver: PostWindowSolver,
-    v: Tensor,
-    z: Tensor,
-    sigma: float,
-    sigma_next: float,
-    history: History | None,
+    solver: PostWindowSolver, v: Tensor, z: Tensor, sigma: float, sigma_next: float, history: History | None
 ) -> tuple[Tensor, History | None]:
     """One step after the window with ``solver``: (z', the solver's history for the next step)."""
     if solver is PostWindowSolver.euler:

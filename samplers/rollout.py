@@ -46,6 +46,7 @@ from samplers.schedule import network_timesteps
 from samplers.sde import ODE, SDE, StepOutput, step
 
 Predict = Callable[[Tensor, Tensor, Any], Tensor]  # (z [B, ...], t [B], cond with B rows) -> v [B, ...]
+Generators = torch.Generator | Sequence[torch.Generator] | None  # the SDE noise's: one, or one per block of rows
 
 
 def stochastic_flags(num_steps: int, sde: SDE, sde_window: tuple[int, int] | None = None) -> list[bool]:
@@ -160,7 +161,7 @@ def group_noise(
     return torch.cat(rows).repeat_interleave(group_size, dim=0)
 
 
-def _sde_noise(generator: torch.Generator | Sequence[torch.Generator] | None, z: Tensor) -> Tensor:
+def _sde_noise(generator: Generators, z: Tensor) -> Tensor:
     """eps ~ N(0, I) shaped like z, float32: from one generator, or one per block of rows."""
     if not isinstance(generator, Sequence):
         return torch.randn(z.shape, generator=generator, device=z.device, dtype=torch.float32)
@@ -184,9 +185,7 @@ class KeptVelocities:
         return torch.empty(latents[:, 1:].shape, dtype=self.dtype, device=device, pin_memory=pin)
 
 
-def _check_rows(
-    batch: int, generator: torch.Generator | Sequence[torch.Generator] | None, group_size: int, group_ids: Tensor | None
-) -> None:
+def _check_rows(batch: int, generator: Generators, group_size: int, group_ids: Tensor | None) -> None:
     """The SDE-noise generators and the groups split the ``batch`` rows evenly; ``group_ids`` is [B]."""
     if isinstance(generator, Sequence) and (not generator or batch % len(generator)):
         raise ValueError(f"{len(generator)} SDE-noise generators do not split a batch of {batch} rows evenly")
@@ -219,14 +218,7 @@ def _empty_trajectory(
     )
 
 
-def _take_step(
-    traj: Trajectory,
-    k: int,
-    v: Tensor,
-    *,
-    is_sde: bool,
-    generator: torch.Generator | Sequence[torch.Generator] | None,
-) -> None:
+def _take_step(traj: Trajectory, k: int, v: Tensor, *, is_sde: bool, generator: Generators) -> None:
     """Transition k of ``traj`` with velocity ``v``: z_{k+1}, its log-prob and the kept v written in place."""
     z, sigma, sigma_next = traj.latents[:, k], traj.sigmas[k], traj.sigmas[k + 1]
     if is_sde:
@@ -249,7 +241,7 @@ def rollout(
     *,
     sigmas: Tensor,
     sde_window: tuple[int, int] | None = None,
-    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    generator: Generators = None,
     group_ids: Tensor | None = None,
     group_size: int = 1,
     velocities: KeptVelocities | None = None,
@@ -268,7 +260,7 @@ def rollout(
     batch = noise.shape[0]
     _check_rows(batch, generator, group_size, group_ids)
     flags = stochastic_flags(sigmas.shape[0] - 1, sampler.transition, sde_window)  # python values: no tensor read
-    stop = window_stop(flags, sde_window)
+    stop = sde_window[1] if sde_window is not None and any(flags) else len(flags)  # N without a window or SDE step
     grid = after_window_grid(sigmas, stop, sampler.post_window) if stop < len(flags) else []  # read before any step
     traj = _empty_trajectory(noise, cond, flags, sampler, sigmas, group_ids)
     if velocities is not None:
@@ -286,11 +278,6 @@ def rollout(
     if grid:
         _after_window(traj, predict, sampler, v, grid, stop)
     return traj
-
-
-def window_stop(flags: Sequence[bool], sde_window: tuple[int, int] | None) -> int:
-    """The first step after the SDE window: ``sde_window``'s stop, or N without a window (or SDE step)."""
-    return sde_window[1] if sde_window is not None and any(flags) else len(flags)
 
 
 def _after_window(

@@ -95,8 +95,7 @@ class SamplerConfig:
     def __post_init__(self) -> None:
         self.sde = member(SDEKind, self.sde, "sde")
         self.quantize_timesteps = member(QuantizeTimesteps, self.quantize_timesteps, "quantize_timesteps")
-        if self.num_steps < 2:
-            raise ValueError(f"num_steps must be >= 2 (the last transition is never trained), got {self.num_steps}")
+        check_range(self.num_steps, "num_steps", low=2, why=" (the last transition is never trained)")
         if self.shift is not None:
             check_range(self.shift, "shift", low=0, low_open=True)
         if self.quantize_timesteps is QuantizeTimesteps.dance and self.shift is None:

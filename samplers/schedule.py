@@ -22,15 +22,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from settings import Choice, member
+from settings import Choice, check_range, member, positive
 
 
 def shifted_sigmas(num_steps: int, shift: float) -> Tensor:
     """sigmas [num_steps + 1] of the fixed-shift schedule, float64, from 1 down to exactly 0."""
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    if shift <= 0:
-        raise ValueError(f"shift must be > 0, got {shift}")
+    check_range(num_steps, "num_steps", low=1)
+    positive(shift, "shift")
     u = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
     return shift * u / (1.0 + (shift - 1.0) * u)
 
@@ -56,8 +54,7 @@ def dynamic_sigmas(num_steps: int, mu: float, *, shift_terminal: float | None = 
     for the shift, float32 torch for the terminal stretch) so rollouts reproduce its pipelines to
     the last bit.
     """
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    check_range(num_steps, "num_steps", low=1)
     u = np.linspace(1.0, 1.0 / num_steps, num_steps).astype(np.float32)
     shifted = math.exp(mu) / (math.exp(mu) + (1.0 / u - 1.0) ** 1.0)
     sigmas = torch.from_numpy(np.asarray(shifted)).to(torch.float32)
@@ -115,8 +112,8 @@ def post_window_sigmas(sigmas: Tensor, stop: int, points: int) -> list[float]:
     last 0. ``points`` >= N - stop + 1, the points the schedule has there, gives those back unchanged. Reads
     ``sigmas`` one value at a time, as Python floats (so it also runs on constants that carry shapes only)."""
     num_steps = sigmas.shape[0] - 1
-    if not 0 < stop < num_steps or points < 2:
-        raise ValueError(f"stop={stop} must be in (0, {num_steps}) and points={points} >= 2")
+    check_range(stop, "stop", low=0, high=num_steps, low_open=True, high_open=True)
+    check_range(points, "points", low=2)
     if points >= num_steps - stop + 1:
         return [float(sigmas[k]) for k in range(stop, num_steps + 1)]
     shift = schedule_shift(sigmas)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from settings import Choice, member
+from settings import Choice, check_range, member, non_negative
 
 
 class SDEKind(Choice):
@@ -58,11 +58,12 @@ class SDE:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", member(SDEKind, self.kind, "kind"))
-        if self.kind is SDEKind.cps and not 0 < self.noise_level <= 1:
+        non_negative(self.eta, "eta")
+        if self.kind is SDEKind.cps:
             # sigma_t = sigma' sin(noise_level pi / 2) must stay in (0, sigma'] for sqrt(sigma'^2 - sigma_t^2)
-            raise ValueError(f"noise_level must be in (0, 1] for cps, got {self.noise_level}")
-        if self.eta < 0 or self.noise_level < 0:
-            raise ValueError(f"eta and noise_level must be >= 0, got {self.eta} and {self.noise_level}")
+            check_range(self.noise_level, "noise_level", low=0, high=1, low_open=True, why=" for cps")
+        else:
+            non_negative(self.noise_level, "noise_level")
 
     @property
     def stochastic(self) -> bool:
@@ -115,6 +116,17 @@ def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     return logp.flatten(1).mean(1)
 
 
+def _next_z(
+    mean: Tensor, std: Tensor, next_z: Tensor | None, noise: Tensor | None, generator: torch.Generator | None
+) -> Tensor:
+    """The given z' in the step's dtype, or one drawn: mean + std * eps (eps = ``noise``, or float32 N(0, I))."""
+    if next_z is not None:
+        return next_z.to(mean.dtype)
+    if noise is None:
+        noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
+    return (mean + std * noise.to(mean.dtype)).to(mean.dtype)
+
+
 def step(
     sde: SDE,
     v: Tensor,
@@ -149,11 +161,7 @@ def step(
     x1_hat = z + (1.0 - sig) * v
     mean = z + (v + g**2 / (2.0 * sig) * x1_hat) * dt
     std = g * torch.sqrt(-dt)
-    if next_z is None:
-        if noise is None:
-            noise = torch.randn(z.shape, generator=generator, device=z.device, dtype=torch.float32)
-        next_z = mean + std * noise.to(dtype)
-    next_z = next_z.to(dtype)
+    next_z = _next_z(mean, std, next_z, noise, generator)
     return StepOutput(next_z, mean, std.flatten(), g.flatten(), gaussian_log_prob(next_z, mean, std))
 
 
@@ -174,10 +182,6 @@ def _cps_step(
     x1_hat = z + (1.0 - sig) * v
     # clamp: sin(pi / 2) rounds so that sigma'^2 - sigma_t^2 can be -1 ulp at noise_level = 1
     mean = x0_hat * (1.0 - sig_next) + x1_hat * torch.sqrt((sig_next**2 - sigma_t**2).clamp_min(0.0))
-    if next_z is None:
-        if noise is None:
-            noise = torch.randn(z.shape, generator=generator, device=z.device, dtype=torch.float32)
-        next_z = mean + sigma_t * noise.to(mean.dtype)
-    next_z = next_z.to(mean.dtype)
+    next_z = _next_z(mean, sigma_t, next_z, noise, generator)
     log_prob = -((next_z - mean) ** 2).flatten(1).mean(1)
     return StepOutput(next_z, mean, sigma_t.flatten(), sigma_t.flatten(), log_prob)

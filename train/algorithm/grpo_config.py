@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from settings import Choice, non_negative, positive
+from settings import Choice, check_range, non_negative, positive
 
 
 class AdvStd(Choice):
@@ -43,8 +43,7 @@ class GRPOConfig:
     """
 
     def __post_init__(self) -> None:
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (advantages are relative within a group), got {self.group_size}")
+        check_range(self.group_size, "group_size", low=2, why=" (advantages are relative within a group)")
         positive(self.clip_range, "clip_range")
         positive(self.adv_clip_max, "adv_clip_max")
         non_negative(self.adv_eps, "adv_eps")

@@ -8,21 +8,19 @@ the stats over ranks (train/step.py, ``reduce_over_ranks``): the algorithm runs 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 from torch import Tensor
 
+from settings import Choice
 
-class Reduce(str, Enum):
+
+class Reduce(Choice):
     """How values of one metric combine (over steps, micro-batches and ranks)."""
 
     sum = "sum"  # a total (counters)
     mean = "mean"  # weighted by the rows each value stands for
     max = "max"
     min = "min"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
@@ -48,10 +46,6 @@ class Stat:
         if metric.reduce is Reduce.mean:
             return cls(Reduce.mean, rows * value, rows)
         return cls(metric.reduce, value)
-
-    @classmethod
-    def count(cls, total: float) -> Stat:
-        return cls(Reduce.sum, total)
 
     def __add__(self, other: Stat) -> Stat:
         if other.reduce is not self.reduce:

@@ -47,6 +47,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor, nn
 
+from settings import check_range
 from train.algorithm.jagg import BoundPredict, backward_segment
 from train.algorithm.segments import Span, prefix_path, split_segments
 from train.algorithm.update import StepLoss, UpdateBatch, bind, kept_velocities, reference_velocities, step_loss
@@ -153,8 +154,7 @@ def measure_staleness(
 ) -> tuple[Samples, Samples]:
     """(fresh, stale): (cos, rho) per segment of ``mode`` recomputing its middle velocities, and of ``mode``
     on the trajectory's kept velocities, both against the exact gradient at the current weights."""
-    paths = [(mode, False), (mode, True)]
-    fresh, stale = _measure(batch, params, num_rollouts=num_rollouts, paths=paths, ranks=ranks)
+    fresh, stale = _measure(batch, params, num_rollouts=num_rollouts, paths=[(mode, False), (mode, True)], ranks=ranks)
     return fresh, stale
 
 
@@ -222,8 +222,7 @@ def recommend_jagg_frac(segments: Sequence[SegmentQuality], *, threshold: float,
 
     A segment qualifies when its mean cosine is >= ``threshold`` (a segment without samples does not).
     """
-    if num_transitions < 1:
-        raise ValueError(f"num_transitions must be >= 1, got {num_transitions}")
+    check_range(num_transitions, "num_transitions", low=1)
     stop = 0
     for segment in sorted(segments, key=lambda g: g.start):
         if not segment.cos_mean >= threshold:  # also stops at NaN (no sample)
@@ -265,28 +264,22 @@ def probe_report(
     then reports both under ``after_step``.
     """
     frac = recommend_jagg_frac(segments, threshold=threshold, num_transitions=num_transitions)
-    rows: list[dict[str, Any]] = []
-    for index, g in enumerate(segments):
-        rows.append(
-            {
-                "segment": index,
-                "start": g.start,
-                "stop": g.stop,
-                "t_first": g.t_first,
-                "t_last": g.t_last,
-                "cos_mean": _finite(g.cos_mean),
-                "cos_std": _finite(g.cos_std),
-                "rho_mean": _finite(g.rho_mean),
-                "rho_std": _finite(g.rho_std),
-                "num_samples": g.num_samples,
-                "qualifies": bool(g.cos_mean >= threshold),
-                "path": prefix_path(
-                    g.start, g.stop, mode=UpdateMode(mode), jagg_frac=frac, num_transitions=num_transitions
-                ),
-                "cos": list(g.cos),
-                "rho": list(g.rho),
-            }
-        )
+    update_mode = UpdateMode(mode)
+    rows: list[dict[str, Any]] = [
+        {
+            "segment": index,
+            "start": g.start,
+            "stop": g.stop,
+            "t_first": g.t_first,
+            "t_last": g.t_last,
+            **_statistics(g),
+            "qualifies": bool(g.cos_mean >= threshold),
+            "path": prefix_path(g.start, g.stop, mode=update_mode, jagg_frac=frac, num_transitions=num_transitions),
+            "cos": list(g.cos),
+            "rho": list(g.rho),
+        }
+        for index, g in enumerate(segments)
+    ]
     if staleness is not None:
         for row, fresh, stale in zip(rows, *staleness, strict=True):
             row["after_step"] = {"fresh": _statistics(fresh), "stale": _statistics(stale)}

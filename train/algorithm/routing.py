@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from samplers.rollout import Trajectory
-from train.algorithm.quality import Ranks, SegmentQuality, measure_trajectories, recommend_jagg_frac, summarize_segments
+from train.algorithm.quality import Ranks, measure_trajectories, recommend_jagg_frac, summarize_segments
 from train.algorithm.segments import RoutedSegment, Span, pick_segments, route_segments
 from train.algorithm.update import UpdateBatch
 from train.algorithm.update_config import Routing, UpdateConfig, UpdateMode
@@ -80,32 +80,6 @@ class PrefixRouter(Router):
         )
 
 
-def route_by_cosine(
-    segments: Sequence[SegmentQuality], *, threshold: float, mode: UpdateMode
-) -> dict[Span, UpdateMode]:
-    """``mode`` for every segment whose mean cosine is >= ``threshold``, else exact (also with no sample)."""
-    return {(s.start, s.stop): mode if s.cos_mean >= threshold else UpdateMode.exact for s in segments}
-
-
-def routing_metrics(
-    segments: Sequence[SegmentQuality],
-    modes: dict[Span, UpdateMode],
-    *,
-    mode: UpdateMode,
-    threshold: float,
-    num_transitions: int,
-) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for s in segments:
-        key = f"{s.start:02d}_{s.stop:02d}"
-        out[f"routing/cos_{key}"] = s.cos_mean
-        out[f"routing/rho_{key}"] = s.rho_mean
-        out[f"routing/{mode}_{key}"] = float(modes[(s.start, s.stop)] == mode)
-    rule = recommend_jagg_frac(segments, threshold=threshold, num_transitions=num_transitions)
-    out["routing/rule_jagg_frac"] = rule
-    return out
-
-
 class AutoRouter(Router):
     """``update.routing=auto``: the routing table measured every ``every`` steps."""
 
@@ -125,10 +99,17 @@ class AutoRouter(Router):
         count = min(u.auto_rollouts, traj.batch_size * ranks.world_size)
         samples = measure_trajectories(batch, params, num_rollouts=count, mode=u.mode, ranks=ranks)
         segments = summarize_segments(samples, traj.timesteps)
-        self.modes = ranks.broadcast(route_by_cosine(segments, threshold=u.auto_threshold, mode=u.mode))
-        return routing_metrics(
-            segments, self.modes, mode=u.mode, threshold=u.auto_threshold, num_transitions=traj.num_transitions
-        )
+        # a segment without samples has a NaN mean cosine: exact
+        table = {(s.start, s.stop): u.mode if s.cos_mean >= u.auto_threshold else UpdateMode.exact for s in segments}
+        self.modes = ranks.broadcast(table)
+        out: dict[str, float] = {}
+        for s in segments:
+            key = f"{s.start:02d}_{s.stop:02d}"
+            out[f"routing/cos_{key}"] = s.cos_mean
+            out[f"routing/rho_{key}"] = s.rho_mean
+            out[f"routing/{u.mode}_{key}"] = float(self.modes[(s.start, s.stop)] == u.mode)
+        rule = recommend_jagg_frac(segments, threshold=u.auto_threshold, num_transitions=traj.num_transitions)
+        return out | {"routing/rule_jagg_frac": rule}
 
     def route(self, traj: Trajectory, generator: torch.Generator | None) -> list[RoutedSegment]:
         if self.modes is None:

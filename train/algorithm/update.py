@@ -36,7 +36,7 @@ backward calls, or the collectives would deadlock.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from samplers.rollout import Predict, Trajectory
-from samplers.sde import SDE, step
+from samplers.sde import SDE, StepOutput, step
 from train.algorithm.grpo import kl_to_reference, ppo_clip_loss, ppo_step_loss, ratio_norm_log_ratio
 from train.algorithm.grpo_config import GRPOConfig
 from train.algorithm.jagg import BoundPredict, Counts, Metrics, SegmentStats, backward_segment
@@ -65,6 +65,10 @@ class UpdateBatch:
     grpo: GRPOConfig
     gradient_accumulation_steps: int  # samples per rank per optimizer step
 
+    def __post_init__(self) -> None:
+        if self.grpo.kl_beta > 0 and self.reference is None:
+            raise ValueError("grpo.kl_beta > 0 needs a reference policy")
+
 
 @dataclass
 class UpdateStats:
@@ -78,7 +82,7 @@ class UpdateStats:
 
     stats: dict[str, Stat] = field(default_factory=dict)  # settled step metrics
     counts: Counts = Counts()
-    segments: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # segments per path
+    segments: Counter[str] = field(default_factory=Counter)  # segments per path
     # (rows, metrics) of the steps added since the metrics were last read: ``add_segment`` reads no
     # tensor, so a caller that never adds or reads the stats syncs nothing (and a fake tensor traces)
     pending: list[tuple[int, Metrics]] = field(default_factory=list)
@@ -93,19 +97,15 @@ class UpdateStats:
         """Read the pending metrics into the stats, in the order they were added."""
         for rows, metrics in self.pending:
             for name, metric in metrics.items():
-                stat = Stat.of(metric, rows)
-                self.stats[name] = self.stats[name] + stat if name in self.stats else stat
+                _merge(self.stats, name, Stat.of(metric, rows))
         self.pending = []
 
     def __add__(self, other: UpdateStats) -> UpdateStats:
         self._settle()
         other._settle()
-        out = UpdateStats(counts=self.counts + other.counts)
-        out.stats = dict(self.stats)
+        out = UpdateStats(dict(self.stats), self.counts + other.counts, self.segments + other.segments)
         for name, stat in other.stats.items():
-            out.stats[name] = out.stats[name] + stat if name in out.stats else stat
-        for mode in [*self.segments, *other.segments]:
-            out.segments[mode] = self.segments.get(mode, 0) + other.segments.get(mode, 0)
+            _merge(out.stats, name, stat)
         return out
 
     def metrics(self) -> dict[str, Stat]:
@@ -115,9 +115,13 @@ class UpdateStats:
         order = {Reduce.mean: 0, Reduce.sum: 0, Reduce.max: 1, Reduce.min: 2}  # means, then maxima, then minima
         ranked = sorted(self.stats.items(), key=lambda item: (order[item[1].reduce], item[0]))
         out = {f"train/{name}": stat for name, stat in ranked}
-        out |= {f"count/{name}": Stat.count(value) for name, value in asdict(self.counts).items()}
-        out |= {f"count/segments_{mode}": Stat.count(num) for mode, num in sorted(self.segments.items())}
+        out |= {f"count/{name}": Stat(Reduce.sum, value) for name, value in asdict(self.counts).items()}
+        out |= {f"count/segments_{mode}": Stat(Reduce.sum, num) for mode, num in sorted(self.segments.items())}
         return out
+
+
+def _merge(stats: dict[str, Stat], name: str, stat: Stat) -> None:
+    stats[name] = stats[name] + stat if name in stats else stat
 
 
 def _tiled(cond, rows: int):
@@ -169,21 +173,23 @@ class StepLoss:
         """The steps the KL reference ran (without grad) for this loss."""
         return 0 if self.reference is None else len(self.reference)
 
+    def transition(self, j: int, v: Tensor) -> StepOutput:
+        """Step j's stored transition z_j -> z_{j+1} scored under velocity ``v``."""
+        z, next_z = self.latents[j], self.latents[j + 1]
+        return step(self.sde, v, z, self.sigmas[j], self.sigmas[j + 1], next_z=next_z, sigma_guard=self.sigma_guard)
+
     def __call__(self, j: int, v: Tensor) -> tuple[Tensor, Metrics]:
-        z, next_z, sigma, sigma_next = self.latents[j], self.latents[j + 1], self.sigmas[j], self.sigmas[j + 1]
-        out = step(self.sde, v, z, sigma, sigma_next, next_z=next_z, sigma_guard=self.sigma_guard)
+        out = self.transition(j, v)
         assert out.log_prob is not None  # step_loss() refuses ODE steps
         old = self.old_log_probs[:, j]
         if self.sampled is None:
             loss, metrics = ppo_step_loss(out.log_prob, old, self.advantages, clip_range=self.clip_range)
         else:
-            v_old = self.sampled[j].to(v.device, v.dtype)
-            old_mean = step(self.sde, v_old, z, sigma, sigma_next, next_z=next_z, sigma_guard=self.sigma_guard).mean
+            old_mean = self.transition(j, self.sampled[j].to(v.device, v.dtype)).mean
             log_ratio = ratio_norm_log_ratio(out.log_prob, old, out.mean, old_mean, out.std)
             loss, metrics = ppo_clip_loss(log_ratio, self.advantages, clip_range=self.clip_range)
         if self.reference is not None:
-            ref = step(self.sde, self.reference[j], z, sigma, sigma_next, next_z=next_z, sigma_guard=self.sigma_guard)
-            kl = kl_to_reference(out.mean, ref.mean, out.diffusion)
+            kl = kl_to_reference(out.mean, self.transition(j, self.reference[j]).mean, out.diffusion)
             loss = loss + self.kl_beta * kl
             metrics = {**metrics, "kl": Metric(kl.detach())}
         return loss * self.scale, {"loss": Metric(loss.detach()), **metrics}
@@ -222,10 +228,8 @@ def reference_velocities(
     """The KL reference's v of transitions [start, stop) of ``rows``, from one batched call over them
     (one FSDP gather per module); None when the loss has no KL term (``kl_beta`` = 0). With ``start``
     (the shared start of the segment's first step) that step's v comes from it."""
-    if batch.grpo.kl_beta <= 0:
+    if batch.reference is None or batch.grpo.kl_beta <= 0:
         return None
-    if batch.reference is None:
-        raise ValueError("grpo.kl_beta > 0 needs a reference policy")
     traj, ks = batch.traj, range(segment[0] + (start is not None), segment[1])
     z = torch.cat([traj.latents[rows, k] for k in ks])
     t = torch.cat([traj.timesteps[k].expand(len(rows)) for k in ks])
@@ -291,9 +295,7 @@ def shared_start(
     cond = traj.cond.index(firsts)
     v = batch.predict(z, t, cond)
     reference = None
-    if batch.grpo.kl_beta > 0:
-        if batch.reference is None:
-            raise ValueError("grpo.kl_beta > 0 needs a reference policy")
+    if batch.reference is not None and batch.grpo.kl_beta > 0:
         with torch.no_grad():
             reference = batch.reference(z, t, cond)
     upstream = torch.zeros(v.shape, dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)

@@ -7,10 +7,9 @@ algorithm's ``grpo`` group; the update stage takes that object beside this one
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from settings import Choice
+from settings import Choice, check_range
 
 
 class UpdateMode(Choice):
@@ -84,15 +83,12 @@ class UpdateConfig:
         # the members, also when constructed from strings (tests, scripts): code compares with ``is``
         self.mode, self.routing = UpdateMode(self.mode), Routing(self.routing)
         self.reuse_velocities = ReuseVelocities(self.reuse_velocities)
-        if self.segment_length < 2:
-            raise ValueError(f"segment_length must be >= 2 (JAGG needs two endpoints), got {self.segment_length}")
-        _in_range("jagg_frac", self.jagg_frac, 0.0, 1.0)
-        if not (math.isfinite(self.timestep_fraction) and 0.0 < self.timestep_fraction <= 1.0):
-            raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
-        _in_range("auto_threshold", self.auto_threshold, -1.0, 1.0, " (a cosine)")
-        for name in ("auto_every", "auto_rollouts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_range(self.segment_length, "segment_length", low=2, why=" (JAGG needs two endpoints)")
+        check_range(self.jagg_frac, "jagg_frac", low=0, high=1)
+        check_range(self.timestep_fraction, "timestep_fraction", low=0, high=1, low_open=True)
+        check_range(self.auto_threshold, "auto_threshold", low=-1, high=1, why=" (a cosine)")
+        check_range(self.auto_every, "auto_every", low=1)
+        check_range(self.auto_rollouts, "auto_rollouts", low=1)
         if self.offload_velocities and self.reuse_velocities is ReuseVelocities.off:
             raise ValueError(
                 "offload_velocities=true keeps no velocities with reuse_velocities=off: "
@@ -116,10 +112,3 @@ class UpdateConfig:
     def shared_rows(self, group_size: int) -> int:
         """The rows that share a start (rollout and update): G with ``share_group_start``, else 1."""
         return group_size if self.share_group_start else 1
-
-
-def _in_range(name: str, value: float, low: float, high: float, why: str = "") -> None:
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value}")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low:g}, {high:g}]{why}, got {value}")

@@ -18,6 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from settings import check_range
+
 
 def _local(tensor: Tensor) -> Tensor:
     """The tensor whose storage this rank owns (the local shard of a DTensor)."""
@@ -37,8 +39,7 @@ class EMA:
     """Float32 moving average of ``parameters`` (only those with requires_grad are tracked)."""
 
     def __init__(self, parameters: Iterable[nn.Parameter], decay: float) -> None:
-        if not 0.0 <= decay <= 1.0:
-            raise ValueError(f"EMA decay must be in [0, 1], got {decay}")
+        check_range(decay, "EMA decay", low=0, high=1)
         self.decay = decay
         self.num_updates = 0
         self.params = [p for p in parameters if p.requires_grad]
