@@ -41,9 +41,14 @@ class Component:
 
     name: str  # folder name inside a pipeline folder, and the keyword that overrides its path
     loader: Any  # a class with from_pretrained(folder, ...)
-    config_file: str  # the file that marks a folder as this component
-    class_names: tuple[str, ...]  # accepted class names recorded in that file
+    config_file: str = "config.json"  # the file that marks a folder as this component
     is_module: bool = True  # nn.Module: loaded in the backbone's dtype, in eval mode, frozen
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        """The class names that file may record: the loader's (a tokenizer's fast twin too)."""
+        name = self.loader.__name__
+        return (name, f"{name}Fast") if self.config_file == "tokenizer_config.json" else (name,)
 
 
 def _recorded_classes(config: Mapping[str, Any]) -> list[str]:
