@@ -14,9 +14,8 @@ before the next try is the server's ``Retry-After`` when it sends one (seconds o
 an hour does not hold a step for an hour. A request thus ends within (retries + 1) x timeout_s plus its waits.
 When the tries run out: ``RemoteUnavailable``. Every other answer (2xx, 3xx, other 4xx) is the caller's to read.
 
-``ServedScorer`` is what the served scorers share: the check at start-up, and a batch whose request runs out of
-tries scoring NaN, which skips the step's update on every rank (rewards/combine.py) where raising on one rank
-would leave the others waiting in the next collective.
+``ServedScorer`` is what the served scorers share: the request at start-up, and a batch that scores NaN when its
+tries run out (rewards/remote.py says why it skips the step rather than stopping the run).
 """
 
 from __future__ import annotations
