@@ -51,13 +51,6 @@ class Component:
         return (name, f"{name}Fast") if self.config_file == "tokenizer_config.json" else (name,)
 
 
-def _recorded_classes(config: Mapping[str, Any]) -> list[str]:
-    """Class names a config file records: diffusers ``_class_name``, transformers ``architectures``,
-    tokenizers ``tokenizer_class``."""
-    names = [config.get("_class_name"), config.get("tokenizer_class"), *(config.get("architectures") or [])]
-    return [n for n in names if n]
-
-
 def component_folders(
     backbone: str, components: Collection[Component], root: str | Path | None, overrides: Mapping[str, str | Path]
 ) -> dict[str, Path]:
@@ -85,7 +78,9 @@ def read_config(backbone: str, comp: Component, folder: Path) -> dict[str, Any]:
             f"(path) at a complete diffusers folder or pass {comp.name}=<folder holding {comp.config_file}>"
         )
     config = json.loads(path.read_text())
-    found = _recorded_classes(config)
+    # the class names it records: diffusers' _class_name, a tokenizer's tokenizer_class, transformers' architectures
+    recorded = [config.get("_class_name"), config.get("tokenizer_class"), *(config.get("architectures") or [])]
+    found = [name for name in recorded if name]
     if found and not set(found) & set(comp.class_names):
         raise ValueError(
             f"{backbone}: component {comp.name!r} at {folder} is a {found[0]}, expected one of "

@@ -128,15 +128,12 @@ class RemoteScorer(ServedScorer):
             raise ValueError(f"url must be an http(s) URL, got {url!r}")
         if not timeout_s > 0 or retries < 0:
             raise ValueError(f"timeout_s must be > 0 and retries >= 0, got {timeout_s} and {retries}")
-        url, token = url.rstrip("/"), os.environ.get(TOKEN_ENV)
+        self.url = url.rstrip("/")
+        token = os.environ.get(TOKEN_ENV)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.server = Server(url, f"reward server {url}", float(timeout_s), int(retries), headers)
+        self.server = Server(self.url, f"reward server {self.url}", float(timeout_s), int(retries), headers)
         answer = self._first_answer("/health", "start it, or check that it runs")
-        self.scorer = scorer_identity(self._payload(answer), url=url)  # the one every answer must name
-
-    @property
-    def url(self) -> str:
-        return self.server.url
+        self.scorer = scorer_identity(self._payload(answer), url=self.url)  # the one every answer must name
 
     def _payload(self, answer: httpx.Response) -> object:
         """The JSON of a 2xx answer (429 and 5xx were retried by ``request``); else RemoteRewardError."""
