@@ -56,9 +56,6 @@ class EmbeddingCache:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def __contains__(self, prompt: str) -> bool:
-        return prompt in self._rows
-
     def check_signature(self, expected: Mapping[str, Any]) -> None:
         """Raise unless every non-None entry of ``expected`` equals the cache's."""
         diff = {

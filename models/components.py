@@ -41,16 +41,14 @@ class Component:
 
     name: str  # folder name inside a pipeline folder, and the keyword that overrides its path
     loader: Any  # a class with from_pretrained(folder, ...)
-    config_file: str  # the file that marks a folder as this component
-    class_names: tuple[str, ...]  # accepted class names recorded in that file
+    config_file: str = "config.json"  # the file that marks a folder as this component
     is_module: bool = True  # nn.Module: loaded in the backbone's dtype, in eval mode, frozen
 
-
-def _recorded_classes(config: Mapping[str, Any]) -> list[str]:
-    """Class names a config file records: diffusers ``_class_name``, transformers ``architectures``,
-    tokenizers ``tokenizer_class``."""
-    names = [config.get("_class_name"), config.get("tokenizer_class"), *(config.get("architectures") or [])]
-    return [n for n in names if n]
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        """The class names that file may record: the loader's (a tokenizer's fast twin too)."""
+        name = self.loader.__name__
+        return (name, f"{name}Fast") if self.config_file == "tokenizer_config.json" else (name,)
 
 
 def component_folders(
@@ -80,7 +78,9 @@ def read_config(backbone: str, comp: Component, folder: Path) -> dict[str, Any]:
             f"(path) at a complete diffusers folder or pass {comp.name}=<folder holding {comp.config_file}>"
         )
     config = json.loads(path.read_text())
-    found = _recorded_classes(config)
+    # the class names it records: diffusers' _class_name, a tokenizer's tokenizer_class, transformers' architectures
+    recorded = [config.get("_class_name"), config.get("tokenizer_class"), *(config.get("architectures") or [])]
+    found = [name for name in recorded if name]
     if found and not set(found) & set(comp.class_names):
         raise ValueError(
             f"{backbone}: component {comp.name!r} at {folder} is a {found[0]}, expected one of "

@@ -1,4 +1,5 @@
-"""What the diffusers-based adapters share: loading, packing, noise, schedule, prompt encoding.
+"""What the diffusers-based adapters share: loading, packing, noise, schedule, the transformer call,
+decoding, prompt encoding. An adapter adds its components, options, conditioning and VAE scaling.
 
 Packing (both Flux and Qwen-Image): a VAE latent [B, C, h, w] is cut into 2x2 patches,
     [B, C, h/2, 2, w/2, 2] -> [B, h/2, w/2, C, 2, 2] -> [B, h/2, w/2, 4C],
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 from torch import Tensor, nn
 
 from models.base import Backbone, Conditioning, check_image_multiple, parse_dtype
@@ -40,7 +42,8 @@ JOINT_ATTENTION_LORA_TARGETS = [
     "attn.add_v_proj",
     "attn.to_add_out",
 ]
-_INIT_ARGS = ("self", "modules", "configs", "folders", "dtype", "cache")
+# the scheduler both adapters read their sigmas from (its config only: the sampler is ours)
+SCHEDULER_COMPONENT = Component("scheduler", FlowMatchEulerDiscreteScheduler, "scheduler_config.json", is_module=False)
 
 
 def pack_latents(x: Tensor) -> Tensor:
@@ -72,6 +75,9 @@ class DiffusersBackbone(Backbone):
 
     components: ClassVar[tuple[Component, ...]]
     text_components: ClassVar[tuple[str, ...]]  # needed only to encode prompts
+    # conditioning field -> the transformer config's key holding its last-dim size
+    conditioning_dims: ClassVar[dict[str, str]]
+    guidance: float | None
 
     def __init__(
         self,
@@ -81,6 +87,7 @@ class DiffusersBackbone(Backbone):
         *,
         dtype: torch.dtype,
         cache: EmbeddingCache | None = None,
+        **options: Any,
     ) -> None:
         self._parts = modules
         self.configs = configs
@@ -88,6 +95,13 @@ class DiffusersBackbone(Backbone):
         self.dtype = dtype
         self.device = torch.device("cpu")
         self.cache = cache
+        self.guidance_embeds = bool(configs.get("transformer", {}).get("guidance_embeds", False))
+        self.set_options(**options)
+
+    @abc.abstractmethod
+    def set_options(self) -> None:
+        """Take the adapter's own keyword options (model.options), checked in its words; its signature lists
+        the options ``load`` accepts."""
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -133,7 +147,7 @@ class DiffusersBackbone(Backbone):
 
     @classmethod
     def _check_options(cls, options: Mapping[str, Any], names: list[str]) -> None:
-        accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in _INIT_ARGS]
+        accepted = [p for p in inspect.signature(cls.set_options).parameters if p != "self"]
         unknown = sorted(set(options) - set(accepted))
         if unknown:
             raise ValueError(
@@ -201,22 +215,27 @@ class DiffusersBackbone(Backbone):
         return self.vae_scale(self.configs["vae"])
 
     @classmethod
+    def _read_config(
+        cls, name: str, path: str | Path | None, options: Mapping[str, Any]
+    ) -> tuple[Component, dict[str, Any]]:
+        """Component ``name`` and its checked config (no weights are read); ``options``: model.options (a
+        ``<name>=<folder>`` of its own)."""
+        component = next(c for c in cls.components if c.name == name)
+        folder = component_folders(cls.name, [component], path, options)[name]
+        return component, read_config(cls.name, component, folder)
+
+    @classmethod
     def transformer_skeleton(cls, path: str | Path | None, **options: Any) -> nn.Module:
-        """The transformer built on the meta device from its config.json (no weights are read or allocated).
-        ``options``: model.options (a ``transformer=<folder>`` of its own)."""
-        component = next(c for c in cls.components if c.name == "transformer")
-        folder = component_folders(cls.name, [component], path, options)["transformer"]
-        config = read_config(cls.name, component, folder)
+        """The transformer built on the meta device from its config.json (no weights are read or allocated)."""
+        component, config = cls._read_config("transformer", path, options)
         with torch.device("meta"):
             return component.loader.from_config(config)
 
     @classmethod
     def image_multiple(cls, path: str | Path | None, **options: Any) -> int:
-        """What an image side must be a multiple of: the VAE's scale (from its config.json; no weights are read)
-        times 2 (the transformer's 2x2 patches). ``options``: model.options (a ``vae=<folder>`` of its own)."""
-        vae = next(c for c in cls.components if c.name == "vae")
-        folder = component_folders(cls.name, [vae], path, options)["vae"]
-        return 2 * cls.vae_scale(read_config(cls.name, vae, folder))
+        """What an image side must be a multiple of: the VAE's scale (from its config.json) times 2 (the
+        transformer's 2x2 patches)."""
+        return 2 * cls.vae_scale(cls._read_config("vae", path, options)[1])
 
     @property
     def latent_channels(self) -> int:
@@ -227,12 +246,6 @@ class DiffusersBackbone(Backbone):
         step = 2 * self.vae_scale_factor
         check_image_multiple(self.name, step, height, width)
         return height // step, width // step
-
-    def check_image_size(self, z: Tensor, height: int | None, width: int | None) -> None:
-        """Raise when an explicit image size disagrees with the size packed latents decode to."""
-        size = (z.shape[1] * 2 * self.vae_scale_factor, z.shape[2] * 2 * self.vae_scale_factor)
-        if (height is not None and height != size[0]) or (width is not None and width != size[1]):
-            raise ValueError(f"{self.name}: these latents decode to {size[0]}x{size[1]} images, not {height}x{width}")
 
     def initial_noise(
         self, batch_size: int, *, height: int, width: int, generator: torch.Generator | None = None
@@ -273,6 +286,42 @@ class DiffusersBackbone(Backbone):
         )
         return dynamic_sigmas(num_steps, mu, shift_terminal=config.get("shift_terminal"))
 
+    # ---- the transformer and the VAE -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def transformer_inputs(self, z: Tensor, cond: Conditioning, dtype: torch.dtype) -> dict[str, Any]:
+        """The transformer's keyword inputs besides the latents, the timestep and the guidance, for packed
+        latents z: the conditioning in ``dtype`` and the token positions."""
+
+    def predict(self, z: Tensor, t: Tensor, cond: Conditioning, *, transformer: nn.Module | None = None) -> Tensor:
+        dtype = self.compute_dtype
+        guidance = None
+        if self.guidance_embeds:
+            assert self.guidance is not None  # set_options requires it for a guidance-distilled transformer
+            guidance = torch.full((z.shape[0],), self.guidance, device=z.device, dtype=torch.float32)
+        model = self.transformer if transformer is None else transformer
+        v = model(
+            hidden_states=z.flatten(1, 2).to(dtype),
+            timestep=t.to(dtype),
+            guidance=guidance,
+            **self.transformer_inputs(z, cond, dtype),
+            return_dict=False,
+        )[0]
+        return v.to(torch.promote_types(v.dtype, torch.float32)).view_as(z)  # a float64 transformer's stays float64
+
+    @abc.abstractmethod
+    def vae_latents(self, x: Tensor) -> Tensor:
+        """What the VAE decodes, from unpacked float32 latents x [B, C, h, w] (the adapter's scaling)."""
+
+    def decode(self, z: Tensor, *, height: int | None = None, width: int | None = None) -> Tensor:
+        size = (z.shape[1] * 2 * self.vae_scale_factor, z.shape[2] * 2 * self.vae_scale_factor)
+        if (height is not None and height != size[0]) or (width is not None and width != size[1]):
+            raise ValueError(f"{self.name}: these latents decode to {size[0]}x{size[1]} images, not {height}x{width}")
+        image = self.vae.decode(self.vae_latents(unpack_latents(z.float())).to(self.dtype), return_dict=False)[0]
+        if image.ndim == 5:  # a video VAE's images [B, 3, frames, H, W]: the one frame
+            image = image[:, :, 0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
     # ---- prompts -------------------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -283,9 +332,11 @@ class DiffusersBackbone(Backbone):
     def encoding_options(self) -> dict[str, Any]:
         """Options that change the embeddings (None where unknown without the text encoders)."""
 
-    @abc.abstractmethod
     def expected_dims(self) -> dict[str, int] | None:
         """Last-dim size of each floating conditioning field the transformer expects (None: unknown)."""
+        if "transformer" not in self.configs:
+            return None
+        return {field: self.configs["transformer"][key] for field, key in self.conditioning_dims.items()}
 
     def cache_signature(self, cond: Conditioning) -> dict[str, Any]:
         """What a cache written from ``cond`` records about its encoding."""

@@ -14,6 +14,7 @@ import gzip
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,8 @@ from torch import Tensor, nn
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
 
 from models.base import Conditioning
-from models.cache import EmbeddingCache
-from models.components import Component, Entry, check_equal, config_entry
-from models.diffusers_backbone import JOINT_ATTENTION_LORA_TARGETS, DiffusersBackbone, tokenize, unpack_latents
+from models.components import Component, check_equal, config_entry
+from models.diffusers_backbone import JOINT_ATTENTION_LORA_TARGETS, SCHEDULER_COMPONENT, DiffusersBackbone, tokenize
 from models.registry import register_backbone
 from models.tiny import IMAGE_SIZE
 
@@ -40,25 +40,11 @@ T5_WORDS = ["a", "an", "the", "photo", "of", "cat", "dog", "red", "blue", "on", 
 # per tiny size of models/tiny.py: text width, VAE latent channels and transformer blocks (the small
 # ones are the CPU benchmark configuration of the stack probe)
 TINY: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        text_width=32,
-        latent_channels=4,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        axes_dims_rope=[4, 4, 8],
-    ),
-    "small": dict(
-        text_width=256,
-        latent_channels=16,
-        num_layers=4,
-        num_single_layers=4,
-        attention_head_dim=64,
-        num_attention_heads=4,
-        axes_dims_rope=[16, 24, 24],
-    ),
-}
+    "tiny": dict(text_width=32, latent_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                 num_attention_heads=2, axes_dims_rope=[4, 4, 8]),
+    "small": dict(text_width=256, latent_channels=16, num_layers=4, num_single_layers=4, attention_head_dim=64,
+                  num_attention_heads=4, axes_dims_rope=[16, 24, 24]),
+}  # fmt: skip
 
 
 @dataclass
@@ -79,21 +65,16 @@ class FluxBackbone(DiffusersBackbone):
         "ff_context.net.2",
     ]
     components = (
-        Component("transformer", FluxTransformer2DModel, "config.json", ("FluxTransformer2DModel",)),
-        Component("vae", AutoencoderKL, "config.json", ("AutoencoderKL",)),
-        Component("text_encoder", CLIPTextModel, "config.json", ("CLIPTextModel",)),
-        Component("tokenizer", CLIPTokenizer, "tokenizer_config.json", ("CLIPTokenizer", "CLIPTokenizerFast"), False),
-        Component("text_encoder_2", T5EncoderModel, "config.json", ("T5EncoderModel",)),
-        Component("tokenizer_2", T5Tokenizer, "tokenizer_config.json", ("T5Tokenizer", "T5TokenizerFast"), False),
-        Component(
-            "scheduler",
-            FlowMatchEulerDiscreteScheduler,
-            "scheduler_config.json",
-            ("FlowMatchEulerDiscreteScheduler",),
-            False,
-        ),
+        Component("transformer", FluxTransformer2DModel),
+        Component("vae", AutoencoderKL),
+        Component("text_encoder", CLIPTextModel),
+        Component("tokenizer", CLIPTokenizer, "tokenizer_config.json", is_module=False),
+        Component("text_encoder_2", T5EncoderModel),
+        Component("tokenizer_2", T5Tokenizer, "tokenizer_config.json", is_module=False),
+        SCHEDULER_COMPONENT,
     )
     text_components = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+    conditioning_dims = {"prompt_embeds": "joint_attention_dim", "pooled": "pooled_projection_dim"}
 
     @classmethod
     def tiny_pipeline(cls, size: str) -> FluxPipeline:
@@ -109,33 +90,19 @@ class FluxBackbone(DiffusersBackbone):
             transformer=dict(latent_channels=channels, **size_options),
         )
 
-    def __init__(
-        self,
-        modules: dict[str, Any],
-        configs: dict[str, dict[str, Any]],
-        folders: dict[str, Path],
-        *,
-        dtype: torch.dtype,
-        cache: EmbeddingCache | None = None,
-        guidance: float = 3.5,
-        max_sequence_length: int | None = None,
-    ) -> None:
+    def set_options(self, *, guidance: float = 3.5, max_sequence_length: int | None = None) -> None:
         """``guidance``: Flux-dev's distilled guidance value. ``max_sequence_length``: T5 tokens per
         prompt (default: the T5 tokenizer's limit, at most 512)."""
-        super().__init__(modules, configs, folders, dtype=dtype, cache=cache)
         self.guidance = float(guidance)
-        if max_sequence_length is None and "tokenizer_2" in modules:
-            max_sequence_length = min(modules["tokenizer_2"].model_max_length, FLUX_MAX_T5_LENGTH)
+        if max_sequence_length is None and "tokenizer_2" in self._parts:
+            max_sequence_length = min(self._parts["tokenizer_2"].model_max_length, FLUX_MAX_T5_LENGTH)
         if max_sequence_length is not None and not 0 < max_sequence_length <= FLUX_MAX_T5_LENGTH:
             raise ValueError(f"flux: max_sequence_length must be in 1..{FLUX_MAX_T5_LENGTH}, got {max_sequence_length}")
         self.max_sequence_length = max_sequence_length
-        self.guidance_embeds = bool(configs.get("transformer", {}).get("guidance_embeds", False))
 
     @classmethod
     def check_components(cls, configs: dict[str, dict[str, Any]], folders: dict[str, Path]) -> None:
-        def entry(name: str, key: str, factor: int = 1) -> Entry | None:
-            return config_entry(configs, folders, name, key, factor=factor)
-
+        entry = partial(config_entry, configs, folders)
         check_equal(
             cls.name, "T5 width", entry("transformer", "joint_attention_dim"), entry("text_encoder_2", "d_model")
         )
@@ -144,7 +111,7 @@ class FluxBackbone(DiffusersBackbone):
         )
         # 2x2 packing: a token carries 4 latent cells
         check_equal(
-            cls.name, "latent channels", entry("transformer", "in_channels"), entry("vae", "latent_channels", 4)
+            cls.name, "latent channels", entry("transformer", "in_channels"), entry("vae", "latent_channels", factor=4)
         )
 
     @classmethod
@@ -153,12 +120,6 @@ class FluxBackbone(DiffusersBackbone):
 
     def encoding_options(self) -> dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length}
-
-    def expected_dims(self) -> dict[str, int] | None:
-        if "transformer" not in self.configs:
-            return None
-        config = self.configs["transformer"]
-        return {"prompt_embeds": config["joint_attention_dim"], "pooled": config["pooled_projection_dim"]}
 
     def encode_text(self, prompts: list[str]) -> FluxConditioning:
         clip_tok, t5_tok = self.part("tokenizer"), self.part("tokenizer_2")
@@ -173,37 +134,23 @@ class FluxBackbone(DiffusersBackbone):
         embeds = self.part("text_encoder_2")(t5_ids.to(self.device), output_hidden_states=False)[0]
         return FluxConditioning(prompt_embeds=embeds.to(self.dtype), pooled=pooled.to(self.dtype))
 
-    def predict(  # type: ignore[override]  # the adapter's own Conditioning subclass
-        self, z: Tensor, t: Tensor, cond: FluxConditioning, *, transformer: nn.Module | None = None
-    ) -> Tensor:
-        batch, h2, w2, _ = z.shape
-        dtype = self.compute_dtype
+    def transformer_inputs(  # type: ignore[override]  # the adapter's own Conditioning subclass
+        self, z: Tensor, cond: FluxConditioning, dtype: torch.dtype
+    ) -> dict[str, Any]:
+        _, h2, w2, _ = z.shape
         img_ids = torch.zeros(h2, w2, 3, device=z.device, dtype=dtype)
         img_ids[..., 1] = torch.arange(h2, device=z.device)[:, None]
         img_ids[..., 2] = torch.arange(w2, device=z.device)[None, :]
-        txt_ids = torch.zeros(cond.prompt_embeds.shape[1], 3, device=z.device, dtype=dtype)
-        guidance = None
-        if self.guidance_embeds:
-            guidance = torch.full((batch,), self.guidance, device=z.device, dtype=torch.float32)
-        model = self.transformer if transformer is None else transformer
-        v = model(
-            hidden_states=z.flatten(1, 2).to(dtype),
-            timestep=t.to(dtype),
-            guidance=guidance,
-            pooled_projections=cond.pooled.to(dtype),
-            encoder_hidden_states=cond.prompt_embeds.to(dtype),
-            txt_ids=txt_ids,
-            img_ids=img_ids.flatten(0, 1),
-            return_dict=False,
-        )[0]
-        return v.to(torch.promote_types(v.dtype, torch.float32)).view_as(z)  # a float64 transformer's stays float64
+        return {
+            "pooled_projections": cond.pooled.to(dtype),
+            "encoder_hidden_states": cond.prompt_embeds.to(dtype),
+            "txt_ids": torch.zeros(cond.prompt_embeds.shape[1], 3, device=z.device, dtype=dtype),
+            "img_ids": img_ids.flatten(0, 1),
+        }
 
-    def decode(self, z: Tensor, *, height: int | None = None, width: int | None = None) -> Tensor:
-        self.check_image_size(z, height, width)
+    def vae_latents(self, x: Tensor) -> Tensor:
         config = self.configs["vae"]
-        x = unpack_latents(z.float()) / config["scaling_factor"] + (config.get("shift_factor") or 0.0)
-        image = self.vae.decode(x.to(self.dtype), return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return x / config["scaling_factor"] + (config.get("shift_factor") or 0.0)
 
     def decoder_units(self) -> list[nn.Module]:
         return [self.vae.decoder]  # AutoencoderKL.decode: post_quant_conv, then this one module
@@ -237,38 +184,11 @@ def t5_tokenizer(words: Sequence[str], *, max_length: int) -> T5Tokenizer:
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
 
 
-def text_encoders(
-    tok: CLIPTokenizer, tok2: T5Tokenizer, *, width: int, ff: int, t5_head_dim: int
-) -> tuple[CLIPTextModel, T5EncoderModel]:
-    """Random 2-layer CLIP and T5 text encoders of hidden size ``width`` (CLIP first: the order in
-    which they draw from torch's global RNG is part of every seeded random pipeline)."""
-    clip = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(tok),
-            hidden_size=width,
-            intermediate_size=ff,
-            num_attention_heads=4,
-            num_hidden_layers=2,
-            projection_dim=width,
-            max_position_embeddings=77,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    )
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tok2),
-            d_model=width,
-            d_kv=t5_head_dim,
-            d_ff=ff,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            dropout_rate=0.0,
-        )
-    )
-    return clip, t5
+def clip_text_config(tok: CLIPTokenizer, *, width: int, ff: int) -> dict[str, Any]:
+    """The CLIPTextConfig fields of a 2-layer, 4-head CLIP text tower of hidden size ``width`` over ``tok``."""
+    return dict(vocab_size=len(tok), hidden_size=width, intermediate_size=ff, num_attention_heads=4,
+                num_hidden_layers=2, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
 
 
 def random_transformer(*, latent_channels: int, text_width: int, **options: Any) -> FluxTransformer2DModel:
@@ -294,11 +214,15 @@ def tiny_transformer(size: str = "tiny", **options: Any) -> FluxTransformer2DMod
 def random_pipeline(
     *, tokenizer_2: T5Tokenizer, text_width: int, ff: int, t5_head_dim: int, vae: dict, transformer: dict
 ) -> FluxPipeline:
-    """A random Flux pipeline: CLIP and T5 encoders, then the VAE (``vae``: AutoencoderKL options over
-    a 2-level, 1-layer default) and the transformer (``random_transformer`` options), drawn in that
-    order from torch's global RNG; FLUX.1-dev's dynamic-shift scheduler."""
+    """A random Flux pipeline: 2-layer CLIP and T5 text encoders of hidden size ``text_width``, then the VAE
+    (``vae``: AutoencoderKL options over a 2-level, 1-layer default) and the transformer (``random_transformer``
+    options), drawn in that order from torch's global RNG; FLUX.1-dev's dynamic-shift scheduler."""
     tok = clip_tokenizer()
-    text_encoder, text_encoder_2 = text_encoders(tok, tokenizer_2, width=text_width, ff=ff, t5_head_dim=t5_head_dim)
+    clip = CLIPTextConfig(**clip_text_config(tok, width=text_width, ff=ff), projection_dim=text_width)
+    text_encoder = CLIPTextModel(clip)
+    t5 = T5Config(vocab_size=len(tokenizer_2), d_model=text_width, d_kv=t5_head_dim, d_ff=ff, num_layers=2,
+                  num_heads=4, relative_attention_num_buckets=8, dropout_rate=0.0)  # fmt: skip
+    text_encoder_2 = T5EncoderModel(t5)
     autoencoder = AutoencoderKL(
         **{
             "block_out_channels": (8, 16),

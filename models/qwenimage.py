@@ -12,6 +12,7 @@ hard-coded value). No true CFG: the model is guidance-free unless its config has
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,12 @@ from diffusers import (
     QwenImageTransformer2DModel,
 )
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
-from torch import Tensor, nn
+from torch import Tensor
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from models.base import Conditioning
-from models.cache import EmbeddingCache
-from models.components import Component, Entry, check_equal, config_entry
-from models.diffusers_backbone import JOINT_ATTENTION_LORA_TARGETS, DiffusersBackbone, tokenize, unpack_latents
+from models.components import Component, check_equal, config_entry
+from models.diffusers_backbone import JOINT_ATTENTION_LORA_TARGETS, SCHEDULER_COMPONENT, DiffusersBackbone, tokenize
 from models.registry import register_backbone
 
 PROMPT_TEMPLATE = (
@@ -61,18 +61,11 @@ SCHEDULER: dict[str, Any] = dict(
 )
 # per tiny size of models/tiny.py: text width, VAE latent channels and transformer blocks
 TINY: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        text_width=16, z_dim=4, num_layers=2, attention_head_dim=16, num_attention_heads=3, axes_dims_rope=(8, 4, 4)
-    ),
-    "small": dict(
-        text_width=256,
-        z_dim=16,
-        num_layers=4,
-        attention_head_dim=64,
-        num_attention_heads=4,
-        axes_dims_rope=(16, 24, 24),
-    ),
-}
+    "tiny": dict(text_width=16, z_dim=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
+                 axes_dims_rope=(8, 4, 4)),
+    "small": dict(text_width=256, z_dim=16, num_layers=4, attention_head_dim=64, num_attention_heads=4,
+                  axes_dims_rope=(16, 24, 24)),
+}  # fmt: skip
 
 
 @dataclass
@@ -102,23 +95,14 @@ class QwenImageBackbone(DiffusersBackbone):
         "txt_mlp.net.2",
     ]
     components = (
-        Component("transformer", QwenImageTransformer2DModel, "config.json", ("QwenImageTransformer2DModel",)),
-        Component("vae", AutoencoderKLQwenImage, "config.json", ("AutoencoderKLQwenImage",)),
-        Component(
-            "text_encoder", Qwen2_5_VLForConditionalGeneration, "config.json", ("Qwen2_5_VLForConditionalGeneration",)
-        ),
-        Component(
-            "tokenizer", Qwen2Tokenizer, "tokenizer_config.json", ("Qwen2Tokenizer", "Qwen2TokenizerFast"), False
-        ),
-        Component(
-            "scheduler",
-            FlowMatchEulerDiscreteScheduler,
-            "scheduler_config.json",
-            ("FlowMatchEulerDiscreteScheduler",),
-            False,
-        ),
+        Component("transformer", QwenImageTransformer2DModel),
+        Component("vae", AutoencoderKLQwenImage),
+        Component("text_encoder", Qwen2_5_VLForConditionalGeneration),
+        Component("tokenizer", Qwen2Tokenizer, "tokenizer_config.json", is_module=False),
+        SCHEDULER_COMPONENT,
     )
     text_components = ("text_encoder", "tokenizer")
+    conditioning_dims = {"prompt_embeds": "joint_attention_dim"}
 
     @classmethod
     def tiny_pipeline(cls, size: str) -> QwenImagePipeline:
@@ -154,45 +138,31 @@ class QwenImageBackbone(DiffusersBackbone):
             tokenizer=tok,
         )
 
-    def __init__(
-        self,
-        modules: dict[str, Any],
-        configs: dict[str, dict[str, Any]],
-        folders: dict[str, Path],
-        *,
-        dtype: torch.dtype,
-        cache: EmbeddingCache | None = None,
-        max_sequence_length: int = 512,
-        guidance: float | None = None,
-    ) -> None:
+    def set_options(self, *, max_sequence_length: int = 512, guidance: float | None = None) -> None:
         """``max_sequence_length``: text tokens kept per prompt after the template prefix (the
         pipeline's default, 512). ``guidance``: only for a guidance-distilled transformer."""
-        super().__init__(modules, configs, folders, dtype=dtype, cache=cache)
         if not 0 < max_sequence_length <= QWEN_MAX_TEXT_LENGTH:
             raise ValueError(
                 f"qwenimage: max_sequence_length must be in 1..{QWEN_MAX_TEXT_LENGTH}, got {max_sequence_length}"
             )
         self.max_sequence_length = max_sequence_length
-        self.guidance_embeds = bool(configs.get("transformer", {}).get("guidance_embeds", False))
         if self.guidance_embeds and guidance is None:
             raise ValueError("qwenimage: this transformer is guidance-distilled; set the model option guidance")
         self.guidance = guidance
         self.template_drop: int | None = None  # measured with the tokenizer; None when it is not loaded
-        if "tokenizer" in modules:
+        if "tokenizer" in self._parts:
             prefix = PROMPT_TEMPLATE.split("{}")[0]
-            self.template_drop = len(modules["tokenizer"](prefix).input_ids)
+            self.template_drop = len(self._parts["tokenizer"](prefix).input_ids)
 
     @classmethod
     def check_components(cls, configs: dict[str, dict[str, Any]], folders: dict[str, Path]) -> None:
-        def entry(name: str, key: str, factor: int = 1) -> Entry | None:
-            return config_entry(configs, folders, name, key, factor=factor)
-
+        entry = partial(config_entry, configs, folders)
         text = None
         if "text_encoder" in configs:
             text = ("text_encoder", folders["text_encoder"], _text_width(configs["text_encoder"]))
         check_equal(cls.name, "text width", entry("transformer", "joint_attention_dim"), text)
         # 2x2 packing: a token carries 4 latent cells; the output is unpatchified to z_dim channels
-        check_equal(cls.name, "latent channels", entry("transformer", "in_channels"), entry("vae", "z_dim", 4))
+        check_equal(cls.name, "latent channels", entry("transformer", "in_channels"), entry("vae", "z_dim", factor=4))
         check_equal(cls.name, "output channels", entry("transformer", "out_channels"), entry("vae", "z_dim"))
 
     @classmethod
@@ -201,11 +171,6 @@ class QwenImageBackbone(DiffusersBackbone):
 
     def encoding_options(self) -> dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length, "template_drop": self.template_drop}
-
-    def expected_dims(self) -> dict[str, int] | None:
-        if "transformer" not in self.configs:
-            return None
-        return {"prompt_embeds": self.configs["transformer"]["joint_attention_dim"]}
 
     def encode_text(self, prompts: list[str]) -> QwenImageConditioning:
         assert self.template_drop is not None  # encode_text runs with the tokenizer loaded
@@ -230,36 +195,22 @@ class QwenImageBackbone(DiffusersBackbone):
         mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)
         return QwenImageConditioning(prompt_embeds=embeds.to(self.dtype), mask=mask)
 
-    def predict(  # type: ignore[override]  # the adapter's own Conditioning subclass
-        self, z: Tensor, t: Tensor, cond: QwenImageConditioning, *, transformer: nn.Module | None = None
-    ) -> Tensor:
+    def transformer_inputs(  # type: ignore[override]  # the adapter's own Conditioning subclass
+        self, z: Tensor, cond: QwenImageConditioning, dtype: torch.dtype
+    ) -> dict[str, Any]:
         batch, h2, w2, _ = z.shape
-        dtype = self.compute_dtype
-        guidance = None
-        if self.guidance_embeds:
-            assert self.guidance is not None  # __init__ requires it for a guidance-distilled transformer
-            guidance = torch.full((batch,), self.guidance, device=z.device, dtype=torch.float32)
-        model = self.transformer if transformer is None else transformer
-        v = model(
-            hidden_states=z.flatten(1, 2).to(dtype),
-            timestep=t.to(dtype),
-            guidance=guidance,
-            encoder_hidden_states=cond.prompt_embeds.to(dtype),
-            encoder_hidden_states_mask=cond.mask,
-            img_shapes=[[(1, h2, w2)]] * batch,
-            return_dict=False,
-        )[0]
-        return v.to(torch.promote_types(v.dtype, torch.float32)).view_as(z)  # a float64 transformer's stays float64
+        return {
+            "encoder_hidden_states": cond.prompt_embeds.to(dtype),
+            "encoder_hidden_states_mask": cond.mask,
+            "img_shapes": [[(1, h2, w2)]] * batch,
+        }
 
-    def decode(self, z: Tensor, *, height: int | None = None, width: int | None = None) -> Tensor:
-        self.check_image_size(z, height, width)
+    def vae_latents(self, x: Tensor) -> Tensor:
         config = self.configs["vae"]
-        x = unpack_latents(z.float())[:, :, None]  # one video frame: [B, C, 1, h, w]
+        x = x[:, :, None]  # one video frame: [B, C, 1, h, w]
         mean = torch.tensor(config["latents_mean"], device=x.device).view(1, -1, 1, 1, 1)
         std = torch.tensor(config["latents_std"], device=x.device).view(1, -1, 1, 1, 1)
-        x = x / (1.0 / std) + mean  # the pipeline's exact arithmetic
-        image = self.vae.decode(x.to(self.dtype), return_dict=False)[0][:, :, 0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return x / (1.0 / std) + mean  # the pipeline's exact arithmetic
 
 
 # ---- random pipelines (tests, CPU demos, benchmarks) ----------------------------------------------

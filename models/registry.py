@@ -6,6 +6,7 @@ package, so adding a backbone means one new adapter file here (plus its config f
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from collections.abc import Callable
@@ -17,7 +18,6 @@ import torch
 from models.base import Backbone
 
 _BACKBONES: dict[str, type[Backbone]] = {}
-_discovered = False
 
 
 def register_backbone(name: str) -> Callable[[type[Backbone]], type[Backbone]]:
@@ -35,14 +35,10 @@ def register_backbone(name: str) -> Callable[[type[Backbone]], type[Backbone]]:
     return decorate
 
 
+@functools.cache
 def _discover() -> None:
-    global _discovered
-    if _discovered:
-        return
-    package_dir = Path(__file__).parent
-    for module in pkgutil.iter_modules([str(package_dir)]):
+    for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
         importlib.import_module(f"{__package__}.{module.name}")
-    _discovered = True
 
 
 def backbone_names() -> list[str]:

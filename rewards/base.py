@@ -73,20 +73,14 @@ class FrozenModelScorer(Scorer):
     def __init__(self, model: nn.Module, *, device: torch.device | str, dtype: torch.dtype | str) -> None:
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
-        # a third-party model (open_clip, transformers): its own attributes, which nn.Module's typing hides
-        self.model: Any = freeze(model).to(device=self.device, dtype=self.dtype)
+        # frozen, but inputs can still carry gradients through it; a third-party model (open_clip, transformers):
+        # its own attributes, which nn.Module's typing hides
+        self.model: Any = model.eval().requires_grad_(False).to(device=self.device, dtype=self.dtype)
 
     def to(self, device: torch.device | str) -> FrozenModelScorer:
         self.device = torch.device(device)
         self.model.to(self.device)
         return self
-
-
-def freeze(module: nn.Module) -> nn.Module:
-    """Eval mode and no parameter gradients; inputs can still carry gradients through it."""
-    module.eval()
-    module.requires_grad_(False)
-    return module
 
 
 def check_inputs(images: Tensor, prompts: Sequence[str], *, scorer: str) -> None:

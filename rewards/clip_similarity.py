@@ -86,16 +86,15 @@ class CLIPSimilarityScorer(FrozenModelScorer):
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str = torch.float32,
     ) -> None:
-        model_field, processor_field = "model_path", "processor_path"
-        model_dir = require_path(model_path, field=model_field, expected="a CLIPModel directory", is_dir=True)
+        model_dir = require_path(model_path, field="model_path", expected="a CLIPModel directory", is_dir=True)
         require_any_file(
-            model_dir, ("config.json",), field=model_field, expected="a CLIPModel saved with save_pretrained"
+            model_dir, ["config.json"], field="model_path", expected="a CLIPModel saved with save_pretrained"
         )
         processor_dir = require_path(
-            processor_path, field=processor_field, expected="a CLIPProcessor directory", is_dir=True
+            processor_path, field="processor_path", expected="a CLIPProcessor directory", is_dir=True
         )
-        self.transform = load_image_transform(processor_dir, field=processor_field)
-        require_any_file(processor_dir, TOKENIZER_FILES, field=processor_field, expected="a CLIP tokenizer")
+        self.transform = load_image_transform(processor_dir, field="processor_path")
+        require_any_file(processor_dir, TOKENIZER_FILES, field="processor_path", expected="a CLIP tokenizer")
         self.tokenizer = AutoTokenizer.from_pretrained(processor_dir)
         super().__init__(CLIPModel.from_pretrained(model_dir), device=device, dtype=dtype)
         self.max_length = min(self.tokenizer.model_max_length, self.model.config.text_config.max_position_embeddings)

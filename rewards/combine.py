@@ -107,10 +107,7 @@ class RewardCombiner:
     def _weighted_sum(self, parts: Mapping[str, Tensor]) -> Tensor:
         weights = renormalised_weights(self.weights, parts)
         terms = [weights[name] * part for name, part in parts.items()]
-        total = terms[0]
-        for term in terms[1:]:
-            total = total + term
-        return total
+        return sum(terms[1:], terms[0])
 
     def advantages(
         self, scores: Mapping[str, Tensor], group_ids: Tensor, advantage_fn: AdvantageFn

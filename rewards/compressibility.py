@@ -19,13 +19,13 @@ from PIL import Image
 from torch import Tensor
 
 from rewards.base import Scorer
+from rewards.preprocess import to_uint8
 
 
 def jpeg_sizes_kb(images: Tensor, *, quality: int = 95) -> Tensor:
     """Size in kB of each image [B, 3, H, W] in [0, 1] encoded as JPEG -> float32 [B] on CPU."""
-    pixels = (images.detach().float() * 255).round().clamp(0, 255).to(torch.uint8)
     sizes = []
-    for array in pixels.permute(0, 2, 3, 1).cpu().numpy():
+    for array in to_uint8(images).numpy():
         buffer = io.BytesIO()
         Image.fromarray(array).save(buffer, format="JPEG", quality=quality)
         sizes.append(buffer.tell() / 1000)

@@ -34,23 +34,19 @@ from __future__ import annotations
 
 import base64
 import io
-import logging
 import math
 import os
 import re
 from collections.abc import Sequence
-from typing import ClassVar
 
 import httpx
 import torch
 from PIL import Image
 from torch import Tensor
 
-from rewards.base import Scorer
-from rewards.served import RemoteRewardError, RemoteUnavailable, Server, request
+from rewards.preprocess import to_uint8
+from rewards.served import RemoteRewardError, ServedScorer, Server
 from settings import Choice, member
-
-log = logging.getLogger(__name__)
 
 UNIFIED_REWARD_TEMPLATE = (
     "You are given an image generated from a text caption. Judge the image against the caption on three axes, "
@@ -74,11 +70,11 @@ class ScoreFrom(Choice):
     logprobs = "logprobs"
 
 
-class JudgeScorer(Scorer):
+class JudgeScorer(ServedScorer):
     """Scores from the vision-language judge ``model`` served at ``base_url`` (module docstring)."""
 
     name = "judge"
-    runs_remotely: ClassVar[bool] = True
+    score_path = "/chat/completions"
 
     def __init__(
         self,
@@ -114,10 +110,7 @@ class JudgeScorer(Scorer):
 
     def _check_model(self) -> None:
         """At start-up (before the transformer loads): the server answers and serves ``model``, or one line."""
-        try:
-            answer = request(self.server, "GET", "/models")[0]
-        except RemoteUnavailable as err:
-            raise RemoteRewardError(f"{err} at start-up: start it, or check base_url") from None
+        answer = self._first_answer("/models", "start it, or check base_url")
         if answer.status_code == 404:
             return  # a server without the model list: the first request will say whether it serves the model
         body = self._json(answer)
@@ -129,20 +122,16 @@ class JudgeScorer(Scorer):
                 f"{self.server.name}: the server does not serve it (it serves {shown}): check model"
             )
 
-    def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
-        bodies = [self._body(image, prompt) for image, prompt in zip(images, prompts)]
-        try:
-            answers = request(self.server, "POST", "/chat/completions", bodies, max_in_flight=self.max_in_flight)
-        except RemoteUnavailable as err:
-            tries = self.server.retries + 1
-            log.warning("%s after %d tries: this step's rewards are NaN and its update is skipped", err, tries)
-            return torch.full((images.shape[0],), math.nan)
-        return torch.tensor([self._score(answer) for answer in answers], dtype=torch.float32)
+    def bodies(self, images: Tensor, prompts: Sequence[str]) -> list[dict]:
+        return [self._body(image, prompt) for image, prompt in zip(images, prompts)]
 
     def _body(self, image: Tensor, prompt: str) -> dict:
         text = self.template.replace("{prompt}", prompt)
         content = [{"type": "image_url", "image_url": {"url": png_data_url(image)}}, {"type": "text", "text": text}]
         return {"model": self.model, "messages": [{"role": "user", "content": content}], **self.sampling}
+
+    def read_scores(self, answers: list[httpx.Response], count: int) -> Tensor:
+        return torch.tensor([self._score(answer) for answer in answers], dtype=torch.float32)
 
     def _score(self, answer: httpx.Response) -> float:
         """The score of one answer in [0, 1]; RemoteRewardError, one line quoting it, when it holds none."""
@@ -216,9 +205,6 @@ class JudgeScorer(Scorer):
         quoted = " ".join(answer.split())[:QUOTED]
         return RemoteRewardError(f"{self.server.name} {what}: {quoted!r}")
 
-    def to(self, device: torch.device | str) -> JudgeScorer:
-        return self  # the judge lives in its server; scores come back to the images' device
-
 
 def check_arguments(
     base_url: str, model: str, template: str, score_range: Sequence[float], timeout_s: float, retries: int
@@ -284,7 +270,6 @@ def parsed_number(text: str) -> float | None:
 def png_data_url(image: Tensor) -> str:
     """A [3, H, W] image in [0, 1] as a PNG data URL, its pixels round(255 x). PIL encodes it, as for the JPEG
     rewards (torchvision's encode_png is deprecated since 0.29)."""
-    pixels = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
     buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
+    Image.fromarray(to_uint8(image).numpy()).save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")

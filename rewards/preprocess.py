@@ -1,6 +1,7 @@
 """Tensor image preprocessing for the CLIP-family rewards: differentiable, batched, any device.
 
-Input images are float [B, 3, H, W] in [0, 1]. Resizing is bicubic with antialiasing, exactly
+Input images are float [B, 3, H, W] in [0, 1]; ``to_uint8`` gives the pixels of an image file, which the
+weight-free and served rewards encode. Resizing is bicubic with antialiasing, exactly
 ``torch.nn.functional.interpolate(mode="bicubic", align_corners=False, antialias=True)``, which is
 what torchvision's ``Resize`` runs on float tensors (also when upsampling: the antialiased kernel
 is Pillow's a = -0.5 cubic, not the plain a = -0.75 one).
@@ -83,6 +84,11 @@ def center_crop(images: Tensor, crop: tuple[int, int], *, round_offset: bool = F
 
     top, left = offset(height - crop_h), offset(width - crop_w)
     return images[..., top : top + crop_h, left : left + crop_w]
+
+
+def to_uint8(images: Tensor) -> Tensor:
+    """Images [..., 3, H, W] in [0, 1] as the pixels of an image file: uint8 round(255 x), [..., H, W, 3], on CPU."""
+    return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).movedim(-3, -1).cpu()
 
 
 def normalize(images: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:

@@ -33,21 +33,17 @@ Failures (the requests themselves: rewards/served.py):
 from __future__ import annotations
 
 import base64
-import logging
 import math
 import os
 from collections.abc import Sequence
-from typing import ClassVar
 
 import httpx
 import numpy as np
 import torch
 from torch import Tensor
 
-from rewards.base import Scorer
-from rewards.served import RemoteRewardError, RemoteUnavailable, Server, request
-
-log = logging.getLogger(__name__)
+from rewards.preprocess import to_uint8
+from rewards.served import RemoteRewardError, ServedScorer, Server
 
 TOKEN_ENV = "JAGG_REWARD_TOKEN"
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -55,8 +51,7 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 def encode_batch(images: Tensor, prompts: Sequence[str]) -> dict:
     """The JSON body of a score request: images [B, 3, H, W] in [0, 1] as uint8 HWC bytes."""
-    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
-    array = np.ascontiguousarray(pixels.cpu().numpy())
+    array = np.ascontiguousarray(to_uint8(images).numpy())
     data = base64.b64encode(array.tobytes()).decode("ascii")
     return {"prompts": list(prompts), "shape": list(array.shape), "images": data}
 
@@ -121,35 +116,24 @@ def fits_float32(score: int | float) -> bool:
     return not math.isfinite(value) or abs(value) <= FLOAT32_MAX
 
 
-def auth_headers() -> dict[str, str]:
-    token = os.environ.get(TOKEN_ENV)
-    return {"Authorization": f"Bearer {token}"} if token else {}
-
-
-class RemoteScorer(Scorer):
+class RemoteScorer(ServedScorer):
     """Scores from the server at ``url`` (module docstring): each try of a request within ``timeout_s``, whole;
     ``retries`` more tries (rewards/served.py)."""
 
     name = "remote"
-    runs_remotely: ClassVar[bool] = True
+    score_path = "/score"
 
     def __init__(self, url: str, *, timeout_s: float = 60.0, retries: int = 2) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be an http(s) URL, got {url!r}")
         if not timeout_s > 0 or retries < 0:
             raise ValueError(f"timeout_s must be > 0 and retries >= 0, got {timeout_s} and {retries}")
-        url = url.rstrip("/")
-        self.server = Server(url, f"reward server {url}", float(timeout_s), int(retries), auth_headers())
-        try:
-            answer = request(self.server, "GET", "/health")[0]
-        except RemoteUnavailable as err:
-            # a setting (a wrong url, a server not started or stuck): one line, before the transformer loads
-            raise RemoteRewardError(f"{err} at start-up: start it, or check that it runs") from None
-        self.scorer = scorer_identity(self._payload(answer), url=url)  # the one every answer must name
-
-    @property
-    def url(self) -> str:
-        return self.server.url
+        self.url = url.rstrip("/")
+        token = os.environ.get(TOKEN_ENV)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.server = Server(self.url, f"reward server {self.url}", float(timeout_s), int(retries), headers)
+        answer = self._first_answer("/health", "start it, or check that it runs")
+        self.scorer = scorer_identity(self._payload(answer), url=self.url)  # the one every answer must name
 
     def _payload(self, answer: httpx.Response) -> object:
         """The JSON of a 2xx answer (429 and 5xx were retried by ``request``); else RemoteRewardError."""
@@ -168,21 +152,15 @@ class RemoteScorer(Scorer):
         except ValueError:
             raise RemoteRewardError(f"reward server {self.url} answered non-JSON: {answer.text[:200]!r}") from None
 
-    def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
-        try:
-            answer = request(self.server, "POST", "/score", [encode_batch(images, prompts)])[0]
-        except RemoteUnavailable as err:
-            tries = self.server.retries + 1
-            log.warning("%s after %d tries: this step's rewards are NaN and its update is skipped", err, tries)
-            return torch.full((images.shape[0],), math.nan)
-        payload = self._payload(answer)
+    def bodies(self, images: Tensor, prompts: Sequence[str]) -> list[dict]:
+        return [encode_batch(images, prompts)]
+
+    def read_scores(self, answers: list[httpx.Response], count: int) -> Tensor:
+        payload = self._payload(answers[0])
         scorer = scorer_identity(payload, url=self.url)
         if scorer != self.scorer:
             raise RemoteRewardError(
                 f"reward server {self.url} now scores with {scorer}, not {self.scorer} as when the run started (was "
                 "it restarted with another scorer?): restart it as it was, or start a new run for the new scorer"
             )
-        return decode_scores(payload, url=self.url, expected=images.shape[0])
-
-    def to(self, device: torch.device | str) -> RemoteScorer:
-        return self  # the model lives in the server; scores come back to the images' device
+        return decode_scores(payload, url=self.url, expected=count)

@@ -13,18 +13,28 @@ before the next try is the server's ``Retry-After`` when it sends one (seconds o
 0.5 s x 2^k after the k-th failed try (at most 10 s), and never longer than ``timeout_s``: a server that asks for
 an hour does not hold a step for an hour. A request thus ends within (retries + 1) x timeout_s plus its waits.
 When the tries run out: ``RemoteUnavailable``. Every other answer (2xx, 3xx, other 4xx) is the caller's to read.
+
+``ServedScorer`` is what the served scorers share: the request at start-up, and a batch that scores NaN when its
+tries run out (rewards/remote.py says why it skips the step rather than stopping the run).
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
+from typing import ClassVar
 
 import httpx
+import torch
+from torch import Tensor
+
+from rewards.base import Scorer
 
 MAX_BACKOFF_S = 10.0
 
@@ -46,6 +56,48 @@ class Server:
     timeout_s: float  # the deadline of one try, whole (connect, send, every read)
     retries: int  # more tries after the first
     headers: Mapping[str, str] = field(default_factory=dict)  # sent with every request (a bearer token)
+
+
+class ServedScorer(Scorer):
+    """A scorer whose model lives in the server ``self.server``: each batch is ``bodies`` posted to ``score_path``,
+    at most ``max_in_flight`` at once, and its scores are read from the answers."""
+
+    runs_remotely: ClassVar[bool] = True
+    score_path: ClassVar[str]
+    server: Server
+    max_in_flight: int = 1
+
+    def _first_answer(self, path: str, hint: str) -> httpx.Response:
+        """The answer to ``GET path`` at start-up; ``RemoteRewardError`` ending in ``hint`` when the tries run out (a
+        setting: a wrong address, a server not started or stuck), one line before the transformer loads."""
+        try:
+            return request(self.server, "GET", path)[0]
+        except RemoteUnavailable as err:
+            raise RemoteRewardError(f"{err} at start-up: {hint}") from None
+
+    @abc.abstractmethod
+    def bodies(self, images: Tensor, prompts: Sequence[str]) -> list[dict]:
+        """The JSON bodies of one batch's requests."""
+
+    @abc.abstractmethod
+    def read_scores(self, answers: list[httpx.Response], count: int) -> Tensor:
+        """The ``count`` scores [count] of one batch from its answers; ``RemoteRewardError`` when they break the
+        protocol."""
+
+    def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+        bodies = self.bodies(images, prompts)
+        try:
+            answers = request(self.server, "POST", self.score_path, bodies, max_in_flight=self.max_in_flight)
+        except RemoteUnavailable as err:
+            tries = self.server.retries + 1
+            logging.getLogger(type(self).__module__).warning(
+                "%s after %d tries: this step's rewards are NaN and its update is skipped", err, tries
+            )
+            return torch.full((images.shape[0],), math.nan)
+        return self.read_scores(answers, images.shape[0])
+
+    def to(self, device: torch.device | str) -> ServedScorer:
+        return self  # the model lives in its server; scores come back to the images' device
 
 
 def request(

@@ -212,16 +212,14 @@ def object_parts(obj: ObjectSpec, blob: Blob | None) -> dict[str, float]:
     nan = float("nan")
     if blob is None:
         return {"colour": 0.0, "shape": 0.0, "size": 0.0 if obj.size else nan, "position": 0.0 if obj.position else nan}
-    parts = {"colour": min(1.0, blob.area / MIN_AREA_FRACTION), "shape": shape_part(blob, obj.shape)}
-    parts["size"] = nan
-    if obj.size:
-        parts["size"] = float((blob.extent > SIZE_SPLIT) == (obj.size == "large"))
-    parts["position"] = nan
-    if obj.position:
-        x, y = blob.centre
-        nearest = min(POSITIONS, key=lambda p: (POSITIONS[p][0] - x) ** 2 + (POSITIONS[p][1] - y) ** 2)
-        parts["position"] = float(nearest == obj.position)
-    return parts
+    x, y = blob.centre
+    nearest = min(POSITIONS, key=lambda p: (POSITIONS[p][0] - x) ** 2 + (POSITIONS[p][1] - y) ** 2)
+    return {
+        "colour": min(1.0, blob.area / MIN_AREA_FRACTION),
+        "shape": shape_part(blob, obj.shape),
+        "size": float((blob.extent > SIZE_SPLIT) == (obj.size == "large")) if obj.size else nan,
+        "position": float(nearest == obj.position) if obj.position else nan,
+    }
 
 
 def caption_parts(objects: Sequence[ObjectSpec], blobs: dict[str, Blob], count: int) -> dict[str, float]:

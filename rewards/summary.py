@@ -15,6 +15,8 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 
+from rewards.preprocess import to_uint8
+
 
 def overall(summary: Mapping[str, float]) -> dict[str, float]:
     """The means over all prompts of a ``summarize`` result (not the per-category ``<name>/<category>``)."""
@@ -40,10 +42,6 @@ def summarize(scores: Mapping[str, Tensor], categories: Sequence[str] | None = N
 
 
 MIN_TILE = 128  # px: the trainer's grids upscale smaller images (nearest neighbour) to at least this size
-
-
-def _font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
-    return ImageFont.load_default(size=size)
 
 
 def _wrap(text: str, font: ImageFont.FreeTypeFont | ImageFont.ImageFont, width: int, max_lines: int) -> list[str]:
@@ -83,11 +81,11 @@ def _per_row(images: Tensor, nrow: int | None, labels: Sequence[str] | None) -> 
 def _tiles(images: Tensor, min_tile: int) -> Any:
     """Images [B, 3, H, W] in [0, 1] as uint8 [B, H, W, 3] numpy tiles, upscaled by an integer factor with
     nearest neighbour until the longer side reaches ``min_tile``."""
-    pixels = images.detach().float().clamp(0, 1).cpu()
+    pixels = images.detach().float().cpu()
     scale = max(1, math.ceil(min_tile / max(pixels.shape[2:])))
     if scale > 1:
         pixels = torch.nn.functional.interpolate(pixels, scale_factor=scale, mode="nearest")
-    return (pixels * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    return to_uint8(pixels).numpy()
 
 
 def image_grid(
@@ -112,7 +110,7 @@ def image_grid(
     count = images.shape[0]
     tiles = _tiles(images, min_tile)
     height, width = tiles.shape[1:3]
-    font = _font(max(11, min(32, width // 11)))
+    font = ImageFont.load_default(size=max(11, min(32, width // 11)))
     line_height = round(font.size * 1.25) if isinstance(font, ImageFont.FreeTypeFont) else 11
     strip = line_height * label_lines + padding if labels is not None else 0
     top = line_height + 2 * padding if title else 0

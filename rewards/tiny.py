@@ -1,7 +1,7 @@
 """Tiny random reward models written in the real on-disk formats, for tests, benchmarks and CPU demos.
 
-Nothing here downloads: the CLIP tokenizer is rebuilt from open_clip's bundled BPE file (the same
-byte-level BPE as OpenAI CLIP, truncated to ``num_merges`` merges to stay small), models are
+Nothing here downloads: the CLIP tokenizer is the tiny Flux pipelines' (``models.flux.clip_tokenizer``:
+open_clip's bundled BPE, truncated to its first merges to stay small), models are
 built from configs with a fixed seed and written with ``save_pretrained`` / ``torch.save`` so that
 the scorers' real loading code reads them back.
 
@@ -15,7 +15,6 @@ the scorers' real loading code reads them back.
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,9 @@ from typing import Any
 import open_clip
 import torch
 from torch import nn
-from transformers import BertTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+from transformers import BertTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
+from models.flux import clip_text_config, clip_tokenizer
 from rewards.imagereward import build_model, to_blip_names
 
 TINY_OPEN_CLIP_CONFIG = {
@@ -50,36 +50,18 @@ def save_tiny_hps(directory: str | Path, *, seed: int = 0) -> tuple[Path, Path]:
     return checkpoint, config
 
 
-def tiny_clip_tokenizer(num_merges: int = 1000) -> CLIPTokenizer:
-    """OpenAI CLIP's byte-level BPE from open_clip's bundled vocabulary, keeping ``num_merges`` merges."""
-    with gzip.open(open_clip.tokenizer.default_bpe(), "rt", encoding="utf-8") as handle:
-        lines = handle.read().split("\n")[1 : num_merges + 1]
-    merges = [tuple(line.split()) for line in lines]
-    base = list(open_clip.tokenizer.bytes_to_unicode().values())
-    tokens = base + [token + "</w>" for token in base] + ["".join(merge) for merge in merges]
-    tokens += ["<|startoftext|>", "<|endoftext|>"]
-    # the tokenizers backend takes merges as pairs, which transformers' annotation does not list
-    vocab = {token: i for i, token in enumerate(tokens)}
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)  # type: ignore[arg-type]
-
-
 def tiny_clip_processor(image_size: int = 32) -> CLIPProcessor:
     """A CLIPProcessor (shortest edge ``image_size``, square center crop, OpenAI mean/std, bicubic)."""
     image_processor = CLIPImageProcessor(
         size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     )
-    return CLIPProcessor(image_processor=image_processor, tokenizer=tiny_clip_tokenizer())
+    return CLIPProcessor(image_processor=image_processor, tokenizer=clip_tokenizer())
 
 
 def save_tiny_clip(directory: str | Path, *, seed: int = 0, image_size: int = 32, with_processor: bool = True) -> Path:
     """Write a random 2-layer ``CLIPModel`` (and its processor) to ``directory``; returns it."""
     directory = Path(directory)
-    tokenizer = tiny_clip_tokenizer()
-    text = dict(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_attention_heads=4,
-        num_hidden_layers=2, max_position_embeddings=77, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    text = clip_text_config(clip_tokenizer(), width=32, ff=37)
     vision = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
                   image_size=image_size, patch_size=8)  # fmt: skip
     torch.manual_seed(seed)

@@ -101,31 +101,43 @@ def load_testbed(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Flu
     return backbone
 
 
-def _batches(num_items: int, batch_size: int, generator: torch.Generator) -> Tensor:
-    return torch.randint(num_items, (batch_size,), generator=generator)
+def _fit(module: Any, loss: Callable[[], Tensor], steps: int, lr: float, log: Log | None, what: str,
+         warmup_steps: int = 0, max_norm: float | None = None) -> list[float]:  # fmt: skip
+    """Train ``module`` in place: AdamW on ``loss()`` for ``steps`` steps, the learning rate warmed up linearly over
+    ``warmup_steps``, the gradient norm clipped to ``max_norm``; returns every step's loss (``what``: the log line)."""
+    module.train().requires_grad_(True)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0)
+    warmup = max(warmup_steps, 1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    losses = []
+    for step in range(steps):
+        value = loss()
+        optimizer.zero_grad(set_to_none=True)
+        value.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+        optimizer.step()
+        schedule.step()
+        losses.append(value.item())
+        if log is not None and (step + 1) % 100 == 0:
+            log(what.format(step=step + 1, steps=steps, loss=sum(losses[-100:]) / 100))
+    module.eval().requires_grad_(False)
+    return losses
 
 
 def train_vae(
     vae: Any, images: Tensor, config: PretrainConfig, *, generator: torch.Generator, log: Log | None = None
 ) -> list[float]:
     """Train ``vae`` in place on images [N, 3, H, W] in [0, 1]; returns the loss of every step."""
-    vae.train().requires_grad_(True)
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=config.vae_lr, weight_decay=0.0)
-    losses = []
-    for step in range(config.vae_steps):
-        x = images[_batches(len(images), config.vae_batch_size, generator)] * 2 - 1
+
+    def loss() -> Tensor:
+        x = images[torch.randint(len(images), (config.vae_batch_size,), generator=generator)] * 2 - 1
         posterior = vae.encode(x).latent_dist
         z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
         recon = vae.decode(z).sample
-        loss = (recon - x).pow(2).mean() + config.kl_weight * posterior.kl().mean() / x[0].numel()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        if log is not None and (step + 1) % 100 == 0:
-            log(f"vae step {step + 1}/{config.vae_steps} loss {sum(losses[-100:]) / 100:.5f}")
-    vae.eval().requires_grad_(False)
-    return losses
+        return (recon - x).pow(2).mean() + config.kl_weight * posterior.kl().mean() / x[0].numel()
+
+    return _fit(vae, loss, config.vae_steps, config.vae_lr, log, "vae step {step}/{steps} loss {loss:.5f}")
 
 
 @torch.no_grad()
@@ -164,25 +176,13 @@ def train_flow(
     log: Log | None = None,
 ) -> list[float]:
     """Train the backbone's transformer in place on packed latents [N, ...] with ``cond`` (N rows)."""
-    transformer = backbone.transformer
-    transformer.train().requires_grad_(True)
-    optimizer = torch.optim.AdamW(transformer.parameters(), lr=config.flow_lr, weight_decay=0.0)
-    warmup = max(config.warmup_steps, 1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    losses = []
-    for step in range(config.flow_steps):
-        rows = _batches(len(latents), config.batch_size, generator)
-        loss = flow_matching_loss(backbone, latents[rows], cond.index(rows), generator=generator)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if log is not None and (step + 1) % 100 == 0:
-            log(f"flow step {step + 1}/{config.flow_steps} loss {sum(losses[-100:]) / 100:.4f}")
-    transformer.eval().requires_grad_(False)
-    return losses
+
+    def loss() -> Tensor:
+        rows = torch.randint(len(latents), (config.batch_size,), generator=generator)
+        return flow_matching_loss(backbone, latents[rows], cond.index(rows), generator=generator)
+
+    what = "flow step {step}/{steps} loss {loss:.4f}"
+    return _fit(backbone.transformer, loss, config.flow_steps, config.flow_lr, log, what, config.warmup_steps, 1.0)
 
 
 def pretrain(
