@@ -38,9 +38,10 @@ from train.checkpoint.manager import CheckpointManager, deleted
 from train.cli.compose import setup
 from train.cli.help_text import show_value
 from train.cli.reporting import reported, run_hydra
-from train.config.schema import SCORERS_HINT, TrainConfig
+from train.config.schema import TrainConfig
+from train.evaluation.eval_config import SCORERS_HINT
 from train.evaluation.evaluator import read_eval_prompts
-from train.evaluation.protocol import EvalResult, before_after, evaluate, paired_difference
+from train.evaluation.protocol import EvalParts, EvalResult, before_after, evaluate, paired_difference
 from train.ground.errors import CheckpointError, ConfigError
 from train.ground.layout import EXPORT, RunLayout
 from train.model.builder import build_for_eval, load_weights
@@ -163,7 +164,7 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
         if held:
             log.info("%s holds %s", weights.path, held)
     out = Path(config.run_dir)
-    records = read_eval_prompts(config)
+    records = read_eval_prompts(config.eval, config.data.train_prompts)
     results: dict[str, EvalResult] = {}
     with process_group(config.dist.timeout_s) as dist:
         if weights is not None and weights.kind == "checkpoint":
@@ -172,12 +173,11 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
         check_eval_scorers(config)
         backbone, predict, device = build_for_eval(config, dist)
         scorers = build_eval_scorers(config, device)
+        parts = EvalParts(backbone, predict, scorers, config.eval, config.sampler, config.model, dist, device)
 
         def run(tag: str) -> EvalResult:
             def evaluated() -> None:
-                results[tag] = evaluate(
-                    backbone, predict, scorers, records, config, dist, device=device, tag=tag, out=out
-                )
+                results[tag] = evaluate(parts, records, tag=tag, out=out)
 
             agree_on_write(evaluated, out, f"the evaluation {tag}", kept=NOTHING_CHANGED)  # one line on every rank
             if dist.is_main:
