@@ -26,7 +26,6 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-import hydra
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -35,9 +34,9 @@ from rewards.summary import overall
 from train.checkpoint.export import Weights, export_description, find_weights
 from train.checkpoint.files import agree_on_write, write_failure
 from train.checkpoint.manager import CheckpointManager, deleted
+from train.cli.command import hydra_command
 from train.cli.compose import setup
 from train.cli.help_text import show_value
-from train.cli.reporting import reported, run_hydra
 from train.config.schema import TrainConfig
 from train.evaluation.eval_config import SCORERS_HINT
 from train.evaluation.evaluator import read_eval_prompts
@@ -200,16 +199,7 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
     return results
 
 
-@hydra.main(config_path="pkg://configs", config_name="eval", version_base=None)
-def main(cfg: DictConfig) -> None:
-    with reported(PROG):
-        logging.captureWarnings(True)  # warnings reach the console handler and the log file too
-        eval_command(cfg)
-
-
-def command() -> None:
-    """``python -m train.eval`` and the console script ``jagg-eval``: one line for a user's mistake."""
-    run_hydra(main, prog=PROG)
+main, command = hydra_command("eval", PROG, eval_command)  # python -m train.eval, the console script jagg-eval
 
 
 if __name__ == "__main__":
