@@ -78,15 +78,17 @@ def _panel(ax: Any, key: str, series: dict[str, dict[int, float]], missing: list
     ax.legend()
 
 
+def _logged(history: Sequence[Mapping[str, float]], key: str) -> list[float]:
+    """The values of metric ``key`` in the steps that logged it."""
+    return [m[key] for m in history if key in m]
+
+
 def _timing(history: Sequence[Mapping[str, float]]) -> str:
-    steps = [m["time/step"] for m in history if "time/step" in m]
+    steps = _logged(history, "time/step")
     if not steps:
         return "time per step: no step ran in this session"
-    phases = []
-    for phase in PHASES[1:]:  # the step itself first, on its own
-        values = [m[f"time/{phase}"] for m in history if f"time/{phase}" in m]
-        if values:
-            phases.append(f"{phase} {median(values):.2f}s")
+    # the step itself first, on its own
+    phases = [f"{p} {median(values):.2f}s" for p in PHASES[1:] if (values := _logged(history, f"time/{p}"))]
     return f"time per step (median of {len(steps)}): {median(steps):.2f}s; per phase: " + ", ".join(phases)
 
 
@@ -94,9 +96,8 @@ def _perf(history: Sequence[Mapping[str, float]], peak: Peak) -> list[str]:
     """Median TFLOP/s (and MFU) per phase, and the compilation of the first step when compiled."""
     parts = []
     for phase in PHASES:
-        tflops = [m[f"perf/tflops/{phase}"] for m in history if f"perf/tflops/{phase}" in m]
-        if tflops:
-            mfu = [m[f"perf/mfu/{phase}"] for m in history if f"perf/mfu/{phase}" in m]
+        if tflops := _logged(history, f"perf/tflops/{phase}"):
+            mfu = _logged(history, f"perf/mfu/{phase}")
             parts.append(f"{phase} {median(tflops):.3g}" + (f" ({100 * median(mfu):.1f}%)" if mfu else ""))
     if not parts:
         return []
@@ -123,14 +124,13 @@ def _paired_lines(eval_dir: Path, tags: tuple[str, str], names: tuple[str, str],
 
 def _rewards(cfg: TrainConfig, history: Sequence[Mapping[str, float]]) -> list[str]:
     eval_dir = RunLayout(cfg.run_dir).eval
-    before = eval_dir / f"{eval_tag(0)}.scores.jsonl"
     names = ("step 0", f"step {cfg.num_steps}")
     trained = _paired_lines(eval_dir, (eval_tag(0), eval_tag(cfg.num_steps)), names, "")
     if cfg.eval.every and trained:
         tags = (heldout_tag(0), heldout_tag(cfg.num_steps))
         return trained + _paired_lines(eval_dir, tags, names, f"{HELD_OUT} prompts, ")
     rewards = [m["reward/total"] for m in history if not math.isnan(m.get("reward/total", math.nan))]
-    why = "eval.every=0" if not cfg.eval.every else f"no {before.name} to pair with"
+    why = "eval.every=0" if not cfg.eval.every else f"no {eval_tag(0)}.scores.jsonl to pair with"
     if len(rewards) < 2:
         return [f"no reward to compare ({why})"]
     return [f"training reward/total: first step {rewards[0]:.4f} -> last step {rewards[-1]:.4f} ({why})"]
@@ -138,12 +138,6 @@ def _rewards(cfg: TrainConfig, history: Sequence[Mapping[str, float]]) -> list[s
 
 def _listing(folder: Path, pattern: str) -> list[str]:
     return sorted(p.name for p in folder.glob(pattern)) if folder.is_dir() else []
-
-
-def _missing(missing: Sequence[int]) -> str:
-    if not missing:
-        return ""
-    return f" (missing: {after_steps(list(missing))})"
 
 
 def files_section(cfg: TrainConfig, wandb_mode: str, missing: Sequence[int] = ()) -> list[str]:
@@ -169,14 +163,14 @@ def files_section(cfg: TrainConfig, wandb_mode: str, missing: Sequence[int] = ()
             f"prompt (.scores.jsonl), grids (.png)" + (f", before/after sheets ({sheets[-1]})" if sheets else "")
         )
     if layout.eval_curve.is_file():
-        lines.append(f"  eval/{layout.eval_curve.name:<10} the evaluations against the step{_missing(missing)}")
+        holes = f" (missing: {after_steps(list(missing))})" if missing else ""
+        lines.append(f"  eval/{layout.eval_curve.name:<10} the evaluations against the step{holes}")
     checkpoints = _listing(layout.checkpoints, "step_????????")
     if checkpoints:
         lines.append(f"  checkpoints/    {', '.join(checkpoints)} (continue with resume=auto)")
     for folder in (layout.export, layout.export_raw):
         if folder.is_dir():
-            what = export_description(folder) or "the trained transformer"
-            name = folder.name
+            what, name = export_description(folder) or "the trained transformer", folder.name
             lines.append(f"  {name + '/':<15} {what} (python -m train.eval eval.transformer=<run>/{name})")
     return lines
 

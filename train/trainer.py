@@ -45,7 +45,7 @@ from train.checkpoint.files import write_failure
 from train.checkpoint.settings import LORA_MODULES, recorded_settings
 from train.config.record import after_steps, due_evaluations, missing_evaluations
 from train.distributed.collectives import activity, agreed, broadcast_object
-from train.evaluation.evaluator import Evaluator, build_evaluator, evaluates
+from train.evaluation.evaluator import Evaluator, evaluates
 from train.evaluation.protocol import EvalParts
 from train.faults import Faults, check_owner
 from train.ground.errors import CheckpointError
@@ -188,7 +188,7 @@ class Trainer:
         scorers = build_eval_scorers(cfg, run.device)
         model, dist, device = run.model, run.dist, run.device
         parts = EvalParts(model.backbone, model.policy, scorers, cfg.eval, cfg.sampler, cfg.model, dist, device)
-        return build_evaluator(
+        return Evaluator(
             parts,
             train_prompts=cfg.data.train_prompts,
             folder=run.io.layout.eval,

@@ -16,7 +16,7 @@ import torch
 import train.evaluation.evaluator as evaluator_module
 from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo
-from train.evaluation.evaluator import Evaluator, build_evaluator, evaluates, read_result
+from train.evaluation.evaluator import Evaluator, evaluates, read_result
 from train.evaluation.protocol import EvalParts, EvalResult, write_result
 from train.ground.layout import RunLayout
 from train.observe.logger import RunLogger
@@ -64,7 +64,7 @@ def session(tmp_path: Path, *, start: int, heldout: bool = False) -> Evaluator:
     logger = RunLogger(LoggingConfig(), RunLayout(tmp_path), is_main=True)
     parts = EvalParts(None, lambda z, t, cond: z, {}, cfg.eval, cfg.sampler, cfg.model, dist, cpu)
     folder = RunLayout(cfg.run_dir).eval
-    return build_evaluator(
+    return Evaluator(
         parts, train_prompts=cfg.data.train_prompts, folder=folder, num_steps=3, start=start, ema=None, logger=logger
     )
 

@@ -44,7 +44,6 @@ from train.evaluation.protocol import EvalParts, EvalResult, before_after, evalu
 from train.ground.errors import CheckpointError, ConfigError
 from train.ground.layout import EXPORT, RunLayout
 from train.model.builder import build_for_eval, load_weights
-from train.observe.stats import standard_error
 from train.reward.scorers import build_eval_scorers, check_eval_scorers
 from train.run.start import load_config, process_group
 
@@ -82,8 +81,8 @@ def target(cfg: TrainConfig) -> Weights | None:
 
 def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
     """A checkpoint loads into the model structure it was trained with: compare with the run's saved config."""
-    saved = RunLayout(weights.run_dir).hydra_config if weights.run_dir is not None else None
-    if weights.kind != "checkpoint" or saved is None or not saved.is_file():
+    layout = RunLayout(weights.run_dir) if weights.run_dir is not None else None
+    if weights.kind != "checkpoint" or layout is None or not (saved := layout.hydra_config).is_file():
         return
     trained = _recorded(saved, weights)
     here = OmegaConf.structured(cfg)
@@ -95,11 +94,10 @@ def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
                 f"{key}={show_value(now)}: pass {key}={show_value(was)}"
             )
     if OmegaConf.select(trained, "ema.decay", default=0.0):
-        export = RunLayout(weights.run_dir).export if weights.run_dir is not None else None
         log.info(
             "the run kept an EMA of its weights: a checkpoint's model is the trained weights, not the EMA its "
             "evaluations scored (%s holds that)",
-            export if export is not None and export.is_dir() else f"a finished run's {EXPORT}/",
+            layout.export if layout.export.is_dir() else f"a finished run's {EXPORT}/",
         )
 
 
@@ -130,15 +128,9 @@ def check_checkpoint(weights: Weights) -> None:
 
 
 def _line(result: EvalResult) -> str:
-    means = overall(result.summary)
-    parts = [
-        f"{name} {value:.4f} ± {standard_error([row[name] for row in result.rows]):.4f}"
-        for name, value in means.items()
-    ]
+    means = [f"{name} {value:.4f} ± {se:.4f}" for name, (value, se) in result.means().items()]
     return (
-        f"eval {result.tag.removeprefix('eval_')}: "
-        + ", ".join(parts)
-        + f" (standard error over {len(result.rows)} images)"
+        f"eval {result.tag.removeprefix('eval_')}: {', '.join(means)} (standard error over {len(result.rows)} images)"
     )
 
 
@@ -159,8 +151,7 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
     weights = target(config)
     if weights is not None:
         check_training_config(config, weights)
-        held = export_description(weights.path)
-        if held:
+        if held := export_description(weights.path):
             log.info("%s holds %s", weights.path, held)
     out = Path(config.run_dir)
     records = read_eval_prompts(config.eval, config.data.train_prompts)

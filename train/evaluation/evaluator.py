@@ -1,5 +1,5 @@
-"""The trainer's evaluation: an ``Evaluator`` built once (``build_evaluator``, below) with its prompts
-(and the held-out ones), scorers and the step-0 result, called after ``step`` training steps on all ranks.
+"""The trainer's evaluation: an ``Evaluator`` built once with its prompts (and the held-out ones), scorers and
+the step-0 result, called after ``step`` training steps on all ranks.
 
 A call runs the protocol of train/evaluation/protocol.py (with the EMA weights when kept) on the
 evaluation prompts and, when ``eval.heldout_prompts`` is set, on those as a second evaluation; logs
@@ -10,7 +10,7 @@ captioned grid to wandb and writes ``eval/before_after_<tag>.png``: the same pro
 after ``step`` steps. A file the disk refuses ends the run in one line on every rank (``SaveFailed``).
 
 The step-0 grid is saved as ``eval/step_00000000.grid.pt`` (uint8) beside its scores: a resumed
-session does not evaluate step 0 again, and ``build_evaluator`` reads the step-0 result back from the files.
+session does not evaluate step 0 again, and its ``Evaluator`` reads the step-0 result back from the files.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import json
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,20 +35,34 @@ from train.optim.ema import EMA
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class Evaluator:
     """The evaluation of the policy during training (the module docstring says what one call does)."""
 
-    parts: EvalParts  # the policy (it follows backbone.transformer as it trains), eval.scorers, the groups read
-    num_steps: int  # the run's last step is evaluated whatever its number
-    folder: Path  # <run_dir>/eval
-    ema: EMA | None  # swapped in for each evaluation when kept
-    logger: RunLogger
-    records: list[PromptRecord]  # the evaluation prompts, eval.samples_per_prompt times each
-    heldout: list[PromptRecord]  # eval.heldout_prompts likewise; empty: no held-out evaluation
-    before: EvalResult | None = None  # rank 0: the step-0 result, for the line and the before/after sheets
-    heldout_before: dict[str, float] | None = None  # rank 0: the held-out prompts' step-0 means, for the line
-    before_writing: Callable[[], None] | None = None  # a collective run before each evaluation writes its files
+    def __init__(
+        self,
+        parts: EvalParts,
+        *,
+        train_prompts: str,
+        folder: Path,
+        num_steps: int,
+        start: int,
+        ema: EMA | None,
+        logger: RunLogger,
+        before_writing: Callable[[], None] | None = None,
+    ) -> None:
+        """The evaluation of ``parts.predict`` (the policy: it follows backbone.transformer as it trains; the EMA's
+        weights, swapped in, when kept) into ``folder`` (``<run_dir>/eval``) for a session that starts at step
+        ``start``: a resumed session's rank 0 reads the step-0 result back from there, for its comparisons.
+        ``before_writing`` runs on every rank once an evaluation's scores are gathered, before it writes anything
+        (a collective)."""
+        self.parts, self.folder, self.num_steps = parts, folder, num_steps
+        self.ema, self.logger, self.before_writing = ema, logger, before_writing
+        self.records = read_eval_prompts(parts.cfg, train_prompts)  # eval.samples_per_prompt times each
+        self.heldout = read_heldout_prompts(parts.cfg)  # likewise; empty: no held-out evaluation
+        resumed = start > 0 and parts.dist.is_main
+        # rank 0: the step-0 result and the held-out prompts' step-0 means, for the lines and the before/after sheets
+        self.before = read_result(folder, eval_tag(0)) if resumed else None
+        self.heldout_before = read_summary(folder, heldout_tag(0)) if resumed and self.heldout else None
 
     def due(self, done: int) -> bool:
         """After ``done`` steps: every eval.every steps, and after the last step whatever its number."""
@@ -85,7 +98,7 @@ class Evaluator:
         log.info(eval_line(step, result.summary, first, heldout=heldout, heldout_first=self.heldout_before))
         metric = next(iter(overall(result.summary)))
         prompts = [self.records[i].prompt for i in result.indices]
-        scores = result.scores(metric, result.indices)
+        scores = result.grid_scores(metric)
         captions = [f"#{i} {metric} {v:.4f}: {p}" for i, v, p in zip(result.indices, scores, prompts)]
         self.logger.log_wandb_images("eval/images", result.images, captions, step)
         if step > 0 and before is not None and before.indices == result.indices:
@@ -119,12 +132,12 @@ def read_summary(folder: Path, tag: str) -> dict[str, float] | None:
 def read_result(folder: Path, tag: str) -> EvalResult | None:
     """The evaluation ``tag`` read back from its files in ``folder`` (the grid to 1/255), or None
     when its summary or grid is missing."""
-    summary, grid = folder / f"{tag}.json", folder / f"{tag}.grid.pt"
-    if not summary.is_file() or not grid.is_file():
+    summary, grid = read_summary(folder, tag), folder / f"{tag}.grid.pt"
+    if summary is None or not grid.is_file():
         return None
     saved = torch.load(grid)
     rows = read_scores(folder / f"{tag}.scores.jsonl")
-    return EvalResult(tag, json.loads(summary.read_text()), rows, saved["images"].float() / 255, saved["indices"])
+    return EvalResult(tag, summary, rows, saved["images"].float() / 255, saved["indices"])
 
 
 def read_eval_prompts(cfg: EvalConfig, train_prompts: str) -> list[PromptRecord]:
@@ -145,34 +158,3 @@ def evaluates(cfg: EvalConfig, *, start: int, num_steps: int, again: bool) -> bo
     """Whether a session that starts at step ``start`` evaluates at all: eval.every > 0 and a step left to train, or
     the evaluation after step ``start`` to do again (lost to a crash), even after the last step."""
     return bool(cfg.every) and (start < num_steps or again)
-
-
-def build_evaluator(
-    parts: EvalParts,
-    *,
-    train_prompts: str,
-    folder: Path,
-    num_steps: int,
-    start: int,
-    ema: EMA | None,
-    logger: RunLogger,
-    before_writing: Callable[[], None] | None = None,
-) -> Evaluator:
-    """The trainer's evaluation of ``parts.predict`` (the policy; the EMA's weights when kept) into ``folder``
-    (``<run_dir>/eval``) for a session that starts at step ``start``: a resumed session's rank 0 reads the step-0
-    result back from there, for its comparisons. ``before_writing`` runs on every rank once an evaluation's scores
-    are gathered, before it writes anything."""
-    heldout = read_heldout_prompts(parts.cfg)
-    resumed = start > 0 and parts.dist.is_main
-    return Evaluator(
-        parts,
-        num_steps,
-        folder,
-        ema,
-        logger,
-        read_eval_prompts(parts.cfg, train_prompts),
-        heldout,
-        before=read_result(folder, eval_tag(0)) if resumed else None,
-        heldout_before=read_summary(folder, heldout_tag(0)) if resumed and heldout else None,
-        before_writing=before_writing,
-    )

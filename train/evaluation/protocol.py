@@ -111,9 +111,15 @@ class EvalResult:
     images: Tensor  # [n, 3, H, W]: the grid's images (rank 0's first eval.grid_size prompts)
     indices: list[int]  # prompt index of each of ``images``
 
-    def scores(self, metric: str, indices: Sequence[int]) -> list[float]:
+    def means(self) -> dict[str, tuple[float, float]]:
+        """Each scorer's mean over the prompts and its standard error (from ``rows``)."""
+        summary = overall(self.summary).items()
+        return {name: (value, standard_error([row[name] for row in self.rows])) for name, value in summary}
+
+    def grid_scores(self, metric: str) -> list[float]:
+        """``metric`` of each of ``images``."""
         by_index = {row["index"]: row[metric] for row in self.rows}
-        return [float(by_index[i]) for i in indices]
+        return [float(by_index[i]) for i in self.indices]
 
 
 @dataclass
@@ -125,16 +131,14 @@ class _Sampled:
     grid_indices: list[int]
 
 
-def _sample_and_score(
-    parts: EvalParts, records: list[PromptRecord], *, tag: str, mine: list[int], per_rank: int
-) -> _Sampled:
-    """Sample and score this rank's ``per_rank`` prompts of ``mine`` (padded by repeating its last one), in
-    batches of eval.batch_size, keeping rank 0's first images for the grid."""
+def _sample_and_score(parts: EvalParts, records: list[PromptRecord], *, tag: str, mine: list[int]) -> _Sampled:
+    """Sample and score this rank's prompts ``mine`` in batches of eval.batch_size, keeping rank 0's first images
+    for the grid."""
     cfg, dist = parts.cfg, parts.dist
     sampled = _Sampled({name: [] for name in parts.scorers}, [], [])
     progress = _Progress(tag, len(records), enabled=dist.is_main)
-    for first in range(0, per_rank, cfg.batch_size):
-        idx = [mine[min(i, len(mine) - 1)] for i in range(first, min(first + cfg.batch_size, per_rank))]
+    for first in range(0, len(mine), cfg.batch_size):
+        idx = mine[first : first + cfg.batch_size]
         prompts = [records[i].prompt for i in idx]
         images = _sample(parts, prompts, idx)
         for name, scorer in parts.scorers.items():
@@ -152,13 +156,8 @@ def _rows(
     """One row per prompt, in prompt order: index, prompt, category, seed and each scorer's value."""
     values = {name: v.float().cpu().tolist() for name, v in gathered.items()}
     rows = [
-        {
-            "index": i,
-            "prompt": records[i].prompt,
-            "category": records[i].category,
-            "seed": seed,
-            **{name: values[name][k] for name in gathered},
-        }
+        {"index": i, "prompt": records[i].prompt, "category": records[i].category, "seed": seed}
+        | {name: values[name][k] for name in values}
         for k, i in enumerate(order)
     ]
     return sorted(rows, key=lambda row: row["index"])
@@ -177,11 +176,13 @@ def evaluate(
     ``before_writing`` (a collective: every rank calls it) runs once the scores are gathered, before anything is
     written: the trainer's check that the run folder is still its own."""
     dist = parts.dist
+    # Every rank scores per_rank prompts (its own, padded by repeating its last one; a rank with none pads with
+    # prompt 0), so the gather is even: the pads go after it.
     per_rank = math.ceil(len(records) / dist.world_size)
-    mine = list(range(dist.rank, len(records), dist.world_size)) or [0]  # a rank with none pads with prompt 0
-    sampled = _sample_and_score(parts, records, tag=tag, mine=mine, per_rank=per_rank)
-    # Every rank scored per_rank prompts (padded by repeating its last one): gather, then drop pads.
-    owner = all_gather_tensor(torch.tensor([mine[min(i, len(mine) - 1)] for i in range(per_rank)]))
+    mine = list(range(dist.rank, len(records), dist.world_size)) or [0]
+    mine += mine[-1:] * (per_rank - len(mine))
+    sampled = _sample_and_score(parts, records, tag=tag, mine=mine)
+    owner = all_gather_tensor(torch.tensor(mine))
     keep = first_occurrences(owner)
     gathered = {name: all_gather_tensor(torch.cat(vals))[keep] for name, vals in sampled.scores.items()}
     order = owner[keep].tolist()
@@ -202,18 +203,15 @@ def evaluate(
 
 def write_result(result: EvalResult, records: list[PromptRecord], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    means = list(overall(result.summary))
-    errors = {f"{name}_se": standard_error([row[name] for row in result.rows]) for name in means}
+    means = result.means()
+    errors = {f"{name}_se": se for name, (_, se) in means.items()}
     (out / f"{result.tag}.json").write_text(
         json.dumps({"num_prompts": len(records), **result.summary, **errors}, indent=2) + "\n"
     )
     with open(out / f"{result.tag}.scores.jsonl", "w", encoding="utf-8") as file:
         file.writelines(json.dumps(row) + "\n" for row in result.rows)
-    metric = means[0]
-    labels = [
-        f"#{i}  {value:.4f}\n{records[i].prompt}"
-        for i, value in zip(result.indices, result.scores(metric, result.indices))
-    ]
+    metric = next(iter(means))
+    labels = [f"#{i}  {value:.4f}\n{records[i].prompt}" for i, value in zip(result.indices, result.grid_scores(metric))]
     # an image per evaluation item: eval.samples_per_prompt images of each prompt, each from its own noise
     title = f"{result.tag}: #prompt {metric} (mean over {len(records)} images {result.summary[metric]:.4f})"
     image_grid(result.images, labels=labels, title=title, min_tile=MIN_TILE).save(out / f"{result.tag}.png")
@@ -228,8 +226,8 @@ def before_after(
         before.images,
         after.images,
         list(prompts),
-        before_scores=before.scores(metric, before.indices),
-        after_scores=after.scores(metric, after.indices),
+        before_scores=before.grid_scores(metric),
+        after_scores=after.grid_scores(metric),
         names=names,
         indices=after.indices,
         metric=metric,
@@ -286,9 +284,7 @@ def paired_difference(before: list[dict[str, Any]], after: list[dict[str, Any]],
 
 def first_occurrences(ids: Tensor) -> Tensor:
     """The positions of each value's first occurrence in ``ids`` [N], in order (a gather's padding rows go)."""
-    seen, keep = set(), []
+    first: dict[int, int] = {}
     for position, value in enumerate(ids.tolist()):
-        if value not in seen:
-            seen.add(value)
-            keep.append(position)
-    return torch.tensor(keep, dtype=torch.long)
+        first.setdefault(value, position)
+    return torch.tensor(list(first.values()), dtype=torch.long)
