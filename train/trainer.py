@@ -162,13 +162,13 @@ class Trainer:
                 "the checkpoint holds all num_steps=%d steps: nothing to train (raise num_steps to go on)", start
             )
         lost = self._lost_evaluations(start)
+        missing = [step for step in lost if step < start]  # the one at ``start`` is evaluated again
         evaluator = self._evaluator(start, again=start in lost)
-        self._evaluate_first(evaluator, start, lost)
+        self._evaluate_first(evaluator, start, again=start in lost, missing=missing)
         history = self._steps(evaluator, start)
         if cfg.checkpoint.export:
             self.export()
         if run.dist.is_main:
-            missing = [step for step in lost if step < start]  # the one at ``start`` was evaluated again
             try:  # eval/curve.png of the run's evaluations, the missing ones marked
                 write_curve(run.io.layout.metrics, run.io.layout.eval_curve, missing)
             except OSError as err:
@@ -272,12 +272,12 @@ class Trainer:
             lost = missing_evaluations(run.io.layout.metrics, due_evaluations(int(every), cfg.num_steps, start))
         return list(broadcast_object(lost))
 
-    def _evaluate_first(self, evaluator: Evaluator | None, start: int, lost: list[int]) -> None:
+    def _evaluate_first(self, evaluator: Evaluator | None, start: int, *, again: bool, missing: list[int]) -> None:
         """Before the first step: the evaluation of the model as loaded (step 0), or of the resumed checkpoint's
-        weights when its evaluation was lost (the same weights: done again); an evaluation lost at an earlier step
-        cannot be done again (those weights are gone) and is named, as the curve and the summary name it."""
+        weights when its evaluation was lost (``again``: the same weights, done again); an evaluation lost at an
+        earlier step (``missing``) cannot be done again (those weights are gone) and is named, as the curve and the
+        summary name it."""
         # eval/<metric> at step k is the policy after k training steps: k = 0 is the model as loaded.
-        again = start > 0 and start in lost
         if evaluator is not None and (start == 0 or again):
             if again and self.run.dist.is_main:
                 log.warning(
@@ -285,11 +285,10 @@ class Trainer:
                 )
             with activity(f"the evaluation after step {start}" if again else "the evaluation before training"):
                 evaluator(start)
-        earlier = [step for step in lost if step < start]
-        if earlier and self.run.dist.is_main:
+        if missing and self.run.dist.is_main:
             log.warning(
                 "the evaluations %s were lost (no row in metrics.jsonl) and their weights are gone: the "
                 "curve (%s) and the summary mark them missing",
-                after_steps(earlier),
+                after_steps(missing),
                 self.run.io.layout.eval_curve,
             )
