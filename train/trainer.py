@@ -1,6 +1,6 @@
 """The GRPO training loop: a ``Trainer`` over a run's parts (train/run/parts.py) resumes, trains steps
 (train/step.py), evaluates and checkpoints on their own cadences, exports (the weights the evaluations scored: the
-EMA when kept), and writes the summary (train/evaluation/summary.py) at the end.
+EMA when kept), and writes the summary (train/summary.py) at the end.
 
 The console (and the run folder's log file) shows a progress bar or, without it, a heartbeat line;
 a line per evaluation; and the summary. Evaluation (train/evaluation/evaluator.py) runs before
@@ -23,7 +23,7 @@ previous checkpoint when the latest is damaged; ``resume=<an older checkpoint>``
 A record with no hole: the run folder is the first console line; a resumed run evaluates again the evaluation
 of its checkpoint's step that a crash lost (no row in metrics.jsonl), and names one lost at an earlier step
 (its weights are gone) in the console, the summary and ``eval/curve.png``, the curve of the run's evaluations
-written at the end (train/config/record.py, train/evaluation/curve.py).
+written at the end (train/config/record.py, train/summary.py).
 """
 
 from __future__ import annotations
@@ -45,20 +45,21 @@ from train.checkpoint.files import write_failure
 from train.checkpoint.settings import LORA_MODULES, recorded_settings
 from train.config.record import after_steps, due_evaluations, missing_evaluations
 from train.distributed.collectives import activity, agreed, broadcast_object
-from train.evaluation.curve import write_curve
-from train.evaluation.evaluator import Evaluator, build_evaluator
-from train.evaluation.summary import run_summary
+from train.evaluation.evaluator import Evaluator, evaluates
+from train.evaluation.protocol import EvalParts
 from train.faults import Faults, check_owner
 from train.ground.errors import CheckpointError
 from train.model.builder import non_finite
 from train.observe.console import Heartbeat, progress_bar
 from train.observe.health import Health, Verdict, weight_norm
 from train.optim.optimizer import adamw_settings
+from train.reward.scorers import build_eval_scorers
 from train.run.build import open_run
 from train.run.parts import Run
 from train.run.start import load_config, process_group
 from train.run.timeline import branch
 from train.step import train_step
+from train.summary import run_summary, write_curve
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +92,12 @@ class Trainer:
             start_norm=weight_norm(model.params),  # before a checkpoint loads: the start of the run, in every session
         )
         self.checkpointer = Checkpointer(
+            cfg.checkpoint,
             run.io.checkpoints,
             model.backbone.transformer,
             optim.optimizer,
             optim.ema,
             states={"health": self.health},
-            every=cfg.checkpoint.every,
             settings={**recorded_settings(cfg, prompts=run.data.prompts.digest), LORA_MODULES: model.lora_modules},
             run_id=run.io.run_id,
             check_owner=self.check_owner,
@@ -161,24 +162,13 @@ class Trainer:
                 "the checkpoint holds all num_steps=%d steps: nothing to train (raise num_steps to go on)", start
             )
         lost = self._lost_evaluations(start)
-        evaluator = build_evaluator(
-            cfg,
-            run.dist,
-            start=start,
-            device=run.device,
-            backbone=run.model.backbone,
-            predict=run.model.policy,
-            ema=run.optim.ema,
-            logger=run.io.logger,
-            before_writing=self.check_owner,  # a holder suspended while it sampled writes nothing
-            again=start in lost,
-        )
-        self._evaluate_first(evaluator, start, lost)
+        missing = [step for step in lost if step < start]  # the one at ``start`` is evaluated again
+        evaluator = self._evaluator(start, again=start in lost)
+        self._evaluate_first(evaluator, start, again=start in lost, missing=missing)
         history = self._steps(evaluator, start)
         if cfg.checkpoint.export:
             self.export()
         if run.dist.is_main:
-            missing = [step for step in lost if step < start]  # the one at ``start`` was evaluated again
             try:  # eval/curve.png of the run's evaluations, the missing ones marked
                 write_curve(run.io.layout.metrics, run.io.layout.eval_curve, missing)
             except OSError as err:
@@ -188,6 +178,26 @@ class Trainer:
                 cfg, start=start, history=history, seconds=seconds, peak=run.perf.peak, missing=missing
             )
             log.info(summary)
+
+    def _evaluator(self, start: int, *, again: bool) -> Evaluator | None:
+        """The evaluation of the policy (the EMA's weights when kept) for a session that starts at step ``start``, or
+        None when it evaluates nothing; ``again``: the evaluation after step ``start`` is done again."""
+        run, cfg = self.run, self.run.cfg
+        if not evaluates(cfg.eval, start=start, num_steps=cfg.num_steps, again=again):
+            return None
+        scorers = build_eval_scorers(cfg, run.device)
+        model, dist, device = run.model, run.dist, run.device
+        parts = EvalParts(model.backbone, model.policy, scorers, cfg.eval, cfg.sampler, cfg.model, dist, device)
+        return Evaluator(
+            parts,
+            train_prompts=cfg.data.train_prompts,
+            folder=run.io.layout.eval,
+            num_steps=cfg.num_steps,
+            start=start,
+            ema=run.optim.ema,
+            logger=run.io.logger,
+            before_writing=self.check_owner,  # a holder suspended while it sampled writes nothing
+        )
 
     def _steps(self, evaluator: Evaluator | None, start: int) -> list[dict[str, float]]:
         """Training steps ``start`` to the last, with the bar or the heartbeat; the metrics of each step."""
@@ -262,12 +272,12 @@ class Trainer:
             lost = missing_evaluations(run.io.layout.metrics, due_evaluations(int(every), cfg.num_steps, start))
         return list(broadcast_object(lost))
 
-    def _evaluate_first(self, evaluator: Evaluator | None, start: int, lost: list[int]) -> None:
+    def _evaluate_first(self, evaluator: Evaluator | None, start: int, *, again: bool, missing: list[int]) -> None:
         """Before the first step: the evaluation of the model as loaded (step 0), or of the resumed checkpoint's
-        weights when its evaluation was lost (the same weights: done again); an evaluation lost at an earlier step
-        cannot be done again (those weights are gone) and is named, as the curve and the summary name it."""
+        weights when its evaluation was lost (``again``: the same weights, done again); an evaluation lost at an
+        earlier step (``missing``) cannot be done again (those weights are gone) and is named, as the curve and the
+        summary name it."""
         # eval/<metric> at step k is the policy after k training steps: k = 0 is the model as loaded.
-        again = start > 0 and start in lost
         if evaluator is not None and (start == 0 or again):
             if again and self.run.dist.is_main:
                 log.warning(
@@ -275,11 +285,10 @@ class Trainer:
                 )
             with activity(f"the evaluation after step {start}" if again else "the evaluation before training"):
                 evaluator(start)
-        earlier = [step for step in lost if step < start]
-        if earlier and self.run.dist.is_main:
+        if missing and self.run.dist.is_main:
             log.warning(
                 "the evaluations %s were lost (no row in metrics.jsonl) and their weights are gone: the "
                 "curve (%s) and the summary mark them missing",
-                after_steps(earlier),
+                after_steps(missing),
                 self.run.io.layout.eval_curve,
             )

@@ -17,15 +17,15 @@ from hydra import compose, initialize_config_module
 from PIL import Image
 
 from train.checkpoint.export import find_weights
-from train.config.schema import SCORERS_HINT
 from train.eval import command as eval_module
 from train.eval.command import check_scorers, eval_command, target
 from train.evaluation import protocol as evaluation
+from train.evaluation.eval_config import SCORERS_HINT
 from train.evaluation.protocol import first_occurrences, paired_difference, read_scores
-from train.evaluation.summary import files_section
 from train.ground.errors import ConfigError
 from train.observe.stats import standard_error
 from train.run.start import load_config
+from train.summary import files_section
 from train.trainer import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -257,10 +257,10 @@ def test_samples_per_prompt_repeats_the_prompt_set_with_new_noise(tmp_path):
     cfg = TrainConfig()
     cfg.data.train_prompts = str(prompts)
     cfg.eval.samples_per_prompt = 3
-    records = [r.prompt for r in read_eval_prompts(cfg)]
+    records = [r.prompt for r in read_eval_prompts(cfg.eval, cfg.data.train_prompts)]
     assert records == ["a", "b", "c"] * 3
     cfg.eval.num_prompts = 2
-    assert [r.prompt for r in read_eval_prompts(cfg)] == ["a", "b"] * 3
+    assert [r.prompt for r in read_eval_prompts(cfg.eval, cfg.data.train_prompts)] == ["a", "b"] * 3
 
 
 def test_heldout_prompts_are_read_like_eval_prompts_and_logged_under_held_out(tmp_path):
@@ -269,11 +269,11 @@ def test_heldout_prompts_are_read_like_eval_prompts_and_logged_under_held_out(tm
 
     cfg = TrainConfig()
     cfg.eval.samples_per_prompt = 2
-    assert read_heldout_prompts(cfg) == []
+    assert read_heldout_prompts(cfg.eval) == []
     held = tmp_path / "held.txt"
     held.write_text("x\ny\n")
     cfg.eval.heldout_prompts = str(held)
-    assert [r.prompt for r in read_heldout_prompts(cfg)] == ["x", "y", "x", "y"]
+    assert [r.prompt for r in read_heldout_prompts(cfg.eval)] == ["x", "y", "x", "y"]
     summary = {"shape_alignment": 0.5, "shape_alignment/pairs": 0.25}
     assert logged_metrics(summary, "") == {"eval/shape_alignment": 0.5, "eval/shape_alignment/pairs": 0.25}
     assert logged_metrics(summary, "/held-out") == {

@@ -16,13 +16,13 @@ import torch
 import train.evaluation.evaluator as evaluator_module
 from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo
-from train.evaluation.evaluator import Evaluator, build_evaluator, read_result
-from train.evaluation.protocol import EvalResult, write_result
-from train.evaluation.summary import run_summary
+from train.evaluation.evaluator import Evaluator, evaluates, read_result
+from train.evaluation.protocol import EvalParts, EvalResult, write_result
 from train.ground.layout import RunLayout
 from train.observe.logger import RunLogger
 from train.observe.observe_config import LoggingConfig
 from train.observe.perf import Peak
+from train.summary import run_summary
 
 SCORER = "jpeg_compressibility"
 # the made-up mean score of each evaluation
@@ -30,9 +30,7 @@ VALUE = {"step_00000000": 0.25, "step_00000002": 0.5, "step_00000003": 0.6}
 VALUE |= {"step_00000000_held-out": 0.1, "step_00000003_held-out": 0.2}
 
 
-def fake_evaluate(
-    backbone, predict, scorers, records, cfg, dist, *, device, tag, out=None, before_writing=None
-) -> EvalResult:
+def fake_evaluate(parts, records, *, tag, out, before_writing=None) -> EvalResult:
     """Prompt i scores VALUE[tag] + i / 100; the grid is every prompt, random pixels."""
     rows = [
         {"index": i, "prompt": r.prompt, "category": None, "seed": 0, SCORER: VALUE[tag] + i / 100}
@@ -40,12 +38,11 @@ def fake_evaluate(
     ]
     mean = sum(row[SCORER] for row in rows) / len(rows)
     result = EvalResult(tag, {SCORER: mean}, rows, torch.rand(len(rows), 3, 8, 8), list(range(len(rows))))
-    write_result(result, records, RunLayout(cfg.run_dir).eval)
+    write_result(result, records, out)
     return result
 
 
-def session(tmp_path: Path, *, start: int, heldout: bool = False) -> Evaluator:
-    """The Evaluator a session starting at ``start`` builds, on one rank, around no model."""
+def config(tmp_path: Path, *, heldout: bool = False) -> TrainConfig:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red square\na blue circle\n")
     cfg = TrainConfig()
@@ -56,14 +53,20 @@ def session(tmp_path: Path, *, start: int, heldout: bool = False) -> Evaluator:
     cfg.eval.every = 2
     cfg.eval.scorers = {SCORER: {}}
     cfg.eval.samples_per_prompt = 1
+    return cfg
+
+
+def session(tmp_path: Path, *, start: int, heldout: bool = False) -> Evaluator:
+    """The Evaluator a session starting at ``start`` builds, on one rank, around no model."""
+    cfg = config(tmp_path, heldout=heldout)
     cpu = torch.device("cpu")
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=cpu, is_main=True)
     logger = RunLogger(LoggingConfig(), RunLayout(tmp_path), is_main=True)
-    evaluator = build_evaluator(
-        cfg, dist, start=start, device=cpu, backbone=None, predict=lambda z, t, cond: z, ema=None, logger=logger
+    parts = EvalParts(None, lambda z, t, cond: z, {}, cfg.eval, cfg.sampler, cfg.model, dist, cpu)
+    folder = RunLayout(cfg.run_dir).eval
+    return Evaluator(
+        parts, train_prompts=cfg.data.train_prompts, folder=folder, num_steps=3, start=start, ema=None, logger=logger
     )
-    assert evaluator is not None
-    return evaluator
 
 
 @pytest.fixture(autouse=True)
@@ -74,11 +77,11 @@ def _no_model(monkeypatch):
 def test_cadence_is_every_eval_every_steps_and_the_last(tmp_path):
     evaluator = session(tmp_path, start=0)
     assert [done for done in range(1, 4) if evaluator.due(done)] == [2, 3]
-    cfg = evaluator.cfg
-    nothing = {"device": torch.device("cpu"), "backbone": None, "predict": None, "ema": None, "logger": None}
-    assert build_evaluator(cfg, evaluator.dist, start=cfg.num_steps, **nothing) is None  # no step left
-    cfg.eval.every = 0
-    assert build_evaluator(cfg, evaluator.dist, start=0, **nothing) is None
+    cfg = evaluator.parts.cfg
+    assert not evaluates(cfg, start=3, num_steps=3, again=False)  # no step left
+    assert evaluates(cfg, start=3, num_steps=3, again=True)  # the last step's evaluation, lost to a crash
+    cfg.every = 0
+    assert not evaluates(cfg, start=0, num_steps=3, again=False)
 
 
 def test_a_resumed_session_reads_step_0_back_and_compares_with_it(tmp_path, caplog):
@@ -113,7 +116,9 @@ def test_the_held_out_prompts_are_shown_in_the_eval_lines_and_the_summary(tmp_pa
     evaluator(3)
     evaluator.logger.finish()
     assert lines[-1] == f"eval step 3: {SCORER} 0.6050 (step 0: 0.2550); held-out: {SCORER} 0.2050 (step 0: 0.1050)"
-    summary = run_summary(evaluator.cfg, start=0, history=[], seconds=1.0, peak=Peak(None, "none")).splitlines()
+    summary = run_summary(
+        config(tmp_path, heldout=True), start=0, history=[], seconds=1.0, peak=Peak(None, "none")
+    ).splitlines()
     assert summary[1].startswith(f"{SCORER}: step 0 0.2550") and "paired difference +0.3500" in summary[1]
     assert summary[2].startswith(f"held-out prompts, {SCORER}: step 0 0.1050") and "+0.1000" in summary[2]
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])

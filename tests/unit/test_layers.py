@@ -1,7 +1,7 @@
 """Imports point one way: samplers/, models/ and rewards/ never import the trainer's world, settings/ imports
 nothing of the project, and inside train/ every package stands on one floor of LAYERS (CONTRIBUTING.md, Layout):
 the ground (errors, the run folder's layout), distribution, the algorithm, the run parts each on its own floor,
-the assembly of a run above every part it builds, the trainer, the commands.
+the assembly of a run above every part it builds, the trainer (with the run's summary), the commands.
 
 A module imports its own floor or those below it, never one above; no two packages import each other, directly
 or around a loop; no command imports another's package, but the preflight the memory planner's (it re-makes the
@@ -26,12 +26,12 @@ LAYERS = [
     {"train.optim"},
     {"train.checkpoint"},
     {"train.observe"},
+    {"train.evaluation"},
     {"train.config"},
     {"train.reward"},
     {"train.model"},
-    {"train.evaluation"},
     {"train.run"},
-    {"train.trainer", "train.step", "train.faults"},
+    {"train.trainer", "train.step", "train.faults", "train.summary"},
     {"train.cli", "train.eval", "train.probe", "train.compare", "train.plan", "train.preflight", "train.__main__"},
 ]
 

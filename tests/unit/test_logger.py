@@ -16,12 +16,12 @@ from PIL import Image
 
 from rewards.summary import MIN_TILE, image_grid
 from train.config.schema import TrainConfig
-from train.evaluation.summary import files_section
 from train.ground.layout import RunLayout
 from train.observe.console import Heartbeat, format_seconds, progress_bar
 from train.observe.logger import RunLogger
 from train.observe.observe_config import LoggingConfig
 from train.observe.perf import PhaseTimer
+from train.summary import files_section
 
 
 def run_logger(run_dir, *, is_main: bool = True, config: dict | None = None, **logging) -> RunLogger:

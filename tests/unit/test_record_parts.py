@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 from train.config.record import due_evaluations, lost_rows, missing_evaluations, steps_text
-from train.evaluation.curve import eval_series, write_curve
 from train.observe.health import Health
 from train.observe.observe_config import HealthConfig
+from train.summary import eval_series, write_curve
 
 
 def write_rows(path: Path, rows: list[dict]) -> Path:

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 
+from train.checkpoint.checkpoint_config import CheckpointConfig
 from train.checkpoint.files import state_bytes
 from train.checkpoint.manager import CheckpointManager
 from train.distributed.collectives import activity, broadcast_object
@@ -24,12 +25,12 @@ from train.optim.ema import EMA
 class Checkpointer:
     """Save the checkpoints of a run's training loop (every rank holds one; each save is a collective)."""
 
+    cfg: CheckpointConfig
     manager: CheckpointManager
     model: nn.Module
     optimizer: Optimizer
     ema: EMA | None
     states: Mapping[str, Stateful]  # the loop's counters, each saved as its ``state_dict()``
-    every: int  # checkpoint.every
     settings: dict[str, Any]  # what gives the weights their meaning, recorded and compared on resume
     run_id: str | None
     check_owner: Callable[[], None]  # a collective that raises when the run folder is no longer this run's
@@ -38,7 +39,7 @@ class Checkpointer:
     def maybe_save(self, step: int, *, last: bool = False) -> Path | None:
         """The checkpoint of ``step`` steps when one is due (``last``, or on ``checkpoint.every``'s cadence); its
         folder, or None."""
-        if last or (self.every and step % self.every == 0):
+        if last or (self.cfg.every and step % self.cfg.every == 0):
             return self.save(step)
         return None
 

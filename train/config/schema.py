@@ -2,7 +2,7 @@
 a dataclass beside the component that reads it (the sampler's in samplers/, the model's in models/, the rewards'
 in rewards/, the update's and GRPO's in train/algorithm/, the optimizer's in train/optim/, the logger's, the
 health's and perf's in train/observe/, the data's in train/data/, the process group's in train/distributed/, the
-checkpoints' in train/checkpoint/). The evaluation's group is defined here: the evaluation reads the whole tree.
+checkpoints' in train/checkpoint/, the evaluation's in train/evaluation/). This module only composes them.
 
 Every field says its unit and whether it is per rank or global, in its attribute docstring (what ``--help``
 prints). The YAML tree under ``configs/`` fills these dataclasses (Hydra's ConfigStore registers them as
@@ -24,19 +24,16 @@ from omegaconf import OmegaConf
 from models.model_config import ModelConfig
 from rewards.reward_config import RewardConfig
 from samplers.sampler_config import SamplerConfig
-from settings import Choice, non_negative, positive
+from settings import Choice, positive
 from train.algorithm.grpo_config import BatchConfig, GRPOConfig
 from train.algorithm.update_config import UpdateConfig
 from train.checkpoint.checkpoint_config import CheckpointConfig
 from train.config.shipped import shipped
 from train.data.prompts import DataConfig
 from train.distributed.collectives import DistConfig
+from train.evaluation.eval_config import EvalConfig
 from train.observe.observe_config import HealthConfig, LoggingConfig, PerfConfig
 from train.optim.optim_config import EMAConfig, OptimizerConfig
-
-# An override that adds an evaluation scorer to an empty eval.scorers, as typed on the command line
-# (``eval.scorers={jpeg_compressibility: {}}`` needs quotes in a shell; ``+`` adds the key to the typed dict).
-SCORERS_HINT = "+eval.scorers.jpeg_compressibility={}"
 
 
 class Device(Choice):
@@ -45,56 +42,6 @@ class Device(Choice):
     auto = "auto"  # CUDA when the launch has a GPU, else CPU
     cpu = "cpu"
     cuda = "cuda"
-
-
-@dataclass
-class EvalConfig:
-    """Evaluation: during training (``every``) and by python -m train.eval (train/evaluation/protocol.py)."""
-
-    every: int = 0
-    """Evaluate before training, every N steps and after the last step (0 = never); eval/* at step k = after k steps."""
-    prompts: str | None = None
-    """Text or jsonl ({"prompt", "category"}) file of the evaluation prompts; null = data.train_prompts."""
-    num_prompts: int = 0
-    """The first this many of the evaluation prompts; 0 = all of them."""
-    heldout_prompts: str | None = None
-    """Prompts kept out of training, evaluated with the eval prompts (as many samples each) and logged as
-    eval/<metric>/held-out: whether training on a prompt subset generalises (null = none).
-    """
-    num_steps: int = 28
-    """ODE steps of evaluation sampling."""
-    batch_size: int = 4
-    """Prompts per rank per sampling call."""
-    seed: int = 0
-    """Prompt i starts from the noise of the stream (seed, "eval_noise", i) (train/distributed/seeds.py)."""
-    samples_per_prompt: int = 1
-    """Images per prompt, each from its own noise: sample j of prompt i (of n) is evaluation item j * n + i, so
-    sample 0 keeps the noise of samples_per_prompt=1; more samples shrink the spread of a small prompt set.
-    """
-    grid_size: int = 16
-    """Images in the PNG grid (the first prompts), and pairs in the before/after sheet."""
-    transformer: str | None = None
-    """python -m train.eval: the weights to evaluate: an export (<run>/export), a training checkpoint
-    (<run>/checkpoints/step_XXXXXXXX) or a run folder (its export, else its latest checkpoint); null = pretrained.
-    """
-    compare_pretrained: bool = False
-    """python -m train.eval: also evaluate the pretrained model (same prompts and noise) and report the paired
-    difference.
-    """
-    max_images: int = 3200
-    """The most images one evaluation may sample (prompts x samples_per_prompt, held-out ones included), >= 1: a
-    larger set (eval.prompts unset falls back to every training prompt) is refused; cut it with num_prompts.
-    """
-    scorers: dict[str, dict] = field(default_factory=dict)
-    """Metric name (hpsv2 | pickscore | clipscore | jpeg_compressibility | ...) -> scorer arguments (local paths)."""
-
-    def __post_init__(self) -> None:
-        non_negative(self.every, "every", " (0 = never)")
-        non_negative(self.num_prompts, "num_prompts", " (0 = all of them)")
-        for name in ("num_steps", "batch_size", "samples_per_prompt", "grid_size", "max_images"):
-            positive(getattr(self, name), name)
-        if self.every and not self.scorers:
-            raise ValueError(f"every > 0 needs eval.scorers: add one, e.g. {SCORERS_HINT} (docs/rewards.md)")
 
 
 @dataclass

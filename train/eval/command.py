@@ -26,7 +26,6 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-import hydra
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -35,16 +34,16 @@ from rewards.summary import overall
 from train.checkpoint.export import Weights, export_description, find_weights
 from train.checkpoint.files import agree_on_write, write_failure
 from train.checkpoint.manager import CheckpointManager, deleted
+from train.cli.command import hydra_command
 from train.cli.compose import setup
 from train.cli.help_text import show_value
-from train.cli.reporting import reported, run_hydra
-from train.config.schema import SCORERS_HINT, TrainConfig
+from train.config.schema import TrainConfig
+from train.evaluation.eval_config import SCORERS_HINT
 from train.evaluation.evaluator import read_eval_prompts
-from train.evaluation.protocol import EvalResult, before_after, evaluate, paired_difference
+from train.evaluation.protocol import EvalParts, EvalResult, before_after, evaluate, paired_difference
 from train.ground.errors import CheckpointError, ConfigError
 from train.ground.layout import EXPORT, RunLayout
 from train.model.builder import build_for_eval, load_weights
-from train.observe.stats import standard_error
 from train.reward.scorers import build_eval_scorers, check_eval_scorers
 from train.run.start import load_config, process_group
 
@@ -82,8 +81,8 @@ def target(cfg: TrainConfig) -> Weights | None:
 
 def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
     """A checkpoint loads into the model structure it was trained with: compare with the run's saved config."""
-    saved = RunLayout(weights.run_dir).hydra_config if weights.run_dir is not None else None
-    if weights.kind != "checkpoint" or saved is None or not saved.is_file():
+    layout = RunLayout(weights.run_dir) if weights.run_dir is not None else None
+    if weights.kind != "checkpoint" or layout is None or not (saved := layout.hydra_config).is_file():
         return
     trained = _recorded(saved, weights)
     here = OmegaConf.structured(cfg)
@@ -95,11 +94,10 @@ def check_training_config(cfg: TrainConfig, weights: Weights) -> None:
                 f"{key}={show_value(now)}: pass {key}={show_value(was)}"
             )
     if OmegaConf.select(trained, "ema.decay", default=0.0):
-        export = RunLayout(weights.run_dir).export if weights.run_dir is not None else None
         log.info(
             "the run kept an EMA of its weights: a checkpoint's model is the trained weights, not the EMA its "
             "evaluations scored (%s holds that)",
-            export if export is not None and export.is_dir() else f"a finished run's {EXPORT}/",
+            layout.export if layout.export.is_dir() else f"a finished run's {EXPORT}/",
         )
 
 
@@ -130,15 +128,9 @@ def check_checkpoint(weights: Weights) -> None:
 
 
 def _line(result: EvalResult) -> str:
-    means = overall(result.summary)
-    parts = [
-        f"{name} {value:.4f} ± {standard_error([row[name] for row in result.rows]):.4f}"
-        for name, value in means.items()
-    ]
+    means = [f"{name} {value:.4f} ± {se:.4f}" for name, (value, se) in result.means().items()]
     return (
-        f"eval {result.tag.removeprefix('eval_')}: "
-        + ", ".join(parts)
-        + f" (standard error over {len(result.rows)} images)"
+        f"eval {result.tag.removeprefix('eval_')}: {', '.join(means)} (standard error over {len(result.rows)} images)"
     )
 
 
@@ -159,11 +151,10 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
     weights = target(config)
     if weights is not None:
         check_training_config(config, weights)
-        held = export_description(weights.path)
-        if held:
+        if held := export_description(weights.path):
             log.info("%s holds %s", weights.path, held)
     out = Path(config.run_dir)
-    records = read_eval_prompts(config)
+    records = read_eval_prompts(config.eval, config.data.train_prompts)
     results: dict[str, EvalResult] = {}
     with process_group(config.dist.timeout_s) as dist:
         if weights is not None and weights.kind == "checkpoint":
@@ -172,12 +163,11 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
         check_eval_scorers(config)
         backbone, predict, device = build_for_eval(config, dist)
         scorers = build_eval_scorers(config, device)
+        parts = EvalParts(backbone, predict, scorers, config.eval, config.sampler, config.model, dist, device)
 
         def run(tag: str) -> EvalResult:
             def evaluated() -> None:
-                results[tag] = evaluate(
-                    backbone, predict, scorers, records, config, dist, device=device, tag=tag, out=out
-                )
+                results[tag] = evaluate(parts, records, tag=tag, out=out)
 
             agree_on_write(evaluated, out, f"the evaluation {tag}", kept=NOTHING_CHANGED)  # one line on every rank
             if dist.is_main:
@@ -200,16 +190,7 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
     return results
 
 
-@hydra.main(config_path="pkg://configs", config_name="eval", version_base=None)
-def main(cfg: DictConfig) -> None:
-    with reported(PROG):
-        logging.captureWarnings(True)  # warnings reach the console handler and the log file too
-        eval_command(cfg)
-
-
-def command() -> None:
-    """``python -m train.eval`` and the console script ``jagg-eval``: one line for a user's mistake."""
-    run_hydra(main, prog=PROG)
+main, command = hydra_command("eval", PROG, eval_command)  # python -m train.eval, the console script jagg-eval
 
 
 if __name__ == "__main__":

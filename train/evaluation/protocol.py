@@ -40,16 +40,17 @@ from PIL import Image
 from torch import Tensor
 
 from models.base import Backbone
+from models.model_config import ModelConfig
 from rewards.base import Scorer
 from rewards.summary import MIN_TILE, before_after_sheet, image_grid, overall, summarize
 from samplers.rollout import Predict, group_noise, rollout
+from samplers.sampler_config import SamplerConfig
 from samplers.sde import SDEKind
-from train.config.schema import TrainConfig
 from train.data.prompts import PromptRecord
 from train.distributed.collectives import DistInfo, all_gather_tensor
 from train.distributed.seeds import stream_seed
+from train.evaluation.eval_config import EvalConfig
 from train.ground.errors import config_key
-from train.ground.layout import RunLayout
 from train.observe.console import format_seconds
 from train.observe.stats import standard_error
 
@@ -73,17 +74,30 @@ class _Progress:
         log.info("eval %s: %d/%d images, %s, eta %s", self.tag, done, self.total, format_seconds(elapsed), left)
 
 
-def _sample(
-    backbone: Backbone, predict: Predict, prompts: list[str], indices: list[int], cfg: TrainConfig, device: torch.device
-) -> Tensor:
+@dataclass
+class EvalParts:
+    """What an evaluation samples and scores with: the model (``predict``, the policy while it trains), the scorers
+    of eval.scorers, and the groups it reads (eval.*, the sampler's shift, the model's image size)."""
+
+    backbone: Backbone
+    predict: Predict
+    scorers: dict[str, Scorer]
+    cfg: EvalConfig
+    sampler: SamplerConfig
+    model: ModelConfig
+    dist: DistInfo
+    device: torch.device
+
+
+def _sample(parts: EvalParts, prompts: list[str], indices: list[int]) -> Tensor:
     """Images of ``prompts`` by the ODE; prompt i's noise comes from (eval.seed, i)."""
-    h, w = cfg.model.height, cfg.model.width
-    seeds = [stream_seed(cfg.eval.seed, "eval_noise", i) for i in indices]
-    noise = group_noise(backbone.initial_noise, seeds, group_size=1, height=h, width=w, device=device)
+    backbone, h, w = parts.backbone, parts.model.height, parts.model.width
+    seeds = [stream_seed(parts.cfg.seed, "eval_noise", i) for i in indices]
+    noise = group_noise(backbone.initial_noise, seeds, group_size=1, height=h, width=w, device=parts.device)
     with config_key("sampler", ["shift"]):
-        sigmas = backbone.sigmas(cfg.eval.num_steps, height=h, width=w, shift=cfg.sampler.shift)
-    ode = replace(cfg.sampler, sde=SDEKind.ode)
-    traj = rollout(predict, backbone.encode(prompts), noise, ode, sigmas=sigmas)
+        sigmas = backbone.sigmas(parts.cfg.num_steps, height=h, width=w, shift=parts.sampler.shift)
+    ode = replace(parts.sampler, sde=SDEKind.ode)
+    traj = rollout(parts.predict, backbone.encode(prompts), noise, ode, sigmas=sigmas)
     return backbone.decode(traj.latents[:, -1], height=h, width=w)
 
 
@@ -97,9 +111,15 @@ class EvalResult:
     images: Tensor  # [n, 3, H, W]: the grid's images (rank 0's first eval.grid_size prompts)
     indices: list[int]  # prompt index of each of ``images``
 
-    def scores(self, metric: str, indices: Sequence[int]) -> list[float]:
+    def means(self) -> dict[str, tuple[float, float]]:
+        """Each scorer's mean over the prompts and its standard error (from ``rows``)."""
+        summary = overall(self.summary).items()
+        return {name: (value, standard_error([row[name] for row in self.rows])) for name, value in summary}
+
+    def grid_scores(self, metric: str) -> list[float]:
+        """``metric`` of each of ``images``."""
         by_index = {row["index"]: row[metric] for row in self.rows}
-        return [float(by_index[i]) for i in indices]
+        return [float(by_index[i]) for i in self.indices]
 
 
 @dataclass
@@ -111,30 +131,19 @@ class _Sampled:
     grid_indices: list[int]
 
 
-def _sample_and_score(
-    backbone: Backbone,
-    predict: Predict,
-    scorers: dict[str, Scorer],
-    records: list[PromptRecord],
-    cfg: TrainConfig,
-    dist: DistInfo,
-    *,
-    device: torch.device,
-    tag: str,
-    mine: list[int],
-    per_rank: int,
-) -> _Sampled:
-    """Sample and score this rank's ``per_rank`` prompts of ``mine`` (padded by repeating its last one), in
-    batches of eval.batch_size, keeping rank 0's first images for the grid."""
-    sampled = _Sampled({name: [] for name in scorers}, [], [])
+def _sample_and_score(parts: EvalParts, records: list[PromptRecord], *, tag: str, mine: list[int]) -> _Sampled:
+    """Sample and score this rank's prompts ``mine`` in batches of eval.batch_size, keeping rank 0's first images
+    for the grid."""
+    cfg, dist = parts.cfg, parts.dist
+    sampled = _Sampled({name: [] for name in parts.scorers}, [], [])
     progress = _Progress(tag, len(records), enabled=dist.is_main)
-    for first in range(0, per_rank, cfg.eval.batch_size):
-        idx = [mine[min(i, len(mine) - 1)] for i in range(first, min(first + cfg.eval.batch_size, per_rank))]
+    for first in range(0, len(mine), cfg.batch_size):
+        idx = mine[first : first + cfg.batch_size]
         prompts = [records[i].prompt for i in idx]
-        images = _sample(backbone, predict, prompts, idx, cfg, device)
-        for name, scorer in scorers.items():
+        images = _sample(parts, prompts, idx)
+        for name, scorer in parts.scorers.items():
             sampled.scores[name].append(scorer(images, prompts))
-        if dist.is_main and len(sampled.grid_indices) < cfg.eval.grid_size:
+        if dist.is_main and len(sampled.grid_indices) < cfg.grid_size:
             sampled.grid.append(images.cpu())
             sampled.grid_indices += idx
         progress(min((first + len(idx)) * dist.world_size, len(records)))
@@ -147,13 +156,8 @@ def _rows(
     """One row per prompt, in prompt order: index, prompt, category, seed and each scorer's value."""
     values = {name: v.float().cpu().tolist() for name, v in gathered.items()}
     rows = [
-        {
-            "index": i,
-            "prompt": records[i].prompt,
-            "category": records[i].category,
-            "seed": seed,
-            **{name: values[name][k] for name in gathered},
-        }
+        {"index": i, "prompt": records[i].prompt, "category": records[i].category, "seed": seed}
+        | {name: values[name][k] for name in values}
         for k, i in enumerate(order)
     ]
     return sorted(rows, key=lambda row: row["index"])
@@ -161,28 +165,24 @@ def _rows(
 
 @torch.no_grad()
 def evaluate(
-    backbone: Backbone,
-    predict: Predict,
-    scorers: dict[str, Scorer],
+    parts: EvalParts,
     records: list[PromptRecord],
-    cfg: TrainConfig,
-    dist: DistInfo,
     *,
-    device: torch.device,
     tag: str,
-    out: Path | None = None,
+    out: Path,
     before_writing: Callable[[], None] | None = None,
 ) -> EvalResult:
-    """Sample and score ``records`` across ranks; rank 0 writes ``<out>/<tag>.{json,scores.jsonl,png}``
-    (``out`` defaults to ``<run_dir>/eval``). ``before_writing`` (a collective: every rank calls it) runs once
-    the scores are gathered, before anything is written: the trainer's check that the run folder is still its own."""
+    """Sample and score ``records`` across ranks; rank 0 writes ``<out>/<tag>.{json,scores.jsonl,png}``.
+    ``before_writing`` (a collective: every rank calls it) runs once the scores are gathered, before anything is
+    written: the trainer's check that the run folder is still its own."""
+    dist = parts.dist
+    # Every rank scores per_rank prompts (its own, padded by repeating its last one; a rank with none pads with
+    # prompt 0), so the gather is even: the pads go after it.
     per_rank = math.ceil(len(records) / dist.world_size)
-    mine = list(range(dist.rank, len(records), dist.world_size)) or [0]  # a rank with none pads with prompt 0
-    sampled = _sample_and_score(
-        backbone, predict, scorers, records, cfg, dist, device=device, tag=tag, mine=mine, per_rank=per_rank
-    )
-    # Every rank scored per_rank prompts (padded by repeating its last one): gather, then drop pads.
-    owner = all_gather_tensor(torch.tensor([mine[min(i, len(mine) - 1)] for i in range(per_rank)]))
+    mine = list(range(dist.rank, len(records), dist.world_size)) or [0]
+    mine += mine[-1:] * (per_rank - len(mine))
+    sampled = _sample_and_score(parts, records, tag=tag, mine=mine)
+    owner = all_gather_tensor(torch.tensor(mine))
     keep = first_occurrences(owner)
     gathered = {name: all_gather_tensor(torch.cat(vals))[keep] for name, vals in sampled.scores.items()}
     order = owner[keep].tolist()
@@ -194,27 +194,24 @@ def evaluate(
         before_writing()
     if not dist.is_main:
         return result
-    result.rows = _rows(records, order, gathered, cfg.eval.seed)
-    count = min(cfg.eval.grid_size, len(sampled.grid_indices))
+    result.rows = _rows(records, order, gathered, parts.cfg.seed)
+    count = min(parts.cfg.grid_size, len(sampled.grid_indices))
     result.images, result.indices = torch.cat(sampled.grid)[:count], sampled.grid_indices[:count]
-    write_result(result, records, out or RunLayout(cfg.run_dir).eval)
+    write_result(result, records, out)
     return result
 
 
 def write_result(result: EvalResult, records: list[PromptRecord], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    means = list(overall(result.summary))
-    errors = {f"{name}_se": standard_error([row[name] for row in result.rows]) for name in means}
+    means = result.means()
+    errors = {f"{name}_se": se for name, (_, se) in means.items()}
     (out / f"{result.tag}.json").write_text(
         json.dumps({"num_prompts": len(records), **result.summary, **errors}, indent=2) + "\n"
     )
     with open(out / f"{result.tag}.scores.jsonl", "w", encoding="utf-8") as file:
         file.writelines(json.dumps(row) + "\n" for row in result.rows)
-    metric = means[0]
-    labels = [
-        f"#{i}  {value:.4f}\n{records[i].prompt}"
-        for i, value in zip(result.indices, result.scores(metric, result.indices))
-    ]
+    metric = next(iter(means))
+    labels = [f"#{i}  {value:.4f}\n{records[i].prompt}" for i, value in zip(result.indices, result.grid_scores(metric))]
     # an image per evaluation item: eval.samples_per_prompt images of each prompt, each from its own noise
     title = f"{result.tag}: #prompt {metric} (mean over {len(records)} images {result.summary[metric]:.4f})"
     image_grid(result.images, labels=labels, title=title, min_tile=MIN_TILE).save(out / f"{result.tag}.png")
@@ -229,8 +226,8 @@ def before_after(
         before.images,
         after.images,
         list(prompts),
-        before_scores=before.scores(metric, before.indices),
-        after_scores=after.scores(metric, after.indices),
+        before_scores=before.grid_scores(metric),
+        after_scores=after.grid_scores(metric),
         names=names,
         indices=after.indices,
         metric=metric,
@@ -287,9 +284,7 @@ def paired_difference(before: list[dict[str, Any]], after: list[dict[str, Any]],
 
 def first_occurrences(ids: Tensor) -> Tensor:
     """The positions of each value's first occurrence in ``ids`` [N], in order (a gather's padding rows go)."""
-    seen, keep = set(), []
+    first: dict[int, int] = {}
     for position, value in enumerate(ids.tolist()):
-        if value not in seen:
-            seen.add(value)
-            keep.append(position)
-    return torch.tensor(keep, dtype=torch.long)
+        first.setdefault(value, position)
+    return torch.tensor(list(first.values()), dtype=torch.long)

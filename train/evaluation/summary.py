@@ -1,30 +1,14 @@
-"""What the console shows of a run: a line per evaluation and the summary at its end.
+"""The names of the trainer's evaluations (their tags, the held-out prompts' suffix), the timed phases of a step,
+and the console's line per evaluation:
 
     eval step 20: shape_alignment 0.5735 (step 0: 0.5862); held-out: shape_alignment 0.5401 (step 0: 0.5362)
-
-The summary gives the evaluation reward before -> after, of the held-out prompts too, with standard
-errors over prompts and the paired difference (from the per-prompt score files, so it holds across a
-resume), the median time per step and per phase, the achieved TFLOP/s and MFU per phase
-(train/observe/perf.py), what compiling cost (model.compile), and where everything was written, with
-what each export holds (its ``weights.json``: the EMA the evaluations scored in ``export/``, the trained
-weights in ``export_raw/``).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping
 
 from rewards.summary import overall
-from train.checkpoint.export import export_description
-from train.config.record import after_steps
-from train.config.schema import TrainConfig
-from train.evaluation.protocol import paired_difference, read_scores
-from train.ground.layout import RunLayout
-from train.observe.console import format_seconds
-from train.observe.perf import Peak
-from train.observe.stats import median
 
 HELD_OUT = "held-out"  # the held-out prompts' evaluation: eval/<metric>/held-out, eval/<tag>_held-out.*
 PHASES = ("step", "rollout", "reward", "update", "optimizer", "probe")  # the timed phases of a step (time/<phase>)
@@ -60,128 +44,3 @@ def eval_line(
     prompts' (``; held-out: ...``) when they were evaluated."""
     line = f"eval step {step}: {_means(step, summary, first)}"
     return line + (f"; {HELD_OUT}: {_means(step, heldout, heldout_first)}" if heldout is not None else "")
-
-
-def _timing(history: Sequence[Mapping[str, float]]) -> str:
-    steps = [m["time/step"] for m in history if "time/step" in m]
-    if not steps:
-        return "time per step: no step ran in this session"
-    phases = []
-    for phase in PHASES[1:]:  # the step itself first, on its own
-        values = [m[f"time/{phase}"] for m in history if f"time/{phase}" in m]
-        if values:
-            phases.append(f"{phase} {median(values):.2f}s")
-    return f"time per step (median of {len(steps)}): {median(steps):.2f}s; per phase: " + ", ".join(phases)
-
-
-def _perf(history: Sequence[Mapping[str, float]], peak: Peak) -> list[str]:
-    """Median TFLOP/s (and MFU) per phase, and the compilation of the first step when compiled."""
-    parts = []
-    for phase in PHASES:
-        tflops = [m[f"perf/tflops/{phase}"] for m in history if f"perf/tflops/{phase}" in m]
-        if tflops:
-            mfu = [m[f"perf/mfu/{phase}"] for m in history if f"perf/mfu/{phase}" in m]
-            parts.append(f"{phase} {median(tflops):.3g}" + (f" ({100 * median(mfu):.1f}%)" if mfu else ""))
-    if not parts:
-        return []
-    known = f"{peak.tflops:.3g} TFLOP/s, {peak.source}" if peak.tflops else peak.source
-    lines = [f"transformer TFLOP/s (MFU of the peak {known}): " + ", ".join(parts)]
-    compiled = [m for m in history if "count/compilations" in m]
-    if compiled:
-        lines.append(
-            f"compile: {compiled[0]['time/compile']:.1f}s in the first step of this session, "
-            f"{int(compiled[-1]['count/compilations'])} graphs in all"
-        )
-    return lines
-
-
-def _paired_lines(eval_dir: Path, tags: tuple[str, str], names: tuple[str, str], label: str) -> list[str]:
-    """Per scorer, the paired difference between the evaluations ``tags`` (none when either is missing)."""
-    before, after = (eval_dir / f"{tag}.scores.jsonl" for tag in tags)
-    if not before.is_file() or not after.is_file():
-        return []
-    rows_before, rows_after = read_scores(before), read_scores(after)
-    metrics = [k for k in rows_after[0] if k not in ("index", "prompt", "category", "seed")]
-    return [label + paired_difference(rows_before, rows_after, name).line(*names) for name in metrics]
-
-
-def _rewards(cfg: TrainConfig, history: Sequence[Mapping[str, float]]) -> list[str]:
-    eval_dir = RunLayout(cfg.run_dir).eval
-    before = eval_dir / f"{eval_tag(0)}.scores.jsonl"
-    names = ("step 0", f"step {cfg.num_steps}")
-    trained = _paired_lines(eval_dir, (eval_tag(0), eval_tag(cfg.num_steps)), names, "")
-    if cfg.eval.every and trained:
-        tags = (heldout_tag(0), heldout_tag(cfg.num_steps))
-        return trained + _paired_lines(eval_dir, tags, names, f"{HELD_OUT} prompts, ")
-    rewards = [m["reward/total"] for m in history if not math.isnan(m.get("reward/total", math.nan))]
-    why = "eval.every=0" if not cfg.eval.every else f"no {before.name} to pair with"
-    if len(rewards) < 2:
-        return [f"no reward to compare ({why})"]
-    return [f"training reward/total: first step {rewards[0]:.4f} -> last step {rewards[-1]:.4f} ({why})"]
-
-
-def _listing(folder: Path, pattern: str) -> list[str]:
-    return sorted(p.name for p in folder.glob(pattern)) if folder.is_dir() else []
-
-
-def _missing(missing: Sequence[int]) -> str:
-    if not missing:
-        return ""
-    return f" (missing: {after_steps(list(missing))})"
-
-
-def files_section(cfg: TrainConfig, wandb_mode: str, missing: Sequence[int] = ()) -> list[str]:
-    """The summary's lines of what the run folder holds (what each file is, how to use it); ``missing``: the
-    evaluations due that metrics.jsonl holds no row of."""
-    layout = RunLayout(cfg.run_dir)
-    run = layout.root
-    lines = [f"run folder: {run}", f"  {layout.metrics.name}   every logged step (python -m train.compare reads it)"]
-    lines += [f"  {name:<15} these lines" for name in _listing(run, "*.log")]
-    if wandb_mode != "disabled":
-        lines.append(f"  wandb/          wandb {wandb_mode} run (its id in wandb_run_id)")
-    offline = _listing(layout.wandb, "offline-run-*")
-    if wandb_mode == "offline" and offline:
-        lines.append(f"                  upload it later: wandb sync {layout.wandb / offline[-1]}")
-    samples = _listing(layout.samples, "*.png")
-    if samples:
-        lines.append(f"  samples/        {len(samples)} captioned grids of rollouts, rewards under each image")
-    evals = _listing(layout.eval, "step_*.json")
-    if evals:
-        sheets = _listing(layout.eval, "before_after_*.png")
-        lines.append(
-            f"  eval/           {len(evals)} evaluations ({evals[0]} ... {evals[-1]}): means (.json), scores per "
-            f"prompt (.scores.jsonl), grids (.png)" + (f", before/after sheets ({sheets[-1]})" if sheets else "")
-        )
-    if layout.eval_curve.is_file():
-        lines.append(f"  eval/{layout.eval_curve.name:<10} the evaluations against the step{_missing(missing)}")
-    checkpoints = _listing(layout.checkpoints, "step_????????")
-    if checkpoints:
-        lines.append(f"  checkpoints/    {', '.join(checkpoints)} (continue with resume=auto)")
-    for folder in (layout.export, layout.export_raw):
-        if folder.is_dir():
-            what = export_description(folder) or "the trained transformer"
-            name = folder.name
-            lines.append(f"  {name + '/':<15} {what} (python -m train.eval eval.transformer=<run>/{name})")
-    return lines
-
-
-def run_summary(
-    cfg: TrainConfig,
-    *,
-    start: int,
-    history: Sequence[Mapping[str, float]],
-    seconds: float,
-    peak: Peak,
-    missing: Sequence[int] = (),
-) -> str:
-    """The end-of-run summary: rewards before -> after, timing, throughput, files; ``missing``: the evaluations
-    due that metrics.jsonl holds no row of (named with the rewards and the curve)."""
-    done = f"steps {start}-{cfg.num_steps - 1}" if start < cfg.num_steps else "no step left to run"
-    lines = [f"finished {cfg.experiment} ({cfg.update.mode}, seed {cfg.seed}): {done} in {format_seconds(seconds)}"]
-    lines += _rewards(cfg, history)
-    if missing:
-        lines.append(f"evaluations missing (lost before a resume, their weights gone): {after_steps(list(missing))}")
-    lines.append(_timing(history))
-    lines += _perf(history, peak)
-    lines += files_section(cfg, cfg.logging.wandb_mode, missing)
-    return "\n".join(lines)

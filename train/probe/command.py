@@ -10,31 +10,15 @@ Each probe writes into its own folder, ``runs/<experiment>/probe/<time>`` (confi
 
 from __future__ import annotations
 
-import logging
-
-import hydra
-from omegaconf import DictConfig
-
+from train.cli.command import hydra_command
 from train.cli.compose import setup
-from train.cli.reporting import reported, run_hydra
 from train.probe.probe_config import register
 from train.probe.session import run_probe
 
 PROG = "python -m train.probe"
 setup()
 register()
-
-
-@hydra.main(config_path="pkg://configs", config_name="probe", version_base=None)
-def main(cfg: DictConfig) -> None:
-    with reported(PROG):
-        logging.captureWarnings(True)  # warnings reach the console handler and the log file too
-        run_probe(cfg)
-
-
-def command() -> None:
-    """``python -m train.probe`` and the console script ``jagg-probe``: one line for a user's mistake."""
-    run_hydra(main, prog=PROG)
+main, command = hydra_command("probe", PROG, run_probe)  # python -m train.probe, the console script jagg-probe
 
 
 if __name__ == "__main__":
