@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_module
+from run_folders import assert_same_export, exported
 from safetensors.torch import load_file
+from small_run import TWO_SEGMENTS
 from two_ranks import HELPERS, run_torchrun
 
 from models.registry import load_backbone
@@ -45,20 +47,8 @@ GOLDEN_KEYS = {
 }
 register_schema()
 
-# 9 sampling steps -> 8 trainable transitions -> 2 segments of W = 4; 1 prompt x G = 4 samples per
-# step, two micro-batches of 2, one optimizer step per step (the golden runs: two, GOLDEN_RUN).
-SMALL = [
-    "experiment=tiny",
-    "num_steps=3",
-    "sampler.num_steps=9",
-    "grpo.group_size=4",
-    "batch.prompts_per_rank=1",
-    "batch.micro_batch=2",
-    "batch.gradient_accumulation_steps=4",
-    "logging.progress_bar=false",
-    "checkpoint.every=0",
-    "update.jagg_frac=0.6",
-]
+# Two segments of W = 4, one optimizer step per step (the golden runs: two, GOLDEN_RUN).
+SMALL = ["experiment=tiny", "num_steps=3", *TWO_SEGMENTS, "checkpoint.every=0", "update.jagg_frac=0.6"]
 FAST = ["sampler.sde_window_size=4", "sampler.sde_window_range=[0,8]"]
 # MixGRPO-Flash on the small run: a window that moves every step, DPM-Solver++ 2M on fewer points after it
 SOLVER = ["sampler=flow_fast", *FAST, "update.jagg_frac=1.0", "sampler.post_window.solver=dpmpp_2m"]
@@ -111,12 +101,6 @@ def replayed_keys(row: dict, *, per_rank: tuple[str, ...] = ()) -> set[str]:
     graphs compiled so far), and the ``per_rank`` prefixes."""
     process = ("wall_time", "count/compilations")
     return {k for k in row if not k.startswith(("time/", "perf/", *per_rank)) and k not in process}
-
-
-def exported(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The exported transformer, or its LoRA adapters."""
-    lora = run_dir / "export" / "pytorch_lora_weights.safetensors"
-    return load_file(lora if lora.is_file() else run_dir / "export" / "diffusion_pytorch_model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -234,10 +218,7 @@ def test_resume_replays_exactly(extra, tiny_flux, tmp_path):
         assert keys == replayed_keys(b)
         for key in sorted(keys):
             assert a[key] == b[key], (a["step"], key)
-    final_a, final_b = exported(tmp_path / "straight"), exported(tmp_path / "resumed")
-    assert final_a.keys() == final_b.keys()
-    for name in final_a:
-        assert torch.equal(final_a[name], final_b[name]), name
+    assert_same_export(tmp_path / "straight", tmp_path / "resumed")
 
 
 def test_console_lines_last_step_evaluation_and_run_folder(tiny_flux, tmp_path, caplog):
