@@ -46,7 +46,7 @@ def test_a_run_none_of_whose_steps_learned_is_not_exported(launch, tmp_path, mon
     assert not (run_dir / "export").exists() and "finished" not in stdout + stderr
 
 
-def test_a_reward_without_spread_is_named(tiny_flux_dir, tmp_path, capsys, monkeypatch):
+def test_a_reward_without_spread_is_named(monkeypatch):
     from train.observe import health
 
     warnings = []

@@ -10,7 +10,8 @@ Each test runs the command through its own entry (``train.cli.reporting.run_hydr
 * the disk filling during the export or an evaluation, a folder turning read-only, an export cut short or a damaged
   recorded config under ``train.eval``, a file named ``export``: one line, exit 2, nothing lost;
 * ``resume=auto`` without a folder resumes the latest interrupted run of the experiment, or says there is none;
-* the run folder is named first, and the run's evaluations are drawn in ``eval/curve.png``, named in the summary.
+* the run folder is named first, and the run's evaluations are drawn in ``eval/curve.png``, named in the summary
+  (with the evaluation lost before an earlier checkpoint).
 """
 
 from __future__ import annotations
@@ -59,12 +60,17 @@ def test_an_evaluation_lost_to_a_crash_is_done_again_on_resume(launch, tmp_path,
     assert (run_dir / "eval" / "curve.png").is_file() and "evaluations missing" not in stdout
 
 
-def test_an_evaluation_lost_before_an_earlier_checkpoint_is_named_missing(trained, launch, tmp_path):
-    """The evaluation after step 1 has no row, and the checkpoint resumed holds step 2: its weights are gone, so
+def test_an_evaluation_lost_before_an_earlier_checkpoint_is_named_missing(launch, tmp_path):
+    """The run folder is named first, and the run's evaluations drawn in ``eval/curve.png``, named in the summary.
+    Then the evaluation after step 1 has no row, and the checkpoint resumed holds step 2: its weights are gone, so
     the console, the summary and the curve say it is missing."""
     run_dir = tmp_path / "run"
     overrides = ["num_steps=2", "checkpoint.every=1", *EVAL]
-    assert launch(run_dir, *overrides)[0] == 0
+    status, stderr, stdout = launch(run_dir, *overrides, stdout=True)
+    assert status == 0, stderr
+    assert stdout.splitlines()[0].endswith(f"run folder: {run_dir}")
+    assert (run_dir / "eval" / "curve.png").stat().st_size > 0
+    assert re.search(r"eval/curve\.png +the evaluations against the step\n", stdout)
     rows = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
     kept = [r for r in rows if not (json.loads(r)["step"] == 1 and "eval/jpeg_compressibility" in json.loads(r))]
     (run_dir / "metrics.jsonl").write_text("".join(kept))
@@ -316,12 +322,3 @@ def test_resume_auto_without_a_folder_resumes_the_latest_interrupted_run(trained
     assert re.search(r"resume=auto: continuing .*runs/tiny/b, the latest interrupted run .*; the others: a", stdout)
     assert [m["step"] for m in metrics(newer)][-1] == 2 and [m["step"] for m in metrics(older)][-1] == 1
     assert sorted(p.name for p in (tmp_path / "runs" / "tiny").iterdir()) == ["a", "b"]
-
-
-def test_the_run_folder_is_named_first_and_the_curve_at_the_end(launch, tmp_path):
-    run_dir = tmp_path / "run"
-    status, stderr, stdout = launch(run_dir, "num_steps=2", *EVAL, stdout=True)
-    assert status == 0, stderr
-    assert stdout.splitlines()[0].endswith(f"run folder: {run_dir}")
-    assert (run_dir / "eval" / "curve.png").stat().st_size > 0
-    assert re.search(r"eval/curve\.png +the evaluations against the step\n", stdout)
