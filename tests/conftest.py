@@ -36,6 +36,14 @@ def tiny_dir(tmp_path_factory) -> Callable[[str], Path]:
     return lambda name: build_tiny(name, root / name)
 
 
+@pytest.fixture(scope="module")
+def backbones(tiny_dir) -> dict:
+    """Every registered backbone loaded in float32 from its tiny pipeline, once per test module."""
+    from models import backbone_names, load_backbone
+
+    return {name: load_backbone(name, tiny_dir(name), dtype="float32") for name in backbone_names()}
+
+
 @pytest.fixture(scope="session")
 def tiny_flux_dir(tiny_dir) -> Path:
     """The tiny Flux pipeline: the backbone of experiment=tiny, which the trainer tests run."""

@@ -21,9 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from run_folders import metrics
-from safetensors.torch import load_file
+from run_folders import assert_same_run, metrics
 from small_run import SMALL_RUN
 from two_ranks import ROOT, env, free_port
 
@@ -154,18 +152,6 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def assert_bit_for_bit(straight: Path, other: Path) -> None:
-    a, b = metrics(straight), metrics(other)
-    assert [r["step"] for r in b] == list(range(STEPS))
-    for x, y in zip(a, b):
-        for key in ("train/loss", "reward/total", "train/grad_norm"):
-            assert x[key] == y[key], (x["step"], key)
-    final_a = load_file(straight / "export" / "diffusion_pytorch_model.safetensors")
-    final_b = load_file(other / "export" / "diffusion_pytorch_model.safetensors")
-    for name in final_a:
-        assert torch.equal(final_a[name], final_b[name]), name
-
-
 @pytest.fixture(scope="module")
 def straight(tiny_flux_dir, tiny_clip_dir, tmp_path_factory) -> Path:
     """The uninterrupted two-node run."""
@@ -208,7 +194,7 @@ def test_a_lost_node_fails_the_other_and_a_relaunch_resumes(straight, tiny_flux_
     assert (run_dir / "checkpoints" / "step_00000001").is_dir()
     for status, stderr in finish(start_nodes(run_dir, args, restarts=0)):
         assert status == 0, stderr[-4000:]
-    assert_bit_for_bit(straight, run_dir)
+    assert_same_run(straight, run_dir, steps=STEPS)
 
 
 def test_a_killed_worker_restarts_both_nodes_and_the_run_ends_whole(straight, tiny_flux_dir, tiny_clip_dir, tmp_path):
@@ -222,4 +208,4 @@ def test_a_killed_worker_restarts_both_nodes_and_the_run_ends_whole(straight, ti
     os.kill(worker, signal.SIGKILL)
     for status, stderr in finish(nodes):
         assert status == 0, stderr[-4000:]
-    assert_bit_for_bit(straight, run_dir)
+    assert_same_run(straight, run_dir, steps=STEPS)

@@ -11,9 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from run_folders import contents, copy_run, exported, files_of, metrics
-from small_run import the_error
+from run_folders import assert_same_export, contents, copy_run, files_of, metrics, refused_line
 
 import train.eval.command as eval_command
 
@@ -83,9 +81,8 @@ def test_a_damaged_checkpoint_is_named_in_one_line(case, trained, launch, tmp_pa
     latest = run_dir / "checkpoints" / "step_00000002"
     damage(latest)
     before = files_of(run_dir / "checkpoints")
-    status, stderr = launch(run_dir, "num_steps=3", f"resume={latest}")
-    line = the_error(stderr)
-    assert status == 2 and str(latest) in line and re.search(expected, line), line
+    line = refused_line(launch, run_dir, "num_steps=3", f"resume={latest}")
+    assert str(latest) in line and re.search(expected, line), line
     assert "weights_only" not in line  # torch's advice for a damaged file would not help
     assert files_of(run_dir / "checkpoints") == before
 
@@ -99,18 +96,15 @@ def test_resume_auto_falls_back_past_a_damaged_latest_checkpoint(case, trained, 
     status, stderr = launch(run_dir, "num_steps=2", "resume=auto")
     assert status == 0, stderr
     assert [m["step"] for m in metrics(run_dir)] == [0, 1]
-    final, original = exported(run_dir), exported(trained)
-    assert final.keys() == original.keys()
-    for name in final:
-        assert torch.equal(final[name], original[name]), name
+    assert_same_export(run_dir, trained)
 
 
 def test_resume_auto_with_every_checkpoint_damaged_is_an_error(trained, launch, tmp_path):
     run_dir = copy_run(trained, tmp_path)
     for path in (run_dir / "checkpoints").iterdir():
         (path / ".metadata").unlink()
-    status, stderr = launch(run_dir, "num_steps=3", "resume=auto")
-    assert status == 2 and re.search(r"resume=auto: no checkpoint under .* can be resumed from", the_error(stderr))
+    line = refused_line(launch, run_dir, "num_steps=3", "resume=auto", kept=run_dir)
+    assert re.search(r"resume=auto: no checkpoint under .* can be resumed from", line), line
 
 
 def other_model(tiny_flux_dir: Path, tmp_path: Path) -> Path:
@@ -134,21 +128,19 @@ def test_a_checkpoint_of_another_model_is_one_line(resume, trained, tiny_flux_di
     latest = run_dir / "checkpoints" / "step_00000002"
     overrides = [f"model.path={other_model(tiny_flux_dir, tmp_path)}", "model.build_tiny=null", "num_steps=3"]
     overrides.append(f"resume={'auto' if resume == 'auto' else latest}")
-    status, stderr = launch(run_dir, *overrides)
-    assert status == 2 and re.search(r"other settings .*\(model\.path '.*' -> '.*wider'\)", the_error(stderr))
+    line = refused_line(launch, run_dir, *overrides)
+    assert re.search(r"other settings .*\(model\.path '.*' -> '.*wider'\)", line), line
     # another copy of the model: its weights tell
-    status, stderr = launch(run_dir, *overrides, "checkpoint.allow_changed=[model.path]")
-    line = the_error(stderr)
-    assert status == 2 and re.search(r"was saved from a model of another size \(Size mismatch", line), line
+    line = refused_line(launch, run_dir, *overrides, "checkpoint.allow_changed=[model.path]")
+    assert re.search(r"was saved from a model of another size \(Size mismatch", line), line
     assert files_of(run_dir / "checkpoints") == before
 
 
 def test_a_full_checkpoint_into_a_lora_run_is_one_line(trained, launch, tmp_path):
     run_dir = copy_run(trained, tmp_path)
-    status, stderr = launch(
-        run_dir, "num_steps=3", "resume=auto", "model.lora.enabled=true", "checkpoint.allow_changed=[model.lora]"
-    )
-    assert status == 2 and re.search(r"does not hold this model's weights.*model\.lora", the_error(stderr))
+    overrides = ["num_steps=3", "resume=auto", "model.lora.enabled=true", "checkpoint.allow_changed=[model.lora]"]
+    line = refused_line(launch, run_dir, *overrides, kept=run_dir)
+    assert re.search(r"does not hold this model's weights.*model\.lora", line), line
 
 
 def test_a_checkpoint_at_num_steps_trains_nothing(trained, launch, tmp_path):
@@ -175,15 +167,12 @@ def test_a_resume_on_fewer_ranks_that_changes_the_global_batch_is_one_line(train
     run_dir = copy_run(trained, tmp_path)
     marker_path = run_dir / "checkpoints" / "step_00000002" / "COMPLETE"
     marker_path.write_text(json.dumps({**json.loads(marker_path.read_text()), "world_size": 2}))
-    saved = contents(run_dir)
-    status, stderr = launch(run_dir, "num_steps=3", "resume=auto")
-    line = the_error(stderr)
-    assert status == 2 and re.search(
+    line = refused_line(launch, run_dir, "num_steps=3", "resume=auto", kept=run_dir)
+    assert re.search(
         r"the global batch changes: 2 prompts per step \(2 ranks x batch\.prompts_per_rank=1\), now 1 \(1 rank x "
         r"batch\.prompts_per_rank=1\).*keep it with batch\.prompts_per_rank=2",
         line,
     ), line
-    assert contents(run_dir) == saved
 
 
 def test_a_resume_that_wraps_other_lora_modules_is_one_line(launch, tmp_path, monkeypatch):
@@ -194,21 +183,18 @@ def test_a_resume_that_wraps_other_lora_modules_is_one_line(launch, tmp_path, mo
     run_dir = tmp_path / "run"
     lora = ["model.lora.enabled=true", "model.lora.rank=2", "num_steps=1"]
     assert launch(run_dir, *lora, "checkpoint.export=false")[0] == 0
-    saved = contents(run_dir)
     wrapped = len(
         json.loads((run_dir / "checkpoints" / "step_00000001" / "COMPLETE").read_text())["settings"][
             "model.lora.modules"
         ]
     )
     monkeypatch.setattr(FluxBackbone, "lora_target_modules", ["attn.to_q"])
-    status, stderr = launch(run_dir, *lora, "num_steps=2", "resume=auto")
-    line = the_error(stderr)
-    assert status == 2 and re.search(
+    line = refused_line(launch, run_dir, *lora, "num_steps=2", "resume=auto", kept=run_dir)
+    assert re.search(
         rf"\(model\.lora\.modules {wrapped} -> \d+ modules wrapped \(no longer: .*attn\.to_k.*; new: none\)\).*"
         r"allow_changed=\[model\.lora\.modules\]",
         line,
     ), line
-    assert contents(run_dir) == saved
 
 
 def damage_metrics(case: str, path: Path) -> None:
@@ -226,16 +212,14 @@ def test_a_damaged_metrics_file_is_named_on_resume(case, trained, launch, tmp_pa
     short: the run goes on, the line says which row was dropped."""
     run_dir = copy_run(trained, tmp_path)
     damage_metrics(case, run_dir / "metrics.jsonl")
-    saved = contents(run_dir)
-    status, stderr, stdout = launch(run_dir, "num_steps=3", "resume=auto", stdout=True)
     if case == "not-utf8":
-        line = the_error(stderr)
-        assert status == 2 and re.search(r"metrics\.jsonl:2 is not UTF-8 \(byte 0xe9 at column \d+\)", line), line
-        assert contents(run_dir) == saved
-    else:
-        assert status == 0, stderr
-        assert re.search(r"metrics\.jsonl: line 2 was cut short by the crash that ended a session: dropped", stdout)
-        assert [m["step"] for m in metrics(run_dir)] == [0, 2]
+        line = refused_line(launch, run_dir, "num_steps=3", "resume=auto", kept=run_dir)
+        assert re.search(r"metrics\.jsonl:2 is not UTF-8 \(byte 0xe9 at column \d+\)", line), line
+        return
+    status, stderr, stdout = launch(run_dir, "num_steps=3", "resume=auto", stdout=True)
+    assert status == 0, stderr
+    assert re.search(r"metrics\.jsonl: line 2 was cut short by the crash that ended a session: dropped", stdout)
+    assert [m["step"] for m in metrics(run_dir)] == [0, 2]
 
 
 def test_a_branch_from_an_older_checkpoint_retires_the_later_ones(trained, launch, tmp_path):
@@ -296,12 +280,9 @@ def test_a_checkpoint_of_another_run_is_refused_and_continued_in_a_new_folder(tr
     run_dir = copy_run(trained, tmp_path)
     latest = run_dir / "checkpoints" / "step_00000002"
     of_another_run(latest)
-    saved = contents(run_dir)
-    common = ["num_steps=3"]
-    status, stderr = launch(run_dir, *common, "resume=auto")
-    assert status == 2 and re.search(DAMAGED["of-another-run"][1], the_error(stderr)), stderr
-    assert contents(run_dir) == saved
-    status, stderr, stdout = launch(tmp_path / "copy", *common, f"resume={latest}", stdout=True)
+    line = refused_line(launch, run_dir, "num_steps=3", "resume=auto", kept=run_dir)
+    assert re.search(DAMAGED["of-another-run"][1], line), line
+    status, stderr, stdout = launch(tmp_path / "copy", "num_steps=3", f"resume={latest}", stdout=True)
     assert status == 0, stderr
     assert [m["step"] for m in metrics(tmp_path / "copy")] == [2]
     new_id = (tmp_path / "copy" / "run_id").read_text().strip()
@@ -319,9 +300,8 @@ def test_eval_names_a_damaged_checkpoint(trained, launch, tmp_path):
     run_dir = copy_run(trained, tmp_path)
     latest = run_dir / "checkpoints" / "step_00000002"
     truncate("__0_0.distcp")(latest)
-    status, stderr = launch(tmp_path / "eval", f"eval.transformer={latest}", module=eval_command)
-    line = the_error(stderr, eval_command.PROG)
-    assert status == 2 and str(latest) in line and re.search(DAMAGED["truncated-distcp"][1], line), line
+    line = refused_line(launch, tmp_path / "eval", f"eval.transformer={latest}", module=eval_command)
+    assert str(latest) in line and re.search(DAMAGED["truncated-distcp"][1], line), line
 
 
 def flip_last_weight_byte(path: Path) -> None:
@@ -339,14 +319,10 @@ def test_eval_names_a_damaged_export(damage, trained, launch, tmp_path):
         truncate(weights.name)(weights.parent)
     else:
         flip_last_weight_byte(weights)
-    saved = contents(run_dir)
-    status, stderr = launch(tmp_path / "eval", f"eval.transformer={run_dir / 'export'}", module=eval_command)
-    line = the_error(stderr, eval_command.PROG)
+    eval_export = f"eval.transformer={run_dir / 'export'}"
+    line = refused_line(launch, tmp_path / "eval", eval_export, module=eval_command, kept=run_dir)
     expected = "does not match the checksum" if damage == "one-weight-changed" else r"(cannot|has \d+ bytes)"
-    assert status == 2 and re.search(
-        rf"eval\.transformer=.*export'.*diffusion_pytorch_model\.safetensors {expected}", line
-    )
-    assert contents(run_dir) == saved
+    assert re.search(rf"eval\.transformer=.*export'.*diffusion_pytorch_model\.safetensors {expected}", line), line
     # the run folder itself: its checkpoint stands in for the damaged export
     from train.checkpoint.export import find_weights
 
@@ -357,11 +333,9 @@ def test_eval_names_a_checkpoint_the_run_pruned(trained, launch, tmp_path):
     """eval.transformer=<an older checkpoint> that the live run pruned meanwhile: one line naming the latest."""
     run_dir = copy_run(trained, tmp_path)
     shutil.rmtree(run_dir / "checkpoints" / "step_00000001")
-    status, stderr = launch(
-        tmp_path / "eval", f"eval.transformer={run_dir / 'checkpoints' / 'step_00000001'}", module=eval_command
-    )
-    line = the_error(stderr, eval_command.PROG)
-    assert status == 2 and re.search(
+    pruned = f"eval.transformer={run_dir / 'checkpoints' / 'step_00000001'}"
+    line = refused_line(launch, tmp_path / "eval", pruned, module=eval_command)
+    assert re.search(
         r"step_00000001' does not exist: the run keeps only .* and pruned it; pick its "
         r"latest, .*step_00000002, or pass the run folder",
         line,

@@ -6,8 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from run_folders import copy_run, files_of, metrics, metrics_refused_after_one_row
-from small_run import the_error
+from run_folders import copy_run, files_of, metrics, metrics_refused_after_one_row, refused_line
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 
@@ -33,9 +32,8 @@ def test_a_full_disk_is_one_line_and_keeps_the_checkpoints(when, trained, launch
             raise OSError(28, "No space left on device")
 
         monkeypatch.setattr(dcp, "save", full)
-    status, stderr = launch(run_dir, "num_steps=4", "checkpoint.every=1", "resume=auto")
-    line = the_error(stderr)
-    assert status == 2 and re.search(r"the disk of .*checkpoints \(the file system mounted at /.*\) ", line), line
+    line = refused_line(launch, run_dir, "num_steps=4", "checkpoint.every=1", "resume=auto")
+    assert re.search(r"the disk of .*checkpoints \(the file system mounted at /.*\) ", line), line
     if when == "at-start":
         assert "has 0.0 MB free, a checkpoint of this run needs about" in line
         assert files_of(run_dir / "checkpoints") == before
@@ -60,9 +58,8 @@ def test_a_checkpoint_save_the_file_system_refuses_is_one_line(trained, launch, 
     run_dir = copy_run(trained, tmp_path)
     before = files_of(run_dir / "checkpoints")
     monkeypatch.setattr(dcp, "save", read_only)
-    status, stderr = launch(run_dir, "num_steps=3", "resume=auto")
-    line = the_error(stderr)
-    assert status == 2 and re.search(r"checkpoints .*Read-only file system", line), line
+    line = refused_line(launch, run_dir, "num_steps=3", "resume=auto")
+    assert re.search(r"checkpoints .*Read-only file system", line), line
     assert {k: v for k, v in files_of(run_dir / "checkpoints").items() if k in before} == before
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]
 
@@ -71,9 +68,8 @@ def test_a_disk_that_fills_while_a_metrics_row_is_written_is_one_line(launch, tm
     """ENOSPC from the metrics file's write after step 1: one line naming the file's disk, no chained tracebacks;
     the steps before it are checkpointed."""
     metrics_refused_after_one_row(monkeypatch, 28, "No space left on device")
-    status, stderr = launch(tmp_path / "run", "num_steps=3", "checkpoint.every=0")
-    line = the_error(stderr)
-    assert status == 2 and re.search(r"the disk of .*metrics\.jsonl .*filled up", line), line
+    line = refused_line(launch, tmp_path / "run", "num_steps=3", "checkpoint.every=0")
+    assert re.search(r"the disk of .*metrics\.jsonl .*filled up", line), line
     assert [m["step"] for m in metrics(tmp_path / "run")] == [0]
 
 
@@ -83,9 +79,8 @@ def test_a_new_run_is_refused_naming_the_size_of_its_checkpoint(trained, launch,
     from train.checkpoint import manager as checkpoint
 
     monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 1000)
-    status, stderr = launch(tmp_path / "run", "num_steps=2")
-    line = the_error(stderr)
+    line = refused_line(launch, tmp_path / "run", "num_steps=2")
     match = re.search(r"a checkpoint of this run \(.*\) needs about ([0-9.]+) MB", line)
-    assert status == 2 and match, line
+    assert match, line
     written = sum(p.stat().st_size for p in (trained / "checkpoints" / "step_00000002").iterdir()) / 1e6
     assert written / 2 <= float(match.group(1)) <= written * 2, (match.group(1), written)

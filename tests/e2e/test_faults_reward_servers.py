@@ -8,8 +8,7 @@ import re
 import time
 
 import pytest
-from run_folders import metrics
-from small_run import the_error
+from run_folders import metrics, refused_line
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 
@@ -42,9 +41,8 @@ def test_a_reward_server_answer_outside_the_protocol_is_one_line(case, launch, t
     }[SERVER_FAULTS[case][0]]
     with serve(fake_server(good, fault)) as url:
         remote = f"+reward.components.remote={{url: '{url}', timeout_s: 10, retries: 0}}"
-        status, stderr = launch(tmp_path / "run", "num_steps=3", remote)
-    line = the_error(stderr)
-    assert status == 2 and re.search(rf"reward\.components\.remote: reward server {url} {SERVER_FAULTS[case][1]}", line)
+        line = refused_line(launch, tmp_path / "run", "num_steps=3", remote)
+    assert re.search(rf"reward\.components\.remote: reward server {url} {SERVER_FAULTS[case][1]}", line), line
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000001"]
 
 
@@ -58,10 +56,9 @@ def test_a_reward_server_that_answers_a_byte_at_a_time_ends_each_step_at_its_dea
     with dripping_server() as url:
         remote = f"+reward.components.remote={{url: '{url}', timeout_s: 1, retries: 0}}"
         start = time.monotonic()
-        status, stderr = launch(tmp_path / "run", "num_steps=2", remote)
+        line = refused_line(launch, tmp_path / "run", "num_steps=2", remote)
         elapsed = time.monotonic() - start
-    line = the_error(stderr)
-    assert status == 2 and "health.max_bad_steps: none of steps 0 to 1 could change the weights" in line, line
+    assert "health.max_bad_steps: none of steps 0 to 1 could change the weights" in line, line
     log = (tmp_path / "run" / "__main__.log").read_text()
     assert elapsed < 60 and log.count(f"reward server {url} did not answer POST /score within timeout_s=1") == 2
 
@@ -73,9 +70,8 @@ def test_a_reward_server_that_never_answers_its_health_check_is_named_as_such(la
 
     with silent_server() as url:
         remote = f"+reward.components.remote={{url: '{url}', timeout_s: 1, retries: 0}}"
-        status, stderr = launch(tmp_path / "run", remote)
-    line = the_error(stderr)
-    assert status == 2 and line.startswith(
+        line = refused_line(launch, tmp_path / "run", remote)
+    assert line.startswith(
         f"python -m train: error: reward.components.remote: reward server {url} did not answer GET /health within "
         "timeout_s=1 at start-up"
     ), line
@@ -94,10 +90,7 @@ def test_a_judge_answer_without_a_score_is_one_line_after_the_steps_before_it(la
     with serve(app) as url:
         judge = f"+reward.components.judge={{base_url: '{url}/v1', model: judge, score_range: [1, 5], retries: 0}}"
         overrides = ["num_steps=3", "checkpoint.every=5", judge]
-        status, stderr = launch(tmp_path / "run", *overrides)
-    line = the_error(stderr)
-    assert (
-        status == 2 and f"judge 'judge' at {url}/v1 answered without a score matching score_pattern: 'I cannot" in line
-    )
+        line = refused_line(launch, tmp_path / "run", *overrides)
+    assert f"judge 'judge' at {url}/v1 answered without a score matching score_pattern: 'I cannot" in line, line
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000001"]
     assert metrics(tmp_path / "run")[0]["reward/judge"] == pytest.approx((0.0 + 0.25) / 2)  # scores 1 and 2 -> 0, 1/4

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_folders import ROOT, contents, copy_run, metrics
+from run_folders import ROOT, contents, copy_run, metrics, refused_line
 from small_run import FAST, the_error
 from two_ranks import HELPERS
 
@@ -53,9 +53,8 @@ def test_an_unwritable_run_folder_is_one_line_before_training(where, launch, tmp
     else:
         run_dir.mkdir()
         run_dir.chmod(0o555)
-    status, stderr = launch(run_dir, "num_steps=1")
-    assert status == 2
-    assert re.search(r"(run folder|run_dir).*(Not a directory|File exists|Permission denied)", the_error(stderr))
+    line = refused_line(launch, run_dir, "num_steps=1")
+    assert re.search(r"(run folder|run_dir).*(Not a directory|File exists|Permission denied)", line), line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -64,22 +63,17 @@ def test_a_read_only_run_folder_is_one_line_before_hydra_writes(trained, launch,
     import train.cli.run_folder as run_folder
 
     run_dir = copy_run(trained, tmp_path)
-    saved = contents(run_dir)
     real = os.access
     monkeypatch.setattr(run_folder.os, "access", lambda path, mode: Path(path) != run_dir and real(path, mode))
-    status, stderr = launch(run_dir, "num_steps=3", "resume=auto")
-    assert status == 2 and re.search(r"cannot write the run folder \(Permission denied: .*run\)", the_error(stderr))
-    assert contents(run_dir) == saved
+    line = refused_line(launch, run_dir, "num_steps=3", "resume=auto", kept=run_dir)
+    assert re.search(r"cannot write the run folder \(Permission denied: .*run\)", line), line
 
 
 def test_a_folder_that_holds_a_run_is_refused_before_anything_is_written(trained, launch, tmp_path):
     """A second launch into a finished run's folder (another seed, no resume=) changes nothing in it."""
     run_dir = copy_run(trained, tmp_path)
-    saved = contents(run_dir)
-    status, stderr = launch(run_dir, "num_steps=2", "seed=7")
-    line = the_error(stderr)
-    assert status == 2 and re.search(r"run_dir=.* already holds a run \(2 checkpoints .*resume=auto.*overwrite", line)
-    assert contents(run_dir) == saved
+    line = refused_line(launch, run_dir, "num_steps=2", "seed=7", kept=run_dir)
+    assert re.search(r"run_dir=.* already holds a run \(2 checkpoints .*resume=auto.*overwrite", line), line
 
 
 def test_overwrite_replaces_the_run(trained, launch, tmp_path):
@@ -97,8 +91,7 @@ def test_overwrite_replaces_the_run(trained, launch, tmp_path):
 
 def test_a_refused_launch_leaves_no_folder(launch, tmp_path):
     run_dir = tmp_path / "runs" / "new"
-    status, stderr = launch(run_dir, "optimizer.lr=nan")
-    assert status == 2 and "optimizer.lr" in the_error(stderr)
+    assert "optimizer.lr" in refused_line(launch, run_dir, "optimizer.lr=nan")
     assert not (tmp_path / "runs").exists()  # nor the parent Hydra created for it
 
 

@@ -10,7 +10,8 @@ Each test runs the command through its own entry (``train.cli.reporting.run_hydr
 * the disk filling during the export or an evaluation, a folder turning read-only, an export cut short or a damaged
   recorded config under ``train.eval``, a file named ``export``: one line, exit 2, nothing lost;
 * ``resume=auto`` without a folder resumes the latest interrupted run of the experiment, or says there is none;
-* the run folder is named first, and the run's evaluations are drawn in ``eval/curve.png``, named in the summary.
+* the run folder is named first, and the run's evaluations are drawn in ``eval/curve.png``, named in the summary
+  (with the evaluation lost before an earlier checkpoint).
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from run_folders import contents, copy_run, metrics, metrics_refused_after_one_row, nan_rewards, sigterm_at
-from small_run import the_error
+from run_folders import copy_run, metrics, metrics_refused_after_one_row, nan_rewards, refused_line, sigterm_at
 
 import train.eval.command as eval_command
 from train.evaluation import evaluator
@@ -60,12 +60,17 @@ def test_an_evaluation_lost_to_a_crash_is_done_again_on_resume(launch, tmp_path,
     assert (run_dir / "eval" / "curve.png").is_file() and "evaluations missing" not in stdout
 
 
-def test_an_evaluation_lost_before_an_earlier_checkpoint_is_named_missing(trained, launch, tmp_path):
-    """The evaluation after step 1 has no row, and the checkpoint resumed holds step 2: its weights are gone, so
+def test_an_evaluation_lost_before_an_earlier_checkpoint_is_named_missing(launch, tmp_path):
+    """The run folder is named first, and the run's evaluations drawn in ``eval/curve.png``, named in the summary.
+    Then the evaluation after step 1 has no row, and the checkpoint resumed holds step 2: its weights are gone, so
     the console, the summary and the curve say it is missing."""
     run_dir = tmp_path / "run"
     overrides = ["num_steps=2", "checkpoint.every=1", *EVAL]
-    assert launch(run_dir, *overrides)[0] == 0
+    status, stderr, stdout = launch(run_dir, *overrides, stdout=True)
+    assert status == 0, stderr
+    assert stdout.splitlines()[0].endswith(f"run folder: {run_dir}")
+    assert (run_dir / "eval" / "curve.png").stat().st_size > 0
+    assert re.search(r"eval/curve\.png +the evaluations against the step\n", stdout)
     rows = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
     kept = [r for r in rows if not (json.loads(r)["step"] == 1 and "eval/jpeg_compressibility" in json.loads(r))]
     (run_dir / "metrics.jsonl").write_text("".join(kept))
@@ -99,9 +104,8 @@ def test_the_health_counters_go_on_across_a_resume(launch, tmp_path, monkeypatch
     assert launch(run_dir, *overrides)[0] == 128 + signal.SIGTERM
     monkeypatch.undo()
     nan_rewards(monkeypatch)
-    status, stderr = launch(run_dir, *overrides, "resume=auto")
-    line = the_error(stderr)
-    assert status == 2 and re.search(r"health\.max_bad_steps=3: steps 0 to 2 could not change the weights", line)
+    line = refused_line(launch, run_dir, *overrides, "resume=auto")
+    assert re.search(r"health\.max_bad_steps=3: steps 0 to 2 could not change the weights", line), line
 
 
 @pytest.mark.parametrize("cut", ["emptied", "shortened"])
@@ -145,17 +149,14 @@ def test_an_older_run_resumed_with_other_settings_is_refused(case, trained, laun
     other.write_text("a red cube\n")
     change = {"kl": ["grpo.kl_beta=0.1"], "prompts": [f"data.train_prompts={other}"], "same": []}[case.split("-")[0]]
     change += [f"run_dir={run_dir}"] if folder != run_dir else []
-    saved = contents(run_dir)
-    status, stderr = launch(folder, "num_steps=3", "resume=auto", *change)
     if case == "same-settings":
-        assert status == 0, stderr
+        assert launch(folder, "num_steps=3", "resume=auto", *change)[0] == 0
         return
-    line = the_error(stderr)
+    line = refused_line(launch, folder, "num_steps=3", "resume=auto", *change, kept=run_dir)
     changed = r"grpo\.kl_beta 0\.0 -> 0\.1" if case.startswith("kl") else r"data\.train_prompts '.*' -> '1 prompts"
-    assert status == 2 and re.search(rf"as its run folder's .*config\.yaml records .*{changed}", line), line
+    assert re.search(rf"as its run folder's .*config\.yaml records .*{changed}", line), line
     if case == "kl-hydra-only":
         assert ".hydra/config.yaml" in line
-    assert contents(run_dir) == saved
 
 
 def test_an_older_run_with_no_recorded_configuration_is_named(trained, launch, tmp_path):
@@ -177,15 +178,12 @@ def test_resume_auto_with_every_checkpoint_unfinished_is_refused(trained, launch
     step_1 = run_dir / "checkpoints" / "step_00000001"
     (step_1 / "COMPLETE").unlink()
     step_1.rename(step_1.with_name("step_00000001.tmp"))  # a save cut before its marker and rename
-    saved = contents(run_dir)
-    status, stderr = launch(run_dir, "num_steps=3", "resume=auto")
-    line = the_error(stderr)
-    assert status == 2 and re.search(
+    line = refused_line(launch, run_dir, "num_steps=3", "resume=auto", kept=run_dir)
+    assert re.search(
         r"resume=auto: no checkpoint under .*checkpoints is complete \(step_00000001\.tmp, step_00000002: .*\).*"
         r"checkpoint\.overwrite=true, or train in a new folder",
         line,
     ), line
-    assert contents(run_dir) == saved
 
 
 def test_a_disk_that_fills_during_the_export_is_one_line_and_resume_exports(launch, tmp_path, monkeypatch):
@@ -198,9 +196,8 @@ def test_a_disk_that_fills_during_the_export_is_one_line_and_resume_exports(laun
 
     run_dir = tmp_path / "run"
     monkeypatch.setattr(safetensors.torch, "save_file", full)
-    status, stderr = launch(run_dir, "num_steps=1")
-    line = the_error(stderr)
-    assert status == 2 and re.search(r"the disk of .*export \(the file system .*\) filled up while the export", line)
+    line = refused_line(launch, run_dir, "num_steps=1")
+    assert re.search(r"the disk of .*export \(the file system .*\) filled up while the export", line), line
     assert not (run_dir / "export").exists() and (run_dir / "checkpoints" / "step_00000001" / "COMPLETE").is_file()
     monkeypatch.undo()
     assert launch(run_dir, "num_steps=1", "resume=auto")[0] == 0
@@ -219,9 +216,8 @@ def test_a_disk_that_fills_during_an_evaluation_is_one_line_and_resume_evaluates
 
     overrides = ["num_steps=2", "checkpoint.every=1", *EVAL]
     monkeypatch.setattr(pathlib.Path, "write_text", full_at_step_1)
-    status, stderr = launch(run_dir, *overrides)
-    line = the_error(stderr)
-    assert status == 2 and re.search(r"the disk of .*eval .* filled up while the evaluation after step 1", line), line
+    line = refused_line(launch, run_dir, *overrides)
+    assert re.search(r"the disk of .*eval .* filled up while the evaluation after step 1", line), line
     monkeypatch.undo()
     assert launch(run_dir, *overrides, "resume=auto")[0] == 0
     assert evaluated(run_dir) == [0, 1, 2]
@@ -241,9 +237,8 @@ def test_a_disk_that_fills_during_a_sample_grid_is_one_line(launch, tmp_path, mo
 
     monkeypatch.setattr(Image.Image, "save", full)
     run_dir = tmp_path / "run"
-    status, stderr = launch(run_dir, "num_steps=2", "logging.sample_every=1")
-    line = the_error(stderr)
-    assert status == 2 and re.search(r"the disk of .*samples .* filled up while the sample grid of step", line), line
+    line = refused_line(launch, run_dir, "num_steps=2", "logging.sample_every=1")
+    assert re.search(r"the disk of .*samples .* filled up while the sample grid of step", line), line
 
 
 def test_eval_on_a_full_disk_is_one_line(trained, launch, tmp_path, monkeypatch):
@@ -256,9 +251,8 @@ def test_eval_on_a_full_disk_is_one_line(trained, launch, tmp_path, monkeypatch)
 
     monkeypatch.setattr(pathlib.Path, "write_text", full)
     overrides = [f"eval.transformer={trained / 'export'}", "+eval.scorers.jpeg_compressibility={}"]
-    status, stderr = launch(tmp_path / "eval", *overrides, module=eval_command)
-    line = the_error(stderr, eval_command.PROG)
-    assert status == 2 and re.search(r"filled up while the evaluation eval_export was written: .*untouched", line)
+    line = refused_line(launch, tmp_path / "eval", *overrides, module=eval_command)
+    assert re.search(r"filled up while the evaluation eval_export was written: .*untouched", line), line
 
 
 def test_a_run_folder_that_turns_read_only_is_one_line(launch, tmp_path, monkeypatch):
@@ -273,9 +267,8 @@ def test_a_run_folder_that_turns_read_only_is_one_line(launch, tmp_path, monkeyp
 
     metrics_refused_after_one_row(monkeypatch, 30, "Read-only file system")
     monkeypatch.setattr(pathlib.Path, "unlink", unlink)
-    status, stderr = launch(tmp_path / "run", "num_steps=3", "checkpoint.every=0")
-    line = the_error(stderr)
-    assert status == 2 and re.search(r"metrics\.jsonl .*cannot be written \(Read-only file system\)", line), line
+    line = refused_line(launch, tmp_path / "run", "num_steps=3", "checkpoint.every=0")
+    assert re.search(r"metrics\.jsonl .*cannot be written \(Read-only file system\)", line), line
 
 
 @pytest.mark.parametrize("cut", ["weights-missing", "truncated-without-note", "shard-missing"])
@@ -292,12 +285,9 @@ def test_eval_names_an_export_cut_short(cut, trained, launch, tmp_path):
         index = {"metadata": {}, "weight_map": {"x": "diffusion_pytorch_model-00002-of-00002.safetensors"}}
         weights.rename(export / "diffusion_pytorch_model-00001-of-00002.safetensors")
         (export / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
-    saved = contents(run_dir)
     overrides = [f"eval.transformer={export}", "+eval.scorers.jpeg_compressibility={}"]
-    status, stderr = launch(tmp_path / "eval", *overrides, module=eval_command)
-    line = the_error(stderr, eval_command.PROG)
-    assert status == 2 and re.search(r"eval\.transformer=.*export'.*(an export cut short|cannot be read)", line), line
-    assert contents(run_dir) == saved
+    line = refused_line(launch, tmp_path / "eval", *overrides, module=eval_command, kept=run_dir)
+    assert re.search(r"eval\.transformer=.*export'.*(an export cut short|cannot be read)", line), line
 
 
 def test_eval_names_a_damaged_recorded_config(trained, launch, tmp_path):
@@ -305,18 +295,16 @@ def test_eval_names_a_damaged_recorded_config(trained, launch, tmp_path):
     (run_dir / ".hydra" / "config.yaml").write_text("model: [name: flux\n")  # cut short mid-write
     checkpoint = run_dir / "checkpoints" / "step_00000002"
     overrides = [f"eval.transformer={checkpoint}", "+eval.scorers.jpeg_compressibility={}"]
-    status, stderr = launch(tmp_path / "eval", *overrides, module=eval_command)
-    line = the_error(stderr, eval_command.PROG)
-    assert status == 2 and re.search(r"recorded configuration .*\.hydra/config\.yaml is damaged", line), line
+    line = refused_line(launch, tmp_path / "eval", *overrides, module=eval_command)
+    assert re.search(r"recorded configuration .*\.hydra/config\.yaml is damaged", line), line
 
 
 def test_a_file_named_export_in_the_run_folder_is_one_line_before_training(launch, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "export").write_text("notes\n")
-    status, stderr = launch(run_dir, "num_steps=1")
-    line = the_error(stderr)
-    assert status == 2 and re.search(r"export is a file, where the export at the end of training writes a folder", line)
+    line = refused_line(launch, run_dir, "num_steps=1")
+    assert re.search(r"export is a file, where the export at the end of training writes a folder", line), line
     assert (run_dir / "export").read_text() == "notes\n" and not (run_dir / "checkpoints").exists()
 
 
@@ -324,11 +312,8 @@ def test_resume_auto_without_a_folder_resumes_the_latest_interrupted_run(trained
     """runs/tiny/ holds two runs stopped after step 2 of 3: resume=auto alone continues the later one and names
     it and the other; with none, one line says so and how to start."""
     monkeypatch.chdir(tmp_path)
-    status, stderr = launch(None, "num_steps=3", "resume=auto")  # no hydra.run.dir: runs/<experiment>/ here
-    line = the_error(stderr)
-    assert status == 2 and re.search(
-        r"runs/tiny holds no interrupted run of experiment tiny .*without resume=auto", line
-    )
+    line = refused_line(launch, None, "num_steps=3", "resume=auto")  # no hydra.run.dir: runs/<experiment>/ here
+    assert re.search(r"runs/tiny holds no interrupted run of experiment tiny .*without resume=auto", line), line
     older, newer = (Path(shutil.copytree(trained, tmp_path / "runs" / "tiny" / name)) for name in ("a", "b"))
     marker = newer / "checkpoints" / "step_00000002" / "COMPLETE"
     os.utime(marker, (marker.stat().st_atime, marker.stat().st_mtime + 60))
@@ -337,12 +322,3 @@ def test_resume_auto_without_a_folder_resumes_the_latest_interrupted_run(trained
     assert re.search(r"resume=auto: continuing .*runs/tiny/b, the latest interrupted run .*; the others: a", stdout)
     assert [m["step"] for m in metrics(newer)][-1] == 2 and [m["step"] for m in metrics(older)][-1] == 1
     assert sorted(p.name for p in (tmp_path / "runs" / "tiny").iterdir()) == ["a", "b"]
-
-
-def test_the_run_folder_is_named_first_and_the_curve_at_the_end(launch, tmp_path):
-    run_dir = tmp_path / "run"
-    status, stderr, stdout = launch(run_dir, "num_steps=2", *EVAL, stdout=True)
-    assert status == 0, stderr
-    assert stdout.splitlines()[0].endswith(f"run folder: {run_dir}")
-    assert (run_dir / "eval" / "curve.png").stat().st_size > 0
-    assert re.search(r"eval/curve\.png +the evaluations against the step\n", stdout)

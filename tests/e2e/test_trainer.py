@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_module
+from run_folders import assert_same_export, exported
 from safetensors.torch import load_file
+from small_run import TWO_SEGMENTS
 from two_ranks import HELPERS, run_torchrun
 
 from models.registry import load_backbone
@@ -45,23 +47,12 @@ GOLDEN_KEYS = {
 }
 register_schema()
 
-# 9 sampling steps -> 8 trainable transitions -> 2 segments of W = 4; 1 prompt x G = 4 samples per
-# step, two micro-batches of 2, one optimizer step per step (the golden runs: two, GOLDEN_RUN).
-SMALL = [
-    "experiment=tiny",
-    "num_steps=3",
-    "sampler.num_steps=9",
-    "grpo.group_size=4",
-    "batch.prompts_per_rank=1",
-    "batch.micro_batch=2",
-    "batch.gradient_accumulation_steps=4",
-    "logging.progress_bar=false",
-    "checkpoint.every=0",
-    "update.jagg_frac=0.6",
-]
+# Two segments of W = 4, one optimizer step per step (the golden runs: two, GOLDEN_RUN).
+SMALL = ["experiment=tiny", "num_steps=3", *TWO_SEGMENTS, "checkpoint.every=0", "update.jagg_frac=0.6"]
 FAST = ["sampler.sde_window_size=4", "sampler.sde_window_range=[0,8]"]
 # MixGRPO-Flash on the small run: a window that moves every step, DPM-Solver++ 2M on fewer points after it
 SOLVER = ["sampler=flow_fast", *FAST, "update.jagg_frac=1.0", "sampler.post_window.solver=dpmpp_2m"]
+LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8"]
 FLASH = [
     *SOLVER,
     "sampler.post_window.ratio=0.4",
@@ -90,11 +81,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="session")
-def tiny_flux(tiny_flux_dir) -> Path:
-    return tiny_flux_dir
-
-
 pytestmark = pytest.mark.usefixtures("repo_root")  # the demo's prompt file is relative to the repository root
 
 
@@ -111,12 +97,6 @@ def replayed_keys(row: dict, *, per_rank: tuple[str, ...] = ()) -> set[str]:
     graphs compiled so far), and the ``per_rank`` prefixes."""
     process = ("wall_time", "count/compilations")
     return {k for k in row if not k.startswith(("time/", "perf/", *per_rank)) and k not in process}
-
-
-def exported(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The exported transformer, or its LoRA adapters."""
-    lora = run_dir / "export" / "pytorch_lora_weights.safetensors"
-    return load_file(lora if lora.is_file() else run_dir / "export" / "diffusion_pytorch_model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +135,7 @@ SHARED = ("count/shared_start_forward_rows", "count/shared_start_grad_rows")
 VELOCITY_BYTES = 9 * 8 * 8 * 16 * 4
 
 
-def test_counts_per_update_mode(golden_runs, tiny_flux, tmp_path):
+def test_counts_per_update_mode(golden_runs, tiny_flux_dir, tmp_path):
     """Per step of the golden runs: two micro-batches of 2 rows (one group), each its own optimizer step,
     and two segments of W = 4 per micro-batch, segment 0 routed to the mode (jagg_frac 0.6 of 8 transitions)
     and segment 1 exact (Flow-GRPO-Fast: one segment, in its window). The shared start runs each optimizer
@@ -195,12 +175,13 @@ def test_counts_per_update_mode(golden_runs, tiny_flux, tmp_path):
         "jagg-stale": ["update.reuse_velocities=stale", *GOLDEN_RUN],
     }
     for name, overrides in extra.items():
-        m = train(tmp_path / name, tiny_flux, ["update=jagg", "update.jagg_frac=1.0", "num_steps=1", *overrides])[0]
+        m = train(tmp_path / name, tiny_flux_dir, ["update=jagg", "update.jagg_frac=1.0", "num_steps=1", *overrides])[0]
         counts[name] = tuple(m[key] for key in COUNTED)
         kept[name] = m.get("memory/velocity_bytes_per_sample")
     assert (counts["jagg-off"], kept["jagg-off"]) == ((7, 8, 5, 0), None)
     assert (counts["jagg-stale"], kept["jagg-stale"]) == ((8, 0, 6, 8), VELOCITY_BYTES)
-    off = train(tmp_path / "unshared", tiny_flux, ["update=jagg", "num_steps=1", "update.share_group_start=false"])[0]
+    unshared = ["update=jagg", "num_steps=1", "update.share_group_start=false"]
+    off = train(tmp_path / "unshared", tiny_flux_dir, unshared)[0]
     assert tuple(off[key] for key in SHARED) == (0, 0)
     assert tuple(off[key] for key in COUNTED) == (12, 0, 10, 4)  # endpoint 0 in jagg's batched forward again
 
@@ -216,12 +197,12 @@ def test_counts_per_update_mode(golden_runs, tiny_flux, tmp_path):
     ],
     ids=["default", "fresh", "stale", "flash"],
 )
-def test_resume_replays_exactly(extra, tiny_flux, tmp_path):
+def test_resume_replays_exactly(extra, tiny_flux_dir, tmp_path):
     """Kept velocities are not checkpointed: a resumed step rolls out again and keeps them anew, so it
     logs what the uninterrupted run logged, to every digit."""
-    straight = train(tmp_path / "straight", tiny_flux, ["num_steps=4", "checkpoint.every=2", *extra])
-    train(tmp_path / "resumed", tiny_flux, ["num_steps=2", "checkpoint.every=2", *extra])
-    resumed = train(tmp_path / "resumed", tiny_flux, ["num_steps=4", "checkpoint.every=2", "resume=auto", *extra])
+    straight = train(tmp_path / "straight", tiny_flux_dir, ["num_steps=4", "checkpoint.every=2", *extra])
+    train(tmp_path / "resumed", tiny_flux_dir, ["num_steps=2", "checkpoint.every=2", *extra])
+    resumed = train(tmp_path / "resumed", tiny_flux_dir, ["num_steps=4", "checkpoint.every=2", "resume=auto", *extra])
     assert [m["step"] for m in resumed] == [0, 1, 2, 3]
     assert all(m["count/reused_velocities"] > 0 for m in resumed)
     if extra == FLASH:  # the window moves on from where the checkpoint left it; 9 forwards become 6 to 9
@@ -234,20 +215,17 @@ def test_resume_replays_exactly(extra, tiny_flux, tmp_path):
         assert keys == replayed_keys(b)
         for key in sorted(keys):
             assert a[key] == b[key], (a["step"], key)
-    final_a, final_b = exported(tmp_path / "straight"), exported(tmp_path / "resumed")
-    assert final_a.keys() == final_b.keys()
-    for name in final_a:
-        assert torch.equal(final_a[name], final_b[name]), name
+    assert_same_export(tmp_path / "straight", tmp_path / "resumed")
 
 
-def test_console_lines_last_step_evaluation_and_run_folder(tiny_flux, tmp_path, caplog):
+def test_console_lines_last_step_evaluation_and_run_folder(tiny_flux_dir, tmp_path, caplog):
     """What a researcher sees: a heartbeat without the bar, a line per evaluation against step 0, an
     evaluation after the last step although 3 is no multiple of eval_every, per-prompt scores, the
     before/after sheet and the summary with the paired difference and every folder written."""
     caplog.set_level(logging.INFO)
     evaluation = ["eval.every=2", "+eval.scorers.jpeg_compressibility={}", "eval.num_steps=4"]
     overrides = ["eval.num_prompts=3", "logging.heartbeat_s=0", "logging.sample_every=3", "checkpoint.every=2"]
-    metrics = train(tmp_path, tiny_flux, [*evaluation, *overrides])
+    metrics = train(tmp_path, tiny_flux_dir, [*evaluation, *overrides])
     assert [m["step"] for m in metrics if "eval/jpeg_compressibility" in m] == [0, 2, 3]
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("train")]
     evals = [line for line in lines if line.startswith("eval step")]
@@ -269,21 +247,21 @@ def test_console_lines_last_step_evaluation_and_run_folder(tiny_flux, tmp_path, 
         assert entry in summary, entry
 
 
-def test_nan_reward_skips_update(tiny_flux, tmp_path, monkeypatch):
+def test_nan_reward_skips_update(tiny_flux_dir, tmp_path, monkeypatch):
     from rewards.compressibility import JPEGCompressibilityScorer
 
     monkeypatch.setattr(
         JPEGCompressibilityScorer, "score", lambda self, images, prompts: torch.full((images.shape[0],), float("nan"))
     )
-    before = load_file(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors")
-    metrics = train(tmp_path / "nan", tiny_flux, ["num_steps=2", "health.max_bad_steps=0"])  # exported all the same
+    before = load_file(tiny_flux_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    metrics = train(tmp_path / "nan", tiny_flux_dir, ["num_steps=2", "health.max_bad_steps=0"])  # exported all the same
     assert [m["train/skipped_nan_reward"] for m in metrics] == [1.0, 1.0]
     after = exported(tmp_path / "nan")
     for name, value in before.items():
         assert torch.equal(after[name], value.to(after[name].dtype)), name
 
 
-def test_nan_loss_skips_optimizer_step(tiny_flux, tmp_path, monkeypatch):
+def test_nan_loss_skips_optimizer_step(tiny_flux_dir, tmp_path, monkeypatch):
 
     original = update.ppo_step_loss
 
@@ -292,41 +270,31 @@ def test_nan_loss_skips_optimizer_step(tiny_flux, tmp_path, monkeypatch):
         return loss * float("nan"), metrics
 
     monkeypatch.setattr(update, "ppo_step_loss", nan_loss)
-    before = load_file(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors")
-    metrics = train(tmp_path / "nanloss", tiny_flux, ["num_steps=1", "health.max_bad_steps=0"])
+    before = load_file(tiny_flux_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    metrics = train(tmp_path / "nanloss", tiny_flux_dir, ["num_steps=1", "health.max_bad_steps=0"])
     assert metrics[0]["train/skipped_optimizer_steps"] == 1
     after = exported(tmp_path / "nanloss")
     for name, value in before.items():
         assert torch.equal(after[name], value.to(after[name].dtype)), name
 
 
-def test_ratio_norm_trains_on_the_rollouts_velocities(tiny_flux, tmp_path):
+def test_ratio_norm_trains_on_the_rollouts_velocities(tiny_flux_dir, tmp_path):
     """GRPO-Guard on Flow-GRPO's SDE, exact path (which keeps velocities for nothing else): the rollout
     keeps them, and the first micro-batch, on the sampling weights, has ratios of one as without it; the
     second, after an optimizer step, moves them."""
     overrides = ["num_steps=1", "sampler=flow", "update=exact", *GOLDEN_RUN]
-    guarded = train(tmp_path / "guard", tiny_flux, [*overrides, "grpo.ratio_norm=true"])[0]
-    plain = train(tmp_path / "plain", tiny_flux, overrides)[0]
+    guarded = train(tmp_path / "guard", tiny_flux_dir, [*overrides, "grpo.ratio_norm=true"])[0]
+    plain = train(tmp_path / "plain", tiny_flux_dir, overrides)[0]
     assert guarded["memory/velocity_bytes_per_sample"] > 0 and "memory/velocity_bytes_per_sample" not in plain
     assert guarded["train/grad_norm"] > 0 and guarded["train/skipped_optimizer_steps"] == 0
     assert guarded["train/loss"] != plain["train/loss"]
     assert math.isfinite(guarded["train/approx_kl"]) and guarded["train/approx_kl"] > 0
 
 
-def test_lora_with_kl_trains_only_adapters(tiny_flux, tmp_path):
+def test_lora_with_kl_trains_only_adapters(tiny_flux_dir, tmp_path):
     """LoRA fine-tuning: the reference of the KL term is the adapter-disabled policy; the export
     is a LoRA file and the base weights are untouched."""
-    metrics = train(
-        tmp_path / "lora",
-        tiny_flux,
-        [
-            "num_steps=2",
-            "model.lora.enabled=true",
-            "model.lora.rank=4",
-            "model.lora.alpha=8",
-            "grpo.kl_beta=0.1",
-        ],
-    )
+    metrics = train(tmp_path / "lora", tiny_flux_dir, ["num_steps=2", *LORA, "grpo.kl_beta=0.1"])
     assert metrics[-1]["train/kl"] > 0  # the adapters moved the policy away from the reference
     files = {p.name for p in (tmp_path / "lora" / "export").iterdir()}
     assert "pytorch_lora_weights.safetensors" in files
@@ -357,7 +325,6 @@ def test_lora_initialisation_does_not_depend_on_the_rank(tiny_flux_dir, tmp_path
     assert any(value.abs().max() > 0 for name, value in adapters[0].items() if "lora_A" in name)
 
 
-LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8"]
 # Every update mode, both SDEs and the Flow-GRPO-Fast window, LoRA and full fine-tuning, all with KL.
 MULTI_RANK = {
     "full-exact-dance": ["update=exact"],
@@ -398,12 +365,12 @@ def assert_same_training(one: Path, many: Path, base: dict[str, torch.Tensor], n
 
 
 @pytest.mark.slow
-def test_two_ranks_log_and_train_as_one_process(tiny_flux, tiny_clip_dir, tmp_path):
+def test_two_ranks_log_and_train_as_one_process(tiny_flux_dir, tiny_clip_dir, tmp_path):
     """2 ranks x 1 prompt under FSDP2 (gloo) against 1 process x 2 prompts, two steps with KL: the same
     groups (ids and noise do not depend on the rank layout), gradients averaged over ranks, every
     training metric reduced over all ranks. So every logged value and the final weights agree."""
     reward = smooth_reward(tiny_clip_dir)  # both layouts must agree to rounding on every step
-    common = [f"model.path={tiny_flux}", *SMALL, "num_steps=2", "grpo.kl_beta=0.1", *reward]
+    common = [f"model.path={tiny_flux_dir}", *SMALL, "num_steps=2", "grpo.kl_beta=0.1", *reward]
     cases = {name: [*common, *extra, f"run_dir={tmp_path / 'two' / name}"] for name, extra in MULTI_RANK.items()}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     result = run_torchrun(str(HELPERS / "trainer_worker.py"), str(tmp_path / "cases.json"), timeout=900)
@@ -412,21 +379,21 @@ def test_two_ranks_log_and_train_as_one_process(tiny_flux, tiny_clip_dir, tmp_pa
     # why that is harmless) and the deprecated all_gather_into_tensor (no longer called)
     for warning in ("returned a view tensor", "all_gather_into_tensor"):
         assert warning not in result.stderr + result.stdout, warning
-    base = load_file(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors")
+    base = load_file(tiny_flux_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     for name, extra in MULTI_RANK.items():
         one = [*extra, "batch.prompts_per_rank=2", "batch.gradient_accumulation_steps=8"]
-        train(tmp_path / "one" / name, tiny_flux, ["num_steps=2", "grpo.kl_beta=0.1", *reward, *one])
+        train(tmp_path / "one" / name, tiny_flux_dir, ["num_steps=2", "grpo.kl_beta=0.1", *reward, *one])
         assert_same_training(tmp_path / "one" / name, tmp_path / "two" / name, base, name)
 
 
 @pytest.mark.slow
 @pytest.mark.long  # four ranks on 2 cores: make test-long
-def test_hsdp_on_four_ranks_trains_as_one_process(tiny_flux, tiny_clip_dir, tmp_path):
+def test_hsdp_on_four_ranks_trains_as_one_process(tiny_flux_dir, tiny_clip_dir, tmp_path):
     """4 ranks x 1 prompt, HSDP (2 replicas of 2 shards: dist.replicate_degree=2) and FSDP over all 4,
     against 1 process x 4 prompts; then the HSDP run's checkpoint resumes in one process (DCP
     reshards it)."""
     reward = smooth_reward(tiny_clip_dir)
-    common = [f"model.path={tiny_flux}", *SMALL, "num_steps=2", "grpo.kl_beta=0.1", "checkpoint.every=1", *reward]
+    common = [f"model.path={tiny_flux_dir}", *SMALL, "num_steps=2", "grpo.kl_beta=0.1", "checkpoint.every=1", *reward]
     layouts = {"hsdp": ["dist.replicate_degree=2"], "fsdp": []}
     cases = {name: [*common, *extra, f"run_dir={tmp_path / name}"] for name, extra in layouts.items()}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
@@ -439,9 +406,9 @@ def test_hsdp_on_four_ranks_trains_as_one_process(tiny_flux, tiny_clip_dir, tmp_
         "batch.prompts_per_rank=4",
         "batch.gradient_accumulation_steps=16",
     ]
-    train(tmp_path / "one", tiny_flux, one)
-    base = load_file(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors")
+    train(tmp_path / "one", tiny_flux_dir, one)
+    base = load_file(tiny_flux_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     for name in layouts:
         assert_same_training(tmp_path / "one", tmp_path / name, base, name)
-    resumed = train(tmp_path / "hsdp", tiny_flux, [*one, "num_steps=3", "resume=auto"])
+    resumed = train(tmp_path / "hsdp", tiny_flux_dir, [*one, "num_steps=3", "resume=auto"])
     assert [row["step"] for row in resumed] == [0, 1, 2]

@@ -3,9 +3,10 @@ tests/e2e/test_run_record.py).
 
 * ``train_small``: a finished 2-step run with checkpoints after steps 1 and 2 (tests/e2e/conftest.py's ``trained``
   fixture; copy it: ``copy_run``).
-* ``files_of`` and ``contents``: every file under a folder, to show that a refused command wrote nothing.
-* ``metrics``: the rows of a run's metrics.jsonl; ``exported``: its export's weights; ``assert_same_run``: a resumed
-  run logged and exported what an uninterrupted one did.
+* ``files_of`` and ``contents``: every file under a folder, to show that a refused command wrote nothing;
+  ``refused_line``: a launch refused with status 2, its one error line (and a folder it left as it was).
+* ``metrics``: the rows of a run's metrics.jsonl; ``exported``: its export's weights; ``assert_same_export``: two runs
+  exported the same weights; ``assert_same_run``: a resumed run logged and exported what an uninterrupted one did.
 * ``sigterm_at`` and ``nan_rewards``: a scheduler's signal during a step, and rewards that are all NaN.
 """
 
@@ -16,11 +17,13 @@ import json
 import os
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from safetensors.torch import load_file
-from small_run import FAST
+from small_run import FAST, the_error
 
 import train.__main__ as train_command
 import train.trainer as trainer
@@ -45,12 +48,40 @@ def contents(folder: Path) -> dict[str, str]:
     }
 
 
+def refused_line(
+    launch: Callable[..., tuple],
+    run_dir: Path | None,
+    *overrides: str,
+    module: ModuleType = train_command,
+    kept: Path | None = None,
+) -> str:
+    """``launch(run_dir, *overrides)`` of ``module``, refused: status 2 and its one error line, which this returns;
+    with ``kept``, every file under that folder as it was before (``contents``)."""
+    saved = contents(kept) if kept else None
+    status, stderr = launch(run_dir, *overrides, module=module)
+    line = the_error(stderr, module.PROG)
+    assert status == 2, stderr
+    if kept:
+        assert contents(kept) == saved
+    return line
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def exported(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "export" / "diffusion_pytorch_model.safetensors")
+    """The exported transformer, or its LoRA adapters."""
+    lora = run_dir / "export" / "pytorch_lora_weights.safetensors"
+    return load_file(lora if lora.is_file() else run_dir / "export" / "diffusion_pytorch_model.safetensors")
+
+
+def assert_same_export(a: Path, b: Path) -> None:
+    """The runs in ``a`` and ``b`` exported the same weights, bit for bit."""
+    final_a, final_b = exported(a), exported(b)
+    assert final_a.keys() == final_b.keys()
+    for name in final_a:
+        assert torch.equal(final_a[name], final_b[name]), name
 
 
 def assert_same_run(straight: Path, resumed: Path, steps: int) -> None:
@@ -61,9 +92,7 @@ def assert_same_run(straight: Path, resumed: Path, steps: int) -> None:
     for a, b in zip(rows_a, rows_b):
         for key in ("train/loss", "reward/total", "train/grad_norm"):
             assert a[key] == b[key], (a["step"], key)
-    final_a, final_b = exported(straight), exported(resumed)
-    for name in final_a:
-        assert torch.equal(final_a[name], final_b[name]), name
+    assert_same_export(straight, resumed)
 
 
 def train_small(run_dir: Path, tiny_flux_dir: Path) -> Path:

@@ -2,6 +2,8 @@
 
 * ``SMALL_RUN``: 5 sampling steps -> 4 trainable transitions = one group of W = 4; one prompt of G = 2
   per step, no sample grids, no progress bar. ``FAST`` is it on the tiny experiment.
+* ``TWO_SEGMENTS``: 9 sampling steps -> 8 trainable transitions -> 2 segments of W = 4; 1 prompt x G = 4 samples
+  per step in micro-batches of 2, no progress bar.
 * ``command(capsys, run_dir, overrides)``: ``python -m <module> overrides`` through the command's own
   entry (``train.cli.reporting.run_hydra``), as its console script runs it: the exit status and what it printed.
 * ``the_error(stderr)``: the command's one error line (``kind="stopped"``: its line when a signal stopped it), with
@@ -26,6 +28,14 @@ SMALL_RUN = [
     "logging.progress_bar=false",
 ]
 FAST = ["experiment=tiny", *SMALL_RUN]
+TWO_SEGMENTS = [
+    "sampler.num_steps=9",
+    "grpo.group_size=4",
+    "batch.prompts_per_rank=1",
+    "batch.micro_batch=2",
+    "batch.gradient_accumulation_steps=4",
+    "logging.progress_bar=false",
+]
 
 
 def merged(*lists: list[str]) -> list[str]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 from PIL import Image
+from small_run import TWO_SEGMENTS
 
 from train.checkpoint.export import find_weights
 from train.eval import command as eval_module
@@ -39,17 +40,7 @@ EVAL = [
     "eval.batch_size=2",
     "eval.num_prompts=3",
 ]
-TRAIN = [
-    "num_steps=2",
-    "sampler.num_steps=9",
-    "grpo.group_size=4",
-    "batch.prompts_per_rank=1",
-    "batch.micro_batch=2",
-    "batch.gradient_accumulation_steps=4",
-    "logging.progress_bar=false",
-    "logging.sample_every=0",
-    "checkpoint.every=2",
-]
+TRAIN = ["num_steps=2", *TWO_SEGMENTS, "logging.sample_every=0", "checkpoint.every=2"]
 
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository

@@ -12,7 +12,7 @@ import pytest
 import torch
 from diffusers import FluxTransformer2DModel
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
-from flux_toys import tiny_flux_transformer
+from flux_toys import tiny_flux_transformer as tiny_flux
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
@@ -23,10 +23,6 @@ from train.checkpoint.manager import CheckpointManager
 from train.distributed.parallelize import parallelize
 from train.ground.errors import CheckpointError
 from train.optim.ema import EMA
-
-
-def tiny_flux() -> FluxTransformer2DModel:
-    return tiny_flux_transformer()
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -99,11 +95,7 @@ def test_keep_last_and_latest(tmp_path, trained) -> None:
     assert [p.name for p in manager.complete()] == ["step_00000020", "step_00000030"]
     assert manager.latest() == tmp_path / "checkpoints" / "step_00000030"
     marker = json.loads((manager.latest() / "COMPLETE").read_text())
-    assert {key: marker[key] for key in ("step", "world_size", "settings")} == {
-        "step": 30,
-        "world_size": 1,
-        "settings": None,
-    }
+    assert (marker["step"], marker["world_size"], marker["settings"]) == (30, 1, None)
     # every other file of the folder, with its size and SHA-256
     files = {p.name: p.stat().st_size for p in manager.latest().iterdir() if p.name != "COMPLETE"}
     assert {name: info["size"] for name, info in marker["files"].items()} == files

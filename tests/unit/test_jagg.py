@@ -70,6 +70,13 @@ def make_segment(model, width, *, start=4, affine_path=False, seed=0, clip_range
     return z, t, step_loss
 
 
+def mlp_segment(torch_seed, width, **kwargs):
+    """An MLP with weights drawn after ``torch.manual_seed(torch_seed)``, and a segment of it (``make_segment``)."""
+    torch.manual_seed(torch_seed)
+    model = MLP()
+    return (model, *make_segment(model, width, **kwargs))
+
+
 def backward(model, path, z, t, step_loss, **kwargs):
     """``backward_segment`` by one of PATHS."""
     mode, batched = ("exact", True) if path == "exact_batched" else (path, False)
@@ -82,17 +89,36 @@ def grads_of(model, path, z, t, step_loss):
     return torch.cat([p.grad.flatten() for p in model.parameters()]), stats
 
 
-def jacobian_terms(model, z, t, step_loss):
-    """[J_j^T s_j for each j] computed with torch.func, flattened over all parameters."""
+def _velocities(model, z, t):
+    with torch.no_grad():
+        return [model(z_j, t_j.expand(B)) for z_j, t_j in zip(z, t)]
+
+
+def vjp(model, z_j, t_j, cot):
+    """J^T cot, J the Jacobian of v(z_j, t_j) in the parameters (torch.func), flattened over all parameters."""
     params = {k: p.detach() for k, p in model.named_parameters()}
-    terms = []
-    for j, (z_j, t_j) in enumerate(zip(z, t)):
-        t_rows = t_j.expand(B)
-        v = model(z_j, t_rows).detach().requires_grad_(True)
-        (s_j,) = torch.autograd.grad(step_loss(j, v)[0], v)
-        jac = jacrev(lambda p, z_j=z_j, t_rows=t_rows: functional_call(model, p, (z_j, t_rows)))(params)
-        terms.append(torch.cat([torch.einsum("bd,bd...->...", s_j, jac[k]).flatten() for k in params]))
-    return terms
+    jac = jacrev(lambda p: functional_call(model, p, (z_j, t_j.expand(B))))(params)
+    return torch.cat([torch.einsum("bd,bd...->...", cot, jac[k]).flatten() for k in params])
+
+
+def score(step_loss, j, v):
+    """s_j = d L_j / d v at v."""
+    v = v.clone().requires_grad_(True)
+    return torch.autograd.grad(step_loss(j, v)[0], v)[0]
+
+
+def jacobian_terms(model, z, t, step_loss):
+    """[J_j^T s_j for each j], flattened over all parameters."""
+    return [vjp(model, z[j], t[j], score(step_loss, j, v)) for j, v in enumerate(_velocities(model, z, t))]
+
+
+def jagg_formula(model, z, t, step_loss, velocities):
+    """J_0^T s_base + J_{W-1}^T s_corr, the s_j taken at ``velocities``: they enter through the endpoints' Jacobians."""
+    s = [score(step_loss, j, v) for j, v in enumerate(velocities)]
+    alpha = interpolation_weights(t)
+    s_base = sum((1 - a) * s_j for a, s_j in zip(alpha, s))
+    s_corr = sum(a * s_j for a, s_j in zip(alpha, s))
+    return vjp(model, z[0], t[0], s_base) + vjp(model, z[-1], t[-1], s_corr)
 
 
 @pytest.mark.parametrize("width", [3, 4, 5])
@@ -112,29 +138,16 @@ def test_theorem_1_jagg_exact_for_linear_velocity(width):
 
 
 def test_each_mode_equals_its_formula_on_nonlinear_network():
-    torch.manual_seed(1)
-    model, width = MLP(), 4
-    z, t, step_loss = make_segment(model, width)
+    width = 4
+    model, z, t, step_loss = mlp_segment(1, width)
     terms = jacobian_terms(model, z, t, step_loss)
-    # J_0^T s_base + J_{W-1}^T s_corr: the s_j enter through their endpoint Jacobians.
-    alpha = interpolation_weights(t)
-    params = {k: p.detach() for k, p in model.named_parameters()}
-    s = []
-    for j in range(width):
-        v = model(z[j], t[j].expand(B)).detach().requires_grad_(True)
-        s.append(torch.autograd.grad(step_loss(j, v)[0], v)[0])
-    s_base = sum((1 - a) * s_j for a, s_j in zip(alpha, s))
-    s_corr = sum(a * s_j for a, s_j in zip(alpha, s))
-
-    def vjp_at(j, cot):
-        jac = jacrev(lambda p: functional_call(model, p, (z[j], t[j].expand(B))))(params)
-        return torch.cat([torch.einsum("bd,bd...->...", cot, jac[k]).flatten() for k in params])
-
+    jagg = jagg_formula(model, z, t, step_loss, _velocities(model, z, t))
+    exact = sum(terms)
     expected = {
-        "exact": sum(terms),
-        "exact_batched": sum(terms),
-        "jagg": vjp_at(0, s_base) + vjp_at(width - 1, s_corr),
-        "jagg_sequential": vjp_at(0, s_base) + vjp_at(width - 1, s_corr),
+        "exact": exact,
+        "exact_batched": exact,
+        "jagg": jagg,
+        "jagg_sequential": jagg,
         "ablate": terms[0] + terms[-1],
     }
     for mode in PATHS:
@@ -144,9 +157,7 @@ def test_each_mode_equals_its_formula_on_nonlinear_network():
 
 
 def test_segment_length_two_all_modes_agree():
-    torch.manual_seed(2)
-    model = MLP()
-    z, t, step_loss = make_segment(model, 2)
+    model, z, t, step_loss = mlp_segment(2, 2)
     exact, _ = grads_of(model, "exact", z, t, step_loss)
     for mode in ("jagg", "jagg_sequential", "ablate"):
         got, _ = grads_of(model, mode, z, t, step_loss)
@@ -154,9 +165,7 @@ def test_segment_length_two_all_modes_agree():
 
 
 def test_gradients_accumulate_across_segments():
-    torch.manual_seed(3)
-    model = MLP()
-    z, t, step_loss = make_segment(model, 4)
+    model, z, t, step_loss = mlp_segment(3, 4)
     once, _ = grads_of(model, "jagg", z, t, step_loss)
     backward(model, "jagg", z, t, step_loss)
     torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), 2 * once)
@@ -174,9 +183,7 @@ def test_gradients_accumulate_across_segments():
     ],
 )
 def test_counters_and_backward_hook(mode, grad_fwd, nograd_fwd, calls, backward_steps):
-    torch.manual_seed(4)
-    model = MLP()
-    z, t, step_loss = make_segment(model, 5)
+    model, z, t, step_loss = mlp_segment(4, 5)
     rows = []
     model.register_full_backward_hook(lambda m, gin, gout: rows.append(gout[0].shape[0]))
     _, stats = grads_of(model, mode, z, t, step_loss)
@@ -191,9 +198,7 @@ def test_counters_and_backward_hook(mode, grad_fwd, nograd_fwd, calls, backward_
 def test_a_given_start_leaves_step_0_to_the_caller(mode):
     """With v_0 given (the shared start), a path runs no forward of step 0: its .grad plus the caller's
     J_0^T start_upstream is the path's gradient, and the step losses are the same."""
-    torch.manual_seed(6)
-    model = MLP()
-    z, t, step_loss = make_segment(model, 4)
+    model, z, t, step_loss = mlp_segment(6, 4)
     full, full_stats = grads_of(model, mode, z, t, step_loss)
     model.zero_grad(set_to_none=True)
     v0 = model(z[0], t[0].expand(B))
@@ -209,9 +214,7 @@ def test_a_given_start_leaves_step_0_to_the_caller(mode):
 
 
 def test_losses_and_metrics_are_the_step_losses():
-    torch.manual_seed(5)
-    model = MLP()
-    z, t, step_loss = make_segment(model, 4)
+    model, z, t, step_loss = mlp_segment(5, 4)
     _, exact = grads_of(model, "exact", z, t, step_loss)
     _, jagg = grads_of(model, "jagg", z, t, step_loss)
     for j in range(4):
@@ -225,10 +228,8 @@ def test_losses_and_metrics_are_the_step_losses():
 
 
 def test_clipped_step_contributes_exactly_zero():
-    torch.manual_seed(6)
-    model = MLP()
     width = 4
-    z, t, base_loss = make_segment(model, width, clip_range=0.2, advantages=torch.ones(B))
+    model, z, t, base_loss = mlp_segment(6, width, clip_range=0.2, advantages=torch.ones(B))
 
     def clipped_loss(j, v):  # step 1 with a ratio far above 1 + eps and A > 0: clipped in every row
         if j != 1:
@@ -245,9 +246,7 @@ def test_clipped_step_contributes_exactly_zero():
 
 
 def test_zero_advantage_gives_zero_gradient():
-    torch.manual_seed(7)
-    model = MLP()
-    z, t, step_loss = make_segment(model, 4, advantages=torch.zeros(B))
+    model, z, t, step_loss = mlp_segment(7, 4, advantages=torch.zeros(B))
     for mode in UPDATE_MODES:
         got, _ = grads_of(model, mode, z, t, step_loss)
         assert torch.equal(got, torch.zeros_like(got)), mode
@@ -270,19 +269,13 @@ def test_timesteps_that_repeat_are_refused():
         check_timesteps(torch.tensor([1.0, 0.5004, 0.5001, 0.0]), quantize="float64")
 
 
-def _velocities(model, z, t):
-    with torch.no_grad():
-        return [model(z_j, t_j.expand(B)) for z_j, t_j in zip(z, t)]
-
-
 @pytest.mark.filterwarnings("ignore:Full backward hook")
 @pytest.mark.parametrize("mode", ["jagg", "jagg_sequential"])
 def test_given_velocities_replace_the_middle_forwards(mode):
     """The W steps' v at the current weights, as a list or one [W, B, D] tensor: the same gradient as
     recomputing them, and the transformer runs only the endpoints (forward and backward)."""
-    torch.manual_seed(8)
-    model, width = MLP(), 5
-    z, t, step_loss = make_segment(model, width)
+    width = 5
+    model, z, t, step_loss = mlp_segment(8, width)
     recomputed, _ = grads_of(model, mode, z, t, step_loss)
     velocities = _velocities(model, z, t)
     rows = []
@@ -302,25 +295,11 @@ def test_given_velocities_replace_the_middle_forwards(mode):
 def test_given_velocities_enter_through_s_j():
     """jagg on given v_j: J_0^T s_base + J_{W-1}^T s_corr with the middle s_j taken at those v_j (the
     endpoints' s_j at the model's own v, which carry the Jacobians), from torch.func Jacobians."""
-    torch.manual_seed(9)
-    model, width = MLP(), 4
-    z, t, step_loss = make_segment(model, width)
+    width = 4
+    model, z, t, step_loss = mlp_segment(9, width)
     own = _velocities(model, z, t)
     given = [v + 0.3 * torch.randn_like(v) for v in own]  # e.g. from weights before an optimizer step
-    params = {k: p.detach() for k, p in model.named_parameters()}
-    s = []
-    for j in range(width):
-        v = (given[j] if 0 < j < width - 1 else own[j]).clone().requires_grad_(True)
-        s.append(torch.autograd.grad(step_loss(j, v)[0], v)[0])
-    alpha = interpolation_weights(t)
-    s_base = sum((1 - a) * s_j for a, s_j in zip(alpha, s))
-    s_corr = sum(a * s_j for a, s_j in zip(alpha, s))
-
-    def vjp_at(j, cot):
-        jac = jacrev(lambda p: functional_call(model, p, (z[j], t[j].expand(B))))(params)
-        return torch.cat([torch.einsum("bd,bd...->...", cot, jac[k]).flatten() for k in params])
-
-    expected = vjp_at(0, s_base) + vjp_at(width - 1, s_corr)
+    expected = jagg_formula(model, z, t, step_loss, [own[0], *given[1:-1], own[-1]])
     for mode in ("jagg", "jagg_sequential"):
         model.zero_grad(set_to_none=True)
         backward(model, mode, z, t, step_loss, velocities=given)
@@ -331,9 +310,7 @@ def test_given_velocities_enter_through_s_j():
 
 
 def test_exact_and_ablate_ignore_velocities():
-    torch.manual_seed(10)
-    model = MLP()
-    z, t, step_loss = make_segment(model, 4)
+    model, z, t, step_loss = mlp_segment(10, 4)
     junk = [torch.full_like(z_j, 1e3) for z_j in z]
     for mode in ("exact", "ablate"):
         plain, _ = grads_of(model, mode, z, t, step_loss)

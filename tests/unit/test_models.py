@@ -29,11 +29,6 @@ def folders(tiny_dir):
     return {name: tiny_dir(name) for name in backbone_names()}
 
 
-@pytest.fixture(scope="module")
-def backbones(folders):
-    return {name: load_backbone(name, path, dtype="float32") for name, path in folders.items()}
-
-
 @pytest.mark.parametrize("name", backbone_names())
 def test_ode_rollout_and_decode_match_the_diffusers_pipeline(name, folders, backbones):
     """Same prompts, seed, steps and scheduler: our ODE rollout is the pipeline's Euler loop, so
@@ -160,20 +155,21 @@ def test_mismatched_component_class_names_component_and_path(folders, tmp_path):
         load_backbone("flux", folders["flux"], dtype="float32", vae=folders["qwenimage"] / "vae")
 
 
-def test_mismatched_component_sizes_name_both_components(folders, tmp_path):
-    copy = _copy(folders["flux"], tmp_path)
-    config_path = copy / "text_encoder_2" / "config.json"
-    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "d_model": 48}))
-    with pytest.raises(ValueError, match=r"T5 width.*'transformer' at .* has 32, 'text_encoder_2' at .* has 48"):
-        load_backbone("flux", copy, dtype="float32")
+# (backbone/component, a key of its config.json and another value, the error): components of mismatched sizes
+# name both; weights that do not fit their config name the component
+CHANGED_CONFIGS = [
+    ("flux/text_encoder_2", "d_model", 48, r"T5 width.*'transformer' at .* has 32, 'text_encoder_2' at .* has 48"),
+    ("qwenimage/transformer", "num_attention_heads", 4, r"could not load component 'transformer' from .*transformer"),
+]
 
 
-def test_weights_that_do_not_fit_the_config_name_the_component(folders, tmp_path):
-    copy = _copy(folders["qwenimage"], tmp_path)
-    config_path = copy / "transformer" / "config.json"
-    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "num_attention_heads": 4}))
-    with pytest.raises(ValueError, match=r"could not load component 'transformer' from .*transformer"):
-        load_backbone("qwenimage", copy, dtype="float32")
+@pytest.mark.parametrize("component, key, value, match", CHANGED_CONFIGS)
+def test_a_changed_component_config_names_the_component(component, key, value, match, folders, tmp_path):
+    name, folder = component.split("/")
+    config_path = _copy(folders[name], tmp_path) / folder / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), key: value}))
+    with pytest.raises(ValueError, match=match):
+        load_backbone(name, config_path.parents[1], dtype="float32")
 
 
 def test_component_override_and_option_validation(folders, tmp_path):

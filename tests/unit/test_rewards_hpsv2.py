@@ -10,6 +10,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from scorer_checks import (
+    assert_batched_equals_one_by_one,
+    assert_gradient_reaches_images_and_weights_are_frozen,
+    uint8_images,
+)
 
 from rewards.hpsv2 import HPSv2Scorer
 from rewards.tiny import TINY_HPS_ARCH, save_tiny_hps
@@ -31,11 +36,6 @@ def tiny_hps(tmp_path_factory: pytest.TempPathFactory) -> tuple:
 def scorer(tiny_hps: tuple) -> HPSv2Scorer:
     checkpoint, config = tiny_hps
     return HPSv2Scorer(checkpoint, arch=str(config))
-
-
-def _uint8_images(num: int, height: int, width: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (num, 3, height, width), generator=generator, dtype=torch.uint8)
 
 
 @pytest.fixture(scope="session")
@@ -74,7 +74,7 @@ def reference_score(tiny_hps: tuple, tmp_path_factory: pytest.TempPathFactory):
 # Tiny model input is 32 px: down- and up-sampling, portrait and landscape, odd padding.
 @pytest.mark.parametrize("height,width", [(32, 32), (64, 64), (40, 72), (96, 50), (24, 24), (33, 17)])
 def test_matches_reference_hpsv2(scorer: HPSv2Scorer, reference_score, height: int, width: int) -> None:
-    pixels = _uint8_images(3, height, width, seed=height * 1000 + width)
+    pixels = uint8_images(3, height, width, seed=height * 1000 + width)
     # ToTensor divides uint8 by 255: the same [0, 1] values we hand to our scorer.
     images = pixels.float() / 255
     pil_images = [Image.fromarray(image.permute(1, 2, 0).numpy()) for image in pixels]
@@ -93,26 +93,19 @@ def test_tokenizer_matches_reference(scorer: HPSv2Scorer, reference_score) -> No
 
 
 def test_batched_equals_one_by_one_and_mixed_prompts(scorer: HPSv2Scorer) -> None:
-    images = _uint8_images(4, 40, 56, seed=1).float() / 255
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2]]
-    batched = scorer(images, prompts)
-    single = torch.cat([scorer(images[i : i + 1], [prompts[i]]) for i in range(4)])
-    assert batched.dtype == torch.float32 and batched.shape == (4,)
-    torch.testing.assert_close(batched, single, atol=1e-6, rtol=0)
+    images = uint8_images(4, 40, 56, seed=1).float() / 255
+    assert_batched_equals_one_by_one(scorer, images, [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2]], atol=1e-6)
 
 
 def test_gradient_reaches_images_and_weights_are_frozen(scorer: HPSv2Scorer) -> None:
-    images = (_uint8_images(2, 48, 48, seed=2).float() / 255).requires_grad_(True)
-    scorer(images, PROMPTS[:2]).sum().backward()
-    assert images.grad is not None and torch.isfinite(images.grad).all() and images.grad.abs().sum() > 0
-    assert not scorer.model.training
-    assert not any(p.requires_grad for p in scorer.model.parameters())
+    images = uint8_images(2, 48, 48, seed=2).float() / 255
+    assert_gradient_reaches_images_and_weights_are_frozen(scorer, images, PROMPTS[:2])
 
 
 def test_non_square_image_at_model_size_is_padded(scorer: HPSv2Scorer) -> None:
     # The reference skips resize and padding when the longer side already equals the model size,
     # which crashes its ViT on non-square input; we still pad, i.e. score it like a resize by 1.
-    images = _uint8_images(1, 32, 20, seed=3).float() / 255
+    images = uint8_images(1, 32, 20, seed=3).float() / 255
     padded = torch.zeros(1, 3, 32, 32)
     padded[..., 6:26] = images
     torch.testing.assert_close(scorer(images, PROMPTS[:1]), scorer(padded, PROMPTS[:1]), atol=1e-6, rtol=0)
@@ -125,7 +118,7 @@ def test_checkpoint_with_pickled_extras_loads(tiny_hps: tuple, scorer: HPSv2Scor
     state["args"] = argparse.Namespace(lr=1e-5)
     torch.save(state, tmp_path / "with_args.pt")
     other = HPSv2Scorer(tmp_path / "with_args.pt", arch=str(config))
-    images = _uint8_images(2, 32, 32, seed=4).float() / 255
+    images = uint8_images(2, 32, 32, seed=4).float() / 255
     torch.testing.assert_close(other(images, PROMPTS[:2]), scorer(images, PROMPTS[:2]))
 
 

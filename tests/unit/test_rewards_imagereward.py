@@ -13,6 +13,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from scorer_checks import (
+    assert_batched_equals_one_by_one,
+    assert_gradient_reaches_images_and_weights_are_frozen,
+    uint8_images,
+)
 
 from rewards.imagereward import SCORE_STD, ImageRewardScorer
 from rewards.tiny import TINY_BLIP_VISION, save_tiny_imagereward
@@ -35,11 +40,6 @@ def tiny_ir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def scorer(tiny_ir: dict[str, Path]) -> ImageRewardScorer:
     return ImageRewardScorer(**tiny_ir)
-
-
-def _uint8_images(num: int, height: int, width: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (num, 3, height, width), generator=generator, dtype=torch.uint8)
 
 
 def _pil(pixels: torch.Tensor) -> list[Image.Image]:
@@ -141,7 +141,7 @@ def _reference_scores(model: torch.nn.Module, prompt: str, images: list[Image.Im
 # torchvision's rounded offset (263 - 224 = 39: round(19.5) = 20, where a truncating crop takes 19).
 @pytest.mark.parametrize("height,width", [(224, 224), (224, 260), (263, 224)])
 def test_matches_reference_imagereward(scorer: ImageRewardScorer, reference, height: int, width: int) -> None:
-    pixels = _uint8_images(3, height, width, seed=height * 1000 + width)
+    pixels = uint8_images(3, height, width, seed=height * 1000 + width)
     for prompt in PROMPTS:
         expected = _reference_scores(reference, prompt, _pil(pixels))
         ours = scorer(pixels.float() / 255, [prompt] * len(pixels))
@@ -168,25 +168,18 @@ def test_tokenizer_matches_reference(scorer: ImageRewardScorer, reference) -> No
 
 
 def test_batched_equals_one_by_one_and_mixed_prompts(scorer: ImageRewardScorer) -> None:
-    images = _uint8_images(4, 256, 320, seed=1).float() / 255
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2]]
-    batched = scorer(images, prompts)
-    single = torch.cat([scorer(images[i : i + 1], [prompts[i]]) for i in range(4)])
-    assert batched.dtype == torch.float32 and batched.shape == (4,)
-    torch.testing.assert_close(batched, single, atol=1e-5, rtol=0)
+    images = uint8_images(4, 256, 320, seed=1).float() / 255
+    assert_batched_equals_one_by_one(scorer, images, [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2]], atol=1e-5)
 
 
 def test_gradient_reaches_images_and_weights_are_frozen(scorer: ImageRewardScorer) -> None:
-    images = (_uint8_images(2, 240, 240, seed=2).float() / 255).requires_grad_(True)
-    scorer(images, PROMPTS[:2]).sum().backward()
-    assert images.grad is not None and torch.isfinite(images.grad).all() and images.grad.abs().sum() > 0
-    assert not scorer.model.training
-    assert not any(p.requires_grad for p in scorer.model.parameters())
+    images = uint8_images(2, 240, 240, seed=2).float() / 255
+    assert_gradient_reaches_images_and_weights_are_frozen(scorer, images, PROMPTS[:2])
 
 
-def test_score_is_normalised_by_imagereward_std(tiny_ir: dict[str, Path], scorer: ImageRewardScorer) -> None:
+def test_score_is_normalised_by_imagereward_std(scorer: ImageRewardScorer) -> None:
     # The normalisation is (raw - mean) / std: two scores differ by their raw difference over 1.0333.
-    images = _uint8_images(2, 224, 224, seed=5).float() / 255
+    images = uint8_images(2, 224, 224, seed=5).float() / 255
     tokens = scorer.tokenizer(PROMPTS[:2], padding="max_length", truncation=True, max_length=35, return_tensors="pt")
     raw = scorer.model(scorer.pixels(images), tokens.input_ids, tokens.attention_mask)
     scores = scorer(images, PROMPTS[:2])

@@ -26,11 +26,6 @@ SDES = {
 ODE_SAMPLER = SamplerConfig(sde="ode")
 
 
-@pytest.fixture(scope="module")
-def backbones(tiny_dir):
-    return {name: load_backbone(name, tiny_dir(name), dtype="float32") for name in backbone_names()}
-
-
 def _sample(backbone, sampler: SamplerConfig, *, num_steps: int = 6, group_size: int = 2, seed: int = 0, **kwargs):
     prompts = ["a photo of a cat", "a red dog on the grass"]
     cond = backbone.encode(prompts).repeat(group_size)

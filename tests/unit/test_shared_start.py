@@ -17,7 +17,6 @@ import torch
 from probe_toys import ToyCond, ToySettings, ToyVelocity, toy_batch, toy_settings, toy_trajectory
 from torch import Tensor, nn
 
-from models import load_backbone
 from samplers.rollout import group_noise, rollout, shared_start_steps, stochastic_flags
 from samplers.sampler_config import SamplerConfig
 from samplers.schedule import shifted_sigmas
@@ -53,11 +52,6 @@ def _sample(
     return rollout(
         predict, cond, noise, sampler, sigmas=sigmas, sde_window=window, generator=generators, group_size=group_size
     )
-
-
-@pytest.fixture(scope="module")
-def backbones(tiny_dir):
-    return {name: load_backbone(name, tiny_dir(name), dtype="float32") for name in ("flux", "qwenimage")}
 
 
 def test_shared_start_steps():
