@@ -5,7 +5,7 @@
   metrics.jsonl          one JSON row per training step (train/observe/metrics.py)
   checkpoints/step_*/    training checkpoints (train/checkpoint/manager.py)
   checkpoints/retired/   the checkpoints of a timeline a resume branched away from (train/run/timeline.py)
-  eval/                  evaluation results, before/after sheets and curve.png (train/evaluation/)
+  eval/                  evaluation results and before/after sheets (train/evaluation/), curve.png (train/summary.py)
   samples/               sample grids of training steps
   export/                the weights the trainer's evaluations scored (the EMA when kept)
   export_raw/            with an EMA: the trained weights without it
