@@ -7,27 +7,33 @@ Each image of a batch is one request, ``POST <base_url>/chat/completions``, at m
         {"type": "text", "text": prompt_template with {prompt} replaced by the image's caption}]}],
      "temperature": 0, "seed": seed, "max_tokens": max_tokens[, "logprobs": true, "top_logprobs": 20]}
 
-The score is read from the answer's text by ``score_pattern`` (a regular expression with one group; its last
-match counts, the final verdict coming after any reasoning), or with ``score_from="logprobs"`` as the
-expected value over the candidate tokens at the position of that number, weighted by their probabilities
-(``top_logprobs``, those that are numbers inside ``score_range``): a smoother reward than the sampled digit.
-It is mapped to [0, 1] by (x - low) / (high - low) over ``score_range`` (UnifiedReward's 1 to 5: (x - 1) / 4, as
-verl-omni maps it). Temperature 0 and a fixed seed make a score reproducible.
+The score is read from the answer's verdict (``content``, or the reasoning field when a reasoning parser took the
+whole answer: rewards/chat_answer.py) by ``score_pattern`` (a regular expression with one group; its last match
+counts, the final verdict coming after any reasoning), or with ``score_from="logprobs"`` as the expected value
+over the candidate tokens of that number, weighted by their probabilities (``top_logprobs``, those that are
+numbers inside ``score_range``): a smoother reward than the sampled digit. The number's token is found among
+every generated token, the reasoning's included. Logprobs read one token's candidates, so they need a score of
+one token: a ``score_range`` reaching 10 is refused when the scorer is built (Qwen-family tokenizers write "10"
+as "1", "0", whose first candidates would read it as 1), and a score the judge wrote in several tokens (a
+decimal "3.5" is "3", ".", "5") is an error naming ``score_from=text``. The score is mapped to [0, 1] by
+(x - low) / (high - low) over ``score_range`` (UnifiedReward's 1 to 5: (x - 1) / 4, as verl-omni maps it).
+Temperature 0 and a fixed seed make a score reproducible.
 
 The default template asks in UnifiedReward-2.0's pointwise format: the caption, three axes scored 1 to 5, and a
 closing ``Final Score: <1-5>`` line, which the default pattern reads.
 
 The requests go through rewards/served.py: each try within ``timeout_s`` (the whole request), ``retries`` more
 tries on connection errors, timeouts, 429 (``Retry-After`` honoured) and 5xx. Failures:
-    * the tries run out: the batch scores NaN and the step's update is skipped, as for the remote reward
-      (a warning names the judge and the last error);
+    * the tries run out: the batch scores NaN, with a warning naming the judge and the last error (what a NaN
+      batch does to a step is the caller's to decide);
     * an answer that holds no score (no match of the pattern, a refusal: ``finish_reason`` content_filter or
-      a ``refusal`` message), a score outside ``score_range`` or not finite, logprobs asked for and not
-      returned, an answer that is not the chat API's JSON, a 4xx other than 429 (a wrong model, a refused key):
-      ``RemoteRewardError``, one line quoting the start of the answer, which stops the run;
-    * the API key: ``api_key_env`` names an environment variable (the key itself never goes in a config,
-      which is logged and copied into run folders); a variable that is not set is one line when the scorer
-      is built.
+      a ``refusal`` message), an answer cut at ``max_tokens`` (``finish_reason`` length: a score before the
+      cut may be a draft), a score outside ``score_range`` or not finite, logprobs asked for and not returned
+      or in several tokens, an answer that is not the chat API's JSON, a 4xx other than 429 (a wrong model, a
+      refused key: the server's own error message, vLLM's or SGLang's shape, is quoted): ``RemoteRewardError``,
+      one line naming the fields read and quoting the start of what they held;
+    * the API key: ``api_key_env`` names an environment variable (the key itself never goes in the arguments,
+      which callers log); a variable that is not set is one line when the scorer is built.
 """
 
 from __future__ import annotations
@@ -44,6 +50,16 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from rewards.chat_answer import (
+    QUOTED,
+    TokensDoNotSpell,
+    Verdict,
+    error_message,
+    parsed_number,
+    quoted,
+    score_tokens,
+    verdict_of,
+)
 from rewards.preprocess import to_uint8
 from rewards.served import RemoteRewardError, ServedScorer, Server
 from settings import Choice, member
@@ -58,9 +74,11 @@ UNIFIED_REWARD_TEMPLATE = (
     "Alignment Score: X\nCoherence Score: Y\nStyle Score: Z\nFinal Score: W\n\n"
     "Text caption: {prompt}"
 )
-FINAL_SCORE_PATTERN = r"Final Score(?:\s*\(1-5\))?\s*:\s*\**\s*([-+]?\d+(?:\.\d+)?)"
+FINAL_SCORE_PATTERN = r"Final Score(?:\s*\(\d+\s*-\s*\d+\))?\s*:\s*\**\s*([-+]?\d+(?:\.\d+)?)"
 TOP_LOGPROBS = 20  # candidates per position asked for with score_from=logprobs (OpenAI's maximum)
-QUOTED = 100  # characters of an answer quoted in an error
+# an error's ``param`` -> the argument of ours that set that field of the request
+REQUEST_FIELDS = {"model": "model", "max_tokens": "max_tokens", "temperature": "temperature", "seed": "seed"}
+REQUEST_FIELDS |= {"logprobs": "score_from", "top_logprobs": "score_from"}
 
 
 class ScoreFrom(Choice):
@@ -99,6 +117,7 @@ class JudgeScorer(ServedScorer):
         self.template, self.model = prompt_template, model
         self.low, self.high = float(score_range[0]), float(score_range[1])
         self.score_from = member(ScoreFrom, score_from, "score_from")
+        check_logprobs_range(self.score_from, self.low, self.high)
         self.sampling = {"temperature": float(temperature), "seed": int(seed), "max_tokens": int(max_tokens)}
         if self.score_from is ScoreFrom.logprobs:
             self.sampling |= {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
@@ -137,31 +156,38 @@ class JudgeScorer(ServedScorer):
         """The score of one answer in [0, 1]; RemoteRewardError, one line quoting it, when it holds none."""
         choice = self._choice(answer)
         message = choice.get("message")
-        message = message if isinstance(message, dict) else {}
-        content = message.get("content")
-        text = content if isinstance(content, str) else ""
-        refusal = message.get("refusal") or (choice.get("finish_reason") == "content_filter" and "content_filter")
+        verdict = verdict_of(message if isinstance(message, dict) else {})
+        finish = choice.get("finish_reason")
+        refusal = isinstance(message, dict) and message.get("refusal") or (finish == "content_filter" and finish)
         if refusal:
-            raise self._error(f"refused to score ({str(refusal)[:QUOTED]!r})", text)
-        matches = list(self.pattern.finditer(text))  # the last counts: the verdict after any reasoning
+            raise self._error(f"refused to score ({str(refusal)[:QUOTED]!r})", verdict.text, verdict.where)
+        if finish == "length":  # whatever it wrote before the cut, a score there may be a draft
+            cut = f"was cut at max_tokens={self.sampling['max_tokens']} before its answer ended: raise max_tokens"
+            raise self._error(f"{cut}; it wrote", verdict.text, verdict.where)
+        matches = list(self.pattern.finditer(verdict.text))  # the last counts: the verdict after any reasoning
         if not matches:
-            cut = " (cut at max_tokens: raise it)" if choice.get("finish_reason") == "length" else ""
-            raise self._error(f"answered without a score matching score_pattern{cut}", text)
-        match = matches[-1]
-        value = parsed_number(match.group(1))
+            raise self._error("answered without a score matching score_pattern", verdict.text, verdict.where)
+        value = parsed_number(matches[-1].group(1))
         if value is None:
-            raise self._error(f"answered {match.group(1)!r} where score_pattern reads a number", text)
+            what = f"answered {matches[-1].group(1)!r} where score_pattern reads a number"
+            raise self._error(what, verdict.text, verdict.where)
         if not self.low <= value <= self.high:  # a NaN or inf fails it too
-            raise self._error(f"gave a score outside score_range [{self.low:g}, {self.high:g}]: {value:g}", text)
+            what = f"gave a score outside score_range [{self.low:g}, {self.high:g}]: {value:g}"
+            raise self._error(what, verdict.text, verdict.where)
         if self.score_from is ScoreFrom.logprobs:
-            value = self._expected(choice.get("logprobs"), match.start(1), text)
+            value = self._expected(choice.get("logprobs"), value, verdict)
         return (value - self.low) / (self.high - self.low)
 
     def _json(self, answer: httpx.Response) -> object:
         """The JSON of a 200 answer; RemoteRewardError for any other status (429 and 5xx were retried) or no JSON."""
         if answer.status_code != 200:
             hint = " (is api_key_env's variable the server's key?)" if answer.status_code in (401, 403) else ""
-            raise self._error(f"refused the request: {answer.status_code}{hint}", answer.text)
+            error = error_of(answer)
+            if error is None:
+                raise self._error(f"refused the request: {answer.status_code}{hint}", answer.text)
+            kind, param, text = error
+            hint = hint or (f" (check {REQUEST_FIELDS[param]})" if param in REQUEST_FIELDS else "")
+            raise self._error(f"refused the request: {answer.status_code} {kind}{hint}", text)
         try:
             return answer.json()
         except ValueError:
@@ -175,20 +201,27 @@ class JudgeScorer(ServedScorer):
             raise self._error("answered without 'choices' (not the chat completions API?)", answer.text)
         return choices[0]
 
-    def _expected(self, logprobs: object, start: int, text: str) -> float:
-        """The probability-weighted mean of the numbers in ``score_range`` among the top_logprobs of the token
-        where the score starts (character ``start`` of ``text``)."""
+    def _expected(self, logprobs: object, value: float, verdict: Verdict) -> float:
+        """The probability-weighted mean of the numbers in ``score_range`` among the top_logprobs of the one token
+        that spells the score ``value`` (rewards/chat_answer.py finds it among every generated token)."""
         tokens = logprobs.get("content") if isinstance(logprobs, dict) else None
         if not isinstance(tokens, list) or not tokens:
-            raise self._error("answered without logprobs, which score_from=logprobs needs (use text)", text)
-        position = 0
-        for token in tokens:
-            position += len(str(token.get("token", ""))) if isinstance(token, dict) else 0
-            if position > start:
-                return self._mean_of(token.get("top_logprobs"), text)
-        raise self._error("answered logprobs that do not spell its text", text)
+            what = "answered without logprobs, which score_from=logprobs needs (use text)"
+            raise self._error(what, verdict.text, verdict.where)
+        try:
+            spelt = score_tokens(tokens, self.pattern, value)
+        except TokensDoNotSpell as err:
+            raise self._error(str(err), verdict.text, verdict.where) from None
+        if len(spelt) > 1:  # a digit per token (Qwen): the first one's candidates are not the number's
+            pieces = ", ".join(repr(entry["token"]) for entry in spelt)
+            what = (
+                f"wrote its score {value:g} as {len(spelt)} tokens ({pieces}), and score_from=logprobs reads the "
+                "candidates of one: ask for a whole number in prompt_template, or use score_from=text"
+            )
+            raise self._error(what, verdict.text, verdict.where)
+        return self._mean_of(spelt[0].get("top_logprobs"), verdict)
 
-    def _mean_of(self, candidates: object, text: str) -> float:
+    def _mean_of(self, candidates: object, verdict: Verdict) -> float:
         weighted = [
             (math.exp(c["logprob"]), value)
             for c in (candidates if isinstance(candidates, list) else [])
@@ -198,12 +231,22 @@ class JudgeScorer(ServedScorer):
         ]
         total = sum(weight for weight, _ in weighted)
         if not total > 0:
-            raise self._error("answered no score token among the top_logprobs at the score", text)
+            what = "answered no score token among the top_logprobs at the score"
+            raise self._error(what, verdict.text, verdict.where)
         return sum(weight * value for weight, value in weighted) / total
 
-    def _error(self, what: str, answer: str) -> RemoteRewardError:
-        quoted = " ".join(answer.split())[:QUOTED]
-        return RemoteRewardError(f"{self.server.name} {what}: {quoted!r}")
+    def _error(self, what: str, answer: str, where: str = "") -> RemoteRewardError:
+        """One line: the judge, what went wrong, the fields read (``where``) and the start of ``answer``."""
+        return RemoteRewardError(f"{self.server.name} {what}{where}: {quoted(answer)}")
+
+
+def error_of(answer: httpx.Response) -> tuple[str, str | None, str] | None:
+    """(type, param, message) of an error answer in vLLM's or SGLang's shape (rewards/chat_answer.py)."""
+    try:
+        body = answer.json()
+    except ValueError:
+        return None
+    return error_message(body)
 
 
 def check_arguments(
@@ -235,6 +278,17 @@ def check_sampling(temperature: float, seed: int, max_tokens: int, max_in_flight
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
+def check_logprobs_range(score_from: ScoreFrom, low: float, high: float) -> None:
+    """With ``score_from=logprobs``, a ``score_range`` whose numbers are single digits: a two-digit score is two
+    tokens for Qwen-family tokenizers ("10" is "1", "0"), and its first token's candidates would read it as 1."""
+    if score_from is ScoreFrom.logprobs and max(abs(low), abs(high)) >= 10:
+        raise ValueError(
+            f"score_from=logprobs reads a score from the candidates of one token, and score_range [{low:g}, "
+            f"{high:g}] holds numbers of two digits, which Qwen-family tokenizers write a digit per token: use "
+            "score_from=text, or a range of single digits such as [1, 5]"
+        )
+
+
 def compiled_pattern(pattern: str) -> re.Pattern[str]:
     """``score_pattern`` compiled; ValueError unless it is a regular expression with exactly one group."""
     try:
@@ -257,14 +311,6 @@ def api_key_headers(api_key_env: str | None) -> dict[str, str]:
     if not key:
         raise ValueError(f"api_key_env: the environment variable {api_key_env} is not set: export it with the key")
     return {"Authorization": f"Bearer {key}"}
-
-
-def parsed_number(text: str) -> float | None:
-    """The number ``text`` spells (spaces around it allowed), or None."""
-    try:
-        return float(text.strip())
-    except ValueError:
-        return None
 
 
 def png_data_url(image: Tensor) -> str:

@@ -15,7 +15,8 @@ an hour does not hold a step for an hour. A request thus ends within (retries + 
 When the tries run out: ``RemoteUnavailable``. Every other answer (2xx, 3xx, other 4xx) is the caller's to read.
 
 ``ServedScorer`` is what the served scorers share: the request at start-up, and a batch that scores NaN when its
-tries run out (rewards/remote.py says why it skips the step rather than stopping the run).
+tries run out, with a warning naming the server and the last error (what a NaN batch does to a step, the term left
+out or the step skipped, is the caller's to decide and to say).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class ServedScorer(Scorer):
         except RemoteUnavailable as err:
             tries = self.server.retries + 1
             logging.getLogger(type(self).__module__).warning(
-                "%s after %d tries: this step's rewards are NaN and its update is skipped", err, tries
+                "%s after %d tries: this batch of %d images scores NaN", err, tries, images.shape[0]
             )
             return torch.full((images.shape[0],), math.nan)
         return self.read_scores(answers, images.shape[0])

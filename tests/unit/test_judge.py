@@ -117,7 +117,7 @@ BAD_ANSWERS = {
     "no-number": (chat("The image shows a cat. It is nice."), r"answered without a score matching score_pattern: 'The"),
     "cut-short": (
         chat("Alignment Score: 4\nCoherence", finish_reason="length"),
-        r"answered without a score matching score_pattern \(cut at max_tokens: raise it\): "
+        r"was cut at max_tokens=512 before its answer ended: raise max_tokens; it wrote: "
         r"'Alignment Score: 4 Coherence'",
     ),
     "content-filter": (chat("", finish_reason="content_filter"), r"refused to score \('content_filter'\)"),
@@ -127,7 +127,7 @@ BAD_ANSWERS = {
     "no-choices": ({"object": "list", "data": []}, r"answered without 'choices' \(not the chat completions API\?\)"),
     "unknown-model": (
         JSONResponse({"error": {"message": "The model `judge` does not exist."}}, status_code=404),
-        r"refused the request: 404: '\{\"error\":\{\"message\":\"The model `judge` does not exist\.\"\}\}'",
+        r"refused the request: 404 error: 'The model `judge` does not exist\.'",
     ),
     "refused-key": (JSONResponse({"error": "bad key"}, status_code=401), r"refused the request: 401 \(is api_key_env"),
 }
