@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import importlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -57,6 +57,13 @@ class Scorer(abc.ABC):
                 f"reward {self.name!r}: score() must return one value per image, shape [{images.shape[0]}], got {got}"
             )
         return scores.to(device=images.device, dtype=torch.float32)
+
+    @classmethod
+    def check_arguments(cls, arguments: Mapping[str, Any]) -> None:
+        """The constructor's ``arguments`` (every one by name, defaults filled in) checked without loading or
+        contacting anything: ValueError in the scorer's own words. A scorer whose constructor reaches a server
+        overrides it, so that its settings are refused before any work starts; nothing by default."""
+        return None
 
     @abc.abstractmethod
     def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:

@@ -43,7 +43,8 @@ import io
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import httpx
 import torch
@@ -61,7 +62,7 @@ from rewards.chat_answer import (
     verdict_of,
 )
 from rewards.preprocess import to_uint8
-from rewards.served import RemoteRewardError, ServedScorer, Server
+from rewards.served import RemoteRewardError, ServedScorer, Server, bearer_headers, check_address, check_tries
 from settings import Choice, member
 
 UNIFIED_REWARD_TEMPLATE = (
@@ -111,26 +112,37 @@ class JudgeScorer(ServedScorer):
         max_tokens: int = 512,
         max_in_flight: int = 8,
     ) -> None:
-        check_arguments(base_url, model, prompt_template, score_range, timeout_s, retries)
-        check_sampling(temperature, seed, max_tokens, max_in_flight)
+        self.check_arguments(locals())  # every argument by name, before anything reaches the server
         self.pattern = compiled_pattern(score_pattern)
         self.template, self.model = prompt_template, model
         self.low, self.high = float(score_range[0]), float(score_range[1])
         self.score_from = member(ScoreFrom, score_from, "score_from")
-        check_logprobs_range(self.score_from, self.low, self.high)
         self.sampling = {"temperature": float(temperature), "seed": int(seed), "max_tokens": int(max_tokens)}
         if self.score_from is ScoreFrom.logprobs:
             self.sampling |= {"logprobs": True, "top_logprobs": TOP_LOGPROBS}
         self.max_in_flight = int(max_in_flight)
         url = base_url.rstrip("/")
         name = f"judge {model!r} at {url}"
-        self.server = Server(url, name, float(timeout_s), int(retries), api_key_headers(api_key_env))
+        self.server = Server(url, name, float(timeout_s), retries, api_key_headers(api_key_env))
         self._check_model()
+
+    @classmethod
+    def check_arguments(cls, arguments: Mapping[str, Any]) -> None:
+        """Every argument, the key in ``api_key_env``'s variable included, without contacting the judge."""
+        check_address("base_url", arguments["base_url"], "http://127.0.0.1:8000/v1")
+        check_tries(arguments["timeout_s"], arguments["retries"])
+        check_request(arguments["model"], arguments["prompt_template"], arguments["score_range"])
+        check_sampling(arguments["temperature"], arguments["seed"], arguments["max_tokens"], arguments["max_in_flight"])
+        compiled_pattern(arguments["score_pattern"])
+        low, high = arguments["score_range"]
+        check_logprobs_range(member(ScoreFrom, arguments["score_from"], "score_from"), float(low), float(high))
+        api_key_headers(arguments["api_key_env"])
 
     def _check_model(self) -> None:
         """At start-up (before the transformer loads): the server answers and serves ``model``, or one line."""
         answer = self._first_answer("/models", "start it, or check base_url")
         if answer.status_code == 404:
+            self._check_root()
             return  # a server without the model list: the first request will say whether it serves the model
         body = self._json(answer)
         data = body.get("data") if isinstance(body, dict) else None
@@ -140,6 +152,17 @@ class JudgeScorer(ServedScorer):
             raise RemoteRewardError(
                 f"{self.server.name}: the server does not serve it (it serves {shown}): check model"
             )
+
+    def _check_root(self) -> None:
+        """A 404 at ``<base_url>/models``: one line saying "add /v1" when the server answers at
+        ``<base_url>/v1/models``, as vLLM and SGLang do (a base_url without /v1 is the commonest mistake)."""
+        url = self.server.url
+        if url.endswith("/v1") or self._first_answer("/v1/models", "check base_url").status_code == 404:
+            return
+        raise RemoteRewardError(
+            f"{self.server.name} answered 404 at /models and serves /v1/models: add /v1 to base_url ({url}/v1; "
+            "vLLM and SGLang serve the API under /v1)"
+        )
 
     def bodies(self, images: Tensor, prompts: Sequence[str]) -> list[dict]:
         return [self._body(image, prompt) for image, prompt in zip(images, prompts)]
@@ -183,7 +206,8 @@ class JudgeScorer(ServedScorer):
         if answer.status_code != 200:
             hint = " (is api_key_env's variable the server's key?)" if answer.status_code in (401, 403) else ""
             error = error_of(answer)
-            if error is None:
+            if error is None:  # not the API's error: a path it does not serve answers 404
+                hint = hint or (" (is base_url the API's root, ending in /v1?)" if answer.status_code == 404 else "")
                 raise self._error(f"refused the request: {answer.status_code}{hint}", answer.text)
             kind, param, text = error
             hint = hint or (f" (check {REQUEST_FIELDS[param]})" if param in REQUEST_FIELDS else "")
@@ -249,12 +273,8 @@ def error_of(answer: httpx.Response) -> tuple[str, str | None, str] | None:
     return error_message(body)
 
 
-def check_arguments(
-    base_url: str, model: str, template: str, score_range: Sequence[float], timeout_s: float, retries: int
-) -> None:
-    """The judge's address, model, template, score range and request limits, in the scorer's words."""
-    if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
-        raise ValueError(f"base_url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {base_url!r}")
+def check_request(model: str, template: str, score_range: Sequence[float]) -> None:
+    """The judge's model, template and score range, in the scorer's words."""
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must name the served model (its name in <base_url>/models), got {model!r}")
     if not isinstance(template, str) or "{prompt}" not in template:
@@ -263,10 +283,6 @@ def check_arguments(
     finite = all(isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b) for b in bounds)
     if len(bounds) != 2 or not finite or bounds[0] >= bounds[1]:
         raise ValueError(f"score_range must be [low, high] with finite numbers low < high, got {score_range!r}")
-    if not (isinstance(timeout_s, int | float) and 0 < timeout_s < math.inf):
-        raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
-    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-        raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
 
 
 def check_sampling(temperature: float, seed: int, max_tokens: int, max_in_flight: int) -> None:
@@ -310,7 +326,10 @@ def api_key_headers(api_key_env: str | None) -> dict[str, str]:
     key = os.environ.get(api_key_env)
     if not key:
         raise ValueError(f"api_key_env: the environment variable {api_key_env} is not set: export it with the key")
-    return {"Authorization": f"Bearer {key}"}
+    try:
+        return bearer_headers(api_key_env, key)
+    except ValueError as err:
+        raise ValueError(f"api_key_env: {err}") from None
 
 
 def png_data_url(image: Tensor) -> str:

@@ -35,7 +35,8 @@ from __future__ import annotations
 import base64
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import httpx
 import numpy as np
@@ -43,7 +44,7 @@ import torch
 from torch import Tensor
 
 from rewards.preprocess import to_uint8
-from rewards.served import RemoteRewardError, ServedScorer, Server
+from rewards.served import RemoteRewardError, ServedScorer, Server, bearer_headers, check_address, check_tries
 
 TOKEN_ENV = "JAGG_REWARD_TOKEN"
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -124,16 +125,19 @@ class RemoteScorer(ServedScorer):
     score_path = "/score"
 
     def __init__(self, url: str, *, timeout_s: float = 60.0, retries: int = 2) -> None:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"url must be an http(s) URL, got {url!r}")
-        if not timeout_s > 0 or retries < 0:
-            raise ValueError(f"timeout_s must be > 0 and retries >= 0, got {timeout_s} and {retries}")
+        self.check_arguments({"url": url, "timeout_s": timeout_s, "retries": retries})
         self.url = url.rstrip("/")
-        token = os.environ.get(TOKEN_ENV)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.server = Server(self.url, f"reward server {self.url}", float(timeout_s), int(retries), headers)
+        headers = bearer_headers(TOKEN_ENV, os.environ.get(TOKEN_ENV))
+        self.server = Server(self.url, f"reward server {self.url}", float(timeout_s), retries, headers)
         answer = self._first_answer("/health", "start it, or check that it runs")
         self.scorer = scorer_identity(self._payload(answer), url=self.url)  # the one every answer must name
+
+    @classmethod
+    def check_arguments(cls, arguments: Mapping[str, Any]) -> None:
+        """The address, the tries and the token in ``JAGG_REWARD_TOKEN``, without contacting the server."""
+        check_address("url", arguments["url"], "http://127.0.0.1:8100")
+        check_tries(arguments["timeout_s"], arguments["retries"])
+        bearer_headers(TOKEN_ENV, os.environ.get(TOKEN_ENV))
 
     def _payload(self, answer: httpx.Response) -> object:
         """The JSON of a 2xx answer (429 and 5xx were retried by ``request``); else RemoteRewardError."""

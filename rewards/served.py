@@ -14,6 +14,11 @@ before the next try is the server's ``Retry-After`` when it sends one (seconds o
 an hour does not hold a step for an hour. A request thus ends within (retries + 1) x timeout_s plus its waits.
 When the tries run out: ``RemoteUnavailable``. Every other answer (2xx, 3xx, other 4xx) is the caller's to read.
 
+The settings of a served reward are checked without the network (``check_address``, ``check_tries``,
+``bearer_headers``: a scheme other than http(s), a port beyond 65535, a deadline that is not a number, a fractional
+number of retries, a key that an HTTP header cannot carry), by each scorer's ``check_arguments``, which its
+constructor and the trainer's start-up check both call before anything reaches the server.
+
 ``ServedScorer`` is what the served scorers share: the request at start-up, and a batch that scores NaN when its
 tries run out, with a warning naming the server and the last error (what a NaN batch does to a step, the term left
 out or the step skipped, is the caller's to decide and to say).
@@ -25,11 +30,13 @@ import abc
 import asyncio
 import logging
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import ClassVar
+from urllib.parse import urlsplit
 
 import httpx
 import torch
@@ -99,6 +106,46 @@ class ServedScorer(Scorer):
 
     def to(self, device: torch.device | str) -> ServedScorer:
         return self  # the model lives in its server; scores come back to the images' device
+
+
+def check_address(name: str, url: object, example: str) -> None:
+    """``url`` (the argument ``name``) is an http(s) address with a host and a port a socket can take; ValueError
+    naming ``name`` and showing ``example`` (how the address is written) otherwise."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"{name} must start with http:// or https:// (e.g. {example}), got {url!r}")
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # beyond 65535, or not a number
+        port = 0
+    if not parts.hostname or port == 0 or any(c.isspace() for c in url):
+        shape = f"http(s)://HOST[:PORT] with a port from 1 to 65535 (e.g. {example})"
+        raise ValueError(f"{name} must be {shape}, got {url!r}")
+
+
+def check_tries(timeout_s: object, retries: object) -> None:
+    """The deadline of one try and the tries after the first, as ``Server`` takes them; ValueError naming each."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout_s must be a number of seconds > 0 (the deadline of one try), got {timeout_s!r}")
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"retries must be a whole number >= 0 (the tries after the first), got {retries!r}")
+
+
+def bearer_headers(variable: str, key: str | None) -> dict[str, str]:
+    """``Authorization: Bearer <key>`` (none without a key), the key read from the environment variable
+    ``variable``; ValueError naming the variable (never the key) when a header cannot carry it: a space, a line
+    ending (a key saved by a Windows editor ends in \\r) or a character beyond printable ASCII."""
+    if not key:
+        return {}
+    bad = re.search(r"[^\x21-\x7e]", key)
+    if bad:
+        where = "at its end" if bad.start() == len(key) - 1 else f"at character {bad.start() + 1} of {len(key)}"
+        copied = " (a line ending copied with it?)" if bad.group() in "\r\n" else ""
+        raise ValueError(
+            f"the key in the environment variable {variable} holds {bad.group()!r} {where}, which an HTTP header "
+            f"cannot carry{copied}: export {variable} with the key alone"
+        )
+    return {"Authorization": f"Bearer {key}"}
 
 
 def request(

@@ -1,16 +1,70 @@
-"""The served rewards (docs/reliability.md, The reward server and the judge): an answer outside the protocol or a
-judge's answer without a score ends the run in one line once the steps before it are saved; a server that drips its
-answer ends each step at the request's deadline; one that never answers at start-up is named as stuck."""
+"""The served rewards (docs/reliability.md, The reward server and the judge): their settings refused by the
+launchers' check and the trainer alike, without the network; a judge's base_url without /v1 named at start-up; an
+answer outside the protocol or a judge's answer without a score ends the run in one line once the steps before it
+are saved; a server that drips its answer ends each step at the request's deadline; one that never answers at
+start-up is named as stuck."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
-from run_folders import metrics, refused_line
+from run_folders import ROOT, metrics, refused_line
+from small_run import the_error
+
+import train.cli.check as check_command
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
+
+# A served reward's setting the server is never asked about: (its component, what the one line says). No server
+# listens at these addresses: the check reaches none.
+JUDGE = "+reward.components.judge={{base_url: '{url}', model: judge, retries: 0{more}}}"
+REMOTE = "+reward.components.remote={{url: '{url}', timeout_s: {timeout}, retries: {retries}}}"
+BAD_SERVED = {
+    "judge-ftp": (
+        JUDGE.format(url="ftp://127.0.0.1:8000/v1", more=""),
+        r"reward\.components\.judge\.base_url must start with http:// or https:// .*got 'ftp://127\.0\.0\.1:8000/v1'",
+    ),
+    "remote-timeout-text": (
+        REMOTE.format(url="http://127.0.0.1:9", timeout="abc", retries=0),
+        r"reward\.components\.remote\.timeout_s must be a number of seconds > 0 .*got 'abc'",
+    ),
+    "remote-port": (
+        REMOTE.format(url="http://127.0.0.1:70000", timeout=1, retries=0),
+        r"reward\.components\.remote\.url must be http\(s\)://HOST\[:PORT\] with a port from 1 to 65535",
+    ),
+    "remote-retries-fraction": (
+        REMOTE.format(url="http://127.0.0.1:9", timeout=1, retries=1.5),
+        r"reward\.components\.remote\.retries must be a whole number >= 0 .*got 1\.5",
+    ),
+    "judge-key-line-ending": (
+        JUDGE.format(url="http://127.0.0.1:9/v1", more=", api_key_env: JUDGE_KEY"),
+        r"reward\.components\.judge\.api_key_env: the key in the environment variable JUDGE_KEY holds '\\r' at its end",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SERVED))
+def test_a_served_setting_is_refused_by_the_launchers_check_and_the_trainer_alike(case, launch, tmp_path, capsys,
+                                                                                  monkeypatch):  # fmt: skip
+    """python -m train.cli.check passed these (the launcher then started torchrun, which restarted the refused
+    worker), and the trainer refused them with a traceback (timeout_s 'abc', a port beyond 65535), took 1.5 retries
+    as 1, or called a key ending in \\r "unreachable": both now refuse each in the same one line, and nothing is
+    written."""
+    monkeypatch.setenv("JUDGE_KEY", "s3cret\r")
+    served, expected = BAD_SERVED[case]
+    run_dir = tmp_path / "run"
+    try:
+        status = check_command.main(["experiment=tiny", f"hydra.run.dir={run_dir}", served])
+    except SystemExit as end:  # a refusal after the settings composed ends the process, as the trainer's does
+        status = end.code
+    err = capsys.readouterr().err
+    assert status == 2 and re.search(expected, the_error(err)), err
+    assert re.search(expected, refused_line(launch, run_dir, served)) and not run_dir.exists()
 
 
 # A reward server that answers step 0 and then outside the protocol: what the one line says after the URL.
@@ -94,3 +148,35 @@ def test_a_judge_answer_without_a_score_is_one_line_after_the_steps_before_it(la
     assert f"judge 'judge' at {url}/v1 answered without a score matching score_pattern: 'I cannot" in line, line
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000001"]
     assert metrics(tmp_path / "run")[0]["reward/judge"] == pytest.approx((0.0 + 0.25) / 2)  # scores 1 and 2 -> 0, 1/4
+    assert "HTTP Request" not in (tmp_path / "run" / "__main__.log").read_text()  # httpx's line for every image
+
+
+def test_a_judge_base_url_without_v1_is_one_line_at_start_up(launch, tmp_path):
+    """A vLLM-shaped server (FastAPI, /v1/models and /v1/chat/completions) and base_url without /v1: the 404 at
+    /models was taken for a server without a model list, and step 0 stopped with a bare 404."""
+    pytest.importorskip("fastapi")
+    from reward_servers import chat, judge_server, serve
+
+    app, seen = judge_server(lambda body, number: chat("Final Score: 3"))
+    with serve(app) as url:
+        line = refused_line(launch, tmp_path / "run", f"+reward.components.judge={{base_url: '{url}', model: judge}}")
+    expected = f"reward.components.judge: judge 'judge' at {url} answered 404 at /models and serves /v1/models: add "
+    assert expected + f"/v1 to base_url ({url}/v1; vLLM" in line, line
+    assert not seen.bodies and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_served_setting_refused_by_the_launcher_never_starts_torchrun(tmp_path):
+    """scripts/launch/train.sh with a judge's base_url ftp://...: one line, status 2, torchrun never started (it
+    started before, and each restart printed the line again)."""
+    torchrun = tmp_path / "torchrun"  # a stand-in that records that it was started
+    torchrun.write_text('#!/usr/bin/env bash\ntouch "$(dirname "$0")/started"\n')
+    torchrun.chmod(0o755)
+    env = {**os.environ, "TORCHRUN": str(torchrun), "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
+    env |= {"RUN_DIR": str(tmp_path / "run"), "OMP_NUM_THREADS": "1"}
+    served = JUDGE.format(url="ftp://127.0.0.1:8000/v1", more="")
+    script = [str(ROOT / "scripts" / "launch" / "train.sh"), "tiny", served]
+    done = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert re.search(BAD_SERVED["judge-ftp"][1], the_error(done.stderr))
+    assert not (tmp_path / "started").exists() and not (tmp_path / "run").exists()

@@ -4,6 +4,7 @@ from the text or the log-probabilities, and how each failure ends (one line, or 
 from __future__ import annotations
 
 import base64
+import inspect
 import io
 import math
 import re
@@ -237,15 +238,19 @@ def test_the_server_and_the_model_are_checked_when_the_judge_is_built():
 
 
 BAD_ARGUMENTS = {
-    "base_url": ({"base_url": "127.0.0.1:8000"}, r"^base_url must be an http\(s\) URL"),
+    "base_url": ({"base_url": "127.0.0.1:8000"}, r"^base_url must start with http:// or https:// \(e\.g\. http"),
+    "base_url-ftp": ({"base_url": "ftp://127.0.0.1/v1"}, r"^base_url must start with http:// or https://"),
+    "base_url-port": ({"base_url": "http://127.0.0.1:80000/v1"}, r"^base_url must be http\(s\)://HOST\[:PORT\] with a"),
     "model": ({"model": ""}, r"^model must name the served model"),
     "prompt_template": ({"prompt_template": "Rate this image."}, r"^prompt_template must contain \{prompt\}"),
     "score_pattern": ({"score_pattern": "Final Score: \\d"}, r"^score_pattern must have exactly one group"),
     "score_pattern-regex": ({"score_pattern": "Final (Score"}, r"^score_pattern 'Final \(Score' is not a regular"),
     "score_range": ({"score_range": [5, 1]}, r"^score_range must be \[low, high\] with finite numbers low < high"),
     "score_from": ({"score_from": "tokens"}, r"^score_from='tokens' is not valid; accepted values: text, logprobs"),
-    "timeout_s": ({"timeout_s": 0}, r"^timeout_s must be a number > 0"),
-    "retries": ({"retries": -1}, r"^retries must be an integer >= 0"),
+    "timeout_s": ({"timeout_s": 0}, r"^timeout_s must be a number of seconds > 0"),
+    "timeout_s-text": ({"timeout_s": "abc"}, r"^timeout_s must be a number of seconds > 0 .*, got 'abc'"),
+    "retries": ({"retries": -1}, r"^retries must be a whole number >= 0"),
+    "retries-fraction": ({"retries": 1.5}, r"^retries must be a whole number >= 0 .*, got 1\.5"),
     "temperature": ({"temperature": -0.5}, r"^temperature must be a number >= 0"),
     "seed": ({"seed": 1.5}, r"^seed must be an integer >= 0"),
     "max_tokens": ({"max_tokens": 0}, r"^max_tokens must be an integer >= 1"),
@@ -255,9 +260,37 @@ BAD_ARGUMENTS = {
 
 @pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
 def test_each_argument_is_checked_in_the_scorers_words(case):
+    """By the constructor and by ``check_arguments`` alike, before anything reaches a server (none listens)."""
     change, message = BAD_ARGUMENTS[case]
+    arguments = {"base_url": _free_url() + "/v1", "model": "judge", **change}
     with pytest.raises(ValueError, match=message):
-        build_scorer("judge", **{"base_url": "http://127.0.0.1:1/v1", "model": "judge", **change})
+        build_scorer("judge", **arguments)
+    bound = inspect.signature(JudgeScorer).bind(**arguments)
+    bound.apply_defaults()
+    with pytest.raises(ValueError, match=message):
+        JudgeScorer.check_arguments(bound.arguments)
+
+
+@pytest.mark.parametrize("key, where", [("s3cret\r", r"'\\r' at its end"), ("s3 cret", "' ' at character 3 of 7")])
+def test_a_key_a_header_cannot_carry_is_named_without_repeating_it(key, where, monkeypatch):
+    """A key with a line ending (a file saved on Windows) or a space was "unreachable ... check base_url"."""
+    monkeypatch.setenv("JUDGE_KEY", key)
+    expected = rf"^api_key_env: the key in the environment variable JUDGE_KEY holds {where}"
+    with pytest.raises(ValueError, match=expected) as err:
+        JudgeScorer(_free_url() + "/v1", "judge", api_key_env="JUDGE_KEY")
+    assert "s3" not in str(err.value)  # the key is not repeated in the logs
+
+
+def test_a_base_url_without_v1_is_told_to_add_it():
+    """vLLM and SGLang serve /v1/models: a 404 at <base_url>/models, when <base_url>/v1/models answers, is a
+    base_url without /v1 (it was taken for a server without a model list, and step 0 stopped with a bare 404)."""
+    app, seen = judge_server(unified)
+    with serve(app) as url:
+        with pytest.raises(RemoteRewardError, match=rf"^judge 'judge' at {url} answered 404 at /models and serves "):
+            JudgeScorer(url, "judge", retries=0)
+        with pytest.raises(RemoteRewardError, match=rf"add /v1 to base_url \({url}/v1; vLLM and SGLang serve"):
+            JudgeScorer(url + "/", "judge", retries=0)
+    assert not seen.bodies  # refused at start-up, before any image
 
 
 @pytest.mark.parametrize("missing", ["base_url", "model"])

@@ -210,6 +210,29 @@ def test_a_server_that_fails_its_health_check_is_one_line(status, message):
             RemoteScorer(url, timeout_s=5, retries=0)
 
 
+BAD_ARGUMENTS = {
+    "ftp": ({"url": "ftp://127.0.0.1:8100"}, r"^url must start with http:// or https:// \(e\.g\. http://127"),
+    "port": ({"url": "http://127.0.0.1:70000"}, r"^url must be http\(s\)://HOST\[:PORT\] with a port from 1 to 65535"),
+    "no-host": ({"url": "http://:8100"}, r"^url must be http\(s\)://HOST\[:PORT\]"),
+    "timeout_s-text": ({"timeout_s": "abc"}, r"^timeout_s must be a number of seconds > 0 .*, got 'abc'"),
+    "timeout_s-zero": ({"timeout_s": 0}, r"^timeout_s must be a number of seconds > 0"),
+    "retries-fraction": ({"retries": 1.5}, r"^retries must be a whole number >= 0 .*, got 1\.5"),
+    "retries-negative": ({"retries": -1}, r"^retries must be a whole number >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_each_argument_is_checked_in_the_scorers_words(case):
+    """A TypeError (timeout_s 'abc'), an OverflowError (a port beyond 65535) and a silent int(1.5) before: each a
+    ValueError naming the argument, from the constructor and ``check_arguments`` alike, before any request."""
+    change, message = BAD_ARGUMENTS[case]
+    arguments = {"url": _free_port_url(), "timeout_s": 1.0, "retries": 0, **change}
+    with pytest.raises(ValueError, match=message):
+        RemoteScorer(**arguments)
+    with pytest.raises(ValueError, match=message):
+        RemoteScorer.check_arguments(arguments)
+
+
 def test_token_from_the_environment_is_checked(monkeypatch):
     app = _server_module().make_app(build_scorer("jpeg_compressibility"), max_bytes=2**20, token="s3cret")
     with serve(app) as url:
@@ -218,6 +241,9 @@ def test_token_from_the_environment_is_checked(monkeypatch):
             RemoteScorer(url, timeout_s=5, retries=0)
         monkeypatch.setenv(TOKEN_ENV, "s3cret")
         assert RemoteScorer(url, timeout_s=5, retries=0)(_images(), PROMPTS).isfinite().all()
+        monkeypatch.setenv(TOKEN_ENV, "s3cret\r")  # was "unreachable (LocalProtocolError)"
+        with pytest.raises(ValueError, match=rf"^the key in the environment variable {TOKEN_ENV} holds '\\r' at its"):
+            RemoteScorer(url, timeout_s=5, retries=0)
 
 
 def test_requests_over_the_size_limit_are_refused():

@@ -18,13 +18,19 @@ from train.ground.errors import ConfigError, PathError, config_key, every_missin
 
 
 def check_scorer(field_name: str, name: str, kwargs: dict[str, Any]) -> None:
-    """The settings under ``field_name`` are arguments scorer ``name`` takes, and the files and folders among
-    them (the constructor's parameters typed ``Path``) exist, every missing one named; nothing is built."""
-    signature = inspect.signature(scorer_class(name))
+    """The settings under ``field_name`` are arguments scorer ``name`` takes, its own checks of them pass (a served
+    scorer's address, tries and key: ``Scorer.check_arguments``, which reaches no server), and the files and
+    folders among them (the constructor's parameters typed ``Path``) exist, every missing one named; nothing is
+    built."""
+    cls = scorer_class(name)
+    signature = inspect.signature(cls)
     try:
-        signature.bind(**kwargs)
+        bound = signature.bind(**kwargs)
     except TypeError as err:
         raise ConfigError(f"{field_name}: {err} (the scorer's arguments are in docs/rewards.md)") from None
+    bound.apply_defaults()
+    with config_key(field_name, signature.parameters):
+        cls.check_arguments(bound.arguments)
     paths = {key for key, parameter in signature.parameters.items() if "Path" in str(parameter.annotation)}
     every_missing(partial(_exists, field_name, key, value) for key, value in kwargs.items()
                   if key in paths and value is not None)  # fmt: skip
