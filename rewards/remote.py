@@ -16,15 +16,17 @@ refuses any other; it is read from the environment on both ends, never from a co
 are logged and copied into run folders).
 
 Failures (the requests themselves: rewards/served.py):
+    * a setting no server needs to judge (the URL's scheme or port, ``timeout_s``, ``retries``, a token a header
+      cannot carry): ``check_arguments``, before any request, which the trainer's start-up check calls too;
     * the server is unreachable, stuck (it accepts the connection but does not answer within ``timeout_s``)
       or answers 5xx when the scorer is built (before the transformer loads): one line naming the URL and
       which of these it was;
     * a connection error, a try past ``timeout_s`` (the whole request, not one read: a server that answers a
       byte at a time fails at its deadline), a 429 or a 5xx answer during the run is retried ``retries`` times;
-      then the batch scores NaN, which skips the step on every rank as a NaN reward does (rewards/combine.py),
-      with a warning naming the URL and the last error. Skipping, not stopping: raising on one rank would leave
-      the others waiting in the next collective until dist.timeout_s, and a restarted server costs one step
-      instead of the run;
+      then the batch scores NaN, with a warning naming the URL and the last error: a required term's NaN skips
+      the step on every rank, an optional term is left out of it (rewards/combine.py). Skipping, not stopping:
+      raising on one rank would leave the others waiting in the next collective until dist.timeout_s, and a
+      restarted server costs one step instead of the run;
     * an answer that breaks the protocol (not JSON, a wrong number of scores, a non-number or one beyond
       float32's range, another scorer, a redirect, a 4xx such as a refused token) is a bug or a setting, not a
       hiccup: ``RemoteRewardError``, one sentence naming the URL, stops the run.
