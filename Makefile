@@ -35,7 +35,7 @@ test-slurm: $(VENV)/.installed
 		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; } || { \
 			echo "make: test-slurm needs slurm-wlm and munge: run it as root on Debian or Ubuntu, or install them"; exit 1; }; \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; }
-	$(BIN)/python -m pytest -q -m slurm tests/slurm
+	$(BIN)/python -m pytest -q -rP -m slurm tests/slurm
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

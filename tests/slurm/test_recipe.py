@@ -52,6 +52,15 @@ def after_first_step(cluster: Cluster, job_id: str, run_dir: Path) -> None:
     cluster.until("first training step", lambda: rows.exists() and rows.read_text().count("\n") >= 1, job_id)
 
 
+def show(cluster: Cluster, job_id: str, what: str) -> None:
+    """The job's fields and log, without its progress bar (make test-slurm prints them: pytest -rP)."""
+    fields = cluster.job(job_id)
+    print(f"job {job_id} {fields['JobName']}: {what}: JobState={fields['JobState']} Reason={fields['Reason']} "
+          f"Restarts={fields['Restarts']} ExitCode={fields['ExitCode']}")  # fmt: skip
+    lines = cluster.log(job_id).replace("\r", "\n").splitlines()
+    print("\n".join(f"  | {line}" for line in lines if line and not line.startswith("train:")))
+
+
 def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").iterdir())
 
@@ -69,7 +78,10 @@ def straight(cluster: Cluster) -> Path:
     """The uninterrupted run of the settings the stopped jobs run."""
     job_id, run_dir = submit(cluster, "straight", *SHORT)
     fields = ended(cluster, job_id)
-    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "0"), fields
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "0"), cluster.log(
+        job_id
+    )
+    show(cluster, job_id, "uninterrupted")
     return run_dir
 
 
@@ -84,16 +96,22 @@ def test_a_preempted_job_checkpoints_is_requeued_and_resumes_bit_for_bit(cluster
     step = assert_stopped_on_sigterm(log, run_dir)
     assert f"requeueing job {job_id}" in log and checkpoint_steps(run_dir)[-1] == step
     assert [row["step"] for row in metrics(run_dir)] == list(range(step))
-    # a requeued job may start only some two minutes later (Reason=BeginTime): moved to now instead of waiting
+    show(cluster, job_id, f"SIGTERM to the batch shell, checkpoint after step {step}, requeued")
+    # a requeued job may start only some two minutes later (Reason=BeginTime): once every process of its first
+    # start has ended, moved to now instead of waiting
+    cluster.until("end of the first start", cluster.idle, job_id)
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     fields = ended(cluster, job_id)
-    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), fields
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), cluster.log(
+        job_id
+    )
     assert f"resumed from {run_dir}/checkpoints/step_{step:08d} at step {step}" in cluster.log(job_id)
     assert_same_run(straight, run_dir, NUM_STEPS)  # its loss, reward and gradient norm, and its export
     for a, b in zip(metrics(straight), metrics(run_dir), strict=True):
         assert {k: v for k, v in a.items() if not k.startswith(CLOCKS)} == {
             k: v for k, v in b.items() if not k.startswith(CLOCKS)
         }
+    show(cluster, job_id, f"resumed, its {NUM_STEPS} rows and export those of the uninterrupted run")
 
 
 def test_a_cancelled_job_checkpoints_and_stays_cancelled(cluster):
@@ -107,6 +125,7 @@ def test_a_cancelled_job_checkpoints_and_stays_cancelled(cluster):
     # the batch shell decides on a requeue before it ends: the ended job's state is final
     assert (fields["JobState"], fields["Restarts"]) == ("CANCELLED", "0"), fields
     assert f"not requeued: job {job_id} was" in log and "scancel: error" not in log, log  # nothing signalled again
+    show(cluster, job_id, f"scancel, checkpoint after step {step}, not requeued")
 
 
 def test_a_job_refused_for_a_bad_setting_fails_once_and_is_not_requeued(cluster):
@@ -116,3 +135,4 @@ def test_a_job_refused_for_a_bad_setting_fails_once_and_is_not_requeued(cluster)
     log = cluster.log(job_id)
     assert "python -m train: error: num_steps must be > 0, got 0" in log, log
     assert "torchrun" not in log and not run_dir.exists()  # refused before torchrun, nothing written
+    show(cluster, job_id, "refused")
