@@ -1,5 +1,5 @@
-"""scripts/launch/slurm.sbatch on a real one-node Slurm cluster (conftest.py), submitted as docs/clusters.md tells a
-user: its check of the setup (the demo, CPU, one process) for a few steps, with sbatch. A job preempted through the
+"""scripts/launch/slurm.sbatch on a real one-node Slurm cluster (slurm_cluster.py), as docs/clusters.md tells a
+user to submit its check of the setup (the demo, CPU, one process), a few steps, with sbatch. A job preempted by the
 recipe's own signal path writes its checkpoint, is requeued, resumes and ends bit for bit where an uninterrupted
 run of the same settings ends; a job cancelled with scancel writes its checkpoint and stays cancelled; a job refused
 for a bad setting fails once, not requeued. make test-slurm runs them (as root; it installs slurm-wlm and munge)."""
