@@ -10,23 +10,32 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-fast test-long lint install
+.PHONY: demo test test-fast test-long test-slurm lint install
 
 demo: $(VENV)/.installed
 	$(BIN)/python -m train
 
 test: $(VENV)/.installed $(VENV)/.test-extras
-	$(BIN)/python -m pytest -q -m "not long" tests
+	$(BIN)/python -m pytest -q -m "not long and not slurm" tests
 
 # the inner loop: every test but those marked slow (subprocesses, torchrun, long training)
 test-fast: $(VENV)/.installed $(VENV)/.test-extras
-	$(BIN)/python -m pytest -q -m "not slow and not long" tests
+	$(BIN)/python -m pytest -q -m "not slow and not long and not slurm" tests
 
 # what make test leaves out to keep CI under 20 minutes on 2 cores: the four-process runs (HSDP, the
 # two-node rehearsal), the one-rank failure on 2 ranks and the compiled-against-eager tests (inductor
 # compiles for minutes)
 test-long: $(VENV)/.installed $(VENV)/.test-extras
 	$(BIN)/python -m pytest -q -m long tests
+
+# scripts/launch/slurm.sbatch on a real one-node Slurm cluster that the tests start and stop (tests/slurm/, as
+# root): installs Debian's slurm-wlm and munge first where they are missing
+test-slurm: $(VENV)/.installed
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null || { \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; } || { \
+			echo "make: test-slurm needs slurm-wlm and munge: run it as root on Debian or Ubuntu, or install them"; exit 1; }; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; }
+	$(BIN)/python -m pytest -q -rP -m slurm tests/slurm
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

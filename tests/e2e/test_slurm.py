@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -90,13 +91,16 @@ def test_the_grace_is_the_same_for_slurm_and_torchrun():
 
 def start_job(fakes: Path, torchrun: str, **env: str) -> subprocess.Popen:
     """The batch shell with stand-ins: srun runs the node's command itself (node 0); torchrun is ``torchrun``
-    (its pid in torchrun.pid); scancel records its call and signals torchrun and the shell around it, as Slurm
-    signals every process of a step."""
+    (its pid in torchrun.pid); scancel records its call and signals torchrun and the shell around it
+    (``signal_step``), as Slurm signals every process of a step."""
     tool(fakes, "srun", 'while [[ "$1" != bash ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n')
-    tool(fakes, "python", "exit 0\n")  # the settings check before torchrun passes (tests/e2e/test_faults_mistakes.py)
+    # the settings check before torchrun passes (tests/e2e/test_faults_mistakes.py); the filter of the node's
+    # stderr is the real interpreter's
+    tool(fakes, "python", f'[[ "$1 $2" == "-m train.cli.check" ]] && exit 0\nexec {sys.executable} "$@"\n')
     tool(fakes, "torchrun", 'echo $$ > "$FAKES/torchrun.pid"\n' + torchrun)
-    tool(fakes, "scancel", 'echo "scancel $*" >> "$FAKES/events"\npid=$(cat "$FAKES/torchrun.pid")\n'
+    tool(fakes, "signal_step", 'pid=$(cat "$FAKES/torchrun.pid")\n'
          'kill -TERM "$pid" "$(cut -d" " -f4 /proc/$pid/stat)"\n')  # fmt: skip
+    tool(fakes, "scancel", 'echo "scancel $*" >> "$FAKES/events"\nsignal_step\n')
     tool(fakes, "squeue", '[[ "$*" == "--noheader --jobs 4242 --format %T" ]] && echo "$JOB_STATE"\n')
     full = job_env(fakes, SLURM_JOB_NUM_NODES="1", FAKES=str(fakes), TORCHRUN=str(fakes / "torchrun"),
                    **{"JOB_STATE": "RUNNING", **env})  # fmt: skip
@@ -109,8 +113,15 @@ def events(fakes: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-# torchrun as it answers SIGTERM: its workers write a checkpoint (here: 1 s), then it exits with status 1
-STOPS = 'trap \'sleep 1; echo "checkpoint written" >> "$FAKES/events"; exit 1\' TERM\nwhile true; do sleep 0.1; done\n'
+# torchrun's last words on SIGTERM, and those of a crash (torch 2.14's traceback, its middle left out)
+TRACEBACK = 'Traceback (most recent call last):\n  File "/venv/bin/torchrun", line 8, in <module>\n    main()\n'
+SIGNALLED = "torch.distributed.elastic.multiprocessing.api.SignalException: Process 7 got signal: 15"
+CRASHED = "ValueError: a bug"
+# torchrun as it answers SIGTERM: its workers write a checkpoint (here: 1 s) and end the progress bar's line
+# (its steps end in a carriage return), then it ends in its traceback, status 1
+STOPS = ("trap 'sleep 1; echo \"checkpoint written\" >> \"$FAKES/events\"; "
+         "printf \"\\n%s\" \"$LAST_WORDS\" >&2; exit 1' TERM\n"
+         "while true; do printf '\\rtrain: step' >&2; sleep 0.1; done\n")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -122,23 +133,31 @@ STOPS = 'trap \'sleep 1; echo "checkpoint written" >> "$FAKES/events"; exit 1\' 
     ],
 )
 def test_sigterm_reaches_torchrun_once_and_the_stopped_job_is_requeued(fakes, state, restarts, requeued, why):
-    job = start_job(fakes, STOPS, SLURM_RESTART_COUNT=restarts, JOB_STATE=state)
+    job = start_job(fakes, STOPS, SLURM_RESTART_COUNT=restarts, JOB_STATE=state,
+                    LAST_WORDS=f"{TRACEBACK}{SIGNALLED}\n")  # fmt: skip
     deadline = time.monotonic() + 60
     while not (fakes / "torchrun.pid").exists():
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()
         time.sleep(0.1)
+    if state != "RUNNING":  # scancel: Slurm signals every step itself, and the batch shell
+        subprocess.run(["bash", str(fakes / "signal_step")], env={**os.environ, "FAKES": str(fakes)}, check=True)
     job.send_signal(signal.SIGTERM)  # Slurm's --signal=B:TERM@<grace>: the batch shell only
     time.sleep(0.3)
     job.send_signal(signal.SIGTERM)  # a second notice (a preemption) is not forwarded again
     _, err = job.communicate(timeout=60)
     # the shell around torchrun waited for it: the job's status is torchrun's, after the checkpoint
     assert job.returncode == 1, err
+    forward = ["scancel --signal=TERM 4242"] if state == "RUNNING" else []  # a cancelled job is no longer there
     requeue = ["scontrol requeue 4242"] if requeued else []
-    assert events(fakes) == ["scancel --signal=TERM 4242", "checkpoint written", *requeue]
+    assert events(fakes) == [*forward, "checkpoint written", *requeue]
     assert why in err
+    # torchrun's answer to SIGTERM is one line, not its traceback; the progress bar came through
+    assert "torchrun stopped on SIGTERM after its workers" in err and "Traceback" not in err
+    assert "train: step" in err
 
 
-def test_a_job_that_ends_by_itself_is_not_requeued(fakes):
-    job = start_job(fakes, "exit 3\n")  # a failed setting, a bug: a requeue would repeat it
-    job.communicate(timeout=60)
+def test_a_job_that_ends_by_itself_is_not_requeued_and_its_traceback_is_kept(fakes):
+    job = start_job(fakes, f"printf %s '{TRACEBACK}{CRASHED}' >&2\nexit 3\n")  # a bug: a requeue would repeat it
+    _, err = job.communicate(timeout=60)
     assert job.returncode == 3 and events(fakes) == []
+    assert f"{TRACEBACK}{CRASHED}" in err
