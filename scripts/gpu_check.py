@@ -7,12 +7,13 @@
 3. flux_dance's step again with ``model.compile=true``, against the eager one of 2.
 
 Without ``--flux-path`` / ``--qwenimage-path`` no weights are needed: each experiment's model folder is a
-stand-in, the tiny random pipeline (models/tiny.py: text encoders, VAE, tokenizers) whose transformer config
-takes, in the GPU mode, the real architecture's depth and block width (heads, head dim, RoPE axes; configs/arch/);
-the preflight builds its reduced transformer from that config with random weights, the planner plans the full
-depth. The images are sized to the real runs' 2025 image tokens (720 px at the real VAE's scale) on the tiny VAE.
-``--cpu``: the tiny pipelines as built, small batches, float32, the preflights on 2 ranks over gloo, no compiled
-step (inductor's first compile takes minutes on CPU).
+stand-in, the tiny random pipeline (models/tiny.py: text encoders, VAE, tokenizers) whose transformer config is cut
+to one block of each kind and, in the GPU mode, takes the real architecture's block width (heads, head dim, RoPE
+axes; configs/arch/); the preflight builds its transformer from that config with random weights, and the planner
+traces the same one-block model (the full-depth plan is ``python -m train.plan``'s, docs/planner.md). The images are
+sized to the real runs' 2025 image tokens (720 px at the real VAE's scale) on the tiny VAE. ``--cpu``: the tiny
+pipelines' widths, small batches, float32, the preflights on 2 ranks over gloo, no compiled step (inductor's first
+compile takes minutes on CPU).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class Mode:
     name: str
     device: str
     ranks: int  # processes per preflight (torchrun when > 1)
-    real_arch: bool  # the stand-in transformers take the real depth and block width (else the tiny ones)
+    real_arch: bool  # the stand-in transformers take the real block width (else the tiny pipeline's)
     side_tokens: int  # image tokens per side of the preflights' images
     jagg_tokens: tuple[int, int]  # image and text tokens of the JAGG check's segment
     overrides: tuple[str, ...]  # the preflights' sizes
@@ -74,7 +75,8 @@ class Mode:
 
 
 GPU = Mode("gpu", "cuda", 1, True, 45, (1024, 512), (
-    "device=cuda", "preflight.steps=2", "batch.prompts_per_rank=1", "batch.gradient_accumulation_steps=12",
+    "device=cuda", "preflight.steps=2", "checkpoint.keep_last=1", "batch.prompts_per_rank=1",
+    "batch.gradient_accumulation_steps=12",
 ), compile=True)  # fmt: skip
 CPU = Mode("cpu", "cpu", 2, False, 8, (64, 32), (
     "device=cpu", "model.dtype=float32", "model.options.max_sequence_length=32", "preflight.steps=1",
@@ -83,14 +85,16 @@ CPU = Mode("cpu", "cpu", 2, False, 8, (64, 32), (
 
 
 def stand_in(backbone: str, arch: str, dest: Path, *, real: bool) -> Path:
-    """The tiny random pipeline of ``backbone`` at ``dest``, with ``real`` its transformer config given the depth
-    and block width of ``arch`` (configs/arch/); its transformer weights removed (the preflight reads none)."""
+    """The tiny random pipeline of ``backbone`` at ``dest``, its transformer config cut to one block of each kind
+    (the preflight's reduced depth, so that no check sizes a full-depth checkpoint) and with ``real`` given the block
+    width of ``arch`` (configs/arch/); its transformer weights removed (the preflight reads none)."""
     build_tiny(backbone, dest, size="tiny")
     path = dest / "transformer" / "config.json"
     config = json.loads(path.read_text())
+    config |= {key: 1 for key in BLOCK_KEYS if key in config}
     if real:
         arch_config = json.loads((ARCH / arch / "transformer" / "config.json").read_text())
-        config |= {key: arch_config[key] for key in (*BLOCK_KEYS, *WIDTH_KEYS) if key in arch_config}
+        config |= {key: arch_config[key] for key in WIDTH_KEYS}
     path.write_text(json.dumps(config, indent=2))
     for weights in (dest / "transformer").glob("*.safetensors"):
         weights.unlink()
