@@ -32,15 +32,13 @@ def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _gpu_check(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
+    """The CPU mode's folder, as the documented command writes it (scripts/gpu_check.sh, this interpreter)."""
     out = tmp_path_factory.mktemp("gpu_check") / "out"
-    done = _gpu_check("--cpu", "--out", str(out), timeout=1200)
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
+    command = [str(SCRIPT), "--cpu", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return out
 
@@ -107,15 +105,22 @@ def test_versions_name_this_machine(results):
     assert versions["python"] == ".".join(map(str, sys.version_info[:3]))
 
 
-@pytest.mark.slow
-def test_bad_arguments_stop_in_one_line_before_any_work(tmp_path):
+def test_bad_arguments_stop_in_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from gpu_check import parse_args
+
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "old.txt").write_text("x")
-    done = _gpu_check("--cpu", "--out", str(tmp_path / "full"))
-    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("gpu_check: --out ")
-    done = _gpu_check("--cpu", "--flux-path", str(tmp_path), "--out", str(tmp_path / "new"))
-    assert done.returncode == 2 and "--flux-path" in done.stderr and "model_index.json" in done.stderr
-    assert not (tmp_path / "new").exists()
+    cases = [
+        (["--cpu", "--out", str(tmp_path / "full")], "gpu_check: --out ", "give a new folder"),
+        (["--cpu", "--flux-path", str(tmp_path), "--out", str(tmp_path / "new")], "gpu_check: --flux-path ",
+         "holds no model_index.json"),
+    ]  # fmt: skip
     if not torch.cuda.is_available():
-        done = _gpu_check("--out", str(tmp_path / "gpu"))
-        assert done.returncode == 2 and "scripts/gpu_check.sh --cpu" in done.stderr
+        cases.append((["--out", str(tmp_path / "gpu")], "gpu_check: no CUDA device here", "gpu_check.sh --cpu"))
+    for argv, start, fix in cases:
+        with pytest.raises(SystemExit) as stop:
+            parse_args(argv)
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and line.startswith(start) and fix in line, line
+    assert not (tmp_path / "new").exists() and not (tmp_path / "gpu").exists()
