@@ -43,18 +43,9 @@ class RewardConfig:
     advantages, the other weights renormalised), <the scorer's arguments, e.g. checkpoint: /path>}
     (docs/rewards.md). Untyped so that `+reward.components.pickscore.weight=0.5` can add a component from the
     command line."""
-    chunk_groups: int = 0
-    """GRPO groups per rollout chunk on a rank (>= 0; 0 = all of the rank's groups in one chunk). Each chunk is
-    decoded and handed to the reward as soon as it is rolled out, so a served reward (remote, judge) scores it
-    while the next chunk rolls out; the results equal one chunk's to float rounding. Default 0, from
-    docs/benchmarks/2026-12-reward-overlap-cpu.md: on the default job (CPU) chunks of 1 or 2 of its 8 groups made
-    the local reward's step 1.23x or 1.08x slower (smaller rollout batches) and hide nothing there; with a served
-    reward, 1 left 17% of its time exposed and 2 gave the fastest step. Set it with a served reward."""
 
     def __post_init__(self) -> None:
         self.combine = member(CombineMode, self.combine, "combine")
-        if isinstance(self.chunk_groups, bool) or not isinstance(self.chunk_groups, int) or self.chunk_groups < 0:
-            raise ValueError(f"chunk_groups must be an integer >= 0 (0: one chunk), got {self.chunk_groups!r}")
         for name, component in self.components.items():
             if name not in SCORER_NAMES:
                 raise ValueError(f"components.{name} is not a scorer; accepted names: {', '.join(SCORER_NAMES)}")

@@ -4,9 +4,9 @@ On each rank:
   1. draw ``prompts_per_rank`` prompts (train/data/prompts.py); each is a group of G samples on this rank
      that starts from one initial noise drawn from the stream (seed, "initial_noise", group id);
   2. roll out the N-step trajectory without gradients (SDE or Flow-GRPO-Fast window), in chunks of whole
-     groups (``reward.chunk_groups``);
-  3. decode and score each chunk as it finishes, a served reward while the next chunk rolls out; once every
-     score is in, combine and take group advantages (the reward stage, train/reward/stage.py);
+     groups (``reward.chunk_groups``), each chunk decoded and handed to the reward stage as it finishes
+     (``roll_out_and_score``), which scores it, a served reward while the next chunk rolls out;
+  3. once every score is in, combine and take group advantages (the reward stage, train/reward/stage.py);
   4. update (``update``, on the model's and the optimizer's parts): the router (train/algorithm/routing.py)
      may measure first; then micro-batches through train/algorithm/update.py (exact or JAGG per segment), one
      optimizer step per ``gradient_accumulation_steps`` samples, after clipping the global gradient norm. The
@@ -34,8 +34,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from models.base import Conditioning
-from samplers.rollout import KeptVelocities, Predict, Trajectory, group_noise, rollout, shared_start_steps
+from models.base import Backbone, Conditioning, decode_in_chunks
+from models.model_config import ModelConfig
+from samplers.rollout import (
+    KeptVelocities,
+    Predict,
+    Trajectory,
+    cat_trajectories,
+    group_noise,
+    rollout,
+    shared_start_steps,
+)
 from samplers.schedule import check_timesteps
 from samplers.window import rollout_forwards, sde_window
 from train.algorithm.jagg import Counts
@@ -52,6 +61,7 @@ from train.model.parts import ModelParts
 from train.observe.health import FLAT_IMAGES, flat_fraction
 from train.observe.perf import PhaseTimer, perf_metrics
 from train.optim.ema import EMA
+from train.reward.stage import RewardStage, Scored, StepScores
 from train.run.parts import OptimParts, Run
 
 log = logging.getLogger(__name__)
@@ -60,10 +70,11 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class StepRollout:
     """A step's rollout on this rank, drawn once (the groups' initial noise and SDE-noise streams, the SDE window,
-    the schedule, the conditioning) and run in chunks of whole groups (train/reward/stage.py): a group's samples
+    the schedule, the conditioning) and run in chunks of whole groups (``roll_out_and_score``): a group's samples
     depend on its own streams only, so any chunking gives the same trajectories to float rounding."""
 
     predict: Predict
+    backbone: Backbone  # its decoder
     cfg: TrainConfig
     cond: Conditioning  # B rows, G consecutive rows per group
     noise: Tensor  # [B, ...] z_0
@@ -97,6 +108,10 @@ class StepRollout:
         )
         return traj, self.prompts[rows.start : rows.stop]
 
+    def decode(self, traj: Trajectory) -> Tensor:
+        """The images [b, 3, H, W] in [0, 1] of a chunk's final latents."""
+        return decode_images(self.backbone, traj.latents[:, -1], self.cfg.model)
+
 
 def step_rollout(
     model: ModelParts,
@@ -122,6 +137,7 @@ def step_rollout(
         cond = backbone.encode(batch.prompts).repeat(size)
     return StepRollout(
         predict=model.policy,
+        backbone=backbone,
         cfg=cfg,
         cond=cond,
         noise=noise,
@@ -169,6 +185,50 @@ def sample_trajectories(
     )
 
 
+def decode_images(backbone: Backbone, latents: Tensor, model: ModelConfig) -> Tensor:
+    """Images [B, 3, H, W] of the final ``latents`` [B, ...], ``model.decode_batch`` per VAE call."""
+    with torch.no_grad():
+        return decode_in_chunks(backbone, latents, rows=model.decode_batch, height=model.height, width=model.width)
+
+
+def roll_out_and_score(
+    rollout: StepRollout, stage: RewardStage, timer: PhaseTimer
+) -> tuple[Trajectory, list[str], Scored]:
+    """Roll out the step in the reward stage's chunks (``reward.chunk_groups``), each decoded and handed to its
+    scores as soon as it is rolled out, so that a served term scores it while the next one rolls out (timed as
+    ``rollout`` and ``reward``: the reward time this thread spent decoding, scoring locally and waiting for the
+    served scores); the whole step's trajectories, prompts and scores."""
+    parts: list[Trajectory] = []
+    prompts: list[str] = []
+    with stage.scores() as scores:
+        for groups in stage.config.chunks(rollout.num_groups):
+            with timer.phase("rollout"):
+                traj, chunk_prompts = rollout.chunk(groups)
+            parts.append(traj)
+            prompts += chunk_prompts
+            with timer.phase("reward"):
+                hand_over(scores, rollout, traj, chunk_prompts)
+        with timer.phase("reward"):
+            collected = scores.collect()
+    traj = cat_trajectories(parts)
+    with timer.phase("reward"):
+        scored = stage.agree(scores, collected, traj.group_ids)
+    return traj, prompts, scored
+
+
+def hand_over(scores: StepScores, rollout: StepRollout, traj: Trajectory, prompts: list[str]) -> None:
+    """Decode a chunk and hand its images to ``scores``; nothing once this rank failed (the step ends: the rest
+    still rolls out, a sharded transformer's forwards being collectives); a decode that raises fails the step."""
+    if scores.failed:
+        return
+    try:
+        images = rollout.decode(traj)
+    except Exception as err:
+        scores.fail(None, err)
+        return
+    scores.add(images, prompts)
+
+
 def rollout_metrics(cfg: TrainConfig, traj: Trajectory) -> dict[str, float]:
     """The rollout's transformer calls per sample and, with an SDE window, where it started."""
     flags = traj.stochastic.tolist()
@@ -187,7 +247,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     with timer.phase("step"):
         with timer.phase("rollout"):
             rollout = step_rollout(run.model, run.data.prompts, cfg, step, device=run.device)
-        traj, prompts, scored = run.data.reward_stage.run(rollout, timer)
+        traj, prompts, scored = roll_out_and_score(rollout, run.data.reward_stage, timer)
         metrics = scored.metrics | {FLAT_IMAGES: flat_fraction(scored.images, cfg.health.flat_image_range)}
         if scored.advantages is not None:
             advantages = scored.advantages

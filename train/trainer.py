@@ -185,7 +185,7 @@ class Trainer:
         run, cfg = self.run, self.run.cfg
         if not evaluates(cfg.eval, start=start, num_steps=cfg.num_steps, again=again):
             return None
-        scorers = build_eval_scorers(cfg, run.device)
+        scorers = build_eval_scorers(cfg.eval.scorers, run.device)
         model, dist, device = run.model, run.dist, run.device
         parts = EvalParts(model.backbone, model.policy, scorers, cfg.eval, cfg.sampler, cfg.model, dist, device)
         return Evaluator(

@@ -81,9 +81,9 @@ def test_the_health_bounds(case):
 
 def black_images(monkeypatch) -> None:
     """Every rollout decodes to black images, as a policy that collapsed samples them."""
-    from train.reward import stage
+    from train import step
 
-    monkeypatch.setattr(stage, "decode_images", lambda backbone, latents, model: torch.zeros(len(latents), 3, 8, 8))
+    monkeypatch.setattr(step, "decode_images", lambda backbone, latents, model: torch.zeros(len(latents), 3, 8, 8))
 
 
 # How a resumed run diverges (steps 2 and 3 after the trained run's 2): the line's cause, and the checkpoint it

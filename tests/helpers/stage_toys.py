@@ -1,6 +1,6 @@
-"""Toy parts for the reward stage's tests (train/reward/stage.py), without a transformer: a rollout of seeded
-final latents per group, a backbone whose decode maps them into [0, 1], and scorers whose behaviour the test picks
-(local or served, slow, failing, NaN)."""
+"""Toy parts for the reward stage's tests (train/reward/stage.py, with the step's chunk loop of train/step.py),
+without a transformer: a rollout of seeded final latents per group that decodes them into [0, 1], and scorers
+whose behaviour the test picks (local or served, slow, failing, NaN)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 from probe_toys import ToyCond
@@ -21,7 +20,7 @@ from samplers.rollout import Trajectory
 from samplers.sampler_config import SamplerConfig
 from train.algorithm.grpo_config import GRPOConfig
 from train.distributed.collectives import DistInfo
-from train.reward.stage import RewardStage
+from train.reward.stage import RewardStage, RewardStageConfig, advantage_fn
 
 SIDE = 4  # the toy images are [3, SIDE, SIDE]
 
@@ -29,20 +28,22 @@ SIDE = 4  # the toy images are [3, SIDE, SIDE]
 @dataclass
 class ToyRollout:
     """``num_groups`` groups of ``group_size`` rows; a row's final latent is drawn from its group's own seed, so
-    any chunking gives the same rows. ``interrupt_at``: the chunk whose rollout raises KeyboardInterrupt."""
+    any chunking gives the same rows. ``interrupt_at``: the chunk whose rollout raises KeyboardInterrupt;
+    ``before_chunk``: called with each chunk's index as its rollout starts."""
 
     num_groups: int
     group_size: int = 2
     first_group: int = 0  # the id of the first group (another rank's groups start elsewhere)
     interrupt_at: int | None = None
-    delay_s: float = 0.0  # each chunk's rollout takes this long
+    before_chunk: Callable[[int], None] | None = None
     chunks: int = 0  # chunks rolled out so far
 
     def chunk(self, groups: range) -> tuple[Trajectory, list[str]]:
         if self.chunks == self.interrupt_at:
             raise KeyboardInterrupt
+        if self.before_chunk is not None:
+            self.before_chunk(self.chunks)
         self.chunks += 1
-        time.sleep(self.delay_s)
         ids = [self.first_group + g for g in groups]
         rows = [torch.randn(self.group_size, 3 * SIDE * SIDE, generator=torch.Generator().manual_seed(i)) for i in ids]
         latents = torch.stack([torch.zeros(len(ids) * self.group_size, 3 * SIDE * SIDE), torch.cat(rows)], dim=1)
@@ -62,12 +63,9 @@ class ToyRollout:
         )
         return traj, [f"prompt {i}" for i in ids for _ in range(self.group_size)]
 
-
-class ToyBackbone:
-    """Decodes a toy latent [B, 3 * SIDE * SIDE] into an image in [0, 1]."""
-
-    def decode(self, z: Tensor, *, height: int | None = None, width: int | None = None) -> Tensor:
-        return torch.sigmoid(z).reshape(-1, 3, SIDE, SIDE)
+    def decode(self, traj: Trajectory) -> Tensor:
+        """A chunk's final toy latents [b, 3 * SIDE * SIDE] as images in [0, 1]."""
+        return torch.sigmoid(traj.latents[:, -1]).reshape(-1, 3, SIDE, SIDE)
 
 
 class ToyScorer(Scorer):
@@ -123,16 +121,14 @@ def toy_stage(
     optional: Sequence[str] = (),
     rank: int = 0,
     world_size: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> RewardStage:
-    """A reward stage of ``components`` on the toy backbone, on the CPU."""
+    """A reward stage of ``components`` in chunks of ``chunk_groups`` groups, on the CPU."""
     dist = DistInfo(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"), is_main=rank == 0)
-    model = SimpleNamespace(decode_batch=0, height=SIDE, width=SIDE)
-    return RewardStage(
-        RewardCombiner(components, mode=mode, optional=optional),
-        ToyBackbone(),  # type: ignore[arg-type]
-        model,  # type: ignore[arg-type]
-        GRPOConfig(group_size=2),
-        chunk_groups=chunk_groups,
+    return RewardStageConfig(chunk_groups=chunk_groups).build(
+        rewards=RewardCombiner(components, mode=mode, optional=optional),
+        advantage=advantage_fn(GRPOConfig(group_size=2)),
         dist=dist,
         device=torch.device("cpu"),
+        clock=clock,
     )

@@ -15,6 +15,7 @@ from stage_toys import ToyRollout, ToyScorer, brightness, redness, toy_stage
 
 from train.observe.perf import PhaseTimer
 from train.run.start import process_group
+from train.step import roll_out_and_score
 
 
 def main() -> None:
@@ -28,7 +29,8 @@ def main() -> None:
         judge = ToyScorer(redness, served=True, fail=fail)
         components = {"a": (ToyScorer(brightness), 1.0), "judge": (judge, 1.0)}
         stage = toy_stage(components, chunk_groups=1, optional=["judge"], rank=dist.rank, world_size=dist.world_size)
-        _, _, scored = stage.run(ToyRollout(num_groups=2, first_group=2 * dist.rank), PhaseTimer())
+        rollout = ToyRollout(num_groups=2, first_group=2 * dist.rank)
+        _, _, scored = roll_out_and_score(rollout, stage, PhaseTimer())  # type: ignore[arg-type]  # a toy rollout
     result = {"metrics": scored.metrics, "advantages": scored.advantages.tolist(), "lines": lines}
     (out / f"rank{dist.rank}.json").write_text(json.dumps(result))
 

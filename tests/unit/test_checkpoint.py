@@ -244,3 +244,21 @@ def test_load_with_other_world_size_keeps_state_but_not_rng(tmp_path, trained) -
         assert manager.load(path, model=model, optimizer=optimizer) == {"step": 2}
     assert_same(snapshot(model), weights)
     torch.testing.assert_close(torch.rand(3), expected, rtol=0, atol=0)  # RNG left as it was
+
+
+def test_a_resume_may_change_the_settings_that_keep_the_same_numbers() -> None:
+    """reward.chunk_groups, like batch.micro_batch, changes only the batch shapes of the same computation: a
+    checkpoint does not record it, so a resume with another value compares equal, and allow_changed need not name
+    it; reward.combine, which changes the rewards, is recorded and compared."""
+    from train.checkpoint.settings import changed_keys, not_allowable, recorded_settings
+    from train.config.schema import TrainConfig
+
+    saved = recorded_settings(TrainConfig(), prompts="digest")
+    chunked, micro = TrainConfig(), TrainConfig()
+    chunked.reward.chunk_groups, micro.batch.micro_batch = 2, 1
+    assert "reward.chunk_groups" not in saved and "reward.combine" in saved
+    for now in (chunked, micro):
+        assert changed_keys(saved, recorded_settings(now, prompts="digest"), []) == []
+    assert "may change on resume without it" in str(not_allowable("reward.chunk_groups"))
+    chunked.reward.combine = "advantage"  # type: ignore[assignment]
+    assert changed_keys(saved, recorded_settings(chunked, prompts="digest"), []) == ["reward.combine"]

@@ -491,8 +491,8 @@ def test_an_optional_reward_term_reaches_the_combiner_and_not_its_scorer(tmp_pat
         "+reward.components.jpeg_compressibility.quality=80",
     ]
     cfg = load(overrides, tmp_path)
-    check_scorer_inputs(cfg)
-    rewards = build_rewards(cfg, torch.device("cpu"))
+    check_scorer_inputs(cfg.reward, None)
+    rewards = build_rewards(cfg.reward, torch.device("cpu"))
     assert rewards.optional == {"jpeg_compressibility"} and set(rewards.components) == {
         "shape_alignment",
         "jpeg_compressibility",

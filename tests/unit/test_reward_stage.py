@@ -1,6 +1,7 @@
-"""The reward stage (train/reward/stage.py): a chunked step equals one chunk; served scorers run in background
-workers that no step outlives; optional terms that fail or score NaN are left out, renormalised, counted and said
-once; required ones skip or stop the step as before."""
+"""The reward stage (train/reward/stage.py) as the step's chunk loop (train/step.py) hands it the rollout: a
+chunked step equals one chunk; served scorers run in background workers that no step outlives, their time behind
+the rollout counted as hidden; optional terms that fail or score NaN are left out, renormalised, counted and said
+once; required ones skip or stop the step as before. The stage's settings build it and count the chunks."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ from stage_toys import ToyRollout, ToyScorer, brightness, nan_scores, redness, t
 
 from rewards.combine import RewardCombiner
 from rewards.remote import RemoteRewardError
+from train.algorithm.grpo_config import GRPOConfig
 from train.config.schema import register_schema
+from train.distributed.collectives import DistInfo
 from train.ground.errors import ScorerFailed, ranks_agreed
 from train.observe.perf import PhaseTimer
-from train.reward.stage import RewardStage, advantage_fn, group_chunks
+from train.reward.stage import RewardStage, RewardStageConfig, advantage_fn
+from train.step import roll_out_and_score
 
 FAILURE = RuntimeError("the judge went away")
 
@@ -28,13 +32,29 @@ def reward_threads() -> list[str]:
 
 
 def run_stage(stage: RewardStage, rollout: ToyRollout):
-    return stage.run(rollout, PhaseTimer())
+    """The step's rollout and scoring (train/step.py's chunk loop) of the toy ``rollout``."""
+    return roll_out_and_score(rollout, stage, PhaseTimer())  # type: ignore[arg-type]  # a toy rollout
 
 
-def test_group_chunks_cover_every_group_once() -> None:
-    assert group_chunks(5, 0) == [range(0, 5)]
-    assert group_chunks(5, 2) == [range(0, 2), range(2, 4), range(4, 5)]
-    assert group_chunks(2, 8) == [range(0, 2)]
+def chunks(num_groups: int, chunk_groups: int) -> list[range]:
+    return RewardStageConfig(chunk_groups=chunk_groups).chunks(num_groups)
+
+
+def test_the_chunks_cover_every_group_once() -> None:
+    assert chunks(5, 0) == [range(0, 5)]
+    assert chunks(5, 2) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert chunks(2, 8) == [range(0, 2)]
+
+
+def test_the_settings_build_the_stage_and_refuse_a_copy_of_their_own_field() -> None:
+    """``build`` gives the stage its settings and the runtime parts; a runtime chunk_groups (a setting) is refused."""
+    config = RewardStageConfig(chunk_groups=2)
+    dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), is_main=True)
+    runtime = {"rewards": RewardCombiner({"a": (ToyScorer(brightness), 1.0)}), "dist": dist, "device": dist.device}
+    stage = config.build(**runtime, advantage=advantage_fn(GRPOConfig(group_size=2)))
+    assert stage.config is config and stage.rewards is runtime["rewards"]
+    with pytest.raises(TypeError, match=r"^RewardStageConfig\.build: chunk_groups are settings of the group"):
+        config.build(**runtime, advantage=stage.advantage, chunk_groups=1)
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +91,14 @@ def test_a_chunked_step_equals_one_chunk(tiny_run, chunk_groups) -> None:
     run, served = tiny_run, ToyScorer(brightness, served=True)
     rewards = RewardCombiner({**run.data.reward_stage.rewards.components, "served": (served, 0.5)})
     results = []
-    for chunks in (0, chunk_groups):
-        parts = (rewards, run.model.backbone, run.cfg.model, run.cfg.grpo)
-        stage = RewardStage(*parts, chunk_groups=chunks, dist=run.dist, device=run.device)
+    advantage = advantage_fn(run.cfg.grpo)
+    for size in (0, chunk_groups):
+        config = RewardStageConfig(chunk_groups=size)
+        stage = config.build(rewards=rewards, advantage=advantage, dist=run.dist, device=run.device)
         rollout = step_rollout(run.model, run.data.prompts, run.cfg, 3, device=run.device)
-        results.append(stage.run(rollout, PhaseTimer()))
+        results.append(roll_out_and_score(rollout, stage, PhaseTimer()))
     (one, _, whole), (chunked, prompts, parts) = results
-    assert served.calls[0].startswith("reward-served") and len(served.calls) == 1 + len(group_chunks(3, chunk_groups))
+    assert served.calls[0].startswith("reward-served") and len(served.calls) == 1 + len(chunks(3, chunk_groups))
     assert one.velocities is not None and chunked.velocities is not None and one.trainable.any()
     for name in ("latents", "log_probs", "velocities"):
         torch.testing.assert_close(getattr(chunked, name), getattr(one, name), rtol=1e-4, atol=1e-5, msg=name)
@@ -93,14 +114,68 @@ def test_a_chunked_step_equals_one_chunk(tiny_run, chunk_groups) -> None:
 def test_served_terms_score_in_workers_while_the_rollout_goes_on() -> None:
     """A served scorer's chunks run in its own worker, one at a time, and the step equals scoring after the
     whole rollout; the workers are gone when the step ends."""
-    served, local = ToyScorer(brightness, served=True, delay_s=0.05), ToyScorer(redness)
+    served, local = ToyScorer(brightness, served=True), ToyScorer(redness)
     components = {"judge": (served, 1.0), "local": (local, 1.0)}
-    # each chunk rolls out in 0.1 s: the judge's 0.05 s per chunk hide behind the next one, but the last
-    _, _, chunked = run_stage(toy_stage(components, chunk_groups=1), ToyRollout(num_groups=4, delay_s=0.1))
+    _, _, chunked = run_stage(toy_stage(components, chunk_groups=1), ToyRollout(num_groups=4))
     _, _, whole = run_stage(toy_stage(components), ToyRollout(num_groups=4))
     assert set(served.calls) == {"reward-judge_0"} and set(local.calls) == {threading.current_thread().name}
     torch.testing.assert_close(chunked.advantages, whole.advantages)
-    assert chunked.metrics["time/reward_hidden"] > 0.05 and whole.metrics["time/reward_hidden"] < 0.05
+    assert reward_threads() == []
+
+
+class FakeClock:
+    """The stage's clock: seconds pass only when a scorer says (``advance``); ``read_by_step`` is set once the
+    step's thread reads it, which it does only as it starts to wait for the served scores (``collect``)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.read_by_step = threading.Event()
+
+    def __call__(self) -> float:
+        if threading.current_thread() is threading.main_thread():
+            self.read_by_step.set()
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def answering(
+    clock: FakeClock, seconds: list[float], *, after: threading.Event | None = None, then: threading.Event | None = None
+) -> ToyScorer:
+    """A served scorer whose i-th answer takes ``seconds[i]`` on ``clock``, each once ``after`` is set; ``then`` is
+    set as each answer ends."""
+
+    def score(images: torch.Tensor) -> torch.Tensor:
+        if after is not None:
+            assert after.wait(timeout=60)
+        clock.advance(seconds[len(judge.calls) - 1])
+        if then is not None:
+            then.set()
+        return brightness(images)
+
+    judge = ToyScorer(score, served=True)
+    return judge
+
+
+def test_served_time_behind_the_rollout_is_hidden_and_the_time_waited_for_is_not() -> None:
+    """time/reward_hidden on a fake clock. Two chunks: the first chunk's answer (3 s) comes while the second rolls
+    out (its rollout waits for it), the second's is instant: 3 s hidden. One chunk: its answer (3 s) comes while
+    the step waits for it: nothing hidden."""
+    clock, answered = FakeClock(), threading.Event()
+
+    def after_the_first_answer(chunk: int) -> None:
+        assert chunk == 0 or answered.wait(timeout=60)
+
+    judge = answering(clock, [3.0, 0.0], then=answered)
+    rollout = ToyRollout(num_groups=2, before_chunk=after_the_first_answer)
+    _, _, chunked = run_stage(toy_stage({"judge": (judge, 1.0)}, chunk_groups=1, clock=clock), rollout)
+    assert chunked.metrics["time/reward_hidden"] == 3.0  # sums of whole seconds: exact in floats
+    clock = FakeClock()
+    waited = answering(clock, [3.0], after=clock.read_by_step)
+    _, _, whole = run_stage(toy_stage({"judge": (waited, 1.0)}, clock=clock), ToyRollout(num_groups=2))
+    assert whole.metrics["time/reward_hidden"] == 0.0 and clock.now == 3.0
+    torch.testing.assert_close(chunked.advantages, whole.advantages)
     assert reward_threads() == []
 
 
@@ -195,7 +270,7 @@ def test_advantages_of_a_chunked_step_use_the_whole_steps_groups() -> None:
     stage = toy_stage({"a": (ToyScorer(brightness), 1.0)}, chunk_groups=2)
     traj, _, scored = run_stage(stage, ToyRollout(num_groups=3))
     rewards = brightness(torch.sigmoid(traj.latents[:, -1]).reshape(-1, 3, 4, 4))
-    torch.testing.assert_close(scored.advantages, advantage_fn(stage.grpo)(rewards, traj.group_ids))
+    torch.testing.assert_close(scored.advantages, advantage_fn(GRPOConfig(group_size=2))(rewards, traj.group_ids))
 
 
 @pytest.mark.slow

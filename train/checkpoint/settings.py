@@ -37,7 +37,13 @@ RESUME_SETTINGS = (
     "ema",
 )
 # Under those, what changes only how the same numbers are computed (memory, speed, float rounding): not recorded.
-SAME_NUMBERS = ("update.offload_velocities", "update.share_group_start", "update.exact_batched", "batch.micro_batch")
+SAME_NUMBERS = (
+    "update.offload_velocities",
+    "update.share_group_start",
+    "update.exact_batched",
+    "batch.micro_batch",
+    "reward.chunk_groups",  # the rollout's chunks: other batch shapes in its matmuls, the same samples
+)
 # Per-rank settings compared as the global batch they make with the world size (``global_batch_refusal``).
 GLOBAL_BATCH = ("batch.prompts_per_rank", "batch.gradient_accumulation_steps")
 # Recorded too, but changed on purpose (a learning rate lowered by hand, another evaluation set): a resumed run

@@ -1,8 +1,9 @@
 """The trainer's configuration tree: TrainConfig, the run's own settings and one group per component, each group
 a dataclass beside the component that reads it (the sampler's in samplers/, the model's in models/, the rewards'
-in rewards/, the update's and GRPO's in train/algorithm/, the optimizer's in train/optim/, the logger's, the
-health's and perf's in train/observe/, the data's in train/data/, the process group's in train/distributed/, the
-checkpoints' in train/checkpoint/, the evaluation's in train/evaluation/). This module only composes them.
+in rewards/, extended by the reward stage's in train/reward/, the update's and GRPO's in train/algorithm/, the
+optimizer's in train/optim/, the logger's, the health's and perf's in train/observe/, the data's in train/data/,
+the process group's in train/distributed/, the checkpoints' in train/checkpoint/, the evaluation's in
+train/evaluation/). This module only composes them.
 
 Every field says its unit and whether it is per rank or global, in its attribute docstring (what ``--help``
 prints). The YAML tree under ``configs/`` fills these dataclasses (Hydra's ConfigStore registers them as
@@ -22,7 +23,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from models.model_config import ModelConfig
-from rewards.reward_config import RewardConfig
 from samplers.sampler_config import SamplerConfig
 from settings import Choice, positive
 from train.algorithm.grpo_config import BatchConfig, GRPOConfig
@@ -34,6 +34,7 @@ from train.distributed.collectives import DistConfig
 from train.evaluation.eval_config import EvalConfig
 from train.observe.observe_config import HealthConfig, LoggingConfig, PerfConfig
 from train.optim.optim_config import EMAConfig, OptimizerConfig
+from train.reward.stage import RewardStageConfig
 
 
 class Device(Choice):
@@ -68,7 +69,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward: RewardStageConfig = field(default_factory=RewardStageConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

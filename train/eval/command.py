@@ -160,9 +160,9 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
         if weights is not None and weights.kind == "checkpoint":
             check_checkpoint(weights)
         check_scorers(config)  # after the weights' checks, before any model loads
-        check_eval_scorers(config)
+        check_eval_scorers(config.eval.scorers)
         backbone, predict, device = build_for_eval(config, dist)
-        scorers = build_eval_scorers(config, device)
+        scorers = build_eval_scorers(config.eval.scorers, device)
         parts = EvalParts(backbone, predict, scorers, config.eval, config.sampler, config.model, dist, device)
 
         def run(tag: str) -> EvalResult:

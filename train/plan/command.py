@@ -13,7 +13,7 @@ and ``FlopCounterMode``:
                 the rank, keeping the velocities when the update reuses them; the transformer is
                 traced on the first step of each shape (the shared start's steps run one row per
                 group), its FLOPs scaled by the rows of every step
-    decode      ``train.reward.stage.decode_images`` of those samples (the reward models score the images next)
+    decode      ``train.step.decode_images`` of those samples (the reward models score the images next)
     update      ``train.algorithm.update.update_micro_batch``: one segment of W steps of one micro-batch (the GRPO loss,
                 the KL reference's batched call, ``train.algorithm.jagg.backward_segment``), once per update path
                 the run routes to (and exact), on the rollout's velocities or recomputing them as the

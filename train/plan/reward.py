@@ -15,7 +15,6 @@ as the preflight measured it); ``served``: the slowest served scorer's answer fo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,12 +46,6 @@ class RewardStage:
         served = self.served_seconds if self.served else 0.0
         hidden = (self.chunks - 1) * min(served, rollout_seconds / self.chunks)
         return local + self.chunks * served - hidden, hidden
-
-
-def num_chunks(cfg: TrainConfig) -> int:
-    """The rollout's chunks per rank and step: reward.chunk_groups groups each, the last one what remains."""
-    groups = cfg.reward.chunk_groups
-    return 1 if groups == 0 else math.ceil(cfg.batch.prompts_per_rank / groups)
 
 
 def runs_remotely(name: str) -> bool:
@@ -92,7 +85,7 @@ def reward_stage(cfg: TrainConfig, flops_per_image: dict[str, float], served_sec
     served = tuple(name for name in names if runs_remotely(name))
     images = cfg.grpo.group_size * cfg.batch.prompts_per_rank
     return RewardStage(
-        chunks=num_chunks(cfg),
+        chunks=len(cfg.reward.chunks(cfg.batch.prompts_per_rank)),  # those the step rolls out
         local=tuple(name for name in names if name not in served),
         served=served,
         local_flops=images * sum(flops_per_image.get(name, 0.0) for name in names if name not in served),

@@ -23,8 +23,7 @@ from train.distributed.parallelize import clip_grad_norm_
 from train.plan.counts import EXACT_BATCHED, text_tokens
 from train.plan.fake import known
 from train.plan.fake_run import TracedRun
-from train.reward.stage import decode_images
-from train.step import sample_trajectories, step_weights
+from train.step import decode_images, sample_trajectories, step_weights
 
 EXACT_TRACED_STEPS = 2  # the exact path's steps are alike and run one after another: two show its peak
 
@@ -126,7 +125,7 @@ def run_rollout(run: TracedRun, tensors: StepTensors, predict: TracedOnce, windo
 
 
 def run_decode(run: TracedRun, tensors: StepTensors) -> None:
-    """The decode of the rollout's final latents before scoring (``train.reward.stage.decode_images``)."""
+    """The decode of the rollout's final latents before scoring (``train.step.decode_images``)."""
     assert tensors.traj is not None
     tensors.images = decode_images(run.backbone, tensors.traj.latents[:, -1], run.cfg.model)
 

@@ -10,7 +10,7 @@ import torch
 
 from train.config.schema import TrainConfig
 from train.plan.report import PlanReport
-from train.plan.reward import num_chunks, runs_remotely
+from train.plan.reward import runs_remotely
 from train.preflight.verdict import Check, Status
 from train.run.parts import Run
 
@@ -31,8 +31,8 @@ class ScorerTiming:
 
 
 def chunk_images(cfg: TrainConfig) -> int:
-    """The images of one chunk of a rank's rollout."""
-    return cfg.grpo.group_size * -(-cfg.batch.prompts_per_rank // num_chunks(cfg))
+    """The images of the first (the largest) chunk of a rank's rollout, as the step rolls it out."""
+    return cfg.grpo.group_size * len(cfg.reward.chunks(cfg.batch.prompts_per_rank)[0])
 
 
 def _timed(run: Run, score: object, images: torch.Tensor, prompts: list[str]) -> float:

@@ -51,7 +51,7 @@ from train.probe.probe_config import ProbeConfig, probe_settings
 from train.run.build import open_run
 from train.run.parts import Run
 from train.run.start import load_config, process_group
-from train.step import step_rollout
+from train.step import roll_out_and_score, step_rollout
 from train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def probe(run: Run, p: ProbeConfig) -> dict[str, Any]:
     for batch in range(max_batches):
         keep = stale or cfg.grpo.ratio_norm
         rollout = step_rollout(run.model, run.data.prompts, cfg, batch, device=run.device, keep_velocities=keep)
-        traj, _, scored = run.data.reward_stage.run(rollout, PhaseTimer(run.device))
+        traj, _, scored = roll_out_and_score(rollout, run.data.reward_stage, PhaseTimer(run.device))
         advantages = scored.advantages
         if advantages is None:  # a NaN reward (the reward stage warned); this batch is not measured
             continue

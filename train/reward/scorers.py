@@ -4,6 +4,7 @@ start-up (before any of them, or the model, loads), then built on the run's devi
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,7 @@ import torch
 
 from rewards.base import Scorer, build_scorer, scorer_class
 from rewards.combine import RewardCombiner
-from rewards.reward_config import optional_terms
-from train.config.schema import TrainConfig
+from rewards.reward_config import RewardConfig, optional_terms
 from train.ground.errors import ConfigError, PathError, config_key, every_missing
 
 
@@ -49,21 +49,21 @@ def _reward_arguments(component: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in component.items() if key not in ("weight", "required")}
 
 
-def check_scorer_inputs(cfg: TrainConfig) -> None:
+def check_scorer_inputs(reward: RewardConfig, eval_scorers: Mapping[str, Any] | None) -> None:
     """What the scorers read, checked at start-up (``validate``) before any of them (or the model) loads, rather
-    than when each one builds: the rewards' arguments and files, and with an evaluation (eval.every) those of
-    eval.scorers; every missing file named at once."""
+    than when each one builds: the rewards' arguments and files, and with an evaluation those of ``eval_scorers``
+    (eval.scorers; None without one); every missing file named at once."""
     checks = [
         partial(check_scorer, f"reward.components.{name}", name, _reward_arguments(dict(component)))
-        for name, component in cfg.reward.components.items()
+        for name, component in reward.components.items()
     ]
-    every_missing([*checks, partial(check_eval_scorers, cfg)] if cfg.eval.every else checks)
+    every_missing(checks if eval_scorers is None else [*checks, partial(check_eval_scorers, eval_scorers)])
 
 
-def check_eval_scorers(cfg: TrainConfig) -> None:
-    """``check_scorer`` on each of eval.scorers."""
+def check_eval_scorers(scorers: Mapping[str, Any]) -> None:
+    """``check_scorer`` on each of eval.scorers (``scorers``: name -> constructor arguments)."""
     every_missing(partial(check_scorer, f"eval.scorers.{name}", name, dict(kwargs))
-                  for name, kwargs in cfg.eval.scorers.items())  # fmt: skip
+                  for name, kwargs in scorers.items())  # fmt: skip
 
 
 def _scorer(field_name: str, name: str, kwargs: dict[str, Any], device: torch.device) -> Scorer:
@@ -72,20 +72,18 @@ def _scorer(field_name: str, name: str, kwargs: dict[str, Any], device: torch.de
         return build_scorer(name, **kwargs).to(device)
 
 
-def build_rewards(cfg: TrainConfig, device: torch.device) -> RewardCombiner:
+def build_rewards(reward: RewardConfig, device: torch.device) -> RewardCombiner:
     """Every reward model is replicated on every rank: scoring is data-parallel and frozen."""
     components = {
         name: (
             _scorer(f"reward.components.{name}", name, _reward_arguments(comp), device),
             float(comp.get("weight", 1.0)),
         )
-        for name, comp in cfg.reward.components.items()
+        for name, comp in reward.components.items()
     }
-    return RewardCombiner(components, mode=cfg.reward.combine, optional=optional_terms(cfg.reward.components))
+    return RewardCombiner(components, mode=reward.combine, optional=optional_terms(reward.components))
 
 
-def build_eval_scorers(cfg: TrainConfig, device: torch.device) -> dict[str, Scorer]:
-    """The evaluation metrics of ``eval.scorers`` (name -> constructor arguments)."""
-    return {
-        name: _scorer(f"eval.scorers.{name}", name, dict(kwargs), device) for name, kwargs in cfg.eval.scorers.items()
-    }
+def build_eval_scorers(scorers: Mapping[str, Any], device: torch.device) -> dict[str, Scorer]:
+    """The evaluation metrics of eval.scorers (``scorers``: name -> constructor arguments)."""
+    return {name: _scorer(f"eval.scorers.{name}", name, dict(kwargs), device) for name, kwargs in scorers.items()}

@@ -1,10 +1,12 @@
-"""The reward stage: a rank's rollout runs in chunks of whole GRPO groups (``reward.chunk_groups``); as each
-chunk finishes it is decoded and scored while the next one rolls out, and the step's advantages wait for
-every score, so the result equals scoring after the whole rollout (to float rounding: other batch shapes).
+"""The reward stage: the step (train/step.py) rolls its rollout out in chunks of whole GRPO groups
+(``reward.chunk_groups``, ``RewardStageConfig.chunks``) and hands each chunk's images to the step's scores as soon
+as it is decoded, so that a served term scores a chunk while the next one rolls out; the stage scores and
+collects, and the step's advantages wait for every score, so the result equals scoring after the whole rollout
+(to float rounding: other batch shapes).
 
-    chunk 1: rollout | decode, local scores | submit to the served scorers' workers
-    chunk 2:          rollout               | decode, local scores | submit ...
-    ...                                                             | wait for the served scores
+    chunk 1: rollout | decode | local scores, submit to the served scorers' workers
+    chunk 2:          rollout  | decode | local scores, submit ...
+    ...                                                          | collect: wait for the served scores
     agree with the other ranks (one all-reduce) -> advantages
 
 A served scorer (``Scorer.runs_remotely``: the remote reward, a judge) scores in a background thread of its own,
@@ -15,51 +17,67 @@ waited for within its own deadline): a step that fails or is interrupted (Ctrl+C
 
 Failures follow the rules of scoring after the whole rollout, per chunk. A required term's NaN or inf skips
 the update on every rank; its protocol error (``RemoteRewardError``) stops the run with one line naming
-``reward.components.<name>`` (``ScorerFailed``); any other exception ends the step on every rank at the same
-point (``RankFailed`` on the others). An optional term (``required: false``) that fails or scores NaN is left
-out of the step's advantages on every rank, the other weights renormalised (rewards/combine.py), counted by
-``reward/<name>/missing`` and said on the console once per cause; a step with no weighted term left is skipped.
-After a failure this rank still rolls out its remaining chunks without scoring them: a sharded transformer's
-forwards are collectives the other ranks wait in.
+``reward.components.<name>`` (``ScorerFailed``); any other exception (a decode's too) ends the step on every rank
+at the same point (``RankFailed`` on the others). An optional term (``required: false``) that fails or scores NaN
+is left out of the step's advantages on every rank, the other weights renormalised (rewards/combine.py), counted
+by ``reward/<name>/missing`` and said on the console once per cause; a step with no weighted term left is skipped.
+After a failure this rank still rolls out its remaining chunks without decoding or scoring them
+(``StepScores.failed``): a sharded transformer's forwards are collectives the other ranks wait in.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass, field
 from types import TracebackType
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from models.base import Backbone, decode_in_chunks
-from models.model_config import ModelConfig
 from rewards.combine import AdvantageFn, NonFiniteRewardError, RewardCombiner
 from rewards.remote import RemoteRewardError
-from samplers.rollout import Trajectory, cat_trajectories
+from rewards.reward_config import RewardConfig
+from settings.configurable import Configurable
 from train.algorithm.grpo import group_advantages
 from train.algorithm.grpo_config import AdvStd, GRPOConfig
 from train.distributed.collectives import DistInfo, all_gather_tensor, all_reduce_max
 from train.ground.errors import RankFailed, ScorerFailed, mark_agreed
-from train.observe.perf import PhaseTimer
 
 log = logging.getLogger(__name__)
 
 OK, NAN_REWARD, FAILED = 0, 1, 2  # a rank's outcome of its own part of the reward stage
 
 
-class ChunkedRollout(Protocol):
-    """A step's rollout, drawn once (noise, SDE window) and run a few groups at a time."""
+@dataclass
+class RewardStageConfig(RewardConfig, Configurable["RewardStage"]):
+    """The reward's settings (rewards/reward_config.py) and the stage's own: how the step hands it the rollout."""
 
-    @property
-    def num_groups(self) -> int: ...
+    chunk_groups: int = 0
+    """GRPO groups per rollout chunk on a rank (>= 0; 0 = all of the rank's groups in one chunk). Each chunk is
+    decoded and handed to the reward as soon as it is rolled out, so a served reward (remote, judge) scores it
+    while the next chunk rolls out; the results equal one chunk's to float rounding (a resume may change it).
+    Default 0, from docs/benchmarks/2026-12-reward-overlap-cpu.md: on the default job (CPU) chunks of 1 or 2 of
+    its 8 groups made the local reward's step 1.23x or 1.08x slower (smaller rollout batches) and hide nothing
+    there; with a served reward, 1 left 17% of its time exposed and 2 gave the fastest step. Set it with a served
+    reward."""
 
-    def chunk(self, groups: range) -> tuple[Trajectory, list[str]]:
-        """The trajectories of ``groups`` (indices among the step's groups on this rank) and their prompts."""
-        ...
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.chunk_groups, bool) or not isinstance(self.chunk_groups, int) or self.chunk_groups < 0:
+            raise ValueError(f"chunk_groups must be an integer >= 0 (0: one chunk), got {self.chunk_groups!r}")
+
+    @classmethod
+    def owner(cls) -> type[RewardStage]:
+        return RewardStage
+
+    def chunks(self, num_groups: int) -> list[range]:
+        """The groups of each chunk of a rank's ``num_groups`` groups, in order: ``chunk_groups`` at a time (the last
+        chunk may hold fewer), all at once for 0. The step rolls out these chunks; the planner counts them."""
+        size = self.chunk_groups or num_groups
+        return [range(first, min(first + size, num_groups)) for first in range(0, num_groups, size)]
 
 
 @dataclass
@@ -70,18 +88,6 @@ class Scored:
     images: Tensor  # [B, 3, H, W] in [0, 1]
     rewards: Tensor | None  # [B] combined reward per sample (None when skipped)
     metrics: dict[str, float]
-
-
-def group_chunks(num_groups: int, chunk_groups: int) -> list[range]:
-    """The groups of each chunk: ``chunk_groups`` at a time (the last chunk may hold fewer), all at once for 0."""
-    size = chunk_groups or num_groups
-    return [range(first, min(first + size, num_groups)) for first in range(0, num_groups, size)]
-
-
-def decode_images(backbone: Backbone, latents: Tensor, model: ModelConfig) -> Tensor:
-    """Images [B, 3, H, W] of the final ``latents`` [B, ...], ``model.decode_batch`` per VAE call."""
-    with torch.no_grad():
-        return decode_in_chunks(backbone, latents, rows=model.decode_batch, height=model.height, width=model.width)
 
 
 def advantage_fn(g: GRPOConfig) -> AdvantageFn:
@@ -106,10 +112,12 @@ def group_spread(scores: Tensor, group_ids: Tensor) -> float:
 
 @dataclass
 class StepScores:
-    """One step's scores, chunk by chunk, and what went wrong (module docstring). A context manager: its exit
-    shuts every worker down."""
+    """One step's scores, chunk by chunk as the step hands them over (``add``), and what went wrong (module
+    docstring); ``collect`` waits for the served ones. A context manager: its exit shuts every worker down."""
 
     rewards: RewardCombiner
+    clock: Callable[[], float] = time.perf_counter  # what the served scores' seconds are read from
+    images: list[Tensor] = field(default_factory=list)  # per chunk handed over, scored or not
     parts: dict[str, list[Tensor | Future]] = field(default_factory=dict)  # per term, per chunk
     workers: dict[str, ThreadPoolExecutor] = field(default_factory=dict)  # one per served term
     dropped: dict[str, str] = field(default_factory=dict)  # optional term -> why it is left out
@@ -129,11 +137,18 @@ class StepScores:
         for worker in self.workers.values():  # a request in flight ends within its own deadline
             worker.shutdown(wait=True, cancel_futures=True)
 
+    @property
+    def failed(self) -> bool:
+        """This rank's step ends (the rest of its rollout is neither decoded nor scored)."""
+        return self.outcome == FAILED
+
     def scoring(self, name: str) -> bool:
         return self.outcome == OK and name not in self.dropped
 
     def add(self, images: Tensor, prompts: list[str]) -> None:
-        """Score a chunk's ``images``: the served terms in their workers, the others here."""
+        """Keep a chunk's ``images`` and score them: the served terms in their workers, the others here (nothing
+        once a NaN skips the step; its images are still logged)."""
+        self.images.append(images)
         for name in self.rewards.components:
             if not self.scoring(name):
                 continue
@@ -147,10 +162,10 @@ class StepScores:
                 self.fail(name, err)
 
     def _served(self, name: str, images: Tensor, prompts: list[str]) -> tuple[Tensor, float]:
-        began = time.perf_counter()
+        began = self.clock()
         with torch.no_grad():  # grad mode is per thread
             scores = self.rewards.score_term(name, images, prompts)
-        return scores, time.perf_counter() - began
+        return scores, self.clock() - began
 
     def fail(self, name: str | None, err: Exception) -> None:
         """Term ``name`` (None: the decode) raised ``err``: drop an optional term, else skip or stop the step."""
@@ -170,68 +185,40 @@ class StepScores:
             for i, part in enumerate(parts):
                 if not isinstance(part, Future) or (not self.scoring(name) and part.cancel()):
                     continue
-                began = time.perf_counter()
+                began = self.clock()
                 try:
                     parts[i], took = part.result()
                     self.served_s += took
                 except Exception as err:
                     if self.scoring(name):
                         self.fail(name, err)
-                self.waited_s += time.perf_counter() - began
+                self.waited_s += self.clock() - began
         return {name: torch.cat(parts) for name, parts in self.parts.items() if self.scoring(name)}  # type: ignore[arg-type]
 
 
 @dataclass(eq=False)  # compared by identity, as a part of a run
 class RewardStage:
-    """Decode and score a step's rollout chunk by chunk, then the step's advantages (module docstring)."""
+    """Score a step's rollout as the step hands it over chunk by chunk, then the step's advantages (module
+    docstring). Built by its settings: ``RewardStageConfig.build(rewards=, advantage=, dist=, device=)``."""
 
-    rewards: RewardCombiner
-    backbone: Backbone
-    model: ModelConfig
-    grpo: GRPOConfig
+    config: RewardStageConfig
     _: KW_ONLY
-    chunk_groups: int
+    rewards: RewardCombiner  # the scorers, built
+    advantage: AdvantageFn  # a step's group advantages (``advantage_fn`` of the run's GRPO settings)
     dist: DistInfo
     device: torch.device
+    clock: Callable[[], float] = time.perf_counter  # what the served scores' seconds are read from
     _said: set[tuple[str, str]] = field(default_factory=set, init=False)  # (term, cause) already said on the console
 
-    def run(self, rollout: ChunkedRollout, timer: PhaseTimer) -> tuple[Trajectory, list[str], Scored]:
-        """Roll out and score the step chunk by chunk (timed as ``rollout`` and ``reward``: the reward time this
-        thread spent, decoding, scoring locally and waiting for the served scores); the whole step's
-        trajectories, prompts and scores."""
-        parts: list[Trajectory] = []
-        prompts: list[str] = []
-        images: list[Tensor] = []
-        with StepScores(self.rewards) as scores:
-            for groups in group_chunks(rollout.num_groups, self.chunk_groups):
-                with timer.phase("rollout"):
-                    traj, chunk_prompts = rollout.chunk(groups)
-                parts.append(traj)
-                prompts += chunk_prompts
-                with timer.phase("reward"):
-                    self._score_chunk(scores, traj, chunk_prompts, images)
-            with timer.phase("reward"):
-                collected = scores.collect()
-        traj = cat_trajectories(parts)
-        with timer.phase("reward"):
-            scored = self._agree(scores, collected, traj.group_ids, torch.cat(images) if images else None)
-        return traj, prompts, scored
+    def scores(self) -> StepScores:
+        """A step's scores, empty: ``with stage.scores() as scores``, ``scores.add`` each chunk, ``scores.collect()``
+        in the block, then ``stage.agree``."""
+        return StepScores(self.rewards, self.clock)
 
-    def _score_chunk(self, scores: StepScores, traj: Trajectory, prompts: list[str], images: list[Tensor]) -> None:
-        if scores.outcome == FAILED:  # the step ends: roll out the rest (collectives), decode and score nothing
-            return
-        try:
-            images.append(decode_images(self.backbone, traj.latents[:, -1], self.model))
-        except Exception as err:
-            scores.fail(None, err)
-            return
-        scores.add(images[-1], prompts)  # nothing once a NaN skips the step; its images are still logged
-
-    def _agree(
-        self, scores: StepScores, collected: dict[str, Tensor], group_ids: Tensor, images: Tensor | None
-    ) -> Scored:
+    def agree(self, scores: StepScores, collected: dict[str, Tensor], group_ids: Tensor) -> Scored:
         """Agree with the other ranks, in one all-reduce, on each rank's outcome and on the terms left out, then
-        the advantages (every rank computes them with the same terms)."""
+        the advantages (every rank computes them with the same terms) of the ``collected`` scores (the whole
+        step's rows, ``group_ids``)."""
         terms, world = list(self.rewards.components), self.dist.world_size
         flags = torch.zeros(world + len(terms), device=self.device)
         flags[self.dist.rank] = scores.outcome
@@ -239,7 +226,7 @@ class RewardStage:
         flags = all_reduce_max(flags)
         outcomes, dropped = flags[:world].tolist(), [name for name, f in zip(terms, flags[world:].tolist()) if f]
         raise_failures(scores.failure, [rank for rank, value in enumerate(outcomes) if value == FAILED])
-        assert images is not None
+        images = torch.cat(scores.images)
         self._say_dropped(dropped, scores.dropped)
         metrics = {f"reward/{name}/missing": float(name in dropped) for name in sorted(self.rewards.optional)}
         metrics["time/reward_hidden"] = max(scores.served_s - scores.waited_s, 0.0)
@@ -270,7 +257,7 @@ class RewardStage:
     ) -> Scored:
         """The step's advantages and reward metrics from every term left (every rank holds as many samples: the
         gathered tensors are the whole step's)."""
-        advantages, _ = self.rewards.advantages(scores, group_ids, advantage_fn(self.grpo))
+        advantages, _ = self.rewards.advantages(scores, group_ids, self.advantage)
         total = self.rewards.total(scores)
         metrics |= {f"reward/{name}": float(all_gather_tensor(s).mean()) for name, s in scores.items()}
         metrics |= {f"spread/{name}": group_spread(s, group_ids) for name, s in scores.items()}

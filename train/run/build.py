@@ -33,7 +33,7 @@ from train.observe.logger import RunLogger
 from train.observe.perf import CompileWatch, device_peak
 from train.optim.optimizer import adamw_settings, build_ema
 from train.reward.scorers import build_rewards
-from train.reward.stage import RewardStage
+from train.reward.stage import advantage_fn
 from train.run.folder import RunLock
 from train.run.parts import DataParts, IOParts, OptimParts, PerfParts, Run
 from train.run.startup_checks import check_mesh, check_resume, claim_folder
@@ -78,7 +78,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
     run_id = run_identity(cfg.resume, checkpoints, resume_from, dist) if training else None
     if training and not resume_from:  # a resumed run checked room for a checkpoint like its own (check_resume)
         check_room(cfg, checkpoints, skeleton)
-    rewards = build_rewards(cfg, device)  # before the transformer: a wrong reward path fails in seconds
+    rewards = build_rewards(cfg.reward, device)  # before the transformer: a wrong reward path fails in seconds
     # the checkpoint must have wrapped the modules LoRA wraps now: its weights load by their names
     lora_checkpoint = (checkpoints, resume_from) if training else None
     model, flops = build_model(cfg, dist, device, lora_checkpoint=lora_checkpoint)
@@ -87,9 +87,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
     prompts = PromptSampler(
         records, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, prompts_per_rank=cfg.batch.prompts_per_rank
     )
-    reward_stage = RewardStage(
-        rewards, model.backbone, cfg.model, cfg.grpo, chunk_groups=cfg.reward.chunk_groups, dist=dist, device=device
-    )
+    reward_stage = cfg.reward.build(rewards=rewards, advantage=advantage_fn(cfg.grpo), dist=dist, device=device)
     return Run(
         cfg=cfg,
         dist=dist,

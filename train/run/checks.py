@@ -110,7 +110,7 @@ def _validate_files(cfg: TrainConfig, *, rewards: bool) -> None:
         partial(read_prompts, cfg.data.train_prompts, field_name="data.train_prompts")
     ]
     if rewards:
-        checks.append(partial(check_scorer_inputs, cfg))
+        checks.append(partial(check_scorer_inputs, cfg.reward, cfg.eval.scorers if cfg.eval.every else None))
     if m.build_tiny is None:
         fix = "point it at a local diffusers pipeline folder"
         checks.append(partial(_folder, m.path, f"model.path={m.path!r} is not a folder; {fix}"))
