@@ -17,14 +17,14 @@ are logged and copied into run folders).
 
 Failures (the requests themselves: rewards/served.py):
     * the server is unreachable, stuck (it accepts the connection but does not answer within ``timeout_s``)
-      or answers 5xx when the scorer is built (before the transformer loads): one line naming the URL and
+      or answers 5xx when the scorer is built: one line naming the URL and
       which of these it was;
     * a connection error, a try past ``timeout_s`` (the whole request, not one read: a server that answers a
       byte at a time fails at its deadline), a 429 or a 5xx answer during the run is retried ``retries`` times;
-      then the batch scores NaN, which skips the step on every rank as a NaN reward does (rewards/combine.py),
-      with a warning naming the URL and the last error. Skipping, not stopping: raising on one rank would leave
-      the others waiting in the next collective until dist.timeout_s, and a restarted server costs one step
-      instead of the run;
+      then the batch scores NaN, a batch to skip as any NaN reward is (rewards/combine.py),
+      with a warning naming the URL and the last error. Skipping, not stopping: raising in one process of a
+      distributed job would leave the others waiting in their next collective until it times out, and a
+      restarted server costs one step instead of the run;
     * an answer that breaks the protocol (not JSON, a wrong number of scores, a non-number or one beyond
       float32's range, another scorer, a redirect, a 4xx such as a refused token) is a bug or a setting, not a
       hiccup: ``RemoteRewardError``, one sentence naming the URL, stops the run.
@@ -108,7 +108,7 @@ def decode_scores(body: object, *, url: str, expected: int) -> Tensor:
 
 def fits_float32(score: int | float) -> bool:
     """Whether a number becomes a float32 without overflowing to inf (inf and NaN themselves pass: a non-finite
-    reward skips the step, rewards/combine.py)."""
+    reward is a batch to skip, rewards/combine.py)."""
     try:
         value = float(score)
     except OverflowError:  # an integer beyond float64 itself

@@ -3,8 +3,8 @@
 ``RewardConfig`` checks itself when it is built and names the field that is wrong in its own words
 (``components.remote.url is not set ...``); whoever reads it from a larger configuration adds the path
 of the group in front. An empty ``components`` is the default a preset fills: whoever needs a reward
-refuses it (``RewardCombiner``, the trainer's validation). Whether a scorer's arguments fit it, and its
-files exist, is the scorer's to say.
+refuses it (``RewardCombiner`` does). Whether a scorer's arguments fit it, and its files exist, is the
+scorer's to say.
 """
 
 from __future__ import annotations
@@ -41,15 +41,13 @@ class RewardConfig:
     """scorer registry key (hpsv2 | clipscore | pickscore | jpeg_compressibility | ...) -> {weight: float
     (default 1), required: bool (default true; false: a failure or NaN of this term leaves it out of the step's
     advantages, the other weights renormalised), <the scorer's arguments, e.g. checkpoint: /path>}
-    (docs/rewards.md). Untyped so that `+reward.components.pickscore.weight=0.5` can add a component from the
-    command line."""
+    (docs/rewards.md). Untyped: any registered scorer may be added as a component, with its own arguments."""
     chunk_groups: int = 0
     """GRPO groups per rollout chunk on a rank (>= 0; 0 = all of the rank's groups in one chunk). Each chunk is
     decoded and handed to the reward as soon as it is rolled out, so a served reward (remote, judge) scores it
-    while the next chunk rolls out; the results equal one chunk's to float rounding. Default 0, from
-    docs/benchmarks/2026-12-reward-overlap-cpu.md: on the default job (CPU) chunks of 1 or 2 of its 8 groups made
-    the local reward's step 1.23x or 1.08x slower (smaller rollout batches) and hide nothing there; with a served
-    reward, 1 left 17% of its time exposed and 2 gave the fastest step. Set it with a served reward."""
+    while the next chunk rolls out; the results equal one chunk's to float rounding. Smaller chunks are smaller
+    rollout batches, which slow a local reward's step and hide nothing: set it with a served reward, measured
+    (docs/rewards.md, "Scoring while the rollout runs")."""
 
     def __post_init__(self) -> None:
         self.combine = member(CombineMode, self.combine, "combine")
