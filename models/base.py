@@ -1,4 +1,4 @@
-"""The backbone interface the trainer and the rollout see, and the typed prompt conditioning.
+"""The backbone interface (load, encode prompts, predict a velocity, decode latents) and the typed prompt conditioning.
 
 Conventions shared by every adapter:
     * Latents are *packed*: a VAE latent [B, C, h, w] becomes a grid of 2x2 patches
@@ -187,8 +187,8 @@ class Backbone(abc.ABC):
         """Move every loaded component to ``device``; returns self."""
 
     def decoder_units(self) -> list[nn.Module]:
-        """The VAE decoder's modules that ``model.compile`` compiles in place, as it does the transformer's
-        blocks (their names unchanged); none unless the adapter names them."""
+        """The VAE decoder's modules to compile in place one by one, as the transformer's blocks are (their names
+        unchanged); none unless the adapter names them."""
         return []
 
 

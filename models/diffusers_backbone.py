@@ -100,8 +100,8 @@ class DiffusersBackbone(Backbone):
 
     @abc.abstractmethod
     def set_options(self) -> None:
-        """Take the adapter's own keyword options (model.options), checked in its words; its signature lists
-        the options ``load`` accepts."""
+        """Take the adapter's own keyword options (``load``'s keyword arguments that name no component), checked
+        in its words; its signature lists the options ``load`` accepts."""
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -182,7 +182,7 @@ class DiffusersBackbone(Backbone):
 
     @transformer.setter
     def transformer(self, module: nn.Module) -> None:
-        # the trainer swaps in a wrapped transformer (LoRA, FSDP); predict must use the wrapper
+        # a wrapped transformer (LoRA, FSDP) may replace the loaded one; predict must use the wrapper
         self._parts["transformer"] = module
 
     @property
@@ -218,8 +218,8 @@ class DiffusersBackbone(Backbone):
     def _read_config(
         cls, name: str, path: str | Path | None, options: Mapping[str, Any]
     ) -> tuple[Component, dict[str, Any]]:
-        """Component ``name`` and its checked config (no weights are read); ``options``: model.options (a
-        ``<name>=<folder>`` of its own)."""
+        """Component ``name`` and its checked config (no weights are read); ``options``: ``load``'s keyword
+        arguments (a ``<name>=<folder>`` of its own)."""
         component = next(c for c in cls.components if c.name == name)
         folder = component_folders(cls.name, [component], path, options)[name]
         return component, read_config(cls.name, component, folder)

@@ -8,7 +8,7 @@ on the images' device. Images may be any size and live on any device; a scorer m
 own device and dtype, preprocesses them as tensors (no PIL round trip, no files) and returns the
 scores on the images' device. Model-based scorers are frozen (eval mode, ``requires_grad`` False
 on their weights) but never wrap scoring in ``torch.no_grad``: when the images require grad, the
-score is differentiable with respect to them. The trainer calls scorers under ``no_grad`` itself.
+score is differentiable with respect to them. A caller that needs no gradient scores under ``no_grad``.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ class Scorer(abc.ABC):
 
     name: ClassVar[str]
     runs_remotely: ClassVar[bool] = False
-    """True for a scorer served by another process (HTTP): the trainer scores with it in a background thread,
-    while the next rollout chunk runs, where a local scorer would compete with the rollout for the device."""
+    """True for a scorer served by another process (HTTP): its calls wait on the network, not on this device, so
+    they can run in a background thread while the device works, where a local scorer would compete for it."""
 
     def __call__(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
         check_inputs(images, prompts, scorer=self.name)

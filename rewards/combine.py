@@ -1,7 +1,7 @@
 """Several named rewards with weights, combined in one of two ways.
 
 With components k = 1..K, weights w_k, raw scores s_k [B] and a group advantage function A
-(the trainer's, e.g. ``train.algorithm.grpo.group_advantages``; ``rewards/`` never imports ``train/``):
+(``advantage_fn``, the caller's: GRPO's group-normalised advantages, for instance):
 
     mode="sum"        r = sum_k w_k s_k              (the paper's HPSv2.1 : CLIPScore = 1 : 1;
                                                       advantages are then A(r))
@@ -11,10 +11,10 @@ With components k = 1..K, weights w_k, raw scores s_k [B] and a group advantage 
 
 Every component is always returned separately, so each can be logged. A NaN or inf score is a
 ``NonFiniteRewardError`` naming the component and its scorer, never a value that flows into the
-advantages; the trainer skips such a step, while any other error of a scorer stops the run.
+advantages: a caller can tell it (a batch to skip) from any other error of a scorer (a bug or a setting).
 
-A component is required (the default) or optional. Scores may leave out optional components (the
-trainer leaves out one that failed or scored NaN in a step); the weights of the present ones P are then
+A component is required (the default) or optional. Scores may leave out optional components (one that
+failed or scored NaN in this batch); the weights of the present ones P are then
 renormalised so that their absolute values keep the sum of all of them:
 
     w'_k = w_k * sum_j |w_j| / sum_{j in P} |w_j|      (k in P)

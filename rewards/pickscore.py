@@ -7,7 +7,7 @@ tokenizes with the processor of ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``, hence
 ``scale`` picks the number reported:
     * ``cosine`` (default, the evaluation metric): the cosine of the normalised features, like the
       other CLIP-family rewards;
-    * ``flow_grpo`` (the training reward of ``configs/reward/pickscore.yaml``): flow_grpo's
+    * ``flow_grpo`` (flow_grpo's training reward): flow_grpo's
       ``logit_scale.exp() * cosine / 26`` (flow_grpo/pickscore_scorer.py), about 0.85 for a good image,
       so that its clip ranges, KL betas and learning rates carry over with its recipe.
 """

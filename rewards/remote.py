@@ -19,13 +19,13 @@ Failures (the requests themselves: rewards/served.py):
     * a setting no server needs to judge (the URL's scheme or port, ``timeout_s``, ``retries``, a token a header
       cannot carry): ``check_arguments``, before any request, which the trainer's start-up check calls too;
     * the server is unreachable, stuck (it accepts the connection but does not answer within ``timeout_s``)
-      or answers 5xx when the scorer is built (before the transformer loads): one line naming the URL and
+      or answers 5xx when the scorer is built: one line naming the URL and
       which of these it was;
     * a connection error, a try past ``timeout_s`` (the whole request, not one read: a server that answers a
       byte at a time fails at its deadline), a 429 or a 5xx answer during the run is retried ``retries`` times;
       then the batch scores NaN, with a warning naming the URL and the last error: a required term's NaN skips
-      the step on every rank, an optional term is left out of it (rewards/combine.py). Skipping, not stopping:
-      raising on one rank would leave the others waiting in the next collective until dist.timeout_s, and a
+      the step, an optional term is left out of it (rewards/combine.py). Skipping, not stopping: raising in one
+      process of a distributed job would leave the others waiting in their next collective until it times out, and a
       restarted server costs one step instead of the run;
     * an answer that breaks the protocol (not JSON, a wrong number of scores, a non-number or one beyond
       float32's range, another scorer, a redirect, a 4xx such as a refused token) is a bug or a setting, not a
@@ -111,7 +111,7 @@ def decode_scores(body: object, *, url: str, expected: int) -> Tensor:
 
 def fits_float32(score: int | float) -> bool:
     """Whether a number becomes a float32 without overflowing to inf (inf and NaN themselves pass: a non-finite
-    reward skips the step, rewards/combine.py)."""
+    reward is a batch to skip, rewards/combine.py)."""
     try:
         value = float(score)
     except OverflowError:  # an integer beyond float64 itself

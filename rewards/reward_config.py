@@ -3,8 +3,8 @@
 ``RewardConfig`` checks itself when it is built and names the field that is wrong in its own words
 (``components.remote.url is not set ...``); whoever reads it from a larger configuration adds the path
 of the group in front. An empty ``components`` is the default a preset fills: whoever needs a reward
-refuses it (``RewardCombiner``, the trainer's validation). Whether a scorer's arguments fit it, and its
-files exist, is the scorer's to say.
+refuses it (``RewardCombiner`` does). Whether a scorer's arguments fit it, and its files exist, is the
+scorer's to say.
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ class RewardConfig:
     """scorer registry key (hpsv2 | clipscore | pickscore | jpeg_compressibility | ...) -> {weight: float
     (default 1), required: bool (default true; false: a failure or NaN of this term leaves it out of the step's
     advantages, the other weights renormalised), <the scorer's arguments, e.g. checkpoint: /path>}
-    (docs/rewards.md). Untyped so that `+reward.components.pickscore.weight=0.5` can add a component from the
-    command line."""
+    (docs/rewards.md). Untyped: any registered scorer may be added as a component, with its own arguments."""
 
     def __post_init__(self) -> None:
         self.combine = member(CombineMode, self.combine, "combine")

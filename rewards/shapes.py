@@ -2,8 +2,8 @@
 
 Captions name one or two objects, each with a colour and a shape and optionally a size and a
 position: "a small red circle at the top left", "a blue square and a green triangle". The
-vocabulary (``COLOURS``, ``SHAPES``, ``SIZES``, ``POSITIONS``) is the one the CPU testbed draws
-its images with (testbed/data.py).
+vocabulary (``COLOURS``, ``SHAPES``, ``SIZES``, ``POSITIONS``) and the shapes themselves
+(``inside_shape``) are this module's, for whoever draws images of such captions.
 
 Measurement on an image [3, H, W] in [0, 1]:
     * every pixel takes the nearest of the background (black) and the palette colours, and stays
@@ -13,7 +13,7 @@ Measurement on an image [3, H, W] in [0, 1]:
     * a named object is the largest component of its colour. Its parts:
         colour   = min(1, area / MIN_AREA)         (is the colour there at all)
         shape    = clip(1/2 + margin / (2 SHAPE_MARGIN), 0, 1), margin = IoU(named) - max IoU(other):
-                   IoU of the component with each shape drawn (as testbed/data.py draws it) in the
+                   IoU of the component with each shape drawn (``inside_shape``) in the
                    square around the component's bounding box. Clean shapes have |margin| >=
                    SHAPE_MARGIN, so the part is 1 for the named shape and 0 for another; a blurred,
                    in-between shape gets a graded part, which gives GRPO a signal to follow

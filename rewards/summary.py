@@ -41,7 +41,7 @@ def summarize(scores: Mapping[str, Tensor], categories: Sequence[str] | None = N
     return summary
 
 
-MIN_TILE = 128  # px: the trainer's grids upscale smaller images (nearest neighbour) to at least this size
+MIN_TILE = 128  # px: a labelled grid upscales smaller images (nearest neighbour) to at least this size
 
 
 def _wrap(text: str, font: ImageFont.FreeTypeFont | ImageFont.ImageFont, width: int, max_lines: int) -> list[str]:

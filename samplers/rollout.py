@@ -9,7 +9,7 @@ v = predict(z_k, t_k, cond) over the whole batch, then samplers.sde.step with th
       elsewhere; samplers/window.py places the window of each training step inside [lo, hi);
     * ``ode``: every step deterministic (evaluation, and the zero-noise check against diffusers).
 
-The steps after a window (``sampler.post_window``, samplers/post_window.py) are Euler steps or DPM-Solver++ 2M,
+The steps after a window (``SamplerConfig.post_window``, samplers/post_window.py) are Euler steps or DPM-Solver++ 2M,
 on the sampling schedule or on fewer points of a rebuilt one. They never train: the window's steps, their
 log-probs and kept velocities are the same whichever solver follows.
 

@@ -23,9 +23,9 @@ is flow_grpo's, -(z' - mean)^2 averaged over non-batch dims: every constant and 
 factor are dropped, so exp(logp - logp_old) is not a density ratio (the references pair it with
 clip_range 1e-5). A true Gaussian log-prob is not offered: it would only rescale each step's
 log-ratio by 1 / (2 sigma_t^2), which clip ranges tuned on flow_grpo's form do not expect. The
-``diffusion`` of a CPS step is sigma_t, so the KL term (train/algorithm/grpo.py) is the exact
-Gaussian KL of the two transitions, as flow_grpo computes it. At sigma' = 0 (the last step, never
-trained) sigma_t = 0, z' = x0_hat and the log-prob is 0.
+``diffusion`` of a CPS step is sigma_t, so (mean_a - mean_b)^2 / (2 diffusion^2) per element is the exact
+Gaussian KL of two such transitions, as flow_grpo computes it. At sigma' = 0 (the last step, never trained)
+sigma_t = 0, z' = x0_hat and the log-prob is 0.
 """
 
 from __future__ import annotations

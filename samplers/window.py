@@ -1,7 +1,7 @@
-"""Where the SDE window of a training step lies (``sampler.sde_window_schedule``).
+"""Where the SDE window of a training step lies (``SamplerConfig.sde_window_schedule``).
 
-* ``fixed`` and ``random``: the start drawn per step uniformly in [lo, hi - size] with a generator that every
-  rank seeds alike (the trainer's (seed, "sde_window", step) stream), so a resumed run replays it; with
+* ``fixed`` and ``random``: the start drawn per step uniformly in [lo, hi - size] with the ``generator`` given,
+  which every rank seeds alike from the step (a resumed run then replays it); with
   hi - lo = size there is one start, the fixed window of the Flow-GRPO-Fast presets;
 * ``progressive`` (MixGRPO): the start is lo + (floor(step / iters) mod positions) * stride over the
   positions lo, lo + stride, ... <= hi - size: it moves by ``stride`` every ``iters`` steps and goes back to

@@ -13,16 +13,21 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from run_folders import ROOT, contents, copy_run, metrics, refused_line
 from small_run import FAST, the_error
+from torch import Tensor
 from two_ranks import HELPERS
 
 import train.__main__ as train_command
 import train.trainer as trainer
+from rewards.base import Scorer
 from train.cli.reporting import run_hydra
+from train.evaluation.protocol import EvalParts
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 
@@ -200,22 +205,29 @@ def test_a_suspended_holder_whose_folder_was_taken_over_stops_before_writing(tin
 
 
 def test_a_holder_that_loses_its_folder_while_it_evaluates_writes_nothing(launch, tmp_path, monkeypatch):
-    """The lock taken over while the evaluation after step 1 samples (rewritten here as another host's, as a
-    launch that took a suspended holder for dead leaves it): the run stops with status 1 in one line, and that
+    """The lock taken over once the evaluation after step 1 has scored its images (rewritten here as another host's,
+    as a launch that took a suspended holder for dead leaves it): the run stops with status 1 in one line, and that
     evaluation writes no file and no metrics row."""
-    from train.evaluation import protocol
+    from train.evaluation import evaluator
 
-    run_dir, real, saved = tmp_path / "run", protocol._sample_and_score, {}
+    run_dir, real, saved = tmp_path / "run", evaluator.evaluate, {}
 
-    def taken_over_in_step_1(*args, **kwargs):
-        sampled = real(*args, **kwargs)
-        if kwargs["tag"] != "step_00000000":
+    def then_taken_over(scorer: Scorer) -> Callable[[Tensor, list[str]], Tensor]:
+        def score(images: Tensor, prompts: list[str]) -> Tensor:
+            scores = scorer(images, prompts)
             lock = {"host": "host-b", "pid": 1, "renewed": time.time(), "lease_s": 60.0}
             (run_dir / "LOCK").write_text(json.dumps(lock))
             saved.update(kept(run_dir))
-        return sampled
+            return scores
 
-    monkeypatch.setattr(protocol, "_sample_and_score", taken_over_in_step_1)
+        return score
+
+    def taken_over_in_step_1(parts: EvalParts, *args, **kwargs):
+        if kwargs["tag"] != "step_00000000":
+            parts = replace(parts, scorers={name: then_taken_over(s) for name, s in parts.scorers.items()})
+        return real(parts, *args, **kwargs)
+
+    monkeypatch.setattr(evaluator, "evaluate", taken_over_in_step_1)
     overrides = ["num_steps=2", "checkpoint.every=0", "eval.every=1"]
     overrides += ["+eval.scorers.jpeg_compressibility={}", "eval.num_prompts=2"]
     status, stderr = launch(run_dir, *overrides)

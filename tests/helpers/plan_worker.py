@@ -1,4 +1,4 @@
-"""Worker of tests/tools/test_plan.py: ``torchrun --nproc_per_node 2 plan_worker.py OUT OVERRIDES...``.
+"""Worker of tests/tools/test_plan_trace.py: ``torchrun --nproc_per_node 2 plan_worker.py OUT OVERRIDES...``.
 
 Runs the planner's phases of one training step with real tensors on a real 2-rank gloo group,
 built and traced by the same functions ``python -m train.plan`` uses on fake tensors, and writes

@@ -1,5 +1,6 @@
-"""The gradient-quality probe (train/algorithm/quality.py, train/probe/session.py): exactness where Theorem 1 holds, the
-jagg_frac rule on hand-made numbers, the Hydra entry point on the tiny Flux backbone, and torchrun + FSDP2."""
+"""The gradient-quality probe (train/algorithm/quality.py, train/probe/session.py and table.py): exactness where
+Theorem 1 holds, the jagg_frac rule on hand-made numbers, the Hydra entry point on the tiny Flux backbone, and
+torchrun + FSDP2."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from two_ranks import run_torchrun
 
 from train.algorithm.quality import (
     SegmentQuality,
-    format_table,
     measure_staleness,
     measure_trajectories,
     probe_report,
@@ -26,6 +26,7 @@ from train.algorithm.segments import prefix_path
 from train.config.schema import register_schema
 from train.distributed.parallelize import ProcessRanks, global_dots
 from train.probe.probe_config import register
+from train.probe.table import format_table
 
 register_schema()
 register()

@@ -362,5 +362,5 @@ def test_split_segments_over_runs():
     assert split_segments([0, 1, 4, 5, 6, 7], 2) == [(0, 2), (4, 6), (6, 8)]
     with pytest.raises(ValueError, match="trainable"):
         split_segments([], 4)
-    with pytest.raises(ValueError, match=r"update\.segment_length=3 does not split"):  # 20 steps, segments of 3
+    with pytest.raises(ValueError, match=r"^segment_length=3 does not split"):  # 20 steps, segments of 3
         split_segments(range(20), 3)

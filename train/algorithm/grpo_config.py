@@ -1,6 +1,6 @@
 """The GRPO objective's settings (the ``grpo`` group) and how a step's samples split (the ``batch`` group), each
-checking its own ranges when it is built, in its own words (``group_size must be >= 2 ...``); the trainer adds
-the group's path in front (train/config/keys.py)."""
+checking its own ranges when it is built, in its own words (``group_size must be >= 2 ...``); whoever reads them
+from a larger configuration adds the group's path in front."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Metrics that say how they combine: over the steps of an update, and over ranks.
 
 A step's loss reports ``Metric``s (a detached scalar and its ``Reduce``); the update stage sums them
-into ``Stat``s, which add (a mean keeps its weighted sum and its weight). The trainer's step reduces
-the stats over ranks (train/step.py, ``reduce_over_ranks``): the algorithm runs no collective.
+into ``Stat``s, which add (a mean keeps its weighted sum and its weight). The caller reduces the stats
+over ranks, each by its ``Reduce``: the algorithm runs no collective.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Gradient quality of a JAGG path per segment (the paper's Appendix E, Table 5), and the jagg_frac it gives.
 
-The measurement behind ``python -m train.probe`` (train/probe/session.py) and ``update.routing=auto``
-(train/algorithm/routing.py). For one trajectory and one segment of W transitions [start, stop), with the update
-stage's own per-step GRPO loss (``train.algorithm.update.StepLoss``: PPO clip + KL, on the rollout's advantage):
+The measurement behind the gradient-quality probe and the ``auto`` routing (train/algorithm/routing.py). For one
+trajectory and one segment of W transitions [start, stop), with the update stage's own per-step GRPO loss
+(``train.algorithm.update.StepLoss``: PPO clip + KL, on the rollout's advantage):
 
     g_exact = sum_j J_j^T s_j                        backward_segment("exact")
     g_mode                                           backward_segment(mode), mode = jagg by default
@@ -25,13 +25,12 @@ FSDP's collectives need every rank to run the same forwards and backwards, so ea
 segment on its own row m // R, but only the owner's loss has weight 1 (the others weight 0): the
 reduce-scattered gradient is the owner's gradient / R, and cos and rho do not see the factor. Dot
 products are over the full gradient: the local shards' products summed over ranks by the caller's
-``Ranks.dots`` (the trainer's: ``train.distributed.parallelize.global_dots``, as ``clip_grad_norm_``
-does), accumulated in float64.
+``Ranks.dots`` (as ``clip_grad_norm_`` sums its squares), accumulated in float64.
 
-Staleness (``update.reuse_velocities=stale``): after an optimizer step the rollout's velocities are
+Staleness (``UpdateConfig.reuse_velocities`` = stale): after an optimizer step the rollout's velocities are
 no longer the policy's. ``measure_staleness`` compares with g_exact both the fresh g_mode (middle
-velocities recomputed) and g_mode on the trajectory's kept velocities, at the current weights; the
-probe (train/probe/session.py) moves the weights by one optimizer step first.
+velocities recomputed) and g_mode on the trajectory's kept velocities, at the current weights, which the
+caller has moved by an optimizer step first.
 
 The probe writes ``.grad``: it needs empty gradients (None) and leaves them None, so nothing it
 computes reaches an optimizer step.
@@ -53,16 +52,13 @@ from train.algorithm.segments import Span, prefix_path, split_segments
 from train.algorithm.update import StepLoss, UpdateBatch, bind, kept_velocities, reference_velocities, step_loss
 from train.algorithm.update_config import UpdateMode
 
-MIN_ROLLOUTS = 10  # fewer trajectories per segment: the report says its spread and recommendation are rough
-
 Samples = dict[Span, list[tuple[float, float]]]  # segment -> (cos, rho) per measured trajectory
 T = TypeVar("T")
 
 
 class Ranks(Protocol):
     """This process among the ranks, and the cross-rank reductions a measurement needs, given by the
-    caller (the trainer passes ``train.distributed.parallelize.ProcessRanks``): the algorithm runs no
-    collective of its own."""
+    caller: the algorithm runs no collective of its own."""
 
     @property
     def rank(self) -> int: ...
@@ -235,10 +231,6 @@ def _finite(value: float) -> float | None:
     return None if math.isnan(value) else value  # JSON null: a segment without samples
 
 
-def _pm(mean: float | None, std: float | None, width: int) -> str:
-    return f"{'-':>{width}}{'':8}" if mean is None else f"{mean:>{width}.3f} ± {std:.3f}"
-
-
 def _statistics(g: SegmentQuality) -> dict[str, Any]:
     return {
         "cos_mean": _finite(g.cos_mean),
@@ -291,56 +283,3 @@ def probe_report(
         **extra,
         "segments": rows,
     }
-
-
-def format_table(rep: Mapping[str, Any]) -> str:
-    """Table 5 of the paper as text, the recommendation (and the staleness columns when measured), and
-    what the columns mean."""
-    mode = rep["mode"]
-    stale = all("after_step" in g for g in rep["segments"]) and bool(rep["segments"])
-    header = f"{'segment':>7}  {'steps':>7}  {'t':>11}  {f'cos(g_{mode}, g_exact)':>24}  {'rho':>15}  {'n':>3}  path"
-    if stale:
-        header += f"  {'fresh, 1 step':>22}  {'stale, 1 step':>22}"
-    lines = [header, *(_table_row(g, stale) for g in rep["segments"])]
-    lines.append(
-        f"* mean cos >= {rep['threshold']}: recommended update.jagg_frac={rep['recommended_jagg_frac']} "
-        f"(M = {rep['num_transitions']} trainable transitions)"
-    )
-    return "\n".join(lines + _legend(rep, stale))
-
-
-def _table_row(g: Mapping[str, Any], stale: bool) -> str:
-    mark = "*" if g["qualifies"] else " "
-    line = (
-        f"{g['segment']:>7}  {g['start']:>3}-{g['stop'] - 1:<3}  {g['t_first']:.3f}-{g['t_last']:.3f}  "
-        f"{_pm(g['cos_mean'], g['cos_std'], 14)}{mark}  {_pm(g['rho_mean'], g['rho_std'], 7)}  "
-        f"{g['num_samples']:>3}  {g['path']:<5}"
-    )
-    if stale:
-        after = g["after_step"]
-        line += "".join(f"  {_pm(after[k]['cos_mean'], after[k]['cos_std'], 14)}" for k in ("fresh", "stale"))
-    return line.rstrip()
-
-
-def _legend(rep: Mapping[str, Any], stale: bool) -> list[str]:
-    """What the columns mean, and a note when too few trajectories were measured."""
-    mode = rep["mode"]
-    lines = [
-        "steps: the segment's transitions; t: its first and last network-input timestep (1 = pure noise)",
-        f"cos: cosine between the segment's gradient by the {mode} path and the exact one (1 = same direction);",
-        f"rho: |g_{mode}| / |g_exact| (1 = same length); both mean ± standard deviation over n trajectories",
-        "path: where the recommended jagg_frac routes the segment",
-    ]
-    if stale:
-        lines.append(
-            f"after one optimizer step on the rollout: cos(g_{mode}, g_exact) with the middle velocities "
-            "recomputed (fresh) and taken from the rollout (stale, update.reuse_velocities=stale)"
-        )
-    fewest = min((g["num_samples"] for g in rep["segments"]), default=0)
-    if fewest < MIN_ROLLOUTS:
-        lines.append(
-            f"note: n = {fewest} trajectories is too few for the ± and the recommendation to mean much "
-            f"(a standard deviation from n values is itself uncertain by about 1 / sqrt(2 (n - 1))); "
-            f"use probe.num_rollouts >= {MIN_ROLLOUTS} (the paper: >= 20)"
-        )
-    return lines

@@ -1,16 +1,16 @@
-"""Routing: which segments of W transitions a step trains, and which path each takes (``update.routing``).
+"""Routing: which segments of W transitions a step trains, and which path each takes (``UpdateConfig.routing``).
 
 A router routes the segments of one micro-batch: it picks ``int(timestep_fraction * num_segments)`` of
 them with the step's shared generator (``train.algorithm.segments.pick_segments``) and gives each a path.
 
-* ``prefix`` (``PrefixRouter``, the paper's rule): segment [k, k + W) takes ``update.mode`` when
-  k + W <= round(update.jagg_frac * M), M the trajectory's trainable transitions, and the exact path
+* ``prefix`` (``PrefixRouter``, the paper's rule): segment [k, k + W) takes the config's ``mode`` when
+  k + W <= round(jagg_frac * M), M the trajectory's trainable transitions, and the exact path
   otherwise (``train.algorithm.segments.prefix_path``).
-* ``auto`` (``AutoRouter``): every ``update.auto_every`` training steps (and on the first step of a
-  run or of a resume), before the update's first micro-batch, ``train.algorithm.quality.measure_trajectories``
-  measures cos(g_mode, g_exact) per segment on ``update.auto_rollouts`` trajectories of the step's own
+* ``auto`` (``AutoRouter``): every ``auto_every`` training steps (and on the first step it routes, a
+  resumed run's too), before the update's first micro-batch, ``train.algorithm.quality.measure_trajectories``
+  measures cos(g_mode, g_exact) per segment on ``auto_rollouts`` trajectories of the step's own
   rollout, with their advantages, under the current weights. Segment [start, stop) then takes
-  ``update.mode`` while its mean cosine is >= ``update.auto_threshold``, and the exact path
+  ``mode`` while its mean cosine is >= ``auto_threshold``, and the exact path
   otherwise; the table holds until the next probe. A segment the last probe did not see (a
   Flow-GRPO-Fast window drawn elsewhere) takes the exact path.
 
@@ -24,7 +24,7 @@ is identical on every rank. The caller's ``Ranks`` (train/algorithm/quality.py) 
 
 Metrics of ``auto``, on probe steps: ``routing/cos_<start>_<stop>``, ``routing/rho_<start>_<stop>``
 (means over the probe's trajectories), ``routing/<mode>_<start>_<stop>`` (1 = the segment takes
-update.mode, 0 = exact) and ``routing/rule_jagg_frac``. The probe's time is ``time/probe``.
+``mode``, 0 = exact) and ``routing/rule_jagg_frac``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Router(abc.ABC):
 
 
 class PrefixRouter(Router):
-    """``update.routing=prefix``: the segments ending at or before round(jagg_frac * M) take the mode's path."""
+    """``routing=prefix``: the segments ending at or before round(jagg_frac * M) take the mode's path."""
 
     def route(self, traj: Trajectory, generator: torch.Generator | None) -> list[RoutedSegment]:
         u = self.update
@@ -81,7 +81,7 @@ class PrefixRouter(Router):
 
 
 class AutoRouter(Router):
-    """``update.routing=auto``: the routing table measured every ``every`` steps."""
+    """``routing=auto``: the routing table measured every ``auto_every`` steps."""
 
     def __init__(self, update: UpdateConfig) -> None:
         super().__init__(update)
@@ -124,5 +124,5 @@ class AutoRouter(Router):
 
 
 def build_router(update: UpdateConfig) -> Router:
-    """The router ``update.routing`` names."""
+    """The router ``update.routing`` (an ``UpdateConfig``) names."""
     return AutoRouter(update) if update.routing is Routing.auto else PrefixRouter(update)

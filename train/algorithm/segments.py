@@ -27,15 +27,16 @@ class RoutedSegment:
     mode: UpdateMode
 
 
-def split_segments(trainable: Sequence[int], length: int) -> list[Span]:
-    """Cut the trainable transitions (sorted indices) into consecutive segments of ``length``.
+def split_segments(trainable: Sequence[int], segment_length: int) -> list[Span]:
+    """Cut the trainable transitions (sorted indices) into consecutive segments of ``segment_length``.
 
     Every contiguous run of trainable transitions must split into whole segments.
     """
+    length = segment_length
     assert length >= 2, "UpdateConfig checks segment_length"
     steps = sorted(int(k) for k in trainable)
     if not steps:
-        raise ValueError("no trainable transitions: check sampler.num_steps and the SDE window")
+        raise ValueError("no trainable transitions to split into segments")
     runs, run_start = [], steps[0]
     for prev, cur in zip(steps, [*steps[1:], -1]):  # -1 closes the last run
         if cur != prev + 1:
@@ -45,9 +46,9 @@ def split_segments(trainable: Sequence[int], length: int) -> list[Span]:
     for a, b in runs:
         if (b - a) % length:
             raise ValueError(
-                f"update.segment_length={length} does not split the trainable transitions {a}..{b - 1} "
-                f"({b - a} steps) into whole segments; pick a length that divides {b - a} or change "
-                "sampler.num_steps / the SDE window"
+                f"segment_length={length} does not split the trainable transitions {a}..{b - 1} "
+                f"({b - a} steps) into whole segments; pick a length that divides {b - a}, or other trainable "
+                "transitions"
             )
         segments += [(k, k + length) for k in range(a, b, length)]
     return segments

@@ -1,6 +1,6 @@
 """The update stage of one training step: stored transitions -> accumulated policy gradients.
 
-Samples are processed in micro-batches of ``batch.micro_batch`` rows. For each micro-batch the
+Samples are processed in micro-batches of rows the caller picks. For each micro-batch the
 trainable transitions are routed into segments of W (train/algorithm/routing.py: which segments train and
 which path each takes) and each segment goes through ``train.algorithm.jagg.backward_segment`` with the
 real per-step loss
@@ -10,13 +10,13 @@ real per-step loss
 scaled by (rows / gradient_accumulation_steps) / (trained transitions), so that one optimizer
 step sees the mean over its samples and their trained transitions. The KL reference runs one
 batched no-grad call per segment, over its W steps. A jagg or jagg_sequential segment takes its middle
-steps' velocities from the rollout when the caller says they are still valid
-(``update.reuse_velocities``, train/step.py) instead of recomputing them. The step loss is a value:
+steps' velocities from the rollout when the caller says they are still valid (``reuse_velocities``, as
+``UpdateConfig.reuse_velocities`` allows) instead of recomputing them. The step loss is a value:
 it returns (scaled loss, metrics) and ``backward_segment`` hands the metrics back per step, where
-``UpdateStats`` sums them, each by its own reduction (train/algorithm/metrics.py); the trainer's step
-reduces them over ranks, so the logged curves do not depend on the number of ranks.
+``UpdateStats`` sums them, each by its own reduction (train/algorithm/metrics.py), for the caller to
+reduce over ranks, so the curves logged from them do not depend on the number of ranks.
 
-The shared start (``update.share_group_start``): a group's G rows start from one noise with one
+The shared start (``UpdateConfig.share_group_start``): a group's G rows start from one noise with one
 prompt, so at the trajectory's first trainable transition k (the first SDE step) z_k is the same in
 all of them. ``shared_start`` runs that step once per group over the rows of one optimizer step that
 train it (one forward with grad, and the KL reference's no-grad call, on one row per group); each
@@ -27,7 +27,7 @@ one backward: J^T sum_i s_i, the per-row sum by linearity. Only rows of one opti
 shared forward is its own call before the optimizer step's micro-batches, and its graph (one row per
 group) stays alive until the last of them.
 
-``update.exact_batched``: the segments routed to exact run ``train.algorithm.jagg``'s exact path batched.
+``UpdateConfig.exact_batched``: the segments routed to exact run ``train.algorithm.jagg``'s exact path batched.
 
 The route (which segments train, Flow-GRPO-Fast's window) is drawn from a generator shared by all
 ranks, never a per-rank one: under FSDP every rank must run the same sequence of forward and
@@ -60,20 +60,20 @@ class UpdateBatch:
     traj: Trajectory
     advantages: Tensor  # [B], one per row of traj
     predict: Predict  # the policy being trained: (z, t, cond) -> v
-    reference: Predict | None  # the KL reference; needed when grpo.kl_beta > 0
+    reference: Predict | None  # the KL reference; needed when the KL term is on (kl_beta > 0)
     config: UpdateConfig
     grpo: GRPOConfig
     gradient_accumulation_steps: int  # samples per rank per optimizer step
 
     def __post_init__(self) -> None:
         if self.grpo.kl_beta > 0 and self.reference is None:
-            raise ValueError("grpo.kl_beta > 0 needs a reference policy")
+            raise ValueError("a KL term (kl_beta > 0 in grpo) needs a reference policy, and reference is None")
 
 
 @dataclass
 class UpdateStats:
-    """What one rank's update stage computed. Stats add; ``metrics`` gives them as ``Stat``s that the
-    trainer's step reduces over ranks (each metric by its own ``Reduce``).
+    """What one rank's update stage computed. Stats add; ``metrics`` gives them as ``Stat``s for the caller
+    to reduce over ranks (each metric by its own ``Reduce``).
 
     A step metric m of a micro-batch of b rows enters its mean as b * m with weight b, so a logged mean is
     over every sample (of every rank, once reduced); a ``max`` (``min``) metric is the largest (smallest)
@@ -277,7 +277,7 @@ def shared_start(
 ) -> SharedStart | None:
     """The shared start of one optimizer step whose micro-batches (rows) train ``routes``: step k's forward
     with grad on the first row of each group among the rows that train k; None when no two such rows
-    are of one group (G = 1, update.share_group_start=false, or a micro-batch of whole different groups)."""
+    are of one group (G = 1, share_group_start false, or a micro-batch of whole different groups)."""
     traj = batch.traj
     size, step = batch.config.shared_rows(batch.grpo.group_size), traj.trainable_steps()[0]
     rows = [r for micro, route in zip(micro_batches, routes) if any(s.start == step for s in route) for r in micro]

@@ -189,7 +189,7 @@ def check_lora_modules(
 # FSDP2 warns on every forward with gradients that a sharded block returned a view (diffusers'
 # FluxSingleTransformerBlock slices its output into text and image tokens): an in-place op on that view
 # would skip the block's pre-backward all-gather. No code of ours writes into a block's output in place,
-# (tests/tools/test_plan.py::test_no_path_writes_into_the_views_single_blocks_return checks every update
+# (tests/tools/test_plan_trace.py::test_no_path_writes_into_the_views_single_blocks_return checks every update
 # path), and tests/e2e/test_trainer.py::test_two_ranks_log_and_train_as_one_process shows that 2 FSDP2 ranks
 # log every metric and export the weights of 1 process (no shard, no hook). So exactly that warning goes.
 FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"

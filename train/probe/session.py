@@ -32,7 +32,6 @@ from omegaconf import DictConfig
 from samplers.rollout import Trajectory
 from train.algorithm.quality import (
     Samples,
-    format_table,
     measure_staleness,
     measure_trajectories,
     probe_report,
@@ -48,6 +47,7 @@ from train.observe.observe_config import WandbMode
 from train.observe.perf import PhaseTimer
 from train.optim.optimizer import adamw_settings
 from train.probe.probe_config import ProbeConfig, probe_settings
+from train.probe.table import format_table
 from train.run.build import open_run
 from train.run.parts import Run
 from train.run.start import load_config, process_group

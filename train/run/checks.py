@@ -22,7 +22,7 @@ from train.checkpoint.settings import not_allowable
 from train.config.keys import check_finite, check_known_keys, checked
 from train.config.schema import TrainConfig
 from train.data.prompts import read_prompts
-from train.ground.errors import ConfigError, PathError, every_missing
+from train.ground.errors import ConfigError, PathError, every_missing, prefixed
 from train.reward.scorers import check_scorer_inputs
 
 
@@ -75,8 +75,9 @@ def _check_across(cfg: TrainConfig) -> None:
         )
     try:
         split_segments(trainable_transitions(cfg.sampler), cfg.update.segment_length)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    except ValueError as err:  # the trainable transitions follow the sampler's steps and window
+        message = prefixed("update", str(err), ["segment_length"])
+        raise ConfigError(f"{message} (sampler.num_steps, the SDE window)") from None
 
 
 def _check_post_window(sampler: SamplerConfig) -> None:
