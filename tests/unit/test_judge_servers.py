@@ -24,6 +24,7 @@ from rewards.judge import JudgeScorer  # noqa: E402
 from rewards.served import RemoteRewardError  # noqa: E402
 from train.ground.errors import ConfigError, config_key  # noqa: E402
 from train.observe.perf import PhaseTimer  # noqa: E402
+from train.step import roll_out_and_score  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "servers"
 SERVERS = ["vllm", "sglang"]
@@ -149,7 +150,7 @@ def _stage_lines(optional: bool, caplog) -> tuple[str, object]:
         judge = JudgeScorer(f"{url}/v1", "judge", timeout_s=10, retries=0)
         stage = toy_stage({"a": (ToyScorer(brightness), 1.0), "judge": (judge, 1.0)}, optional=["judge"] * optional)
         with caplog.at_level(logging.WARNING):
-            _, _, scored = stage.run(ToyRollout(num_groups=2), PhaseTimer())
+            _, _, scored = roll_out_and_score(ToyRollout(num_groups=2), stage, PhaseTimer())  # type: ignore[arg-type]
     return caplog.text, scored
 
 
