@@ -21,7 +21,7 @@ from small_run import FAST, the_error
 from two_ranks import HELPERS
 
 import train.__main__ as train_command
-import train.trainer as trainer
+import train.loop.trainer as trainer
 from train.cli.reporting import run_hydra
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
@@ -203,7 +203,7 @@ def test_a_holder_that_loses_its_folder_while_it_evaluates_writes_nothing(launch
     """The lock taken over while the evaluation after step 1 samples (rewritten here as another host's, as a
     launch that took a suspended holder for dead leaves it): the run stops with status 1 in one line, and that
     evaluation writes no file and no metrics row."""
-    from train.evaluation import protocol
+    from train.parts.eval import protocol
 
     run_dir, real, saved = tmp_path / "run", protocol._sample_and_score, {}
 

@@ -1,4 +1,4 @@
-"""Toy parts for the reward stage's tests (train/reward/stage.py), without a transformer: a rollout of seeded
+"""Toy parts for the reward stage's tests (train/parts/scoring/stage.py), without a transformer: a rollout of seeded
 final latents per group, a backbone whose decode maps them into [0, 1], and scorers whose behaviour the test picks
 (local or served, slow, failing, NaN)."""
 
@@ -21,7 +21,7 @@ from samplers.rollout import Trajectory
 from samplers.sampler_config import SamplerConfig
 from train.algorithm.grpo_config import GRPOConfig
 from train.distributed.collectives import DistInfo
-from train.reward.stage import RewardStage
+from train.parts.scoring.stage import RewardStage
 
 SIDE = 4  # the toy images are [3, SIDE, SIDE]
 

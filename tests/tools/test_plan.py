@@ -32,22 +32,23 @@ from samplers.window import rollout_forwards
 from train.algorithm.jagg import UPDATE_MODES, Counts, backward_segment
 from train.algorithm.routing import build_router
 from train.algorithm.update import UpdateBatch, shared_start, update_micro_batch
-from train.config.schema import register_schema
 from train.distributed.parallelize import parallelize
-from train.model.builder import FSDP_VIEW_WARNING
-from train.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
-from train.plan.command import SHIPPED_ARCH, main, plan, plan_config
-from train.plan.counts import (
+from train.loop.step import micro_batches
+from train.parts.config.schema import register_schema
+from train.parts.policy.builder import FSDP_VIEW_WARNING
+from train.tools.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
+from train.tools.plan.command import SHIPPED_ARCH, main, plan, plan_config
+from train.tools.plan.counts import (
     drawn_windows,
     expected_segments,
     expected_shared_calls,
     expected_shared_rows,
     update_variants,
 )
-from train.plan.depth import extended, traced_depths
-from train.plan.fake import fake_process_group
-from train.plan.fake_run import traced_run
-from train.plan.frozen import (
+from train.tools.plan.depth import extended, traced_depths
+from train.tools.plan.fake import fake_process_group
+from train.tools.plan.fake_run import traced_run
+from train.tools.plan.frozen import (
     ARCH_ROOT,
     NOT_READ,
     SCORER_ARCH,
@@ -56,12 +57,11 @@ from train.plan.frozen import (
     read_json,
     scorer_module,
 )
-from train.plan.plan_config import register
-from train.plan.report import GIB, Phase, PlanReport
-from train.plan.report_text import format_report
-from train.plan.reward import RewardStage, reward_stage, scorer_flops
-from train.plan.step_calls import EXACT_TRACED_STEPS
-from train.step import micro_batches
+from train.tools.plan.plan_config import register
+from train.tools.plan.report import GIB, Phase, PlanReport
+from train.tools.plan.report_text import format_report
+from train.tools.plan.reward import RewardStage, reward_stage, scorer_flops
+from train.tools.plan.step_calls import EXACT_TRACED_STEPS
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT_PARTS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")

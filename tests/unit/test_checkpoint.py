@@ -16,13 +16,13 @@ from flux_toys import tiny_flux_transformer as tiny_flux
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
-import train.checkpoint.manager as checkpoint
-from train.checkpoint.checkpoint_config import CheckpointConfig
-from train.checkpoint.export import export_model
-from train.checkpoint.manager import CheckpointManager
+import train.parts.checkpoint.manager as checkpoint
 from train.distributed.parallelize import parallelize
 from train.ground.errors import CheckpointError
-from train.optim.ema import EMA
+from train.parts.checkpoint.checkpoint_config import CheckpointConfig
+from train.parts.checkpoint.export import export_model
+from train.parts.checkpoint.manager import CheckpointManager
+from train.parts.optim.ema import EMA
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -7,7 +7,7 @@ A module imports its own floor or those below it, never one above; no two packag
 or around a loop; no command imports another's package, but the preflight the memory planner's (it re-makes the
 plan with what it measured); and the modules import each other without a cycle. The configuration's tree stands
 above the parts whose groups it composes (each group is a dataclass beside the part that reads it, which never
-imports train.config back) and below the parts that read the whole tree."""
+imports train.parts.config back) and below the parts that read the whole tree."""
 
 import ast
 from itertools import pairwise
@@ -18,21 +18,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = ("train", "torch.distributed", "hydra", "omegaconf", "wandb")
 # the floor of each part of train/, lowest first; a part is a sub-package or a top-level module
+COMMANDS = ("eval", "probe", "compare", "plan", "preflight")
 LAYERS = [
-    {"train.ground"},
+    {"train.ground", "train.parts", "train.loop", "train.tools"},  # the wings' docstrings import nothing
     {"train.distributed"},
     {"train.algorithm"},
-    {"train.data"},
-    {"train.optim"},
-    {"train.checkpoint"},
-    {"train.observe"},
-    {"train.evaluation"},
-    {"train.config"},
-    {"train.reward"},
-    {"train.model"},
+    {"train.parts.data"},
+    {"train.parts.optim"},
+    {"train.parts.checkpoint"},
+    {"train.parts.observe"},
+    {"train.parts.eval"},
+    {"train.parts.config"},
+    {"train.parts.scoring"},
+    {"train.parts.policy"},
     {"train.run"},
-    {"train.trainer", "train.step", "train.faults", "train.summary"},
-    {"train.cli", "train.eval", "train.probe", "train.compare", "train.plan", "train.preflight", "train.__main__"},
+    {"train.loop.trainer", "train.loop.step", "train.loop.faults", "train.loop.epilogue"},
+    {"train.cli", "train.__main__", *(f"train.{c}" for c in COMMANDS), *(f"train.tools.{c}" for c in COMMANDS)},
 ]
 
 
@@ -86,7 +87,9 @@ def layer_of(module: str) -> int:
 
 
 def part_of(module: str) -> str:
-    return ".".join(module.split(".")[:2])
+    """train.x, or train.<wing>.x for a package of the wings train/parts/ and train/tools/."""
+    names = module.split(".")
+    return ".".join(names[:3] if names[1:2] in (["parts"], ["tools"], ["loop"]) else names[:2])
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -123,32 +126,35 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 def test_train_layers_import_downwards_only():
     graph = train_import_graph()
-    assert {"train.run.build", "train.trainer", "train.step", "train.algorithm.jagg"} <= set(graph)
+    assert {"train.run.build", "train.loop.trainer", "train.loop.step", "train.algorithm.jagg"} <= set(graph)
     assert upward_imports(graph) == []
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
     assert find_cycle(package_graph(graph)) is None, " -> ".join(find_cycle(package_graph(graph)) or [])
     # the commands are rooms of their own: none imports another's package (the trainer's `python -m
     # train` and the shared train.cli aside), and only the preflight imports the memory planner
-    commands = ("train.eval", "train.probe", "train.compare", "train.plan", "train.preflight")
+    commands = tuple(f"train.tools.{c}" for c in COMMANDS)
     crossing = sorted(
         f"{a} -> {b}" for a, imports in graph.items() for b in imports
         if part_of(b) in commands and part_of(a) != part_of(b)
-        and not (part_of(a) == "train.preflight" and part_of(b) == "train.plan")
+        and not (part_of(a) == "train.tools.preflight" and part_of(b) == "train.tools.plan")
+        and a != "train." + part_of(b).split(".")[-1]  # train/<command>.py: its python -m entry
     )  # fmt: skip
     assert crossing == []
 
 
 def test_layer_rule_sees_an_upward_import():
-    graph = {"train.algorithm.update": {"train.config.schema"}, "train.config.schema": set()}
-    assert upward_imports(graph) == ["train.algorithm.update -> train.config.schema"]
+    graph = {"train.algorithm.update": {"train.parts.config.schema"}, "train.parts.config.schema": set()}
+    assert upward_imports(graph) == ["train.algorithm.update -> train.parts.config.schema"]
     # every run part on its own floor: a part that imports one above it fails, wherever the two sit
-    parts = [next(iter(floor)) for floor in LAYERS[LAYERS.index({"train.data"}) : LAYERS.index({"train.run"}) + 1]]
+    parts = [
+        next(iter(floor)) for floor in LAYERS[LAYERS.index({"train.parts.data"}) : LAYERS.index({"train.run"}) + 1]
+    ]
     for low, high in pairwise(parts):
         assert upward_imports({f"{low}.a": {f"{high}.b"}, f"{high}.b": set()}) == [f"{low}.a -> {high}.b"]
     # two packages that import each other through different modules: no module cycle, a package cycle
-    graph = {"train.run.a": {"train.model.b"}, "train.model.c": {"train.run.d"}}
+    graph = {"train.run.a": {"train.parts.policy.b"}, "train.parts.policy.c": {"train.run.d"}}
     assert find_cycle(graph) is None
-    assert find_cycle(package_graph(graph)) == ["train.model", "train.run", "train.model"]
+    assert find_cycle(package_graph(graph)) == ["train.parts.policy", "train.run", "train.parts.policy"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
@@ -160,13 +166,14 @@ def test_checker_sees_forbidden_imports(tmp_path):
 
 
 def test_no_core_module_mentions_the_planner():
-    """The planner is a tool in its own room: no seam, comment or import for it outside train/plan/ (and the
+    """The planner is a tool in its own room: no seam, comment or import for it outside train/tools/plan/ (and the
     preflight, the command above it that re-makes its plan)."""
     core = [p for pkg in ("train", "models", "samplers", "rewards") for p in (ROOT / pkg).rglob("*.py")]
     mentions = [
         str(p.relative_to(ROOT))
         for p in core
-        if not {"plan", "preflight"} & set(p.relative_to(ROOT).parts[1:2]) and "train.plan" in p.read_text()
+        if not {"plan", "preflight", "plan.py"} & set(p.relative_to(ROOT).parts[1:3])
+        and ("train.tools.plan" in p.read_text() or "train.plan" in p.read_text())
     ]
     assert mentions == []
 
@@ -190,10 +197,10 @@ def test_the_algorithm_is_pure_tensor_code():
 # the modules that build a run's parts at start-up
 BUILDERS = {
     "train.run.build",
-    "train.model.builder",
-    "train.model.predict",
-    "train.optim.optimizer",
-    "train.evaluation.evaluator",
+    "train.parts.policy.builder",
+    "train.parts.policy.predict",
+    "train.parts.optim.optimizer",
+    "train.parts.eval.evaluator",
 }
 
 
@@ -202,7 +209,7 @@ def test_a_step_uses_parts_built_at_start_up():
     (the update's predictors, router and settings are built before it runs, not per segment or micro-batch)."""
     graph = train_import_graph()
     assert BUILDERS <= set(graph), "a builder module was renamed: update BUILDERS"
-    reached, todo = set(), ["train.step"]
+    reached, todo = set(), ["train.loop.step"]
     while todo:
         new = graph[todo.pop()] - reached
         reached |= new

@@ -15,13 +15,13 @@ import wandb
 from PIL import Image
 
 from rewards.summary import MIN_TILE, image_grid
-from train.config.schema import TrainConfig
 from train.ground.layout import RunLayout
-from train.observe.console import Heartbeat, format_seconds, progress_bar
-from train.observe.logger import RunLogger
-from train.observe.observe_config import LoggingConfig
-from train.observe.perf import PhaseTimer
-from train.summary import files_section
+from train.loop.epilogue import files_section
+from train.parts.config.schema import TrainConfig
+from train.parts.observe.console import Heartbeat, format_seconds, progress_bar
+from train.parts.observe.logger import RunLogger
+from train.parts.observe.observe_config import LoggingConfig
+from train.parts.observe.perf import PhaseTimer
 
 
 def run_logger(run_dir, *, is_main: bool = True, config: dict | None = None, **logging) -> RunLogger:

@@ -15,10 +15,10 @@ from stage_toys import ToyRollout, ToyScorer, brightness, nan_scores, redness, t
 
 from rewards.combine import RewardCombiner
 from rewards.remote import RemoteRewardError
-from train.config.schema import register_schema
 from train.ground.errors import ScorerFailed, ranks_agreed
-from train.observe.perf import PhaseTimer
-from train.reward.stage import RewardStage, advantage_fn, group_chunks
+from train.parts.config.schema import register_schema
+from train.parts.observe.perf import PhaseTimer
+from train.parts.scoring.stage import RewardStage, advantage_fn, group_chunks
 
 FAILURE = RuntimeError("the judge went away")
 
@@ -66,7 +66,7 @@ def test_a_chunked_step_equals_one_chunk(tiny_run, chunk_groups) -> None:
     """The tiny model's rollout in chunks of 1 or 2 of its 3 groups (the last chunk smaller), scored by its JPEG
     reward on this thread and a served term in a worker: the trajectories, velocities, rewards and advantages of
     one chunk, to float rounding (other batch shapes in the transformer's matmuls)."""
-    from train.step import step_rollout
+    from train.loop.step import step_rollout
 
     run, served = tiny_run, ToyScorer(brightness, served=True)
     rewards = RewardCombiner({**run.data.reward_stage.rewards.components, "served": (served, 0.5)})
