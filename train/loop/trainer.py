@@ -40,13 +40,13 @@ from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from train.distributed.collectives import activity, agreed, broadcast_object
+from train.ground.disk import write_failure
 from train.ground.errors import CheckpointError
 from train.loop.epilogue import run_summary, write_curve
 from train.loop.faults import Faults, check_owner
 from train.loop.step import train_step
 from train.parts.checkpoint.checkpointer import Checkpointer
 from train.parts.checkpoint.export import EXPORT_NOTE, export_model, write_export_note
-from train.parts.checkpoint.files import write_failure
 from train.parts.checkpoint.settings import LORA_MODULES, recorded_settings
 from train.parts.config.record import after_steps, due_evaluations, missing_evaluations
 from train.parts.eval.evaluator import Evaluator, evaluates

@@ -33,10 +33,10 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from train.distributed.collectives import get_rank
+from train.distributed.collectives import agree_on_write, get_rank
 from train.ground.errors import PathError
 from train.ground.layout import CHECKPOINTS, EXPORT, RAW_EXPORT, RunLayout
-from train.parts.checkpoint.files import agree_on_write, checksum_problem, file_info, is_complete
+from train.parts.checkpoint.files import checksum_problem, file_info, is_complete
 from train.parts.checkpoint.manager import CheckpointManager
 
 log = logging.getLogger(__name__)

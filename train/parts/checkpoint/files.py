@@ -4,12 +4,9 @@ the sorted listing), and the disk space a checkpoint needs (train/parts/checkpoi
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import re
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +17,6 @@ from torch.optim import Optimizer
 
 from train.distributed.collectives import broadcast_object, gather_objects, get_rank, get_world_size
 from train.distributed.parallelize import local_tensor
-from train.ground.errors import DiskFull, SaveFailed
 from train.parts.optim.ema import EMA
 
 MARKER = "COMPLETE"
@@ -146,79 +142,6 @@ def checksum_problem(path: Path, files: dict[str, dict[str, Any]], kind: str = "
                 f"{name} does not match the checksum recorded when it was saved (a file of another {kind}, "
                 "or changed since)"
             )
-    return None
-
-
-def mount_point(path: Path) -> Path:
-    """The mount point of the file system that holds ``path`` (an existing folder)."""
-    device = path.stat().st_dev
-    while path.parent != path and path.parent.stat().st_dev == device:
-        path = path.parent
-    return path
-
-
-def existing(path: Path) -> Path:
-    """``path``, or its nearest existing parent."""
-    while not path.exists():
-        path = path.parent
-    return path
-
-
-def free_bytes(path: Path) -> int:
-    """Free bytes of the file system of ``path`` (or of its nearest existing parent)."""
-    return shutil.disk_usage(existing(path)).free
-
-
-def gb(n: float) -> str:
-    """A size for a message: GB from 1 GB on, else MB."""
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
-
-
-KEPT = "the checkpoints already written are intact, and resume=auto continues"
-
-
-def disk_line(path: Path, why: str, fix: str = "free space there or move the run", kept: str = KEPT) -> str:
-    """The one line about the disk of ``path`` (named by its mount point) that ``why`` happened on, then the fix
-    and what is ``kept``."""
-    return f"the disk of {path} (the file system mounted at {mount_point(existing(path))}) {why}: {fix}; {kept}"
-
-
-NO_SPACE = re.compile(r"No space left|unexpected pos|Errno 28|disk quota", re.IGNORECASE)
-
-
-def is_no_space(err: BaseException) -> bool:
-    return (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or bool(NO_SPACE.search(str(err)))
-
-
-def agree_on_write(write: Callable[[], None], path: Path, what: str, kept: str = KEPT) -> None:
-    """Run ``write`` on every rank (rank 0 writes the files; collectives may run inside it); a file the disk of
-    ``path`` refuses ends it on every rank with rank 0's one line (SaveFailed, DiskFull), instead of a traceback on
-    rank 0 and a hang elsewhere. A collective."""
-    failed = None
-    try:
-        write()
-    except SaveFailed as err:  # a row of metrics.jsonl (train/parts/observe/metrics.py) said it already
-        failed = str(err), isinstance(err, DiskFull)
-    except Exception as err:  # the writers' own errors too: torch.save and safetensors say a full disk their way
-        if (failure := write_failure(err, path, what, kept)) is None:
-            raise
-        failed = str(failure), isinstance(failure, DiskFull)
-    failed = broadcast_object(failed)
-    if failed is not None:
-        line, full = failed
-        raise DiskFull(line) if full else SaveFailed(line)
-
-
-def write_failure(err: BaseException, path: Path, what: str, kept: str = KEPT) -> SaveFailed | None:
-    """The one line for ``what`` (``the export``, ``the evaluation after step 4``) that the disk of ``path``
-    refused (full, read-only, gone; a writer's own error that says the disk is full), or None for another error."""
-    if is_no_space(err):
-        return DiskFull(disk_line(path, f"filled up while {what} was written", kept=kept))
-    if isinstance(err, OSError):
-        words = err.strerror or str(err)
-        return SaveFailed(
-            disk_line(path, f"cannot be written ({words}) while {what} was written", "make it writable", kept)
-        )
     return None
 
 

@@ -63,6 +63,7 @@ from train.distributed.collectives import (
     get_world_size,
     is_distributed,
 )
+from train.ground.disk import disk_line, free_bytes, gb, is_no_space
 from train.ground.errors import CheckpointError, DiskFull, SaveFailed
 from train.ground.layout import RunLayout
 from train.parts.checkpoint.checkpoint_config import CheckpointConfig
@@ -70,12 +71,8 @@ from train.parts.checkpoint.files import (
     MARKER,
     checksums,
     complete_in,
-    disk_line,
     files_problem,
-    free_bytes,
-    gb,
     is_complete,
-    is_no_space,
     rank_file,
     read_marker,
 )

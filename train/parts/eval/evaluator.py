@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from rewards.summary import overall
-from train.parts.checkpoint.files import agree_on_write
+from train.distributed.collectives import agree_on_write
 from train.parts.data.prompts import PromptRecord, read_prompts
 from train.parts.eval.eval_config import EvalConfig
 from train.parts.eval.protocol import EvalParts, EvalResult, before_after, evaluate, read_scores

@@ -42,7 +42,7 @@ from torch import Tensor
 from models.base import Backbone
 from models.model_config import ModelConfig
 from rewards.base import Scorer
-from rewards.summary import MIN_TILE, before_after_sheet, image_grid, overall, summarize
+from rewards.summary import overall, summarize
 from samplers.rollout import Predict, group_noise, rollout
 from samplers.sampler_config import SamplerConfig
 from samplers.sde import SDEKind
@@ -52,6 +52,7 @@ from train.ground.errors import config_key
 from train.parts.data.prompts import PromptRecord
 from train.parts.eval.eval_config import EvalConfig
 from train.parts.observe.console import format_seconds
+from train.parts.observe.grid import MIN_TILE, before_after_sheet, image_grid
 from train.parts.observe.stats import standard_error
 
 log = logging.getLogger(__name__)

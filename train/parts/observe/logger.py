@@ -29,9 +29,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor
 
-from rewards.summary import MIN_TILE, image_grid
+from train.ground.disk import write_failure
 from train.ground.layout import RunLayout
-from train.parts.checkpoint.files import write_failure
+from train.parts.observe.grid import MIN_TILE, image_grid
 from train.parts.observe.metrics import MetricsFile
 from train.parts.observe.observe_config import LoggingConfig, WandbMode
 

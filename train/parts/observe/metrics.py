@@ -18,7 +18,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any, TextIO
 
-from train.parts.checkpoint.files import write_failure
+from train.ground.disk import write_failure
 
 log = logging.getLogger(__name__)
 

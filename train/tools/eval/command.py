@@ -34,10 +34,11 @@ from rewards.summary import overall
 from train.cli.command import hydra_command
 from train.cli.compose import setup
 from train.cli.help_text import show_value
+from train.distributed.collectives import agree_on_write
+from train.ground.disk import write_failure
 from train.ground.errors import CheckpointError, ConfigError
 from train.ground.layout import EXPORT, RunLayout
 from train.parts.checkpoint.export import Weights, export_description, find_weights
-from train.parts.checkpoint.files import agree_on_write, write_failure
 from train.parts.checkpoint.manager import CheckpointManager, deleted
 from train.parts.config.schema import TrainConfig
 from train.parts.eval.eval_config import SCORERS_HINT
