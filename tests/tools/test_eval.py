@@ -17,7 +17,6 @@ from hydra import compose, initialize_config_module
 from PIL import Image
 from small_run import TWO_SEGMENTS
 
-from train.eval import command as eval_module
 from train.ground.errors import ConfigError
 from train.loop.epilogue import files_section
 from train.loop.trainer import run
@@ -27,6 +26,7 @@ from train.parts.eval.eval_config import SCORERS_HINT
 from train.parts.eval.protocol import first_occurrences, paired_difference, read_scores
 from train.parts.observe.stats import standard_error
 from train.run.start import load_config
+from train.tools.eval import command as eval_module
 from train.tools.eval.command import check_scorers, eval_command, target
 
 ROOT = Path(__file__).resolve().parents[2]
