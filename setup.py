@@ -7,7 +7,7 @@ setup(
     description="GRPO for flow-matching text-to-image transformers, with JAGG group gradients",
     python_requires=">=3.10",
     packages=find_packages(include=["train*", "models*", "rewards*", "samplers*", "settings*", "configs*", "testbed*"]),
-    # the shipped defaults, found through importlib.resources (train/config/shipped.py): the configuration
+    # the shipped defaults, found through importlib.resources (train/parts/config/shipped.py): the configuration
     # tree, the architecture configs the planner reads, the testbed's pipeline and prompt lists
     package_data={
         "configs": ["*.yaml", "**/*.yaml", "arch/**/*.json"],
@@ -38,11 +38,11 @@ setup(
     entry_points={
         "console_scripts": [
             "jagg-train=train.__main__:command",
-            "jagg-eval=train.eval.command:command",
-            "jagg-compare=train.compare.command:main",
-            "jagg-probe=train.probe.command:command",
-            "jagg-plan=train.plan.command:command",
-            "jagg-preflight=train.preflight.command:command",
+            "jagg-eval=train.tools.eval.command:command",
+            "jagg-compare=train.tools.compare.command:main",
+            "jagg-probe=train.tools.probe.command:command",
+            "jagg-plan=train.tools.plan.command:command",
+            "jagg-preflight=train.tools.preflight.command:command",
         ]
     },
 )

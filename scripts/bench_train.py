@@ -117,9 +117,9 @@ def child(out: Path, steps: int, overrides: list[str]) -> None:
     time (``cpu/*``)."""
     from hydra import compose, initialize_config_module
 
-    import train.step
-    from train.config.schema import register_schema
-    from train.observe.perf import PhaseTimer
+    import train.loop.step
+    from train.parts.config.schema import register_schema
+    from train.parts.observe.perf import PhaseTimer
     from train.run.build import open_run
     from train.run.start import load_config, process_group
 
@@ -144,12 +144,12 @@ def child(out: Path, steps: int, overrides: list[str]) -> None:
             self._cpu.clear()
             return out
 
-    train.step.PhaseTimer = TwoClockTimer  # type: ignore[misc]  # train_step builds its timer from this name
+    train.loop.step.PhaseTimer = TwoClockTimer  # type: ignore[misc]  # train_step builds its timer from this name
     register_schema()
     with initialize_config_module(config_module="configs", version_base=None):
         config = load_config(compose(config_name="train", overrides=[*overrides, f"run_dir={out.parent}"]))
     with process_group() as dist, open_run(config, dist) as run:
-        records = [train.step.train_step(run, step) for step in range(steps)]
+        records = [train.loop.step.train_step(run, step) for step in range(steps)]
     out.write_text(json.dumps(records))
 
 

@@ -42,8 +42,8 @@ from models.flux import tiny_transformer
 from models.registry import get_backbone_class
 from models.tiny import build_tiny
 from train.cli.compose import setup
-from train.plan.depth import BLOCK_KEYS
-from train.preflight.machine import describe
+from train.tools.plan.depth import BLOCK_KEYS
+from train.tools.preflight.machine import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCH = ROOT / "configs" / "arch"

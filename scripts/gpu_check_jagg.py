@@ -4,7 +4,7 @@ A Flux transformer of ``blocks`` double and as many single blocks at the width o
 the tiny pipeline's in the CPU mode), random weights, one segment of W steps on the DanceGRPO SDE with the real
 GRPO step loss (PPO clip). ``backward_segment`` gives four gradients of the same weights and inputs: exact and
 jagg, each in float32 (TF32 off: the reference) and under bf16 autocast with float32 weights (as the trainer
-computes, train/model/predict.py). The relative errors |a - b| / |b| of the flattened gradients:
+computes, train/parts/policy/predict.py). The relative errors |a - b| / |b| of the flattened gradients:
 
     jagg_bf16_vs_float32       bf16 JAGG against float32 JAGG: the rounding of bf16, held to ``bound``
     exact_bf16_vs_float32      the same for the exact path

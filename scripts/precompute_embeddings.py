@@ -27,7 +27,7 @@ import torch
 from models.cache import EmbeddingCache
 from models.diffusers_backbone import DiffusersBackbone
 from models.registry import backbone_names, load_backbone
-from train.data.prompts import read_prompts
+from train.parts.data.prompts import read_prompts
 
 
 def _key_value(text: str) -> tuple[str, object]:

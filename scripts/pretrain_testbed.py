@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from rewards.shapes import ShapeAlignmentScorer
-from rewards.summary import image_grid
 from testbed.data import make_dataset
 from testbed.pretrain import PretrainConfig, load_testbed, pretrain, sample
+from train.parts.observe.grid import image_grid
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """``python -m train [overrides]`` (one process) or ``torchrun --nproc_per_node N -m train [overrides]``;
 installed as the console script ``jagg-train``.
 
-The configuration tree is ``configs/train.yaml``; every field is documented in ``train/config/schema.py``
+The configuration tree is ``configs/train.yaml``; every field is documented in ``train/parts/config/schema.py``
 (``--help`` lists them). A mistake in the settings, a path or a checkpoint prints one line and exits
 with status 2 (train/cli/reporting.py).
 """
@@ -21,7 +21,7 @@ setup()
 @hydra.main(config_path="pkg://configs", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
     with reported(PROG):
-        from train.trainer import run  # imported here so --help and config errors stay fast
+        from train.loop.trainer import run  # imported here so --help and config errors stay fast
 
         logging.captureWarnings(True)  # warnings reach the console handler and the run's log file
         run(cfg)

@@ -165,8 +165,8 @@ def straight(tiny_flux_dir, tiny_clip_dir, tmp_path_factory) -> Path:
 def test_two_nodes_train_as_one_process(straight, tiny_flux_dir, tiny_clip_dir, tmp_path, monkeypatch):
     from hydra import compose, initialize_config_module
 
-    from train.config.schema import register_schema
-    from train.trainer import run
+    from train.loop.trainer import run
+    from train.parts.config.schema import register_schema
 
     register_schema()
     one = tmp_path / "one"

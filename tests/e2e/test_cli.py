@@ -19,10 +19,10 @@ from omegaconf import OmegaConf
 
 from train.cli.compose import setup
 from train.cli.help_text import field_docs
-from train.plan.command import main as plan_main
-from train.plan.plan_config import PlanRunConfig
-from train.probe.probe_config import ProbeRunConfig
-from train.probe.probe_config import register as register_probe
+from train.tools.plan.command import main as plan_main
+from train.tools.plan.plan_config import PlanRunConfig
+from train.tools.probe.probe_config import ProbeRunConfig
+from train.tools.probe.probe_config import register as register_probe
 
 setup()
 register_probe()

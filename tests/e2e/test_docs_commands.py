@@ -25,15 +25,15 @@ from hydra import compose, initialize_config_module
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.cli.compose import setup
-from train.compare.command import parse_args
-from train.eval.command import check_scorers, target
-from train.plan.command import plan_config
-from train.plan.plan_config import register as register_plan
-from train.preflight.preflight_config import register as register_preflight
-from train.probe.probe_config import probe_settings
-from train.probe.probe_config import register as register_probe
 from train.run.checks import validate
 from train.run.start import typed_config
+from train.tools.compare.command import parse_args
+from train.tools.eval.command import check_scorers, target
+from train.tools.plan.command import plan_config
+from train.tools.plan.plan_config import register as register_plan
+from train.tools.preflight.preflight_config import register as register_preflight
+from train.tools.probe.probe_config import probe_settings
+from train.tools.probe.probe_config import register as register_probe
 
 setup()
 register_probe()

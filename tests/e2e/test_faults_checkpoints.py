@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from run_folders import assert_same_export, contents, copy_run, files_of, metrics, refused_line
 
-import train.eval.command as eval_command
+import train.tools.eval.command as eval_command
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 
@@ -324,7 +324,7 @@ def test_eval_names_a_damaged_export(damage, trained, launch, tmp_path):
     expected = "does not match the checksum" if damage == "one-weight-changed" else r"(cannot|has \d+ bytes)"
     assert re.search(rf"eval\.transformer=.*export'.*diffusion_pytorch_model\.safetensors {expected}", line), line
     # the run folder itself: its checkpoint stands in for the damaged export
-    from train.checkpoint.export import find_weights
+    from train.parts.checkpoint.export import find_weights
 
     assert find_weights(str(run_dir), "eval.transformer").path == run_dir / "checkpoints" / "step_00000002"
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's promp
 def test_a_full_disk_is_one_line_and_keeps_the_checkpoints(when, trained, launch, tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from train.checkpoint import manager as checkpoint
+    from train.parts.checkpoint import manager as checkpoint
 
     run_dir = copy_run(trained, tmp_path)
     before = files_of(run_dir / "checkpoints")
@@ -76,7 +76,7 @@ def test_a_disk_that_fills_while_a_metrics_row_is_written_is_one_line(launch, tm
 def test_a_new_run_is_refused_naming_the_size_of_its_checkpoint(trained, launch, tmp_path, monkeypatch):
     """A new run on a disk with little room: the line names what a checkpoint of this run needs, estimated from
     the model and optimizer before any is written (within a factor of 2 of the size a checkpoint has)."""
-    from train.checkpoint import manager as checkpoint
+    from train.parts.checkpoint import manager as checkpoint
 
     monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 1000)
     line = refused_line(launch, tmp_path / "run", "num_steps=2")

@@ -14,7 +14,7 @@ from run_folders import copy_run, files_of, nan_rewards, refused_line
 from safetensors.torch import load_file
 from small_run import the_error
 
-from train.config.schema import HealthConfig
+from train.parts.config.schema import HealthConfig
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 
@@ -47,7 +47,7 @@ def test_a_run_none_of_whose_steps_learned_is_not_exported(launch, tmp_path, mon
 
 
 def test_a_reward_without_spread_is_named(monkeypatch):
-    from train.observe import health
+    from train.parts.observe import health
 
     warnings = []
     monkeypatch.setattr(health.log, "warning", lambda message, *args: warnings.append(message % args))
@@ -71,7 +71,7 @@ HEALTH_BOUNDS = {
 
 @pytest.mark.parametrize("case", list(HEALTH_BOUNDS))
 def test_the_health_bounds(case):
-    from train.observe.health import Health
+    from train.parts.observe.health import Health
 
     settings, measured, bad_from = HEALTH_BOUNDS[case]
     watch = Health(HealthConfig(**settings), optimizer_steps=1, first=0, last=100, start_norm=1.0)

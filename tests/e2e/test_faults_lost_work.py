@@ -17,7 +17,7 @@ from small_run import FAST, the_error
 from two_ranks import HELPERS, run_torchrun, start_ranks
 
 import train.__main__ as train_command
-import train.trainer as trainer
+import train.loop.trainer as trainer
 from train.cli.reporting import run_hydra
 from train.ground.errors import Preempted
 

@@ -18,11 +18,11 @@ from small_run import FAST, the_error
 from two_ranks import run_ranks
 
 import train.cli.check as check_command
-import train.eval.command as eval_command
-import train.probe.command as probe_command
-import train.trainer as trainer
-from train.model import builder
-from train.reward import scorers
+import train.loop.trainer as trainer
+import train.tools.eval.command as eval_command
+import train.tools.probe.command as probe_command
+from train.parts.policy import builder
+from train.parts.scoring import scorers
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 
@@ -337,7 +337,7 @@ def test_eval_names_a_missing_scorer_file_before_the_model_loads(launch, tmp_pat
 
 @pytest.mark.parametrize("output", ["folder", "missing-folder"])
 def test_plan_output_is_checked_before_the_trace(output, tmp_path, capsys):
-    import train.plan.command as plan_command
+    import train.tools.plan.command as plan_command
 
     path = tmp_path if output == "folder" else tmp_path / "nowhere" / "plan.json"
     with pytest.raises(SystemExit) as stop:

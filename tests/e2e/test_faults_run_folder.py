@@ -24,10 +24,10 @@ from torch import Tensor
 from two_ranks import HELPERS
 
 import train.__main__ as train_command
-import train.trainer as trainer
+import train.loop.trainer as trainer
 from rewards.base import Scorer
 from train.cli.reporting import run_hydra
-from train.evaluation.protocol import EvalParts
+from train.parts.eval.protocol import EvalParts
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 
@@ -208,7 +208,7 @@ def test_a_holder_that_loses_its_folder_while_it_evaluates_writes_nothing(launch
     """The lock taken over once the evaluation after step 1 has scored its images (rewritten here as another host's,
     as a launch that took a suspended holder for dead leaves it): the run stops with status 1 in one line, and that
     evaluation writes no file and no metrics row."""
-    from train.evaluation import evaluator
+    from train.parts.eval import evaluator
 
     run_dir, real, saved = tmp_path / "run", evaluator.evaluate, {}
 

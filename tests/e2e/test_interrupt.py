@@ -16,9 +16,9 @@ import small_run
 from run_folders import ROOT, metrics
 from two_ranks import env, torchrun
 
-import train.trainer as trainer
+import train.loop.trainer as trainer
 from train.distributed import preemption
-from train.model import builder
+from train.parts.policy import builder
 
 FAST = [*small_run.FAST, "checkpoint.export=false"]
 

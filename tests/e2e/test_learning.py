@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
-from train.config.schema import register_schema
-from train.trainer import run
+from train.loop.trainer import run
+from train.parts.config.schema import register_schema
 
 ROOT = Path(__file__).resolve().parents[2]
 register_schema()

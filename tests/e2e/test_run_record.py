@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 from run_folders import copy_run, metrics, metrics_refused_after_one_row, nan_rewards, refused_line, sigterm_at
 
-import train.eval.command as eval_command
-from train.evaluation import evaluator
+import train.tools.eval.command as eval_command
+from train.parts.eval import evaluator
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 EVAL = ["eval.every=1", "+eval.scorers.jpeg_compressibility={}", "eval.num_steps=2", "eval.num_prompts=2"]

@@ -24,11 +24,11 @@ from two_ranks import HELPERS, run_torchrun
 
 from models.registry import load_backbone
 from train.algorithm import update
-from train.config.schema import register_schema
 from train.distributed.seeds import seed_everything
-from train.model.builder import setup_trainable
+from train.loop.trainer import run
+from train.parts.config.schema import register_schema
+from train.parts.policy.builder import setup_trainable
 from train.run.start import load_config
-from train.trainer import run
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).with_name("golden") / "trainer.json"

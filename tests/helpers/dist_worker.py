@@ -33,9 +33,6 @@ from torch.distributed.tensor import DTensor
 
 from train.algorithm.jagg import UPDATE_MODES, backward_segment
 from train.algorithm.update_config import MIDDLE_MODES
-from train.checkpoint.checkpoint_config import CheckpointConfig
-from train.checkpoint.export import export_model
-from train.checkpoint.manager import CheckpointManager
 from train.distributed.collectives import (
     all_gather_tensor,
     all_reduce_sum,
@@ -46,7 +43,10 @@ from train.distributed.collectives import (
 )
 from train.distributed.parallelize import clip_grad_norm_, parallelize
 from train.distributed.seeds import seed_everything
-from train.optim.ema import EMA
+from train.parts.checkpoint.checkpoint_config import CheckpointConfig
+from train.parts.checkpoint.export import export_model
+from train.parts.checkpoint.manager import CheckpointManager
+from train.parts.optim.ema import EMA
 
 BLOCKS = (FluxTransformerBlock, FluxSingleTransformerBlock)
 ROWS_PER_RANK = 2

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from hydra import compose, initialize_config_module
 
-from train.config.schema import register_schema
-from train.plan.command import plan_config
-from train.plan.plan_config import register
+from train.parts.config.schema import register_schema
+from train.tools.plan.command import plan_config
+from train.tools.plan.plan_config import register
 
 register_schema()
 register()

@@ -18,19 +18,19 @@ from collective_counter import CollectiveCounts, count_collectives
 from hydra import compose, initialize_config_module
 from torch.distributed.fsdp import FSDPModule
 
-import train.plan.tracing as tracing
-from train.config.schema import register_schema
+import train.tools.plan.tracing as tracing
 from train.distributed.collectives import init_distributed, shutdown
-from train.model.builder import FSDP_VIEW_WARNING
-from train.plan.command import arch_folder, plan_config
-from train.plan.counts import expected_segments
-from train.plan.fake_run import traced_run
-from train.plan.plan_config import register
-from train.plan.tracing import trace_step
+from train.parts.config.schema import register_schema
+from train.parts.policy.builder import FSDP_VIEW_WARNING
+from train.tools.plan.command import arch_folder, plan_config
+from train.tools.plan.counts import expected_segments
+from train.tools.plan.fake_run import traced_run
+from train.tools.plan.plan_config import register
+from train.tools.plan.tracing import trace_step
 
 
 class PhaseCollectives:
-    """``train.plan.tracing``'s ``measure`` and ``to_phase``, wrapped: each measured call counts its
+    """``train.tools.plan.tracing``'s ``measure`` and ``to_phase``, wrapped: each measured call counts its
     collectives, which the phase named next receives."""
 
     def __init__(self) -> None:

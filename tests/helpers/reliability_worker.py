@@ -18,9 +18,9 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_module
 
-import train.trainer as trainer
-from train.config.schema import register_schema
+import train.loop.trainer as trainer
 from train.distributed.collectives import gather_objects
+from train.parts.config.schema import register_schema
 from train.run.build import open_run
 from train.run.start import load_config, process_group
 

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from small_run import FAST, the_error
 
 import train.__main__ as train_command
-import train.trainer as trainer
+import train.loop.trainer as trainer
 from train.cli.reporting import run_hydra
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,7 +132,7 @@ def nan_rewards(monkeypatch) -> None:
 def metrics_refused_after_one_row(monkeypatch, errno: int, message: str) -> None:
     """The metrics file accepts its first row and refuses every later write with OSError(errno, message), as a
     disk that fills or a folder that turns read-only after step 0 does."""
-    from train.observe import metrics as metrics_module
+    from train.parts.observe import metrics as metrics_module
 
     real_open, rows = open, []
 

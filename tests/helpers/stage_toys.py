@@ -1,6 +1,6 @@
-"""Toy parts for the reward stage's tests (train/reward/stage.py, with the step's chunk loop of train/step.py),
-without a transformer: a rollout of seeded final latents per group that decodes them into [0, 1], and scorers
-whose behaviour the test picks (local or served, slow, failing, NaN)."""
+"""Toy parts for the reward stage's tests (train/parts/scoring/stage.py, with the step's chunk loop of
+train/loop/step.py), without a transformer: a rollout of seeded final latents per group that decodes them into [0, 1],
+and scorers whose behaviour the test picks (local or served, slow, failing, NaN)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from samplers.rollout import Trajectory
 from samplers.sampler_config import SamplerConfig
 from train.algorithm.grpo_config import GRPOConfig
 from train.distributed.collectives import DistInfo
-from train.reward.stage import RewardStage, RewardStageConfig, advantage_fn
+from train.parts.scoring.stage import RewardStage, RewardStageConfig, advantage_fn
 
 SIDE = 4  # the toy images are [3, SIDE, SIDE]
 

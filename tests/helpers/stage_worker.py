@@ -13,9 +13,9 @@ from pathlib import Path
 
 from stage_toys import ToyRollout, ToyScorer, brightness, redness, toy_stage
 
-from train.observe.perf import PhaseTimer
+from train.loop.step import roll_out_and_score
+from train.parts.observe.perf import PhaseTimer
 from train.run.start import process_group
-from train.step import roll_out_and_score
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("train.reward.stage").addHandler(handler)
+    logging.getLogger("train.parts.scoring.stage").addHandler(handler)
     with process_group() as dist:
         fail = RuntimeError("the judge went away") if dist.rank == 1 else None
         judge = ToyScorer(redness, served=True, fail=fail)

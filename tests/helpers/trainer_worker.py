@@ -2,7 +2,7 @@
 
 CASES is a JSON file {name: [Hydra overrides]}; every case trains in turn in one process group (one
 torchrun start-up for all of them), through the library the trainer's entry point uses
-(train.run.build.open_run, then train.trainer.Trainer.train), each into the run_dir its overrides name.
+(train.run.build.open_run, then train.loop.trainer.Trainer.train), each into the run_dir its overrides name.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_module
 
-from train.config.schema import register_schema
+from train.loop.trainer import Trainer
+from train.parts.config.schema import register_schema
 from train.run.build import open_run
 from train.run.start import load_config, process_group
-from train.trainer import Trainer
 
 
 def main() -> None:

@@ -21,12 +21,12 @@ from small_run import FAST
 
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
-from train.compare.arms import arm_rewards, group_arms
-from train.compare.command import main
-from train.compare.runs import load_run
-from train.compare.tables import reach_cell
-from train.config.schema import register_schema
+from train.parts.config.schema import register_schema
 from train.run.checks import validate
+from train.tools.compare.arms import arm_rewards, group_arms
+from train.tools.compare.command import main
+from train.tools.compare.runs import load_run
+from train.tools.compare.tables import reach_cell
 
 ROOT = Path(__file__).resolve().parents[2]
 register_schema()
@@ -47,7 +47,7 @@ TINY_RUN = [
 @pytest.fixture(scope="module")
 def tiny_runs(tiny_flux_dir, tmp_path_factory) -> list[Path]:
     """Two 2-step runs of the tiny Flux, exact and jagg, each evaluated after every step."""
-    from train.trainer import run
+    from train.loop.trainer import run
 
     root = tmp_path_factory.mktemp("runs")
     with pytest.MonkeyPatch.context() as mp:
@@ -118,7 +118,7 @@ def wait_for_offline_records(folder: Path, timeout_s: float = 60.0) -> None:
     """wandb's service process writes an offline run's .wandb file on its own schedule, and on a busy
     machine it can still be short of its run record when ``finish()`` returns: wait (bounded) until
     every offline folder's file reads as a started run, as train.compare will read it."""
-    from train.compare.wandb_runs import read_offline_file
+    from train.tools.compare.wandb_runs import read_offline_file
 
     deadline = time.monotonic() + timeout_s
     for file in sorted(folder.glob("offline-run-*/*.wandb")):
@@ -135,7 +135,7 @@ def wait_for_offline_records(folder: Path, timeout_s: float = 60.0) -> None:
 def test_offline_sessions_of_a_resumed_run_merge_and_damage_is_named(tmp_path, capsys):
     """A resumed run writes a second offline folder with the same id: merged, the replayed step keeps
     its later value (as metrics.jsonl does). A damaged .wandb file is named, exit status 2."""
-    from train.compare.wandb_runs import read_offline
+    from train.tools.compare.wandb_runs import read_offline
 
     cfg = {"seed": 0, "update": {"mode": "jagg"}}
     offline_session(tmp_path, "abcd1234", {0: 0.1, 1: 0.2, 2: 0.3}, cfg)
@@ -158,7 +158,7 @@ def test_offline_sessions_of_a_resumed_run_merge_and_damage_is_named(tmp_path, c
 def test_offline_reader_crosses_blocks_and_stops_at_a_cut(tmp_path):
     """Records span wandb's 32 KiB blocks (a 70 kB configuration is cut into first/middle/last chunks;
     500 rows cross several block ends); a file cut inside a record (a killed writer) reads up to it."""
-    from train.compare.wandb_runs import BLOCK, read_offline, read_offline_file
+    from train.tools.compare.wandb_runs import BLOCK, read_offline, read_offline_file
 
     big = {"seed": 1, "note": "x" * 70_000}
     offline_session(tmp_path, "big00001", {s: s / 7 for s in range(500)}, big)
@@ -185,7 +185,7 @@ class FakeApiRun:
 
 
 class FakeApi:
-    """wandb.Api's two calls train.compare.command makes, over four runs of two groups."""
+    """wandb.Api's two calls train.tools.compare.command makes, over four runs of two groups."""
 
     RUNS = [
         FakeApiRun("r1", "sweep", "exact", 0, {0: 0.4, 10: 0.5}),
@@ -463,7 +463,7 @@ def test_compare_modes_runs_three_modes_in_one_group_then_compares():
     for mode, cmd in zip(("exact", "jagg", "ablate"), launches, strict=True):
         assert cmd[0] == "torchrun" and "--nproc_per_node" in cmd and cmd[cmd.index("--nproc_per_node") + 1] == "1"
         assert {f"update={mode}", "logging.group=g", f"hydra.run.dir=out/{mode}", "num_steps=2"} <= set(cmd)
-    # train.compare.command labels each run from its own config.yaml
+    # train.tools.compare.command labels each run from its own config.yaml
     assert compare[1:] == ["-m", "train.compare", "out/exact", "out/jagg", "out/ablate", "--out", "out/compare"]
 
 
@@ -497,8 +497,8 @@ def test_testbed_compare_sweeps_modes_and_seeds_then_compares(tmp_path):
 
 
 def test_runs_of_several_experiments_are_flagged_and_labelled_shortly():
-    from train.compare.arms import MAX_LABEL_SETTINGS, arm_labels, experiments_note
-    from train.compare.runs import RunMetrics
+    from train.tools.compare.arms import MAX_LABEL_SETTINGS, arm_labels, experiments_note
+    from train.tools.compare.runs import RunMetrics
 
     def run(experiment: str, **settings) -> RunMetrics:
         return RunMetrics(experiment, {}, {"experiment": experiment, "update.mode": "jagg", "seed": 0, **settings})

@@ -17,17 +17,17 @@ from hydra import compose, initialize_config_module
 from PIL import Image
 from small_run import TWO_SEGMENTS
 
-from train.checkpoint.export import find_weights
-from train.eval import command as eval_module
-from train.eval.command import check_scorers, eval_command, target
-from train.evaluation import protocol as evaluation
-from train.evaluation.eval_config import SCORERS_HINT
-from train.evaluation.protocol import first_occurrences, paired_difference, read_scores
 from train.ground.errors import ConfigError
-from train.observe.stats import standard_error
+from train.loop.epilogue import files_section
+from train.loop.trainer import run
+from train.parts.checkpoint.export import find_weights
+from train.parts.eval import protocol as evaluation
+from train.parts.eval.eval_config import SCORERS_HINT
+from train.parts.eval.protocol import first_occurrences, paired_difference, read_scores
+from train.parts.observe.stats import standard_error
 from train.run.start import load_config
-from train.summary import files_section
-from train.trainer import run
+from train.tools.eval import command as eval_module
+from train.tools.eval.command import check_scorers, eval_command, target
 
 ROOT = Path(__file__).resolve().parents[2]
 SCORER = "jpeg_compressibility"
@@ -240,8 +240,8 @@ def test_padding_rows_are_dropped_after_gather():
 def test_samples_per_prompt_repeats_the_prompt_set_with_new_noise(tmp_path):
     # Item j * n + i is sample j of prompt i: sample 0 of every prompt keeps the index (and so the
     # noise, drawn from (eval.seed, "eval_noise", index)) it has with one sample per prompt.
-    from train.config.schema import TrainConfig
-    from train.evaluation.evaluator import read_eval_prompts
+    from train.parts.config.schema import TrainConfig
+    from train.parts.eval.evaluator import read_eval_prompts
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("a\nb\nc\n")
@@ -255,8 +255,8 @@ def test_samples_per_prompt_repeats_the_prompt_set_with_new_noise(tmp_path):
 
 
 def test_heldout_prompts_are_read_like_eval_prompts_and_logged_under_held_out(tmp_path):
-    from train.config.schema import TrainConfig
-    from train.evaluation.evaluator import logged_metrics, read_heldout_prompts
+    from train.parts.config.schema import TrainConfig
+    from train.parts.eval.evaluator import logged_metrics, read_heldout_prompts
 
     cfg = TrainConfig()
     cfg.eval.samples_per_prompt = 2

@@ -19,17 +19,18 @@ from rewards.base import SCORER_NAMES, FrozenModelScorer, scorer_class
 from train.algorithm.jagg import Counts
 from train.algorithm.routing import build_router
 from train.algorithm.update import UpdateBatch, shared_start, update_micro_batch
-from train.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
-from train.plan.command import SHIPPED_ARCH, main, plan
-from train.plan.counts import (
+from train.loop.step import micro_batches
+from train.tools.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
+from train.tools.plan.command import SHIPPED_ARCH, main, plan
+from train.tools.plan.counts import (
     drawn_windows,
     expected_segments,
     expected_shared_calls,
     expected_shared_rows,
     update_variants,
 )
-from train.plan.depth import extended, traced_depths
-from train.plan.frozen import (
+from train.tools.plan.depth import extended, traced_depths
+from train.tools.plan.frozen import (
     ARCH_ROOT,
     NOT_READ,
     SCORER_ARCH,
@@ -38,9 +39,8 @@ from train.plan.frozen import (
     read_json,
     scorer_module,
 )
-from train.plan.report import Phase, PlanReport
-from train.plan.reward import RewardStage, reward_stage, scorer_flops
-from train.step import micro_batches
+from train.tools.plan.report import Phase, PlanReport
+from train.tools.plan.reward import RewardStage, reward_stage, scorer_flops
 
 
 def real_transformer(name: str) -> dict:
@@ -176,7 +176,7 @@ def test_expected_shared_rows_over_the_random_pick():
 
 
 def _update_loop_calls(cfg, traj, *, share: bool, seed: int) -> tuple[int, int]:
-    """(transformer forwards, backwards) of one step's update as train/step.py runs it: per optimizer step,
+    """(transformer forwards, backwards) of one step's update as train/loop/step.py runs it: per optimizer step,
     the micro-batches' routes drawn in order, the shared start, the micro-batches, its backward."""
     policy, reference, forwards = ToyVelocity(), ToyVelocity(seed=1), []
     for model in (policy, reference):
@@ -260,7 +260,7 @@ def test_bad_settings_fail_before_tracing(overrides, message):
         plan(cfg, model_path_given=given)
 
 
-# ---- communication and time (train/plan/comm.py), by hand -----------------------------------------
+# ---- communication and time (train/tools/plan/comm.py), by hand -----------------------------------------
 
 GATHERED, GRADIENTS = 6e9, 1e8  # bytes of one all-gather of every parameter; of the trained gradients
 

@@ -29,15 +29,15 @@ from samplers.schedule import shifted_sigmas
 from samplers.window import rollout_forwards
 from train.algorithm.jagg import UPDATE_MODES, backward_segment
 from train.distributed.parallelize import parallelize
-from train.model.builder import FSDP_VIEW_WARNING
-from train.plan.command import SHIPPED_ARCH, plan
-from train.plan.counts import drawn_windows
-from train.plan.fake import fake_process_group
-from train.plan.fake_run import traced_run
-from train.plan.frozen import ARCH_ROOT, build_component, read_json
-from train.plan.report import GIB
-from train.plan.report_text import format_report
-from train.plan.step_calls import EXACT_TRACED_STEPS
+from train.parts.policy.builder import FSDP_VIEW_WARNING
+from train.tools.plan.command import SHIPPED_ARCH, plan
+from train.tools.plan.counts import drawn_windows
+from train.tools.plan.fake import fake_process_group
+from train.tools.plan.fake_run import traced_run
+from train.tools.plan.frozen import ARCH_ROOT, build_component, read_json
+from train.tools.plan.report import GIB
+from train.tools.plan.report_text import format_report
+from train.tools.plan.step_calls import EXACT_TRACED_STEPS
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT_PARTS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
@@ -56,7 +56,7 @@ def partial_arch(name: str, folder: Path) -> Path:
 
 @pytest.mark.parametrize("experiment", ["flux_dance", "qwenimage_dance"])
 def test_real_architecture_takes_lora_and_shards_on_8_fake_ranks(experiment, tmp_path):
-    """The trainer's own setup (train.model.builder.setup_trainable: peft LoRA on the adapter's target modules,
+    """The trainer's own setup (train.parts.policy.builder.setup_trainable: peft LoRA on the adapter's target modules,
     activation checkpointing, FSDP2 per block and root) on the real architecture, cut to one block
     of each kind: every LoRA target names modules of it, every parameter is sharded over 8 ranks."""
     cfg, _ = config([f"experiment={experiment}", "model.lora.enabled=true"])

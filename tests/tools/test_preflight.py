@@ -14,17 +14,17 @@ import torch
 from small_run import FAST, command
 from two_ranks import run_ranks, run_torchrun
 
-import train.preflight.command as preflight_command
+import train.tools.preflight.command as preflight_command
 from train.ground.layout import RunLayout
-from train.plan.comm import ModelBytes
-from train.plan.report import GIB, Phase, PlanReport
-from train.plan.reward import RewardStage
-from train.preflight.compare import MemoryCompare, corrected_memory
-from train.preflight.links import LinkRate, link_checks
-from train.preflight.machine import sdpa_backend
-from train.preflight.scorers import ScorerTiming, measured_reward, reward_check
-from train.preflight.verdict import Check, RankChecks, Status, Verdict, merged
 from train.run.folder import held_run
+from train.tools.plan.comm import ModelBytes
+from train.tools.plan.report import GIB, Phase, PlanReport
+from train.tools.plan.reward import RewardStage
+from train.tools.preflight.compare import MemoryCompare, corrected_memory
+from train.tools.preflight.links import LinkRate, link_checks
+from train.tools.preflight.machine import sdpa_backend
+from train.tools.preflight.scorers import ScorerTiming, measured_reward, reward_check
+from train.tools.preflight.verdict import Check, RankChecks, Status, Verdict, merged
 
 STATUSES = {"passed", "warned", "failed", "skipped"}
 
@@ -145,7 +145,7 @@ def test_compile_without_a_cpp_compiler(tmp_path, capsys, monkeypatch):
 def test_tiny_preset_on_a_disk_too_small(tmp_path, capsys, monkeypatch, tiny_flux_dir):
     """The whole preflight of one process, the step and the plan included. The disk has 20 MB free: room for a
     run's first files (16 MB), not for 41 checkpoints of about 1 MB."""
-    monkeypatch.setattr("train.checkpoint.manager.free_bytes", lambda path: 20 * 10**6)
+    monkeypatch.setattr("train.parts.checkpoint.manager.free_bytes", lambda path: 20 * 10**6)
     overrides = [*FAST, f"model.path={tiny_flux_dir}", "preflight.steps=1", "checkpoint.keep_last=40"]
     status, _, stdout = command(capsys, tmp_path, overrides, preflight_command, stdout=True)
     out = _verdict(tmp_path)

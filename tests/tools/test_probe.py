@@ -1,4 +1,4 @@
-"""The gradient-quality probe (train/algorithm/quality.py, train/probe/session.py and table.py): exactness where
+"""The gradient-quality probe (train/algorithm/quality.py, train/tools/probe/session.py and table.py): exactness where
 Theorem 1 holds, the jagg_frac rule on hand-made numbers, the Hydra entry point on the tiny Flux backbone, and
 torchrun + FSDP2."""
 
@@ -23,10 +23,10 @@ from train.algorithm.quality import (
     summarize_segments,
 )
 from train.algorithm.segments import prefix_path
-from train.config.schema import register_schema
 from train.distributed.parallelize import ProcessRanks, global_dots
-from train.probe.probe_config import register
-from train.probe.table import format_table
+from train.parts.config.schema import register_schema
+from train.tools.probe.probe_config import register
+from train.tools.probe.table import format_table
 
 register_schema()
 register()
@@ -168,7 +168,7 @@ PROBE = [
 
 
 def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, caplog, repo_root):
-    from train.probe.session import run_probe
+    from train.tools.probe.session import run_probe
 
     caplog.set_level(logging.INFO)
     out = tmp_path / "report.json"
@@ -193,9 +193,9 @@ def test_probe_on_tiny_backbone(tiny_flux_dir, tmp_path, caplog, repo_root):
 def test_probe_measures_stale_velocities_and_restores_the_weights(tiny_flux_dir, tmp_path, repo_root):
     """update.reuse_velocities=stale: the report carries fresh and stale cosines after one optimizer
     step; the probe's step is undone (the run's weights and optimizer are as built)."""
-    from train.probe.session import probe as run_probe_on
     from train.run.build import open_run
     from train.run.start import load_config, process_group
+    from train.tools.probe.session import probe as run_probe_on
 
     overrides = [f"run_dir={tmp_path}", f"model.path={tiny_flux_dir}", *PROBE, "probe.num_rollouts=2"]
     with initialize_config_module(config_module="configs", version_base=None):
@@ -218,7 +218,7 @@ def test_probe_under_torchrun_fsdp_matches_one_process(tiny_flux_dir, tmp_path, 
     """2 ranks x 1 prompt under FSDP2 (gloo) measure the same 4 trajectories as 1 process x 2 prompts
     (group noise does not depend on the rank layout): the cosines and ratios over the sharded,
     global gradient equal the single-process ones."""
-    from train.probe.session import run_probe
+    from train.tools.probe.session import run_probe
 
     common = [f"model.path={tiny_flux_dir}", *PROBE, "probe.num_rollouts=4"]
     sharded = tmp_path / "fsdp"

@@ -16,13 +16,13 @@ from flux_toys import tiny_flux_transformer as tiny_flux
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
-import train.checkpoint.manager as checkpoint
-from train.checkpoint.checkpoint_config import CheckpointConfig
-from train.checkpoint.export import export_model
-from train.checkpoint.manager import CheckpointManager
+import train.parts.checkpoint.manager as checkpoint
 from train.distributed.parallelize import parallelize
 from train.ground.errors import CheckpointError
-from train.optim.ema import EMA
+from train.parts.checkpoint.checkpoint_config import CheckpointConfig
+from train.parts.checkpoint.export import export_model
+from train.parts.checkpoint.manager import CheckpointManager
+from train.parts.optim.ema import EMA
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -250,8 +250,8 @@ def test_a_resume_may_change_the_settings_that_keep_the_same_numbers() -> None:
     """reward.chunk_groups, like batch.micro_batch, changes only the batch shapes of the same computation: a
     checkpoint does not record it, so a resume with another value compares equal, and allow_changed need not name
     it; reward.combine, which changes the rewards, is recorded and compared."""
-    from train.checkpoint.settings import changed_keys, not_allowable, recorded_settings
-    from train.config.schema import TrainConfig
+    from train.parts.checkpoint.settings import changed_keys, not_allowable, recorded_settings
+    from train.parts.config.schema import TrainConfig
 
     saved = recorded_settings(TrainConfig(), prompts="digest")
     chunked, micro = TrainConfig(), TrainConfig()

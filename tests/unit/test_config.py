@@ -17,11 +17,11 @@ from models.base import DTYPES, parse_dtype
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.cli.reporting import hydra_message
-from train.config.keys import checked, typed
-from train.config.schema import TrainConfig, register_schema
-from train.config.shipped import shipped
 from train.ground.errors import ConfigError
-from train.optim.optimizer import adamw_settings
+from train.parts.config.keys import checked, typed
+from train.parts.config.schema import TrainConfig, register_schema
+from train.parts.config.shipped import shipped
+from train.parts.optim.optimizer import adamw_settings
 from train.run.checks import trainable_transitions, validate
 from train.run.start import typed_config
 
@@ -484,7 +484,7 @@ def test_an_optional_reward_term_reaches_the_combiner_and_not_its_scorer(tmp_pat
     the key (it is the combiner's, as weight is) and the arguments check passes it."""
     import torch
 
-    from train.reward.scorers import build_rewards, check_scorer_inputs
+    from train.parts.scoring.scorers import build_rewards, check_scorer_inputs
 
     overrides = [
         "+reward.components.jpeg_compressibility.required=false",

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from train.optim.ema import EMA
+from train.parts.optim.ema import EMA
 
 
 def param(*values: float, dtype: torch.dtype = torch.float32) -> nn.Parameter:

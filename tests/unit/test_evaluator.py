@@ -13,16 +13,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import train.evaluation.evaluator as evaluator_module
-from train.config.schema import TrainConfig
+import train.parts.eval.evaluator as evaluator_module
 from train.distributed.collectives import DistInfo
-from train.evaluation.evaluator import Evaluator, evaluates, read_result
-from train.evaluation.protocol import EvalParts, EvalResult, write_result
 from train.ground.layout import RunLayout
-from train.observe.logger import RunLogger
-from train.observe.observe_config import LoggingConfig
-from train.observe.perf import Peak
-from train.summary import run_summary
+from train.loop.epilogue import run_summary
+from train.parts.config.schema import TrainConfig
+from train.parts.eval.evaluator import Evaluator, evaluates, read_result
+from train.parts.eval.protocol import EvalParts, EvalResult, write_result
+from train.parts.observe.logger import RunLogger
+from train.parts.observe.observe_config import LoggingConfig
+from train.parts.observe.perf import Peak
 
 SCORER = "jpeg_compressibility"
 # the made-up mean score of each evaluation

@@ -23,8 +23,8 @@ from rewards.base import build_scorer  # noqa: E402
 from rewards.judge import JudgeScorer  # noqa: E402
 from rewards.served import RemoteRewardError  # noqa: E402
 from train.ground.errors import ConfigError, config_key  # noqa: E402
-from train.observe.perf import PhaseTimer  # noqa: E402
-from train.step import roll_out_and_score  # noqa: E402
+from train.loop.step import roll_out_and_score  # noqa: E402
+from train.parts.observe.perf import PhaseTimer  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "servers"
 SERVERS = ["vllm", "sglang"]

@@ -14,14 +14,14 @@ import torch
 import wandb
 from PIL import Image
 
-from rewards.summary import MIN_TILE, image_grid
-from train.config.schema import TrainConfig
 from train.ground.layout import RunLayout
-from train.observe.console import Heartbeat, format_seconds, progress_bar
-from train.observe.logger import RunLogger
-from train.observe.observe_config import LoggingConfig
-from train.observe.perf import PhaseTimer
-from train.summary import files_section
+from train.loop.epilogue import files_section
+from train.parts.config.schema import TrainConfig
+from train.parts.observe.console import Heartbeat, format_seconds, progress_bar
+from train.parts.observe.grid import MIN_TILE, image_grid
+from train.parts.observe.logger import RunLogger
+from train.parts.observe.observe_config import LoggingConfig
+from train.parts.observe.perf import PhaseTimer
 
 
 def run_logger(run_dir, *, is_main: bool = True, config: dict | None = None, **logging) -> RunLogger:
@@ -107,6 +107,18 @@ def test_labelled_grid_cuts_long_captions() -> None:
         bands = [label[k * line_height : (k + 1) * line_height] for k in range(count)]
         assert all((band < 128).any() for band in bands)  # the caption fills every line it is given
         assert (label[count * line_height :] == 255).all()  # and none past them
+
+
+def test_image_grid_layout() -> None:
+    images = torch.zeros(5, 3, 8, 8)
+    images[4] = 1.0
+    images[1, 0] = 1.0  # second image pure red
+    grid = image_grid(images, nrow=3)
+    # make_grid: 3 columns x 2 rows of 8 px cells with 2 px white gaps around every cell.
+    assert grid.size == (3 * 10 + 2, 2 * 10 + 2) and grid.mode == "RGB"
+    assert grid.getpixel((2 + 10 + 4, 2 + 4)) == (255, 0, 0)
+    assert grid.getpixel((2 + 4, 2 + 4)) == (0, 0, 0)
+    assert grid.getpixel((2 + 20 + 4, 12 + 4)) == (255, 255, 255)  # the empty sixth cell is padding
 
 
 def test_image_grid_checks_layout() -> None:

@@ -1,4 +1,4 @@
-"""FLOPs, TFLOP/s and MFU (train/observe/perf.py), and the compilation watch."""
+"""FLOPs, TFLOP/s and MFU (train/parts/observe/perf.py), and the compilation watch."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 from models.registry import load_backbone
 from train.distributed.parallelize import CompileStats, compile_unavailable
-from train.observe import perf
-from train.observe.perf import CompileWatch, FlopMeter, Peak, PhaseTimer, device_peak, perf_metrics
+from train.parts.observe import perf
+from train.parts.observe.perf import CompileWatch, FlopMeter, Peak, PhaseTimer, device_peak, perf_metrics
 
 
 @pytest.fixture(scope="module")

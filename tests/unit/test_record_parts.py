@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from train.config.record import due_evaluations, lost_rows, missing_evaluations, steps_text
-from train.observe.health import Health
-from train.observe.observe_config import HealthConfig
-from train.summary import eval_series, write_curve
+from train.loop.epilogue import eval_series, write_curve
+from train.parts.config.record import due_evaluations, lost_rows, missing_evaluations, steps_text
+from train.parts.observe.health import Health
+from train.parts.observe.observe_config import HealthConfig
 
 
 def write_rows(path: Path, rows: list[dict]) -> Path:

@@ -1,4 +1,4 @@
-"""The reward stage (train/reward/stage.py) as the step's chunk loop (train/step.py) hands it the rollout: a
+"""The reward stage (train/parts/scoring/stage.py) as the step's chunk loop (train/loop/step.py) hands it the rollout: a
 chunked step equals one chunk; served scorers run in background workers that no step outlives, their time behind
 the rollout counted as hidden; optional terms that fail or score NaN are left out, renormalised, counted and said
 once; required ones skip or stop the step as before. The stage's settings build it and count the chunks."""
@@ -17,12 +17,12 @@ from stage_toys import ToyRollout, ToyScorer, brightness, nan_scores, redness, t
 from rewards.combine import RewardCombiner
 from rewards.remote import RemoteRewardError
 from train.algorithm.grpo_config import GRPOConfig
-from train.config.schema import register_schema
 from train.distributed.collectives import DistInfo
 from train.ground.errors import ScorerFailed, ranks_agreed
-from train.observe.perf import PhaseTimer
-from train.reward.stage import RewardStage, RewardStageConfig, advantage_fn
-from train.step import roll_out_and_score
+from train.loop.step import roll_out_and_score
+from train.parts.config.schema import register_schema
+from train.parts.observe.perf import PhaseTimer
+from train.parts.scoring.stage import RewardStage, RewardStageConfig, advantage_fn
 
 FAILURE = RuntimeError("the judge went away")
 
@@ -32,7 +32,7 @@ def reward_threads() -> list[str]:
 
 
 def run_stage(stage: RewardStage, rollout: ToyRollout):
-    """The step's rollout and scoring (train/step.py's chunk loop) of the toy ``rollout``."""
+    """The step's rollout and scoring (train/loop/step.py's chunk loop) of the toy ``rollout``."""
     return roll_out_and_score(rollout, stage, PhaseTimer())  # type: ignore[arg-type]  # a toy rollout
 
 
@@ -86,7 +86,7 @@ def test_a_chunked_step_equals_one_chunk(tiny_run, chunk_groups) -> None:
     """The tiny model's rollout in chunks of 1 or 2 of its 3 groups (the last chunk smaller), scored by its JPEG
     reward on this thread and a served term in a worker: the trajectories, velocities, rewards and advantages of
     one chunk, to float rounding (other batch shapes in the transformer's matmuls)."""
-    from train.step import step_rollout
+    from train.loop.step import step_rollout
 
     run, served = tiny_run, ToyScorer(brightness, served=True)
     rewards = RewardCombiner({**run.data.reward_stage.rewards.components, "served": (served, 0.5)})

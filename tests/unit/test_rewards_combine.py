@@ -14,7 +14,7 @@ import rewards
 from rewards.base import SCORER_NAMES, Scorer, build_scorer
 from rewards.combine import RewardCombiner, renormalised_weights
 from rewards.compressibility import JPEGCompressibilityScorer, JPEGIncompressibilityScorer
-from rewards.summary import image_grid, summarize
+from rewards.summary import summarize
 from train.algorithm.grpo import group_advantages
 
 
@@ -233,18 +233,6 @@ def test_summarize_means_overall_and_per_category() -> None:
     assert summarize(scores, None) == pytest.approx({"hpsv2": 0.3, "clipscore": 2.5})
     with pytest.raises(ValueError, match="categories"):
         summarize(scores, ["anime"])
-
-
-def test_image_grid_layout() -> None:
-    images = torch.zeros(5, 3, 8, 8)
-    images[4] = 1.0
-    images[1, 0] = 1.0  # second image pure red
-    grid = image_grid(images, nrow=3)
-    # make_grid: 3 columns x 2 rows of 8 px cells with 2 px white gaps around every cell.
-    assert grid.size == (3 * 10 + 2, 2 * 10 + 2) and grid.mode == "RGB"
-    assert grid.getpixel((2 + 10 + 4, 2 + 4)) == (255, 0, 0)
-    assert grid.getpixel((2 + 4, 2 + 4)) == (0, 0, 0)
-    assert grid.getpixel((2 + 20 + 4, 12 + 4)) == (255, 255, 255)  # the empty sixth cell is padding
 
 
 def test_rewards_never_import_train_distributed_hydra_or_wandb() -> None:

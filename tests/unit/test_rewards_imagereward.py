@@ -22,7 +22,7 @@ from scorer_checks import (
 from rewards.imagereward import SCORE_STD, ImageRewardScorer
 from rewards.tiny import TINY_BLIP_VISION, save_tiny_imagereward
 from train.ground.errors import PathError
-from train.reward.scorers import check_scorer
+from train.parts.scoring.scorers import check_scorer
 
 PROMPTS = [
     "a photo of a cat",

@@ -15,8 +15,8 @@ from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.algorithm.routing import AutoRouter, PrefixRouter, build_router
 from train.algorithm.update_config import UpdateConfig
-from train.config.schema import TrainConfig, register_schema
 from train.distributed.parallelize import ProcessRanks
+from train.parts.config.schema import TrainConfig, register_schema
 from train.run.checks import validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,7 +107,7 @@ def test_jagg_frac_is_a_number_and_routing_its_own_field(tmp_path):
 def test_trainer_routes_by_the_probe(threshold, path, tiny_flux_dir, tmp_path, monkeypatch):
     """Any cosine passes a threshold of -1 (the ends of update.auto_threshold's range) and none short of
     parallel gradients passes 1: the update follows the table."""
-    from train.trainer import run
+    from train.loop.trainer import run
 
     monkeypatch.chdir(ROOT)  # the demo's prompt file is relative to the repository root
     overrides = [

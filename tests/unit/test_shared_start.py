@@ -91,7 +91,7 @@ def _float64(backbone):
 
 
 def _gradient(predict, params, traj, settings: ToySettings, *, micro_batch: int, reference):
-    """The update of the trajectory as train/step.py runs it: per optimizer step, the micro-batches' routes
+    """The update of the trajectory as train/loop/step.py runs it: per optimizer step, the micro-batches' routes
     drawn in order, the shared start (when rows share it), the micro-batches, its backward."""
     for p in params:
         p.grad = None

@@ -1,10 +1,10 @@
-"""Statistics over seeds (train/observe/stats.py) on hand-made numbers; comments say why."""
+"""Statistics over seeds (train/parts/observe/stats.py) on hand-made numbers; comments say why."""
 
 import math
 
 import pytest
 
-from train.observe.stats import estimate, median, paired, quantile, t975, trapezoid_mean
+from train.parts.observe.stats import estimate, median, paired, quantile, t975, trapezoid_mean
 
 
 def test_interval_by_hand():

@@ -1,4 +1,4 @@
-"""What the command-line tools share (``python -m train`` and the command packages of train/, with their
+"""What the command-line tools share (``python -m train`` and the commands of train/tools/, with their
 ``jagg-*`` console scripts): how a command ends, a user's mistake in one line and a bug with its traceback
 (reporting.py); the Hydra callback that looks at the run folder before Hydra writes into it (run_folder.py)
 and the take-back of what a refused launch wrote (launch.py); ``--help`` from the schema's attribute

@@ -5,7 +5,7 @@
 * ``${jagg_fields:}`` (in ``hydra.help.template``, configs/train.yaml): the ``--help`` text
   (train/cli/help_text.py).
 * ``${shipped:<package>/<path>}`` (configs/model/testbed.yaml, configs/data/, configs/experiment/demo.yaml): a
-  file shipped inside a package, found wherever it is installed (train/config/shipped.py); registered with
+  file shipped inside a package, found wherever it is installed (train/parts/config/shipped.py); registered with
   the schema (``register_schema``), which every composition of configs/ calls.
 * ``${jagg_eval_dir:...}`` (configs/eval.yaml): Hydra's folder of ``python -m train.eval``, inside the
   evaluated run, so its config and log sit beside its results.
@@ -20,8 +20,8 @@ import logging
 from omegaconf import OmegaConf
 
 from train.cli.help_text import fields_help
-from train.config.schema import register_schema
 from train.ground.layout import RunLayout
+from train.parts.config.schema import register_schema
 
 
 class ConsoleFormatter(logging.Formatter):
@@ -35,12 +35,12 @@ class ConsoleFormatter(logging.Formatter):
 def eval_output_dir(transformer: str | None, resume: str | None, default: str) -> str:
     """Hydra's folder for ``python -m train.eval``: ``<evaluated run>/eval``, else ``default``.
 
-    A path that names no weights also gives ``default``: train/eval/command.py then says what is wrong with it.
+    A path that names no weights also gives ``default``: train/tools/eval/command.py then says what is wrong with it.
     """
     value = transformer or (resume if resume != "auto" else None)
     if not value:
         return default
-    from train.checkpoint.export import find_weights  # torch and diffusers: only when a path is given
+    from train.parts.checkpoint.export import find_weights  # torch and diffusers: only when a path is given
 
     try:
         run = find_weights(value, "eval.transformer").run_dir

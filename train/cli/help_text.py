@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from train.config.schema import TrainConfig
+from train.parts.config.schema import TrainConfig
 
 
 @functools.cache  # a module's source is read and parsed once per process
@@ -38,7 +38,7 @@ def _class_docs(module_name: str) -> dict[str, dict[str, str]]:
 
 def field_docs(schema: type = TrainConfig) -> dict[str, str]:
     """Dotted key of every field of ``schema`` (the trainer's, or a command's that extends it) -> its attribute
-    docstring, read from the module that declares its dataclass (train/config/schema.py, samplers/, ...)."""
+    docstring, read from the module that declares its dataclass (train/parts/config/schema.py, samplers/, ...)."""
     out: dict[str, str] = {}
 
     def doc(cls: type, name: str) -> str:

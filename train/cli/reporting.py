@@ -41,8 +41,8 @@ from hydra.types import RunMode
 from omegaconf.errors import OmegaConfBaseException
 
 from train.cli.launch import Launch
-from train.config.keys import unknown_setting
 from train.ground.errors import ConfigError, Interrupted, Stop, UserError
+from train.parts.config.keys import unknown_setting
 
 DEBUG_ENV = "HYDRA_FULL_ERROR"  # Hydra's own switch for full tracebacks; it shows ours too
 # What gloo raises when a peer does not answer within the timeout or has gone away.

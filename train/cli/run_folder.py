@@ -136,7 +136,7 @@ def _interrupted(parent: Path, num_steps: int) -> list[tuple[float, Path, int]]:
     """The runs under ``parent`` that ``resume=auto`` can continue: (when their latest checkpoint was written,
     the folder, its step), newest first; a run whose latest checkpoint holds num_steps, or that a live process
     owns, is not one."""
-    from train.checkpoint.files import MARKER, complete_in  # torch: only for this search, not every launch
+    from train.parts.checkpoint.files import MARKER, complete_in  # torch: only for this search, not every launch
 
     found = []
     for folder in sorted(p for p in parent.iterdir() if p.is_dir()) if parent.is_dir() else []:

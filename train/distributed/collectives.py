@@ -1,6 +1,7 @@
 """Process groups and the cross-rank helpers every layer of the trainer calls, with their settings (the ``dist``
-group) and the start-up checks the ranks agree on (``agreed``, ``main_decides``): a check that fails on one rank
-stops every rank together, in one line, rather than leaving the others waiting in the next collective.
+group) and the start-up checks the ranks agree on (``agreed``, ``main_decides``), as a write (``agree_on_write``): a
+check or a write that fails on one rank stops every rank together, in one line, rather than leaving the others
+waiting in the next collective.
 
 * Launch: ``torchrun`` sets RANK / WORLD_SIZE / LOCAL_RANK; without them (``python -m train``) the
   run is one process and no process group is created. Every helper below is then the identity,
@@ -17,6 +18,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -24,7 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from settings import positive
-from train.ground.errors import StartRefused, UserError
+from train.ground.disk import KEPT, write_failure
+from train.ground.errors import DiskFull, SaveFailed, StartRefused, UserError
 
 
 @dataclass
@@ -234,3 +237,22 @@ def main_decides(dist: DistInfo, fn: Callable[[], T]) -> T | None:
     if message is not None:
         raise StartRefused(message)
     return result
+
+
+def agree_on_write(write: Callable[[], None], path: Path, what: str, kept: str = KEPT) -> None:
+    """Run ``write`` on every rank (rank 0 writes the files; collectives may run inside it); a file the disk of
+    ``path`` refuses ends it on every rank with rank 0's one line (SaveFailed, DiskFull), instead of a traceback on
+    rank 0 and a hang elsewhere. A collective."""
+    failed = None
+    try:
+        write()
+    except SaveFailed as err:  # a row of metrics.jsonl (train/parts/observe/metrics.py) said it already
+        failed = str(err), isinstance(err, DiskFull)
+    except Exception as err:  # the writers' own errors too: torch.save and safetensors say a full disk their way
+        if (failure := write_failure(err, path, what, kept)) is None:
+            raise
+        failed = str(failure), isinstance(failure, DiskFull)
+    failed = broadcast_object(failed)
+    if failed is not None:
+        line, full = failed
+        raise DiskFull(line) if full else SaveFailed(line)

@@ -54,7 +54,7 @@ class PathError(UserError, FileNotFoundError):
 class CheckpointError(UserError, ValueError):
     """A checkpoint cannot be resumed from. ``damaged``: its files are broken, so an earlier one may serve."""
 
-    same_on_every_rank = True  # raised after the ranks agreed (train/checkpoint/manager.py)
+    same_on_every_rank = True  # raised after the ranks agreed (train/parts/checkpoint/manager.py)
 
     def __init__(self, message: str, *, damaged: bool) -> None:
         super().__init__(message)
@@ -85,7 +85,7 @@ class SaveFailed(UserError):
     """A file of the run (a checkpoint, a row of metrics.jsonl) could not be written: its disk is full or cannot be
     written (read-only, gone); the checkpoints already written are intact."""
 
-    same_on_every_rank = True  # the ranks agree on the verdict (train/checkpoint/manager.py)
+    same_on_every_rank = True  # the ranks agree on the verdict (train/parts/checkpoint/manager.py)
 
 
 class DiskFull(SaveFailed):
@@ -117,7 +117,7 @@ class StartRefused(UserError):
 
 
 class RankFailed(Stop):
-    """Another rank failed where the ranks check together (train/step.py's reward phase)."""
+    """Another rank failed where the ranks check together (train/loop/step.py's reward phase)."""
 
 
 def every_missing(checks: Iterable[Callable[[], object]]) -> None:

@@ -2,10 +2,11 @@
 
 <run>/
   config.yaml            the resolved configuration (config.<n>.yaml for each resumed session)
-  metrics.jsonl          one JSON row per training step (train/observe/metrics.py)
-  checkpoints/step_*/    training checkpoints (train/checkpoint/manager.py)
+  metrics.jsonl          one JSON row per training step (train/parts/observe/metrics.py)
+  checkpoints/step_*/    training checkpoints (train/parts/checkpoint/manager.py)
   checkpoints/retired/   the checkpoints of a timeline a resume branched away from (train/run/timeline.py)
-  eval/                  evaluation results and before/after sheets (train/evaluation/), curve.png (train/summary.py)
+  eval/                  evaluation results and before/after sheets (train/parts/eval/),
+                         curve.png (train/loop/epilogue.py)
   samples/               sample grids of training steps
   export/                the weights the trainer's evaluations scored (the EMA when kept)
   export_raw/            with an EMA: the trained weights without it

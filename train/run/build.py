@@ -1,11 +1,10 @@
-"""The assembly of a run, shared by the trainer and the probe.
-
-``build_run`` assembles the run (``train.run.parts.Run``) in a fixed order: seeds, the checks of the
-checkpoints to resume from (train/run/startup_checks.py) and of the run they belong to (train/run/timeline.py),
-the model's folder (and for a new run room on the disk for its checkpoint, estimated from the transformer's
-shapes), the rewards (a wrong reward path fails in seconds, before the transformer loads: train/reward/scorers.py),
-the backbone, the trainable parameters and the KL reference (then sharding: train/model/builder.py), the
-optimizer, the logger, the predictors and the router.
+"""The assembly of a run, shared by the trainer and the probe.  ``build_run`` assembles the run
+(``train.run.parts.Run``) in a fixed order: seeds, the checks of the checkpoints to resume from
+(train/run/startup_checks.py) and of the run they belong to (train/run/timeline.py), the model's folder (and for a new
+run room on the disk for its checkpoint, estimated from the transformer's shapes), the rewards (a wrong reward path
+fails in seconds, before the transformer loads: train/parts/scoring/scorers.py), the backbone, the trainable parameters
+and the KL reference (then sharding: train/parts/policy/builder.py), the optimizer, the logger, the predictors and the
+router.
 ``open_run`` builds it in the run folder claimed for it.
 """
 
@@ -20,20 +19,20 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from train.algorithm.routing import build_router
-from train.checkpoint.manager import CheckpointManager
-from train.config.schema import TrainConfig
-from train.data.prompts import PromptRecord, PromptSampler, prompts_digest, read_prompts
 from train.distributed.collectives import DistInfo, agreed, broadcast_object
 from train.distributed.parallelize import compile_unavailable
 from train.distributed.seeds import seed_everything
 from train.ground.errors import ConfigError
 from train.ground.layout import RunLayout
-from train.model.builder import build_model, check_room, model_folder, resolve_device
-from train.observe.logger import RunLogger
-from train.observe.perf import CompileWatch, device_peak
-from train.optim.optimizer import adamw_settings, build_ema
-from train.reward.scorers import build_rewards
-from train.reward.stage import advantage_fn
+from train.parts.checkpoint.manager import CheckpointManager
+from train.parts.config.schema import TrainConfig
+from train.parts.data.prompts import PromptRecord, PromptSampler, prompts_digest, read_prompts
+from train.parts.observe.logger import RunLogger
+from train.parts.observe.perf import CompileWatch, device_peak
+from train.parts.optim.optimizer import adamw_settings, build_ema
+from train.parts.policy.builder import build_model, check_room, model_folder, resolve_device
+from train.parts.scoring.scorers import build_rewards
+from train.parts.scoring.stage import advantage_fn
 from train.run.folder import RunLock
 from train.run.parts import DataParts, IOParts, OptimParts, PerfParts, Run
 from train.run.startup_checks import check_mesh, check_resume, claim_folder

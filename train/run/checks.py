@@ -1,4 +1,4 @@
-"""The rules across the trainer's configuration groups (train/config/schema.py), checked before any model loads.
+"""The rules across the trainer's configuration groups (train/parts/config/schema.py), checked before any model loads.
 
 Each group checks its own ranges in ``__post_init__``; ``validate`` runs those again and then applies the few
 rules across groups: every float finite, a segment that divides the trainable steps, the batch that divides
@@ -18,12 +18,12 @@ from samplers.sampler_config import PostWindowConfig, SamplerConfig
 from samplers.sde import SDEKind
 from train.algorithm.segments import split_segments
 from train.algorithm.update_config import Routing
-from train.checkpoint.settings import not_allowable
-from train.config.keys import check_finite, check_known_keys, checked
-from train.config.schema import TrainConfig
-from train.data.prompts import read_prompts
 from train.ground.errors import ConfigError, PathError, every_missing, prefixed
-from train.reward.scorers import check_scorer_inputs
+from train.parts.checkpoint.settings import not_allowable
+from train.parts.config.keys import check_finite, check_known_keys, checked
+from train.parts.config.schema import TrainConfig
+from train.parts.data.prompts import read_prompts
+from train.parts.scoring.scorers import check_scorer_inputs
 
 
 def trainable_transitions(sampler: SamplerConfig, window_start: int | None = None) -> list[int]:

@@ -85,7 +85,7 @@ class FolderLost(Stop):
     """This process's lock of its run folder was taken over (or removed) while it ran: it stops before writing
     anything more, and nothing is taken back (the folder is another launch's now)."""
 
-    same_on_every_rank = True  # rank 0 looks, every rank gets the verdict (train/faults.py)
+    same_on_every_rank = True  # rank 0 looks, every rank gets the verdict (train/loop/faults.py)
 
 
 @dataclass(frozen=True)

@@ -19,16 +19,16 @@ from pathlib import Path
 import torch
 
 from train.algorithm.routing import Router
-from train.checkpoint.manager import CheckpointManager
-from train.config.schema import TrainConfig
-from train.data.prompts import PromptSampler
 from train.distributed.collectives import DistInfo
 from train.ground.layout import RunLayout
-from train.model.parts import ModelParts
-from train.observe.logger import RunLogger
-from train.observe.perf import CompileWatch, FlopMeter, Peak
-from train.optim.ema import EMA
-from train.reward.stage import RewardStage
+from train.parts.checkpoint.manager import CheckpointManager
+from train.parts.config.schema import TrainConfig
+from train.parts.data.prompts import PromptSampler
+from train.parts.observe.logger import RunLogger
+from train.parts.observe.perf import CompileWatch, FlopMeter, Peak
+from train.parts.optim.ema import EMA
+from train.parts.policy.parts import ModelParts
+from train.parts.scoring.stage import RewardStage
 from train.run.folder import RunLock
 
 
@@ -47,7 +47,7 @@ class DataParts:
     """What a step draws and scores."""
 
     prompts: PromptSampler
-    reward_stage: RewardStage  # the rewards, scored chunk by chunk (train/reward/stage.py)
+    reward_stage: RewardStage  # the rewards, scored chunk by chunk (train/parts/scoring/stage.py)
 
 
 @dataclass
@@ -64,7 +64,7 @@ class IOParts:
 
 @dataclass
 class PerfParts:
-    """The performance counters of a run (train/observe/perf.py)."""
+    """The performance counters of a run (train/parts/observe/perf.py)."""
 
     flops: FlopMeter  # the FLOPs of the transformer's calls
     peak: Peak  # one device's peak rate, for perf/mfu/<phase>

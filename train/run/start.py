@@ -13,10 +13,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
-from train.config.keys import typed
-from train.config.schema import TrainConfig
 from train.distributed.collectives import DistInfo, init_distributed, shutdown
 from train.ground.errors import ConfigError
+from train.parts.config.keys import typed
+from train.parts.config.schema import TrainConfig
 from train.run.checks import validate
 
 
@@ -33,7 +33,7 @@ def _missing(tree: Any, name: str = "") -> list[str]:
 
 def typed_config(cfg: DictConfig) -> TrainConfig:
     """The composed tree as the typed schema; ConfigError naming a ``???`` or unresolvable setting, or the
-    first field a group's own checks refuse (its dotted key prefixed: train/config/keys.py)."""
+    first field a group's own checks refuse (its dotted key prefixed: train/parts/config/keys.py)."""
     missing = _missing(OmegaConf.to_container(cfg, resolve=False))
     if missing:  # the experiment leaves them ??? (local paths the user must give)
         raise ConfigError(f"required settings have no value: {', '.join(missing)}; pass each as <key>=<value>")

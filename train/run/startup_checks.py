@@ -8,8 +8,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from train.checkpoint.manager import CheckpointManager
-from train.checkpoint.settings import (
+from train.distributed.collectives import DistInfo, broadcast_object, main_decides
+from train.distributed.parallelize import mesh_shape
+from train.ground.errors import ConfigError
+from train.ground.layout import RunLayout
+from train.parts.checkpoint.manager import CheckpointManager
+from train.parts.checkpoint.settings import (
     GLOBAL_BATCH,
     LORA_MODULES,
     NOTED_SETTINGS,
@@ -20,7 +24,7 @@ from train.checkpoint.settings import (
     global_batch_refusal,
     recorded_settings,
 )
-from train.config.record import (
+from train.parts.config.record import (
     lost_rows,
     no_complete_checkpoint,
     not_a_folder,
@@ -30,12 +34,8 @@ from train.config.record import (
     steps_text,
     unfinished,
 )
-from train.config.schema import TrainConfig
-from train.distributed.collectives import DistInfo, broadcast_object, main_decides
-from train.distributed.parallelize import mesh_shape
-from train.ground.errors import ConfigError
-from train.ground.layout import RunLayout
-from train.observe.metrics import metrics_problem
+from train.parts.config.schema import TrainConfig
+from train.parts.observe.metrics import metrics_problem
 from train.run.folder import RunLock, check_one_run, clear_run, held_run
 
 log = logging.getLogger(__name__)
@@ -134,9 +134,9 @@ def _saved_settings(
 ) -> tuple[dict[str, Any], str]:
     """The settings checkpoint ``path`` was trained with, and where they were read: its own record, completed by
     the run folder's recorded configuration for the keys an older checkpoint did not record
-    (train/config/record.py)."""
+    (train/parts/config/record.py)."""
     saved = checkpoints.settings_of(path) or {}  # read from its marker: ours to change
-    saved.pop(LORA_MODULES, None)  # known once LoRA is on (train/model/builder.py checks it)
+    saved.pop(LORA_MODULES, None)  # known once LoRA is on (train/parts/policy/builder.py checks it)
     recorded = recorded_config(run_folder_of(path)) if now.keys() - saved.keys() else None
     if recorded is None and not saved:
         log.warning(

@@ -26,15 +26,15 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from train.checkpoint.export import EXPORT_NOTE
-from train.checkpoint.files import complete_in
-from train.checkpoint.manager import CheckpointManager
 from train.distributed.collectives import DistInfo, broadcast_object
 from train.ground.errors import CheckpointError
 from train.ground.layout import RunLayout
+from train.parts.checkpoint.export import EXPORT_NOTE
+from train.parts.checkpoint.files import complete_in
+from train.parts.checkpoint.manager import CheckpointManager
 
 if TYPE_CHECKING:
-    from train.observe.logger import RunLogger
+    from train.parts.observe.logger import RunLogger
 
 log = logging.getLogger(__name__)
 AFTER_STEP = re.compile(r"_after_step_(\d+)$")  # a retired timeline's folder: the step it parted from the run's

@@ -1,1 +1,0 @@
-"""The evaluation command (``python -m train.eval``, ``jagg-eval``) over train/evaluation/protocol.py."""

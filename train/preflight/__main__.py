@@ -1,5 +1,0 @@
-"""``python -m train.preflight``: the command of train/preflight/command.py."""
-
-from train.preflight.command import command
-
-command()
