@@ -81,7 +81,7 @@ def test_the_health_bounds(case):
 
 def black_images(monkeypatch) -> None:
     """Every rollout decodes to black images, as a policy that collapsed samples them."""
-    from train import step
+    from train.loop import step
 
     monkeypatch.setattr(step, "decode_images", lambda backbone, latents, model: torch.zeros(len(latents), 3, 8, 8))
 
