@@ -72,7 +72,10 @@ NOT_RUN = {
     "python scripts/": "a benchmark or tool with its own flags (argparse), not settings",
     "scripts/gpu_check.sh": "its own flags (argparse); tests/tools/test_gpu_check.py runs its CPU mode",
     "vllm serve": "starts a model server (a GPU and the judge's weights; docs/rewards.md)",
-    "sbatch": "submits a Slurm job (its commands: the DRY_RUN=1 line beside it; tests/e2e/test_slurm.py)",
+    "sbatch": (
+        "submits a Slurm job (its commands: the DRY_RUN=1 line beside it, tests/e2e/test_slurm.py; on a one-node "
+        "cluster: make test-slurm)"
+    ),
 }
 
 
