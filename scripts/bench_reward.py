@@ -83,7 +83,7 @@ def reward_server(ms_per_image: float, port: int) -> Iterator[str]:
         server.wait(30)
 
 
-def arms(chunks: list[int], slow: str, instant: str) -> dict[str, list[str]]:
+def arms(chunks: list[str], slow: str, instant: str) -> dict[str, list[str]]:
     """Every run of a round: (local | instant | slow) x chunk_groups."""
     runs = {}
     for c in chunks:
@@ -97,7 +97,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="steps per process, the first one dropped")
-    parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1, 2, 4], help="reward.chunk_groups per run")
+    parser.add_argument(
+        "--chunks", nargs="+", default=["0", "1", "2", "4"], help="reward.chunk_groups per run (auto too)"
+    )
     parser.add_argument("--ms-per-image", type=float, default=8.0, help="the slow server's time per image")
     parser.add_argument("--port", type=int, default=8731, help="the slow server's port; the instant one's is +1")
     args = parser.parse_args()

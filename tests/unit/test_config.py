@@ -230,7 +230,12 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
         (
             ["reward.chunk_groups=-1"],
             ValueError,
-            r"^reward\.chunk_groups must be an integer >= 0 \(0: one chunk\), got -1$",
+            r"^reward\.chunk_groups must be auto or an integer >= 0 \(0: one chunk\), got -1$",
+        ),
+        (
+            ["reward.chunk_groups=two"],
+            ValueError,
+            r"^reward\.chunk_groups must be auto or an integer >= 0 \(0: one chunk\), got 'two'$",
         ),
         (
             ["+reward.components.shape_alignment.required=maybe"],
@@ -497,4 +502,5 @@ def test_an_optional_reward_term_reaches_the_combiner_and_not_its_scorer(tmp_pat
         "shape_alignment",
         "jpeg_compressibility",
     }
-    assert cfg.reward.chunk_groups == 0  # one chunk: the rollout and scoring of before the reward stage
+    assert cfg.reward.chunk_groups == "auto"  # no served term: one chunk, the step of before the reward stage
+    assert cfg.reward.chunks(8) == [range(8)]

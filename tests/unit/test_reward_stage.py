@@ -46,6 +46,26 @@ def test_the_chunks_cover_every_group_once() -> None:
     assert chunks(2, 8) == [range(0, 2)]
 
 
+SERVED_JUDGE = {"base_url": "http://127.0.0.1:8000/v1", "model": "a-judge"}
+
+
+@pytest.mark.parametrize(
+    ("components", "num_groups", "sizes"),
+    [
+        ({"shape_alignment": {}}, 8, [8]),  # local terms only: one chunk, the step of before
+        ({"shape_alignment": {}, "judge": SERVED_JUDGE}, 8, [2, 2, 2, 2]),  # a served term: quarters
+        ({"judge": {**SERVED_JUDGE, "weight": 0.0}, "shape_alignment": {}}, 5, [2, 2, 1]),  # scored, unweighted too
+        ({"remote": {"url": "http://127.0.0.1:8100"}}, 3, [1, 1, 1]),
+        ({"remote": {"url": "http://127.0.0.1:8100"}}, 1, [1]),
+    ],
+)
+def test_auto_chunks_in_quarters_only_with_a_served_term(components, num_groups, sizes) -> None:
+    config = RewardStageConfig(components=components)
+    assert config.chunk_groups == "auto"
+    assert [len(chunk) for chunk in config.chunks(num_groups)] == sizes
+    assert [g for chunk in config.chunks(num_groups) for g in chunk] == list(range(num_groups))
+
+
 def test_the_settings_build_the_stage_and_refuse_a_copy_of_their_own_field() -> None:
     """``build`` gives the stage its settings and the runtime parts; a runtime chunk_groups (a setting) is refused."""
     config = RewardStageConfig(chunk_groups=2)

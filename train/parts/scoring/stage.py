@@ -28,15 +28,18 @@ After a failure this rank still rolls out its remaining chunks without decoding 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass, field
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from rewards.base import scorer_class
 from rewards.combine import AdvantageFn, NonFiniteRewardError, RewardCombiner
 from rewards.remote import RemoteRewardError
 from rewards.reward_config import RewardConfig
@@ -48,6 +51,7 @@ from train.ground.errors import RankFailed, ScorerFailed, mark_agreed
 
 log = logging.getLogger(__name__)
 
+AUTO, AUTO_CHUNKS = "auto", 4  # reward.chunk_groups=auto: at most this many chunks, with a served term
 OK, NAN_REWARD, FAILED = 0, 1, 2  # a rank's outcome of its own part of the reward stage
 
 
@@ -55,28 +59,38 @@ OK, NAN_REWARD, FAILED = 0, 1, 2  # a rank's outcome of its own part of the rewa
 class RewardStageConfig(RewardConfig, Configurable["RewardStage"]):
     """The reward's settings (rewards/reward_config.py) and the stage's own: how the step hands it the rollout."""
 
-    chunk_groups: int = 0
-    """GRPO groups per rollout chunk on a rank (>= 0; 0 = all of the rank's groups in one chunk). Each chunk is
-    decoded and handed to the reward as soon as it is rolled out, so a served reward (remote, judge) scores it
-    while the next chunk rolls out; the results equal one chunk's to float rounding (a resume may change it).
-    Default 0, from docs/benchmarks/2026-12-reward-overlap-cpu.md: on the default job (CPU) chunks of 1 or 2 of
-    its 8 groups made the local reward's step 1.23x or 1.08x slower (smaller rollout batches) and hide nothing
-    there; with a served reward, 1 left 17% of its time exposed and 2 gave the fastest step. Set it with a served
-    reward."""
+    chunk_groups: Any = AUTO
+    """GRPO groups per rollout chunk on a rank: an integer >= 0 (0 = all of the rank's groups in one chunk) or
+    ``auto`` (the default): chunks of a quarter of the rank's groups (rounded up) when a served term (remote, judge)
+    is in the reward, one chunk otherwise. Each chunk is decoded and handed to the reward as soon as it is rolled out,
+    so a served reward scores it while the next chunk rolls out; the results equal one chunk's to float rounding
+    (a resume may change it). The rule, from docs/benchmarks/2026-12-reward-overlap-cpu.md: on the default job
+    (CPU, 8 groups) chunks only slow a local reward's step (1.23x in chunks of one group, 1.08x of two: smaller
+    rollout batches) and hide nothing; with a served reward chunks of two gave the fastest step and left 0.30 of
+    its time exposed (one group: 0.17, and a slower rollout)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.chunk_groups, bool) or not isinstance(self.chunk_groups, int) or self.chunk_groups < 0:
-            raise ValueError(f"chunk_groups must be an integer >= 0 (0: one chunk), got {self.chunk_groups!r}")
+        size = self.chunk_groups
+        if size != AUTO and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+            raise ValueError(f"chunk_groups must be auto or an integer >= 0 (0: one chunk), got {size!r}")
 
     @classmethod
     def owner(cls) -> type[RewardStage]:
         return RewardStage
 
+    def served_terms(self) -> list[str]:
+        """The terms a server scores (``Scorer.runs_remotely``: the remote reward, the judge)."""
+        return [name for name in self.components if scorer_class(name).runs_remotely]
+
     def chunks(self, num_groups: int) -> list[range]:
         """The groups of each chunk of a rank's ``num_groups`` groups, in order: ``chunk_groups`` at a time (the last
-        chunk may hold fewer), all at once for 0. The step rolls out these chunks; the planner counts them."""
-        size = self.chunk_groups or num_groups
+        chunk may hold fewer), all at once for 0, for ``auto`` as its docstring says. The step rolls out these
+        chunks; the planner and the preflight count them."""
+        size = self.chunk_groups
+        if size == AUTO:
+            size = math.ceil(num_groups / AUTO_CHUNKS) if self.served_terms() else 0
+        size = size or num_groups
         return [range(first, min(first + size, num_groups)) for first in range(0, num_groups, size)]
 
 

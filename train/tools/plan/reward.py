@@ -1,7 +1,7 @@
 """The reward stage of a step in the plan: the scorers' time on a rank, and how much of it the rollout hides.
 
-A rank's rollout runs in chunks of whole groups (``reward.chunk_groups``; 0: one chunk), each chunk decoded and
-scored while the next one rolls out. Served scorers (``Scorer.runs_remotely``: the remote scorer, the judge) answer
+A rank's rollout runs in chunks of whole groups (``reward.chunk_groups``; 0: one chunk; auto: quarters with a
+served term), each chunk decoded and scored while the next one rolls out. Served scorers (``Scorer.runs_remotely``: the remote scorer, the judge) answer
 while the rank goes on rolling out; local scorers score on the rank between chunks, so their time is exposed. With
 one chunk everything is exposed; with n chunks the served scoring of the first n - 1 chunks hides behind the next
 chunk's rollout, up to that rollout's time:
@@ -22,7 +22,6 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from rewards.base import scorer_class
 from rewards.imagereward import MAX_PROMPT_TOKENS
 from train.parts.config.schema import TrainConfig
 
@@ -46,11 +45,6 @@ class RewardStage:
         served = self.served_seconds if self.served else 0.0
         hidden = (self.chunks - 1) * min(served, rollout_seconds / self.chunks)
         return local + self.chunks * served - hidden, hidden
-
-
-def runs_remotely(name: str) -> bool:
-    """Scorer ``name`` is served (scored by a server while the rank rolls out)."""
-    return scorer_class(name).runs_remotely
 
 
 def scorer_flops(scorer: nn.Module) -> float | None:
@@ -82,7 +76,7 @@ def reward_stage(cfg: TrainConfig, flops_per_image: dict[str, float], served_sec
     """The reward stage of ``cfg``'s step on a rank: ``flops_per_image`` of its local scorers with weights (one
     image and prompt), ``served_seconds`` the answer of a served scorer for one chunk."""
     names = list(cfg.reward.components)
-    served = tuple(name for name in names if runs_remotely(name))
+    served = tuple(cfg.reward.served_terms())
     images = cfg.grpo.group_size * cfg.batch.prompts_per_rank
     return RewardStage(
         chunks=len(cfg.reward.chunks(cfg.batch.prompts_per_rank)),  # those the step rolls out

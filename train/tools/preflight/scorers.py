@@ -11,7 +11,6 @@ import torch
 from train.parts.config.schema import TrainConfig
 from train.run.parts import Run
 from train.tools.plan.report import PlanReport
-from train.tools.plan.reward import runs_remotely
 from train.tools.preflight.verdict import Check, Status
 
 
@@ -56,7 +55,7 @@ def time_scorers(run: Run) -> list[ScorerTiming]:
         for name, (scorer, _) in run.data.reward_stage.rewards.components.items():
             scorer(images[:1], prompts[:1])  # loads what it loads lazily, warms the kernels or the connection
             one = _timed(run, scorer, images[:1], prompts[:1])
-            out.append(ScorerTiming(name, runs_remotely(name), one, batch, _timed(run, scorer, images, prompts)))
+            out.append(ScorerTiming(name, scorer.runs_remotely, one, batch, _timed(run, scorer, images, prompts)))
     return out
 
 
