@@ -141,10 +141,10 @@ def _line(result: EvalResult) -> str:
 
 def _compare(before: EvalResult, after: EvalResult, prompts: list[str], out: Path) -> list[str]:
     """The paired difference per scorer (JSON) and the before/after sheet; the console lines."""
-    names = [name for name in overall(after.summary) if name in before.summary]  # a scorer may be left out of one
-    if not names:
+    shared = [name for name in overall(after.summary) if name in before.summary]  # a scorer may be left out of one
+    if not shared:
         return ["no scorer scored both evaluations: nothing to compare"]
-    paired = [paired_difference(before.rows, after.rows, name) for name in names]
+    paired = [paired_difference(before.rows, after.rows, name) for name in shared]
     stem = f"{after.tag}_vs_pretrained"
     (out / f"{stem}.json").write_text(json.dumps([asdict(p) for p in paired], indent=2) + "\n")
     metric = paired[0].metric
