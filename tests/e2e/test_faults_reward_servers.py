@@ -2,7 +2,8 @@
 launchers' check and the trainer alike, without the network; a judge's base_url without /v1 named at start-up; an
 answer outside the protocol or a judge's answer without a score ends the run in one line once the steps before it
 are saved; a server that drips its answer ends each step at the request's deadline; one that never answers at
-start-up is named as stuck."""
+start-up is named as stuck. A served scorer among eval.scorers is built before the model loads, in the trainer and
+in train.eval, and one that fails during an evaluation is left out of it in one line."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import sys
 import time
 
 import pytest
-from run_folders import ROOT, metrics, refused_line
+from run_folders import ROOT, copy_run, metrics, refused_line
 from small_run import the_error
 
 import train.cli.check as check_command
+import train.tools.eval.command as eval_command
+from train.parts.policy import builder
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 
@@ -180,3 +183,81 @@ def test_a_served_setting_refused_by_the_launcher_never_starts_torchrun(tmp_path
     assert done.returncode == 2, done.stderr
     assert re.search(BAD_SERVED["judge-ftp"][1], the_error(done.stderr))
     assert not (tmp_path / "started").exists() and not (tmp_path / "run").exists()
+
+
+# The evaluation's scorers of the small run: 3 prompts, 2 per batch, a 4-step ODE.
+EVAL = ["eval.num_steps=4", "eval.batch_size=2", "eval.num_prompts=3"]
+LOCAL = "jpeg_compressibility"  # a local scorer beside the served one
+UNREACHABLE_JUDGE = "+eval.scorers.judge={base_url: 'http://127.0.0.1:9/v1', model: judge, timeout_s: 1, retries: 0}"
+
+
+@pytest.mark.parametrize("command", ["train", "train.eval"])
+def test_an_unreachable_served_eval_scorer_is_one_line_before_the_model_loads(command, trained, launch, tmp_path,
+                                                                             monkeypatch):  # fmt: skip
+    """A judge among eval.scorers that nothing answers: the trainer built it after the resume and the model, and
+    train.eval after the backbone, each failing with a traceback; now one line, status 2, no model loaded, and the
+    run resumed (or evaluated) left as it was."""
+    monkeypatch.setattr(builder, "load_backbone", lambda *args, **kwargs: pytest.fail("the model loaded"))
+    run_dir = copy_run(trained, tmp_path)
+    if command == "train":
+        overrides = ["num_steps=3", "resume=auto", "eval.every=1", *EVAL, UNREACHABLE_JUDGE]
+        line = refused_line(launch, run_dir, *overrides, kept=run_dir)
+    else:
+        weights = f"eval.transformer={run_dir / 'checkpoints' / 'step_00000002'}"
+        line = refused_line(launch, tmp_path / "eval", weights, *EVAL, UNREACHABLE_JUDGE, module=eval_command,
+                            kept=run_dir)  # fmt: skip
+        assert not list((tmp_path / "eval").glob("eval_*"))
+    assert line.endswith(
+        "eval.scorers.judge: judge 'judge' at http://127.0.0.1:9/v1 is unreachable (ConnectError) at start-up: start "
+        "it, or check base_url"
+    ), line
+
+
+SCORER_FAULTS = {"non-json": r"it failed: reward server \S+ answered non-JSON", "unavailable": r"its server could not"}
+
+
+@pytest.mark.parametrize("case", list(SCORER_FAULTS))
+def test_a_served_eval_scorer_that_fails_mid_run_is_left_out_of_that_evaluation(case, launch, tmp_path):
+    """A reward server among eval.scorers answers at start-up, then not (non-JSON; 503 on its only try) in the
+    evaluation before training: it is left out of that evaluation in one line, the other scorer kept, and the
+    last evaluation scores it again; the run ends with status 0 (it ended with a traceback: summarize's ValueError
+    on the NaN, or the protocol error; then the end summary's pairing of step 0 and step 1)."""
+    pytest.importorskip("fastapi")
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    from reward_servers import FAKE, fake_server, serve
+
+    def good(count):
+        return {"scores": [0.25] * count, **FAKE}
+
+    fault = PlainTextResponse("Bad Gateway") if case == "non-json" else JSONResponse({}, status_code=503)
+    with serve(fake_server(fault, good)) as url:
+        scorers = [f"+eval.scorers.remote={{url: '{url}', timeout_s: 10, retries: 0}}", f"+eval.scorers.{LOCAL}={{}}"]
+        status, stderr = launch(tmp_path / "run", "num_steps=1", "eval.every=1", *EVAL, *scorers)
+    assert status == 0 and "Traceback" not in stderr, stderr
+    log = (tmp_path / "run" / "__main__.log").read_text()
+    left_out = [line for line in log.splitlines() if "eval.scorers.remote is left out" in line]
+    assert len(left_out) == 1 and re.search(
+        r"eval\.scorers\.remote is left out of the evaluation step_00000000 \(the other scorers are kept, the next "
+        rf"evaluation asks it again\): {SCORER_FAULTS[case]}",
+        left_out[0],
+    ), log
+    rows = {row["step"]: row for row in metrics(tmp_path / "run") if any(key.startswith("eval/") for key in row)}
+    assert f"eval/{LOCAL}" in rows[0] and "eval/remote" not in rows[0]
+    assert rows[1][f"eval/{LOCAL}"] and rows[1]["eval/remote"] == pytest.approx(0.25)
+
+
+def test_train_eval_with_its_only_served_scorer_failing_is_one_line(launch, tmp_path):
+    """train.eval of the pretrained model whose one scorer, a reward server, answers /score with 503: one line,
+    status 2, nothing written (it was summarize's ValueError on the NaN scores)."""
+    pytest.importorskip("fastapi")
+    from fastapi.responses import JSONResponse
+    from reward_servers import fake_server, serve
+
+    with serve(fake_server(JSONResponse({}, status_code=503))) as url:
+        remote = f"+eval.scorers.remote={{url: '{url}', timeout_s: 10, retries: 0}}"
+        line = refused_line(launch, tmp_path / "eval", *EVAL, remote, module=eval_command)
+    assert line.endswith(
+        "eval.scorers: none of remote could score the evaluation eval_pretrained (the lines above say why), so "
+        "nothing was written: run it again once its server answers"
+    ), line
+    assert not list((tmp_path / "eval").glob("eval_*"))

@@ -118,7 +118,8 @@ def _paired_lines(eval_dir: Path, tags: tuple[str, str], names: tuple[str, str],
     if not before.is_file() or not after.is_file():
         return []
     rows_before, rows_after = read_scores(before), read_scores(after)
-    metrics = [k for k in rows_after[0] if k not in ("index", "prompt", "category", "seed")]
+    # a scorer left out of either evaluation (a served one that failed) has nothing to pair
+    metrics = [k for k in rows_after[0] if k in rows_before[0] and k not in ("index", "prompt", "category", "seed")]
     return [label + paired_difference(rows_before, rows_after, name).line(*names) for name in metrics]
 
 

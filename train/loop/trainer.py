@@ -55,7 +55,6 @@ from train.parts.observe.console import Heartbeat, progress_bar
 from train.parts.observe.health import Health, Verdict, weight_norm
 from train.parts.optim.optimizer import adamw_settings
 from train.parts.policy.builder import non_finite
-from train.parts.scoring.scorers import build_eval_scorers
 from train.run.build import open_run
 from train.run.parts import Run
 from train.run.start import load_config, process_group
@@ -185,8 +184,7 @@ class Trainer:
         run, cfg = self.run, self.run.cfg
         if not evaluates(cfg.eval, start=start, num_steps=cfg.num_steps, again=again):
             return None
-        scorers = build_eval_scorers(cfg.eval.scorers, run.device)
-        model, dist, device = run.model, run.dist, run.device
+        model, dist, device, scorers = run.model, run.dist, run.device, run.data.eval_scorers  # built before the model
         parts = EvalParts(model.backbone, model.policy, scorers, cfg.eval, cfg.sampler, cfg.model, dist, device)
         return Evaluator(
             parts,

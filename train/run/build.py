@@ -1,8 +1,9 @@
 """The assembly of a run, shared by the trainer and the probe.  ``build_run`` assembles the run
 (``train.run.parts.Run``) in a fixed order: seeds, the checks of the checkpoints to resume from
 (train/run/startup_checks.py) and of the run they belong to (train/run/timeline.py), the model's folder (and for a new
-run room on the disk for its checkpoint, estimated from the transformer's shapes), the rewards (a wrong reward path
-fails in seconds, before the transformer loads: train/parts/scoring/scorers.py), the backbone, the trainable parameters
+run room on the disk for its checkpoint, estimated from the transformer's shapes), the rewards and the evaluation's
+scorers (a wrong reward path or a served scorer that does not answer fails in seconds, before the transformer loads:
+train/parts/scoring/scorers.py), the backbone, the trainable parameters
 and the KL reference (then sharding: train/parts/policy/builder.py), the optimizer, the logger, the predictors and the
 router.
 ``open_run`` builds it in the run folder claimed for it.
@@ -31,7 +32,7 @@ from train.parts.observe.logger import RunLogger
 from train.parts.observe.perf import CompileWatch, device_peak
 from train.parts.optim.optimizer import adamw_settings, build_ema
 from train.parts.policy.builder import build_model, check_room, model_folder, resolve_device
-from train.parts.scoring.scorers import build_rewards
+from train.parts.scoring.scorers import build_eval_scorers, build_rewards
 from train.parts.scoring.stage import advantage_fn
 from train.run.folder import RunLock
 from train.run.parts import DataParts, IOParts, OptimParts, PerfParts, Run
@@ -78,6 +79,8 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
     if training and not resume_from:  # a resumed run checked room for a checkpoint like its own (check_resume)
         check_room(cfg, checkpoints, skeleton)
     rewards = build_rewards(cfg.reward, device)  # before the transformer: a wrong reward path fails in seconds
+    # likewise the evaluation's scorers (a served one's first contact with its server), when the run evaluates
+    eval_scorers = build_eval_scorers(cfg.eval.scorers, device) if training and cfg.eval.every else {}
     # the checkpoint must have wrapped the modules LoRA wraps now: its weights load by their names
     lora_checkpoint = (checkpoints, resume_from) if training else None
     model, flops = build_model(cfg, dist, device, lora_checkpoint=lora_checkpoint)
@@ -93,7 +96,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
         device=device,
         model=model,
         optim=OptimParts(optimizer, build_ema(model.params, cfg.ema.decay), build_router(cfg.update)),
-        data=DataParts(prompts=prompts, reward_stage=reward_stage),
+        data=DataParts(prompts=prompts, reward_stage=reward_stage, eval_scorers=eval_scorers),
         io=IOParts(
             layout=layout, checkpoints=checkpoints, logger=logger, resume_from=resume_from, run_id=run_id, lock=lock
         ),

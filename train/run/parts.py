@@ -5,7 +5,7 @@
       cfg, dist, device
       model  ModelParts   the backbone, what trains, the KL reference's module, the predictors
       optim  OptimParts   the optimizer, the EMA, the router
-      data   DataParts    the prompt sampler and the reward stage
+      data   DataParts    the prompt sampler, the reward stage and the evaluation's scorers
       io     IOParts      the run folder's layout, checkpoints, the logger, the checkpoints to resume from,
                           the run's id and the folder's lock
       perf   PerfParts    the FLOP meter, the device's peak rate, the compile watch
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from rewards.base import Scorer
 from train.algorithm.routing import Router
 from train.distributed.collectives import DistInfo
 from train.ground.layout import RunLayout
@@ -48,6 +49,7 @@ class DataParts:
 
     prompts: PromptSampler
     reward_stage: RewardStage  # the rewards, scored chunk by chunk (train/parts/scoring/stage.py)
+    eval_scorers: dict[str, Scorer]  # eval.scorers, built before the model (empty: the run does not evaluate)
 
 
 @dataclass

@@ -7,7 +7,9 @@ evaluation prompts and, when ``eval.heldout_prompts`` is set, on those as a seco
 evaluates again a step whose row is missing); before that rank 0 prints the line against step 0 (``eval step
 20: shape_alignment 0.5735 (step 0: 0.5862); held-out: shape_alignment 0.5401 (step 0: 0.5362)``), sends the
 captioned grid to wandb and writes ``eval/before_after_<tag>.png``: the same prompts and noise at step 0 and
-after ``step`` steps. A file the disk refuses ends the run in one line on every rank (``SaveFailed``).
+after ``step`` steps. A file the disk refuses ends the run in one line on every rank (``SaveFailed``). A scorer left
+out of an evaluation (a served one that failed: train/parts/eval/protocol.py) has no ``eval/<metric>`` in its row;
+an evaluation that no scorer could score logs nothing, and training goes on.
 
 The step-0 grid is saved as ``eval/step_00000000.grid.pt`` (uint8) beside its scores: a resumed
 session does not evaluate step 0 again, and its ``Evaluator`` reads the step-0 result back from the files.
@@ -76,8 +78,14 @@ class Evaluator:
 
     def _run(self, step: int) -> None:
         result = self._evaluate(self.records, eval_tag(step))
+        if not result.summary:  # every scorer left out: no row, so a resume from this step's checkpoint redoes it
+            if self.parts.dist.is_main:
+                log.warning(
+                    "the evaluation after step %d has no scores (the lines above say why): training goes on", step
+                )
+            return
         metrics = logged_metrics(result.summary, "")
-        heldout = self._evaluate(self.heldout, heldout_tag(step)).summary if self.heldout else None
+        heldout = (self._evaluate(self.heldout, heldout_tag(step)).summary or None) if self.heldout else None
         if heldout is not None:
             metrics |= logged_metrics(heldout, f"/{HELD_OUT}")
         if self.parts.dist.is_main:  # the files first: the row says the evaluation is whole (a resume looks for it)
@@ -101,7 +109,7 @@ class Evaluator:
         scores = result.grid_scores(metric)
         captions = [f"#{i} {metric} {v:.4f}: {p}" for i, v, p in zip(result.indices, scores, prompts)]
         self.logger.log_wandb_images("eval/images", result.images, captions, step)
-        if step > 0 and before is not None and before.indices == result.indices:
+        if step > 0 and before is not None and before.indices == result.indices and metric in before.summary:
             sheet = before_after(before, result, prompts, metric, ("step 0", f"step {step}"))
             path = self.folder / f"before_after_{result.tag}.png"
             sheet.save(path)

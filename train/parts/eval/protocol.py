@@ -16,6 +16,12 @@ Output in ``<out>`` (``<run_dir>/eval`` for the trainer):
   (seed, "eval_noise", index);
 * ``<tag>.png``: the first ``eval.grid_size`` prompts' images, each with its index and first scorer's value.
 
+A served scorer (a judge, the remote reward) that fails during an evaluation (a batch it could not score: NaN once
+its tries ran out; an answer outside its protocol) is asked nothing more in that evaluation, and a scorer with a NaN
+or inf score on any rank is left out of it on every rank (the gathered scores agree): one line names
+``eval.scorers.<name>`` and why, the other scorers' means and files are written without it, and the next evaluation
+asks it again. With no scorer left the evaluation writes nothing (its ``summary`` is empty): its caller says so.
+
 Rank 0 prints a progress line every ``PROGRESS_S`` seconds of an evaluation (``eval step_00000025: 256/512
 images, 31 s, eta 31 s``): a large evaluation set is not silence.
 
@@ -31,7 +37,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +48,7 @@ from torch import Tensor
 from models.base import Backbone
 from models.model_config import ModelConfig
 from rewards.base import Scorer
+from rewards.served import RemoteRewardError
 from rewards.summary import overall, summarize
 from samplers.rollout import Predict, group_noise, rollout
 from samplers.sampler_config import SamplerConfig
@@ -130,6 +137,22 @@ class _Sampled:
     scores: dict[str, list[Tensor]]
     grid: list[Tensor]
     grid_indices: list[int]
+    failed: dict[str, str] = field(default_factory=dict)  # a served scorer asked nothing more -> why (this rank's)
+
+
+def _score(sampled: _Sampled, name: str, scorer: Scorer, images: Tensor, prompts: list[str]) -> Tensor:
+    """``scorer``'s scores of a batch; NaN once it failed in this evaluation (an answer outside its protocol, or a
+    batch its server could not score), so that a server that is down costs one request's tries, not every batch's."""
+    if name not in sampled.failed:
+        try:
+            scores = scorer(images, prompts)
+        except RemoteRewardError as err:
+            sampled.failed[name] = f"it failed: {err}"
+        else:
+            if scorer.runs_remotely and not torch.isfinite(scores).all():
+                sampled.failed[name] = "its server could not score a batch (the line above says why)"
+            return scores
+    return torch.full((images.shape[0],), math.nan, device=images.device)
 
 
 def _sample_and_score(parts: EvalParts, records: list[PromptRecord], *, tag: str, mine: list[int]) -> _Sampled:
@@ -143,7 +166,7 @@ def _sample_and_score(parts: EvalParts, records: list[PromptRecord], *, tag: str
         prompts = [records[i].prompt for i in idx]
         images = _sample(parts, prompts, idx)
         for name, scorer in parts.scorers.items():
-            sampled.scores[name].append(scorer(images, prompts))
+            sampled.scores[name].append(_score(sampled, name, scorer, images, prompts))
         if dist.is_main and len(sampled.grid_indices) < cfg.grid_size:
             sampled.grid.append(images.cpu())
             sampled.grid_indices += idx
@@ -186,6 +209,7 @@ def evaluate(
     owner = all_gather_tensor(torch.tensor(mine))
     keep = first_occurrences(owner)
     gathered = {name: all_gather_tensor(torch.cat(vals))[keep] for name, vals in sampled.scores.items()}
+    gathered = _without_failed(gathered, sampled.failed, tag=tag, is_main=dist.is_main)
     order = owner[keep].tolist()
     categories = [records[i].category for i in order]
     named = [c for c in categories if c is not None]
@@ -193,13 +217,35 @@ def evaluate(
     result = EvalResult(tag, summary, [], torch.empty(0), [])
     if before_writing is not None:
         before_writing()
-    if not dist.is_main:
+    if not dist.is_main or not summary:
         return result
     result.rows = _rows(records, order, gathered, parts.cfg.seed)
     count = min(parts.cfg.grid_size, len(sampled.grid_indices))
     result.images, result.indices = torch.cat(sampled.grid)[:count], sampled.grid_indices[:count]
     write_result(result, records, out)
     return result
+
+
+def _without_failed(
+    gathered: dict[str, Tensor], failed: dict[str, str], *, tag: str, is_main: bool
+) -> dict[str, Tensor]:
+    """The gathered scores of the scorers whose every score is finite; each one left out said in one line, on rank 0
+    and on a rank where it failed (``failed``: this rank's own causes)."""
+    kept = {}
+    for name, values in gathered.items():
+        bad = int((~torch.isfinite(values)).sum())
+        if not bad:
+            kept[name] = values
+        elif is_main or name in failed:
+            why = failed.get(name, f"it scored NaN or inf on {bad} of {values.numel()} images")
+            log.warning(
+                "eval.scorers.%s is left out of the evaluation %s (the other scorers are kept, the next evaluation "
+                "asks it again): %s",
+                name,
+                tag.removeprefix("eval_"),
+                why,
+            )
+    return kept
 
 
 def write_result(result: EvalResult, records: list[PromptRecord], out: Path) -> None:

@@ -17,6 +17,10 @@ Output, in the evaluated run's ``eval/`` folder (configs/eval.yaml; without a ru
 ``runs/<experiment>/eval_<time>``): ``eval_<what>.json``, ``.scores.jsonl`` and ``.png`` per model
 (``what`` = ``pretrained``, ``step_XXXXXXXX``, ``export`` or ``export_raw``), and with ``eval.compare_pretrained=true``
 ``eval_<what>_vs_pretrained.json`` (the paired difference per scorer) and ``.png`` (before/after sheet).
+
+The scorers are built before any model loads: a served one whose server does not answer is one line, status 2,
+in seconds. One that fails during an evaluation is left out of it in one line (train/parts/eval/protocol.py) and
+the others are written; when none is left, one line and status 2, nothing written.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from train.cli.compose import setup
 from train.cli.help_text import show_value
 from train.distributed.collectives import agree_on_write
 from train.ground.disk import write_failure
-from train.ground.errors import CheckpointError, ConfigError
+from train.ground.errors import CheckpointError, ConfigError, ScorerFailed
 from train.ground.layout import EXPORT, RunLayout
 from train.parts.checkpoint.export import Weights, export_description, find_weights
 from train.parts.checkpoint.manager import CheckpointManager, deleted
@@ -44,7 +48,7 @@ from train.parts.config.schema import TrainConfig
 from train.parts.eval.eval_config import SCORERS_HINT
 from train.parts.eval.evaluator import read_eval_prompts
 from train.parts.eval.protocol import EvalParts, EvalResult, before_after, evaluate, paired_difference
-from train.parts.policy.builder import build_for_eval, load_weights
+from train.parts.policy.builder import build_for_eval, load_weights, resolve_device
 from train.parts.scoring.scorers import build_eval_scorers, check_eval_scorers
 from train.run.start import load_config, process_group
 
@@ -137,7 +141,10 @@ def _line(result: EvalResult) -> str:
 
 def _compare(before: EvalResult, after: EvalResult, prompts: list[str], out: Path) -> list[str]:
     """The paired difference per scorer (JSON) and the before/after sheet; the console lines."""
-    paired = [paired_difference(before.rows, after.rows, name) for name in overall(after.summary)]
+    shared = [name for name in overall(after.summary) if name in before.summary]  # a scorer may be left out of one
+    if not shared:
+        return ["no scorer scored both evaluations: nothing to compare"]
+    paired = [paired_difference(before.rows, after.rows, name) for name in shared]
     stem = f"{after.tag}_vs_pretrained"
     (out / f"{stem}.json").write_text(json.dumps([asdict(p) for p in paired], indent=2) + "\n")
     metric = paired[0].metric
@@ -162,8 +169,9 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
             check_checkpoint(weights)
         check_scorers(config)  # after the weights' checks, before any model loads
         check_eval_scorers(config.eval.scorers)
+        # built before the model: a served scorer whose server does not answer is one line in seconds
+        scorers = build_eval_scorers(config.eval.scorers, resolve_device(config, dist))
         backbone, predict, device = build_for_eval(config, dist)
-        scorers = build_eval_scorers(config.eval.scorers, device)
         parts = EvalParts(backbone, predict, scorers, config.eval, config.sampler, config.model, dist, device)
 
         def run(tag: str) -> EvalResult:
@@ -171,6 +179,11 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
                 results[tag] = evaluate(parts, records, tag=tag, out=out)
 
             agree_on_write(evaluated, out, f"the evaluation {tag}", kept=NOTHING_CHANGED)  # one line on every rank
+            if not results[tag].summary:  # the ranks agree: every one gathered the same scores
+                raise ScorerFailed(
+                    f"eval.scorers: none of {', '.join(config.eval.scorers)} could score the evaluation {tag} (the "
+                    "lines above say why), so nothing was written: run it again once its server answers"
+                )
             if dist.is_main:
                 log.info(_line(results[tag]))
             return results[tag]

@@ -56,12 +56,14 @@ def reduced_folder(cfg: PreflightRunConfig, dest: Path) -> Path:
 
 
 def step_config(cfg: PreflightRunConfig, model: Path, run_dir: Path) -> PreflightRunConfig:
-    """The run's settings for steps of the reduced model in a scratch folder: a new run that logs nowhere else."""
+    """The run's settings for steps of the reduced model in a scratch folder: a new run that logs nowhere else and
+    evaluates nothing."""
     out = copy.deepcopy(cfg)
     out.model.path, out.model.build_tiny = str(model), None
     out.run_dir, out.resume, out.num_steps = str(run_dir), None, cfg.preflight.steps
     out.checkpoint.overwrite = False
     out.logging.wandb_mode, out.logging.sample_every, out.logging.progress_bar = WandbMode.disabled, 0, False
+    out.eval.every = 0  # its steps evaluate nothing: no evaluation scorer is built
     if cfg.preflight.stand_in_rewards:
         out.reward.components = copy.deepcopy(STAND_IN_REWARD)
     return out
