@@ -1,5 +1,7 @@
 """Each reward's scorer timed on this rank: its latency (one image) and its throughput (a chunk of the rank's images,
-reward.chunk_groups groups), and whether the reward stage hides behind the rollout (train/tools/plan/reward.py)."""
+reward.chunk_groups groups), and whether the reward stage hides behind the rollout (train/tools/plan/reward.py). A
+scorer that gives no finite score (a served one whose server does not answer within its deadline) is not timed,
+and fails the reward check with one line naming the term and the fix."""
 
 from __future__ import annotations
 
