@@ -11,7 +11,8 @@ Each test runs the command through its own entry (``train.cli.reporting.run_hydr
   recorded config under ``train.eval``, a file named ``export``: one line, exit 2, nothing lost;
 * ``resume=auto`` without a folder resumes the latest interrupted run of the experiment, or says there is none;
 * the run folder is named first, and the run's evaluations are drawn in ``eval/curve.png``, named in the summary
-  (with the evaluation lost before an earlier checkpoint).
+  (with the evaluation lost before an earlier checkpoint);
+* an optional reward term left out of some of the run's steps is named in the summary, with how many.
 """
 
 from __future__ import annotations
@@ -322,3 +323,29 @@ def test_resume_auto_without_a_folder_resumes_the_latest_interrupted_run(trained
     assert re.search(r"resume=auto: continuing .*runs/tiny/b, the latest interrupted run .*; the others: a", stdout)
     assert [m["step"] for m in metrics(newer)][-1] == 2 and [m["step"] for m in metrics(older)][-1] == 1
     assert sorted(p.name for p in (tmp_path / "runs" / "tiny").iterdir()) == ["a", "b"]
+
+
+def test_the_summary_names_an_optional_term_left_out_and_on_how_many_of_the_runs_steps(launch, tmp_path):
+    """An optional served term (required: false) whose server answers step 1 with a 500: that step's reward/total is
+    over the JPEG reward alone. After the resumed session's step 2 the summary says, from metrics.jsonl, that the
+    term was left out of 1 of the run's 3 steps, the first session's included."""
+    pytest.importorskip("fastapi")
+    from fastapi.responses import JSONResponse
+    from reward_servers import FAKE, fake_server, serve
+
+    def good(count: int) -> dict:
+        return {"scores": [0.5] * count, **FAKE}
+
+    refused = JSONResponse({"detail": "overloaded"}, status_code=500)
+    run_dir = tmp_path / "run"
+    with serve(fake_server(good, refused, good)) as url:
+        remote = f"+reward.components.remote={{url: '{url}', timeout_s: 10, retries: 0, required: false}}"
+        overrides = ["checkpoint.every=1", "eval.every=0", "checkpoint.export=false", remote]
+        status, stderr, first = launch(run_dir, "num_steps=2", *overrides, stdout=True)
+        assert status == 0, stderr
+        status, stderr, second = launch(run_dir, "num_steps=3", "resume=auto", *overrides, stdout=True)
+        assert status == 0, stderr
+    assert [row["reward/remote/missing"] for row in metrics(run_dir)] == [0.0, 1.0, 0.0]
+    said = "optional reward terms left out: remote on {} of {} steps; reward/total on those steps is over the other "
+    assert said.format(1, 2) in first and said.format(1, 3) in second
+    assert "renormalised (reward/<name>/missing in metrics.jsonl marks them)" in second

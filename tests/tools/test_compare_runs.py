@@ -384,6 +384,29 @@ def test_replayed_steps_keep_the_later_values(tmp_path, capsys):
     assert "0.9000" in capsys.readouterr().out
 
 
+def test_a_run_that_left_an_optional_term_out_is_named_under_the_tables(tmp_path, capsys):
+    """jagg's judge (optional) was left out of steps 1 and 3 of its 4 (step 2's first row too, replayed after a
+    resume with the judge back): the note under the tables names the run, the term and 2 of 4 steps; exact, whose
+    judge answered every step, is not named."""
+
+    def row(i: int, missing: float) -> dict:
+        return {**step(i, 0.1, 1.0, 0.5), "reward/total": 0.2, "reward/judge/missing": missing}
+
+    exact = write_run(tmp_path / "exact", [row(i, 0.0) for i in range(4)], config("exact", 0))
+    left = [row(0, 0.0), row(1, 1.0), row(2, 1.0), row(2, 0.0), row(3, 1.0)]
+    jagg = write_run(tmp_path / "jagg", left, config("jagg", 0))
+    out = tmp_path / "cmp"
+    assert main([str(exact), str(jagg), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    expected = (
+        f"note: {jagg}: optional reward terms left out: judge on 2 of 4 steps; reward/total on those steps is over "
+        "the other terms, renormalised (reward/<name>/missing in metrics.jsonl marks them)"
+    )
+    tables, _, notes = printed.partition("median seconds per step of each phase")
+    assert expected in notes.splitlines() and str(exact) not in notes and "note: " not in tables
+    assert expected in (out / "table.md").read_text().splitlines()
+
+
 def latin1_row(run: Path) -> Path:
     """A second row with a byte of another encoding."""
     with open(run / "metrics.jsonl", "ab") as file:

@@ -231,3 +231,30 @@ def test_a_link_far_below_the_plan_warns_with_its_fix():
 
 def test_the_attention_kernel_of_a_shape_is_named():
     assert sdpa_backend((2, 16, 8), torch.float32, torch.device("cpu")) in ("flash", "memory-efficient", "math")
+
+
+def test_a_judge_that_never_answers_fails_the_reward_check_and_the_step(tmp_path, capsys, tiny_flux_dir):
+    """A judge whose /v1/models answers and whose chat completions never come within timeout_s=1: the reward check
+    failed naming the term and the fix, no latency reported for it, and the step whose update was skipped (its
+    reward NaN) failed too: the run cannot start (it reported the deadline as the latency and said it could)."""
+    pytest.importorskip("fastapi")
+    from reward_servers import chat, judge_server, serve
+
+    app, _ = judge_server(lambda body, number: chat("Final Score: 3"), delay_s=600)
+    with serve(app) as url:
+        judge = f"+reward.components.judge={{base_url: '{url}/v1', model: judge, timeout_s: 1, retries: 0}}"
+        overrides = [*FAST, f"model.path={tiny_flux_dir}", "preflight.steps=1", judge]
+        status, _ = command(capsys, tmp_path, overrides, preflight_command)
+    out = _verdict(tmp_path)
+    assert status == 2 and out["exit_status"] == 2
+    checks = {c["name"]: c for c in out["checks"]}
+    reward, step = checks["reward"], checks["step"]
+    assert reward["status"] == "failed" and reward["line"].startswith(
+        f"reward.components.judge: judge 'judge' at {url}/v1 gave no score: it did not answer within timeout_s=1 on "
+        "1 try"
+    ), reward
+    assert f"check that the server at {url}/v1 answers" in reward["fix"] and "timeout_s" in reward["fix"]
+    assert step["status"] == "failed" and "the update of step 0 was skipped: a reward was NaN or inf" in step["line"]
+    judged = {t["name"]: t for t in out["plan"]["reward"]["scorers"]}["judge"]
+    assert judged["latency_s"] is None and judged["batch_s"] is None
+    _ready_for_the_run(tmp_path)

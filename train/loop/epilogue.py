@@ -7,7 +7,8 @@ would have scored were checkpointed) is a dashed line marked "missing", so the c
 
 The summary gives the evaluation reward before -> after, of the held-out prompts too, with standard
 errors over prompts and the paired difference (from the per-prompt score files, so it holds across a
-resume), the median time per step and per phase, the achieved TFLOP/s and MFU per phase
+resume), the optional reward terms that the run's steps left out and on how many of them (from its metrics.jsonl,
+train/parts/scoring/left_out.py), the median time per step and per phase, the achieved TFLOP/s and MFU per phase
 (train/parts/observe/perf.py), what compiling cost (model.compile), and where everything was written, with
 what each export holds (its ``weights.json``: the EMA the evaluations scored in ``export/``, the trained
 weights in ``export_raw/``).
@@ -29,6 +30,7 @@ from train.parts.eval.tags import HELD_OUT, PHASES, eval_tag, heldout_tag
 from train.parts.observe.console import format_seconds
 from train.parts.observe.perf import Peak
 from train.parts.observe.stats import median
+from train.parts.scoring.left_out import left_out_line
 
 
 def eval_series(metrics: Path) -> dict[str, dict[int, float]]:
@@ -190,6 +192,9 @@ def run_summary(
     done = f"steps {start}-{cfg.num_steps - 1}" if start < cfg.num_steps else "no step left to run"
     lines = [f"finished {cfg.experiment} ({cfg.update.mode}, seed {cfg.seed}): {done} in {format_seconds(seconds)}"]
     lines += _rewards(cfg, history)
+    metrics = RunLayout(cfg.run_dir).metrics  # the run's steps, those of earlier sessions too
+    if left := left_out_line((int(row["step"]), row) for row in rows(metrics)):
+        lines.append(left)
     if missing:
         lines.append(f"evaluations missing (lost before a resume, their weights gone): {after_steps(list(missing))}")
     lines.append(_timing(history))

@@ -48,6 +48,7 @@ from train.algorithm.grpo import group_advantages
 from train.algorithm.grpo_config import AdvStd, GRPOConfig
 from train.distributed.collectives import DistInfo, all_gather_tensor, all_reduce_max
 from train.ground.errors import RankFailed, ScorerFailed, mark_agreed
+from train.parts.scoring.left_out import missing_metric
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ class RewardStage:
         raise_failures(scores.failure, [rank for rank, value in enumerate(outcomes) if value == FAILED])
         images = torch.cat(scores.images)
         self._say_dropped(dropped, scores.dropped)
-        metrics = {f"reward/{name}/missing": float(name in dropped) for name in sorted(self.rewards.optional)}
+        metrics = {missing_metric(name): float(name in dropped) for name in sorted(self.rewards.optional)}
         metrics["time/reward_hidden"] = max(scores.served_s - scores.waited_s, 0.0)
         left = {name: s for name, s in collected.items() if name not in dropped}
         if max(outcomes) == NAN_REWARD or not any(self.rewards.weights[name] for name in left):

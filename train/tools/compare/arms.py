@@ -17,7 +17,9 @@ Per arm, over its seeds (train/parts/observe/stats.py):
     is 18.2%).
 Against the baseline (the arm whose ``update.mode`` is exact, unless named), each other arm's
 final value, gain and area are compared pairwise on the seeds both ran: the mean difference, its
-95% interval, and whether that interval excludes zero. Nothing is starred as "best".
+95% interval, and whether that interval excludes zero. Nothing is starred as "best". A run whose steps left an
+optional reward term out (``reward/<name>/missing``) is named under the tables with the term and on how many steps:
+its ``reward/total`` there is over the other terms (train/parts/scoring/left_out.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from train.algorithm.jagg import UPDATE_MODES
 from train.parts.eval.tags import HELD_OUT, PHASES
 from train.parts.observe.stats import Estimate, estimate, median, trapezoid_mean
+from train.parts.scoring.left_out import left_out_line
 from train.tools.compare.runs import NOT_READ, RunMetrics, discover
 
 # Settings that never define an arm: where a run writes, how it logs, when it saves.
@@ -211,6 +214,7 @@ class Comparison:
     timing: dict[str, dict[str, float]]  # arm label -> phase -> seconds per step
     notes: list[str]
     threshold: float | None = None  # --reward-threshold: the gain over step 0 whose first time is reported
+    left_out: list[str] = field(default_factory=list)  # per run that left an optional reward term out: its line
 
 
 def build_comparison(
@@ -233,4 +237,5 @@ def build_comparison(
     names = eval_metrics(arms, metrics)
     rewards = {m: {a.label: arm_rewards(a, m, threshold) for a in arms} for m in names}
     timing = {a.label: arm_timing(a, warmup) for a in arms}
-    return Comparison(arms, base, why, names, rewards, timing, notes, threshold)
+    left = [f"{r.source}: {line}" for a in arms for r in a.runs if (line := left_out_line(r.steps.items()))]
+    return Comparison(arms, base, why, names, rewards, timing, notes, threshold, left)

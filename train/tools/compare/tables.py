@@ -135,6 +135,8 @@ def comparison_tables(c: Comparison, *, markdown: bool = False) -> str:
     if not c.metrics:
         out += ["no eval/<metric> was logged: enable eval.every to compare rewards", ""]
     out += [f"{h}median seconds per step of each phase", render(phase_rows(c), markdown=markdown)]
+    if c.left_out:  # training_curves.png's reward/total of these runs is not over the same terms at every step
+        out += ["", *(f"note: {line}" for line in c.left_out)]
     return "\n".join(out) + "\n"
 
 

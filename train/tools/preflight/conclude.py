@@ -109,7 +109,7 @@ def full_plan(found: Found, cfg: PreflightRunConfig, step: StepMeasure) -> tuple
 def _decode_seconds(step: StepMeasure, samples: int) -> float:
     """The measured reward phase less its scorers' time on the rank's ``samples`` images (the plan's reward stage
     holds them, measured): the VAE decode, which does not grow with the transformer's depth."""
-    scoring = sum(t.batch_s * samples / t.batch for t in step.scorers)
+    scoring = sum(t.batch_s * samples / t.batch for t in step.scorers if t.batch_s is not None)
     return max(0.0, step.seconds.get("reward", 0.0) - scoring)
 
 
@@ -145,7 +145,7 @@ def conclude(found: Found) -> Verdict:
     step = steps[0]
     assert step is not None
     stand_in = "; scored by the stand-in reward (preflight.stand_in_rewards)" if cfg.preflight.stand_in_rewards else ""
-    checks.append(Check("step", Status.passed, step_line(step, [s for s in steps if s is not None]) + stand_in))
+    checks.append(step_check(step, [s for s in steps if s is not None], stand_in))
     verdict.step = {"ranks": [s.to_json() for s in steps if s is not None]}
     try:
         plan_checks, verdict.plan = full_plan(found, cfg, step)
@@ -153,6 +153,16 @@ def conclude(found: Found) -> Verdict:
         plan_checks = [Check("plan", Status.skipped, f"the planner cannot plan this run: {str(err).splitlines()[0]}")]
     checks += plan_checks
     return verdict
+
+
+def step_check(step: StepMeasure, every: list[StepMeasure], stand_in: str) -> Check:
+    """The measured step; failed when a step's update was skipped for a NaN or inf reward (the run would not learn)."""
+    line = step_line(step, every) + stand_in
+    if not step.skipped:
+        return Check("step", Status.passed, line)
+    which = ", ".join(map(str, step.skipped))
+    line += f"; the update of step {which} was skipped: a reward was NaN or inf"
+    return Check("step", Status.failed, line, "the reward check names the term: fix it, then run the preflight again")
 
 
 def step_line(step: StepMeasure, every: list[StepMeasure]) -> str:

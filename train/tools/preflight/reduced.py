@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,7 @@ class StepMeasure:
     other_bytes: int | None  # CUDA: device memory in use that is not torch's (the context, NCCL's buffers)
     total_bytes: int | None  # CUDA: the device's memory
     scorers: list[ScorerTiming] = field(default_factory=list)  # each reward's scorer timed after the steps
+    skipped: list[int] = field(default_factory=list)  # the steps whose update was skipped for a NaN or inf reward
 
     @property
     def mfu(self) -> float | None:
@@ -121,9 +122,12 @@ def run_steps(run: Run, full: dict[str, Any]) -> StepMeasure:
     """preflight.steps training steps; the last one measured (its peak memory alone)."""
     steps = run.cfg.num_steps
     metrics: dict[str, float] = {}
+    skipped = []
     for step in range(steps):
         if step == steps - 1 and run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
             torch.cuda.reset_peak_memory_stats(run.device)
         metrics = train_step(run, step)
-    return measure(run, metrics, full)
+        if metrics.get("train/skipped_nan_reward", 0.0) > 0:
+            skipped.append(step)
+    return replace(measure(run, metrics, full), skipped=skipped)
