@@ -2,7 +2,8 @@
 (``train.run.parts.Run``) in a fixed order: seeds, the checks of the checkpoints to resume from
 (train/run/startup_checks.py) and of the run they belong to (train/run/timeline.py), the model's folder (and for a new
 run room on the disk for its checkpoint, estimated from the transformer's shapes), the rewards (a wrong reward path
-fails in seconds, before the transformer loads: train/parts/scoring/scorers.py), the backbone, the trainable parameters
+fails in seconds, before the transformer loads: train/parts/scoring/scorers.py; the ranks agree on them, a served
+reward's server reached from each), the backbone, the trainable parameters
 and the KL reference (then sharding: train/parts/policy/builder.py), the optimizer, the logger, the predictors and the
 router.
 ``open_run`` builds it in the run folder claimed for it.
@@ -77,7 +78,9 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
     run_id = run_identity(cfg.resume, checkpoints, resume_from, dist) if training else None
     if training and not resume_from:  # a resumed run checked room for a checkpoint like its own (check_resume)
         check_room(cfg, checkpoints, skeleton)
-    rewards = build_rewards(cfg.reward, device)  # before the transformer: a wrong reward path fails in seconds
+    # before the transformer: a wrong reward path fails in seconds; agreed on: a server one rank cannot reach stops
+    # every rank, that rank with its own line
+    rewards = agreed(lambda: build_rewards(cfg.reward, device))
     # the checkpoint must have wrapped the modules LoRA wraps now: its weights load by their names
     lora_checkpoint = (checkpoints, resume_from) if training else None
     model, flops = build_model(cfg, dist, device, lora_checkpoint=lora_checkpoint)
