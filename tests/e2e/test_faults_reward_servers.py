@@ -15,7 +15,7 @@ import time
 
 import pytest
 from run_folders import ROOT, copy_run, metrics, refused_line
-from small_run import the_error
+from small_run import FAST, the_error
 
 import train.cli.check as check_command
 import train.tools.eval.command as eval_command
@@ -261,3 +261,27 @@ def test_train_eval_with_its_only_served_scorer_failing_is_one_line(launch, tmp_
         "nothing was written: run it again once its server answers"
     ), line
     assert not list((tmp_path / "eval").glob("eval_*"))
+
+
+@pytest.mark.slow
+def test_a_reward_server_one_rank_cannot_reach_stops_both_ranks_each_with_its_line(tiny_flux_dir, tmp_path):
+    """Two ranks (gloo), the reward server reachable from rank 0 only (rank 1's url, 127.0.1.1, has no server): rank
+    1 stopped alone with no line and rank 0 lost its peer in the next collective; now both exit 2 in seconds, rank 1
+    with its own line, rank 0 with the line naming rank 1's, no traceback, and no run folder is left."""
+    pytest.importorskip("fastapi")
+    from reward_servers import FAKE, fake_server, serve
+    from two_ranks import run_ranks
+
+    with serve(fake_server({"scores": [0.5, 0.5], **FAKE})) as url:
+        port = url.rsplit(":", 1)[1]
+        remote = f"+reward.components.remote={{url: 'http://127.0.${{oc.env:RANK}}.1:{port}', retries: 0}}"
+        run_dir = tmp_path / "run"
+        args = [*FAST, f"model.path={tiny_flux_dir}", remote, "dist.timeout_s=600", f"hydra.run.dir={run_dir}"]
+        ranks = run_ranks("-m", "train", *args, timeout=300)  # a rank waiting in a collective would wait 600 s
+    assert [rank.returncode for rank in ranks] == [2, 2], [rank.stderr[-2000:] for rank in ranks]
+    own = f"reward.components.remote: reward server http://127.0.1.1:{port} "
+    assert the_error(ranks[0].stderr).startswith("python -m train: error: rank 1: " + own), ranks[0].stderr
+    assert "Traceback" not in ranks[1].stderr, ranks[1].stderr
+    (line,) = [x for x in ranks[1].stderr.splitlines() if "error:" in x]
+    assert line.startswith("[rank 1] python -m train: error: " + own), line
+    assert not run_dir.exists()

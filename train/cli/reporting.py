@@ -119,7 +119,7 @@ def report_error(err: Stop, prog: str, *, where: str = "") -> int:
     rank = env_rank()
     if _debug():
         traceback.print_exception(err)
-    if rank == 0 or not err.same_on_every_rank:
+    if err.printed_by(rank):
         _print(prog, err.label, f"{where}{err}", rank=rank)
     return err.exit_code
 

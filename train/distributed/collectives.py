@@ -204,9 +204,11 @@ def failed_ranks_line(lines: list[str | None]) -> str:
 
 
 def agreed(fn: Callable[[], T]) -> T:
-    """``fn()``, a rank's own checks (files read where this rank reads them, its device), then one gather: where it
-    raised a UserError on any rank, every rank raises StartRefused naming each failing rank's line (rank 0 prints
-    it). A rank that failed alone would otherwise skip the next collective, and the others wait in it for
+    """``fn()``, a rank's own checks (files read where this rank reads them, its device, the servers it reaches), then
+    one gather: where it raised a UserError on any rank, every rank raises StartRefused. A failing rank prints its own
+    line (rank 0 alone when every rank failed alike); a rank that passed, if it is the first of its node (LOCAL_RANK
+    0), prints the line naming each failing rank's (``failed_ranks_line``), so that every node's output says why it
+    stopped. A rank that failed alone would otherwise skip the next collective, and the others wait in it for
     dist.timeout_s."""
     refusal: UserError | None = None
     try:
@@ -216,8 +218,12 @@ def agreed(fn: Callable[[], T]) -> T:
     lines = gather_objects(None if refusal is None else str(refusal))
     if refusal is not None and len(lines) == 1:  # one process: its own error as it was raised
         raise refusal
+    if len(set(lines)) == 1 and lines[0] is not None:  # every rank alike: rank 0 says it
+        raise StartRefused(lines[0]) from refusal
+    if refusal is not None:
+        raise StartRefused(str(refusal), printed=True) from refusal
     if any(line is not None for line in lines):
-        raise StartRefused(failed_ranks_line(lines))
+        raise StartRefused(failed_ranks_line(lines), printed=int(os.environ.get("LOCAL_RANK", "0")) == 0)
     return result
 
 

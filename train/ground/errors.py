@@ -36,6 +36,10 @@ class Stop(Exception):
     # Raised on every rank alike (a setting, or a decision the ranks took together): rank 0 alone prints it.
     same_on_every_rank = False
 
+    def printed_by(self, rank: int) -> bool:
+        """Whether rank ``rank`` prints the line: rank 0 alone when every rank raised it alike, else every rank."""
+        return rank == 0 or not self.same_on_every_rank
+
 
 class UserError(Stop):
     exit_code = 2
@@ -110,10 +114,19 @@ class ScorerFailed(UserError):
 
 
 class StartRefused(UserError):
-    """A start-up check failed on some ranks: every rank raises it, naming each failing rank's line, once the ranks
-    have agreed (train/distributed/collectives.py ``agreed``), so that no rank waits in a collective the others skip."""
+    """A start-up check failed on some ranks: every rank raises it once the ranks have agreed
+    (train/distributed/collectives.py ``agreed``), so that no rank waits in a collective the others skip. ``printed``:
+    this rank prints it (a failing rank its own line, a rank that passed the line naming the failing ranks); None:
+    rank 0 alone."""
 
     same_on_every_rank = True
+
+    def __init__(self, message: str, *, printed: bool | None = None) -> None:
+        super().__init__(message)
+        self.printed = printed
+
+    def printed_by(self, rank: int) -> bool:
+        return super().printed_by(rank) if self.printed is None else self.printed
 
 
 class RankFailed(Stop):

@@ -3,7 +3,8 @@
 (train/run/startup_checks.py) and of the run they belong to (train/run/timeline.py), the model's folder (and for a new
 run room on the disk for its checkpoint, estimated from the transformer's shapes), the rewards and the evaluation's
 scorers (a wrong reward path or a served scorer that does not answer fails in seconds, before the transformer loads:
-train/parts/scoring/scorers.py), the backbone, the trainable parameters
+train/parts/scoring/scorers.py; the ranks agree on them, a served scorer's server reached from each), the backbone, the
+trainable parameters
 and the KL reference (then sharding: train/parts/policy/builder.py), the optimizer, the logger, the predictors and the
 router.
 ``open_run`` builds it in the run folder claimed for it.
@@ -78,9 +79,11 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
     run_id = run_identity(cfg.resume, checkpoints, resume_from, dist) if training else None
     if training and not resume_from:  # a resumed run checked room for a checkpoint like its own (check_resume)
         check_room(cfg, checkpoints, skeleton)
-    rewards = build_rewards(cfg.reward, device)  # before the transformer: a wrong reward path fails in seconds
-    # likewise the evaluation's scorers (a served one's first contact with its server), when the run evaluates
-    eval_scorers = build_eval_scorers(cfg.eval.scorers, device) if training and cfg.eval.every else {}
+    # before the transformer: a wrong reward path fails in seconds, and likewise the evaluation's scorers (a served
+    # one's first contact with its server) when the run evaluates; agreed on: a server one rank cannot reach stops
+    # every rank, that rank with its own line
+    rewards = agreed(lambda: build_rewards(cfg.reward, device))
+    eval_scorers = agreed(lambda: build_eval_scorers(cfg.eval.scorers, device)) if training and cfg.eval.every else {}
     # the checkpoint must have wrapped the modules LoRA wraps now: its weights load by their names
     lora_checkpoint = (checkpoints, resume_from) if training else None
     model, flops = build_model(cfg, dist, device, lora_checkpoint=lora_checkpoint)

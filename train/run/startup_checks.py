@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from train.distributed.collectives import DistInfo, broadcast_object, main_decides
+from train.distributed.collectives import DistInfo, agreed, broadcast_object, main_decides
 from train.distributed.parallelize import mesh_shape
 from train.ground.errors import ConfigError
 from train.ground.layout import RunLayout
@@ -104,7 +104,7 @@ def check_resume(
             f"num_steps={max_step}: set num_steps to at least that to train on, or use a new run folder"
         )
     if found and max_step is not None:
-        check_settings(cfg, dist, checkpoints, found[0], prompts=prompts)
+        agreed(lambda: check_settings(cfg, dist, checkpoints, found[0], prompts=prompts))  # each rank's settings
         check_metrics(cfg, dist, checkpoints, found[0])
     return found
 
