@@ -4,8 +4,7 @@ A rank's rollout runs in chunks of whole groups (``reward.chunk_groups``; 0: one
 term), each chunk decoded and scored while the next one rolls out. Served scorers (``Scorer.runs_remotely``: the remote
 scorer, the judge) answer while the rank goes on rolling out; local scorers score on the rank between chunks, so their
 time is exposed. With one chunk everything is exposed; with n chunks the served scoring of the first n - 1 chunks hides
-behind the next
-chunk's rollout, up to that rollout's time:
+behind the next chunk's rollout, up to that rollout's time:
 
     hidden = (n - 1) min(served, rollout / n)        exposed = local + n served - hidden
 
