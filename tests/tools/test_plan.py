@@ -186,11 +186,11 @@ def _update_loop_calls(cfg, traj, *, share: bool, seed: int) -> tuple[int, int]:
     batch = UpdateBatch(traj, advantages, policy, reference, config, g, cfg.batch.gradient_accumulation_steps)
     router, route_gen, counts = build_router(cfg.update), torch.Generator().manual_seed(seed), Counts()
     for chunk in range(0, traj.batch_size, cfg.batch.gradient_accumulation_steps):
-        micro = micro_batches(cfg, chunk)
+        micro = micro_batches(cfg, list(range(traj.batch_size)), chunk)
         routes = [router.route(traj, route_gen) for _ in micro]
         start = shared_start(batch, micro, routes)
         for rows, routed in zip(micro, routes):
-            counts += update_micro_batch(batch, torch.arange(rows.start, rows.stop), routed, start=start).counts
+            counts += update_micro_batch(batch, torch.tensor(rows), routed, start=start).counts
         if start is not None:
             counts += start.backward().counts
     return len(forwards), counts.backward_calls  # backward_calls counts calls (its forwards count steps)
