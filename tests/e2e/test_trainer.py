@@ -15,9 +15,11 @@ import re
 from pathlib import Path
 
 import pytest
+import small_run
 import torch
 from hydra import compose, initialize_config_module
 from run_folders import assert_same_export, exported
+from run_folders import metrics as metric_rows
 from safetensors.torch import load_file
 from small_run import TWO_SEGMENTS
 from two_ranks import HELPERS, run_torchrun
@@ -194,8 +196,9 @@ def test_counts_per_update_mode(golden_runs, tiny_flux_dir, tmp_path):
         ["update.reuse_velocities=fresh", *GOLDEN_RUN],  # reused, then recomputed after a step
         ["update.reuse_velocities=stale", *GOLDEN_RUN],
         FLASH,
+        ["grpo.inner_epochs=2", *GOLDEN_RUN],  # two passes of two optimizer steps, the second reshuffled
     ],
-    ids=["default", "fresh", "stale", "flash"],
+    ids=["default", "fresh", "stale", "flash", "inner_epochs"],
 )
 def test_resume_replays_exactly(extra, tiny_flux_dir, tmp_path):
     """Kept velocities are not checkpointed: a resumed step rolls out again and keeps them anew, so it
@@ -216,6 +219,29 @@ def test_resume_replays_exactly(extra, tiny_flux_dir, tmp_path):
         for key in sorted(keys):
             assert a[key] == b[key], (a["step"], key)
     assert_same_export(tmp_path / "straight", tmp_path / "resumed")
+
+
+def test_inner_epochs_through_the_command(capsys, tmp_path):
+    """``python -m train`` on the tiny run with grpo.inner_epochs=2 beside one pass, 3 steps on the exact path (one
+    optimizer step per pass): each step runs its update twice (twice the forwards, backward calls and optimizer
+    steps; the rollout's the same), the first pass of step 0 is the one-pass run's, and the second runs at the
+    weights the first moved: its ratio leaves 1."""
+    runs = {}
+    for passes in (1, 2):
+        overrides = [*small_run.FAST, "num_steps=3", "update=exact", f"grpo.inner_epochs={passes}"]
+        status, stderr = small_run.command(capsys, tmp_path / str(passes), [*overrides, "checkpoint.export=false"])
+        assert status == 0, stderr
+        runs[passes] = metric_rows(tmp_path / str(passes))
+    one, two = runs[1], runs[2]
+    assert [row["step"] for row in two] == [0, 1, 2]
+    for a, b in zip(one, two):
+        assert b["count/grad_forwards"] == 2 * a["count/grad_forwards"] > 0
+        assert b["count/backward_calls"] == 2 * a["count/backward_calls"]
+        assert b["count/rollout_forwards"] == a["count/rollout_forwards"]
+        assert not any(name.startswith("train/pass") for name in a)
+    assert two[0]["train/pass1/ratio_mean"] == one[0]["train/ratio_mean"]
+    assert two[0]["train/pass1/clip_frac"] == one[0]["train/clip_frac"]
+    assert all(abs(row["train/pass2/ratio_mean"] - 1) > abs(row["train/pass1/ratio_mean"] - 1) for row in two)
 
 
 def test_console_lines_last_step_evaluation_and_run_folder(tiny_flux_dir, tmp_path, caplog):

@@ -19,7 +19,7 @@ from rewards.base import SCORER_NAMES, FrozenModelScorer, scorer_class
 from train.algorithm.jagg import Counts
 from train.algorithm.routing import build_router
 from train.algorithm.update import UpdateBatch, shared_start, update_micro_batch
-from train.loop.step import micro_batches
+from train.loop.step import micro_batches, pass_order
 from train.tools.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
 from train.tools.plan.command import SHIPPED_ARCH, main, plan
 from train.tools.plan.counts import (
@@ -149,6 +149,20 @@ def test_update_calls_follow_velocity_reuse():
         ("exact", False, 0),
         ("exact_batched", False, 192),
     ]
+    # two passes (grpo.inner_epochs=2): every call twice; fresh velocities still serve the first optimizer step
+    # only, stale ones the whole first pass
+    twice = replace(cfg, grpo=replace(cfg.grpo, inner_epochs=2))
+    assert update_variants(twice, segments, kept_velocities=True) == [
+        ("exact", False, 384),
+        ("exact_batched", False, 0),
+        ("jagg", True, 36),
+        ("jagg", False, 540),
+    ]
+    stale_twice = replace(stale, grpo=replace(cfg.grpo, inner_epochs=2))
+    assert update_variants(stale_twice, segments, kept_velocities=True)[2:] == [
+        ("jagg", True, 288),
+        ("jagg", False, 288),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -176,8 +190,8 @@ def test_expected_shared_rows_over_the_random_pick():
 
 
 def _update_loop_calls(cfg, traj, *, share: bool, seed: int) -> tuple[int, int]:
-    """(transformer forwards, backwards) of one step's update as train/loop/step.py runs it: per optimizer step,
-    the micro-batches' routes drawn in order, the shared start, the micro-batches, its backward."""
+    """(transformer forwards, backwards) of one step's update as train/loop/step.py runs it: per pass and optimizer
+    step, the micro-batches' routes drawn in order, the shared start, the micro-batches, its backward."""
     policy, reference, forwards = ToyVelocity(), ToyVelocity(seed=1), []
     for model in (policy, reference):
         model.register_forward_pre_hook(lambda *_: forwards.append(1))
@@ -185,14 +199,16 @@ def _update_loop_calls(cfg, traj, *, share: bool, seed: int) -> tuple[int, int]:
     config, g = replace(cfg.update, share_group_start=share), cfg.grpo
     batch = UpdateBatch(traj, advantages, policy, reference, config, g, cfg.batch.gradient_accumulation_steps)
     router, route_gen, counts = build_router(cfg.update), torch.Generator().manual_seed(seed), Counts()
-    for chunk in range(0, traj.batch_size, cfg.batch.gradient_accumulation_steps):
-        micro = micro_batches(cfg, chunk)
-        routes = [router.route(traj, route_gen) for _ in micro]
-        start = shared_start(batch, micro, routes)
-        for rows, routed in zip(micro, routes):
-            counts += update_micro_batch(batch, torch.arange(rows.start, rows.stop), routed, start=start).counts
-        if start is not None:
-            counts += start.backward().counts
+    for number in range(g.inner_epochs):  # each pass in the order of step 0's
+        order = pass_order(cfg.seed, 0, number, traj.batch_size)
+        for chunk in range(0, traj.batch_size, cfg.batch.gradient_accumulation_steps):
+            micro = micro_batches(cfg, order, chunk)
+            routes = [router.route(traj, route_gen) for _ in micro]
+            start = shared_start(batch, micro, routes)
+            for rows, routed in zip(micro, routes):
+                counts += update_micro_batch(batch, torch.tensor(rows), routed, start=start).counts
+            if start is not None:
+                counts += start.backward().counts
     return len(forwards), counts.backward_calls  # backward_calls counts calls (its forwards count steps)
 
 
@@ -206,6 +222,9 @@ SHARED_CALL_CASES = {  # overrides of the tiny experiment (8 rows: 2 groups of G
         "update.mode=jagg", "update.jagg_frac=0.5", "batch.micro_batch=2", "batch.gradient_accumulation_steps=8"
     ],
     "exact, random pick": ["update.mode=exact", "batch.micro_batch=1", "update.timestep_fraction=0.5"],
+    "exact, two passes, accumulation 4": [
+        "update.mode=exact", "batch.micro_batch=1", "batch.gradient_accumulation_steps=4", "grpo.inner_epochs=2"
+    ],
     "jagg_sequential, random pick, KL": [
         "update.mode=jagg_sequential", "batch.micro_batch=1", "update.timestep_fraction=0.5", "grpo.kl_beta=0.1",
     ],

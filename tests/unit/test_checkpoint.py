@@ -262,3 +262,18 @@ def test_a_resume_may_change_the_settings_that_keep_the_same_numbers() -> None:
     assert "may change on resume without it" in str(not_allowable("reward.chunk_groups"))
     chunked.reward.combine = "advantage"  # type: ignore[assignment]
     assert changed_keys(saved, recorded_settings(chunked, prompts="digest"), []) == ["reward.combine"]
+
+
+def test_a_resume_refuses_other_inner_epochs_unless_allowed() -> None:
+    """grpo.inner_epochs changes what a step computes (its passes over the rollout): recorded, compared, and
+    allowed only by name."""
+    from train.parts.checkpoint.settings import changed_keys, not_allowable, recorded_settings
+    from train.parts.config.schema import TrainConfig
+
+    saved = recorded_settings(TrainConfig(), prompts="digest")
+    now = TrainConfig()
+    now.grpo.inner_epochs = 2
+    assert saved["grpo.inner_epochs"] == 1
+    assert changed_keys(saved, recorded_settings(now, prompts="digest"), []) == ["grpo.inner_epochs"]
+    assert changed_keys(saved, recorded_settings(now, prompts="digest"), ["grpo.inner_epochs"]) == []
+    assert not_allowable("grpo.inner_epochs") is None

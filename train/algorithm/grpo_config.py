@@ -41,6 +41,10 @@ class GRPOConfig:
     """Flow-GRPO's beta (the paper's Table 4 values as they are): beta * mean (mu - mu_ref)^2 / (2 g^2) over the
     trained steps' transition means, g the step's diffusion coefficient, >= 0 (0 = off, no reference forwards).
     """
+    inner_epochs: int = 1
+    """Update passes over each rollout's samples, >= 1 (flow_grpo's num_inner_epochs): pass 1 in the rollout's
+    order, each later one reshuffled (train/loop/step.py ``pass_order``) and run at the weights the passes before
+    it moved, so its PPO ratio leaves 1 and the clip acts."""
 
     def __post_init__(self) -> None:
         check_range(self.group_size, "group_size", low=2, why=" (advantages are relative within a group)")
@@ -48,6 +52,7 @@ class GRPOConfig:
         positive(self.adv_clip_max, "adv_clip_max")
         non_negative(self.adv_eps, "adv_eps")
         non_negative(self.kl_beta, "kl_beta", " (0 = no KL term)")
+        check_range(self.inner_epochs, "inner_epochs", low=1, why=" (update passes per rollout; 1 = one pass)")
 
 
 @dataclass

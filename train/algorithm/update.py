@@ -273,7 +273,7 @@ class SharedStart:
 
 
 def shared_start(
-    batch: UpdateBatch, micro_batches: Sequence[range], routes: Sequence[Sequence[RoutedSegment]]
+    batch: UpdateBatch, micro_batches: Sequence[Sequence[int]], routes: Sequence[Sequence[RoutedSegment]]
 ) -> SharedStart | None:
     """The shared start of one optimizer step whose micro-batches (rows) train ``routes``: step k's forward
     with grad on the first row of each group among the rows that train k; None when no two such rows

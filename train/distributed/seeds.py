@@ -29,20 +29,26 @@ PURPOSES = (
     "sde_noise",  # the SDE noise of group <index>
     "sde_window",  # the SDE window of step <index> (sampler.sde_window_schedule fixed or random)
     "update_plan",  # the groups of transitions trained at step <index>
+    "pass_order",  # the order of the samples in update pass <index[1]> of step <index[0]> (grpo.inner_epochs)
     "prompt_order",  # the permutation of the prompt file in epoch <index>
     "eval_noise",  # the initial noise of evaluation prompt <index>
 )
 
 
-def stream_seed(seed: int, purpose: str, index: int = 0) -> int:
-    """The seed of stream ``purpose`` number ``index`` of a run seeded with ``seed``."""
+def stream_seed(seed: int, purpose: str, index: int | tuple[int, ...] = 0) -> int:
+    """The seed of stream ``purpose`` number ``index`` of a run seeded with ``seed``; a tuple ``index`` names a
+    stream by several numbers (a step and a pass), a 1-tuple the same stream as its number."""
     if purpose not in PURPOSES:
         raise ValueError(f"unknown random stream {purpose!r}; known: {', '.join(PURPOSES)}")
-    digest = hashlib.blake2b(f"{int(seed)}:{purpose}:{int(index)}".encode(), digest_size=8).digest()
+    numbers = index if isinstance(index, tuple) else (index,)
+    key = ":".join(str(int(number)) for number in numbers)
+    digest = hashlib.blake2b(f"{int(seed)}:{purpose}:{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
-def stream_generator(seed: int, purpose: str, index: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+def stream_generator(
+    seed: int, purpose: str, index: int | tuple[int, ...] = 0, device: torch.device | str = "cpu"
+) -> torch.Generator:
     """A generator on ``device`` seeded by ``stream_seed(seed, purpose, index)``."""
     return torch.Generator(device=device).manual_seed(stream_seed(seed, purpose, index))
 

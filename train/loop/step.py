@@ -11,12 +11,14 @@ On each rank:
      may measure first; then micro-batches through train/algorithm/update.py (exact or JAGG per segment), one
      optimizer step per ``gradient_accumulation_steps`` samples, after clipping the global gradient norm. The
      routes of an optimizer step's micro-batches are drawn first, in order; its shared start (the first
-     trainable step, once per group) runs before them and its backward after them.
+     trainable step, once per group) runs before them and its backward after them. With ``grpo.inner_epochs``
+     K > 1 this runs K passes over the samples, each later pass in a reshuffled order (``pass_order``).
 
 The rollout keeps its velocities when the JAGG path can reuse them (``update.reuse_velocities``):
 ``fresh`` hands them to the update until an optimizer step has changed the weights, ``stale`` for the
-whole step. A skipped optimizer step leaves the weights, hence the velocities, valid. Nothing of them is
-checkpointed: a resumed step rolls out again and keeps them anew.
+whole first pass (a later pass recomputes them at the weights it moved). A skipped optimizer step leaves
+the weights, hence the velocities, valid. Nothing of them is checkpointed: a resumed step rolls out again
+and keeps them anew.
 
 A NaN or inf reward (``rewards.combine.NonFiniteRewardError``) or a non-finite gradient skips the
 update (all ranks together) instead of corrupting the weights; an exception while a rank decodes and scores
@@ -291,39 +293,95 @@ def update(
     device: torch.device,
 ) -> dict[str, float]:
     """Train ``model``'s weights on step ``step``'s trajectories and advantages with ``optim``'s optimizer and
-    router; the phase's metrics, reduced over ranks (the update's tensors live on ``device``)."""
+    router, ``grpo.inner_epochs`` passes over the samples (``pass_order``); the phase's metrics, reduced over
+    ranks (the update's tensors live on ``device``), with each pass's ratio and clip fraction when there are
+    several."""
     accumulation = cfg.batch.gradient_accumulation_steps
     batch = UpdateBatch(traj, advantages, model.policy, model.kl_reference, cfg.update, cfg.grpo, accumulation)
     routing: dict[str, float] = {}
     if optim.router.due(step):  # it measures on the step's own rollout, before any gradient exists
         with timer.phase("probe"):
             routing = optim.router.refresh(step, batch, model.params, ranks=ProcessRanks())
-    route_gen = stream_generator(cfg.seed, "update_plan", step)  # same on every rank
+    route_gen = stream_generator(cfg.seed, "update_plan", step)  # same on every rank, drawn on over the passes
     stats = UpdateStats(counts=Counts(shared_start_forward_rows=rollout_shared_rows(cfg, traj)))
     norms: list[tuple[float, bool]] = []
-    stale = cfg.update.reuse_velocities is ReuseVelocities.stale
-    for first in range(0, traj.batch_size, accumulation):
-        # the kept velocities are those of the current weights until an optimizer step moved them
+    passes: dict[str, Stat] = {}
+    for number in range(cfg.grpo.inner_epochs):
+        order = pass_order(cfg.seed, step, number, traj.batch_size)
+        done = update_pass(model, optim, cfg, batch, order, route_gen, norms, timer, first=number == 0, device=device)
+        stats += done
+        if cfg.grpo.inner_epochs > 1:
+            passes |= pass_metrics(done, number)
+    return reduce_over_ranks(stats.metrics() | passes, device) | routing | optimizer_metrics(optim.optimizer, norms)
+
+
+def pass_order(seed: int, step: int, number: int, rows: int) -> list[int]:
+    """The order of a rank's ``rows`` samples in update pass ``number`` (0 = the first) of step ``step``: the
+    first pass in the rollout's order, each later one a permutation drawn from the stream (seed, "pass_order",
+    (step, pass)), as flow_grpo reshuffles its samples per inner epoch. Every rank draws the same permutation of
+    its rows (each then runs the same calls, as FSDP needs), and a resumed step draws it again."""
+    if number == 0:
+        return list(range(rows))
+    return torch.randperm(rows, generator=stream_generator(seed, "pass_order", (step, number))).tolist()
+
+
+def update_pass(
+    model: ModelParts,
+    optim: OptimParts,
+    cfg: TrainConfig,
+    batch: UpdateBatch,
+    order: list[int],
+    route_gen: torch.Generator,
+    norms: list[tuple[float, bool]],
+    timer: PhaseTimer,
+    *,
+    first: bool,
+    device: torch.device,
+) -> UpdateStats:
+    """One pass over the samples in ``order``: per ``gradient_accumulation_steps`` of them, the micro-batches'
+    routes drawn from ``route_gen`` in order, the shared start, the micro-batches and the optimizer step, whose
+    (norm, stepped) it appends to ``norms`` (those of the step's earlier passes already there). The kept
+    velocities are those of the current weights until an optimizer step of the step moved them (``fresh``);
+    ``stale`` takes them for the whole first pass only, a later pass recomputing at the weights it moved."""
+    stats = UpdateStats()
+    stale = first and cfg.update.reuse_velocities is ReuseVelocities.stale
+    for start_row in range(0, len(order), cfg.batch.gradient_accumulation_steps):
         reuse = cfg.update.reuses_velocities and (stale or not any(moved for _, moved in norms))
         with timer.phase("update"):
-            micro = micro_batches(cfg, first)
-            routes = [optim.router.route(traj, route_gen) for _ in micro]  # drawn in micro-batch order
+            micro = micro_batches(cfg, order, start_row)
+            routes = [optim.router.route(batch.traj, route_gen) for _ in micro]  # drawn in micro-batch order
             start = shared_start(batch, micro, routes)  # this optimizer step's, when rows share it
             for rows, route in zip(micro, routes):
-                rows_t = torch.arange(rows.start, rows.stop, device=device)
+                rows_t = torch.tensor(rows, dtype=torch.long, device=device)
                 stats += update_micro_batch(batch, rows_t, route, reuse_velocities=reuse, start=start)
             if start is not None:
                 stats += start.backward()
         with timer.phase("optimizer"):
             clip = cfg.optimizer.max_grad_norm
             norms.append(optimizer_step(model.params, optim.optimizer, optim.ema, max_grad_norm=clip))
-    return reduce_over_ranks(stats.metrics(), device) | routing | optimizer_metrics(optim.optimizer, norms)
+    return stats
 
 
-def micro_batches(cfg: TrainConfig, first: int) -> list[range]:
-    """The rows of each micro-batch of the optimizer step that starts at row ``first``."""
+PASS_METRICS = ("ratio_mean", "clip_frac")  # logged per pass as train/pass<k>/<name>, k from 1
+
+
+def pass_metrics(stats: UpdateStats, number: int) -> dict[str, Stat]:
+    """``PASS_METRICS`` of pass ``number``'s ``stats``, as ``train/pass<number + 1>/<name>``."""
+    metrics = stats.metrics()
+    return {f"train/pass{number + 1}/{name}": metrics[f"train/{name}"] for name in PASS_METRICS}
+
+
+def optimizer_steps_per_step(cfg: TrainConfig) -> int:
+    """Optimizer steps a training step makes on each rank: one per ``gradient_accumulation_steps`` samples, per
+    pass (``grpo.inner_epochs``)."""
     b = cfg.batch
-    return [range(r, r + b.micro_batch) for r in range(first, first + b.gradient_accumulation_steps, b.micro_batch)]
+    return cfg.grpo.inner_epochs * cfg.grpo.group_size * b.prompts_per_rank // b.gradient_accumulation_steps
+
+
+def micro_batches(cfg: TrainConfig, order: list[int], first: int) -> list[list[int]]:
+    """The rows of each micro-batch of the optimizer step that starts at position ``first`` of ``order``."""
+    b = cfg.batch
+    return [order[r : r + b.micro_batch] for r in range(first, first + b.gradient_accumulation_steps, b.micro_batch)]
 
 
 def rollout_shared_rows(cfg: TrainConfig, traj: Trajectory) -> int:

@@ -44,7 +44,7 @@ from train.ground.disk import write_failure
 from train.ground.errors import CheckpointError
 from train.loop.epilogue import run_summary, write_curve
 from train.loop.faults import Faults, check_owner
-from train.loop.step import train_step
+from train.loop.step import optimizer_steps_per_step, train_step
 from train.parts.checkpoint.checkpointer import Checkpointer
 from train.parts.checkpoint.export import EXPORT_NOTE, export_model, write_export_note
 from train.parts.checkpoint.settings import LORA_MODULES, recorded_settings
@@ -82,10 +82,9 @@ class Trainer:
     def __init__(self, run: Run) -> None:
         self.run, cfg, model, optim = run, run.cfg, run.model, run.optim
         self.check_owner = partial(check_owner, run.io.lock)  # every write asks first (a collective)
-        b = cfg.batch
         self.health = Health(
             cfg.health,
-            optimizer_steps=cfg.grpo.group_size * b.prompts_per_rank // b.gradient_accumulation_steps,
+            optimizer_steps=optimizer_steps_per_step(cfg),
             first=0,
             last=cfg.num_steps - 1,
             start_norm=weight_norm(model.params),  # before a checkpoint loads: the start of the run, in every session

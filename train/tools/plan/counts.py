@@ -12,7 +12,7 @@ from samplers.sampler_config import WindowSchedule
 from samplers.window import progressive_start
 from train.algorithm.segments import RoutedSegment, pick_segments, route_segments
 from train.algorithm.update_config import MIDDLE_MODES, ReuseVelocities, UpdateMode
-from train.loop.step import micro_batches
+from train.loop.step import micro_batches, pass_order
 from train.parts.config.schema import TrainConfig
 from train.run.checks import trainable_transitions
 from train.tools.plan.plan_config import PlanRunConfig
@@ -89,11 +89,12 @@ def update_variants(
     """(path, on the rollout's velocities, calls per rank per step) for each update call the run makes,
     and exact (the baseline of the speed-up) and exact_batched (its memory) in any case.
     ``update.reuse_velocities=fresh`` reuses them until the first optimizer step of the step moves the
-    weights: the first of B / accumulation chunks."""
-    b = cfg.batch
+    weights: the first of B / accumulation chunks; ``stale`` for the whole first of grpo.inner_epochs passes."""
+    b, passes = cfg.batch, cfg.grpo.inner_epochs
     samples = cfg.grpo.group_size * b.prompts_per_rank
-    num_micro_batches = samples // b.micro_batch
-    reused = 1.0 if cfg.update.reuse_velocities is ReuseVelocities.stale else b.gradient_accumulation_steps / samples
+    num_micro_batches = passes * samples // b.micro_batch
+    stale = cfg.update.reuse_velocities is ReuseVelocities.stale
+    reused = (1.0 if stale else b.gradient_accumulation_steps / samples) / passes
     out: list[tuple[str, bool, float]] = []
     for mode in UpdateMode:
         calls = num_micro_batches * segments.get(mode, 0.0)
@@ -112,12 +113,15 @@ def update_variants(
 
 
 def _optimizer_steps(cfg: TrainConfig) -> list[list[dict[int, int]]]:
-    """Per optimizer step of a rank's step, its micro-batches: each the rows it holds of each sample
-    group (G rows that share a start)."""
+    """Per optimizer step of a rank's step, over its grpo.inner_epochs passes, its micro-batches: each the rows it
+    holds of each sample group (G rows that share a start); a later pass in the order the first step draws."""
     g, b = cfg.grpo, cfg.batch
+    samples = g.group_size * b.prompts_per_rank
+    orders = [pass_order(cfg.seed, 0, number, samples) for number in range(g.inner_epochs)]
     return [
-        [dict(Counter(row // g.group_size for row in rows)) for rows in micro_batches(cfg, chunk)]
-        for chunk in range(0, g.group_size * b.prompts_per_rank, b.gradient_accumulation_steps)
+        [dict(Counter(row // g.group_size for row in rows)) for rows in micro_batches(cfg, order, chunk)]
+        for order in orders
+        for chunk in range(0, samples, b.gradient_accumulation_steps)
     ]
 
 

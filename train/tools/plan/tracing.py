@@ -18,6 +18,7 @@ from torch import Tensor
 from models.diffusers_backbone import DiffusersBackbone
 from samplers.window import rollout_forwards
 from train.algorithm.update_config import UpdateMode
+from train.loop.step import optimizer_steps_per_step
 from train.tools.plan.counts import drawn_windows, first_window, update_variants
 from train.tools.plan.fake import Measured, measure
 from train.tools.plan.fake_run import TracedRun, ema_shards, hold_gradients, reference_shards, traced_run
@@ -146,7 +147,7 @@ def trace_step(run: TracedRun, segments: dict[UpdateMode, float]) -> Traced:
     resident = always + tensors.resident(offloaded_velocities=offloaded)
     progress("  optimizer step")
     optimizer = measure(root, opt, resident, partial(run_optimizer_step, run))
-    phases.append(to_phase("optimizer", optimizer, batch / b.gradient_accumulation_steps))  # batch: the rank's samples
+    phases.append(to_phase("optimizer", optimizer, optimizer_steps_per_step(cfg)))
     return Traced(
         phases=phases,
         updates=updates,
