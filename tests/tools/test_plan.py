@@ -19,7 +19,7 @@ from rewards.base import SCORER_NAMES, FrozenModelScorer, scorer_class
 from train.algorithm.jagg import Counts
 from train.algorithm.routing import build_router
 from train.algorithm.update import UpdateBatch, shared_start, update_micro_batch
-from train.loop.step import micro_batches, pass_order
+from train.loop.passes import micro_batches, pass_order
 from train.tools.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
 from train.tools.plan.command import SHIPPED_ARCH, main, plan
 from train.tools.plan.counts import (

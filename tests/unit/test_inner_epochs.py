@@ -1,4 +1,4 @@
-"""Inner epochs (``grpo.inner_epochs``, train/loop/step.py ``update``): K update passes over a rollout's samples,
+"""Inner epochs (``grpo.inner_epochs``, train/loop/passes.py ``update``): K update passes over a rollout's samples,
 each later pass reshuffled, against a hand-written loop of K passes in float64, and every update path's gradient
 at the weights a pass moved against exact autograd there."""
 
@@ -18,7 +18,7 @@ from train.algorithm.grpo_config import BatchConfig, GRPOConfig
 from train.algorithm.routing import PrefixRouter
 from train.algorithm.update_config import UpdateConfig
 from train.distributed.seeds import stream_seed
-from train.loop.step import pass_order, update
+from train.loop.passes import pass_order, update
 from train.parts.config.schema import TrainConfig
 from train.parts.observe.perf import PhaseTimer
 from train.parts.optim.optim_config import OptimizerConfig

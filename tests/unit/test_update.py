@@ -209,7 +209,7 @@ def test_each_metric_is_reduced_by_its_own_reduction():
     from train.algorithm.jagg import Counts, SegmentStats
     from train.algorithm.metrics import Metric, Reduce
     from train.algorithm.update import UpdateStats
-    from train.loop.step import reduce_over_ranks
+    from train.loop.passes import reduce_over_ranks
 
     def segment(loss: float, peak: float, low: float) -> SegmentStats:
         metrics = {"loss": Metric(torch.tensor(loss)), "peak": Metric(peak, Reduce.max), "low": Metric(low, Reduce.min)}

@@ -44,7 +44,8 @@ from train.ground.disk import write_failure
 from train.ground.errors import CheckpointError
 from train.loop.epilogue import run_summary, write_curve
 from train.loop.faults import Faults, check_owner
-from train.loop.step import optimizer_steps_per_step, train_step
+from train.loop.passes import optimizer_steps_per_step
+from train.loop.step import train_step
 from train.parts.checkpoint.checkpointer import Checkpointer
 from train.parts.checkpoint.export import EXPORT_NOTE, export_model, write_export_note
 from train.parts.checkpoint.settings import LORA_MODULES, recorded_settings

@@ -21,7 +21,7 @@ and ``FlopCounterMode``:
                 gradients are held; the exact path on 2 of its W steps (each step's graph is freed
                 before the next), its FLOPs scaled to W; exact_batched (its W steps in one forward
                 and one backward, update.exact_batched) for its memory
-    optimizer   the global-norm clip, the AdamW step and the EMA (``train.loop.step.step_weights``)
+    optimizer   the global-norm clip, the AdamW step and the EMA (``train.loop.passes.step_weights``)
 
 A phase's peak is what the tracker saw (transformer shards, gradients, optimizer state, the KL
 reference and EMA shards, the step's trajectories, conditioning and images, and the phase's own

@@ -12,7 +12,7 @@ from samplers.sampler_config import WindowSchedule
 from samplers.window import progressive_start
 from train.algorithm.segments import RoutedSegment, pick_segments, route_segments
 from train.algorithm.update_config import MIDDLE_MODES, ReuseVelocities, UpdateMode
-from train.loop.step import micro_batches, pass_order
+from train.loop.passes import micro_batches, pass_order
 from train.parts.config.schema import TrainConfig
 from train.run.checks import trainable_transitions
 from train.tools.plan.plan_config import PlanRunConfig

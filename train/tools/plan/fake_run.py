@@ -16,7 +16,7 @@ from models.base import parse_dtype
 from models.diffusers_backbone import DiffusersBackbone
 from samplers.rollout import Predict
 from train.distributed.parallelize import local_tensor
-from train.loop.step import step_weights
+from train.loop.passes import step_weights
 from train.parts.config.schema import TrainConfig
 from train.parts.optim.ema import EMA
 from train.parts.optim.optimizer import adamw_settings, build_ema

@@ -20,7 +20,8 @@ from train.algorithm.segments import RoutedSegment
 from train.algorithm.update import UpdateBatch, update_micro_batch
 from train.algorithm.update_config import UpdateMode
 from train.distributed.parallelize import clip_grad_norm_
-from train.loop.step import decode_images, sample_trajectories, step_weights
+from train.loop.passes import step_weights
+from train.loop.step import decode_images, sample_trajectories
 from train.tools.plan.counts import EXACT_BATCHED, text_tokens
 from train.tools.plan.fake import known
 from train.tools.plan.fake_run import TracedRun
@@ -153,7 +154,7 @@ def update_call(run: TracedRun, tensors: StepTensors, mode: str, *, reuse: bool)
 
 
 def run_optimizer_step(run: TracedRun) -> None:
-    """``train.loop.step.optimizer_step`` but for its finiteness test (a value): the global-norm clip, the
+    """``train.loop.passes.optimizer_step`` but for its finiteness test (a value): the global-norm clip, the
     AdamW step and the EMA, then zero_grad."""
     clip_grad_norm_(run.params, run.cfg.optimizer.max_grad_norm)
     step_weights(run.optimizer, run.ema)
