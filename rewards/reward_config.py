@@ -25,6 +25,13 @@ SERVED_REQUIRED: dict[str, dict[str, str]] = {
     },
 }
 
+# what a served reward's arguments change in how its scores are fetched, not in what they are: its address, the
+# variable that holds its key, each try's deadline, its tries, its requests at once (a resumed run may change them)
+SERVED_TRANSPORT: dict[str, tuple[str, ...]] = {
+    "remote": ("url", "timeout_s", "retries"),
+    "judge": ("base_url", "api_key_env", "timeout_s", "retries", "max_in_flight"),
+}
+
 
 class CombineMode(Choice):
     """How the components make one reward (rewards/combine.py)."""
