@@ -259,6 +259,31 @@ def test_a_resume_may_change_the_settings_that_keep_the_same_numbers() -> None:
     assert "reward.chunk_groups" not in saved and "reward.combine" in saved
     for now in (chunked, micro):
         assert changed_keys(saved, recorded_settings(now, prompts="digest"), []) == []
-    assert "may change on resume without it" in str(not_allowable("reward.chunk_groups"))
+    assert "may change on resume without it" in str(not_allowable("reward.chunk_groups", saved))
     chunked.reward.combine = "advantage"  # type: ignore[assignment]
     assert changed_keys(saved, recorded_settings(chunked, prompts="digest"), []) == ["reward.combine"]
+
+
+def test_a_resume_compares_the_reward_components_argument_by_argument() -> None:
+    """Each argument of a scorer is its own key (an argument given on one side only against "(not set)", a scorer
+    added as one key), so that allow_changed may name one; a judge's address, deadline and concurrency are noted."""
+    from train.parts.checkpoint.settings import NOTED_SETTINGS, changed_keys, covered, recorded_settings
+    from train.parts.config.schema import TrainConfig
+
+    before, after = TrainConfig(), TrainConfig()
+    before.reward.components = {"judge": {"base_url": "http://a/v1", "model": "m", "timeout_s": 5}}
+    after.reward.components = {
+        "judge": {"base_url": "http://b/v1", "model": "n", "seed": 1},
+        "jpeg_compressibility": {},
+    }
+    saved, now = recorded_settings(before, prompts="d"), recorded_settings(after, prompts="d")
+    keys = ["reward.components.jpeg_compressibility"] + [
+        f"reward.components.judge.{name}" for name in ("base_url", "model", "seed", "timeout_s")
+    ]
+    assert changed_keys(saved, now, []) == keys
+    assert changed_keys(saved, now, ["reward.components.judge.model", "reward.components.jpeg_compressibility"]) == [
+        keys[1],
+        keys[3],
+        keys[4],
+    ]
+    assert [key for key in keys if covered(key, NOTED_SETTINGS)] == [keys[1], keys[4]]
