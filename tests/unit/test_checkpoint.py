@@ -287,3 +287,16 @@ def test_a_resume_compares_the_reward_components_argument_by_argument() -> None:
         keys[4],
     ]
     assert [key for key in keys if covered(key, NOTED_SETTINGS)] == [keys[1], keys[4]]
+
+
+def test_a_write_past_the_file_size_limit_names_the_limit(tmp_path) -> None:
+    """``ulimit -f``: Python ignores SIGXFSZ, so the write fails with EFBIG, which names the limit and its fix,
+    not "make it writable"."""
+    import errno
+
+    from train.ground.disk import write_failure
+
+    failed = write_failure(OSError(errno.EFBIG, "File too large"), tmp_path, "the checkpoint of step 2")
+    assert failed is not None
+    assert "refused a file past this process's file-size limit while the checkpoint of step 2" in str(failed)
+    assert "ulimit -f unlimited" in str(failed) and "writable" not in str(failed)
