@@ -68,6 +68,12 @@ class RewardConfig:
             check_weight(name, weight)
         if weights and not any(weights.values()):
             raise ValueError("components: every weight is 0, so every advantage would be 0; give one a weight")
+        weighted = [name for name, weight in weights.items() if weight]
+        if weighted and set(weighted) <= set(optional_terms(self.components)):
+            raise ValueError(
+                f"components.{weighted[0]}.required is false and no required term has a weight: when it fails, a "
+                "step has no reward to train on; set it to true, or add a required term with a weight"
+            )
 
 
 def optional_terms(components: Mapping[str, Mapping]) -> list[str]:

@@ -233,6 +233,11 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
             r"^reward\.chunk_groups must be an integer >= 0 \(0: one chunk\), got -1$",
         ),
         (
+            ["+reward.components.jpeg_compressibility.required=false", "reward.components.shape_alignment.weight=0"],
+            ValueError,
+            r"^reward\.components\.jpeg_compressibility\.required is false and no required term has a weight",
+        ),
+        (
             ["+reward.components.shape_alignment.required=maybe"],
             ValueError,
             r"^reward\.components\.shape_alignment\.required must be true or false, got 'maybe'$",
