@@ -25,6 +25,13 @@ SERVED_REQUIRED: dict[str, dict[str, str]] = {
     },
 }
 
+# what a served reward's arguments change in how its scores are fetched, not in what they are: its address, the
+# variable that holds its key, each try's deadline, its tries, its requests at once (a resumed run may change them)
+SERVED_TRANSPORT: dict[str, tuple[str, ...]] = {
+    "remote": ("url", "timeout_s", "retries"),
+    "judge": ("base_url", "api_key_env", "timeout_s", "retries", "max_in_flight"),
+}
+
 
 class CombineMode(Choice):
     """How the components make one reward (rewards/combine.py)."""
@@ -61,6 +68,12 @@ class RewardConfig:
             check_weight(name, weight)
         if weights and not any(weights.values()):
             raise ValueError("components: every weight is 0, so every advantage would be 0; give one a weight")
+        weighted = [name for name, weight in weights.items() if weight]
+        if weighted and set(weighted) <= set(optional_terms(self.components)):
+            raise ValueError(
+                f"components.{weighted[0]}.required is false and no required term has a weight: when it fails, a "
+                "step has no reward to train on; set it to true, or add a required term with a weight"
+            )
 
 
 def optional_terms(components: Mapping[str, Mapping]) -> list[str]:

@@ -340,3 +340,41 @@ def test_eval_names_a_checkpoint_the_run_pruned(trained, launch, tmp_path):
         r"latest, .*step_00000002, or pass the run folder",
         line,
     ), line
+
+
+def test_a_resume_may_move_a_judge_and_allow_one_of_its_arguments(launch, tmp_path):
+    """A judge's address, deadline and concurrency change nothing a step computes: a resume takes them, named in
+    one line. Its score_range changes the rewards: refused, the line naming the argument, which allow_changed
+    then allows alone (a misspelt key names its nearest)."""
+    pytest.importorskip("fastapi")
+    from reward_servers import chat, judge_server, serve
+
+    judge = "+reward.components.judge={{base_url: '{}/v1', model: judge, retries: 0{}}}"
+    run_dir, kept = tmp_path / "run", ["checkpoint.export=false", "resume=auto"]
+    first, _ = judge_server(lambda body, number: chat("Final Score: 3"))
+    second, _ = judge_server(lambda body, number: chat("Final Score: 4"))
+    with serve(first) as url, serve(second) as moved:
+        assert launch(run_dir, "num_steps=1", "checkpoint.export=false", judge.format(url, ""))[0] == 0
+        moving = judge.format(moved, ", timeout_s: 30, max_in_flight: 2")
+        status, stderr, stdout = launch(run_dir, "num_steps=2", *kept, moving, stdout=True)
+        assert status == 0, stderr
+        assert re.search(
+            rf"changed since checkpoint .*step_00000001, used as given: reward\.components\.judge\.base_url "
+            rf"'{url}/v1' -> '{moved}/v1'; reward\.components\.judge\.max_in_flight \(not set\) -> 2; "
+            r"reward\.components\.judge\.timeout_s \(not set\) -> 30",
+            stdout + stderr,
+        ), stdout + stderr
+        ranged = [*kept, "num_steps=3", judge.format(moved, ", score_range: [0, 5]")]
+        line = refused_line(launch, run_dir, *ranged, kept=run_dir)
+        assert re.search(
+            r"\(reward\.components\.judge\.score_range \(not set\) -> \[0, 5\]\).*"
+            r"checkpoint\.allow_changed=\[reward\.components\.judge\.score_range\]$",
+            line,
+        ), line
+        line = refused_line(launch, run_dir, *ranged, "checkpoint.allow_changed=[reward.components.judge.scor_range]")
+        assert re.search(
+            r"'reward\.components\.judge\.scor_range' names no .*reward\.components\.judge\.score_range", line
+        )
+        status, stderr = launch(run_dir, *ranged, "checkpoint.allow_changed=[reward.components.judge.score_range]")
+        assert status == 0, stderr
+    assert [m["step"] for m in metrics(run_dir)] == [0, 1, 2]

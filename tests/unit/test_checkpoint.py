@@ -259,7 +259,7 @@ def test_a_resume_may_change_the_settings_that_keep_the_same_numbers() -> None:
     assert "reward.chunk_groups" not in saved and "reward.combine" in saved
     for now in (chunked, micro):
         assert changed_keys(saved, recorded_settings(now, prompts="digest"), []) == []
-    assert "may change on resume without it" in str(not_allowable("reward.chunk_groups"))
+    assert "may change on resume without it" in str(not_allowable("reward.chunk_groups", saved))
     chunked.reward.combine = "advantage"  # type: ignore[assignment]
     assert changed_keys(saved, recorded_settings(chunked, prompts="digest"), []) == ["reward.combine"]
 
@@ -276,4 +276,42 @@ def test_a_resume_refuses_other_inner_epochs_unless_allowed() -> None:
     assert saved["grpo.inner_epochs"] == 1
     assert changed_keys(saved, recorded_settings(now, prompts="digest"), []) == ["grpo.inner_epochs"]
     assert changed_keys(saved, recorded_settings(now, prompts="digest"), ["grpo.inner_epochs"]) == []
-    assert not_allowable("grpo.inner_epochs") is None
+    assert not_allowable("grpo.inner_epochs", saved) is None
+
+
+def test_a_resume_compares_the_reward_components_argument_by_argument() -> None:
+    """Each argument of a scorer is its own key (an argument given on one side only against "(not set)", a scorer
+    added as one key), so that allow_changed may name one; a judge's address, deadline and concurrency are noted."""
+    from train.parts.checkpoint.settings import NOTED_SETTINGS, changed_keys, covered, recorded_settings
+    from train.parts.config.schema import TrainConfig
+
+    before, after = TrainConfig(), TrainConfig()
+    before.reward.components = {"judge": {"base_url": "http://a/v1", "model": "m", "timeout_s": 5}}
+    after.reward.components = {
+        "judge": {"base_url": "http://b/v1", "model": "n", "seed": 1},
+        "jpeg_compressibility": {},
+    }
+    saved, now = recorded_settings(before, prompts="d"), recorded_settings(after, prompts="d")
+    keys = ["reward.components.jpeg_compressibility"] + [
+        f"reward.components.judge.{name}" for name in ("base_url", "model", "seed", "timeout_s")
+    ]
+    assert changed_keys(saved, now, []) == keys
+    assert changed_keys(saved, now, ["reward.components.judge.model", "reward.components.jpeg_compressibility"]) == [
+        keys[1],
+        keys[3],
+        keys[4],
+    ]
+    assert [key for key in keys if covered(key, NOTED_SETTINGS)] == [keys[1], keys[4]]
+
+
+def test_a_write_past_the_file_size_limit_names_the_limit(tmp_path) -> None:
+    """``ulimit -f``: Python ignores SIGXFSZ, so the write fails with EFBIG, which names the limit and its fix,
+    not "make it writable"."""
+    import errno
+
+    from train.ground.disk import write_failure
+
+    failed = write_failure(OSError(errno.EFBIG, "File too large"), tmp_path, "the checkpoint of step 2")
+    assert failed is not None
+    assert "refused a file past this process's file-size limit while the checkpoint of step 2" in str(failed)
+    assert "ulimit -f unlimited" in str(failed) and "writable" not in str(failed)

@@ -238,6 +238,11 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
             r"^reward\.chunk_groups must be auto or an integer >= 0 \(0: one chunk\), got 'two'$",
         ),
         (
+            ["+reward.components.jpeg_compressibility.required=false", "reward.components.shape_alignment.weight=0"],
+            ValueError,
+            r"^reward\.components\.jpeg_compressibility\.required is false and no required term has a weight",
+        ),
+        (
             ["+reward.components.shape_alignment.required=maybe"],
             ValueError,
             r"^reward\.components\.shape_alignment\.required must be true or false, got 'maybe'$",
@@ -258,11 +263,42 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
             "model.path='/nonexistent/flux'",
         ),
         (["resume=/nonexistent/ckpt"], FileNotFoundError, "resume"),
+        (
+            ["experiment=tiny", "checkpoint.allow_changed=[reward.components.jpeg_compressibility.wieght]"],
+            ValueError,
+            r"^checkpoint\.allow_changed: 'reward\.components\.jpeg_compressibility\.wieght' names no setting a "
+            r"checkpoint records \(the nearest are reward\.components\.jpeg_compressibility\.weight",
+        ),
+        (["checkpoint.allow_changed=[model.heigth]"], ValueError, r"names no setting .*nearest are model\.height"),
+        (["checkpoint.allow_changed=[update.nope]"], ValueError, r"'update\.nope' names no setting a checkpoint"),
+        (
+            [
+                "+reward.components.judge={base_url: 'http://127.0.0.1:9/v1', model: m}",
+                "checkpoint.allow_changed=[reward.components.judge.timeout_s]",
+            ],
+            ValueError,
+            r"'reward\.components\.judge\.timeout_s' may change on resume without it",
+        ),
     ],
 )
 def test_bad_values_fail_fast(overrides, error, message, tmp_path):
     with pytest.raises(error, match=message):
         check(load(overrides, tmp_path))
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        "reward.components.jpeg_compressibility.weight",
+        "reward.components",
+        "reward.components.clipscore",
+        "model.lora.modules",
+    ],
+)
+def test_allow_changed_takes_what_a_resume_compares(keys, tmp_path):
+    """A key at any depth, a group, a scorer this run left out (the checkpoint's, checked on resume), the LoRA
+    modules recorded beside the settings."""
+    check(load(["experiment=tiny", f"checkpoint.allow_changed=[{keys}]"], tmp_path))
 
 
 @pytest.mark.parametrize(

@@ -53,11 +53,25 @@ def is_no_space(err: BaseException) -> bool:
     return (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or bool(NO_SPACE.search(str(err)))
 
 
+TOO_LARGE = re.compile(r"File too large|Errno 27", re.IGNORECASE)
+
+
+def is_too_large(err: BaseException) -> bool:
+    """A write past the process's file-size limit (``ulimit -f``; Python ignores SIGXFSZ, so the write fails)."""
+    return (isinstance(err, OSError) and err.errno == errno.EFBIG) or bool(TOO_LARGE.search(str(err)))
+
+
 def write_failure(err: BaseException, path: Path, what: str, kept: str = KEPT) -> SaveFailed | None:
     """The one line for ``what`` (``the export``, ``the evaluation after step 4``) that the disk of ``path``
-    refused (full, read-only, gone; a writer's own error that says the disk is full), or None for another error."""
+    refused (full, read-only, gone, a file past the file-size limit; a writer's own error that says the disk is
+    full), or None for another error."""
     if is_no_space(err):
         return DiskFull(disk_line(path, f"filled up while {what} was written", kept=kept))
+    if is_too_large(err):
+        why = f"refused a file past this process's file-size limit while {what} was written"
+        return SaveFailed(
+            disk_line(path, why, "raise or remove the limit (ulimit -f unlimited) and launch again", kept)
+        )
     if isinstance(err, OSError):
         words = err.strerror or str(err)
         return SaveFailed(

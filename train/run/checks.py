@@ -19,7 +19,7 @@ from samplers.sde import SDEKind
 from train.algorithm.segments import split_segments
 from train.algorithm.update_config import Routing
 from train.ground.errors import ConfigError, PathError, every_missing, prefixed
-from train.parts.checkpoint.settings import not_allowable
+from train.parts.checkpoint.settings import not_allowable, recorded_settings
 from train.parts.config.keys import check_finite, check_known_keys, checked
 from train.parts.config.schema import TrainConfig
 from train.parts.data.prompts import read_prompts
@@ -66,8 +66,9 @@ def _check_across(cfg: TrainConfig) -> None:
             "grpo.ratio_norm=true normalises a Gaussian log-prob, which sampler.sde=cps does not have: "
             "use sampler.sde=flow or dance, or grpo.ratio_norm=false"
         )
+    recorded = recorded_settings(cfg, prompts="")  # its keys: the prompts' digest is the resume's to compare
     for key in cfg.checkpoint.allow_changed:
-        if problem := not_allowable(key):
+        if problem := not_allowable(key, recorded):
             raise ConfigError(f"checkpoint.allow_changed: {problem}")
     if cfg.checkpoint.overwrite and cfg.resume:
         raise ConfigError(

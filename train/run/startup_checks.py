@@ -20,9 +20,11 @@ from train.parts.checkpoint.settings import (
     change,
     changed_keys,
     changed_refusal,
+    compared,
     covered,
     global_batch_refusal,
     recorded_settings,
+    unrecorded,
 )
 from train.parts.config.record import (
     lost_rows,
@@ -113,18 +115,22 @@ def check_settings(
     cfg: TrainConfig, dist: DistInfo, checkpoints: CheckpointManager, path: Path, *, prompts: str
 ) -> None:
     """Resuming checkpoint ``path`` keeps the settings it recorded (RESUME_SETTINGS, unless
-    checkpoint.allow_changed names them) and its global batch; a change of NOTED_SETTINGS is named in one line."""
+    checkpoint.allow_changed names them: each key of it must name what the two compare) and its global batch; a
+    change of NOTED_SETTINGS is named in one line."""
     now = recorded_settings(cfg, prompts=prompts)
     saved, where = _saved_settings(cfg, checkpoints, path, now)
-    allowed = cfg.checkpoint.allow_changed
+    pairs, allowed = compared(saved, now), cfg.checkpoint.allow_changed
+    for key in allowed:
+        if problem := unrecorded(key, pairs):
+            raise ConfigError(f"resume={cfg.resume}: checkpoint.allow_changed: {problem} (checkpoint {where})")
     changed = [key for key in changed_keys(saved, now, allowed) if not covered(key, GLOBAL_BATCH)]
-    refused = [change(key, saved[key], now[key]) for key in changed if not covered(key, NOTED_SETTINGS)]
+    refused = [change(key, *pairs[key]) for key in changed if not covered(key, NOTED_SETTINGS)]
     if refused:
         raise changed_refusal(cfg.resume, where, refused)
     batch = global_batch_refusal(saved, checkpoints.world_size_of(path), now, dist.world_size, allowed)
     if batch:
         raise ConfigError(f"resume={cfg.resume}: checkpoint {path} was trained with another batch: {batch}")
-    noted = [change(key, saved[key], now[key]) for key in changed if covered(key, NOTED_SETTINGS)]
+    noted = [change(key, *pairs[key]) for key in changed if covered(key, NOTED_SETTINGS)]
     if noted:
         log.warning("resume=%s: changed since checkpoint %s, used as given: %s", cfg.resume, path, "; ".join(noted))
 

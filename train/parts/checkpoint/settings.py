@@ -3,16 +3,20 @@
 ``recorded_settings`` is what a checkpoint records (dotted key -> value). ``RESUME_SETTINGS`` change what the next
 steps compute and are refused unless ``checkpoint.allow_changed`` names them (``changed_refusal``); the per-rank batch
 is compared as the global batch it makes with the world size (``global_batch_refusal``); ``NOTED_SETTINGS`` are
-changed on purpose (a learning rate lowered by hand) and named in one line.
+changed on purpose (a learning rate lowered by hand) or change nothing a step computes (a served reward's address)
+and are named in one line. A mapping among them (the reward's components, the model's options) is compared entry by
+entry (``compared``), so that ``checkpoint.allow_changed`` may name a key at any depth, or a group of keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import fields, is_dataclass
+from difflib import get_close_matches
 from enum import Enum
 from typing import Any
 
+from rewards.reward_config import SERVED_TRANSPORT
 from train.ground.errors import ConfigError
 
 # Settings that change what a checkpoint's weights mean or what the next steps compute: a resumed run keeps them
@@ -46,8 +50,9 @@ SAME_NUMBERS = (
 )
 # Per-rank settings compared as the global batch they make with the world size (``global_batch_refusal``).
 GLOBAL_BATCH = ("batch.prompts_per_rank", "batch.gradient_accumulation_steps")
-# Recorded too, but changed on purpose (a learning rate lowered by hand, another evaluation set): a resumed run
-# goes on with the new values and names them in one line.
+# Recorded too, but changed on purpose (a learning rate lowered by hand, another evaluation set) or changing nothing
+# a step computes (a served reward's address, key variable, deadline, tries, concurrency: rewards/reward_config.py's
+# SERVED_TRANSPORT): a resumed run goes on with the new values and names them in one line.
 NOTED_SETTINGS = (
     "optimizer",
     "health",
@@ -59,6 +64,7 @@ NOTED_SETTINGS = (
     "eval.seed",
     "eval.samples_per_prompt",
     "eval.scorers",
+    *(f"reward.components.{name}.{key}" for name, keys in SERVED_TRANSPORT.items() for key in keys),
 )
 # Recorded with a checkpoint beside the settings: the full names of the modules LoRA wrapped (known once
 # the adapters are added; [] for full fine-tuning), so that other targets are refused as a changed setting.
@@ -91,16 +97,65 @@ def recorded_settings(cfg: Any, *, prompts: str) -> dict[str, Any]:
     return flat
 
 
-def not_allowable(key: str) -> str | None:
-    """Why ``checkpoint.allow_changed`` may not name ``key``, or None."""
+class _NotSet:
+    """The value of a mapping's entry that one side of a comparison does not have."""
+
+    def __repr__(self) -> str:
+        return "(not set)"
+
+
+NOT_SET = _NotSet()
+
+
+def _opened(key: str, saved: Any, now: Any) -> dict[str, tuple[Any, Any]]:
+    """``key``'s values (saved, now), two mappings opened entry by entry to any depth, an entry one lacks NOT_SET."""
+    if not isinstance(saved, Mapping) or not isinstance(now, Mapping):
+        return {key: (saved, now)}
+    pairs: dict[str, tuple[Any, Any]] = {}
+    for name in sorted(saved.keys() | now.keys(), key=str):
+        pairs |= _opened(f"{key}.{name}", saved.get(name, NOT_SET), now.get(name, NOT_SET))
+    return pairs
+
+
+def compared(saved: Mapping[str, Any], now: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """What a resume compares: dotted key -> (saved, now) for the keys both record, a mapping among them (the
+    reward's components, the model's options) opened into its entries' keys (``reward.components.judge.model``).
+    A key only one side records is not compared: a checkpoint saved before it was recorded, or a setting gone
+    since; an entry only one side's mapping has is (a scorer added, an argument left to its default)."""
+    pairs: dict[str, tuple[Any, Any]] = {}
+    for key in sorted(saved.keys() & now.keys()):
+        pairs |= _opened(key, saved[key], now[key])
+    return pairs
+
+
+def unrecorded(key: str, keys: Collection[str]) -> str | None:
+    """Why ``checkpoint.allow_changed`` may not name ``key``, which names none of ``keys`` (those a resume
+    compares, ``compared``, and the LoRA modules beside them) nor a group of them, with the nearest; or None."""
+    keys = [*keys, LORA_MODULES]
+    if any(covered(known, (key,)) for known in keys):
+        return None
+    groups = {".".join(known.split(".")[:depth]) for known in keys for depth in range(1, known.count(".") + 2)}
+    near = get_close_matches(key, sorted(g for g in groups if not covered(g, NOTED_SETTINGS)), n=3)
+    hint = f"the nearest are {', '.join(near)}" if near else f"those are under {', '.join(RESUME_SETTINGS)}"
+    return f"{key!r} names no setting a checkpoint records ({hint}): name one of them, or a group of them"
+
+
+def _past_an_entry(key: str, settings: Mapping[str, Any]) -> bool:
+    """``key`` names an entry that a mapping of ``settings`` does not have (a scorer of reward.components that
+    a checkpoint may have had): only a resume, which has the checkpoint's, can tell whether it names one."""
+    for name, value in settings.items():
+        if isinstance(value, Mapping) and key.startswith(name + "."):
+            return key[len(name) + 1 :].split(".")[0] not in value
+    return False
+
+
+def not_allowable(key: str, settings: Mapping[str, Any]) -> str | None:
+    """Why ``checkpoint.allow_changed`` may not name ``key`` (given ``settings``, what this run records:
+    ``recorded_settings``), or None: a key that may change without it, or one that names nothing they compare
+    (an entry a mapping lacks is left to the resume, ``unrecorded`` with the checkpoint's settings)."""
     if covered(key, SAME_NUMBERS) or covered(key, NOTED_SETTINGS):
         return f"{key!r} may change on resume without it"
-    if not any(covered(key, (prefix,)) or covered(prefix, (key,)) for prefix in RESUME_SETTINGS):
-        return (
-            f"{key!r} is not a setting a resumed run keeps; those are {', '.join(RESUME_SETTINGS)} (and the keys "
-            "under them)"
-        )
-    return None
+    return None if _past_an_entry(key, settings) else unrecorded(key, compared(settings, settings))
 
 
 def change(key: str, saved: Any, now: Any) -> str:
@@ -115,11 +170,11 @@ def change(key: str, saved: Any, now: Any) -> str:
     return f"{key} {len(saved)} -> {len(now)} modules wrapped (no longer: {some(gone)}; new: {some(new)})"
 
 
-def changed_keys(saved: dict[str, Any], now: dict[str, Any], allowed: Sequence[str]) -> list[str]:
-    """The keys both record whose values differ, unless ``allowed`` (checkpoint.allow_changed) names them or a group
-    of keys they belong to. A key only one side has is not compared: a checkpoint saved before it was recorded,
-    or a setting gone since."""
-    return sorted(key for key in saved.keys() & now.keys() if saved[key] != now[key] and not covered(key, allowed))
+def changed_keys(saved: Mapping[str, Any], now: Mapping[str, Any], allowed: Sequence[str]) -> list[str]:
+    """The keys a resume compares (``compared``) whose values differ, unless ``allowed`` (checkpoint.allow_changed)
+    names them or a group of keys they belong to."""
+    pairs = compared(saved, now)
+    return [key for key, (before, after) in pairs.items() if before != after and not covered(key, allowed)]
 
 
 def changed_refusal(resume: str | None, path: Any, changed: list[str]) -> ConfigError:
