@@ -1,7 +1,9 @@
 """The training loop's fault policy: what ends a run early, and what it saves first.
 
 * SIGTERM, SIGHUP or the first Ctrl+C: every rank stops after the same step, writes a checkpoint and exits with
-  ``Preempted`` (train/distributed/preemption.py); a second Ctrl+C stops at once with ``Interrupted``.
+  ``Preempted`` (train/distributed/preemption.py); a second Ctrl+C stops at once with ``Interrupted``. A served
+  reward's request in flight stops at the signal (``stop_asked``): that step's update is skipped, the steps before
+  it are checkpointed.
 * A run folder whose lock was taken over (a process suspended past its lease): ``FolderLost`` before anything more
   is written (the step's end, every checkpoint save, evaluation and the export ask first).
 * The health's verdict (train/parts/observe/health.py): ``Diverged`` before the diverged weights are saved, naming the
@@ -73,6 +75,11 @@ class Faults:
 
     def _count(self, *_: Any) -> None:
         self.moved += 1
+
+    def stop_asked(self) -> bool:
+        """This rank received a signal to stop (it needs no collective: a step's served requests ask it while they
+        wait, and stop at once)."""
+        return self.preemption.received != 0
 
     def step_end(self, step: int) -> int:
         """After training step ``step``: the signal any rank received (0: none), once every rank knows the run
