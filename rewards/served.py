@@ -14,6 +14,11 @@ before the next try is the server's ``Retry-After`` when it sends one (seconds o
 an hour does not hold a step for an hour. A request thus ends within (retries + 1) x timeout_s plus its waits.
 When the tries run out: ``RemoteUnavailable``. Every other answer (2xx, 3xx, other 4xx) is the caller's to read.
 
+A caller stops the requests its thread makes with ``stopped_by(stop)``: ``stop()`` is asked every ``STOP_POLL_S``
+while a request waits (for an answer or between tries), and once it is true the request ends at once
+(``RequestStopped``, its connections closed) instead of after its tries: the reward stage stops a step's requests
+when the step ends early, on a signal or a second Ctrl+C (train/parts/scoring/stage.py).
+
 The settings of a served reward are checked without the network (``check_address``, ``check_tries``,
 ``bearer_headers``: a scheme other than http(s), a port beyond 65535, a deadline that is not a number, a fractional
 number of retries, a key that an HTTP header cannot carry), by each scorer's ``check_arguments``, which its
@@ -31,8 +36,10 @@ import asyncio
 import logging
 import math
 import re
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import ClassVar
@@ -45,6 +52,8 @@ from torch import Tensor
 from rewards.base import Scorer
 
 MAX_BACKOFF_S = 10.0
+STOP_POLL_S = 0.05  # how often a request asks its thread's stop (``stopped_by``)
+_stops = threading.local()  # .check: the stop of this thread's requests
 
 
 class RemoteRewardError(ValueError):
@@ -53,6 +62,10 @@ class RemoteRewardError(ValueError):
 
 class RemoteUnavailable(RemoteRewardError):
     """A served reward did not answer in time, or answered 429 or 5xx, on every try: worth trying again later."""
+
+
+class RequestStopped(RemoteUnavailable):
+    """A request ended before its answer by its caller's stop (``stopped_by``)."""
 
 
 @dataclass(frozen=True)
@@ -97,9 +110,9 @@ class ServedScorer(Scorer):
         try:
             answers = request(self.server, "POST", self.score_path, bodies, max_in_flight=self.max_in_flight)
         except RemoteUnavailable as err:
-            tries = self.server.retries + 1
+            tries = "" if isinstance(err, RequestStopped) else f" after {self.server.retries + 1} tries"
             logging.getLogger(type(self).__module__).warning(
-                "%s after %d tries: this batch of %d images scores NaN", err, tries, images.shape[0]
+                "%s%s: this batch of %d images scores NaN", err, tries, images.shape[0]
             )
             return torch.full((images.shape[0],), math.nan)
         return self.read_scores(answers, images.shape[0])
@@ -148,13 +161,58 @@ def bearer_headers(variable: str, key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def request_bound_s(timeout_s: float, retries: int) -> float:
+    """The longest a request to a server that never answers takes: ``retries + 1`` tries of ``timeout_s`` and a
+    wait of at most ``timeout_s`` between two of them."""
+    return (2 * retries + 1) * timeout_s
+
+
+@contextmanager
+def stopped_by(stop: Callable[[], bool]) -> Iterator[None]:
+    """The requests this thread makes in the block end at once with ``RequestStopped`` when ``stop()`` is true
+    (asked every ``STOP_POLL_S``; it must not block)."""
+    previous = getattr(_stops, "check", None)
+    _stops.check = stop
+    try:
+        yield
+    finally:
+        _stops.check = previous
+
+
 def request(
     server: Server, method: str, path: str, bodies: Sequence[object] = (None,), *, max_in_flight: int = 1
 ) -> list[httpx.Response]:
     """The answers to ``method server.url+path``, one per JSON body in ``bodies`` (None: no body), in order, at
     most ``max_in_flight`` at once; RemoteUnavailable when one of them ran out of tries (the others are
-    cancelled)."""
-    return asyncio.run(_all(server, method, path, bodies, max_in_flight))
+    cancelled), RequestStopped when this thread's stop (``stopped_by``) is or turns true first."""
+    stop = getattr(_stops, "check", None)
+    if stop is None:
+        return asyncio.run(_all(server, method, path, bodies, max_in_flight))
+    if stop():
+        raise _stopped(server, method, path)
+    return asyncio.run(_unless_stopped(_all(server, method, path, bodies, max_in_flight), stop, server, method, path))
+
+
+async def _unless_stopped(
+    work: Coroutine[object, object, list[httpx.Response]],
+    stop: Callable[[], bool],
+    server: Server,
+    method: str,
+    path: str,
+) -> list[httpx.Response]:
+    """``work``'s result, or RequestStopped once ``stop()`` is true (``work`` cancelled: its connections close)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        if stop():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise _stopped(server, method, path)
+        await asyncio.wait({task}, timeout=STOP_POLL_S)
+    return task.result()
+
+
+def _stopped(server: Server, method: str, path: str) -> RequestStopped:
+    return RequestStopped(f"{method} {path} to {server.name} was stopped before its answer (the step ended early)")
 
 
 async def _all(

@@ -109,8 +109,9 @@ def test_ctrl_c_while_a_served_reward_is_mid_request_leaves_no_thread_and_resume
     tiny_flux_dir, tmp_path, capsys
 ):
     """The rollout in chunks of one group, a served reward (a slow stand-in server) scoring each chunk in the
-    background; Ctrl+C arrives while step 1's first request is in flight: the step finishes, its checkpoint is
-    written, no worker thread is left, and resume=auto ends where the uninterrupted run ends, bit for bit."""
+    background; Ctrl+C arrives while step 1's first request is in flight: the step's requests stop (its second
+    chunk is never asked), the step ends untrained, the checkpoint of step 0 is written, no worker thread is left,
+    and resume=auto runs step 1 again and ends where the uninterrupted run ends, bit for bit."""
     pytest.importorskip("fastapi")
     from reward_servers import FAKE, fake_server, serve
 
@@ -128,7 +129,8 @@ def test_ctrl_c_while_a_served_reward_is_mid_request_leaves_no_thread_and_resume
     # requests 0 and 1 score step 0's two chunks; request 2, step 1's first, brings the Ctrl+C
     with serve(fake_server(good, good, ctrl_c_then_good, good, delay_s=0.2), port=int(url.rsplit(":", 1)[1])):
         status, stderr = train(capsys, tmp_path / "stopped", *served)
-        assert status == 130 and "after step 2" in small_run.the_error(stderr, kind="stopped"), stderr
+        line = small_run.the_error(stderr, kind="stopped")
+        assert status == 130 and "of step 1, which is not trained" in line and "after step 1" in line, stderr
         assert [t.name for t in threading.enumerate() if t.name.startswith("reward-")] == []
         assert train(capsys, tmp_path / "stopped", *served, "resume=auto")[0] == 0
     straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "stopped")

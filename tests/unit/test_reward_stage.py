@@ -330,3 +330,72 @@ def test_the_console_says_each_cause_once(caplog) -> None:
     lines = [r.getMessage() for r in caplog.records if "reward.components.judge (optional)" in r.getMessage()]
     assert missing == [1.0] * 4 and len(lines) == 2, lines
     assert "it failed (RuntimeError): the judge went away" in lines[0] and "it scored NaN or inf" in lines[1]
+
+
+def test_a_failed_served_term_requests_no_more_chunks() -> None:
+    """A served optional term whose first chunk fails: its three other chunks are never requested (one call, not
+    four), and the step goes on with the other term."""
+    judge = ToyScorer(brightness, served=True, fail=FAILURE)
+    stage = toy_stage({"judge": (judge, 1.0), "red": (ToyScorer(redness), 1.0)}, chunk_groups=1, optional=["judge"])
+    _, _, scored = run_stage(stage, ToyRollout(num_groups=4))
+    assert len(judge.calls) == 1 and scored.metrics["reward/judge/missing"] == 1.0 and reward_threads() == []
+
+
+@pytest.mark.parametrize("optional", [[], ["judge"]])
+def test_a_signal_that_stops_a_served_request_ends_the_step_untrained(optional) -> None:
+    """A served term whose request a signal stopped (it scores NaN while the stop is true) ends the step on every
+    rank (``StepStopped``), required or optional: the step is run again on a resume, not skipped or trained on
+    fewer terms; a NaN without a signal still only skips the update."""
+    from train.ground.errors import StepStopped
+
+    nan = ToyScorer(nan_scores, served=True)
+    components = {"judge": (nan, 1.0), "red": (ToyScorer(redness), 1.0)}
+    stage = toy_stage(components, chunk_groups=1, optional=optional)
+    with pytest.raises(StepStopped) as stopped:
+        roll_out_and_score(ToyRollout(num_groups=2), stage, PhaseTimer(), lambda: True)  # type: ignore[arg-type]
+    assert ranks_agreed(stopped.value) and len(nan.calls) == 1 and reward_threads() == []
+    _, _, scored = run_stage(toy_stage(components, chunk_groups=1, optional=optional), ToyRollout(num_groups=2))
+    assert (scored.advantages is None) == (optional == [])
+
+
+def test_a_signal_after_the_served_scores_came_back_trains_the_step() -> None:
+    """A stop asked while nothing of a served term failed changes nothing: the step's scores are all in."""
+    judge = ToyScorer(brightness, served=True)
+    stage = toy_stage({"judge": (judge, 1.0), "red": (ToyScorer(redness), 1.0)}, chunk_groups=1)
+    _, _, scored = roll_out_and_score(ToyRollout(num_groups=2), stage, PhaseTimer(), lambda: True)  # type: ignore[arg-type]
+    assert scored.advantages is not None and len(judge.calls) == 2
+
+
+def test_a_stop_ends_a_request_to_a_server_that_never_answers() -> None:
+    """A request whose tries would take an hour ends as soon as its thread's stop turns true."""
+    from reward_servers import silent_server
+
+    from rewards.served import RequestStopped, Server, request, stopped_by
+
+    stop, outcome = threading.Event(), []
+
+    def ask(url: str) -> None:
+        with stopped_by(stop.is_set):
+            try:
+                request(Server(url, "a silent server", timeout_s=600.0, retries=5), "GET", "/health")
+            except RequestStopped as err:
+                outcome.append(err)
+
+    with silent_server() as url:
+        worker = threading.Thread(target=ask, args=(url,))
+        worker.start()
+        stop.set()
+        worker.join(timeout=120)
+    assert not worker.is_alive() and len(outcome) == 1
+
+
+def test_a_served_term_whose_bound_reaches_dist_timeout_is_refused() -> None:
+    """(2 x retries + 1) x timeout_s = 500 s against dist.timeout_s=300: one line naming both settings."""
+    from rewards.reward_config import RewardConfig
+    from train.ground.errors import ConfigError
+    from train.parts.scoring.scorers import check_served_bounds
+
+    reward = RewardConfig(components={"remote": {"url": "http://127.0.0.1:9", "timeout_s": 100.0, "retries": 2}})
+    check_served_bounds(reward, 600.0)
+    with pytest.raises(ConfigError, match=r"reward.components.remote: .*500 s.*dist.timeout_s=300.*raise dist"):
+        check_served_bounds(reward, 300.0)

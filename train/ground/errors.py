@@ -129,6 +129,12 @@ class StartRefused(UserError):
         return super().printed_by(rank) if self.printed is None else self.printed
 
 
+class StepStopped(Exception):
+    """A signal stopped a step's served requests on some rank (train/parts/scoring/stage.py): the step is not
+    trained, so that a resume runs it again as an uninterrupted run does; the loop checkpoints the steps before it
+    and exits as for the signal (train/loop/faults.py)."""
+
+
 class RankFailed(Stop):
     """Another rank failed where the ranks check together (train/loop/step.py's reward phase)."""
 

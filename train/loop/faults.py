@@ -1,7 +1,9 @@
 """The training loop's fault policy: what ends a run early, and what it saves first.
 
 * SIGTERM, SIGHUP or the first Ctrl+C: every rank stops after the same step, writes a checkpoint and exits with
-  ``Preempted`` (train/distributed/preemption.py); a second Ctrl+C stops at once with ``Interrupted``.
+  ``Preempted`` (train/distributed/preemption.py); a second Ctrl+C stops at once with ``Interrupted``. A served
+  reward's request in flight stops at the signal (``stop_asked``): that step ends untrained on every rank
+  (``StepStopped``), the steps before it are checkpointed, and a resume runs it again.
 * A run folder whose lock was taken over (a process suspended past its lease): ``FolderLost`` before anything more
   is written (the step's end, every checkpoint save, evaluation and the export ask first).
 * The health's verdict (train/parts/observe/health.py): ``Diverged`` before the diverged weights are saved, naming the
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +27,7 @@ from torch.optim import Optimizer
 
 from train.distributed.collectives import activity, broadcast_object
 from train.distributed.preemption import SIGNAL_NAMES, Preemption, RepeatedInterrupt, stop_requests
-from train.ground.errors import Diverged, Interrupted, NotLearning, Preempted, SaveFailed, ranks_agreed
+from train.ground.errors import Diverged, Interrupted, NotLearning, Preempted, SaveFailed, StepStopped, ranks_agreed
 from train.parts.checkpoint.checkpointer import Checkpointer
 from train.parts.checkpoint.manager import CheckpointManager
 from train.parts.observe.health import Verdict
@@ -65,6 +68,8 @@ class Faults:
                 yield
             except RepeatedInterrupt:
                 raise self._unsaved() from None
+            except StepStopped:
+                raise self._stopped_in_step() from None
             except Exception as err:
                 self._rescue(err)
                 raise
@@ -74,15 +79,39 @@ class Faults:
     def _count(self, *_: Any) -> None:
         self.moved += 1
 
+    def stop_asked(self) -> bool:
+        """This rank received a signal to stop (it needs no collective: a step's served requests ask it while they
+        wait, and stop at once)."""
+        return self.preemption.received != 0
+
     def step_end(self, step: int) -> int:
         """After training step ``step``: the signal any rank received (0: none), once every rank knows the run
         folder is still this run's (FolderLost otherwise, before anything of the step is written); one collective."""
+        stop = self._agreed_stop()
+        self.done, self.moved_when_done = step + 1, self.moved
+        return stop
+
+    def _agreed_stop(self) -> int:
+        """The signal any rank received (0: none); FolderLost when rank 0 lost the run folder (one collective)."""
         lost = self.lock.lost() if self.lock is not None else None
         stop, folder_lost = self.preemption.requested(self.device, folder_lost=lost is not None)
         if folder_lost:
             raise FolderLost(lost or "rank 0 lost the run folder's lock to another launch")
-        self.done, self.moved_when_done = step + 1, self.moved
         return stop
+
+    def _stopped_in_step(self) -> Preempted:
+        """A signal stopped step ``self.step``'s served requests (``StepStopped``, on every rank together): the
+        steps trained before it checkpointed, the step itself left for the resume to run again."""
+        stop = self._agreed_stop() or signal.SIGTERM
+        saved = self.checkpointer.saved
+        path = self.checkpointer.save(self.done) if self.done > saved else self.checkpointer.manager.latest()
+        name = SIGNAL_NAMES.get(stop, f"signal {stop}")
+        kept = f"wrote checkpoint {path} after step {self.done}" if path is not None else "no step was trained yet"
+        message = (
+            f"{name} during the served rewards of step {self.step}, which is not trained: {kept}; rerun with "
+            f"resume=auto to continue (step {self.step} runs again)"
+        )
+        return Preempted(message, signum=stop)
 
     def check_divergence(self, verdict: Verdict | None) -> None:
         """Diverged when the health's ``verdict`` says the weights left any sane range, naming what is left."""

@@ -20,6 +20,7 @@ the step (train/parts/scoring/stage.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ from train.parts.data.prompts import PromptSampler
 from train.parts.observe.health import FLAT_IMAGES, flat_fraction
 from train.parts.observe.perf import PhaseTimer, perf_metrics
 from train.parts.policy.parts import ModelParts
-from train.parts.scoring.stage import RewardStage, Scored, StepScores
+from train.parts.scoring.stage import RewardStage, Scored, StepScores, never
 from train.run.parts import Run
 
 log = logging.getLogger(__name__)
@@ -176,15 +177,16 @@ def decode_images(backbone: Backbone, latents: Tensor, model: ModelConfig) -> Te
 
 
 def roll_out_and_score(
-    rollout: StepRollout, stage: RewardStage, timer: PhaseTimer
+    rollout: StepRollout, stage: RewardStage, timer: PhaseTimer, stopped: Callable[[], bool] = never
 ) -> tuple[Trajectory, list[str], Scored]:
     """Roll out the step in the reward stage's chunks (``reward.chunk_groups``), each decoded and handed to its
     scores as soon as it is rolled out, so that a served term scores it while the next one rolls out (timed as
     ``rollout`` and ``reward``: the reward time this thread spent decoding, scoring locally and waiting for the
-    served scores); the whole step's trajectories, prompts and scores."""
+    served scores); the whole step's trajectories, prompts and scores. ``stopped`` (a signal) stops the served
+    requests at once, and the step ends untrained on every rank (``StepStopped``: a resume runs it again)."""
     parts: list[Trajectory] = []
     prompts: list[str] = []
-    with stage.scores() as scores:
+    with stage.scores(stopped) as scores:
         for groups in stage.config.chunks(rollout.num_groups):
             with timer.phase("rollout"):
                 traj, chunk_prompts = rollout.chunk(groups)
@@ -223,15 +225,16 @@ def rollout_metrics(cfg: TrainConfig, traj: Trajectory) -> dict[str, float]:
     return metrics if window is None else metrics | {"sampler/window_start": window[0]}
 
 
-def train_step(run: Run, step: int) -> dict[str, float]:
-    """One step: the rollout, reward and update phases (above), each on the parts it reads; the step's metrics."""
+def train_step(run: Run, step: int, stopped: Callable[[], bool] = never) -> dict[str, float]:
+    """One step: the rollout, reward and update phases (above), each on the parts it reads; the step's metrics.
+    ``stopped``: true once the run is to stop (a signal), which stops the step's served requests."""
     cfg, timer = run.cfg, PhaseTimer(run.device, run.perf.flops)
     if run.perf.compiles is not None:
         run.perf.compiles.begin()
     with timer.phase("step"):
         with timer.phase("rollout"):
             rollout = step_rollout(run.model, run.data.prompts, cfg, step, device=run.device)
-        traj, prompts, scored = roll_out_and_score(rollout, run.data.reward_stage, timer)
+        traj, prompts, scored = roll_out_and_score(rollout, run.data.reward_stage, timer, stopped)
         metrics = scored.metrics | {FLAT_IMAGES: flat_fraction(scored.images, cfg.health.flat_image_range)}
         if scored.advantages is not None:
             advantages = scored.advantages

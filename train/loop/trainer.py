@@ -215,7 +215,7 @@ class Trainer:
             for step in range(start, cfg.num_steps):
                 with activity(f"training step {step}"):
                     self.faults.step = step
-                    metrics = train_step(run, step) | self.health.measure(run.model.params)
+                    metrics = train_step(run, step, self.faults.stop_asked) | self.health.measure(run.model.params)
                     stop = self.faults.step_end(step)
                     run.io.logger.log(metrics, step)
                     history.append(metrics)

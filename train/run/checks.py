@@ -23,7 +23,7 @@ from train.parts.checkpoint.settings import not_allowable, recorded_settings
 from train.parts.config.keys import check_finite, check_known_keys, checked
 from train.parts.config.schema import TrainConfig
 from train.parts.data.prompts import read_prompts
-from train.parts.scoring.scorers import check_scorer_inputs
+from train.parts.scoring.scorers import check_scorer_inputs, check_served_bounds
 
 
 def trainable_transitions(sampler: SamplerConfig, window_start: int | None = None) -> list[int]:
@@ -177,4 +177,6 @@ def validate(
     _check_across(cfg)
     if check_files:
         _validate_files(cfg, rewards=rewards)
+        if rewards:  # once their arguments are known to be good
+            check_served_bounds(cfg.reward, cfg.dist.timeout_s)
         _check_eval_size(cfg)

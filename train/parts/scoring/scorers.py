@@ -14,6 +14,7 @@ import torch
 from rewards.base import Scorer, build_scorer, scorer_class
 from rewards.combine import RewardCombiner
 from rewards.reward_config import RewardConfig, optional_terms
+from rewards.served import request_bound_s
 from train.ground.errors import ConfigError, PathError, config_key, every_missing
 
 
@@ -58,6 +59,26 @@ def check_scorer_inputs(reward: RewardConfig, eval_scorers: Mapping[str, Any] | 
         for name, component in reward.components.items()
     ]
     every_missing(checks if eval_scorers is None else [*checks, partial(check_eval_scorers, eval_scorers)])
+
+
+def check_served_bounds(reward: RewardConfig, dist_timeout_s: float) -> None:
+    """Each served term's request to a server that does not answer ends before ``dist_timeout_s`` (dist.timeout_s):
+    the other ranks wait for this rank's scores in a collective, which would end the run instead of the step."""
+    for name, component in reward.components.items():
+        cls = scorer_class(name)
+        if not cls.runs_remotely:
+            continue
+        bound = inspect.signature(cls).bind_partial(**_reward_arguments(dict(component)))
+        bound.apply_defaults()
+        timeout_s, retries = bound.arguments["timeout_s"], bound.arguments["retries"]
+        if (longest := request_bound_s(timeout_s, retries)) >= dist_timeout_s:
+            key = f"reward.components.{name}"
+            raise ConfigError(
+                f"{key}: a request its server does not answer takes up to {longest:g} s ((2 x retries + 1) x "
+                f"timeout_s with retries={retries}, timeout_s={timeout_s:g}), not below dist.timeout_s="
+                f"{dist_timeout_s:g}, so the other ranks' wait for this rank's scores would end the run: lower "
+                f"{key}.timeout_s or {key}.retries, or raise dist.timeout_s"
+            )
 
 
 def check_eval_scorers(scorers: Mapping[str, Any]) -> None:

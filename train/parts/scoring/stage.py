@@ -13,7 +13,17 @@ A served scorer (``Scorer.runs_remotely``: the remote reward, a judge) scores in
 one request at a time, so at most one request per served term is in flight while the rollout runs; a local
 scorer runs on this thread between chunks, where it does not compete with the rollout for the device. Every
 worker is shut down when the step's scoring ends, however it ends (pending chunks cancelled, a request in flight
-waited for within its own deadline): a step that fails or is interrupted (Ctrl+C) leaves no thread behind.
+stopped at once: rewards/served.py ``stopped_by``): a step that fails or is interrupted (Ctrl+C) leaves no thread
+behind.
+
+A served term's chunk that fails (its tries ran out: a NaN batch, or an error) fails the term for the rest of the
+step at once, in its worker: its queued chunks return without a request and its later chunks are not handed to it,
+so a step with a served term that does not answer waits one request's bound ((2 x retries + 1) x timeout_s at
+most: ``request_bound_s``), not one per chunk. A stop of the caller's (``RewardStage.scores(stopped=)``: the
+trainer's signal flag, SIGTERM, SIGHUP or Ctrl+C) stops the step's requests at once, and the step ends untrained on
+every rank (``StepStopped``, agreed in the same all-reduce): the trainer checkpoints the steps before it and exits,
+and a resume runs the step again, as an uninterrupted run does. A signal after the served scores came back changes
+nothing: the step trains, and the run stops after it as for any signal.
 
 Failures follow the rules of scoring after the whole rollout, per chunk. A required term's NaN or inf skips
 the update on every rank; its protocol error (``RemoteRewardError``) stops the run with one line naming
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,17 +54,27 @@ from rewards.base import scorer_class
 from rewards.combine import AdvantageFn, NonFiniteRewardError, RewardCombiner
 from rewards.remote import RemoteRewardError
 from rewards.reward_config import RewardConfig
+from rewards.served import stopped_by
 from settings.configurable import Configurable
 from train.algorithm.grpo import group_advantages
 from train.algorithm.grpo_config import AdvStd, GRPOConfig
 from train.distributed.collectives import DistInfo, all_gather_tensor, all_reduce_max
-from train.ground.errors import RankFailed, ScorerFailed, mark_agreed
+from train.ground.errors import RankFailed, ScorerFailed, StepStopped, mark_agreed
 from train.parts.scoring.left_out import missing_metric
 
 log = logging.getLogger(__name__)
 
 AUTO, AUTO_CHUNKS = "auto", 4  # reward.chunk_groups=auto: at most this many chunks, with a served term
-OK, NAN_REWARD, FAILED = 0, 1, 2  # a rank's outcome of its own part of the reward stage
+# a rank's outcome of its own part of the reward stage, the ranks' agreed on as the largest
+OK, NAN_REWARD, STOPPED, FAILED = 0, 1, 2, 3
+
+
+def never() -> bool:
+    return False
+
+
+class ChunkSkipped(Exception):
+    """A served term's chunk not requested: an earlier chunk of the term failed in this step."""
 
 
 @dataclass
@@ -132,11 +153,15 @@ class StepScores:
 
     rewards: RewardCombiner
     clock: Callable[[], float] = time.perf_counter  # what the served scores' seconds are read from
+    stopped: Callable[[], bool] = never  # the caller's stop of the served requests (a signal)
     images: list[Tensor] = field(default_factory=list)  # per chunk handed over, scored or not
     parts: dict[str, list[Tensor | Future]] = field(default_factory=dict)  # per term, per chunk
     workers: dict[str, ThreadPoolExecutor] = field(default_factory=dict)  # one per served term
+    failing: dict[str, threading.Event] = field(default_factory=dict)  # per served term: a chunk of it failed
+    ended: threading.Event = field(default_factory=threading.Event)  # the scoring ended: stop every request
     dropped: dict[str, str] = field(default_factory=dict)  # optional term -> why it is left out
     outcome: int = OK
+    signalled: bool = False  # the caller's stop ended a served request of this step
     failure: Exception | None = None  # this rank's own error, raised once the ranks agreed
     served_s: float = 0.0  # seconds the served scorers took, in their workers
     waited_s: float = 0.0  # seconds this thread waited for them
@@ -146,11 +171,17 @@ class StepScores:
             self.parts[name] = []
             if scorer.runs_remotely:
                 self.workers[name] = ThreadPoolExecutor(1, thread_name_prefix=f"reward-{name}")
+                self.failing[name] = threading.Event()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
-        for worker in self.workers.values():  # a request in flight ends within its own deadline
+        self.ended.set()  # a request in flight stops at once
+        for worker in self.workers.values():
             worker.shutdown(wait=True, cancel_futures=True)
+
+    def stopping(self) -> bool:
+        """The served requests stop: the scoring ended, or the caller's stop."""
+        return self.ended.is_set() or self.stopped()
 
     @property
     def failed(self) -> bool:
@@ -168,7 +199,8 @@ class StepScores:
             if not self.scoring(name):
                 continue
             if name in self.workers:
-                self.parts[name].append(self.workers[name].submit(self._served, name, images, prompts))
+                if not self.failing[name].is_set():  # a failed term gets no more chunks
+                    self.parts[name].append(self.workers[name].submit(self._served, name, images, prompts))
                 continue
             try:
                 with torch.no_grad():
@@ -177,9 +209,18 @@ class StepScores:
                 self.fail(name, err)
 
     def _served(self, name: str, images: Tensor, prompts: list[str]) -> tuple[Tensor, float]:
+        """A chunk's scores of served term ``name`` and the seconds they took, in the term's worker; none after a
+        failed chunk of the term (``ChunkSkipped``), and a failure marks the term failed at once."""
+        if self.failing[name].is_set():
+            raise ChunkSkipped(name)
         began = self.clock()
-        with torch.no_grad():  # grad mode is per thread
-            scores = self.rewards.score_term(name, images, prompts)
+        try:
+            with torch.no_grad(), stopped_by(self.stopping):  # grad mode is per thread
+                scores = self.rewards.score_term(name, images, prompts)
+        except Exception:
+            self.failing[name].set()
+            self.signalled = self.signalled or self.stopped()
+            raise
         return scores, self.clock() - began
 
     def fail(self, name: str | None, err: Exception) -> None:
@@ -225,10 +266,11 @@ class RewardStage:
     clock: Callable[[], float] = time.perf_counter  # what the served scores' seconds are read from
     _said: set[tuple[str, str]] = field(default_factory=set, init=False)  # (term, cause) already said on the console
 
-    def scores(self) -> StepScores:
+    def scores(self, stopped: Callable[[], bool] = never) -> StepScores:
         """A step's scores, empty: ``with stage.scores() as scores``, ``scores.add`` each chunk, ``scores.collect()``
-        in the block, then ``stage.agree``."""
-        return StepScores(self.rewards, self.clock)
+        in the block, then ``stage.agree``; ``stopped``: asked while a served request waits, true stops the step's
+        requests (module docstring)."""
+        return StepScores(self.rewards, self.clock, stopped)
 
     def agree(self, scores: StepScores, collected: dict[str, Tensor], group_ids: Tensor) -> Scored:
         """Agree with the other ranks, in one all-reduce, on each rank's outcome and on the terms left out, then
@@ -236,11 +278,13 @@ class RewardStage:
         step's rows, ``group_ids``)."""
         terms, world = list(self.rewards.components), self.dist.world_size
         flags = torch.zeros(world + len(terms), device=self.device)
-        flags[self.dist.rank] = scores.outcome
+        flags[self.dist.rank] = max(scores.outcome, STOPPED) if scores.signalled else scores.outcome
         flags[world:] = torch.tensor([float(name in scores.dropped) for name in terms])
         flags = all_reduce_max(flags)
         outcomes, dropped = flags[:world].tolist(), [name for name, f in zip(terms, flags[world:].tolist()) if f]
         raise_failures(scores.failure, [rank for rank, value in enumerate(outcomes) if value == FAILED])
+        if max(outcomes) == STOPPED:
+            raise mark_agreed(StepStopped("a signal stopped this step's served requests"))
         images = torch.cat(scores.images)
         self._say_dropped(dropped, scores.dropped)
         metrics = {missing_metric(name): float(name in dropped) for name in sorted(self.rewards.optional)}
