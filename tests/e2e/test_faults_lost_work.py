@@ -94,10 +94,10 @@ def test_a_resumed_run_logs_each_step_once(launch, tmp_path, monkeypatch):
     ]
     real = trainer.train_step
 
-    def crash_in_step_3(run, k):
+    def crash_in_step_3(run, k, *stop):
         if k == 3:
             raise KeyboardInterrupt  # the process dies; nothing after the checkpoint of step 2 survives
-        return real(run, k)
+        return real(run, k, *stop)
 
     monkeypatch.setattr(trainer, "train_step", crash_in_step_3)
     with pytest.raises(KeyboardInterrupt):
@@ -112,10 +112,10 @@ def test_the_steps_trained_before_a_failure_are_saved(launch, tmp_path, monkeypa
     """A failure in step 2 (here: a bug) after two unsaved steps: step 2's checkpoint is written first."""
     real = trainer.train_step
 
-    def fail_in_step_2(run, k):
+    def fail_in_step_2(run, k, *stop):
         if k == 2:
             raise RuntimeError("the reward server went away")
-        return real(run, k)
+        return real(run, k, *stop)
 
     monkeypatch.setattr(trainer, "train_step", fail_in_step_2)
     with pytest.raises(RuntimeError, match="the reward server went away"):

@@ -220,6 +220,7 @@ def test_a_holder_that_loses_its_folder_while_it_evaluates_writes_nothing(launch
             saved.update(kept(run_dir))
             return scores
 
+        score.runs_remotely = scorer.runs_remotely  # type: ignore[attr-defined]  # the evaluation reads it
         return score
 
     def taken_over_in_step_1(parts: EvalParts, *args, **kwargs):

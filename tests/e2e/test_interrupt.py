@@ -36,8 +36,8 @@ def ctrl_c_in(monkeypatch, steps: dict[int, int]) -> None:
     """During training step k, ``steps[k]`` SIGINTs to this process, as a terminal sends Ctrl+C."""
     real = trainer.train_step
 
-    def step_then_signal(run, k):
-        out = real(run, k)
+    def step_then_signal(run, k, *stop):
+        out = real(run, k, *stop)
         for _ in range(steps.get(k, 0)):
             os.kill(os.getpid(), signal.SIGINT)
         return out

@@ -41,10 +41,10 @@ def main() -> None:
                 cfg = compose(config_name="train", overrides=case["overrides"])
             sigterm, fail = case.get("sigterm"), case.get("fail")
 
-            def step(run, k, sigterm=sigterm, fail=fail):
+            def step(run, k, *stop, sigterm=sigterm, fail=fail):
                 if fail and dist.rank == fail["rank"] and k == fail["step"]:
                     next(iter(run.data.reward_stage.rewards.components.values()))[0].score = _server_gone
-                out = real_step(run, k)
+                out = real_step(run, k, *stop)
                 if sigterm and dist.rank == sigterm["rank"] and k == sigterm["step"]:
                     os.kill(os.getpid(), signal.SIGTERM)
                 return out

@@ -111,8 +111,8 @@ def sigterm_at(step: int, monkeypatch, signum: int = signal.SIGTERM) -> None:
     """SIGTERM (or ``signum``) to this process during training step ``step``, as a scheduler would send it."""
     real = trainer.train_step
 
-    def step_then_signal(run, k):
-        out = real(run, k)
+    def step_then_signal(run, k, *stop):
+        out = real(run, k, *stop)
         if k == step:
             os.kill(os.getpid(), signum)
         return out
