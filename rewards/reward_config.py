@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from rewards.base import SCORER_NAMES
+from rewards.base import SCORER_NAMES, scorer_class
 from settings import Choice, member
 
 # what a served reward cannot start without, and the hint when it is missing
@@ -74,6 +74,10 @@ class RewardConfig:
                 f"components.{weighted[0]}.required is false and no required term has a weight: when it fails, a "
                 "step has no reward to train on; set it to true, or add a required term with a weight"
             )
+
+    def served_terms(self) -> list[str]:
+        """The terms a server scores (``Scorer.runs_remotely``: the remote reward, the judge)."""
+        return [name for name in self.components if scorer_class(name).runs_remotely]
 
 
 def optional_terms(components: Mapping[str, Mapping]) -> list[str]:

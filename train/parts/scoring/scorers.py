@@ -26,15 +26,22 @@ def check_scorer(field_name: str, name: str, kwargs: dict[str, Any]) -> None:
     cls = scorer_class(name)
     signature = inspect.signature(cls)
     try:
-        bound = signature.bind(**kwargs)
+        arguments = scorer_arguments(name, kwargs)
     except TypeError as err:
         raise ConfigError(f"{field_name}: {err} (the scorer's arguments are in docs/rewards.md)") from None
-    bound.apply_defaults()
     with config_key(field_name, signature.parameters):
-        cls.check_arguments(bound.arguments)
+        cls.check_arguments(arguments)
     paths = {key for key, parameter in signature.parameters.items() if "Path" in str(parameter.annotation)}
     every_missing(partial(_exists, field_name, key, value) for key, value in kwargs.items()
                   if key in paths and value is not None)  # fmt: skip
+
+
+def scorer_arguments(name: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Every argument of scorer ``name``'s constructor given ``kwargs``, its defaults filled in; TypeError when
+    ``kwargs`` do not fit it."""
+    bound = inspect.signature(scorer_class(name)).bind(**kwargs)
+    bound.apply_defaults()
+    return bound.arguments
 
 
 def _exists(field_name: str, key: str, value: Any) -> None:
@@ -64,13 +71,9 @@ def check_scorer_inputs(reward: RewardConfig, eval_scorers: Mapping[str, Any] | 
 def check_served_bounds(reward: RewardConfig, dist_timeout_s: float) -> None:
     """Each served term's request to a server that does not answer ends before ``dist_timeout_s`` (dist.timeout_s):
     the other ranks wait for this rank's scores in a collective, which would end the run instead of the step."""
-    for name, component in reward.components.items():
-        cls = scorer_class(name)
-        if not cls.runs_remotely:
-            continue
-        bound = inspect.signature(cls).bind_partial(**_reward_arguments(dict(component)))
-        bound.apply_defaults()
-        timeout_s, retries = bound.arguments["timeout_s"], bound.arguments["retries"]
+    for name in reward.served_terms():
+        arguments = scorer_arguments(name, _reward_arguments(dict(reward.components[name])))
+        timeout_s, retries = arguments["timeout_s"], arguments["retries"]
         if (longest := request_bound_s(timeout_s, retries)) >= dist_timeout_s:
             key = f"reward.components.{name}"
             raise ConfigError(

@@ -50,7 +50,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rewards.base import scorer_class
 from rewards.combine import AdvantageFn, NonFiniteRewardError, RewardCombiner
 from rewards.remote import RemoteRewardError
 from rewards.reward_config import RewardConfig
@@ -100,10 +99,6 @@ class RewardStageConfig(RewardConfig, Configurable["RewardStage"]):
     @classmethod
     def owner(cls) -> type[RewardStage]:
         return RewardStage
-
-    def served_terms(self) -> list[str]:
-        """The terms a server scores (``Scorer.runs_remotely``: the remote reward, the judge)."""
-        return [name for name in self.components if scorer_class(name).runs_remotely]
 
     def chunks(self, num_groups: int) -> list[range]:
         """The groups of each chunk of a rank's ``num_groups`` groups, in order: ``chunk_groups`` at a time (the last
