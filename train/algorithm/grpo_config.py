@@ -43,7 +43,7 @@ class GRPOConfig:
     """
     inner_epochs: int = 1
     """Update passes over each rollout's samples, >= 1 (flow_grpo's num_inner_epochs): pass 1 in the rollout's
-    order, each later one reshuffled (train/loop/step.py ``pass_order``) and run at the weights the passes before
+    order, each later one reshuffled (train/loop/passes.py ``pass_order``) and run at the weights the passes before
     it moved, so its PPO ratio leaves 1 and the clip acts."""
 
     def __post_init__(self) -> None:
