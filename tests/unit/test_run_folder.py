@@ -231,3 +231,28 @@ def test_files_that_go_while_a_launch_is_taken_back_are_no_error(tmp_path):
     assert not launch.did_work()
     launch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_folder_another_rank_made_first_is_taken_back_as_the_launchs(tmp_path, monkeypatch):
+    """Rank 1's Hydra came first and wrote its .hydra/ in runs/a/new (both new): rank 0 counts both folders as its
+    launch's, so a refused launch removes them instead of restoring rank 1's files; a mark of another launch (its
+    rendezvous) is not taken, and such a folder is restored as it was."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    (tmp_path / "runs").mkdir()
+    folder = tmp_path / "runs" / "a" / "new"
+    launch_module.made_for_rank_zero(folder)
+    (folder / ".hydra").mkdir()
+    (folder / ".hydra" / "config.yaml").write_text("{}\n")
+    launch = Launch.claimed(folder)
+    assert launch.made == [tmp_path / "runs" / "a", folder]
+    assert not (folder / launch_module.PEER_MARK).exists()
+    launch.undo()
+    assert list((tmp_path / "runs").iterdir()) == []
+
+    launch_module.made_for_rank_zero(folder)
+    monkeypatch.setenv("MASTER_PORT", "29501")  # rank 0 of the next launch finds the mark of an earlier one
+    launch = Launch.claimed(folder)
+    assert launch.made == []
+    launch.undo()
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["a"] and list(folder.iterdir()) == []

@@ -7,7 +7,8 @@ and the log file are as they were. train/cli/run_folder.py records the folder an
 before Hydra writes (``claimed``: of two launches that meet, the one refused has written nothing);
 train/cli/reporting.py takes the launch back when it reports a user's error. Only rank 0 takes back
 (the other ranks write the same files, and rank 0 removes them); a launch whose lock was taken over
-takes back nothing (the folder is another launch's).
+takes back nothing (the folder is another launch's). A rank other than 0 that comes first creates the
+folder marked as its launch's (``made_for_rank_zero``), so that rank 0 takes it for one it made.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from itertools import takewhile
 from pathlib import Path
 
 from train.ground.layout import LOCK_FILE, RUN_ID_FILE
 from train.run.folder import RunLock
+
+PEER_MARK = ".made_by_launch"  # a folder another rank of this launch created: its launch and its outermost folder
 
 
 def _stat(path: Path) -> tuple[int, int] | None:
@@ -55,7 +59,7 @@ class Launch:
         parts = relative.parts
         top = len(parts) == 1 and (
             parts[0].endswith(".log")
-            or parts[0] in (LOCK_FILE, RUN_ID_FILE)
+            or parts[0] in (LOCK_FILE, RUN_ID_FILE, PEER_MARK)
             or re.fullmatch(r"config.*\.yaml", parts[0]) is not None
         )
         return top or parts[0] == ".hydra"
@@ -90,6 +94,7 @@ class Launch:
                 made.append(parent)
             except FileExistsError:
                 continue
+        made = made if folder in made else _made_by_peer(folder) or made
         lock = RunLock(folder)
         try:
             lock.acquire()
@@ -144,6 +149,43 @@ class Launch:
         for folder in sorted(self.folder.rglob("*"), reverse=True):  # folders the launch created, now empty
             if folder.is_dir() and folder not in self.folders and not any(folder.iterdir()):
                 folder.rmdir()
+
+
+def _launch_id() -> str:
+    """What the ranks of one launch share and another launch does not: its rendezvous."""
+    return ":".join(os.environ.get(key, "") for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
+
+
+def made_for_rank_zero(folder: Path) -> None:
+    """On a rank other than 0, before Hydra creates the run folder: when it is missing, create it (and its missing
+    parents) marked as this launch's, at once (a folder renamed into place), so that rank 0, which comes later,
+    counts it among the folders its launch made and a refused launch removes it instead of restoring it."""
+    missing = list(takewhile(lambda p: not p.exists(), (folder, *folder.parents)))
+    if not missing:
+        return
+    top = missing[-1]
+    staged = Path(tempfile.mkdtemp(prefix=f".{top.name}.", dir=top.parent))
+    inner = staged / folder.relative_to(top)
+    inner.mkdir(parents=True, exist_ok=True)
+    (inner / PEER_MARK).write_text(f"{_launch_id()}\n{top}", encoding="utf-8")
+    try:
+        staged.rename(top)
+    except OSError:  # rank 0 (or another launch) created it meanwhile
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+def _made_by_peer(folder: Path) -> list[Path]:
+    """The folders another rank of this launch made for ``folder`` (``made_for_rank_zero``), outermost first; the
+    mark is taken away."""
+    mark = folder / PEER_MARK
+    try:
+        launch, top = mark.read_text(encoding="utf-8").split("\n")
+    except (OSError, ValueError):
+        return []
+    mark.unlink(missing_ok=True)
+    if launch != _launch_id() or not folder.is_relative_to(top):
+        return []
+    return [Path(top), *reversed([p for p in folder.parents if p.is_relative_to(top) and p != Path(top)]), folder]
 
 
 def _remove_empty(made: list[Path]) -> None:

@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from train.cli.launch import Launch
+from train.cli.launch import Launch, made_for_rank_zero
 from train.cli.reporting import env_rank, progress, report_error
 from train.ground.errors import ConfigError, Stop, UserError
 from train.ground.layout import RunLayout
@@ -50,6 +50,8 @@ class RunFolder(Callback):
         if problem is not None:
             raise SystemExit(report_error(problem, progress.prog))  # Hydra's callbacks swallow Exceptions
         if env_rank() != 0:  # rank 0 owns the folder and takes back what a refused launch wrote there
+            if self.lock:
+                made_for_rank_zero(folder)
             return
         if not self.lock:
             progress.launch = Launch.before(folder)
