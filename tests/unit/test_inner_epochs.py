@@ -18,8 +18,10 @@ from train.algorithm.grpo_config import BatchConfig, GRPOConfig
 from train.algorithm.routing import PrefixRouter
 from train.algorithm.update_config import UpdateConfig
 from train.distributed.seeds import stream_seed
-from train.loop.passes import pass_order, update
+from train.loop.passes import optimizer_steps_per_step, pass_order, update
 from train.parts.config.schema import TrainConfig
+from train.parts.observe.health import Health, bad_step
+from train.parts.observe.observe_config import HealthConfig
 from train.parts.observe.perf import PhaseTimer
 from train.parts.optim.optim_config import OptimizerConfig
 from train.run.parts import OptimParts
@@ -182,6 +184,26 @@ def test_pass_order_from_the_seed_stream():
     assert pass_order(7, STEP, 1, 12) == second and sorted(second) == list(range(12))
     others = [pass_order(7, STEP, 2, 12), pass_order(7, STEP + 1, 1, 12), pass_order(8, STEP, 1, 12)]
     assert all(other != second for other in others) and second != list(range(12))
+
+
+def test_health_counts_the_optimizer_steps_of_every_pass():
+    """A step is bad when every optimizer step of its K passes was skipped: two passes of two optimizer steps at
+    NaN weights skip all four (the count the trainer gives ``Health``), a bad step; a step that skipped one pass's
+    worth of them (2 of 4) still moved the weights."""
+    cfg = _config()
+    net = ToyVelocity().double()
+    traj = _trajectory(net)
+    with torch.no_grad():
+        net.c.fill_(float("nan"))
+    optimizer, metrics = _train(cfg, net, traj)
+    steps = optimizer_steps_per_step(cfg)
+    assert not optimizer.seen and metrics["train/skipped_optimizer_steps"] == steps == 2 * 2
+    assert bad_step(metrics, steps) == "the gradient was not finite (every optimizer step was skipped)"
+    watch = Health(HealthConfig(max_bad_steps=1), optimizer_steps=steps, first=0, last=9, start_norm=1.0)
+    one_pass = {"train/skipped_optimizer_steps": steps // 2, "train/grad_norm": 1.0}
+    assert watch.observe(one_pass, 0) is None and watch.bad_in_a_row == 0
+    verdict = watch.observe(metrics, 1)
+    assert verdict is not None and "steps 1 to 1 could not change the weights" in verdict.line
 
 
 def test_inner_epochs_must_be_at_least_one():
