@@ -29,6 +29,7 @@ from samplers.schedule import shifted_sigmas
 from samplers.window import rollout_forwards
 from train.algorithm.jagg import UPDATE_MODES, backward_segment
 from train.distributed.parallelize import parallelize
+from train.loop.passes import optimizer_steps_per_step
 from train.parts.policy.builder import FSDP_VIEW_WARNING
 from train.tools.plan.command import SHIPPED_ARCH, plan
 from train.tools.plan.counts import drawn_windows
@@ -191,6 +192,29 @@ def test_every_update_call_is_traced_with_its_flops(tiny):
     assert rollout.flops == pytest.approx(8.5 * middle, rel=0.01)
     assert report.shared_rollout_flops == pytest.approx(0.5 * middle, rel=0.01)
     assert report.shared_update_flops == 0  # micro-batches of 1, each its own optimizer step: nothing shared
+
+
+@pytest.mark.slow
+def test_two_update_passes_count_every_call_and_optimizer_step_twice(tiny_flux_dir):
+    """TINY with grpo.inner_epochs=2: the planned step holds both passes' update calls (per pass 2 micro-batches of
+    one exact and one jagg segment, each micro-batch its own optimizer step) and optimizer steps, the rollout and
+    the decode once. One pass plans 2 exact calls, 1 jagg call on the rollout's velocities, 1 jagg call and 2
+    optimizer steps (test_every_update_call_is_traced_with_its_flops); two plan 4, the same 1 (fresh velocities
+    serve until the first optimizer step moves the weights), 3 and 4, the update's FLOPs per step those calls'."""
+    cfg, given = config([*TINY, f"model.path={tiny_flux_dir}", "grpo.inner_epochs=2"])
+    report = plan(cfg, model_path_given=given)
+    calls = {p.name: p.calls_per_step for p in report.step_phases()}
+    assert calls == {
+        "rollout": 1,
+        "decode": 1,
+        "optimizer": 4,
+        "update exact": 4,
+        "update jagg, rollout velocities": 1,
+        "update jagg": 3,
+    }
+    assert calls["optimizer"] == optimizer_steps_per_step(cfg)
+    update, _ = report.flops_per_step(shared=False)
+    assert update == sum(calls[u.name] * u.flops for u in report.configured_updates() if u.name in calls)
 
 
 @pytest.mark.slow
