@@ -165,6 +165,22 @@ def test_tiny_preset_on_a_disk_too_small(tmp_path, capsys, monkeypatch, tiny_flu
     _ready_for_the_run(tmp_path)
 
 
+def test_the_step_and_the_plan_count_every_update_pass(tmp_path, capsys, tiny_flux_dir):
+    """grpo.inner_epochs=2 on the small tiny run (per pass one micro-batch of one jagg segment and one optimizer
+    step): the measured step runs 2 passes of 1 update call each, its line says so, and the full-depth plan,
+    traced and corrected, counts those 2 calls and 2 optimizer steps per step."""
+    overrides = [*FAST, f"model.path={tiny_flux_dir}", "preflight.steps=1", "grpo.inner_epochs=2"]
+    status, stderr = command(capsys, tmp_path, overrides, preflight_command)
+    out = _verdict(tmp_path)
+    assert status == 0 and not _failed(out), stderr
+    (step,) = out["step"]["ranks"]
+    assert (step["passes"], step["update_calls"]) == (2, 2)
+    (line,) = [c["line"] for c in out["checks"] if c["name"] == "step"]
+    assert "; the update's 2 passes: 2 calls;" in line, line
+    for plan in (out["plan"]["traced"], out["plan"]["corrected"]):
+        assert (plan["update_calls"], plan["optimizer_steps"]) == (2, 2)
+
+
 @pytest.mark.slow
 def test_default_job(tmp_path, capsys):
     """The default job (the testbed, 2+2 blocks cut to 1+1) in one process: every check passes or is skipped; then

@@ -124,6 +124,12 @@ def pass_metrics(stats: UpdateStats, number: int) -> dict[str, Stat]:
     return {f"train/pass{number + 1}/{name}": metrics[f"train/{name}"] for name in PASS_METRICS}
 
 
+def logged_passes(metrics: Mapping[str, float]) -> int:
+    """The update passes of the step whose ``metrics`` these are: those ``pass_metrics`` logged, 1 without any."""
+    first = f"/{PASS_METRICS[0]}"
+    return sum(name.startswith("train/pass") and name.endswith(first) for name in metrics) or 1
+
+
 def optimizer_steps_per_step(cfg: TrainConfig) -> int:
     """Optimizer steps a training step makes on each rank: one per ``gradient_accumulation_steps`` samples, per
     pass (``grpo.inner_epochs``)."""

@@ -68,8 +68,9 @@ def bound_parts(report: PlanReport) -> list[str]:
 
 
 def plan_summary(report: PlanReport, extra_step_seconds: float) -> dict[str, Any]:
-    """fits, the peak, s/step and h/run of a (corrected, re-timed) plan; ``extra_step_seconds``: measured per step
-    besides the planner's parts."""
+    """fits, the peak, s/step and h/run of a (corrected, re-timed) plan, and the update calls and optimizer steps
+    it counts per step and rank (every pass of grpo.inner_epochs); ``extra_step_seconds``: measured per step besides
+    the planner's parts."""
     step = report.step_seconds() + extra_step_seconds
     run = report.run_seconds() + extra_step_seconds * report.num_steps
     return {
@@ -79,6 +80,8 @@ def plan_summary(report: PlanReport, extra_step_seconds: float) -> dict[str, Any
         "budget_gib": report.budget_bytes / GIB,
         "step_seconds": step,
         "run_hours": run / 3600,
+        "update_calls": sum(u.calls_per_step for u in report.configured_updates()),
+        "optimizer_steps": sum(p.calls_per_step for p in report.phases if p.name == "optimizer"),
         "communication_bound": bound_parts(report),
         "advice": [line.strip() for line in advice(report)] if not report.fits else [],
     }

@@ -171,5 +171,6 @@ def step_line(step: StepMeasure, every: list[StepMeasure]) -> str:
     peaks = [s.peak_bytes for s in every if s.peak_bytes is not None]
     memory = f"peak {max(peaks) / GIB:.2f} GiB reserved (largest rank)" if peaks else "peak memory: not measured on CPU"
     mfu = f"MFU {step.mfu:.3f} of {step.peak_tflops:.3g} TFLOP/s ({step.peak_source})" if step.mfu else "MFU unknown"
+    passes = f"; the update's {step.passes} passes: {step.update_calls} calls" if step.passes > 1 else ""
     return (f"{step.blocks} of {step.full_blocks} blocks: {step.seconds.get('step', math.nan):.2f} s "
-            f"({phases}); {memory}; {mfu}")  # fmt: skip
+            f"({phases}){passes}; {memory}; {mfu}")  # fmt: skip

@@ -19,6 +19,7 @@ import torch
 
 from models.base import parse_dtype
 from models.components import quiet_progress_bars
+from train.loop.passes import logged_passes
 from train.loop.step import train_step
 from train.parts.observe.observe_config import WandbMode
 from train.run.parts import Run
@@ -85,6 +86,8 @@ class StepMeasure:
     total_bytes: int | None  # CUDA: the device's memory
     scorers: list[ScorerTiming] = field(default_factory=list)  # each reward's scorer timed after the steps
     skipped: list[int] = field(default_factory=list)  # the steps whose update was skipped for a NaN or inf reward
+    passes: int = 1  # the update passes the measured step ran over its rollout (grpo.inner_epochs)
+    update_calls: int = 0  # the measured step's update calls (segments of a micro-batch, every path and pass)
 
     @property
     def mfu(self) -> float | None:
@@ -130,4 +133,5 @@ def run_steps(run: Run, full: dict[str, Any]) -> StepMeasure:
         metrics = train_step(run, step)
         if metrics.get("train/skipped_nan_reward", 0.0) > 0:
             skipped.append(step)
-    return replace(measure(run, metrics, full), skipped=skipped)
+    calls = sum(int(value) for name, value in metrics.items() if name.startswith("count/segments_"))
+    return replace(measure(run, metrics, full), skipped=skipped, passes=logged_passes(metrics), update_calls=calls)
