@@ -23,8 +23,9 @@ from models.registry import backbone_names
 from rewards.base import SCORER_NAMES
 from train.parts.config.schema import register_schema
 from train.run.checks import validate
-from train.tools.compare.arms import arm_rewards, group_arms
+from train.tools.compare.arms import arm_rewards, build_comparison, group_arms
 from train.tools.compare.command import main
+from train.tools.compare.plots import training_panels
 from train.tools.compare.runs import load_run
 from train.tools.compare.tables import reach_cell
 
@@ -367,6 +368,39 @@ def test_arms_are_labelled_by_the_settings_that_differ(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "- optimizer.lr=0.0001: seeds [0]" in printed and "- optimizer.lr=0.0003: seeds [0]" in printed
     assert "the first arm given" in printed  # no exact arm: the first is the baseline, and it says why
+
+
+def test_runs_of_other_inner_epochs_are_arms_and_their_passes_plot(tmp_path, capsys):
+    """grpo.inner_epochs is a knob like any other: one pass and two passes, two seeds each, are two arms named by it;
+    the two-pass runs' per-pass ratio and clip fraction (train/pass<k>/*) leave the tables whole and plot as a line
+    per pass, the one-pass runs' clip fraction as its own panel."""
+    for passes in (1, 2):
+        for seed in (0, 1):
+            rows = [step(i, 0.1, 1.0 + passes, 0.5 * passes) for i in range(3)]
+            for row in rows:
+                row["train/clip_frac"] = 0.1 * passes
+                if passes > 1:
+                    row |= {"train/pass1/ratio_mean": 1.0, "train/pass1/clip_frac": 0.0}
+                    row |= {"train/pass2/ratio_mean": 1.1, "train/pass2/clip_frac": 0.2}
+            inner = f"grpo:\n  inner_epochs: {passes}\n"
+            write_run(
+                tmp_path / "sweep" / f"k{passes}_s{seed}", rows + evals({0: 0.4, 2: 0.5}), config("jagg", seed) + inner
+            )
+    assert main([str(tmp_path / "sweep")]) == 0
+    printed = capsys.readouterr().out
+    assert "- grpo.inner_epochs=1: seeds [0, 1]" in printed and "- grpo.inner_epochs=2: seeds [0, 1]" in printed
+    summary = json.loads((tmp_path / "sweep" / "compare" / "summary.json").read_text())
+    assert summary["arms"]["grpo.inner_epochs=2"]["time_median_s"]["update"] == 1.0
+    assert (tmp_path / "sweep" / "compare" / "training_curves.png").is_file()
+    panels = training_panels(build_comparison([str(tmp_path / "sweep")]))
+    lines = {metric: [(arm.label, key) for arm, key, _, _ in drawn] for metric, drawn in panels.items()}
+    assert lines["train/clip_frac"] == [
+        ("grpo.inner_epochs=1", "train/clip_frac"),
+        ("grpo.inner_epochs=2", "train/clip_frac"),
+    ]
+    two = "grpo.inner_epochs=2"
+    for name in ("ratio_mean", "clip_frac"):
+        assert lines[f"train/pass{{k}}/{name}"] == [(two, f"train/pass1/{name}"), (two, f"train/pass2/{name}")]
 
 
 def test_median_time_ignores_a_stalled_step(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """A comparison's plots: per evaluation metric its reward against step, training time and wall-clock time; the
-training curves of metrics.jsonl; the median time per phase."""
+training curves of metrics.jsonl (with grpo.inner_epochs > 1 each update pass's PPO ratio and clip fraction); the
+median time per phase."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from train.parts.eval.tags import PHASES
-from train.tools.compare.arms import Comparison
+from train.tools.compare.arms import Arm, Comparison
 
 # The training curves plotted from metrics.jsonl (training_curves.png), with their axis labels.
 TRAINING_CURVES = {
@@ -18,6 +19,12 @@ TRAINING_CURVES = {
     "train/clip_frac": "clipped fraction",
     "train/grad_norm": "gradient norm (before clipping)",
     "time/step": "seconds per step",
+}
+# The per-pass curves of runs with grpo.inner_epochs > 1 (train/pass<k>/<name>, k from 1): one panel each, a line
+# per arm and pass, so that the later passes' distance from the rollout's policy shows beside the first's.
+PASS_CURVES = {
+    "train/pass{k}/ratio_mean": "mean PPO ratio per update pass",
+    "train/pass{k}/clip_frac": "clipped fraction per update pass",
 }
 # x axes of the reward plots: the step, the training time (the sum of step times: what a method's speed
 # changes) and the wall-clock time (evaluations, checkpoints and stalls included)
@@ -57,26 +64,59 @@ def plot(c: Comparison, out: Path) -> list[Path]:
     return [*written, _plot_training_curves(c, out, plt), _plot_phases(c, out, plt)]
 
 
-def _plot_training_curves(c: Comparison, out: Path, plt: Any) -> Path:
-    """``training_curves.png``: each logged one of TRAINING_CURVES against the step, per arm the mean over
-    seeds with a min-max band."""
-    logged = [k for k in TRAINING_CURVES if any(r.series(k) for arm in c.arms for r in arm.runs)]
-    columns = 3
-    rows = max(1, math.ceil(len(logged) / columns))
-    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.4 * rows), squeeze=False)
-    for ax, key in zip(axes.flat, logged):
+PASS_STYLES = ("-", "--", ":", "-.")  # the line style of pass k, k from 1, cycled; an arm keeps its colour
+
+
+def training_panels(c: Comparison) -> dict[str, list[tuple[Arm, str, str, int]]]:
+    """The panels of ``training_curves.png``, by metric (a key of TRAINING_CURVES or PASS_CURVES): the (arm, key,
+    line label, pass: 0 for none) of each line, for the metrics some run logged; a pass curve has a line per arm and
+    pass it logged."""
+    panels: dict[str, list[tuple[Arm, str, str, int]]] = {}
+    for key in TRAINING_CURVES:
+        lines = [(arm, key, f"{arm.label} (n={len(arm.runs)})", 0) for arm in c.arms if _logged(arm, key)]
+        if lines:
+            panels[key] = lines
+    for pattern in PASS_CURVES:
+        lines = []
         for arm in c.arms:
+            k = 1
+            while _logged(arm, pattern.format(k=k)):
+                lines.append((arm, pattern.format(k=k), f"{arm.label}, pass {k} (n={len(arm.runs)})", k))
+                k += 1
+        if lines:
+            panels[pattern] = lines
+    return panels
+
+
+def _logged(arm: Arm, key: str) -> bool:
+    return any(r.series(key) for r in arm.runs)
+
+
+def _plot_training_curves(c: Comparison, out: Path, plt: Any) -> Path:
+    """``training_curves.png``: each logged one of TRAINING_CURVES and PASS_CURVES against the step, per line the
+    mean over the arm's seeds with a min-max band."""
+    panels = training_panels(c)
+    columns = 3
+    rows = max(1, math.ceil(len(panels) / columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.4 * rows), squeeze=False)
+    for ax, (metric, lines) in zip(axes.flat, panels.items()):
+        for arm, key, label, number in lines:
             series = [r.series(key) for r in arm.runs]
             steps = sorted(set.intersection(*(set(s) for s in series)))
             values = [[s[k] for s in series] for k in steps]
-            ax.plot(steps, [sum(v) / len(v) for v in values], label=f"{arm.label} (n={len(arm.runs)})", lw=1)
-            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], alpha=0.2)
-        ax.set(xlabel="training step", ylabel=key, title=TRAINING_CURVES[key])
+            style = {"color": f"C{c.arms.index(arm) % 10}", "ls": PASS_STYLES[(max(number, 1) - 1) % len(PASS_STYLES)]}
+            ax.plot(steps, [sum(v) / len(v) for v in values], label=label, lw=1, **style)
+            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], alpha=0.2, color=style["color"])
+        title = TRAINING_CURVES.get(metric) or PASS_CURVES[metric]
+        ax.set(xlabel="training step", ylabel=metric.replace("{k}", "<k>"), title=title)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(logged) :]:
+        if metric in PASS_CURVES:
+            ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
-    if logged:
+    if panels:
         axes.flat[0].legend()
+    fig.tight_layout()
     return _save(fig, out / "training_curves.png", plt)
 
 
