@@ -161,6 +161,21 @@ def test_a_resume_keeps_each_session_configuration(trained, launch, tmp_path):
     assert [m["step"] for m in metrics(run_dir)] == [0, 1, 2]
 
 
+def test_a_resume_with_other_inner_epochs_is_refused_unless_allowed(trained, launch, tmp_path):
+    """grpo.inner_epochs changes what the next steps compute (their passes over each rollout), as the other grpo
+    settings do: a resume with 2 passes is refused in one line naming it and the fix, the run folder untouched; named
+    in checkpoint.allow_changed, the run goes on from the checkpoint's step, each later step in two passes."""
+    run_dir = copy_run(trained, tmp_path)
+    two = ["num_steps=3", "resume=auto", "grpo.inner_epochs=2"]
+    line = refused_line(launch, run_dir, *two, kept=run_dir)
+    assert re.search(r"\(grpo\.inner_epochs 1 -> 2\).*checkpoint\.allow_changed=\[grpo\.inner_epochs\]", line), line
+    status, stderr = launch(run_dir, *two, "checkpoint.allow_changed=[grpo.inner_epochs]")
+    assert status == 0, stderr
+    rows = metrics(run_dir)
+    assert [m["step"] for m in rows] == [0, 1, 2]
+    assert not any(key.startswith("train/pass") for key in rows[1]) and 0 <= rows[2]["train/pass2/clip_frac"] <= 1
+
+
 def test_a_resume_on_fewer_ranks_that_changes_the_global_batch_is_one_line(trained, launch, tmp_path):
     """The latest checkpoint as 2 ranks would have saved it (its marker says world size 2), resumed by 1 process:
     refused in one line naming the batch before and after and the per-rank setting that keeps it."""
