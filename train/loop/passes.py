@@ -118,16 +118,23 @@ def update_pass(
 PASS_METRICS = ("ratio_mean", "clip_frac")  # logged per pass as train/pass<k>/<name>, k from 1
 
 
+def pass_key(k: int, name: str) -> str:
+    """The logged name of metric ``name`` of update pass ``k`` (from 1)."""
+    return f"train/pass{k}/{name}"
+
+
 def pass_metrics(stats: UpdateStats, number: int) -> dict[str, Stat]:
     """``PASS_METRICS`` of pass ``number``'s ``stats``, as ``train/pass<number + 1>/<name>``."""
     metrics = stats.metrics()
-    return {f"train/pass{number + 1}/{name}": metrics[f"train/{name}"] for name in PASS_METRICS}
+    return {pass_key(number + 1, name): metrics[f"train/{name}"] for name in PASS_METRICS}
 
 
 def logged_passes(metrics: Mapping[str, float]) -> int:
     """The update passes of the step whose ``metrics`` these are: those ``pass_metrics`` logged, 1 without any."""
-    first = f"/{PASS_METRICS[0]}"
-    return sum(name.startswith("train/pass") and name.endswith(first) for name in metrics) or 1
+    k = 1
+    while pass_key(k + 1, PASS_METRICS[0]) in metrics:
+        k += 1
+    return k
 
 
 def optimizer_steps_per_step(cfg: TrainConfig) -> int:
