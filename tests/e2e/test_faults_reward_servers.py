@@ -214,6 +214,28 @@ def test_an_unreachable_served_eval_scorer_is_one_line_before_the_model_loads(co
     ), line
 
 
+@pytest.mark.parametrize("command", ["train", "train.eval"])
+def test_a_served_eval_scorer_that_would_outlast_dist_timeout_is_one_line(command, launch, tmp_path, monkeypatch):
+    """A judge among eval.scorers whose request to a server that never answers takes (2 x 2 + 1) x 100 s = 500 s,
+    dist.timeout_s=300: the other ranks, waiting for this rank's scores in the evaluation's collectives, would end
+    the run. The reward's terms were checked against dist.timeout_s, the evaluation's scorers were not: now one line
+    naming eval.scorers.judge, status 2, before the model loads and before any server is asked."""
+    monkeypatch.setattr(builder, "load_backbone", lambda *args, **kwargs: pytest.fail("the model loaded"))
+    judge = "+eval.scorers.judge={base_url: 'http://127.0.0.1:9/v1', model: judge, timeout_s: 100, retries: 2}"
+    overrides = [*EVAL, judge, "dist.timeout_s=300"]
+    if command == "train":
+        line = refused_line(launch, tmp_path / "run", "eval.every=1", *overrides)
+    else:
+        line = refused_line(launch, tmp_path / "eval", *overrides, module=eval_command)
+    assert line.endswith(
+        "eval.scorers.judge: a request its server does not answer takes up to 500 s ((2 x retries + 1) x timeout_s "
+        "with retries=2, timeout_s=100), not below dist.timeout_s=300, so the other ranks' wait for this rank's "
+        "scores would end the run: lower eval.scorers.judge.timeout_s or eval.scorers.judge.retries, or raise "
+        "dist.timeout_s"
+    ), line
+    assert not (tmp_path / "run").exists() and not (tmp_path / "eval").exists()
+
+
 SCORER_FAULTS = {"non-json": r"it failed: reward server \S+ answered non-JSON", "unavailable": r"its server could not"}
 
 
