@@ -1,7 +1,8 @@
 """Checkpoints and what a resume may change (docs/reliability.md, Settings on resume, A branch and another
 run's checkpoint): a damaged checkpoint, export or metrics file is named in one line (``resume=auto`` falls back
-past a damaged latest checkpoint); a resume that changes what the weights mean is refused; a branch from an older
-checkpoint retires the later ones, and a resume from a retired one brings its timeline back."""
+past a damaged latest checkpoint); a resume that changes what the weights mean is refused, on two ranks by the
+rank that sees the change, each rank with its line; a branch from an older checkpoint retires the later ones, and
+a resume from a retired one brings its timeline back."""
 
 from __future__ import annotations
 

@@ -2,8 +2,10 @@
 launchers' check and the trainer alike, without the network; a judge's base_url without /v1 named at start-up; an
 answer outside the protocol or a judge's answer without a score ends the run in one line once the steps before it
 are saved; a server that drips its answer ends each step at the request's deadline; one that never answers at
-start-up is named as stuck. A served scorer among eval.scorers is built before the model loads, in the trainer and
-in train.eval, and one that fails during an evaluation is left out of it in one line."""
+start-up is named as stuck; one that never answers a score holds a step in many chunks for one request, not one
+per chunk, on one rank and on two. A served scorer among eval.scorers is built before the model loads, in the trainer
+and in train.eval, its bound checked against dist.timeout_s, and one that fails during an evaluation is left out of
+it in one line."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Ctrl+C: the first one finishes the step, writes a checkpoint and stops (as SIGTERM does); a second one
 stops at once, saying what was not saved; copies of one Ctrl+C (the terminal's and torchrun's) count
-once; before training it is one line, not a traceback; under torchrun the same."""
+once; before training it is one line, not a traceback; under torchrun the same; a signal during a served reward's
+request stops it at once, inside torchrun's grace."""
 
 from __future__ import annotations
 
