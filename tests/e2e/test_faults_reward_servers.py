@@ -26,30 +26,35 @@ from train.parts.policy import builder
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 
-# A served reward's setting the server is never asked about: (its component, what the one line says). No server
+# A served scorer's setting the server is never asked about: (its overrides, what the one line says). No server
 # listens at these addresses: the check reaches none.
 JUDGE = "+reward.components.judge={{base_url: '{url}', model: judge, retries: 0{more}}}"
 REMOTE = "+reward.components.remote={{url: '{url}', timeout_s: {timeout}, retries: {retries}}}"
 BAD_SERVED = {
     "judge-ftp": (
-        JUDGE.format(url="ftp://127.0.0.1:8000/v1", more=""),
+        [JUDGE.format(url="ftp://127.0.0.1:8000/v1", more="")],
         r"reward\.components\.judge\.base_url must start with http:// or https:// .*got 'ftp://127\.0\.0\.1:8000/v1'",
     ),
     "remote-timeout-text": (
-        REMOTE.format(url="http://127.0.0.1:9", timeout="abc", retries=0),
+        [REMOTE.format(url="http://127.0.0.1:9", timeout="abc", retries=0)],
         r"reward\.components\.remote\.timeout_s must be a number of seconds > 0 .*got 'abc'",
     ),
     "remote-port": (
-        REMOTE.format(url="http://127.0.0.1:70000", timeout=1, retries=0),
+        [REMOTE.format(url="http://127.0.0.1:70000", timeout=1, retries=0)],
         r"reward\.components\.remote\.url must be http\(s\)://HOST\[:PORT\] with a port from 1 to 65535",
     ),
     "remote-retries-fraction": (
-        REMOTE.format(url="http://127.0.0.1:9", timeout=1, retries=1.5),
+        [REMOTE.format(url="http://127.0.0.1:9", timeout=1, retries=1.5)],
         r"reward\.components\.remote\.retries must be a whole number >= 0 .*got 1\.5",
     ),
     "judge-key-line-ending": (
-        JUDGE.format(url="http://127.0.0.1:9/v1", more=", api_key_env: JUDGE_KEY"),
+        [JUDGE.format(url="http://127.0.0.1:9/v1", more=", api_key_env: JUDGE_KEY")],
         r"reward\.components\.judge\.api_key_env: the key in the environment variable JUDGE_KEY holds '\\r' at its end",
+    ),
+    "eval-judge-bound": (
+        ["eval.every=1", "+eval.scorers.judge={base_url: 'http://127.0.0.1:9/v1', model: judge, timeout_s: 1000}"],
+        r"^python -m train: error: eval\.scorers\.judge: a request its server does not answer takes up to 5000 s .*"
+        r"not below dist\.timeout_s=1800",
     ),
 }
 
@@ -59,18 +64,18 @@ def test_a_served_setting_is_refused_by_the_launchers_check_and_the_trainer_alik
                                                                                   monkeypatch):  # fmt: skip
     """python -m train.cli.check passed these (the launcher then started torchrun, which restarted the refused
     worker), and the trainer refused them with a traceback (timeout_s 'abc', a port beyond 65535), took 1.5 retries
-    as 1, or called a key ending in \\r "unreachable": both now refuse each in the same one line, and nothing is
-    written."""
+    as 1, or called a key ending in \\r "unreachable", and neither bound an evaluation's judge by dist.timeout_s:
+    both now refuse each in the same one line, and nothing is written."""
     monkeypatch.setenv("JUDGE_KEY", "s3cret\r")
     served, expected = BAD_SERVED[case]
     run_dir = tmp_path / "run"
     try:
-        status = check_command.main(["experiment=tiny", f"hydra.run.dir={run_dir}", served])
+        status = check_command.main(["experiment=tiny", f"hydra.run.dir={run_dir}", *served])
     except SystemExit as end:  # a refusal after the settings composed ends the process, as the trainer's does
         status = end.code
     err = capsys.readouterr().err
     assert status == 2 and re.search(expected, the_error(err)), err
-    assert re.search(expected, refused_line(launch, run_dir, served)) and not run_dir.exists()
+    assert re.search(expected, refused_line(launch, run_dir, *served)) and not run_dir.exists()
 
 
 # A reward server that answers step 0 and then outside the protocol: what the one line says after the URL.
