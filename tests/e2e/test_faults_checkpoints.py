@@ -1,7 +1,8 @@
 """Checkpoints and what a resume may change (docs/reliability.md, Settings on resume, A branch and another
 run's checkpoint): a damaged checkpoint, export or metrics file is named in one line (``resume=auto`` falls back
-past a damaged latest checkpoint); a resume that changes what the weights mean is refused; a branch from an older
-checkpoint retires the later ones, and a resume from a retired one brings its timeline back."""
+past a damaged latest checkpoint); a resume that changes what the weights mean is refused, on two ranks by the
+rank that sees the change, each rank with its line; a branch from an older checkpoint retires the later ones, and
+a resume from a retired one brings its timeline back."""
 
 from __future__ import annotations
 
@@ -393,3 +394,43 @@ def test_a_resume_may_move_a_judge_and_allow_one_of_its_arguments(launch, tmp_pa
         status, stderr = launch(run_dir, *ranged, "checkpoint.allow_changed=[reward.components.judge.score_range]")
         assert status == 0, stderr
     assert [m["step"] for m in metrics(run_dir)] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_a_resume_whose_settings_changed_on_one_rank_stops_both_ranks_each_with_its_line(trained, tiny_flux_dir,
+                                                                                         tmp_path):  # fmt: skip
+    """Two ranks (gloo) resume a checkpoint of 2 ranks, each reading the training prompts from its own copy, and rank
+    1's copy holds other prompts (a node with a stale file): each rank compares the checkpoint's settings with its
+    own inside the ranks' agreement (``agreed``), so rank 1 prints its own refusal naming data.train_prompts, rank
+    0 the line naming rank 1's, both exit 2 in seconds, and the run folder is as it was (its Hydra record too, which
+    rank 1 wrote as well, racing rank 0's record of the folder: config.yaml was once left empty). Compared
+    outside the agreement, rank 1 stopped alone without a line (a refusal every rank raises is printed by rank 0)
+    and rank 0 lost its peer in the next collective ("see its own output")."""
+    from run_folders import ROOT
+    from small_run import FAST, the_error
+    from two_ranks import run_ranks
+
+    run_dir = copy_run(trained, tmp_path)
+    latest = run_dir / "checkpoints" / "step_00000002"  # as 2 ranks would have saved it: a marker, two rank files
+    (latest / "COMPLETE").write_text(json.dumps({**json.loads((latest / "COMPLETE").read_text()), "world_size": 2}))
+    shutil.copyfile(latest / "rank0.pt", latest / "rank1.pt")
+    prompts = (ROOT / "testbed" / "prompts" / "demo.txt").read_text()
+    (tmp_path / "prompts_0.txt").write_text(prompts)
+    (tmp_path / "prompts_1.txt").write_text("a prompt the run never trained on\n" + prompts)
+    saved = but_the_log(run_dir)
+    args = [*FAST, f"model.path={tiny_flux_dir}", f"data.train_prompts={tmp_path}/prompts_${{oc.env:RANK}}.txt"]
+    args += ["num_steps=3", "resume=auto", "dist.timeout_s=600", f"hydra.run.dir={run_dir}"]
+    ranks = run_ranks("-m", "train", *args, timeout=300)
+    assert [rank.returncode for rank in ranks] == [2, 2], [rank.stderr[-2000:] for rank in ranks]
+    (own,) = [line for line in ranks[1].stderr.splitlines() if "error:" in line]
+    refusal = (
+        f"resume=auto: checkpoint {latest} was saved with other settings that change what it means (data.train_prompts"
+    )
+    assert own.startswith(f"[rank 1] python -m train: error: {refusal} '8 prompts, sha256 "), own
+    assert the_error(ranks[0].stderr).startswith(f"python -m train: error: rank 1: {refusal}"), ranks[0].stderr
+    assert but_the_log(run_dir) == saved
+
+
+def but_the_log(run_dir: Path) -> dict[str, str]:
+    """``contents`` of a run folder but its log file, where every rank writes its own lines."""
+    return {name: digest for name, digest in contents(run_dir).items() if name != "__main__.log"}

@@ -84,3 +84,35 @@ def test_a_new_run_is_refused_naming_the_size_of_its_checkpoint(trained, launch,
     assert match, line
     written = sum(p.stat().st_size for p in (trained / "checkpoints" / "step_00000002").iterdir()) / 1e6
     assert written / 2 <= float(match.group(1)) <= written * 2, (match.group(1), written)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_past_the_file_size_limit_is_one_line_naming_the_limit(tiny_flux_dir, tmp_path):
+    """python -m train under a file-size limit (``ulimit -f``, 512 KiB) that the run's logs and metrics fit and its
+    first checkpoint's shard does not: one line naming the limit and its fix, status 2, no half-written checkpoint
+    left. It said "cannot be written (File too large) ...: make it writable", of a disk that is writable."""
+    import resource
+    import subprocess
+    import sys
+
+    from run_folders import ROOT
+    from small_run import FAST, the_error
+    from two_ranks import env
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    run_dir = tmp_path / "run"
+    args = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=2", "checkpoint.every=1", f"hydra.run.dir={run_dir}"]
+    done = subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=env(), preexec_fn=limited,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    line = the_error(done.stderr)
+    assert done.returncode == 2 and line.startswith(
+        f"python -m train: error: the disk of {run_dir / 'checkpoints'} "
+    ), line
+    assert line.endswith(
+        "refused a file past this process's file-size limit while the checkpoint of step 1 was written: raise or "
+        "remove the limit (ulimit -f unlimited) and launch again; the checkpoints already written are intact, and "
+        "resume=auto continues"
+    ), line
+    assert list((run_dir / "checkpoints").iterdir()) == []

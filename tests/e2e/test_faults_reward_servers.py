@@ -2,8 +2,10 @@
 launchers' check and the trainer alike, without the network; a judge's base_url without /v1 named at start-up; an
 answer outside the protocol or a judge's answer without a score ends the run in one line once the steps before it
 are saved; a server that drips its answer ends each step at the request's deadline; one that never answers at
-start-up is named as stuck. A served scorer among eval.scorers is built before the model loads, in the trainer and
-in train.eval, and one that fails during an evaluation is left out of it in one line."""
+start-up is named as stuck; one that never answers a score holds a step in many chunks for one request, not one
+per chunk, on one rank and on two. A served scorer among eval.scorers is built before the model loads, in the trainer
+and in train.eval, its bound checked against dist.timeout_s, and one that fails during an evaluation is left out of
+it in one line."""
 
 from __future__ import annotations
 
@@ -19,34 +21,40 @@ from small_run import FAST, the_error
 
 import train.cli.check as check_command
 import train.tools.eval.command as eval_command
+from rewards.served import request_bound_s
 from train.parts.policy import builder
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 
-# A served reward's setting the server is never asked about: (its component, what the one line says). No server
+# A served scorer's setting the server is never asked about: (its overrides, what the one line says). No server
 # listens at these addresses: the check reaches none.
 JUDGE = "+reward.components.judge={{base_url: '{url}', model: judge, retries: 0{more}}}"
 REMOTE = "+reward.components.remote={{url: '{url}', timeout_s: {timeout}, retries: {retries}}}"
 BAD_SERVED = {
     "judge-ftp": (
-        JUDGE.format(url="ftp://127.0.0.1:8000/v1", more=""),
+        [JUDGE.format(url="ftp://127.0.0.1:8000/v1", more="")],
         r"reward\.components\.judge\.base_url must start with http:// or https:// .*got 'ftp://127\.0\.0\.1:8000/v1'",
     ),
     "remote-timeout-text": (
-        REMOTE.format(url="http://127.0.0.1:9", timeout="abc", retries=0),
+        [REMOTE.format(url="http://127.0.0.1:9", timeout="abc", retries=0)],
         r"reward\.components\.remote\.timeout_s must be a number of seconds > 0 .*got 'abc'",
     ),
     "remote-port": (
-        REMOTE.format(url="http://127.0.0.1:70000", timeout=1, retries=0),
+        [REMOTE.format(url="http://127.0.0.1:70000", timeout=1, retries=0)],
         r"reward\.components\.remote\.url must be http\(s\)://HOST\[:PORT\] with a port from 1 to 65535",
     ),
     "remote-retries-fraction": (
-        REMOTE.format(url="http://127.0.0.1:9", timeout=1, retries=1.5),
+        [REMOTE.format(url="http://127.0.0.1:9", timeout=1, retries=1.5)],
         r"reward\.components\.remote\.retries must be a whole number >= 0 .*got 1\.5",
     ),
     "judge-key-line-ending": (
-        JUDGE.format(url="http://127.0.0.1:9/v1", more=", api_key_env: JUDGE_KEY"),
+        [JUDGE.format(url="http://127.0.0.1:9/v1", more=", api_key_env: JUDGE_KEY")],
         r"reward\.components\.judge\.api_key_env: the key in the environment variable JUDGE_KEY holds '\\r' at its end",
+    ),
+    "eval-judge-bound": (
+        ["eval.every=1", "+eval.scorers.judge={base_url: 'http://127.0.0.1:9/v1', model: judge, timeout_s: 1000}"],
+        r"^python -m train: error: eval\.scorers\.judge: a request its server does not answer takes up to 5000 s .*"
+        r"not below dist\.timeout_s=1800",
     ),
 }
 
@@ -56,18 +64,18 @@ def test_a_served_setting_is_refused_by_the_launchers_check_and_the_trainer_alik
                                                                                   monkeypatch):  # fmt: skip
     """python -m train.cli.check passed these (the launcher then started torchrun, which restarted the refused
     worker), and the trainer refused them with a traceback (timeout_s 'abc', a port beyond 65535), took 1.5 retries
-    as 1, or called a key ending in \\r "unreachable": both now refuse each in the same one line, and nothing is
-    written."""
+    as 1, or called a key ending in \\r "unreachable", and neither bound an evaluation's judge by dist.timeout_s:
+    both now refuse each in the same one line, and nothing is written."""
     monkeypatch.setenv("JUDGE_KEY", "s3cret\r")
     served, expected = BAD_SERVED[case]
     run_dir = tmp_path / "run"
     try:
-        status = check_command.main(["experiment=tiny", f"hydra.run.dir={run_dir}", served])
+        status = check_command.main(["experiment=tiny", f"hydra.run.dir={run_dir}", *served])
     except SystemExit as end:  # a refusal after the settings composed ends the process, as the trainer's does
         status = end.code
     err = capsys.readouterr().err
     assert status == 2 and re.search(expected, the_error(err)), err
-    assert re.search(expected, refused_line(launch, run_dir, served)) and not run_dir.exists()
+    assert re.search(expected, refused_line(launch, run_dir, *served)) and not run_dir.exists()
 
 
 # A reward server that answers step 0 and then outside the protocol: what the one line says after the URL.
@@ -213,6 +221,28 @@ def test_an_unreachable_served_eval_scorer_is_one_line_before_the_model_loads(co
     ), line
 
 
+@pytest.mark.parametrize("command", ["train", "train.eval"])
+def test_a_served_eval_scorer_that_would_outlast_dist_timeout_is_one_line(command, launch, tmp_path, monkeypatch):
+    """A judge among eval.scorers whose request to a server that never answers takes (2 x 2 + 1) x 100 s = 500 s,
+    dist.timeout_s=300: the other ranks, waiting for this rank's scores in the evaluation's collectives, would end
+    the run. The reward's terms were checked against dist.timeout_s, the evaluation's scorers were not: now one line
+    naming eval.scorers.judge, status 2, before the model loads and before any server is asked."""
+    monkeypatch.setattr(builder, "load_backbone", lambda *args, **kwargs: pytest.fail("the model loaded"))
+    judge = "+eval.scorers.judge={base_url: 'http://127.0.0.1:9/v1', model: judge, timeout_s: 100, retries: 2}"
+    overrides = [*EVAL, judge, "dist.timeout_s=300"]
+    if command == "train":
+        line = refused_line(launch, tmp_path / "run", "eval.every=1", *overrides)
+    else:
+        line = refused_line(launch, tmp_path / "eval", *overrides, module=eval_command)
+    assert line.endswith(
+        "eval.scorers.judge: a request its server does not answer takes up to 500 s ((2 x retries + 1) x timeout_s "
+        "with retries=2, timeout_s=100), not below dist.timeout_s=300, so the other ranks' wait for this rank's "
+        "scores would end the run: lower eval.scorers.judge.timeout_s or eval.scorers.judge.retries, or raise "
+        "dist.timeout_s"
+    ), line
+    assert not (tmp_path / "run").exists() and not (tmp_path / "eval").exists()
+
+
 SCORER_FAULTS = {"non-json": r"it failed: reward server \S+ answered non-JSON", "unavailable": r"its server could not"}
 
 
@@ -285,3 +315,69 @@ def test_a_reward_server_one_rank_cannot_reach_stops_both_ranks_each_with_its_li
     (line,) = [x for x in ranks[1].stderr.splitlines() if "error:" in x]
     assert line.startswith("[rank 1] python -m train: error: " + own), line
     assert not run_dir.exists()
+
+
+# A served term that never answers, in a rollout of HUNG_CHUNKS chunks (reward.chunk_groups=1): each try's deadline
+# and the tries after the first. One request's bound, request_bound_s = (2 x retries + 1) x timeout_s = 6 s (a hung
+# request takes 2 + 0.5 + 2 s); a request per chunk took HUNG_CHUNKS x 4.5 s, at least 8 x 2 tries x 2 s = 32 s.
+HUNG_TIMEOUT_S, HUNG_RETRIES, HUNG_CHUNKS = 2, 1, 8
+HUNG_RUN = ["num_steps=1", f"batch.prompts_per_rank={HUNG_CHUNKS}", "reward.chunk_groups=1", "checkpoint.every=5"]
+HUNG_TRIES = f"timeout_s: {HUNG_TIMEOUT_S}, retries: {HUNG_RETRIES}"
+JUDGE_MODELS = {"object": "list", "data": [{"id": "judge", "object": "model"}]}  # what a judge's /v1/models lists
+NONE_COULD_LEARN = "health.max_bad_steps: none of steps 0 to 0 could change the weights"  # the one step skipped
+
+
+def assert_step_within_one_request(row: dict) -> None:
+    """The logged step (a metrics row), its update skipped, waited for its served term beyond its rollout less than
+    one request's bound and a margin of one more (the decode, the local scores, a loaded machine): far below the
+    wait of a request per chunk, whose lower bound is checked to be over twice that limit."""
+    limit = 2 * request_bound_s(HUNG_TIMEOUT_S, HUNG_RETRIES)
+    assert HUNG_CHUNKS * (HUNG_RETRIES + 1) * HUNG_TIMEOUT_S > 2 * limit  # the test tells the two apart
+    assert row["train/skipped_nan_reward"] == 1.0 and row["time/step"] - row["time/rollout"] < limit, row
+
+
+@pytest.mark.slow
+def test_a_hung_judge_holds_a_chunked_step_for_one_request_not_one_per_chunk(launch, tmp_path):
+    """reward=judge's component against a judge that answers /v1/models and never a chat request, the rollout in
+    8 chunks of one group (reward.chunk_groups=1, as docs/rewards.md suggests with a served reward): the first
+    chunk's request runs out of its tries, the term fails for the step, its later chunks are never requested, and
+    the step (skipped: its reward is NaN) ends one request after its rollout. Before, the term's one worker
+    took the next queued chunk as soon as one failed, before the step's wait could cancel it: every chunk went
+    through all its tries (measured: 36 s beyond the rollout, 32 POSTs, "scores NaN" 8 times), which fails each
+    of the three assertions below."""
+    from reward_servers import hung_server
+
+    with hung_server(JUDGE_MODELS) as (url, posted):
+        judge = f"+reward.components.judge={{base_url: '{url}/v1', model: judge, {HUNG_TRIES}}}"
+        line = refused_line(launch, tmp_path / "run", *HUNG_RUN, judge)
+    assert line.startswith(f"python -m train: error: {NONE_COULD_LEARN}"), line
+    assert_step_within_one_request(metrics(tmp_path / "run")[0])
+    group_size = 2  # SMALL_RUN's grpo.group_size: the images of one chunk, each its own request
+    assert len(posted) <= group_size * (HUNG_RETRIES + 1), posted
+    log = (tmp_path / "run" / "__main__.log").read_text()
+    assert log.count("scores NaN") == 1, log
+
+
+@pytest.mark.slow
+def test_a_reward_server_hung_for_one_of_two_ranks_holds_the_step_for_one_request(tiny_flux_dir, tmp_path):
+    """Two ranks (gloo), each with its own reward server at the same port (rank 0's at 127.0.0.1 answers, rank 1's at
+    127.0.1.1 never answers /score), the rollout in 8 chunks: rank 1's term fails after its first chunk's tries,
+    the ranks agree to skip the step, and rank 0, which waited for rank 1 in the step's all-reduce, logs a step
+    one request longer than its rollout. Before, rank 1 requested every chunk through all its tries and rank 0
+    waited the 36 s with it (a dist.timeout_s below that ended the run)."""
+    pytest.importorskip("fastapi")
+    from reward_servers import FAKE, fake_server, hung_server, serve
+    from two_ranks import run_ranks
+
+    with hung_server(FAKE, host="127.0.1.1") as (hung, posted):
+        port = int(hung.rsplit(":", 1)[1])
+        with serve(fake_server(lambda count: {"scores": [0.5] * count, **FAKE}), port=port):
+            url = f"http://127.0.${{oc.env:RANK}}.1:{port}"
+            remote = f"+reward.components.remote={{url: '{url}', {HUNG_TRIES}}}"
+            run_dir = tmp_path / "run"
+            args = [*FAST, *HUNG_RUN, f"model.path={tiny_flux_dir}", remote, f"hydra.run.dir={run_dir}"]
+            ranks = run_ranks("-m", "train", *args, timeout=300)
+    assert [rank.returncode for rank in ranks] == [2, 2], [rank.stderr[-2000:] for rank in ranks]
+    assert NONE_COULD_LEARN in the_error(ranks[0].stderr), ranks[0].stderr
+    assert_step_within_one_request(metrics(run_dir)[0])
+    assert len(posted) == HUNG_RETRIES + 1, posted  # one request per chunk, a batch each: the first chunk's tries

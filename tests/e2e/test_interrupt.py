@@ -1,6 +1,7 @@
 """Ctrl+C: the first one finishes the step, writes a checkpoint and stops (as SIGTERM does); a second one
 stops at once, saying what was not saved; copies of one Ctrl+C (the terminal's and torchrun's) count
-once; before training it is one line, not a traceback; under torchrun the same."""
+once; before training it is one line, not a traceback; under torchrun the same; a signal during a served reward's
+request stops it at once, inside torchrun's grace."""
 
 from __future__ import annotations
 
@@ -138,3 +139,34 @@ def test_ctrl_c_while_a_served_reward_is_mid_request_leaves_no_thread_and_resume
     for a, b in zip(straight, resumed):
         for key in ("train/loss", "reward/total", "reward/remote", "adv/std", "train/grad_norm"):
             assert a[key] == b[key], (a["step"], key)
+
+
+@pytest.mark.slow
+def test_sigterm_under_torchrun_while_a_served_reward_hangs_ends_within_torchruns_grace(tiny_flux_dir, tmp_path):
+    """torchrun with 2 workers, the reward server answering /health and never /score (a request's deadline 120 s):
+    once both ranks' requests of step 0 are in flight, SIGTERM to torchrun's agent, which forwards it and kills
+    its workers 30 s later (its --shutdown-timeout): both stop their requests at once, end step 0 untrained
+    together and exit with their own "stopped" line well inside the 30 s. Before, each worker waited for its
+    request's deadline (120 s), and the agent killed them first without a line."""
+    from reward_servers import FAKE, hung_server
+
+    run_dir = tmp_path / "run"
+    with hung_server(FAKE) as (url, posted):
+        remote = f"+reward.components.remote={{url: '{url}', timeout_s: 120, retries: 0}}"
+        args = [*FAST, f"model.path={tiny_flux_dir}", remote, f"hydra.run.dir={run_dir}"]
+        agent = subprocess.Popen(
+            torchrun("-m", "train", *args), cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 240
+        while len(posted) < 2:  # each rank's first request of step 0
+            assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()[1][-3000:]
+            time.sleep(0.2)
+        agent.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        _, stderr = agent.communicate(timeout=120)
+        elapsed = time.monotonic() - start
+    grace_s = 30  # torchrun's default --shutdown-timeout
+    stopped = "python -m train: stopped: SIGTERM during the served rewards of step 0, which is not trained: "
+    assert stderr.count(stopped + "no step was trained yet") == 1 and elapsed < grace_s / 2, (elapsed, stderr[-3000:])
+    assert len(posted) == 2

@@ -1,7 +1,8 @@
 """HTTP servers on 127.0.0.1 for the served rewards' tests: ``serve(app)`` runs a FastAPI app in a thread,
 ``fake_server(answers)`` is a reward server whose answers the test chooses, ``judge_server(answer)`` an
-OpenAI-compatible chat server, and two servers below HTTP: ``dripping_server()`` answers /score a byte at a
-time, ``silent_server()`` accepts connections and never answers."""
+OpenAI-compatible chat server, and servers below HTTP: ``dripping_server()`` answers /score a byte at a
+time, ``hung_server(ready)`` answers its start-up requests and never a score's, ``silent_server()`` accepts
+connections and never answers."""
 
 from __future__ import annotations
 
@@ -107,10 +108,12 @@ def judge_server(answer: Callable[[dict, int], object], *, delay_s: float = 0.0)
 
 
 @contextmanager
-def raw_server(handle: Callable[[socket.socket, threading.Event], None]) -> Iterator[str]:
-    """A TCP server on 127.0.0.1 whose every connection ``handle(connection, stop)`` serves in a thread; yields its
-    URL; on exit ``stop`` is set and the threads are joined."""
-    listener = socket.create_server(("127.0.0.1", 0))
+def raw_server(
+    handle: Callable[[socket.socket, threading.Event], None], *, host: str = "127.0.0.1", port: int = 0
+) -> Iterator[str]:
+    """A TCP server on ``host``:``port`` (0: a free one) whose every connection ``handle(connection, stop)`` serves in
+    a thread; yields its URL; on exit ``stop`` is set and the threads are joined."""
+    listener = socket.create_server((host, port))
     listener.settimeout(0.1)
     stop, threads = threading.Event(), []
 
@@ -127,7 +130,7 @@ def raw_server(handle: Callable[[socket.socket, threading.Event], None]) -> Iter
     acceptor = threading.Thread(target=accept, daemon=True)
     acceptor.start()
     try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+        yield f"http://{host}:{listener.getsockname()[1]}"
     finally:
         stop.set()
         for thread in [acceptor, *threads]:
@@ -177,6 +180,27 @@ def dripping_server(*, byte_every_s: float = 0.05, padding: int = 1200) -> Abstr
                         return
 
     return raw_server(handle)
+
+
+@contextmanager
+def hung_server(ready: dict, *, host: str = "127.0.0.1", port: int = 0) -> Iterator[tuple[str, list[str]]]:
+    """A served reward that answers every GET with ``ready`` (a reward server's /health, a judge's /v1/models), so it
+    passes start-up, and holds every POST (a batch to score) unanswered until the block ends, on ``host``:``port``
+    (0: a free one); yields its URL and the request line of every POST it got, in order."""
+    posted: list[str] = []
+
+    def handle(connection: socket.socket, stop: threading.Event) -> None:
+        with connection:
+            while (line := _read_request(connection)) and not stop.is_set():
+                if not line.startswith("POST"):
+                    connection.sendall(_http(ready))
+                    continue
+                posted.append(line)
+                stop.wait()
+                return
+
+    with raw_server(handle, host=host, port=port) as url:
+        yield url, posted
 
 
 @contextmanager

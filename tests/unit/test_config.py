@@ -32,6 +32,8 @@ CPU_EXPERIMENTS = ("demo", "testbed_compare", "testbed_probe", "tiny")
 MIX_EXPERIMENTS = ("flux_mix", "flux_mix_flash")
 PAPER_EXPERIMENTS = [e for e in EXPERIMENTS if e not in CPU_EXPERIMENTS + MIX_EXPERIMENTS]
 register_schema()
+# a judge whose request to a server that never answers takes (2 x 2 + 1) x 100 s = 500 s
+SLOW_JUDGE = "base_url: 'http://127.0.0.1:9/v1', model: m, timeout_s: 100, retries: 2"
 
 
 @pytest.fixture(autouse=True)
@@ -279,11 +281,23 @@ def test_hydra_overrides_reach_the_schema(tmp_path):
             ValueError,
             r"'reward\.components\.judge\.timeout_s' may change on resume without it",
         ),
+        (
+            ["experiment=tiny", "eval.every=1", f"+eval.scorers.judge={{{SLOW_JUDGE}}}", "dist.timeout_s=300"],
+            ValueError,
+            r"^eval\.scorers\.judge: a request its server does not answer takes up to 500 s .*dist\.timeout_s=300",
+        ),
     ],
 )
 def test_bad_values_fail_fast(overrides, error, message, tmp_path):
     with pytest.raises(error, match=message):
         check(load(overrides, tmp_path))
+
+
+def test_a_served_eval_scorer_is_bound_checked_only_with_an_evaluation(tmp_path):
+    """eval.scorers are built only with an evaluation (eval.every > 0): without one, a judge among them whose
+    request would outlast dist.timeout_s refuses nothing."""
+    check(load(["experiment=tiny", "eval.every=0", f"+eval.scorers.judge={{{SLOW_JUDGE}}}", "dist.timeout_s=300"],
+               tmp_path))  # fmt: skip
 
 
 @pytest.mark.parametrize(

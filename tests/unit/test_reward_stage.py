@@ -389,13 +389,24 @@ def test_a_stop_ends_a_request_to_a_server_that_never_answers() -> None:
     assert not worker.is_alive() and len(outcome) == 1
 
 
-def test_a_served_term_whose_bound_reaches_dist_timeout_is_refused() -> None:
-    """(2 x retries + 1) x timeout_s = 500 s against dist.timeout_s=300: one line naming both settings."""
+def test_a_served_scorer_whose_bound_reaches_dist_timeout_is_refused() -> None:
+    """(2 x retries + 1) x timeout_s = 500 s against dist.timeout_s=300, for a reward term and for an evaluation
+    scorer alike: one line naming the scorer's field and dist.timeout_s (a local scorer among them has no request to
+    bound)."""
     from rewards.reward_config import RewardConfig
     from train.ground.errors import ConfigError
     from train.parts.scoring.scorers import check_served_bounds
 
-    reward = RewardConfig(components={"remote": {"url": "http://127.0.0.1:9", "timeout_s": 100.0, "retries": 2}})
-    check_served_bounds(reward, 600.0)
-    with pytest.raises(ConfigError, match=r"reward.components.remote: .*500 s.*dist.timeout_s=300.*raise dist"):
-        check_served_bounds(reward, 300.0)
+    slow = {"timeout_s": 100.0, "retries": 2}
+    reward = RewardConfig(components={"remote": {"url": "http://127.0.0.1:9", **slow}})
+    local = RewardConfig(components={"jpeg_compressibility": {}})
+    judge = {"judge": {"base_url": "http://127.0.0.1:9/v1", "model": "m", **slow}, "jpeg_compressibility": {}}
+    check_served_bounds(reward, judge, 600.0)
+    fix = r"lower {0}\.timeout_s or {0}\.retries, or raise dist\.timeout_s$"
+    with pytest.raises(ConfigError, match=r"^reward\.components\.remote: .*500 s.*dist\.timeout_s=300.*raise dist"):
+        check_served_bounds(reward, None, 300.0)
+    with pytest.raises(
+        ConfigError,
+        match=r"^eval\.scorers\.judge: .*500 s.*dist\.timeout_s=300, .*" + fix.format(r"eval\.scorers\.judge"),
+    ):
+        check_served_bounds(local, judge, 300.0)

@@ -17,7 +17,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from train.cli.launch import Launch, made_for_rank_zero
@@ -52,6 +52,7 @@ class RunFolder(Callback):
         if env_rank() != 0:  # rank 0 owns the folder and takes back what a refused launch wrote there
             if self.lock:
                 made_for_rank_zero(folder)
+            _leave_hydra_record_to_rank_zero(config)
             return
         if not self.lock:
             progress.launch = Launch.before(folder)
@@ -99,6 +100,14 @@ class RunFolder(Callback):
             return err
         busy = RunLock(folder).busy() if env_rank() == 0 else None  # rank 0 owns the folder
         return UserError(busy) if busy else None
+
+
+def _leave_hydra_record_to_rank_zero(config: DictConfig) -> None:
+    """On a rank other than 0: Hydra writes no ``.hydra/`` of this rank's (rank 0 writes the same files). Written by
+    every rank, they raced rank 0's record of the folder: a refused resume on two ranks took back a config.yaml rank 1
+    was writing, and left it empty."""
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.output_subdir = None
 
 
 def _sweep_jobs(config: DictConfig) -> list[tuple[int, Path, DictConfig]] | None:

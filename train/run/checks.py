@@ -178,5 +178,5 @@ def validate(
     if check_files:
         _validate_files(cfg, rewards=rewards)
         if rewards:  # once their arguments are known to be good
-            check_served_bounds(cfg.reward, cfg.dist.timeout_s)
+            check_served_bounds(cfg.reward, cfg.eval.scorers if cfg.eval.every else None, cfg.dist.timeout_s)
         _check_eval_size(cfg)

@@ -63,7 +63,7 @@ from train.distributed.collectives import (
     get_world_size,
     is_distributed,
 )
-from train.ground.disk import disk_line, free_bytes, gb, is_no_space
+from train.ground.disk import disk_line, free_bytes, gb, write_failure
 from train.ground.errors import CheckpointError, DiskFull, SaveFailed
 from train.ground.layout import RunLayout
 from train.parts.checkpoint.checkpoint_config import CheckpointConfig
@@ -217,7 +217,7 @@ class CheckpointManager:
             try:
                 self._commit(tmp, final, {**marker, "files": files})
             except OSError as err:
-                failed = _write_failure(err, step)
+                failed = _write_failure(err, self.root, step)
         self._agree(tmp, step, broadcast_object(failed))
         return final
 
@@ -249,7 +249,7 @@ class CheckpointManager:
                 dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
             torch.save(local, tmp / f"rank{get_rank()}.pt")
         except (OSError, RuntimeError, CheckpointException) as err:
-            failed = _write_failure(err, step)
+            failed = _write_failure(err, self.root, step)
         self._agree(tmp, step, next((f for f in gather_objects(failed) if f), None))
 
     def _commit(self, tmp: Path, final: Path, marker: dict[str, Any]) -> None:
@@ -262,17 +262,13 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
     def _agree(self, tmp: Path, step: int, failed: tuple[bool, str] | None) -> None:
-        """Every rank raises the failure of a save that any rank saw (``failed``: disk full?, the OS's words)."""
+        """Every rank raises the failure of a save that any rank saw (``failed``: disk full?, its one line)."""
         if failed is None:
             return
         if get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoints stay the latest
-        full, words = failed
-        if full:
-            raise DiskFull(disk_line(self.root, f"filled up while it took the checkpoint of step {step}"))
-        raise SaveFailed(
-            disk_line(self.root, f"cannot be written ({words}) at the checkpoint of step {step}", "make it writable")
-        )
+        full, line = failed
+        raise DiskFull(line) if full else SaveFailed(line)
 
     def load(
         self,
@@ -345,14 +341,14 @@ def deleted(path: Path) -> str:
     )
 
 
-def _write_failure(err: BaseException, step: int) -> tuple[bool, str]:
-    """(disk full?, the OS's words) of a save that the disk refused (an OSError, torch.save's RuntimeError on a full
-    disk, DCP's CheckpointException holding either); anything else is a bug and raises."""
+def _write_failure(err: BaseException, root: Path, step: int) -> tuple[bool, str]:
+    """(disk full?, the one line) of a save that the disk of ``root`` refused (an OSError, torch.save's RuntimeError
+    on a full disk, DCP's CheckpointException holding either: ``write_failure``'s words, a file past the file-size
+    limit included); anything else is a bug and raises."""
     causes = [f[0] for f in err.failures.values()] if isinstance(err, CheckpointException) else [err]
     for cause in causes:
-        if isinstance(cause, OSError) or is_no_space(cause):
-            words = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause).splitlines()[0]
-            return is_no_space(cause), words
+        if (failed := write_failure(cause, root, f"the checkpoint of step {step}")) is not None:
+            return isinstance(failed, DiskFull), str(failed)
     if isinstance(err, CheckpointException):  # not an Exception: the handlers of a failing step would miss it
         raise RuntimeError(f"the checkpoint save of step {step} failed: {causes[0]!r}") from err
     raise err

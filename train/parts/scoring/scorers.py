@@ -68,20 +68,37 @@ def check_scorer_inputs(reward: RewardConfig, eval_scorers: Mapping[str, Any] | 
     every_missing(checks if eval_scorers is None else [*checks, partial(check_eval_scorers, eval_scorers)])
 
 
-def check_served_bounds(reward: RewardConfig, dist_timeout_s: float) -> None:
-    """Each served term's request to a server that does not answer ends before ``dist_timeout_s`` (dist.timeout_s):
-    the other ranks wait for this rank's scores in a collective, which would end the run instead of the step."""
-    for name in reward.served_terms():
-        arguments = scorer_arguments(name, _reward_arguments(dict(reward.components[name])))
+def check_served_bounds(
+    reward: RewardConfig | None, eval_scorers: Mapping[str, Any] | None, dist_timeout_s: float
+) -> None:
+    """Each served scorer's request to a server that does not answer ends before ``dist_timeout_s``
+    (dist.timeout_s): the reward's terms (``reward``; None for a command that trains nothing) and, with an
+    evaluation, those of ``eval_scorers`` (eval.scorers; None without one). The other ranks wait for this rank's
+    scores in a collective (the step's all-reduce, the evaluation's next forward or gather), which would end the run
+    instead of the step or the scorer's part in the evaluation."""
+    for key, name, kwargs in _served(reward, eval_scorers):
+        arguments = scorer_arguments(name, kwargs)
         timeout_s, retries = arguments["timeout_s"], arguments["retries"]
         if (longest := request_bound_s(timeout_s, retries)) >= dist_timeout_s:
-            key = f"reward.components.{name}"
             raise ConfigError(
                 f"{key}: a request its server does not answer takes up to {longest:g} s ((2 x retries + 1) x "
                 f"timeout_s with retries={retries}, timeout_s={timeout_s:g}), not below dist.timeout_s="
                 f"{dist_timeout_s:g}, so the other ranks' wait for this rank's scores would end the run: lower "
                 f"{key}.timeout_s or {key}.retries, or raise dist.timeout_s"
             )
+
+
+def _served(reward: RewardConfig | None, eval_scorers: Mapping[str, Any] | None) -> list[tuple[str, str, dict]]:
+    """(the field, the scorer's name, its arguments) of each served scorer among ``reward``'s terms and
+    ``eval_scorers``."""
+    served = []
+    if reward is not None:
+        for name in reward.served_terms():
+            served.append((f"reward.components.{name}", name, _reward_arguments(dict(reward.components[name]))))
+    for name, kwargs in (eval_scorers or {}).items():
+        if scorer_class(name).runs_remotely:
+            served.append((f"eval.scorers.{name}", name, dict(kwargs)))
+    return served
 
 
 def check_eval_scorers(scorers: Mapping[str, Any]) -> None:

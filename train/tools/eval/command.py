@@ -49,7 +49,7 @@ from train.parts.eval.eval_config import SCORERS_HINT
 from train.parts.eval.evaluator import read_eval_prompts
 from train.parts.eval.protocol import EvalParts, EvalResult, before_after, evaluate, paired_difference
 from train.parts.policy.builder import build_for_eval, load_weights, resolve_device
-from train.parts.scoring.scorers import build_eval_scorers, check_eval_scorers
+from train.parts.scoring.scorers import build_eval_scorers, check_eval_scorers, check_served_bounds
 from train.run.start import load_config, process_group
 
 setup()
@@ -169,6 +169,7 @@ def eval_command(cfg: DictConfig) -> dict[str, EvalResult]:
             check_checkpoint(weights)
         check_scorers(config)  # after the weights' checks, before any model loads
         check_eval_scorers(config.eval.scorers)
+        check_served_bounds(None, config.eval.scorers, config.dist.timeout_s)
         # built before the model: a served scorer whose server does not answer is one line in seconds
         scorers = build_eval_scorers(config.eval.scorers, resolve_device(config, dist))
         backbone, predict, device = build_for_eval(config, dist)
