@@ -8,10 +8,9 @@ import io
 import re
 import tokenize
 from collections.abc import Iterator
-from dataclasses import fields, is_dataclass
 from pathlib import Path
 
-from train.parts.config.schema import TrainConfig
+from train.cli.help_text import field_docs
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARIES = ("models", "samplers", "rewards", "train/algorithm")
@@ -25,19 +24,8 @@ ALLOWED = {
 }
 
 
-def config_keys(config: object, prefix: str = "") -> set[str]:
-    """Every dotted key of ``config``'s tree below its groups: model.compile, model.lora.rank, update.mode, ..."""
-    keys: set[str] = set()
-    for f in fields(config):  # type: ignore[arg-type]
-        key, value = f"{prefix}{f.name}", getattr(config, f.name)
-        if prefix:
-            keys.add(key)
-        if is_dataclass(value):
-            keys |= config_keys(value, f"{key}.")
-    return keys
-
-
-KEYS = config_keys(TrainConfig())
+# every dotted key below the groups, and each group inside a group: model.compile, model.lora, model.lora.rank, ...
+KEYS = {".".join(key.split(".")[:n]) for key in field_docs() for n in range(2, key.count(".") + 2)}
 GROUPS = sorted({key.split(".")[0] for key in KEYS})
 # a group's name, not an attribute of something else (``self.model.dtype``), then a field or ``*``
 KEY = re.compile(rf"(?<![\w.])(?:{'|'.join(GROUPS)})\.(?:\*|\w+)")
