@@ -1,7 +1,7 @@
 """The libraries speak in their own words: models/, samplers/, rewards/ and the method package (train/algorithm/)
 describe their arguments, not the trainer's config keys (``model.compile``, ``update.*``) or their callers
 (train/loop/step.py, "the trainer"), in their docstrings and comments. The keys belong in the config classes,
-which ALLOWED names, and in docs/ (CONTRIBUTING.md: a lower layer speaks its own words)."""
+which ALLOWED names, and in docs/ (CONTRIBUTING.md, Layout)."""
 
 import ast
 import io
@@ -29,8 +29,8 @@ KEYS = {".".join(key.split(".")[:n]) for key in field_docs() for n in range(2, k
 GROUPS = sorted({key.split(".")[0] for key in KEYS})
 # a group's name, not an attribute of something else (``self.model.dtype``), then a field or ``*``
 KEY = re.compile(rf"(?<![\w.])(?:{'|'.join(GROUPS)})\.(?:\*|\w+)")
-# a module of the trainer outside ``own`` (a path or a dotted name), or the trainer itself
-CALLER = r"(?<![\w.])train[/.](?!{own}\b)[a-z_]\w*|\bstep\.py\b|\bthe trainer\b|\btrainer's\b|\bTrainer\b"
+# a module of the trainer outside ``own`` (a path or a dotted name), or the trainer itself (Trainer, trainer's)
+CALLER = r"(?<![\w.])train[/.](?!{own}\b)[a-z_]\w*|\bstep\.py\b|\btrainer\b"
 
 
 def prose(source: str) -> Iterator[tuple[int, str]]:
@@ -77,7 +77,7 @@ def f(update):
 '''
     assert trainer_words(source, "models") == [
         "2: update.*",
-        "2: the trainer",
+        "2: trainer",
         "1: model.compile",
         "1: train/loop",
         "1: step.py",
@@ -86,7 +86,7 @@ def f(update):
     # the method package may name its own modules, not the trainer's
     assert trainer_words(source, "train/algorithm") == [
         "2: update.*",
-        "2: the trainer",
+        "2: trainer",
         "1: model.compile",
         "1: train/loop",
         "1: step.py",
