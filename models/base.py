@@ -197,9 +197,9 @@ def decode_in_chunks(
 ) -> Tensor:
     """``backbone.decode(z)`` with at most ``rows`` latents per call (one call when ``rows`` <= 0).
 
-    A VAE's full-resolution activations grow with the images decoded together (FLUX.1-dev's VAE:
-    about 0.9 GiB per 720 x 720 image), while each image's pixels depend
-    on its own latent only; chunks bound the memory of decoding a whole rollout batch.
+    A VAE's full-resolution activations grow with the images decoded together (FLUX.1-dev's VAE: about 0.9 GiB
+    per 720 x 720 image, docs/benchmarks/2026-12-planner-presets.md), while each image's pixels depend on its own
+    latent only; chunks bound the memory of decoding a whole rollout batch.
     """
     if rows <= 0 or rows >= z.shape[0]:
         return backbone.decode(z, height=height, width=width)

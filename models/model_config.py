@@ -73,8 +73,8 @@ class ModelConfig:
     """cache folder written by scripts/precompute_embeddings.py"""
     decode_batch: int = 0
     """images per VAE decode call when the rollout is scored (per rank); 0 = every sample of the step in one
-    call. Decoding many 720x720 images at once dominates the step's memory (0.9 GiB per image for
-    FLUX.1-dev's VAE)."""
+    call. Decoding many large images at once dominates the step's memory (measured per image for the shipped
+    presets in docs/benchmarks/2026-12-planner-presets.md)."""
     activation_checkpointing: bool = False
     """recompute each transformer block in backward"""
     compile: bool = False

@@ -24,7 +24,7 @@ closing ``Final Score: <1-5>`` line, which the default pattern reads.
 
 The requests go through rewards/served.py: each try within ``timeout_s`` (the whole request), ``retries`` more
 tries on connection errors, timeouts, 429 (``Retry-After`` honoured) and 5xx. Failures:
-    * a setting: ``check_arguments``, before any request (the trainer's start-up check calls it too); a 404 at
+    * a setting: ``check_arguments``, before any request (a caller may run it on the arguments alone); a 404 at
       ``<base_url>/models`` where ``/v1/models`` answers: "add /v1" (vLLM and SGLang serve the API there);
     * the tries run out: the batch scores NaN, with a warning naming the judge and the last error (what a NaN
       batch does to a step is the caller's to decide);

@@ -17,7 +17,7 @@ are logged and copied into run folders).
 
 Failures (the requests themselves: rewards/served.py):
     * a setting no server needs to judge (the URL's scheme or port, ``timeout_s``, ``retries``, a token a header
-      cannot carry): ``check_arguments``, before any request, which the trainer's start-up check calls too;
+      cannot carry): ``check_arguments``, before any request (a caller may run it on the arguments alone);
     * the server is unreachable, stuck (it accepts the connection but does not answer within ``timeout_s``)
       or answers 5xx when the scorer is built: one line naming the URL and
       which of these it was;

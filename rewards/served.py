@@ -3,7 +3,7 @@ for the whole of it, retried with back-off.
 
 A try's deadline (``timeout_s``) bounds all of it: connecting, sending, and reading the whole answer. A timeout
 per read would not: a server that sends its answer a byte at a time restarts it with every byte and holds the
-step forever (and SIGTERM's checkpoint, which waits for the step, never comes). Each try runs as an asyncio
+request, and whatever waits for its scores, forever. Each try runs as an asyncio
 task cancelled at its deadline, which closes its connection. The event loop, the client and its connections
 are made and closed inside each call, so nothing outlives it, and at most ``max_in_flight`` requests of a call
 are in flight at once.
@@ -11,18 +11,18 @@ are in flight at once.
 Retried, ``retries`` more times: a connection error, a try past its deadline, a 429 or a 5xx answer. The wait
 before the next try is the server's ``Retry-After`` when it sends one (seconds or an HTTP date), else
 0.5 s x 2^k after the k-th failed try (at most 10 s), and never longer than ``timeout_s``: a server that asks for
-an hour does not hold a step for an hour. A request thus ends within (retries + 1) x timeout_s plus its waits.
+an hour does not hold its caller for an hour. A request thus ends within (retries + 1) x timeout_s plus its waits.
 When the tries run out: ``RemoteUnavailable``. Every other answer (2xx, 3xx, other 4xx) is the caller's to read.
 
 A caller stops the requests its thread makes with ``stopped_by(stop)``: ``stop()`` is asked every ``STOP_POLL_S``
 while a request waits (for an answer or between tries), and once it is true the request ends at once
-(``RequestStopped``, its connections closed) instead of after its tries: the reward stage stops a step's requests
-when the step ends early, on a signal or a second Ctrl+C (train/parts/scoring/stage.py).
+(``RequestStopped``, its connections closed) instead of after its tries: a caller that no longer needs the
+scores (it stops early, on a signal) ends its requests without waiting for their deadlines.
 
 The settings of a served reward are checked without the network (``check_address``, ``check_tries``,
 ``bearer_headers``: a scheme other than http(s), a port beyond 65535, a deadline that is not a number, a fractional
 number of retries, a key that an HTTP header cannot carry), by each scorer's ``check_arguments``, which its
-constructor and the trainer's start-up check both call before anything reaches the server.
+constructor calls, and a caller may call on the arguments alone, before anything reaches the server.
 
 ``ServedScorer`` is what the served scorers share: the request at start-up, and a batch that scores NaN when its
 tries run out, with a warning naming the server and the last error (what a NaN batch does to a step, the term left

@@ -248,8 +248,8 @@ def rollout(
 ) -> Trajectory:
     """Sample B trajectories from ``noise`` [B, ...] (z_0) with ``cond`` (B rows).
 
-    ``sampler`` gives the transition (``sampler.transition``) and the network timesteps
-    (``sampler.quantize_timesteps``); ``sigmas`` [N+1] fix the schedule; the transition is taken at every
+    ``sampler`` gives the transition (its ``transition``) and the network timesteps (its
+    ``quantize_timesteps``); ``sigmas`` [N+1] fix the schedule; the transition is taken at every
     step, or only in ``sde_window`` = (start, stop) with ODE steps elsewhere; ``generator`` (on the latents'
     device) draws the SDE noise: one for the batch, or one per block of B / len(generator) consecutive rows
     (e.g. per group, so a group's samples do not depend on which other groups share the batch);
@@ -283,11 +283,11 @@ def rollout(
 def _after_window(
     traj: Trajectory, predict: Predict, sampler: SamplerConfig, v: Tensor, grid: list[float], stop: int
 ) -> None:
-    """The steps after a window that stops before step ``stop`` with ``sampler.post_window``'s solver on ``grid``
-    (``after_window_grid``: sigma_L of the window's last step, whose velocity is ``v``, then the points after it).
-    On the sampling schedule's own points they fill the trajectory as any ODE step does (velocities kept, no
-    log-prob); on a compressed one only the final z is stored, and the grid's latents in between are NaN (no
-    state lies there)."""
+    """The steps after a window that stops before step ``stop``, with the solver of ``sampler``'s ``post_window``
+    on ``grid`` (``after_window_grid``: sigma_L of the window's last step, whose velocity is ``v``, then the points
+    after it). On the sampling schedule's own points they fill the trajectory as any ODE step does (velocities
+    kept, no log-prob); on a compressed one only the final z is stored, and the grid's latents in between are NaN
+    (no state lies there)."""
     num_steps, last = traj.num_steps, len(grid) - 3  # the index of the last step after the window
     compressed = len(grid) - 1 < num_steps - stop + 1
     times = traj.timesteps[stop:]

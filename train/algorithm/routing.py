@@ -124,5 +124,5 @@ class AutoRouter(Router):
 
 
 def build_router(update: UpdateConfig) -> Router:
-    """The router ``update.routing`` (an ``UpdateConfig``) names."""
+    """The router that the ``routing`` of ``update`` (an ``UpdateConfig``) names."""
     return AutoRouter(update) if update.routing is Routing.auto else PrefixRouter(update)
