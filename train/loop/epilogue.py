@@ -23,6 +23,7 @@ from typing import Any
 
 from train.ground.layout import RunLayout
 from train.parts.checkpoint.export import export_description
+from train.parts.checkpoint.files import is_complete, read_marker
 from train.parts.config.record import after_steps, rows
 from train.parts.config.schema import TrainConfig
 from train.parts.eval.protocol import paired_difference, read_scores
@@ -171,7 +172,10 @@ def files_section(cfg: TrainConfig, wandb_mode: str, missing: Sequence[int] = ()
     checkpoints = _listing(layout.checkpoints, "step_????????")
     if checkpoints:
         lines.append(f"  checkpoints/    {', '.join(checkpoints)} (continue with resume=auto)")
-    for folder in (layout.export, layout.export_raw):
+    if is_complete(layout.best_checkpoint):
+        step = read_marker(layout.best_checkpoint)["step"]
+        lines.append(f"  checkpoints/best/ the checkpoint of the best evaluation (after step {step})")
+    for folder in (layout.export, layout.export_raw, layout.export_best):
         if folder.is_dir():
             what, name = export_description(folder) or "the trained transformer", folder.name
             lines.append(f"  {name + '/':<15} {what} (python -m train.eval eval.transformer=<run>/{name})")
@@ -186,12 +190,17 @@ def run_summary(
     seconds: float,
     peak: Peak,
     missing: Sequence[int] = (),
+    end: int | None = None,
+    notes: Sequence[str] = (),
 ) -> str:
     """The end-of-run summary: rewards before -> after, timing, throughput, files; ``missing``: the evaluations
-    due that metrics.jsonl holds no row of (named with the rewards and the curve)."""
-    done = f"steps {start}-{cfg.num_steps - 1}" if start < cfg.num_steps else "no step left to run"
+    due that metrics.jsonl holds no row of (named with the rewards and the curve); ``end``: the steps trained when
+    the run ended (num_steps when None); ``notes``: lines after the rewards (the best evaluation, a guard's stop)."""
+    end = cfg.num_steps if end is None else end
+    done = f"steps {start}-{end - 1}" if start < end else "no step left to run"
     lines = [f"finished {cfg.experiment} ({cfg.update.mode}, seed {cfg.seed}): {done} in {format_seconds(seconds)}"]
     lines += _rewards(cfg, history)
+    lines += notes
     metrics = RunLayout(cfg.run_dir).metrics  # the run's steps, those of earlier sessions too
     if left := left_out_line((int(row["step"]), row) for row in rows(metrics)):
         lines.append(left)
