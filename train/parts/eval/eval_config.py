@@ -96,4 +96,7 @@ class EvalConfig:
             known = ", ".join(self.scorers) or "none"
             raise ValueError(f"metric={self.metric!r} is not one of eval.scorers ({known}): name one, or null")
         if self.guard.action is not GuardAction.off and not self.every:
-            raise ValueError(f"guard.action={self.guard.action} watches the evaluations, and every=0 runs none")
+            raise ValueError(
+                f"guard.action={self.guard.action} watches the evaluations, and eval.every=0 runs none: set "
+                "eval.every > 0, or eval.guard.action=off"
+            )
