@@ -61,7 +61,7 @@ BAD_SETTINGS = {
     "sample_every-negative": (["logging.sample_every=-1"], r"logging\.sample_every must be >= 0"),
     "eval_every-negative": (["eval.every=-1"], r"eval\.every must be >= 0"),
     "eval_metric-unknown": (
-        ["eval.every=1", "+eval.scorers.jpeg_compressibility={}", "eval.metric=hpsv2"],
+        ["eval.every=1", "+eval.scorers.jpeg_compressibility={{}}", "eval.metric=hpsv2"],  # {{}}: str.format
         r"eval\.metric='hpsv2' is not one of eval\.scorers \(jpeg_compressibility\)",
     ),
     "guard_patience-zero": (["eval.guard.patience=0"], r"eval\.guard\.patience must be > 0, got 0"),

@@ -126,6 +126,7 @@ def test_the_alarm_line_and_the_margin():
 def test_the_watched_key_and_the_guard_settings():
     scorers = {"clipscore": {}, "shape_alignment": {}}
     assert watched_key(EvalConfig(scorers=scorers)) == "eval/clipscore"
+    assert watched_key(EvalConfig()) is None and Watch(None).evaluated(1, {"eval/clipscore": 1.0}).best is False
     assert watched_key(EvalConfig(scorers=scorers, heldout_prompts="h.txt", metric="shape_alignment")) == KEY
     assert Watch.of(EvalConfig(every=1, scorers=scorers)).patience == 0  # guard off
     assert Watch.of(EvalConfig(every=1, scorers=scorers, guard=GuardConfig(action="warn", patience=2))).patience == 2

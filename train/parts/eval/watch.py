@@ -30,9 +30,12 @@ from train.parts.eval.tags import HELD_OUT
 REWARD = "reward/total"  # the training reward the guard watches
 
 
-def watched_key(cfg: EvalConfig) -> str:
-    """The logged key of the watched metric: eval/<scorer>/held-out, or eval/<scorer> without held-out prompts."""
-    scorer = cfg.metric or next(iter(cfg.scorers))
+def watched_key(cfg: EvalConfig) -> str | None:
+    """The logged key of the watched metric: eval/<scorer>/held-out, or eval/<scorer> without held-out prompts;
+    None without eval.scorers (nothing to watch)."""
+    scorer = cfg.metric or next(iter(cfg.scorers), None)
+    if scorer is None:
+        return None
     return f"eval/{scorer}" + (f"/{HELD_OUT}" if cfg.heldout_prompts is not None else "")
 
 
@@ -57,7 +60,7 @@ class Watch:
     """The best evaluation so far and the guard's count, fed the training rows (``trained``) and the evaluations
     (``evaluated``) in the order they are logged."""
 
-    key: str
+    key: str | None  # None: nothing to watch
     patience: int = 0  # 0: no guard
     best: Mark | None = None
     last: Mark | None = None  # the previous evaluation with the metric
@@ -78,7 +81,7 @@ class Watch:
     def evaluated(self, step: int, metrics: Mapping[str, Any]) -> Verdict:
         """The evaluation after ``step`` steps (its logged ``eval/*`` metrics): whether it is the new best, and the
         guard's alarm."""
-        if (value := finite(metrics.get(self.key))) is None:
+        if self.key is None or (value := finite(metrics.get(self.key))) is None:
             return Verdict(best=False, alarm=None)
         mark, reward = Mark(step, value), (sum(self.window) / len(self.window) if self.window else None)
         rose = reward is not None and self.window_before is not None and reward > self.window_before
