@@ -124,6 +124,13 @@ class Watch:
                 self.trained(row)
 
 
+def best_of(series: Mapping[int, float]) -> Mark | None:
+    """The best evaluation of a series (step -> value) as the watch ranks them: the highest finite value after at
+    least one training step, the earlier step on a tie; None when there is none (python -m train.compare)."""
+    marks = [Mark(step, value) for step, value in sorted(series.items()) if step > 0 and math.isfinite(value)]
+    return max(marks, key=lambda mark: mark.value, default=None)  # max keeps the first of equal values
+
+
 def finite(value: Any) -> float | None:
     """``value`` as the float metrics.jsonl logs (a one-element tensor too), or None when it is not a finite
     number: the live session and a replay of its rows see the same numbers."""
