@@ -88,8 +88,9 @@ def test_keep_best_and_the_guard_warning(launch, tmp_path, heldout):
     )
     assert "Traceback" not in stderr and checkpoint.is_dir()
     assert max(row["step"] for row in metrics(run_dir)) == stopped  # its evaluation's row, after step stopped - 1
-    assert note_step(run_dir / "export") == stopped and f"stopped by eval.guard: {expected[0]}" in stdout
-    assert f"steps 0-{stopped - 1} in " in stdout
+    assert note_step(run_dir / "export") == stopped and f"stopped: {expected[0]}" in stdout
+    assert f"steps 0-{stopped - 1} in " in stdout and "jpeg_compressibility: step 0 " in stdout
+    assert f" -> step {stopped} " in stdout  # step 0's evaluation against the last one, paired
 
 
 @pytest.mark.slow

@@ -126,12 +126,13 @@ def _paired_lines(eval_dir: Path, tags: tuple[str, str], names: tuple[str, str],
     return [label + paired_difference(rows_before, rows_after, name).line(*names) for name in metrics]
 
 
-def _rewards(cfg: TrainConfig, history: Sequence[Mapping[str, float]]) -> list[str]:
+def _rewards(cfg: TrainConfig, history: Sequence[Mapping[str, float]], end: int) -> list[str]:
+    """Step 0's evaluation against that after step ``end`` (the last step trained), else the training reward."""
     eval_dir = RunLayout(cfg.run_dir).eval
-    names = ("step 0", f"step {cfg.num_steps}")
-    trained = _paired_lines(eval_dir, (eval_tag(0), eval_tag(cfg.num_steps)), names, "")
+    names = ("step 0", f"step {end}")
+    trained = _paired_lines(eval_dir, (eval_tag(0), eval_tag(end)), names, "")
     if cfg.eval.every and trained:
-        tags = (heldout_tag(0), heldout_tag(cfg.num_steps))
+        tags = (heldout_tag(0), heldout_tag(end))
         return trained + _paired_lines(eval_dir, tags, names, f"{HELD_OUT} prompts, ")
     rewards = [m["reward/total"] for m in history if not math.isnan(m.get("reward/total", math.nan))]
     why = "eval.every=0" if not cfg.eval.every else f"no {eval_tag(0)}.scores.jsonl to pair with"
@@ -199,7 +200,7 @@ def run_summary(
     end = cfg.num_steps if end is None else end
     done = f"steps {start}-{end - 1}" if start < end else "no step left to run"
     lines = [f"finished {cfg.experiment} ({cfg.update.mode}, seed {cfg.seed}): {done} in {format_seconds(seconds)}"]
-    lines += _rewards(cfg, history)
+    lines += _rewards(cfg, history, end)
     lines += notes
     metrics = RunLayout(cfg.run_dir).metrics  # the run's steps, those of earlier sessions too
     if left := left_out_line((int(row["step"]), row) for row in rows(metrics)):

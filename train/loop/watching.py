@@ -75,7 +75,7 @@ class Watching:
     def notes(self) -> list[str]:
         """The summary's lines of the watch: the best evaluation against the last, the guard's stop."""
         lines = [line] if (line := self.watch.margin_line()) is not None else []
-        return lines + ([f"stopped by eval.guard: {self.stopped}"] if self.stopped is not None else [])
+        return lines + ([f"stopped: {self.stopped}"] if self.stopped is not None else [])
 
     def stop(self, step: int) -> GuardStopped:
         """The end of a run the guard stopped after ``step`` steps (its checkpoint written), in one line."""
