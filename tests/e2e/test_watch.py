@@ -116,3 +116,32 @@ def test_a_resume_keeps_the_best_so_far(launch, tmp_path, heldout):
     assert a.keys() == b.keys() and all(a[name].equal(b[name]) for name in a)
     late = [line for line in alarms(tmp_path / "straight") if int(re.search(r"after step (\d+),", line).group(1)) > 2]
     assert all(line in resumed for line in late) and resumed.count("eval.guard: ") == len(late)
+
+
+@pytest.mark.slow
+def test_a_branch_retires_a_later_best_and_links_its_own(launch, tmp_path, heldout):
+    """A resume from step 2 of a run whose best is later: that checkpoints/best/ retires with the later checkpoints,
+    the branch links its own best (of steps 1-2) again, and trained to the end again it keeps the same best."""
+    run_dir = tmp_path / "run"
+    overrides = ["seed=2", "checkpoint.keep_last=4", *EVAL, heldout, *WATCH, "eval.num_prompts=3", "num_steps=4"]
+    status, stderr = launch(run_dir, *overrides)
+    assert status == 0, stderr
+    best = best_of(run_dir)
+    assert best > 2  # the settings put the best after the branch's step
+    first = load_file(run_dir / "export_best" / "diffusion_pytorch_model.safetensors")
+    early = max(
+        ((row[KEY], -row["step"]) for row in metrics(run_dir) if KEY in row and 0 < row["step"] <= 2),
+    )
+    status, stderr, stdout = launch(
+        run_dir, *overrides, f"resume={run_dir / 'checkpoints' / 'step_00000002'}", "num_steps=2", stdout=True
+    )
+    assert status == 0, stderr
+    (retired,) = (run_dir / "checkpoints" / "retired").iterdir()
+    assert json.loads((retired / "best" / "COMPLETE").read_text())["step"] == best
+    assert json.loads((run_dir / "checkpoints" / "best" / "COMPLETE").read_text())["step"] == -early[1]
+    assert "no longer kept" not in stdout
+    status, stderr = launch(run_dir, *overrides, "resume=auto")
+    assert status == 0, stderr
+    assert best_of(run_dir) == best and note_step(run_dir / "export_best") == best
+    again = load_file(run_dir / "export_best" / "diffusion_pytorch_model.safetensors")
+    assert all(first[name].equal(again[name]) for name in first)
