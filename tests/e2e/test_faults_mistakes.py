@@ -60,6 +60,14 @@ BAD_SETTINGS = {
     "checkpoint.every-negative": (["checkpoint.every=-1"], r"checkpoint\.every must be >= 0.*only at the end"),
     "sample_every-negative": (["logging.sample_every=-1"], r"logging\.sample_every must be >= 0"),
     "eval_every-negative": (["eval.every=-1"], r"eval\.every must be >= 0"),
+    "eval_metric-unknown": (
+        ["eval.every=1", "+eval.scorers.jpeg_compressibility={{}}", "eval.metric=hpsv2"],  # {{}}: str.format
+        r"eval\.metric='hpsv2' is not one of eval\.scorers \(jpeg_compressibility\)",
+    ),
+    "guard_patience-zero": (["eval.guard.patience=0"], r"eval\.guard\.patience must be > 0, got 0"),
+    "guard_action": (["eval.guard.action=halt"], r"eval\.guard\.action='halt' is not valid"),
+    "guard-without-eval": (["eval.guard.action=warn"], r"eval\.guard\.action=warn watches .* eval\.every=0"),
+    "keep_best-without-eval": (["checkpoint.keep_best=true"], r"checkpoint\.keep_best=true .* eval\.every=0"),
     # the optimizer's settings, which torch checked only after the model loaded
     "betas-above-one": (["optimizer.betas=[1.5,0.999]"], r"optimizer\.betas\[0\] must be in \[0, 1\), got 1\.5"),
     "betas-one-value": (["optimizer.betas=[0.9]"], r"optimizer\.betas must be two numbers"),

@@ -352,6 +352,19 @@ def test_held_out_metrics_are_compared_and_rewards_plot_against_training_time(tm
         assert (tmp_path / "cmp" / f"{name}.png").is_file()
 
 
+def test_the_best_evaluation_of_each_seed_and_how_much_it_beat_the_last(tmp_path, capsys):
+    """As checkpoint.keep_best picks it: the highest evaluation after a training step (step 0's higher one does not
+    count), the earlier on a tie; its margin over the seed's last evaluation, over seeds, with the steps."""
+    sweep = tmp_path / "sweep"
+    for seed, values in ((0, {0: 0.9, 10: 0.5, 20: 0.7, 30: 0.6}), (1, {0: 0.4, 10: 0.6, 20: 0.6, 30: 0.6})):
+        write_run(sweep / f"s{seed}", [step(i, 0.1, 1.0, 1.0) for i in range(30)] + evals(values), config("jagg", seed))
+    assert main([str(sweep), "--out", str(tmp_path / "cmp")]) == 0
+    printed = capsys.readouterr().out
+    assert "best - last (best step)" in printed and "+0.0500 ± " in printed and "(steps 20, 10)" in printed
+    best = json.loads((tmp_path / "cmp" / "summary.json").read_text())["arms"]["jagg"]["eval/hps"]["best"]
+    assert best == {"0": {"step": 20, "over_last": pytest.approx(0.1)}, "1": {"step": 10, "over_last": 0.0}}
+
+
 def test_arms_come_in_one_order_whatever_the_folder_names(tmp_path, capsys):
     """A sweep folder's runs are read in name order (ablate, exact, jagg); the reports show exact, jagg, ablate."""
     for mode in ("ablate", "exact", "jagg"):

@@ -102,6 +102,13 @@ class NotLearning(UserError):
     same_on_every_rank = True  # decided from metrics every rank shares
 
 
+class GuardStopped(UserError):
+    """``eval.guard.action=stop``: the watched evaluation metric fell while the training reward rose, for
+    ``eval.guard.patience`` evaluations in a row; the step was checkpointed and the run exported first."""
+
+    same_on_every_rank = True  # decided from metrics every rank shares
+
+
 class Diverged(UserError):
     """Training stopped because the weights or the images left any sane range; those weights were not saved."""
 

@@ -4,12 +4,14 @@
   config.yaml            the resolved configuration (config.<n>.yaml for each resumed session)
   metrics.jsonl          one JSON row per training step (train/parts/observe/metrics.py)
   checkpoints/step_*/    training checkpoints (train/parts/checkpoint/manager.py)
+  checkpoints/best/      with checkpoint.keep_best: the checkpoint of the best evaluation (hard links)
   checkpoints/retired/   the checkpoints of a timeline a resume branched away from (train/run/timeline.py)
   eval/                  evaluation results and before/after sheets (train/parts/eval/),
                          curve.png (train/loop/epilogue.py)
   samples/               sample grids of training steps
   export/                the weights the trainer's evaluations scored (the EMA when kept)
   export_raw/            with an EMA: the trained weights without it
+  export_best/           with checkpoint.keep_best: the weights of the best evaluation, as export/ holds them
   wandb/, wandb_run_id   wandb's files and the run id a resumed session continues
   LOCK                   the lock of the process that owns the folder (train/run/folder.py)
   run_id                 the run's identity, recorded in every checkpoint (train/run/timeline.py)
@@ -23,6 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 EXPORT, RAW_EXPORT = "export", "export_raw"  # the folder names of the two exports (a Weights tag too)
+BEST_EXPORT = "export_best"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 EVAL = "eval"
@@ -49,11 +52,13 @@ class RunLayout:
     metrics = _Under(METRICS)
     checkpoints = _Under(CHECKPOINTS)
     retired = _Under(CHECKPOINTS, "retired")
+    best_checkpoint = _Under(CHECKPOINTS, "best")
     eval = _Under(EVAL)
     eval_curve = _Under(EVAL, "curve.png")  # the evaluations against the step, written at the end of a run
     samples = _Under("samples")
     export = _Under(EXPORT)
     export_raw = _Under(RAW_EXPORT)
+    export_best = _Under(BEST_EXPORT)
     wandb = _Under("wandb")
     wandb_run_id = _Under("wandb_run_id")
     lock = _Under(LOCK_FILE)
@@ -86,6 +91,7 @@ class RunLayout:
             self.metrics,
             self.export,
             self.export_raw,
+            self.export_best,
             self.eval,
             self.samples,
             self.wandb,

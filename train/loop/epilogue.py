@@ -23,6 +23,7 @@ from typing import Any
 
 from train.ground.layout import RunLayout
 from train.parts.checkpoint.export import export_description
+from train.parts.checkpoint.files import is_complete, read_marker
 from train.parts.config.record import after_steps, rows
 from train.parts.config.schema import TrainConfig
 from train.parts.eval.protocol import paired_difference, read_scores
@@ -125,12 +126,13 @@ def _paired_lines(eval_dir: Path, tags: tuple[str, str], names: tuple[str, str],
     return [label + paired_difference(rows_before, rows_after, name).line(*names) for name in metrics]
 
 
-def _rewards(cfg: TrainConfig, history: Sequence[Mapping[str, float]]) -> list[str]:
+def _rewards(cfg: TrainConfig, history: Sequence[Mapping[str, float]], end: int) -> list[str]:
+    """Step 0's evaluation against that after step ``end`` (the last step trained), else the training reward."""
     eval_dir = RunLayout(cfg.run_dir).eval
-    names = ("step 0", f"step {cfg.num_steps}")
-    trained = _paired_lines(eval_dir, (eval_tag(0), eval_tag(cfg.num_steps)), names, "")
+    names = ("step 0", f"step {end}")
+    trained = _paired_lines(eval_dir, (eval_tag(0), eval_tag(end)), names, "")
     if cfg.eval.every and trained:
-        tags = (heldout_tag(0), heldout_tag(cfg.num_steps))
+        tags = (heldout_tag(0), heldout_tag(end))
         return trained + _paired_lines(eval_dir, tags, names, f"{HELD_OUT} prompts, ")
     rewards = [m["reward/total"] for m in history if not math.isnan(m.get("reward/total", math.nan))]
     why = "eval.every=0" if not cfg.eval.every else f"no {eval_tag(0)}.scores.jsonl to pair with"
@@ -171,7 +173,10 @@ def files_section(cfg: TrainConfig, wandb_mode: str, missing: Sequence[int] = ()
     checkpoints = _listing(layout.checkpoints, "step_????????")
     if checkpoints:
         lines.append(f"  checkpoints/    {', '.join(checkpoints)} (continue with resume=auto)")
-    for folder in (layout.export, layout.export_raw):
+    if is_complete(layout.best_checkpoint):
+        step = read_marker(layout.best_checkpoint)["step"]
+        lines.append(f"  checkpoints/best/ the checkpoint of the best evaluation (after step {step})")
+    for folder in (layout.export, layout.export_raw, layout.export_best):
         if folder.is_dir():
             what, name = export_description(folder) or "the trained transformer", folder.name
             lines.append(f"  {name + '/':<15} {what} (python -m train.eval eval.transformer=<run>/{name})")
@@ -186,12 +191,17 @@ def run_summary(
     seconds: float,
     peak: Peak,
     missing: Sequence[int] = (),
+    end: int | None = None,
+    notes: Sequence[str] = (),
 ) -> str:
     """The end-of-run summary: rewards before -> after, timing, throughput, files; ``missing``: the evaluations
-    due that metrics.jsonl holds no row of (named with the rewards and the curve)."""
-    done = f"steps {start}-{cfg.num_steps - 1}" if start < cfg.num_steps else "no step left to run"
+    due that metrics.jsonl holds no row of (named with the rewards and the curve); ``end``: the steps trained when
+    the run ended (num_steps when None); ``notes``: lines after the rewards (the best evaluation, a guard's stop)."""
+    end = cfg.num_steps if end is None else end
+    done = f"steps {start}-{end - 1}" if start < end else "no step left to run"
     lines = [f"finished {cfg.experiment} ({cfg.update.mode}, seed {cfg.seed}): {done} in {format_seconds(seconds)}"]
-    lines += _rewards(cfg, history)
+    lines += _rewards(cfg, history, end)
+    lines += notes
     metrics = RunLayout(cfg.run_dir).metrics  # the run's steps, those of earlier sessions too
     if left := left_out_line((int(row["step"]), row) for row in rows(metrics)):
         lines.append(left)

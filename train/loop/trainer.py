@@ -46,6 +46,7 @@ from train.loop.epilogue import run_summary, write_curve
 from train.loop.faults import Faults, check_owner
 from train.loop.passes import optimizer_steps_per_step
 from train.loop.step import train_step
+from train.loop.watching import Watching
 from train.parts.checkpoint.checkpointer import Checkpointer
 from train.parts.checkpoint.export import EXPORT_NOTE, export_model, write_export_note
 from train.parts.checkpoint.settings import LORA_MODULES, recorded_settings
@@ -103,6 +104,7 @@ class Trainer:
         )
         lr, world_size = cfg.optimizer.lr, run.dist.world_size
         self.faults = Faults(self.checkpointer, run.io.lock, world_size=world_size, device=run.device, lr=lr)
+        self.watching = Watching(run)  # the best evaluation and the guard (train/loop/watching.py)
 
     def resume(self) -> int:
         """The step to start from: 0, or the step of the checkpoint ``resume`` names, whose health counters the
@@ -160,6 +162,7 @@ class Trainer:
             log.warning(
                 "the checkpoint holds all num_steps=%d steps: nothing to train (raise num_steps to go on)", start
             )
+        self.watching.resume(start)  # after the rewind: the rows it kept are what the watch had seen
         lost = self._lost_evaluations(start)
         missing = [step for step in lost if step < start]  # the one at ``start`` is evaluated again
         evaluator = self._evaluator(start, again=start in lost)
@@ -167,6 +170,7 @@ class Trainer:
         history = self._steps(evaluator, start)
         if cfg.checkpoint.export:
             self.export()
+            self.watching.export_best()
         if run.dist.is_main:
             try:  # eval/curve.png of the run's evaluations, the missing ones marked
                 write_curve(run.io.layout.metrics, run.io.layout.eval_curve, missing)
@@ -174,9 +178,18 @@ class Trainer:
                 raise write_failure(err, run.io.layout.eval_curve, "the curve of the evaluations") or err from None
             seconds = time.perf_counter() - began
             summary = run_summary(
-                cfg, start=start, history=history, seconds=seconds, peak=run.perf.peak, missing=missing
+                cfg,
+                start=start,
+                history=history,
+                seconds=seconds,
+                peak=run.perf.peak,
+                missing=missing,
+                end=self.faults.done,
+                notes=self.watching.notes(),
             )
             log.info(summary)
+        if self.watching.stopped is not None:
+            raise self.watching.stop(self.faults.done)
 
     def _evaluator(self, start: int, *, again: bool) -> Evaluator | None:
         """The evaluation of the policy (the EMA's weights when kept) for a session that starts at step ``start``, or
@@ -219,11 +232,14 @@ class Trainer:
                     stop = self.faults.step_end(step)
                     run.io.logger.log(metrics, step)
                     history.append(metrics)
+                    self.watching.trained(metrics)
                     reward = metrics.get("reward/total", math.nan)
                     bar.update(1)
                     bar.set_postfix(reward=f"{reward:.4f}")
                     heartbeat.tick(step + 1, reward)
                     self._after_step(evaluator, step + 1, self.health.observe(metrics, step), stop)
+                    if self.watching.stopped is not None:
+                        break
         return history
 
     def _after_step(self, evaluator: Evaluator | None, done: int, verdict: Verdict | None, stop: int) -> None:
@@ -231,11 +247,13 @@ class Trainer:
         SIGTERM, SIGHUP, Ctrl+C) and a run that cannot learn (``verdict``) stop here, after their checkpoint; a
         diverged run before it."""
         self.faults.check_divergence(verdict)
-        path = self.checkpointer.maybe_save(done, last=bool(stop or verdict) or done == self.run.cfg.num_steps)
-        if verdict is None and evaluator is not None and evaluator.due(done):
+        evaluating = verdict is None and evaluator is not None and evaluator.due(done)
+        last = bool(stop or verdict) or done == self.run.cfg.num_steps or self.watching.checkpoint_due(evaluating)
+        path = self.checkpointer.maybe_save(done, last=last)
+        if evaluating and evaluator is not None:
             with activity(f"the evaluation after step {done}"):
                 self.check_owner()
-                evaluator(done)
+                self.watching.evaluated(done, evaluator(done))
         self.faults.check_stop(verdict, stop, path)
 
     def export(self) -> None:
@@ -254,7 +272,7 @@ class Trainer:
                     export_model(run.model.backbone.transformer, folder)
                 if run.dist.is_main:
                     try:
-                        write_export_note(folder, weights=weights, step=run.cfg.num_steps, ema_decay=run.cfg.ema.decay)
+                        write_export_note(folder, weights=weights, step=self.faults.done, ema_decay=run.cfg.ema.decay)
                     except OSError as err:
                         raise write_failure(err, folder / EXPORT_NOTE, "the export's note") or err from None
 
@@ -282,7 +300,7 @@ class Trainer:
                     "the evaluation after step %d was lost (no row in metrics.jsonl): evaluating it again", start
                 )
             with activity(f"the evaluation after step {start}" if again else "the evaluation before training"):
-                evaluator(start)
+                self.watching.evaluated(start, evaluator(start))
         if missing and self.run.dist.is_main:
             log.warning(
                 "the evaluations %s were lost (no row in metrics.jsonl) and their weights are gone: the "

@@ -70,6 +70,11 @@ def _check_across(cfg: TrainConfig) -> None:
     for key in cfg.checkpoint.allow_changed:
         if problem := not_allowable(key, recorded):
             raise ConfigError(f"checkpoint.allow_changed: {problem}")
+    if cfg.checkpoint.keep_best and not cfg.eval.every:
+        raise ConfigError(
+            "checkpoint.keep_best=true keeps the checkpoint of the best evaluation, and eval.every=0 runs none: set "
+            "eval.every > 0 (with eval.scorers), or checkpoint.keep_best=false"
+        )
     if cfg.checkpoint.overwrite and cfg.resume:
         raise ConfigError(
             f"checkpoint.overwrite=true starts the run in run_dir again, resume={cfg.resume} continues one: pick one"

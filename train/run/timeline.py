@@ -9,7 +9,7 @@
   into a new folder (``resume=<checkpoint> hydra.run.dir=<new folder>``), which gets an id of its own,
   said in one line. Checkpoints written before ids were recorded, and folders without one, are not checked.
 * Branching: a resume from a checkpoint older than the folder's latest (``resume=<run>/checkpoints/step_N``)
-  starts a new timeline at step N. The later checkpoints, and an export of a later step, move to
+  starts a new timeline at step N. The later checkpoints (checkpoints/best/ too), and an export of a later step, move to
   ``checkpoints/retired/<time>_after_step_N/`` (named in one line) with the rows of metrics.jsonl after step N
   (``RunLogger.rewind``); ``resume=auto`` never looks there. ``resume=<a retired checkpoint>`` goes back to
   that timeline: the folder's own after step N retires in turn, and the retired checkpoints and rows up to the
@@ -30,7 +30,7 @@ from train.distributed.collectives import DistInfo, broadcast_object
 from train.ground.errors import CheckpointError
 from train.ground.layout import RunLayout
 from train.parts.checkpoint.export import EXPORT_NOTE
-from train.parts.checkpoint.files import complete_in
+from train.parts.checkpoint.files import complete_in, is_complete, read_marker
 from train.parts.checkpoint.manager import CheckpointManager
 
 if TYPE_CHECKING:
@@ -121,7 +121,10 @@ def _retire_after(step: int, checkpoints: CheckpointManager, layout: RunLayout) 
     """Move the checkpoints of steps after ``step``, and exports of a later step, to
     ``checkpoints/retired/<time>_after_step_<step>/``: that folder (None when nothing is later) and what moved."""
     later = [path for path, saved in complete_in(checkpoints.root).items() if saved > step]
-    later += [folder for folder in (layout.export, layout.export_raw) if _later_export(folder, step)]
+    exports = (layout.export, layout.export_raw, layout.export_best)
+    later += [folder for folder in exports if _later_export(folder, step)]
+    if is_complete(layout.best_checkpoint) and read_marker(layout.best_checkpoint)["step"] > step:
+        later.append(layout.best_checkpoint)  # checkpoint.keep_best's, of a later step
     if not later:
         return None, []
     stamp = time.strftime("%Y-%m-%dT%H-%M-%S", time.gmtime())

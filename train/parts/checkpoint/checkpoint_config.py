@@ -18,6 +18,10 @@ class CheckpointConfig:
     """Complete checkpoints kept, >= 1; older ones are deleted after each save."""
     export: bool = True
     """Write the trained transformer (or LoRA) in diffusers format at the end."""
+    keep_best: bool = False
+    """Keep the checkpoint of the best evaluation by eval.metric (checkpoints/best/, never pruned) and export it
+    beside the last (export_best/); a checkpoint is then saved after every evaluation too (eval.every > 0).
+    """
     overwrite: bool = False
     """Start a new run in a run folder that holds one, deleting its checkpoints, metrics, export and samples;
     without it (and without resume=) such a folder is refused.

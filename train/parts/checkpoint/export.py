@@ -35,7 +35,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from train.distributed.collectives import agree_on_write, get_rank
 from train.ground.errors import PathError
-from train.ground.layout import CHECKPOINTS, EXPORT, RAW_EXPORT, RunLayout
+from train.ground.layout import BEST_EXPORT, CHECKPOINTS, EXPORT, RAW_EXPORT, RunLayout
 from train.parts.checkpoint.files import checksum_problem, file_info, is_complete
 from train.parts.checkpoint.manager import CheckpointManager
 
@@ -128,7 +128,7 @@ class Weights:
     kind: str  # "checkpoint" (a step_XXXXXXXX folder), "export" (save_pretrained) or "lora_export"
     path: Path
     run_dir: Path | None  # the run folder that wrote them (holds metrics.jsonl or .hydra/), when recognisable
-    tag: str  # names the evaluation's files: "step_00000060", "export" or "export_raw"
+    tag: str  # names the evaluation's files: "step_00000060", "export", "export_raw" or "export_best"
 
 
 def _run_folder(path: Path) -> Path | None:
@@ -195,7 +195,8 @@ def find_weights(value: str, field: str) -> Weights:
         kind = "export" if (path / "config.json").is_file() else "lora_export"
         if problem := _export_problem(path):
             raise PathError(f"{field}={value!r}: the export {problem}; export again, or pass a checkpoint folder")
-        return Weights(kind, path, _run_folder(path.parent), RAW_EXPORT if path.name == RAW_EXPORT else EXPORT)
+        tag = path.name if path.name in (RAW_EXPORT, BEST_EXPORT) else EXPORT
+        return Weights(kind, path, _run_folder(path.parent), tag)
     if path.parent.name == CHECKPOINTS or path.name.endswith(".tmp"):
         raise PathError(
             f"{field}={value!r} is not a complete checkpoint (no COMPLETE marker: its save was interrupted); "
@@ -226,7 +227,7 @@ def write_export_note(out: Path, *, weights: str, step: int, ema_decay: float) -
         "weights": weights,
         "step": step,
         "ema_decay": ema_decay,
-        "scored_by_the_trainer": out.name == EXPORT,
+        "scored_by_the_trainer": out.name in (EXPORT, BEST_EXPORT),  # export_best/: the best evaluation's weights
         "files": files,
     }
     (out / EXPORT_NOTE).write_text(json.dumps(note, indent=2) + "\n")

@@ -5,11 +5,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from settings import non_negative, positive
+from settings import Choice, member, non_negative, positive
 
 # An override that adds an evaluation scorer to an empty eval.scorers, as typed on the command line
 # (``eval.scorers={jpeg_compressibility: {}}`` needs quotes in a shell; ``+`` adds the key to the typed dict).
 SCORERS_HINT = "+eval.scorers.jpeg_compressibility={}"
+
+
+class GuardAction(Choice):
+    """What the guard does when the watched metric fell while the training reward rose (train/parts/eval/watch.py)."""
+
+    off = "off"
+    warn = "warn"
+    stop = "stop"
+
+
+@dataclass
+class GuardConfig:
+    """The guard against a gamed reward (``eval.guard``; train/parts/eval/watch.py)."""
+
+    action: GuardAction = GuardAction.off
+    """off | warn (one line) | stop (end the run after the evaluation: its checkpoint, the exports and the summary
+    written, then one line and exit status 2), when eval.metric fell for ``patience`` evaluations in a row while the
+    mean training reward/total between evaluations rose.
+    """
+    patience: int = 3
+    """Evaluations in a row, >= 1, that fell while the reward rose before the guard acts."""
+
+    def __post_init__(self) -> None:
+        self.action = member(GuardAction, self.action, "action")
+        positive(self.patience, "patience")
 
 
 @dataclass
@@ -52,6 +77,13 @@ class EvalConfig:
     """
     scorers: dict[str, dict] = field(default_factory=dict)
     """Metric name (hpsv2 | pickscore | clipscore | jpeg_compressibility | ...) -> scorer arguments (local paths)."""
+    metric: str | None = None
+    """The scorer of eval.scorers whose mean ranks the evaluations, higher is better (checkpoint.keep_best, the guard,
+    python -m train.compare): its held-out mean, eval/<metric>/held-out, with eval.heldout_prompts, else
+    eval/<metric>; null = the first of eval.scorers.
+    """
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """Warn, or stop, when eval.metric falls while the training reward rises (train/parts/eval/watch.py)."""
 
     def __post_init__(self) -> None:
         non_negative(self.every, "every", " (0 = never)")
@@ -60,3 +92,11 @@ class EvalConfig:
             positive(getattr(self, name), name)
         if self.every and not self.scorers:
             raise ValueError(f"every > 0 needs eval.scorers: add one, e.g. {SCORERS_HINT} (docs/rewards.md)")
+        if self.metric is not None and self.metric not in self.scorers:
+            known = ", ".join(self.scorers) or "none"
+            raise ValueError(f"metric={self.metric!r} is not one of eval.scorers ({known}): name one, or null")
+        if self.guard.action is not GuardAction.off and not self.every:
+            raise ValueError(
+                f"guard.action={self.guard.action} watches the evaluations, and eval.every=0 runs none: set "
+                "eval.every > 0, or eval.guard.action=off"
+            )

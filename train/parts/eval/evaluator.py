@@ -70,20 +70,23 @@ class Evaluator:
         """After ``done`` steps: every eval.every steps, and after the last step whatever its number."""
         return done % self.parts.cfg.every == 0 or done == self.num_steps
 
-    def __call__(self, step: int) -> None:
-        """Evaluate the policy after ``step`` training steps: log it on all ranks, show it on rank 0. A file the
-        disk refuses (rank 0 writes them) ends the run on every rank with SaveFailed (DiskFull), in one line;
-        the evaluation's row is not logged, so a resumed run evaluates it again."""
-        agree_on_write(lambda: self._run(step), self.folder, f"the evaluation after step {step}")
+    def __call__(self, step: int) -> dict[str, float]:
+        """Evaluate the policy after ``step`` training steps: log it on all ranks, show it on rank 0; the row it
+        logged (empty when no scorer scored). A file the disk refuses (rank 0 writes them) ends the run on every
+        rank with SaveFailed (DiskFull), in one line; the evaluation's row is not logged, so a resumed run
+        evaluates it again."""
+        logged: dict[str, float] = {}
+        agree_on_write(lambda: logged.update(self._run(step)), self.folder, f"the evaluation after step {step}")
+        return logged
 
-    def _run(self, step: int) -> None:
+    def _run(self, step: int) -> dict[str, float]:
         result = self._evaluate(self.records, eval_tag(step))
         if not result.summary:  # every scorer left out: no row, so a resume from this step's checkpoint redoes it
             if self.parts.dist.is_main:
                 log.warning(
                     "the evaluation after step %d has no scores (the lines above say why): training goes on", step
                 )
-            return
+            return {}
         metrics = logged_metrics(result.summary, "")
         heldout = (self._evaluate(self.heldout, heldout_tag(step)).summary or None) if self.heldout else None
         if heldout is not None:
@@ -91,6 +94,7 @@ class Evaluator:
         if self.parts.dist.is_main:  # the files first: the row says the evaluation is whole (a resume looks for it)
             self._show(result, heldout, step)
         self.logger.log(metrics, step)
+        return metrics
 
     def _evaluate(self, records: list[PromptRecord], tag: str) -> EvalResult:
         with self.ema.swapped() if self.ema is not None else nullcontext():

@@ -10,7 +10,9 @@ Per arm, over its seeds (train/parts/observe/stats.py):
     evaluation step every run of the arm reached), its gain over step 0, the area under the
     curve as the mean over training (trapezoids over the evaluation steps), and with a reward threshold
     (``--reward-threshold``) the training time (the sum of its step times before the evaluation) at
-    which each seed's run first evaluates at least that much over its step 0;
+    which each seed's run first evaluates at least that much over its step 0, and the step of each seed's best
+    evaluation (after a training step, as checkpoint.keep_best picks it: train/parts/eval/watch.py) with how much
+    it beat that seed's last one;
   * time per step and per phase: each run's median over its steps after ``warmup`` (a stalled
     step on a contended machine moves a median little), then the mean over seeds; speed-ups
     against the baseline arm as (T_base - T) / T_base (the paper's definition: 279 s -> 228 s
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 from train.algorithm.jagg import UPDATE_MODES
 from train.parts.eval.tags import HELD_OUT, PHASES
+from train.parts.eval.watch import best_of
 from train.parts.observe.stats import Estimate, estimate, median, trapezoid_mean
 from train.parts.scoring.left_out import left_out_line
 from train.tools.compare.runs import NOT_READ, RunMetrics, discover
@@ -144,6 +147,8 @@ class ArmRewards:
     wall: dict[int, float]  # evaluation step -> mean wall_time (s) over seeds when it was logged
     training_time: dict[int, float]  # evaluation step -> mean over seeds of the time/step (s) of the steps before it
     last_step: int
+    # seed -> (the step of its best evaluation, how much it beat the seed's last evaluation): train/parts/eval/watch.py
+    best: dict[int, tuple[int, float]] = field(default_factory=dict)
     # seed -> training time (s) of the first evaluation at least the threshold over step 0 (inf: never)
     reached: dict[int, float] = field(default_factory=dict)
 
@@ -179,8 +184,18 @@ def arm_rewards(arm: Arm, metric: str, threshold: float | None = None) -> ArmRew
         wall={step: sum(w) / len(w) for step, w in walls.items()},
         training_time={step: sum(t) / len(t) for step, t in trained.items()},
         last_step=last,
+        best=best_over_last(per_seed),
         reached=reached,
     )
+
+
+def best_over_last(per_seed: dict[int, dict[int, float]]) -> dict[int, tuple[int, float]]:
+    """Seed -> (the step of the best evaluation of its whole series, its value minus the last evaluation's)."""
+    out = {}
+    for seed, series in per_seed.items():
+        if (best := best_of(series)) is not None:
+            out[seed] = (best.step, best.value - series[max(series)])
+    return out
 
 
 def _run_medians(run: RunMetrics, warmup: int) -> dict[str, float]:

@@ -35,7 +35,7 @@ def reach_cell(reached: dict[int, float]) -> str:
 
 
 def summary_rows(c: Comparison, metric: str) -> list[list[str]]:
-    header = ["arm", "seeds", "final", "gain over step 0", "mean over training"]
+    header = ["arm", "seeds", "final", "gain over step 0", "mean over training", "best - last (best step)"]
     if c.threshold is not None:
         header.append(f"training time to {c.threshold:+g} [s]")
     rows = [header + ["step [s]", "update [s]", "speed-up step", "speed-up update"]]
@@ -43,12 +43,13 @@ def summary_rows(c: Comparison, metric: str) -> list[list[str]]:
     for arm in c.arms:
         r, t = c.rewards[metric][arm.label], c.timing[arm.label]
         rewards = (
-            ["-"] * 3
+            ["-"] * 4
             if r is None
             else [
                 f"{estimate(list(r.final.values())).format()} (step {r.last_step})",
                 estimate(list(r.gain.values())).format(signed=True) if r.gain else "-",
                 estimate(list(r.auc.values())).format(),
+                best_cell(r.best),
             ]
         )
         if c.threshold is not None:
@@ -58,6 +59,15 @@ def summary_rows(c: Comparison, metric: str) -> list[list[str]]:
             speed = [f"{speedup_pct(base_t[p], t[p]):.1f}%" for p in ("step", "update")]
         rows.append([arm.label, str(len(arm.runs)), *rewards, _fmt(t["step"], 3), _fmt(t["update"], 3), *speed])
     return rows
+
+
+def best_cell(best: dict[int, tuple[int, float]]) -> str:
+    """How much each seed's best evaluation beat its last, over seeds, and the best steps (``ArmRewards.best``)."""
+    if not best:
+        return "-"
+    steps = ", ".join(str(step) for step, _ in best.values())
+    word = "step" if len(best) == 1 else "steps"
+    return f"{estimate([margin for _, margin in best.values()]).format(signed=True)} ({word} {steps})"
 
 
 def paired_rows(c: Comparison, metric: str) -> list[list[str]]:
@@ -155,6 +165,7 @@ def summary(c: Comparison) -> dict[str, Any]:
                     "gain": r.gain,
                     "auc": r.auc,
                     "last_step": r.last_step,
+                    "best": {seed: {"step": step, "over_last": margin} for seed, (step, margin) in r.best.items()},
                 }
                 if c.threshold is not None:  # seed -> seconds, null: never
                     entry[f"eval/{metric}"]["time_to_threshold"] = {

@@ -40,11 +40,14 @@ def checkpoint_bytes(report: PlanReport) -> float:
 
 
 def disk_check(cfg: PreflightRunConfig, report: PlanReport) -> Check:
-    """Room on the run folder's disk for checkpoint.keep_last checkpoints of the full-depth run, and the next one."""
-    count = cfg.checkpoint.keep_last + KEEP_ROOM
+    """Room on the run folder's disk for checkpoint.keep_last checkpoints of the full-depth run, the next one, and
+    with checkpoint.keep_best the best one (its files outlive the rotation)."""
+    best = int(cfg.checkpoint.keep_best)
+    count = cfg.checkpoint.keep_last + KEEP_ROOM + best
     needed = count * checkpoint_bytes(report)
     manager = CheckpointManager(RunLayout(cfg.run_dir).root, cfg.checkpoint)
-    what = f"{count} checkpoints (checkpoint.keep_last={cfg.checkpoint.keep_last} and the next one being written)"
+    kept = f"checkpoint.keep_last={cfg.checkpoint.keep_last}" + (", checkpoints/best/" if best else "")
+    what = f"{count} checkpoints ({kept} and the next one being written)"
     try:
         manager.check_space(int(needed), what)
     except UserError as err:
