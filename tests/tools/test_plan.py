@@ -40,7 +40,7 @@ from train.tools.plan.frozen import (
     scorer_module,
 )
 from train.tools.plan.report import Phase, PlanReport
-from train.tools.plan.reward import RewardStage, reward_stage, scorer_flops
+from train.tools.plan.reward import RewardTiming, reward_stage, scorer_flops
 
 
 def real_transformer(name: str) -> dict:
@@ -347,7 +347,7 @@ def test_the_planned_windows_are_those_the_run_draws(overrides, starts):
 def test_served_scoring_hides_behind_the_next_chunks_rollout():
     # 4 chunks; a rollout of 8 s is 2 s a chunk. A served answer of 3 s: the first 3 chunks' answers each hide 2 s
     # behind the next chunk's rollout (6 s), the rest is exposed: 2 s of local scoring + 4 x 3 - 6 = 8 s.
-    stage = RewardStage(chunks=4, local=("jpeg_compressibility",), served=("remote",), local_flops=0.0,
+    stage = RewardTiming(chunks=4, local=("jpeg_compressibility",), served=("remote",), local_flops=0.0,
                         served_seconds=3.0, source="plan.served_reward_seconds")  # fmt: skip
     assert stage.split(2.0, 8.0) == pytest.approx((8.0, 6.0), rel=1e-12)
     # an answer faster than a chunk's rollout: only the last chunk's is exposed, 2 + 1
@@ -405,7 +405,7 @@ def test_the_step_time_adds_the_exposed_reward():
         phases=[Phase(name, 0, 0, 0, 0, flops=int(f), calls_per_step=1) for name, f in
                 (("rollout", 8e15), ("decode", 0), ("optimizer", 0))],
         updates=[], model_bytes=ModelBytes(0.0, 0.0), peak_tflops=1000.0, mfu=0.5, intra_gbps=1.0, inter_gbps=1.0,
-        reward=RewardStage(chunks=4, local=("hpsv2",), served=("remote",), local_flops=1e15, served_seconds=3.0,
+        reward=RewardTiming(chunks=4, local=("hpsv2",), served=("remote",), local_flops=1e15, served_seconds=3.0,
                            source="plan.served_reward_seconds"),
     )  # fmt: skip
     # the rollout: 8e15 FLOPs at 500 TFLOP/s, 16 s (4 a chunk); hpsv2 2 s on the rank; 3 x 3 s hidden

@@ -19,7 +19,7 @@ from train.ground.layout import RunLayout
 from train.run.folder import held_run
 from train.tools.plan.comm import ModelBytes
 from train.tools.plan.report import GIB, Phase, PlanReport
-from train.tools.plan.reward import RewardStage
+from train.tools.plan.reward import RewardTiming
 from train.tools.preflight.compare import MemoryCompare, corrected_memory
 from train.tools.preflight.links import LinkRate, link_checks
 from train.tools.preflight.machine import sdpa_backend
@@ -217,7 +217,7 @@ def test_served_scoring_hides_when_a_chunk_scores_faster_than_the_next_rolls_out
     report = replace(_report({"rollout": 1.0, "decode": 1.0, "optimizer": 1.0}), samples_per_rank=8,
                      peak_tflops=1000.0, mfu=0.5, intra_gbps=1.0, inter_gbps=1.0)  # fmt: skip
     report.phases[0].flops = int(8e15)  # 16 s of rollout at 500 TFLOP/s: 4 s a chunk
-    stage = RewardStage(chunks=4, local=(), served=("remote",), local_flops=0.0, served_seconds=2.0,
+    stage = RewardTiming(chunks=4, local=(), served=("remote",), local_flops=0.0, served_seconds=2.0,
                         source="plan.served_reward_seconds")  # fmt: skip
     report = replace(report, reward=stage)
     fast = [ScorerTiming("remote", served=True, latency_s=0.5, batch=2, batch_s=3.0)]

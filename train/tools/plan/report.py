@@ -11,7 +11,7 @@ from train.algorithm.update_config import UpdateMode
 from train.tools.plan.comm import Cluster, ModelBytes, Traffic, phase_seconds
 from train.tools.plan.fake import Measured
 from train.tools.plan.frozen import FrozenModel
-from train.tools.plan.reward import RewardStage
+from train.tools.plan.reward import RewardTiming
 
 GIB = 2**30
 
@@ -103,7 +103,7 @@ class PlanReport:
     inter_gbps: float = 0.0
     num_steps: int = 0  # training steps of the run
     evaluation: Evaluation | None = None  # None: the run does not evaluate (eval.every=0)
-    reward: RewardStage | None = None  # the scorers' time and what the rollout hides of it (train/tools/plan/reward.py)
+    reward: RewardTiming | None = None  # the scorers' time and what the rollout hides of it (plan/reward.py)
 
     @property
     def frozen_bytes(self) -> int:

@@ -27,8 +27,8 @@ from train.parts.config.schema import TrainConfig
 
 
 @dataclass(frozen=True)
-class RewardStage:
-    """The reward stage of one rank's step."""
+class RewardTiming:
+    """The timing of the reward stage of one rank's step: its chunks, its scorers and their seconds."""
 
     chunks: int  # the rollout's chunks (reward.chunk_groups)
     local: tuple[str, ...]  # the rewards scored on the rank
@@ -72,13 +72,13 @@ def scorer_flops(scorer: nn.Module) -> float | None:
     return float(counter.get_total_flops())
 
 
-def reward_stage(cfg: TrainConfig, flops_per_image: dict[str, float], served_seconds: float) -> RewardStage:
+def reward_stage(cfg: TrainConfig, flops_per_image: dict[str, float], served_seconds: float) -> RewardTiming:
     """The reward stage of ``cfg``'s step on a rank: ``flops_per_image`` of its local scorers with weights (one
     image and prompt), ``served_seconds`` the answer of a served scorer for one chunk."""
     names = list(cfg.reward.components)
     served = tuple(cfg.reward.served_terms())
     images = cfg.grpo.group_size * cfg.batch.prompts_per_rank
-    return RewardStage(
+    return RewardTiming(
         chunks=len(cfg.reward.chunks(cfg.batch.prompts_per_rank)),  # those the step rolls out
         local=tuple(name for name in names if name not in served),
         served=served,
