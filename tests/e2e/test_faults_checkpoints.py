@@ -397,6 +397,41 @@ def test_a_resume_may_move_a_judge_and_allow_one_of_its_arguments(launch, tmp_pa
 
 
 @pytest.mark.slow
+def test_a_two_rank_resume_with_a_judge_per_rank_goes_on_and_notes_the_address(launch, tiny_flux_dir, tmp_path):
+    """A run trained on one rank with its judge at 127.0.0.1 resumes on two ranks (gloo, the same global batch), each
+    with its own judge (base_url http://127.0.${oc.env:RANK}.1:PORT/v1): a judge's address changes nothing a step
+    computes, so each rank compares it with the checkpoint's inside the ranks' agreement and goes on; rank 1, whose
+    judge moved, names the change in one line on its own output, rank 0, whose judge did not, says nothing. Before
+    (an address among the compared settings) rank 1 refused alone and rank 0 lost its peer."""
+    pytest.importorskip("fastapi")
+    from reward_servers import chat, judge_server, serve
+    from small_run import FAST
+    from two_ranks import run_ranks
+
+    judge = "+reward.components.judge={{base_url: 'http://{host}:{port}/v1', model: judge, retries: 0}}"
+    run_dir, kept = tmp_path / "run", ["checkpoint.export=false", "dist.timeout_s=120"]
+    first, first_seen = judge_server(lambda body, number: chat("Final Score: 3"))
+    second, second_seen = judge_server(lambda body, number: chat("Final Score: 4"))
+    with serve(first) as url, serve(second, host="127.0.1.1", port=int(url.rsplit(":", 1)[1])) as moved:
+        port = url.rsplit(":", 1)[1]
+        doubled = ["batch.prompts_per_rank=2", "batch.gradient_accumulation_steps=4"]  # two ranks of SMALL_RUN's
+        assert launch(run_dir, *kept, *doubled, "num_steps=1", judge.format(host="127.0.0.1", port=port))[0] == 0
+        per_rank = judge.format(host="127.0.${oc.env:RANK}.1", port=port)
+        args = [*FAST, f"model.path={tiny_flux_dir}", *kept, "num_steps=2", "resume=auto", per_rank]
+        ranks = run_ranks("-m", "train", *args, f"hydra.run.dir={run_dir}", timeout=300)
+    assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-2000:] for rank in ranks]
+    noted = (
+        f"resume=auto: changed since checkpoint {run_dir / 'checkpoints' / 'step_00000001'}, used as given: "
+        f"reward.components.judge.base_url '{url}/v1' -> '{moved}/v1'"
+    )
+    assert [line for line in ranks[1].stdout.splitlines() if "changed since checkpoint" in line] == [
+        f"[rank 1] WARNING: {noted}"
+    ], ranks[1].stdout
+    assert "changed since checkpoint" not in ranks[0].stdout + (run_dir / "__main__.log").read_text()
+    assert [m["step"] for m in metrics(run_dir)] == [0, 1] and second_seen.bodies  # rank 1 asked its own judge
+
+
+@pytest.mark.slow
 def test_a_resume_whose_settings_changed_on_one_rank_stops_both_ranks_each_with_its_line(trained, tiny_flux_dir,
                                                                                          tmp_path):  # fmt: skip
     """Two ranks (gloo) resume a checkpoint of 2 ranks, each reading the training prompts from its own copy, and rank
