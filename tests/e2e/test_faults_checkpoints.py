@@ -437,8 +437,9 @@ def test_a_resume_whose_settings_changed_on_one_rank_stops_both_ranks_each_with_
     """Two ranks (gloo) resume a checkpoint of 2 ranks, each reading the training prompts from its own copy, and rank
     1's copy holds other prompts (a node with a stale file): each rank compares the checkpoint's settings with its
     own inside the ranks' agreement (``agreed``), so rank 1 prints its own refusal naming data.train_prompts, rank
-    0 the line naming rank 1's, both exit 2 in seconds, and the run folder is as it was (its Hydra record too, which
-    rank 1 wrote as well, racing rank 0's record of the folder: config.yaml was once left empty). Compared
+    0 the line naming rank 1's, both exit 2 in seconds, and the run folder is as it was, byte for byte: its Hydra
+    record (which rank 1 wrote as well, racing rank 0's record of the folder: config.yaml was once left empty) and its
+    log (where rank 1 appended its lines, kept or cut by rank 0's take-back as they came before or after it). Compared
     outside the agreement, rank 1 stopped alone without a line (a refusal every rank raises is printed by rank 0)
     and rank 0 lost its peer in the next collective ("see its own output")."""
     from run_folders import ROOT
@@ -452,7 +453,7 @@ def test_a_resume_whose_settings_changed_on_one_rank_stops_both_ranks_each_with_
     prompts = (ROOT / "testbed" / "prompts" / "demo.txt").read_text()
     (tmp_path / "prompts_0.txt").write_text(prompts)
     (tmp_path / "prompts_1.txt").write_text("a prompt the run never trained on\n" + prompts)
-    saved = but_the_log(run_dir)
+    saved = contents(run_dir)
     args = [*FAST, f"model.path={tiny_flux_dir}", f"data.train_prompts={tmp_path}/prompts_${{oc.env:RANK}}.txt"]
     args += ["num_steps=3", "resume=auto", "dist.timeout_s=600", f"hydra.run.dir={run_dir}"]
     ranks = run_ranks("-m", "train", *args, timeout=300)
@@ -463,9 +464,5 @@ def test_a_resume_whose_settings_changed_on_one_rank_stops_both_ranks_each_with_
     )
     assert own.startswith(f"[rank 1] python -m train: error: {refusal} '8 prompts, sha256 "), own
     assert the_error(ranks[0].stderr).startswith(f"python -m train: error: rank 1: {refusal}"), ranks[0].stderr
-    assert but_the_log(run_dir) == saved
+    assert contents(run_dir) == saved
 
-
-def but_the_log(run_dir: Path) -> dict[str, str]:
-    """``contents`` of a run folder but its log file, where every rank writes its own lines."""
-    return {name: digest for name, digest in contents(run_dir).items() if name != "__main__.log"}
