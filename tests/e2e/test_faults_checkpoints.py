@@ -1,8 +1,9 @@
 """Checkpoints and what a resume may change (docs/reliability.md, Settings on resume, A branch and another
 run's checkpoint): a damaged checkpoint, export or metrics file is named in one line (``resume=auto`` falls back
 past a damaged latest checkpoint); a resume that changes what the weights mean is refused, on two ranks by the
-rank that sees the change, each rank with its line; a branch from an older checkpoint retires the later ones, and
-a resume from a retired one brings its timeline back."""
+rank that sees the change, each rank with its line, and one that moves a rank's judge goes on, that rank noting it;
+a branch from an older checkpoint retires the later ones, and a resume from a retired one brings its timeline
+back."""
 
 from __future__ import annotations
 
@@ -465,4 +466,3 @@ def test_a_resume_whose_settings_changed_on_one_rank_stops_both_ranks_each_with_
     assert own.startswith(f"[rank 1] python -m train: error: {refusal} '8 prompts, sha256 "), own
     assert the_error(ranks[0].stderr).startswith(f"python -m train: error: rank 1: {refusal}"), ranks[0].stderr
     assert contents(run_dir) == saved
-

@@ -5,7 +5,7 @@ are saved; a server that drips its answer ends each step at the request's deadli
 start-up is named as stuck; one that never answers a score holds a step in many chunks for one request, not one
 per chunk, on one rank and on two. A served scorer among eval.scorers is built before the model loads, in the trainer
 and in train.eval, its bound checked against dist.timeout_s, and one that fails during an evaluation is left out of
-it in one line."""
+it in one line, on one rank and on each of two."""
 
 from __future__ import annotations
 
