@@ -100,3 +100,14 @@ def test_sharded_checkpoint_round_trip(results: list[dict]) -> None:
 
 def test_sharded_export_reloads(results: list[dict]) -> None:
     assert results[0]["export_diff"] == 0.0
+
+
+def test_no_gloo_thread_outlives_the_command() -> None:
+    """Two ranks shard a tensor over the world mesh inside ``process_group`` (tests/helpers/exit_worker.py): by the
+    last exit handler the destroyed process group is freed and its gloo threads joined. Before, torch's DTensor
+    caches and the world mesh's own kept it, its threads alive until the interpreter was torn down (where
+    test_sigterm_on_one_of_two_ranks once aborted: "terminate called without an active exception")."""
+    proc = run_torchrun(str(HELPERS / "exit_worker.py"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("gloo threads at exit: ")]
+    assert lines == ["gloo threads at exit: []"] * 2, proc.stderr[-4000:]

@@ -1,8 +1,9 @@
 """Checkpoints and what a resume may change (docs/reliability.md, Settings on resume, A branch and another
 run's checkpoint): a damaged checkpoint, export or metrics file is named in one line (``resume=auto`` falls back
 past a damaged latest checkpoint); a resume that changes what the weights mean is refused, on two ranks by the
-rank that sees the change, each rank with its line; a branch from an older checkpoint retires the later ones, and
-a resume from a retired one brings its timeline back."""
+rank that sees the change, each rank with its line, and one that moves a rank's judge goes on, that rank noting it;
+a branch from an older checkpoint retires the later ones, and a resume from a retired one brings its timeline
+back."""
 
 from __future__ import annotations
 
@@ -397,13 +398,49 @@ def test_a_resume_may_move_a_judge_and_allow_one_of_its_arguments(launch, tmp_pa
 
 
 @pytest.mark.slow
+def test_a_two_rank_resume_with_a_judge_per_rank_goes_on_and_notes_the_address(launch, tiny_flux_dir, tmp_path):
+    """A run trained on one rank with its judge at 127.0.0.1 resumes on two ranks (gloo, the same global batch), each
+    with its own judge (base_url http://127.0.${oc.env:RANK}.1:PORT/v1): a judge's address changes nothing a step
+    computes, so each rank compares it with the checkpoint's inside the ranks' agreement and goes on; rank 1, whose
+    judge moved, names the change in one line on its own output, rank 0, whose judge did not, says nothing. Before
+    (an address among the compared settings) rank 1 refused alone and rank 0 lost its peer."""
+    pytest.importorskip("fastapi")
+    from reward_servers import chat, judge_server, serve
+    from small_run import FAST
+    from two_ranks import run_ranks
+
+    judge = "+reward.components.judge={{base_url: 'http://{host}:{port}/v1', model: judge, retries: 0}}"
+    run_dir, kept = tmp_path / "run", ["checkpoint.export=false", "dist.timeout_s=120"]
+    first, first_seen = judge_server(lambda body, number: chat("Final Score: 3"))
+    second, second_seen = judge_server(lambda body, number: chat("Final Score: 4"))
+    with serve(first) as url, serve(second, host="127.0.1.1", port=int(url.rsplit(":", 1)[1])) as moved:
+        port = url.rsplit(":", 1)[1]
+        doubled = ["batch.prompts_per_rank=2", "batch.gradient_accumulation_steps=4"]  # two ranks of SMALL_RUN's
+        assert launch(run_dir, *kept, *doubled, "num_steps=1", judge.format(host="127.0.0.1", port=port))[0] == 0
+        per_rank = judge.format(host="127.0.${oc.env:RANK}.1", port=port)
+        args = [*FAST, f"model.path={tiny_flux_dir}", *kept, "num_steps=2", "resume=auto", per_rank]
+        ranks = run_ranks("-m", "train", *args, f"hydra.run.dir={run_dir}", timeout=300)
+    assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-2000:] for rank in ranks]
+    noted = (
+        f"resume=auto: changed since checkpoint {run_dir / 'checkpoints' / 'step_00000001'}, used as given: "
+        f"reward.components.judge.base_url '{url}/v1' -> '{moved}/v1'"
+    )
+    assert [line for line in ranks[1].stdout.splitlines() if "changed since checkpoint" in line] == [
+        f"[rank 1] WARNING: {noted}"
+    ], ranks[1].stdout
+    assert "changed since checkpoint" not in ranks[0].stdout + (run_dir / "__main__.log").read_text()
+    assert [m["step"] for m in metrics(run_dir)] == [0, 1] and second_seen.bodies  # rank 1 asked its own judge
+
+
+@pytest.mark.slow
 def test_a_resume_whose_settings_changed_on_one_rank_stops_both_ranks_each_with_its_line(trained, tiny_flux_dir,
                                                                                          tmp_path):  # fmt: skip
     """Two ranks (gloo) resume a checkpoint of 2 ranks, each reading the training prompts from its own copy, and rank
     1's copy holds other prompts (a node with a stale file): each rank compares the checkpoint's settings with its
     own inside the ranks' agreement (``agreed``), so rank 1 prints its own refusal naming data.train_prompts, rank
-    0 the line naming rank 1's, both exit 2 in seconds, and the run folder is as it was (its Hydra record too, which
-    rank 1 wrote as well, racing rank 0's record of the folder: config.yaml was once left empty). Compared
+    0 the line naming rank 1's, both exit 2 in seconds, and the run folder is as it was, byte for byte: its Hydra
+    record (which rank 1 wrote as well, racing rank 0's record of the folder: config.yaml was once left empty) and its
+    log (where rank 1 appended its lines, kept or cut by rank 0's take-back as they came before or after it). Compared
     outside the agreement, rank 1 stopped alone without a line (a refusal every rank raises is printed by rank 0)
     and rank 0 lost its peer in the next collective ("see its own output")."""
     from run_folders import ROOT
@@ -417,7 +454,7 @@ def test_a_resume_whose_settings_changed_on_one_rank_stops_both_ranks_each_with_
     prompts = (ROOT / "testbed" / "prompts" / "demo.txt").read_text()
     (tmp_path / "prompts_0.txt").write_text(prompts)
     (tmp_path / "prompts_1.txt").write_text("a prompt the run never trained on\n" + prompts)
-    saved = but_the_log(run_dir)
+    saved = contents(run_dir)
     args = [*FAST, f"model.path={tiny_flux_dir}", f"data.train_prompts={tmp_path}/prompts_${{oc.env:RANK}}.txt"]
     args += ["num_steps=3", "resume=auto", "dist.timeout_s=600", f"hydra.run.dir={run_dir}"]
     ranks = run_ranks("-m", "train", *args, timeout=300)
@@ -428,9 +465,4 @@ def test_a_resume_whose_settings_changed_on_one_rank_stops_both_ranks_each_with_
     )
     assert own.startswith(f"[rank 1] python -m train: error: {refusal} '8 prompts, sha256 "), own
     assert the_error(ranks[0].stderr).startswith(f"python -m train: error: rank 1: {refusal}"), ranks[0].stderr
-    assert but_the_log(run_dir) == saved
-
-
-def but_the_log(run_dir: Path) -> dict[str, str]:
-    """``contents`` of a run folder but its log file, where every rank writes its own lines."""
-    return {name: digest for name, digest in contents(run_dir).items() if name != "__main__.log"}
+    assert contents(run_dir) == saved

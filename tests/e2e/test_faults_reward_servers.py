@@ -5,10 +5,11 @@ are saved; a server that drips its answer ends each step at the request's deadli
 start-up is named as stuck; one that never answers a score holds a step in many chunks for one request, not one
 per chunk, on one rank and on two. A served scorer among eval.scorers is built before the model loads, in the trainer
 and in train.eval, its bound checked against dist.timeout_s, and one that fails during an evaluation is left out of
-it in one line."""
+it in one line, on one rank and on each of two."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -274,6 +275,39 @@ def test_a_served_eval_scorer_that_fails_mid_run_is_left_out_of_that_evaluation(
     rows = {row["step"]: row for row in metrics(tmp_path / "run") if any(key.startswith("eval/") for key in row)}
     assert f"eval/{LOCAL}" in rows[0] and "eval/remote" not in rows[0]
     assert rows[1][f"eval/{LOCAL}"] and rows[1]["eval/remote"] == pytest.approx(0.25)
+
+
+@pytest.mark.slow
+def test_a_served_eval_scorer_that_fails_on_both_of_two_ranks_is_left_out_on_each(tiny_flux_dir, tmp_path):
+    """Two ranks (gloo) share a reward server among eval.scorers that answers their first requests, the evaluation
+    before training's, with non-JSON: each rank leaves it out of that evaluation in one line of its own, goes on
+    with the local scorer, and the ranks agree (no hang, both exit 0); the last evaluation scores it again. The
+    run's log holds rank 0's line, rank 1's is on its own output."""
+    pytest.importorskip("fastapi")
+    from fastapi.responses import PlainTextResponse
+    from reward_servers import FAKE, fake_server, serve
+    from two_ranks import run_ranks
+
+    bad = PlainTextResponse("Bad Gateway")
+    with serve(fake_server(bad, bad, lambda count: {"scores": [0.25] * count, **FAKE})) as url:
+        scorers = [f"+eval.scorers.remote={{url: '{url}', timeout_s: 10, retries: 0}}", f"+eval.scorers.{LOCAL}={{}}"]
+        run_dir = tmp_path / "run"
+        args = [*FAST, f"model.path={tiny_flux_dir}", "num_steps=1", "eval.every=1", *EVAL, *scorers]
+        ranks = run_ranks("-m", "train", *args, "dist.timeout_s=120", f"hydra.run.dir={run_dir}", timeout=300)
+    assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-2000:] for rank in ranks]
+    left_out = re.compile(
+        r"eval\.scorers\.remote is left out of the evaluation step_00000000 \(the other scorers are kept, the next "
+        rf"evaluation asks it again\): {SCORER_FAULTS['non-json']}"
+    )
+    log = (run_dir / "__main__.log").read_text()
+    for output in (log, ranks[1].stdout):  # one line each: rank 0's in the run's log, rank 1's on its own output
+        lines = [line for line in output.splitlines() if "eval.scorers.remote is left out" in line]
+        assert len(lines) == 1 and left_out.search(lines[0]), output
+    rows = {row["step"]: row for row in metrics(run_dir) if any(key.startswith("eval/") for key in row)}
+    assert f"eval/{LOCAL}" in rows[0] and "eval/remote" not in rows[0]
+    assert rows[1][f"eval/{LOCAL}"] and rows[1]["eval/remote"] == pytest.approx(0.25)
+    scored = [json.loads(line) for line in (run_dir / "eval" / "step_00000000.scores.jsonl").read_text().splitlines()]
+    assert len(scored) == 3 and all(LOCAL in row and "remote" not in row for row in scored), scored
 
 
 def test_train_eval_with_its_only_served_scorer_failing_is_one_line(launch, tmp_path):

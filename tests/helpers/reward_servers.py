@@ -24,11 +24,11 @@ FAKE = {"scorer": "fake"}  # what the fake server's answers name: a scorer witho
 
 
 @contextmanager
-def serve(app: FastAPI, *, port: int = 0) -> Iterator[str]:
-    """``app`` on 127.0.0.1:``port`` (0: a free one) in a thread; yields its URL and stops it on exit."""
+def serve(app: FastAPI, *, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """``app`` on ``host``:``port`` (0: a free one) in a thread; yields its URL and stops it on exit."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a server restarted on the port it had
-    sock.bind(("127.0.0.1", port))
+    sock.bind((host, port))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -37,7 +37,7 @@ def serve(app: FastAPI, *, port: int = 0) -> Iterator[str]:
         time.sleep(0.02)
     assert server.started, "the test server did not start within 10 s"
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield f"http://{host}:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(10)

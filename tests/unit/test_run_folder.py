@@ -256,3 +256,46 @@ def test_a_folder_another_rank_made_first_is_taken_back_as_the_launchs(tmp_path,
     assert launch.made == []
     launch.undo()
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["a"] and list(folder.iterdir()) == []
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_rank_zero_writes_the_run_folders_log(rank, tmp_path, monkeypatch, capsys):
+    """The trainer's job logging (configs/hydra/job_logging/console.yaml) as RunFolder leaves it to Hydra: rank 0
+    logs to its console and to <run>/__main__.log; a rank other than 0 to its console alone, its lines tagged
+    (docs/logging.md), so that rank 0 is the log's one writer and the take-back of a refused launch restores it
+    exactly. Before, every rank appended its lines there, untagged."""
+    import logging.config
+
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf, open_dict
+
+    from train.cli.reporting import progress
+    from train.cli.run_folder import RunFolder
+    from train.parts.config.schema import register_schema
+
+    register_schema()
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setattr(progress, "launch", None)  # what on_run_start records on rank 0
+    folder = tmp_path / "run"
+    with initialize_config_module(config_module="configs", version_base=None):
+        config = compose("train", overrides=[f"hydra.run.dir={folder}"], return_hydra_config=True)
+    with open_dict(config):  # what Hydra sets before it configures the job's logging
+        config.hydra.runtime.output_dir, config.hydra.job.name = str(folder), "__main__"
+    RunFolder().on_run_start(config)
+    folder.mkdir(exist_ok=True)  # Hydra creates it next, on every rank
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        logging.config.dictConfig(OmegaConf.to_container(config.hydra.job_logging, resolve=True))
+        logging.getLogger("train").warning("a line of rank %d", rank)
+    finally:
+        for handler in root.handlers:
+            handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        if progress.launch is not None and progress.launch.lock is not None:
+            progress.launch.lock.release()
+    assert capsys.readouterr().out == f"{'[rank 1] ' if rank else ''}WARNING: a line of rank {rank}\n"
+    logs = {path.name: path.read_text() for path in folder.glob("*.log")}
+    assert list(logs) == (["__main__.log"] if rank == 0 else []), logs
+    assert rank > 0 or logs["__main__.log"].endswith("[WARNING] a line of rank 0\n"), logs

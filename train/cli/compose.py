@@ -10,7 +10,8 @@
 * ``${jagg_eval_dir:...}`` (configs/eval.yaml): Hydra's folder of ``python -m train.eval``, inside the
   evaluated run, so its config and log sit beside its results.
 * ``ConsoleFormatter`` (configs/hydra/job_logging/console.yaml): INFO lines as they are, other levels
-  prefixed; the run folder's ``<job name>.log`` gets the same lines with a time stamp.
+  prefixed, a rank other than 0's tagged ``[rank N]``; the run folder's ``<job name>.log`` gets rank 0's lines with
+  a time stamp (the other ranks write none there: train/cli/run_folder.py).
 """
 
 from __future__ import annotations
@@ -20,16 +21,19 @@ import logging
 from omegaconf import OmegaConf
 
 from train.cli.help_text import fields_help
+from train.cli.reporting import env_rank, rank_tag
 from train.ground.layout import RunLayout
 from train.parts.config.schema import register_schema
 
 
 class ConsoleFormatter(logging.Formatter):
-    """``message`` for INFO, ``LEVEL: message`` otherwise (a warning must not read like progress)."""
+    """``message`` for INFO, ``LEVEL: message`` otherwise (a warning must not read like progress); under torchrun a
+    rank other than 0 tags its lines ``[rank N] `` (``rank_tag``), as it does its error line."""
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
-        return text if record.levelno == logging.INFO else f"{record.levelname}: {text}"
+        line = text if record.levelno == logging.INFO else f"{record.levelname}: {text}"
+        return rank_tag(env_rank()) + line
 
 
 def eval_output_dir(transformer: str | None, resume: str | None, default: str) -> str:

@@ -5,9 +5,9 @@ what it wrote, and only that: the folders it created itself go (the run folder w
 its parents when they are empty), and in a folder that existed ``.hydra/``, ``config*.yaml``, ``run_id``
 and the log file are as they were. train/cli/run_folder.py records the folder and takes its lock
 before Hydra writes (``claimed``: of two launches that meet, the one refused has written nothing);
-train/cli/reporting.py takes the launch back when it reports a user's error. Only rank 0 takes back
-(the other ranks write their lines to the log file alone: their Hydra writes no ``.hydra/``, which would race rank
-0's record of the folder); a launch whose lock was taken over
+train/cli/reporting.py takes the launch back when it reports a user's error. Only rank 0 takes back: the other
+ranks' Hydra writes neither ``.hydra/`` nor the log file into the folder (train/cli/run_folder.py; their lines go to
+their own output), so the bookkeeping there is rank 0's alone; a launch whose lock was taken over
 takes back nothing (the folder is another launch's). A rank other than 0 that comes first creates the
 folder marked as its launch's (``made_for_rank_zero``), so that rank 0 takes it for one it made.
 """

@@ -83,6 +83,12 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def rank_tag(rank: int) -> str:
+    """What a line of rank ``rank`` begins with on its output: ``[rank N] `` for a rank other than 0 (torchrun shows
+    every worker's output as it is, untagged), nothing for rank 0."""
+    return f"[rank {rank}] " if rank > 0 else ""
+
+
 def _debug() -> bool:
     return os.environ.get(DEBUG_ENV) == "1" if progress.debug is None else progress.debug
 
@@ -101,9 +107,8 @@ def _quiet(*streams: Any) -> None:
 
 def _print(prog: str, label: str, message: str, *, rank: int) -> None:
     """The line on stderr, and in the run folder's log file (a closed terminal shows it no more)."""
-    prefix = f"[rank {rank}] " if rank > 0 else ""
     one_line = " ".join(part.strip() for part in message.splitlines() if part.strip())
-    line = f"{prefix}{prog}: {label}: {one_line}"
+    line = f"{rank_tag(rank)}{prog}: {label}: {one_line}"
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(logging.LogRecord("train", logging.ERROR, __file__, 0, line, None, None))

@@ -52,7 +52,7 @@ class RunFolder(Callback):
         if env_rank() != 0:  # rank 0 owns the folder and takes back what a refused launch wrote there
             if self.lock:
                 made_for_rank_zero(folder)
-            _leave_hydra_record_to_rank_zero(config)
+            _leave_folder_record_to_rank_zero(config)
             return
         if not self.lock:
             progress.launch = Launch.before(folder)
@@ -102,12 +102,21 @@ class RunFolder(Callback):
         return UserError(busy) if busy else None
 
 
-def _leave_hydra_record_to_rank_zero(config: DictConfig) -> None:
-    """On a rank other than 0: Hydra writes no ``.hydra/`` of this rank's (rank 0 writes the same files). Written by
-    every rank, they raced rank 0's record of the folder: a refused resume on two ranks took back a config.yaml rank 1
-    was writing, and left it empty."""
+def _leave_folder_record_to_rank_zero(config: DictConfig) -> None:
+    """On a rank other than 0: Hydra writes no ``.hydra/`` and no log file of this rank's into the shared run folder
+    (rank 0 writes the same ``.hydra/`` files; this rank's lines go to its own output, docs/logging.md). Written by
+    every rank, ``.hydra/`` raced rank 0's record of the folder (a refused two-rank resume once took back a
+    config.yaml rank 1 was writing, and left it empty), and the log file held rank 1's lines untagged beside rank
+    0's, cut or kept by rank 0's take-back of a refused launch depending on which rank wrote first."""
     with read_write(config.hydra), open_dict(config.hydra):
         config.hydra.output_subdir = None
+        job_logging = config.hydra.job_logging
+        files = [name for name, handler in (job_logging.get("handlers") or {}).items() if "filename" in handler]
+        for name in files:
+            del job_logging.handlers[name]
+        for logger in [job_logging.get("root"), *(job_logging.get("loggers") or {}).values()]:
+            if logger is not None and logger.get("handlers"):
+                logger.handlers = [name for name in logger.handlers if name not in files]
 
 
 def _sweep_jobs(config: DictConfig) -> list[tuple[int, Path, DictConfig]] | None:

@@ -31,6 +31,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import shutil
 from collections.abc import Iterable, Sequence
@@ -43,7 +44,8 @@ from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, _collective_utils, _redistribute
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from train.distributed.collectives import all_reduce_sum, broadcast_object, get_rank, get_world_size, is_distributed
 
@@ -93,6 +95,22 @@ def world_mesh(device_type: str | None = None, *, replicate: int = 1) -> DeviceM
     names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
     _world_mesh = (group, init_device_mesh(device_type, shape, mesh_dim_names=names))
     return _world_mesh[1]
+
+
+def release_world_mesh() -> None:
+    """Forget the mesh of ``world_mesh`` and the references torch's DTensor caches keep to it (redistribution plans,
+    topology, sharding propagation), then collect the sharded modules' reference cycles: a process group that
+    ``destroy_process_group`` let go is then freed here, its destructor joining gloo's threads. Held by these caches,
+    a destroyed group's ``pt_gloo_runloop`` and ``gloo_tcp_loop`` threads were alive in every two-rank run until
+    Python shut down, and the group was freed, if at all, while the interpreter was being torn down
+    (docs/distributed.md, Hung ranks). For an exit handler: the command's own frames hold the run until then."""
+    global _world_mesh
+    _world_mesh = None
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+    _clear_sharding_prop_cache()
+    gc.collect()  # the sharded modules of the runs that ended, in reference cycles, hold it too
 
 
 def compile_unavailable(device_type: str) -> str | None:

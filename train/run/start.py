@@ -3,6 +3,7 @@ torchrun's process group for the duration of the command."""
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -66,6 +67,11 @@ def process_group(timeout_s: float | None = None) -> Iterator[DistInfo]:
     timeout_s: ``dist.timeout_s``, how long a collective waits for the other ranks.
     """
     dist = init_distributed(timeout_s=timeout_s)
+    if dist.world_size > 1:
+        from train.distributed.parallelize import release_world_mesh  # FSDP's imports: with a process group only
+
+        # after the command's frames and its exception are gone, before Python shuts down
+        atexit.register(release_world_mesh)
     try:
         yield dist
     finally:
