@@ -31,7 +31,9 @@
 
 from __future__ import annotations
 
+import functools
 import gc
+import importlib
 import math
 import shutil
 from collections.abc import Iterable, Sequence
@@ -44,8 +46,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, _collective_utils, _redistribute
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+from torch.distributed.tensor import DTensor, Replicate
 
 from train.distributed.collectives import all_reduce_sum, broadcast_object, get_rank, get_world_size, is_distributed
 
@@ -97,6 +98,14 @@ def world_mesh(device_type: str | None = None, *, replicate: int = 1) -> DeviceM
     return _world_mesh[1]
 
 
+_MESH_CACHES = (  # torch's private caches that keep a mesh and its process group (as of torch 2.14)
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"),
+    ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
+    ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
+)
+
+
 def release_world_mesh() -> None:
     """Forget the mesh of ``world_mesh`` and the references torch's DTensor caches keep to it (redistribution plans,
     topology, sharding propagation), then collect the sharded modules' reference cycles: a process group that
@@ -106,10 +115,12 @@ def release_world_mesh() -> None:
     (docs/distributed.md, Hung ranks). For an exit handler: the command's own frames hold the run until then."""
     global _world_mesh
     _world_mesh = None
-    _redistribute._gen_transform_infos.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
-    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
-    _clear_sharding_prop_cache()
+    for module, name in _MESH_CACHES:
+        try:
+            clear = functools.reduce(getattr, name.split("."), importlib.import_module(module))
+        except (ImportError, AttributeError):  # another torch than 2.14: not that cache
+            continue
+        clear()
     gc.collect()  # the sharded modules of the runs that ended, in reference cycles, hold it too
 
 
