@@ -189,9 +189,7 @@ class Trainer:
         run, cfg, main = self.run, self.run.cfg, self.run.dist.is_main
         show_bar = main and cfg.logging.progress_bar
         bar = progress_bar(cfg.num_steps, is_main=show_bar, initial=start)
-        heartbeat = Heartbeat(
-            cfg.num_steps, start=start, every_s=cfg.logging.heartbeat_s, enabled=main and not show_bar
-        )
+        heartbeat = Heartbeat(cfg.logging, cfg.num_steps, start=start, enabled=main and not show_bar)
         history = []
         # console lines go through tqdm.write while the bar is shown, so they do not break it
         with (

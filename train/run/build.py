@@ -101,7 +101,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
         records, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, prompts_per_rank=cfg.batch.prompts_per_rank
     )
     reward_stage = cfg.reward.build(rewards=rewards, advantage=advantage_fn(cfg.grpo), dist=dist, device=device)
-    optim = OptimParts(optimizer, build_ema(model.params, cfg.ema.decay), build_router(cfg.update))
+    optim = OptimParts(optimizer, build_ema(model.params, cfg.ema), build_router(cfg.update))
     io = IOParts(
         layout=layout, checkpoints=checkpoints, logger=logger, resume_from=resume_from, run_id=run_id, lock=lock
     )
