@@ -34,7 +34,7 @@ from train.parts.checkpoint.settings import LORA_MODULES, recorded_settings
 from train.parts.config.schema import TrainConfig
 from train.parts.data.prompts import PromptRecord, PromptSampler, prompts_digest, read_prompts
 from train.parts.eval.protocol import EvalParts
-from train.parts.observe.health import Health, weight_norm
+from train.parts.observe.health import weight_norm
 from train.parts.observe.logger import RunLogger
 from train.parts.observe.perf import CompileWatch, device_peak
 from train.parts.optim.optimizer import adamw_settings, build_ema
@@ -138,8 +138,7 @@ def _eval_parts(
 def _loop_parts(cfg: TrainConfig, model: ModelParts, optim: OptimParts, io: IOParts, *, prompts: str) -> LoopParts:
     """The loop's health, its counters from step 0 (a resume loads a checkpoint's), and the checkpointer that saves
     them with the weights and the settings that give them their meaning (``prompts``: the prompt file's digest)."""
-    health = Health(
-        cfg.health,
+    health = cfg.health.build(
         optimizer_steps=optimizer_steps_per_step(cfg),
         first=0,
         last=cfg.num_steps - 1,
