@@ -48,11 +48,12 @@ from train.run.startup_checks import check_mesh, check_resume, claim_folder
 from train.run.timeline import run_identity
 
 
-def build_logger(cfg: TrainConfig, dist: DistInfo, *, resumed: bool) -> RunLogger:
-    """The run's logger (``logging.*``): wandb's group, name and tags carry the experiment and the update mode."""
+def build_logger(cfg: TrainConfig, dist: DistInfo, layout: RunLayout, *, resumed: bool) -> RunLogger:
+    """The run's logger (``logging.*``) into ``layout``, the run folder's: wandb's group, name and tags carry the
+    experiment and the update mode."""
     return RunLogger(
         cfg.logging,
-        RunLayout(cfg.run_dir),
+        layout,
         is_main=dist.is_main,
         experiment=cfg.experiment,
         name=f"{cfg.experiment}-{cfg.update.mode}-s{cfg.seed}",
@@ -96,7 +97,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
     lora_checkpoint = (checkpoints, resume_from) if training else None
     model, flops = build_model(cfg, dist, device, lora_checkpoint=lora_checkpoint)
     optimizer = torch.optim.AdamW(model.params, **adamw_settings(cfg.optimizer))
-    logger = build_logger(cfg, dist, resumed=bool(resume_from))
+    logger = build_logger(cfg, dist, layout, resumed=bool(resume_from))
     prompts = PromptSampler(
         records, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, prompts_per_rank=cfg.batch.prompts_per_rank
     )
@@ -115,7 +116,7 @@ def build_run(cfg: TrainConfig, dist: DistInfo, *, training: bool = True, lock: 
         data=DataParts(prompts=prompts, reward_stage=reward_stage, eval=evaluation),
         io=io,
         loop=_loop_parts(cfg, model, optim, io, prompts=prompts.digest),
-        perf=PerfParts(flops, device_peak(cfg.perf.peak_tflops, device), CompileWatch() if cfg.model.compile else None),
+        perf=PerfParts(flops, device_peak(cfg.perf, device), CompileWatch() if cfg.model.compile else None),
     )
 
 
