@@ -18,6 +18,10 @@ T = TypeVar("T")
 class Configurable(Generic[T]):
     """The base of a settings dataclass that builds a part of type ``T`` (``owner``)."""
 
+    # OmegaConf reads the arguments of a structured config's first generic base as a Dict's (key, value) types
+    # (omegaconf/_utils.py, get_dict_key_value_types); these are what it takes for a plain dataclass
+    __args__ = (Any, Any)
+
     @classmethod
     def owner(cls) -> Callable[..., T]:
         """The part this group builds: called with the group, then the runtime arguments by name."""

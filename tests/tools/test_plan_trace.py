@@ -29,8 +29,8 @@ from samplers.schedule import shifted_sigmas
 from samplers.window import rollout_forwards
 from train.algorithm.jagg import UPDATE_MODES, backward_segment
 from train.distributed.parallelize import parallelize
-from train.loop.passes import optimizer_steps_per_step
 from train.parts.policy.builder import FSDP_VIEW_WARNING
+from train.run.build import optimizer_steps_per_step
 from train.tools.plan.command import SHIPPED_ARCH, plan
 from train.tools.plan.counts import drawn_windows
 from train.tools.plan.fake import fake_process_group

@@ -21,6 +21,7 @@ from train.ground.errors import ConfigError
 from train.parts.config.keys import checked, typed
 from train.parts.config.schema import TrainConfig, register_schema
 from train.parts.config.shipped import shipped
+from train.parts.observe.health import Health, HealthConfig
 from train.parts.optim.optimizer import adamw_settings
 from train.run.checks import trainable_transitions, validate
 from train.run.start import typed_config
@@ -554,3 +555,15 @@ def test_an_optional_reward_term_reaches_the_combiner_and_not_its_scorer(tmp_pat
     }
     assert cfg.reward.chunk_groups == "auto"  # no served term: one chunk, the step of before the reward stage
     assert cfg.reward.chunks(8) == [range(8)]
+
+
+def test_a_group_that_builds_its_part_composes_and_refuses_a_copy_of_its_settings():
+    """HealthConfig's first base is Configurable: it composes into the structured config and merges overrides, and
+    ``build`` makes the part from the group, refusing a runtime argument that repeats one of its settings."""
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.from_dotlist(["health.max_bad_steps=3"]))
+    group = OmegaConf.to_object(merged.health)
+    assert isinstance(group, HealthConfig) and group.max_bad_steps == 3
+    health = group.build(optimizer_steps=2, first=0, last=9, start_norm=1.0)
+    assert isinstance(health, Health) and health.config is group and health.optimizer_steps == 2
+    with pytest.raises(TypeError, match="max_bad_steps are settings of the group"):
+        group.build(optimizer_steps=2, first=0, last=9, start_norm=1.0, max_bad_steps=1)

@@ -18,12 +18,12 @@ from train.algorithm.grpo_config import BatchConfig, GRPOConfig
 from train.algorithm.routing import PrefixRouter
 from train.algorithm.update_config import UpdateConfig
 from train.distributed.seeds import stream_seed
-from train.loop.passes import optimizer_steps_per_step, pass_order, update
+from train.loop.passes import pass_order, update
 from train.parts.config.schema import TrainConfig
-from train.parts.observe.health import Health, bad_step
-from train.parts.observe.observe_config import HealthConfig
+from train.parts.observe.health import Health, HealthConfig, bad_step
 from train.parts.observe.perf import PhaseTimer
 from train.parts.optim.optim_config import OptimizerConfig
+from train.run.build import optimizer_steps_per_step
 from train.run.parts import OptimParts
 
 G, GROUPS, STEP, LR, CLIP = 2, 2, 3, 0.05, 0.003

@@ -234,14 +234,14 @@ def test_metrics_file_is_created_by_the_first_record(tmp_path) -> None:
 
 def test_heartbeat_lines(caplog) -> None:
     caplog.set_level(logging.INFO)
-    beat = Heartbeat(4, start=1, every_s=3600, enabled=True)
+    beat = Heartbeat(LoggingConfig(heartbeat_s=3600), 4, start=1, enabled=True)
     for done, reward in ((2, 0.5), (3, float("nan")), (4, 0.25)):
         beat.tick(done, reward)
     lines = [r.getMessage() for r in caplog.records]
-    # the first step and the last are always shown; in between only every every_s seconds
+    # the first step and the last are always shown; in between only every heartbeat_s seconds
     assert len(lines) == 2 and lines[0].startswith("step 2/4  reward 0.5000") and "eta" in lines[0]
     assert lines[1].startswith("step 4/4  reward 0.2500")
-    Heartbeat(4, start=0, every_s=0, enabled=False).tick(1, 0.0)
+    Heartbeat(LoggingConfig(heartbeat_s=0), 4, start=0, enabled=False).tick(1, 0.0)
     assert len(caplog.records) == 2
     assert (format_seconds(42), format_seconds(185), format_seconds(7440)) == ("42.0s", "3m05s", "2h04m")
 

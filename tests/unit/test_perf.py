@@ -8,6 +8,7 @@ import torch
 from models.registry import load_backbone
 from train.distributed.parallelize import CompileStats, compile_unavailable
 from train.parts.observe import perf
+from train.parts.observe.observe_config import PerfConfig
 from train.parts.observe.perf import CompileWatch, FlopMeter, Peak, PhaseTimer, device_peak, perf_metrics
 
 
@@ -78,12 +79,12 @@ def test_perf_metrics_divide_flops_by_time_and_peak():
 
 
 def test_peak_from_the_setting_the_gpu_table_or_a_cpu_measurement(monkeypatch):
-    assert device_peak(123.0, torch.device("cpu")) == Peak(123.0, "perf.peak_tflops")
+    assert device_peak(PerfConfig(peak_tflops=123.0), torch.device("cpu")) == Peak(123.0, "perf.peak_tflops")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    assert device_peak(None, torch.device("cuda")) == Peak(989.0, "H100 bf16 dense")
+    assert device_peak(PerfConfig(), torch.device("cuda")) == Peak(989.0, "H100 bf16 dense")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA T4")
-    assert device_peak(None, torch.device("cuda")).tflops is None
-    cpu = device_peak(None, torch.device("cpu"))
+    assert device_peak(PerfConfig(), torch.device("cuda")).tflops is None
+    cpu = device_peak(PerfConfig(), torch.device("cpu"))
     assert cpu.source == "measured float32 matmul" and 1e-4 < cpu.tflops < 1e3
 
 

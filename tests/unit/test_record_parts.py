@@ -8,8 +8,7 @@ from pathlib import Path
 
 from train.loop.epilogue import eval_series, write_curve
 from train.parts.config.record import due_evaluations, lost_rows, missing_evaluations, steps_text
-from train.parts.observe.health import Health
-from train.parts.observe.observe_config import HealthConfig
+from train.parts.observe.health import HealthConfig
 
 
 def write_rows(path: Path, rows: list[dict]) -> Path:
@@ -48,9 +47,9 @@ def test_the_health_counters_round_trip_and_name_the_streak_from_an_earlier_sess
     """2 bad steps counted before a resume, limit 3: the resumed session's first bad step stops the run, naming
     the streak from step 0; without the counters it would not."""
     nan = {"train/skipped_nan_reward": 1.0}
-    before = Health(HealthConfig(max_bad_steps=3), optimizer_steps=1, first=0, last=9, start_norm=1.0)
+    before = HealthConfig(max_bad_steps=3).build(optimizer_steps=1, first=0, last=9, start_norm=1.0)
     assert before.observe(nan, 0) is None and before.observe(nan, 1) is None
-    after = Health(HealthConfig(max_bad_steps=3), optimizer_steps=1, first=2, last=9, start_norm=1.0)
+    after = HealthConfig(max_bad_steps=3).build(optimizer_steps=1, first=2, last=9, start_norm=1.0)
     after.load_state_dict(json.loads(json.dumps(before.state_dict())))  # as a checkpoint's rank file keeps it
     verdict = after.observe(nan, 2)
     assert verdict is not None and "steps 0 to 2 could not change the weights" in verdict.line

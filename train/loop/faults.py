@@ -36,22 +36,15 @@ from train.run.folder import FolderLost, RunLock
 log = logging.getLogger(__name__)
 
 
-def check_owner(lock: RunLock | None) -> None:
-    """FolderLost on every rank when rank 0's ``lock`` of the run folder was taken over (a collective; the lock is
-    None on the other ranks)."""
-    if (lost := broadcast_object(lock.lost() if lock is not None else None)) is not None:
-        raise FolderLost(lost)
-
-
 class Faults:
     """The fault policy of the loop over its ``checkpointer``: the loop runs its steps inside ``guard`` and names
     the one in progress (``step``); after each it calls ``step_end``, ``check_divergence`` before its checkpoint
     and ``check_stop`` after it."""
 
     def __init__(
-        self, checkpointer: Checkpointer, lock: RunLock | None, *, world_size: int, device: torch.device, lr: float
+        self, checkpointer: Checkpointer, lock: RunLock | None, *, world_size: int, device: torch.device
     ) -> None:
-        self.checkpointer, self.lock, self.world_size, self.device, self.lr = checkpointer, lock, world_size, device, lr
+        self.checkpointer, self.lock, self.world_size, self.device = checkpointer, lock, world_size, device
         self.step = self.done = 0  # the step in progress, the steps trained
         # optimizer steps taken (a hook counts them); ``moved`` when step ``done`` ended: more means the weights changed
         self.moved = self.moved_when_done = 0
@@ -117,7 +110,8 @@ class Faults:
         """Diverged when the health's ``verdict`` says the weights left any sane range, naming what is left."""
         if verdict is not None and verdict.bad_from is not None:
             with activity("the search for the last checkpoint before the divergence"):
-                left = broadcast_object(last_good(self.checkpointer.manager, verdict.bad_from, self.lr))
+                lr = self.checkpointer.optimizer.param_groups[0]["lr"]  # optimizer.lr: the run keeps it constant
+                left = broadcast_object(last_good(self.checkpointer.manager, verdict.bad_from, lr))
             raise Diverged(f"{verdict.line}; {left}")
 
     def check_stop(self, verdict: Verdict | None, stop: int, path: Path | None) -> None:

@@ -137,13 +137,6 @@ def logged_passes(metrics: Mapping[str, float]) -> int:
     return k
 
 
-def optimizer_steps_per_step(cfg: TrainConfig) -> int:
-    """Optimizer steps a training step makes on each rank: one per ``gradient_accumulation_steps`` samples, per
-    pass (``grpo.inner_epochs``)."""
-    b = cfg.batch
-    return cfg.grpo.inner_epochs * cfg.grpo.group_size * b.prompts_per_rank // b.gradient_accumulation_steps
-
-
 def micro_batches(cfg: TrainConfig, order: list[int], first: int) -> list[list[int]]:
     """The rows of each micro-batch of the optimizer step that starts at position ``first`` of ``order``."""
     b = cfg.batch

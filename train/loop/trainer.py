@@ -33,7 +33,6 @@ import math
 import shutil
 import time
 from contextlib import nullcontext
-from functools import partial
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -43,18 +42,14 @@ from train.distributed.collectives import activity, agreed, broadcast_object
 from train.ground.disk import write_failure
 from train.ground.errors import CheckpointError
 from train.loop.epilogue import run_summary, write_curve
-from train.loop.faults import Faults, check_owner
-from train.loop.passes import optimizer_steps_per_step
+from train.loop.faults import Faults
 from train.loop.step import train_step
 from train.loop.watching import Watching
-from train.parts.checkpoint.checkpointer import Checkpointer
 from train.parts.checkpoint.export import EXPORT_NOTE, export_model, write_export_note
-from train.parts.checkpoint.settings import LORA_MODULES, recorded_settings
 from train.parts.config.record import after_steps, due_evaluations, missing_evaluations
 from train.parts.eval.evaluator import Evaluator, evaluates
-from train.parts.eval.protocol import EvalParts
 from train.parts.observe.console import Heartbeat, progress_bar
-from train.parts.observe.health import Health, Verdict, weight_norm
+from train.parts.observe.health import Verdict
 from train.parts.optim.optimizer import adamw_settings
 from train.parts.policy.builder import non_finite
 from train.run.build import open_run
@@ -82,28 +77,9 @@ class Trainer:
     ``checkpointer``'s, what ends a run early the fault policy's (``faults``)."""
 
     def __init__(self, run: Run) -> None:
-        self.run, cfg, model, optim = run, run.cfg, run.model, run.optim
-        self.check_owner = partial(check_owner, run.io.lock)  # every write asks first (a collective)
-        self.health = Health(
-            cfg.health,
-            optimizer_steps=optimizer_steps_per_step(cfg),
-            first=0,
-            last=cfg.num_steps - 1,
-            start_norm=weight_norm(model.params),  # before a checkpoint loads: the start of the run, in every session
-        )
-        self.checkpointer = Checkpointer(
-            cfg.checkpoint,
-            run.io.checkpoints,
-            model.backbone.transformer,
-            optim.optimizer,
-            optim.ema,
-            states={"health": self.health},
-            settings={**recorded_settings(cfg, prompts=run.data.prompts.digest), LORA_MODULES: model.lora_modules},
-            run_id=run.io.run_id,
-            check_owner=self.check_owner,
-        )
-        lr, world_size = cfg.optimizer.lr, run.dist.world_size
-        self.faults = Faults(self.checkpointer, run.io.lock, world_size=world_size, device=run.device, lr=lr)
+        self.run, self.health, self.checkpointer = run, run.loop.health, run.loop.checkpointer
+        self.check_owner = self.checkpointer.check_owner  # every write asks first (a collective)
+        self.faults = Faults(self.checkpointer, run.io.lock, world_size=run.dist.world_size, device=run.device)
         self.watching = Watching(run)  # the best evaluation and the guard (train/loop/watching.py)
 
     def resume(self) -> int:
@@ -194,11 +170,9 @@ class Trainer:
     def _evaluator(self, start: int, *, again: bool) -> Evaluator | None:
         """The evaluation of the policy (the EMA's weights when kept) for a session that starts at step ``start``, or
         None when it evaluates nothing; ``again``: the evaluation after step ``start`` is done again."""
-        run, cfg = self.run, self.run.cfg
-        if not evaluates(cfg.eval, start=start, num_steps=cfg.num_steps, again=again):
+        run, cfg, parts = self.run, self.run.cfg, self.run.data.eval
+        if parts is None or not evaluates(cfg.eval, start=start, num_steps=cfg.num_steps, again=again):
             return None
-        model, dist, device, scorers = run.model, run.dist, run.device, run.data.eval_scorers  # built before the model
-        parts = EvalParts(model.backbone, model.policy, scorers, cfg.eval, cfg.sampler, cfg.model, dist, device)
         return Evaluator(
             parts,
             train_prompts=cfg.data.train_prompts,
@@ -215,9 +189,7 @@ class Trainer:
         run, cfg, main = self.run, self.run.cfg, self.run.dist.is_main
         show_bar = main and cfg.logging.progress_bar
         bar = progress_bar(cfg.num_steps, is_main=show_bar, initial=start)
-        heartbeat = Heartbeat(
-            cfg.num_steps, start=start, every_s=cfg.logging.heartbeat_s, enabled=main and not show_bar
-        )
+        heartbeat = Heartbeat(cfg.logging, cfg.num_steps, start=start, enabled=main and not show_bar)
         history = []
         # console lines go through tqdm.write while the bar is shown, so they do not break it
         with (

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from train.distributed.collectives import broadcast_object
 from train.ground.errors import ConfigError, Stop, UserError
 from train.ground.layout import RunLayout
 
@@ -282,3 +283,10 @@ class RunLock:
                     self.path,
                     err.strerror or err,
                 )
+
+
+def check_owner(lock: RunLock | None) -> None:
+    """FolderLost on every rank when rank 0's ``lock`` of the run folder was taken over (a collective; the lock is
+    None on the other ranks)."""
+    if (lost := broadcast_object(lock.lost() if lock is not None else None)) is not None:
+        raise FolderLost(lost)

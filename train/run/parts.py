@@ -5,9 +5,10 @@
       cfg, dist, device
       model  ModelParts   the backbone, what trains, the KL reference's module, the predictors
       optim  OptimParts   the optimizer, the EMA, the router
-      data   DataParts    the prompt sampler, the reward stage and the evaluation's scorers
+      data   DataParts    the prompt sampler, the reward stage and what the evaluation samples and scores with
       io     IOParts      the run folder's layout, checkpoints, the logger, the checkpoints to resume from,
                           the run's id and the folder's lock
+      loop   LoopParts    the health's counters and the checkpointer that saves them with the weights
       perf   PerfParts    the FLOP meter, the device's peak rate, the compile watch
 """
 
@@ -18,13 +19,15 @@ from pathlib import Path
 
 import torch
 
-from rewards.base import Scorer
 from train.algorithm.routing import Router
 from train.distributed.collectives import DistInfo
 from train.ground.layout import RunLayout
+from train.parts.checkpoint.checkpointer import Checkpointer
 from train.parts.checkpoint.manager import CheckpointManager
 from train.parts.config.schema import TrainConfig
 from train.parts.data.prompts import PromptSampler
+from train.parts.eval.protocol import EvalParts
+from train.parts.observe.health import Health
 from train.parts.observe.logger import RunLogger
 from train.parts.observe.perf import CompileWatch, FlopMeter, Peak
 from train.parts.optim.ema import EMA
@@ -49,7 +52,7 @@ class DataParts:
 
     prompts: PromptSampler
     reward_stage: RewardStage  # the rewards, scored chunk by chunk (train/parts/scoring/stage.py)
-    eval_scorers: dict[str, Scorer]  # eval.scorers, built before the model (empty: the run does not evaluate)
+    eval: EvalParts | None  # the model and eval.scorers (built before the model); None: the run does not evaluate
 
 
 @dataclass
@@ -62,6 +65,14 @@ class IOParts:
     resume_from: list[Path]  # the checkpoints ``resume`` names that passed the file checks, newest first
     run_id: str | None  # the run's identity, recorded in its checkpoints (train/run/timeline.py); None: not training
     lock: RunLock | None  # rank 0's lock of the run folder, asked before every write (None on the other ranks)
+
+
+@dataclass
+class LoopParts:
+    """What the training loop keeps across its steps and saves with the weights."""
+
+    health: Health  # the run's health (train/parts/observe/health.py): its counters go on from a checkpoint's
+    checkpointer: Checkpointer  # the checkpoints on their cadence (train/parts/checkpoint/checkpointer.py)
 
 
 @dataclass
@@ -84,4 +95,5 @@ class Run:
     optim: OptimParts
     data: DataParts
     io: IOParts
+    loop: LoopParts
     perf: PerfParts

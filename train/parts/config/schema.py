@@ -32,7 +32,8 @@ from train.parts.checkpoint.checkpoint_config import CheckpointConfig
 from train.parts.config.shipped import shipped
 from train.parts.data.prompts import DataConfig
 from train.parts.eval.eval_config import EvalConfig
-from train.parts.observe.observe_config import HealthConfig, LoggingConfig, PerfConfig
+from train.parts.observe.health import HealthConfig
+from train.parts.observe.observe_config import LoggingConfig, PerfConfig
 from train.parts.optim.optim_config import EMAConfig, OptimizerConfig
 from train.parts.scoring.stage import RewardStageConfig
 

@@ -1,6 +1,6 @@
 """What a run shows on the console of rank 0: the progress bar over optimizer steps and, for runs without it,
-the ``Heartbeat``, a progress line at most every ``every_s`` seconds; ``format_seconds`` for both and for the
-evaluation's lines."""
+the ``Heartbeat``, a progress line at most every ``logging.heartbeat_s`` seconds; ``format_seconds`` for both and for
+the evaluation's lines."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import math
 import time
 
 from tqdm import tqdm
+
+from train.parts.observe.observe_config import LoggingConfig
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +31,11 @@ def format_seconds(seconds: float) -> str:
 
 
 class Heartbeat:
-    """``step 12/60  reward 0.5912  3.10 s/step  eta 2m29s`` at most every ``every_s`` seconds (0: every
-    step) and after the last step, on the console of rank 0, for runs whose progress bar is off."""
+    """``step 12/60  reward 0.5912  3.10 s/step  eta 2m29s`` at most every ``heartbeat_s`` seconds of ``settings``
+    (0: every step) and after the last step, on the console of rank 0, for runs whose progress bar is off."""
 
-    def __init__(self, total: int, *, start: int, every_s: float, enabled: bool) -> None:
-        self.total, self.start, self.every_s, self.enabled = total, start, every_s, enabled
+    def __init__(self, settings: LoggingConfig, total: int, *, start: int, enabled: bool) -> None:
+        self.total, self.start, self.every_s, self.enabled = total, start, settings.heartbeat_s, enabled
         self._began = time.perf_counter()
         self._last = -math.inf  # the first step always shows
 

@@ -39,6 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode, flop_reg
 
 from models.base import Backbone, Conditioning
 from train.distributed.parallelize import CompileStats, compile_stats
+from train.parts.observe.observe_config import PerfConfig
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +150,10 @@ def cpu_matmul_tflops(size: int = 1024, reps: int = 5) -> float:
     return 2 * size**3 / best / 1e12
 
 
-def device_peak(setting: float | None, device: torch.device) -> Peak:
+def device_peak(settings: PerfConfig, device: torch.device) -> Peak:
     """``perf.peak_tflops`` when set, else the GPU table by device name, else (CPU) the measured rate."""
-    if setting is not None:
-        return Peak(setting, "perf.peak_tflops")
+    if settings.peak_tflops is not None:
+        return Peak(settings.peak_tflops, "perf.peak_tflops")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for gpu, tflops in GPU_PEAK_TFLOPS.items():

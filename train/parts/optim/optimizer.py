@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from train.parts.optim.ema import EMA
-from train.parts.optim.optim_config import OptimizerConfig
+from train.parts.optim.optim_config import EMAConfig, OptimizerConfig
 
 
 def adamw_settings(o: OptimizerConfig) -> dict[str, Any]:
@@ -15,6 +15,6 @@ def adamw_settings(o: OptimizerConfig) -> dict[str, Any]:
     return {"lr": o.lr, "weight_decay": o.weight_decay, "betas": (o.betas[0], o.betas[1]), "eps": o.eps}
 
 
-def build_ema(params: list[nn.Parameter], decay: float) -> EMA | None:
-    """The EMA of ``params`` (ema.decay); None when the decay is 0."""
-    return EMA(params, decay) if decay > 0 else None
+def build_ema(params: list[nn.Parameter], settings: EMAConfig) -> EMA | None:
+    """The EMA of ``params`` (``ema``); None when its decay is 0."""
+    return EMA(params, settings.decay) if settings.decay > 0 else None

@@ -118,7 +118,7 @@ def traced_run(cfg: PlanRunConfig, arch: Path) -> TracedRun:
             module.to_empty(device=CPU)
     params = [p for p in backbone.transformer.parameters() if p.requires_grad]  # to_empty replaced them
     optimizer = LocalShardAdamW(params, **adamw_settings(cfg.optimizer))
-    run = TracedRun(cfg, backbone, params, optimizer, build_ema(params, cfg.ema.decay), reference)
+    run = TracedRun(cfg, backbone, params, optimizer, build_ema(params, cfg.ema), reference)
     hold_gradients(run)
     step_weights(run.optimizer, run.ema)  # the moments exist from the first step on
     run.optimizer.zero_grad(set_to_none=True)

@@ -18,7 +18,7 @@ from torch import Tensor
 from models.diffusers_backbone import DiffusersBackbone
 from samplers.window import rollout_forwards
 from train.algorithm.update_config import UpdateMode
-from train.loop.passes import optimizer_steps_per_step
+from train.run.build import optimizer_steps_per_step
 from train.tools.plan.counts import drawn_windows, first_window, update_variants
 from train.tools.plan.fake import Measured, measure
 from train.tools.plan.fake_run import TracedRun, ema_shards, hold_gradients, reference_shards, traced_run
