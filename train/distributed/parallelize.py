@@ -117,7 +117,7 @@ def release_world_mesh() -> None:
     _world_mesh = None
     for module, name in _MESH_CACHES:
         try:
-            clear = functools.reduce(getattr, name.split("."), importlib.import_module(module))
+            clear: Any = functools.reduce(getattr, name.split("."), importlib.import_module(module))
         except (ImportError, AttributeError):  # another torch than 2.14: not that cache
             continue
         clear()
