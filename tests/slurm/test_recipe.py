@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,9 @@ def test_a_preempted_job_checkpoints_is_requeued_and_resumes_bit_for_bit(cluster
     # a requeued job may start only some two minutes later (Reason=BeginTime): once every process of its first
     # start has ended, moved to now instead of waiting
     cluster.until("end of the first start", cluster.idle, job_id)
+    # slurmd refuses a job whose credential is as old as its last revocation, in whole seconds ("Job credential
+    # revoked": the requeue revokes it): started in the second of its requeue, the job would fail at once
+    time.sleep(1.1 - time.time() % 1)
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     fields = ended(cluster, job_id)
     assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), cluster.log(
