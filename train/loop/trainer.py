@@ -45,7 +45,7 @@ from train.loop.epilogue import run_summary, write_curve
 from train.loop.faults import Faults
 from train.loop.step import train_step
 from train.loop.watching import Watching
-from train.parts.checkpoint.export import EXPORT_NOTE, export_model, write_export_note
+from train.parts.checkpoint.export import export_weights
 from train.parts.config.record import after_steps, due_evaluations, missing_evaluations
 from train.parts.eval.evaluator import Evaluator, evaluates
 from train.parts.observe.console import Heartbeat, progress_bar
@@ -239,14 +239,11 @@ class Trainer:
             self.check_owner()
             if ema is None and run.dist.is_main and layout.export_raw.is_dir():
                 shutil.rmtree(layout.export_raw)
+            transformer, done, decay = run.model.backbone.transformer, self.faults.done, run.cfg.ema.decay
             for folder, weights in exports:
-                with ema.swapped() if weights == "ema" and ema is not None else nullcontext():
-                    export_model(run.model.backbone.transformer, folder)
-                if run.dist.is_main:
-                    try:
-                        write_export_note(folder, weights=weights, step=self.faults.done, ema_decay=run.cfg.ema.decay)
-                    except OSError as err:
-                        raise write_failure(err, folder / EXPORT_NOTE, "the export's note") or err from None
+                export_weights(
+                    transformer, folder, ema, weights=weights, step=done, ema_decay=decay, what="the export's note"
+                )
 
     def _lost_evaluations(self, start: int) -> list[int]:
         """The evaluations due after steps ``<= start`` of a run resumed from a checkpoint of its folder that

@@ -12,14 +12,12 @@ is not the best step's.
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from typing import Any
 
 from train.distributed.collectives import agree_on_write, broadcast_object
-from train.ground.disk import write_failure
 from train.ground.errors import GuardStopped
 from train.parts.checkpoint.best import best_folder, best_step, keep_best, restore_best
-from train.parts.checkpoint.export import EXPORT_NOTE, export_model, write_export_note
+from train.parts.checkpoint.export import export_weights
 from train.parts.config.record import rows
 from train.parts.eval.eval_config import GuardAction
 from train.parts.eval.watch import Watch
@@ -97,11 +95,13 @@ class Watching:
         extra = checkpoints.load(best_folder(checkpoints), model=transformer, optimizer=None, extra_template=template)
         if ema is not None and "ema" in extra:
             ema.load_state_dict(extra["ema"])
-        with ema.swapped() if ema is not None else nullcontext():
-            export_model(transformer, folder)
-        if run.dist.is_main:
-            try:
-                weights = "ema" if ema is not None else "trained"
-                write_export_note(folder, weights=weights, step=step, ema_decay=run.cfg.ema.decay)
-            except OSError as err:
-                raise write_failure(err, folder / EXPORT_NOTE, "the best export's note") or err from None
+        weights = "ema" if ema is not None else "trained"
+        export_weights(
+            transformer,
+            folder,
+            ema,
+            weights=weights,
+            step=step,
+            ema_decay=run.cfg.ema.decay,
+            what="the best export's note",
+        )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 
 from train.distributed.collectives import agree_on_write, get_rank
+from train.ground.disk import write_failure
 from train.ground.errors import PathError
 from train.ground.layout import BEST_EXPORT, CHECKPOINTS, EXPORT, RAW_EXPORT, RunLayout
 from train.parts.checkpoint.files import checksum_problem, file_info, is_complete
 from train.parts.checkpoint.manager import CheckpointManager
+from train.parts.optim.ema import EMA
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +218,20 @@ def find_weights(value: str, field: str) -> Weights:
 
 
 EXPORT_NOTE = "weights.json"  # in an export folder: which weights it holds ({"weights": "ema" | "trained", ...})
+
+
+def export_weights(
+    model: nn.Module, out: Path, ema: EMA | None, *, weights: str, step: int, ema_decay: float, what: str
+) -> None:
+    """``out``: ``model``'s weights, the EMA's swapped in when ``weights`` is "ema", and rank 0's ``weights.json``
+    (``write_export_note``); a collective. A note the disk refuses is one line naming ``what``."""
+    with ema.swapped() if weights == "ema" and ema is not None else nullcontext():
+        export_model(model, out)
+    if get_rank() == 0:
+        try:
+            write_export_note(out, weights=weights, step=step, ema_decay=ema_decay)
+        except OSError as err:
+            raise write_failure(err, out / EXPORT_NOTE, what) or err from None
 
 
 def write_export_note(out: Path, *, weights: str, step: int, ema_decay: float) -> None:
