@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from train.ground.layout import RunLayout
+from train.parts.checkpoint.best import best_step
 from train.parts.checkpoint.export import export_description
-from train.parts.checkpoint.files import is_complete, read_marker
 from train.parts.config.record import after_steps, rows
 from train.parts.config.schema import TrainConfig
 from train.parts.eval.protocol import paired_difference, read_scores
@@ -173,8 +173,7 @@ def files_section(cfg: TrainConfig, wandb_mode: str, missing: Sequence[int] = ()
     checkpoints = _listing(layout.checkpoints, "step_????????")
     if checkpoints:
         lines.append(f"  checkpoints/    {', '.join(checkpoints)} (continue with resume=auto)")
-    if is_complete(layout.best_checkpoint):
-        step = read_marker(layout.best_checkpoint)["step"]
+    if (step := best_step(layout.best_checkpoint)) is not None:
         lines.append(f"  checkpoints/best/ the checkpoint of the best evaluation (after step {step})")
     for folder in (layout.export, layout.export_raw, layout.export_best):
         if folder.is_dir():

@@ -87,7 +87,7 @@ class Watching:
         """``export_best/``: the weights of checkpoints/best/ as export/ holds the last ones (the EMA when kept), with
         its ``weights.json``; loaded into the model, which the run no longer trains (a collective)."""
         run, checkpoints = self.run, self.run.io.checkpoints
-        step = broadcast_object(best_step(checkpoints) if run.dist.is_main else None)
+        step = broadcast_object(best_step(best_folder(checkpoints)) if run.dist.is_main else None)
         if not self.keep or step is None:
             return
         ema, transformer, folder = run.optim.ema, run.model.backbone.transformer, run.io.layout.export_best

@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING
 from train.distributed.collectives import DistInfo, broadcast_object
 from train.ground.errors import CheckpointError
 from train.ground.layout import RunLayout
+from train.parts.checkpoint.best import best_step
 from train.parts.checkpoint.export import EXPORT_NOTE
-from train.parts.checkpoint.files import complete_in, is_complete, read_marker
+from train.parts.checkpoint.files import complete_in
 from train.parts.checkpoint.manager import CheckpointManager
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ def _retire_after(step: int, checkpoints: CheckpointManager, layout: RunLayout) 
     later = [path for path, saved in complete_in(checkpoints.root).items() if saved > step]
     exports = (layout.export, layout.export_raw, layout.export_best)
     later += [folder for folder in exports if _later_export(folder, step)]
-    if is_complete(layout.best_checkpoint) and read_marker(layout.best_checkpoint)["step"] > step:
+    if (best := best_step(layout.best_checkpoint)) is not None and best > step:
         later.append(layout.best_checkpoint)  # checkpoint.keep_best's, of a later step
     if not later:
         return None, []

@@ -27,9 +27,8 @@ def best_folder(checkpoints: CheckpointManager) -> Path:
     return RunLayout(checkpoints.root.parent).best_checkpoint
 
 
-def best_step(checkpoints: CheckpointManager) -> int | None:
-    """The step of the checkpoint in ``checkpoints/best/``, or None when there is none."""
-    folder = best_folder(checkpoints)
+def best_step(folder: Path) -> int | None:
+    """The step of the checkpoint in ``folder``, a run's ``checkpoints/best/``, or None when it holds none."""
     return int(read_marker(folder)["step"]) if is_complete(folder) else None
 
 
@@ -57,7 +56,8 @@ def restore_best(checkpoints: CheckpointManager, step: int | None) -> None:
     """A resumed session's ``checkpoints/best/`` for the best ``step`` its rows name (rank 0): linked again when it
     holds another step (a crash before the link, a branch) and that checkpoint is kept; removed, in one line, when
     the checkpoint is gone; none while there is no best (``step`` None)."""
-    folder, kept = best_folder(checkpoints), best_step(checkpoints)
+    folder = best_folder(checkpoints)
+    kept = best_step(folder)
     if kept == step:
         return
     if step is not None and is_complete(checkpoints.path_for(step)):
