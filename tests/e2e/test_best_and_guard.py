@@ -12,7 +12,8 @@ import pytest
 from run_folders import metrics
 from safetensors.torch import load_file
 
-from train.parts.eval.watch import Watch, is_evaluation, logged_order
+from train.parts.eval.watch import Watch, logged_order
+from train.parts.observe.metrics import evaluation_only
 
 pytestmark = pytest.mark.usefixtures("repo_root")  # the tiny experiment's prompt file is relative to the repository
 KEY = "eval/jpeg_compressibility/held-out"
@@ -37,7 +38,7 @@ def alarms(run_dir: Path) -> list[str]:
     """The guard's lines for the run's rows (train/parts/eval/watch.py, tested against its slow reference)."""
     watch, lines = Watch(KEY, patience=1), []
     for row in logged_order(metrics(run_dir)):
-        if is_evaluation(row):
+        if evaluation_only(row):
             lines += [alarm] if (alarm := watch.evaluated(row["step"], row).alarm) else []
         else:
             watch.trained(row)

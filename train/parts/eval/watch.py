@@ -26,6 +26,7 @@ from typing import Any
 
 from train.parts.eval.eval_config import EvalConfig, GuardAction
 from train.parts.eval.tags import HELD_OUT
+from train.parts.observe.metrics import evaluation_only
 
 REWARD = "reward/total"  # the training reward the guard watches
 
@@ -118,7 +119,7 @@ class Watch:
         """Feed the rows of metrics.jsonl, in the order they were logged (``logged_order``)."""
         for row in logged_order(rows):
             step = int(row["step"])
-            if is_evaluation(row):
+            if evaluation_only(row):
                 self.evaluated(step, row)
             else:
                 self.trained(row)
@@ -141,15 +142,10 @@ def finite(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def is_evaluation(row: Mapping[str, Any]) -> bool:
-    """Whether a row of metrics.jsonl is an evaluation's (its keys eval/*) rather than a training step's."""
-    return any(str(key).startswith("eval/") for key in row)
-
-
 def logged_order(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The rows in the order the trainer logs them: by step, the evaluation after k steps before training step k
     (its row has step k too), the last row of a step and kind winning (a replayed step's)."""
     latest: dict[tuple[int, int], Mapping[str, Any]] = {}
     for row in rows:
-        latest[(int(row["step"]), 0 if is_evaluation(row) else 1)] = row
+        latest[(int(row["step"]), 0 if evaluation_only(row) else 1)] = row
     return [latest[key] for key in sorted(latest)]

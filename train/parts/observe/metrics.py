@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, TextIO
@@ -74,7 +75,7 @@ def metrics_row(line: str) -> dict[str, Any] | None:
     return row if isinstance(row, dict) else None
 
 
-def evaluation_only(row: dict[str, Any]) -> bool:
+def evaluation_only(row: Mapping[str, Any]) -> bool:
     """Whether a metrics.jsonl row is an evaluation's (``eval/*`` metrics only), not a training step's."""
     return all(key.startswith("eval/") for key in row if key not in ("step", "wall_time"))
 
