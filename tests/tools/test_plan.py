@@ -40,7 +40,7 @@ from train.tools.plan.frozen import (
     scorer_module,
 )
 from train.tools.plan.report import Phase, PlanReport
-from train.tools.plan.reward import RewardTiming, reward_stage, scorer_flops
+from train.tools.plan.reward import RewardTiming, reward_timing, scorer_flops
 
 
 def real_transformer(name: str) -> dict:
@@ -364,7 +364,7 @@ def test_the_reward_stage_of_a_run_with_a_served_scorer(monkeypatch):
         ["experiment=flux_dance", "+reward.components.remote.url=http://127.0.0.1:1", "plan.served_reward_seconds=5"]
     )
     cfg.reward.chunk_groups = 3  # type: ignore[attr-defined]  # the chunked rollout's setting, 8 prompts a rank
-    stage = reward_stage(cfg, {"hpsv2": 10.0, "clipscore": 1.0}, cfg.plan.served_reward_seconds)
+    stage = reward_timing(cfg, {"hpsv2": 10.0, "clipscore": 1.0}, cfg.plan.served_reward_seconds)
     assert stage.chunks == 3 and stage.served == ("remote",) and set(stage.local) == {"hpsv2", "clipscore"}
     assert stage.local_flops == pytest.approx(11.0 * cfg.grpo.group_size * cfg.batch.prompts_per_rank, rel=1e-12)
     assert stage.served_seconds == 5.0

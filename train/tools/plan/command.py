@@ -120,7 +120,7 @@ from train.tools.plan.frozen import ARCH_ROOT, NOT_READ, FrozenModel, frozen_mod
 from train.tools.plan.plan_config import Depth, PlanRunConfig, register, validate_plan
 from train.tools.plan.report import Phase, PlanReport
 from train.tools.plan.report_text import format_report
-from train.tools.plan.reward import reward_stage
+from train.tools.plan.reward import reward_timing
 from train.tools.plan.step_calls import StepTensors
 from train.tools.plan.tracing import Traced, progress, trace_other_checkpointing, trace_step
 
@@ -276,7 +276,7 @@ def plan_report(
         frozen=frozen,
         phases=traced.phases,
         updates=updates,
-        reward=reward_stage(cfg, scorer_flops, cfg.plan.served_reward_seconds),
+        reward=reward_timing(cfg, scorer_flops, cfg.plan.served_reward_seconds),
     )
 
 

@@ -72,7 +72,7 @@ def scorer_flops(scorer: nn.Module) -> float | None:
     return float(counter.get_total_flops())
 
 
-def reward_stage(cfg: TrainConfig, flops_per_image: dict[str, float], served_seconds: float) -> RewardTiming:
+def reward_timing(cfg: TrainConfig, flops_per_image: dict[str, float], served_seconds: float) -> RewardTiming:
     """The reward stage of ``cfg``'s step on a rank: ``flops_per_image`` of its local scorers with weights (one
     image and prompt), ``served_seconds`` the answer of a served scorer for one chunk."""
     names = list(cfg.reward.components)
